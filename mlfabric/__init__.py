@@ -1,0 +1,114 @@
+"""mlfabric: a network-aware communication layer for distributed ML training on PyTorch.
+
+    import mlfabric
+    comm = mlfabric.init(transport="zmq")   # under torchrun, or rank=/world_size=/master_*=
+    comm.allreduce(tensor, algorithm="ring", op="sum")
+    comm.close()
+
+See README.md for the quickstart and docs/ for the algorithms and measured results.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Sequence, TypeVar
+
+from .errors import (
+    CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    MlfabricError,
+    PeerLostError,
+    TransportError,
+)
+from .runtime.communicator import DEFAULT_TIMEOUT_S, Communicator
+
+__version__ = "0.1.0"
+
+TRANSPORTS = ("zmq", "torch")
+
+
+def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | None = None,
+         master_addr: str | None = None, master_port: int | None = None,
+         timeout: float = DEFAULT_TIMEOUT_S, channels: Sequence[str] | None = None,
+         channel_addrs: dict[str, str] | None = None, backend: str = "gloo") -> Communicator:
+    """Join the job and return a :class:`Communicator`.
+
+    ``transport``: ``"zmq"`` (TCP via ZeroMQ, the default) or ``"torch"`` (torch.distributed
+    point-to-point on ``backend``, "gloo" or "nccl"). Rank, world size and the rendezvous
+    address come from the arguments or from the torchrun variables RANK, WORLD_SIZE,
+    MASTER_ADDR and MASTER_PORT. ``timeout`` (seconds) bounds every wait.
+    ``channels`` names the NICs (one listening address each, from ``channel_addrs`` or the
+    ``MLFABRIC_CHANNEL_ADDRS`` variable); by default a single channel ``"0"``.
+    """
+    from .runtime.rendezvous import connect_store, job_info, store_barrier
+
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    job = job_info(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port)
+    store = connect_store(job, timeout)
+    if transport == "zmq":
+        from .transport.zmq import ZmqTransport, channel_addrs_from_env, local_address_towards
+
+        addrs = channel_addrs if channel_addrs is not None else channel_addrs_from_env()
+        names = tuple(channels) if channels else (tuple(addrs) or ("0",))
+        default_addr = local_address_towards(job.master_addr)
+        bind = {name: addrs.get(name, default_addr) for name in names}
+        tr = ZmqTransport.create(store, job.rank, job.world_size, channels=names,
+                                 bind_addrs=bind, timeout=timeout)
+    else:
+        from .transport.torchdist import TorchDistTransport
+
+        tr = TorchDistTransport.create(store, job.rank, job.world_size, backend=backend,
+                                       channels=tuple(channels or ("0",)), timeout=timeout)
+    # Rank 0 serves the store: keep it until everyone has finished reading from it.
+    store_barrier(store, "init", job.world_size, timeout)
+    return Communicator(tr, timeout=timeout)
+
+
+T = TypeVar("T")
+
+
+def local_world(world_size: int, *, timeout: float = DEFAULT_TIMEOUT_S,
+                channels: Sequence[str] = ("0",)) -> list[Communicator]:
+    """``world_size`` communicators joined by the in-process transport (ranks = threads)."""
+    from .transport.local import LocalFabric
+
+    fabric = LocalFabric(world_size, tuple(channels))
+    return [Communicator(t, timeout=timeout) for t in fabric.transports()]
+
+
+def run_threads(world_size: int, fn: Callable[[Communicator], T], *,
+                timeout: float = DEFAULT_TIMEOUT_S, channels: Sequence[str] = ("0",)) -> list[T]:
+    """Run ``fn(comm)`` on ``world_size`` threads, one rank each; returns per-rank results
+    and re-raises the first exception."""
+    comms = local_world(world_size, timeout=timeout, channels=channels)
+    results: list[object] = [None] * world_size
+    errors: list[BaseException | None] = [None] * world_size
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(comms[rank])
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller below
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for comm in comms:
+        comm.close()
+    for exc in errors:
+        if exc is not None:
+            raise exc
+    return results  # type: ignore[return-value]
+
+
+__all__ = [
+    "CollectiveError", "CollectiveMismatchError", "CollectiveTimeoutError", "Communicator",
+    "MlfabricError", "PeerLostError", "TransportError", "init", "local_world", "run_threads",
+    "__version__",
+]

@@ -1,0 +1,216 @@
+"""The user-facing communicator: collectives on tensors, synchronous or as futures.
+
+    import mlfabric
+    comm = mlfabric.init(transport="zmq")        # torchrun env vars, or rank=/world_size=/...
+    comm.allreduce(t, algorithm="ring", op="sum")
+    fut = comm.allreduce_async(t)                 # torch.futures.Future resolving to t
+    comm.close()
+
+Every collective picks a schedule builder from ``mlfabric.collectives``, hands it to the
+executor's progress thread and returns a future. All ranks must call collectives in the same
+order (as with torch.distributed); each call gets the next sequence number, which scopes its
+messages, and a description (sizes, dtype, op) that every message carries so a mismatch
+between ranks is an error on every rank rather than a hang or a wrong tensor.
+
+Exercise it with ``python -m pytest tests/unit/test_runtime.py tests/local``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Callable, Sequence
+
+import torch
+
+from mlfabric import collectives
+from mlfabric.schedule import REDUCE_OPS
+from mlfabric.transport.base import Transport
+
+from .executor import Executor, RunInfo
+
+DEFAULT_TIMEOUT_S = 60.0
+REDUCE_OP_NAMES = ("sum", "avg", "max", "min", "prod")
+
+
+class Communicator:
+    """Collectives over one transport. Thread-safe: calls are ordered by a lock."""
+
+    def __init__(self, transport: Transport, *, timeout: float = DEFAULT_TIMEOUT_S,
+                 on_close: Sequence[Callable[[], None]] = ()) -> None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        self.transport = transport
+        self.timeout = float(timeout)
+        self.executor = Executor(transport, name=f"mlfabric-progress-{transport.rank}")
+        self._seq = itertools.count(1)
+        self._lock = threading.Lock()
+        self._on_close = list(on_close)
+        self._closed = False
+
+    @property
+    def rank(self) -> int:
+        return self.transport.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.transport.world_size
+
+    # -- allreduce -------------------------------------------------------------------------
+
+    def allreduce_async(self, tensor: torch.Tensor, algorithm: str = "ring", op: str = "sum", *,
+                        timeout: float | None = None) -> torch.futures.Future:
+        """Reduce ``tensor`` across ranks in place; the future resolves to ``tensor``."""
+        _check_tensor(tensor, "allreduce")
+        _check_op(op)
+        flat, write_back = _flat_work_buffer(tensor)
+        name = collectives.choose_allreduce(algorithm, flat.numel() * flat.element_size(), self.world_size)
+        reduce_op = "sum" if op == "avg" else op
+
+        def finish() -> torch.Tensor:
+            if op == "avg":
+                _divide(flat, self.world_size)
+            write_back()
+            return tensor
+
+        return self._run(f"allreduce:{name}", flat, f"allreduce({name}, {op})", finish,
+                         timeout, op=reduce_op)
+
+    def allreduce(self, tensor: torch.Tensor, algorithm: str = "ring", op: str = "sum", *,
+                  timeout: float | None = None) -> torch.Tensor:
+        return self.allreduce_async(tensor, algorithm, op, timeout=timeout).wait()
+
+    # -- broadcast -------------------------------------------------------------------------
+
+    def broadcast_async(self, tensor: torch.Tensor, root: int = 0, *,
+                        timeout: float | None = None) -> torch.futures.Future:
+        _check_tensor(tensor, "broadcast")
+        if not 0 <= root < self.world_size:
+            raise ValueError(f"broadcast root {root} is outside world size {self.world_size}")
+        flat, write_back = _flat_work_buffer(tensor)
+
+        def finish() -> torch.Tensor:
+            write_back()
+            return tensor
+
+        return self._run("broadcast", flat, f"broadcast(root={root})", finish, timeout, root=root)
+
+    def broadcast(self, tensor: torch.Tensor, root: int = 0, *, timeout: float | None = None) -> torch.Tensor:
+        """Overwrite ``tensor`` on every rank with root's ``tensor``; returns it."""
+        return self.broadcast_async(tensor, root, timeout=timeout).wait()
+
+    # -- allgather / reduce_scatter ----------------------------------------------------------
+
+    def allgather_async(self, tensor: torch.Tensor, *, timeout: float | None = None) -> torch.futures.Future:
+        _check_tensor(tensor, "allgather")
+        n = tensor.numel()
+        gathered = torch.empty(self.world_size * n, dtype=tensor.dtype)
+        gathered[self.rank * n:(self.rank + 1) * n].copy_(tensor.detach().reshape(-1))
+        shape = (self.world_size, *tensor.shape)
+
+        def finish() -> torch.Tensor:
+            return gathered.view(shape).to(tensor.device)
+
+        return self._run("allgather", gathered, "allgather", finish, timeout)
+
+    def allgather(self, tensor: torch.Tensor, *, timeout: float | None = None) -> torch.Tensor:
+        """Every rank's ``tensor`` stacked: shape ``(world_size, *tensor.shape)``."""
+        return self.allgather_async(tensor, timeout=timeout).wait()
+
+    def reduce_scatter_async(self, tensor: torch.Tensor, op: str = "sum", *,
+                             timeout: float | None = None) -> torch.futures.Future:
+        _check_tensor(tensor, "reduce_scatter")
+        _check_op(op)
+        work = tensor.detach().reshape(-1).to("cpu", copy=True)
+        shard = collectives.partition.pieces(work.numel(), self.world_size)[self.rank]
+
+        def finish() -> torch.Tensor:
+            out = work[shard.offset:shard.end]
+            if op == "avg":
+                _divide(out, self.world_size)
+            return out.clone().to(tensor.device)
+
+        return self._run("reduce_scatter", work, f"reduce_scatter({op})", finish, timeout,
+                         op="sum" if op == "avg" else op)
+
+    def reduce_scatter(self, tensor: torch.Tensor, op: str = "sum", *,
+                       timeout: float | None = None) -> torch.Tensor:
+        """This rank's shard of the reduction of ``tensor`` over all ranks.
+
+        ``tensor`` is flattened and cut like ``torch.tensor_split(t.flatten(), world_size)``
+        (shards differ by at most one element); rank r gets shard r as a 1-D tensor.
+        """
+        return self.reduce_scatter_async(tensor, op, timeout=timeout).wait()
+
+    def barrier(self, *, timeout: float | None = None) -> None:
+        """Wait until every rank reaches the barrier (a 1-element allreduce)."""
+        self.allreduce(torch.zeros(1, dtype=torch.int32), algorithm="halving_doubling", timeout=timeout)
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _run(self, kind: str, flat: torch.Tensor, what: str, finish: Callable[[], torch.Tensor],
+             timeout: float | None, **options: object) -> torch.futures.Future:
+        if self._closed:
+            raise RuntimeError(f"rank {self.rank}: communicator is closed")
+        description = f"{what} of {flat.numel()} x {str(flat.dtype).removeprefix('torch.')}"
+        with self._lock:
+            seq = next(self._seq)
+            if self.world_size == 1:
+                future: torch.futures.Future = torch.futures.Future()
+                future.set_result(finish())
+                return future
+            schedule = collectives.build(kind, self.world_size, self.rank, flat.numel(), **options)
+            return self.executor.submit(
+                schedule, {"data": flat}, RunInfo(seq=seq, description=description),
+                timeout=self.timeout if timeout is None else timeout, result=finish,
+            )
+
+    def close(self) -> None:
+        """Stop the progress thread and the transport; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.executor.close()
+        self.transport.close()
+        for callback in self._on_close:
+            callback()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Communicator(rank={self.rank}, world_size={self.world_size}, "
+                f"transport={type(self.transport).__name__})")
+
+
+def _check_tensor(tensor: object, what: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_complex() or tensor.dtype == torch.bool:
+        raise TypeError(f"{what} does not support dtype {tensor.dtype}")
+
+
+def _check_op(op: str) -> None:
+    if op not in REDUCE_OP_NAMES:
+        raise ValueError(f"unknown reduction {op!r}; choose one of {', '.join(REDUCE_OP_NAMES)}")
+    assert op == "avg" or op in REDUCE_OPS
+
+
+def _flat_work_buffer(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+    """A flat contiguous CPU view of ``tensor`` if one exists, else a copy plus the function
+    that writes the result back."""
+    if tensor.device.type == "cpu" and tensor.is_contiguous():
+        return tensor.detach().view(-1), lambda: None
+    work = tensor.detach().reshape(-1).to("cpu", copy=True)
+    return work, lambda: tensor.detach().copy_(work.view(tensor.shape))
+
+
+def _divide(flat: torch.Tensor, world_size: int) -> None:
+    """``avg`` = sum / world size; integers use floor division (Python's ``//``)."""
+    if flat.is_floating_point():
+        flat.div_(world_size)
+    else:
+        flat.copy_(torch.div(flat, world_size, rounding_mode="floor"))

@@ -1,0 +1,366 @@
+"""Runs per-rank schedules on a transport from one background progress thread.
+
+``Executor.submit`` hands over a schedule plus the tensors backing its buffers and returns a
+``torch.futures.Future``. The progress thread fires every op whose dependencies are met
+(all-of or any-of), posts sends, matches arriving messages to receives, reduces, and
+completes the future when every op ran — while the application thread computes. Every
+collective has a deadline; a lost peer, a mismatched peer or a timeout fails the future with
+an error naming rank, peer and op, and an abort notice tells the other ranks why.
+
+Exercise it with ``python -m pytest tests/unit/test_runtime.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from mlfabric.errors import (
+    CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    PeerLostError,
+)
+from mlfabric.schedule import Copy, DepMode, Nop, Recv, Reduce, Schedule, Send, Slice
+from mlfabric.transport.base import CONTROL_CHANNEL, Message, SendHandle, Transport
+
+log = logging.getLogger("mlfabric.runtime")
+
+# Builder tags occupy the low 24 bits; the collective's sequence number sits above them so
+# messages of consecutive collectives can never be confused.
+TAG_BITS = 24
+# How long the progress thread sleeps when nothing can move: short while zero-copy sends are
+# in flight (their completion raises no event), longer when only arrivals can wake it.
+_SEND_POLL_S = 0.0002
+_IDLE_POLL_S = 0.05
+
+
+def message_tag(seq: int, op_tag: int) -> int:
+    return (seq << TAG_BITS) | op_tag
+
+
+_REDUCERS: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {
+    "sum": lambda dst, src: dst.add_(src),
+    "prod": lambda dst, src: dst.mul_(src),
+    "max": lambda dst, src: torch.maximum(dst, src, out=dst),
+    "min": lambda dst, src: torch.minimum(dst, src, out=dst),
+}
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous 1-D CPU tensor (any dtype, bfloat16 included)."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy())
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunInfo:
+    """What a collective is, for tags, mismatch detection and error messages."""
+
+    seq: int
+    description: str  # e.g. "allreduce(ring, sum) of 1000 x float32" — compared across ranks
+
+
+class _Run:
+    """The state of one execution of one schedule."""
+
+    def __init__(self, executor: "Executor", schedule: Schedule, buffers: dict[str, torch.Tensor],
+                 info: RunInfo, deadline: float, future: torch.futures.Future,
+                 result: Callable[[], object]) -> None:
+        self.executor = executor
+        self.schedule = schedule
+        self.buffers = buffers
+        self.info = info
+        self.meta = info.description.encode()
+        self.deadline = deadline
+        self.future = future
+        self.result = result
+        self.dependents = schedule.dependents()
+        self.waiting = [len(op.deps) for op in schedule.ops]
+        self.fired = [False] * len(schedule.ops)
+        self.completed = 0
+        self.ready: deque[int] = deque(i for i, op in enumerate(schedule.ops) if not op.deps)
+        for i in self.ready:
+            self.fired[i] = True
+        self.pending_recvs: list[int] = []
+        self.pending_sends: list[tuple[int, SendHandle]] = []
+
+    @property
+    def finished(self) -> bool:
+        return self.completed == len(self.schedule.ops)
+
+    def view(self, sl: Slice) -> torch.Tensor:
+        return self.buffers[sl.buffer][sl.offset:sl.end]
+
+    def advance(self) -> bool:
+        """Do everything that can be done now; True if anything happened."""
+        progressed = False
+        if self.pending_sends:
+            still = []
+            for index, handle in self.pending_sends:
+                if handle.done():
+                    self._complete(index)
+                    progressed = True
+                else:
+                    still.append((index, handle))
+            self.pending_sends = still
+        if self.pending_recvs:
+            still_recv = []
+            for index in self.pending_recvs:
+                if self._try_recv(index):
+                    progressed = True
+                else:
+                    still_recv.append(index)
+            self.pending_recvs = still_recv
+        while self.ready:
+            progressed = True
+            self._fire(self.ready.popleft())
+        return progressed
+
+    def _fire(self, index: int) -> None:
+        op = self.schedule.ops[index]
+        if isinstance(op, Send):
+            handle = self.executor.transport.send(
+                op.peer, message_tag(self.info.seq, op.tag), tensor_bytes(self.view(op.src)),
+                channel=op.channel, meta=self.meta,
+            )
+            if handle.done():
+                self._complete(index)
+            else:
+                self.pending_sends.append((index, handle))
+        elif isinstance(op, Recv):
+            if not self._try_recv(index):
+                self.pending_recvs.append(index)
+        elif isinstance(op, Reduce):
+            _REDUCERS[op.op](self.view(op.dst), self.view(op.src))
+            self._complete(index)
+        elif isinstance(op, Copy):
+            self.view(op.dst).copy_(self.view(op.src))
+            self._complete(index)
+        elif isinstance(op, Nop):
+            self._complete(index)
+        else:  # pragma: no cover - the IR has no other op kinds
+            raise TypeError(f"unknown op {op!r}")
+
+    def _try_recv(self, index: int) -> bool:
+        op: Recv = self.schedule.ops[index]  # type: ignore[assignment]
+        msg = self.executor.transport.mailbox.take(op.channel, message_tag(self.info.seq, op.tag), op.peer)
+        if msg is None:
+            return False
+        self._check_message(op, msg)
+        dst = self.view(op.dst)
+        if dst.numel():
+            incoming = torch.frombuffer(msg.payload, dtype=dst.dtype)
+            if op.reduce:
+                _REDUCERS[op.reduce](dst, incoming)
+            else:
+                dst.copy_(incoming)
+        self._complete(index)
+        return True
+
+    def _check_message(self, op: Recv, msg: Message) -> None:
+        if msg.meta != self.meta:
+            raise CollectiveMismatchError(
+                f"rank {self.executor.rank}: collective #{self.info.seq} mismatch with peer "
+                f"{msg.src}: this rank runs {self.info.description}, peer {msg.src} runs "
+                f"{msg.meta.decode(errors='replace')}. Every rank must call the same collective "
+                "with the same size, dtype and op.",
+                rank=self.executor.rank, peer=msg.src,
+            )
+        expected = op.dst.length * self.buffers[op.dst.buffer].element_size()
+        if msg.nbytes != expected:
+            raise CollectiveMismatchError(
+                f"rank {self.executor.rank}: collective #{self.info.seq} expected {expected} bytes "
+                f"from peer {msg.src} (tag {op.tag}) but got {msg.nbytes}",
+                rank=self.executor.rank, peer=msg.src,
+            )
+
+    def _complete(self, index: int) -> None:
+        self.completed += 1
+        ops = self.schedule.ops
+        for j in self.dependents[index]:
+            if self.fired[j]:
+                continue  # consumable: an any-of op already fired
+            if ops[j].mode is DepMode.ANY:
+                self.fired[j] = True
+                self.ready.append(j)
+            else:
+                self.waiting[j] -= 1
+                if self.waiting[j] == 0:
+                    self.fired[j] = True
+                    self.ready.append(j)
+
+    def waiting_on(self) -> str:
+        """Human summary of what is still outstanding, for timeout messages."""
+        parts = []
+        for index in self.pending_recvs[:4]:
+            op = self.schedule.ops[index]
+            parts.append(f"recv from peer {op.peer} (op {index}, channel {op.channel!r})")
+        for index, _ in self.pending_sends[:2]:
+            op = self.schedule.ops[index]
+            parts.append(f"send to peer {op.peer} (op {index})")
+        if not parts:
+            parts.append(f"{len(self.schedule.ops) - self.completed} ops blocked on dependencies")
+        return ", ".join(parts)
+
+
+class Executor:
+    """One progress thread per communicator, executing any number of schedules at once."""
+
+    def __init__(self, transport: Transport, *, name: str = "mlfabric-progress") -> None:
+        self.transport = transport
+        self.rank = transport.rank
+        self._lock = threading.Lock()
+        self._incoming: list[_Run] = []
+        self._active: list[_Run] = []
+        self._finished_seqs: set[int] = set()
+        self._aborts: dict[int, CollectiveError] = {}
+        self._deferred_error: CollectiveError | None = None
+        self._stop = False
+        transport.on_peer_lost(lambda peer, reason: transport.mailbox.notify())
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, schedule: Schedule, buffers: dict[str, torch.Tensor], info: RunInfo, *,
+               timeout: float, result: Callable[[], object]) -> torch.futures.Future:
+        """Start executing ``schedule``; the future resolves to ``result()`` when done."""
+        future: torch.futures.Future = torch.futures.Future()
+        if self._stop:
+            future.set_exception(CollectiveError(f"rank {self.rank}: communicator is closed", rank=self.rank))
+            return future
+        lost = self._lost_peer_error(info)
+        error = lost or self._deferred_error
+        if error is not None:
+            self._deferred_error = None
+            future.set_exception(error)
+            return future
+        dtype = next(iter(buffers.values())).dtype
+        for name, size in schedule.buffers.items():
+            if name not in buffers:
+                buffers[name] = torch.empty(size, dtype=dtype)
+        run = _Run(self, schedule, buffers, info, time.monotonic() + timeout, future, result)
+        with self._lock:
+            self._incoming.append(run)
+        self.transport.mailbox.notify()
+        return future
+
+    def close(self) -> None:
+        self._stop = True
+        self.transport.mailbox.notify()
+        self._thread.join(timeout=5)
+
+    # -- the progress loop -------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        mailbox = self.transport.mailbox
+        version = mailbox.version
+        while not self._stop:
+            version = mailbox.version
+            with self._lock:
+                if self._incoming:
+                    self._active.extend(self._incoming)
+                    self._incoming.clear()
+            self._handle_control()
+            progressed = False
+            for run in list(self._active):
+                try:
+                    progressed |= run.advance()
+                    if run.finished:
+                        self._finish(run)
+                    elif time.monotonic() > run.deadline:
+                        raise CollectiveTimeoutError(
+                            f"rank {self.rank}: collective #{run.info.seq} "
+                            f"{run.info.description} timed out still waiting for "
+                            f"{run.waiting_on()}; a peer may be slow, hung or dead "
+                            "(raise the timeout with mlfabric.init(timeout=...))",
+                            rank=self.rank,
+                        )
+                except CollectiveError as exc:
+                    self._fail(run, exc, notify_peers=True)
+                except Exception as exc:  # a bug or a torch error: never leave the caller hanging
+                    wrapped = CollectiveError(
+                        f"rank {self.rank}: collective #{run.info.seq} {run.info.description} "
+                        f"failed: {exc!r}", rank=self.rank)
+                    wrapped.__cause__ = exc
+                    self._fail(run, wrapped, notify_peers=True)
+            if self.transport.lost_peers and self._active:
+                for run in list(self._active):
+                    error = self._lost_peer_error(run.info)
+                    if error is not None:
+                        self._fail(run, error, notify_peers=False)
+            if not progressed:
+                pause = _SEND_POLL_S if any(r.pending_sends for r in self._active) else _IDLE_POLL_S
+                mailbox.wait(version, pause)
+        for run in self._active + self._incoming:
+            self._fail(run, CollectiveError(f"rank {self.rank}: communicator closed during "
+                                            f"collective #{run.info.seq}", rank=self.rank),
+                       notify_peers=False)
+
+    def _finish(self, run: _Run) -> None:
+        self._active.remove(run)
+        self._finished_seqs.add(run.info.seq)
+        try:
+            value = run.result()
+        except Exception as exc:
+            run.future.set_exception(exc)
+            return
+        run.future.set_result(value)
+
+    def _fail(self, run: _Run, error: CollectiveError, *, notify_peers: bool) -> None:
+        if run in self._active:
+            self._active.remove(run)
+        if notify_peers:
+            self._broadcast_abort(run.info.seq, str(error))
+        if not run.future.done():
+            run.future.set_exception(error)
+
+    def _lost_peer_error(self, info: RunInfo) -> PeerLostError | None:
+        lost = self.transport.lost_peers
+        if not lost:
+            return None
+        peer, reason = next(iter(lost.items()))
+        return PeerLostError(
+            f"rank {self.rank}: collective #{info.seq} {info.description} cannot complete: "
+            f"peer {peer} was lost ({reason})",
+            rank=self.rank, peer=peer,
+        )
+
+    # -- abort notices -----------------------------------------------------------------------
+
+    def _broadcast_abort(self, seq: int, reason: str) -> None:
+        payload = reason.encode()[:4000]
+        for peer in range(self.transport.world_size):
+            if peer != self.rank and peer not in self.transport.lost_peers:
+                try:
+                    self.transport.send(peer, seq, payload, channel=CONTROL_CHANNEL)
+                except Exception:  # best effort: the peer may be gone already
+                    log.debug("rank %d: could not send abort to %d", self.rank, peer)
+
+    def _handle_control(self) -> None:
+        for msg in self.transport.mailbox.take_channel(CONTROL_CHANNEL):
+            seq = msg.tag
+            error = CollectiveError(
+                f"rank {self.rank}: collective #{seq} aborted by peer {msg.src}: "
+                f"{bytes(msg.payload).decode(errors='replace')}",
+                rank=self.rank, peer=msg.src,
+            )
+            run = next((r for r in self._active if r.info.seq == seq), None)
+            if run is not None:
+                self._fail(run, error, notify_peers=False)
+            elif seq in self._finished_seqs:
+                # We finished but a peer did not: the group is inconsistent, so the next
+                # collective on this rank reports it instead of silently going on.
+                self._deferred_error = error
+            else:
+                pending = next((r for r in self._incoming if r.info.seq == seq), None)
+                if pending is not None:
+                    self._fail(pending, error, notify_peers=False)
+                else:
+                    self._deferred_error = error

@@ -1,0 +1,284 @@
+"""The schedule IR: a per-rank DAG of communication and computation ops.
+
+Every algorithm in mlfabric is written once as a *schedule builder*: a pure function that
+returns, for one rank, a :class:`Schedule` — a list of ops (send, recv, reduce, copy, nop)
+whose dependencies are all-of or any-of (eager-SGD §4.1.1). The same object is executed by
+``mlfabric.runtime``, simulated by ``mlfabric.sim`` and checked by
+``mlfabric.schedule.validate``.
+
+Buffers are named flat arrays of elements; ops address them through :class:`Slice`
+(element offsets, never bytes, so one schedule serves every dtype). By convention
+``"data"`` is the user's tensor; builders may declare scratch buffers.
+
+Exercise it with ``python -m pytest tests/unit/test_schedule.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Iterable, Sequence
+
+DEFAULT_CHANNEL = "0"
+REDUCE_OPS = ("sum", "max", "min", "prod")
+
+# Builders tag every send/recv pair with a small integer; the runtime widens it with the
+# collective's sequence number, so builder tags only need to be unique inside one schedule set.
+MAX_OP_TAG = (1 << 24) - 1
+
+
+class DepMode(str, Enum):
+    """How an op's dependencies combine: wait for all of them, or fire on the first one."""
+
+    ALL = "all"
+    ANY = "any"
+
+
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """``length`` elements of buffer ``buffer`` starting at element ``offset``."""
+
+    buffer: str
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or self.length < 0:
+            raise ValueError(f"slice {self} has a negative offset or length")
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    def overlaps(self, other: "Slice") -> bool:
+        return (
+            self.buffer == other.buffer
+            and self.length > 0
+            and other.length > 0
+            and self.offset < other.end
+            and other.offset < self.end
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """Common fields of every op. ``deps`` are indices of earlier ops of the same schedule."""
+
+    deps: tuple[int, ...] = ()
+    mode: DepMode = DepMode.ALL
+
+    def reads(self) -> tuple[Slice, ...]:
+        return ()
+
+    def writes(self) -> tuple[Slice, ...]:
+        return ()
+
+
+@dataclass(frozen=True, slots=True)
+class Send(Op):
+    """Send ``src`` to ``peer`` on ``channel``; matched by the peer's Recv with the same tag."""
+
+    peer: int = -1
+    src: Slice = Slice("data", 0, 0)
+    tag: int = 0
+    channel: str = DEFAULT_CHANNEL
+
+    def reads(self) -> tuple[Slice, ...]:
+        return (self.src,)
+
+
+@dataclass(frozen=True, slots=True)
+class Recv(Op):
+    """Receive from ``peer`` into ``dst``. With ``reduce`` set, combine into ``dst`` instead
+    of overwriting it (the fused receive-reduce of gloo/NCCL, which saves a scratch buffer
+    and a memory pass)."""
+
+    peer: int = -1
+    dst: Slice = Slice("data", 0, 0)
+    tag: int = 0
+    channel: str = DEFAULT_CHANNEL
+    reduce: str | None = None
+
+    def reads(self) -> tuple[Slice, ...]:
+        return (self.dst,) if self.reduce else ()
+
+    def writes(self) -> tuple[Slice, ...]:
+        return (self.dst,)
+
+
+@dataclass(frozen=True, slots=True)
+class Reduce(Op):
+    """``dst = dst <op> src`` element-wise."""
+
+    dst: Slice = Slice("data", 0, 0)
+    src: Slice = Slice("data", 0, 0)
+    op: str = "sum"
+
+    def reads(self) -> tuple[Slice, ...]:
+        return (self.dst, self.src)
+
+    def writes(self) -> tuple[Slice, ...]:
+        return (self.dst,)
+
+
+@dataclass(frozen=True, slots=True)
+class Copy(Op):
+    """``dst = src``."""
+
+    dst: Slice = Slice("data", 0, 0)
+    src: Slice = Slice("data", 0, 0)
+
+    def reads(self) -> tuple[Slice, ...]:
+        return (self.src,)
+
+    def writes(self) -> tuple[Slice, ...]:
+        return (self.dst,)
+
+
+@dataclass(frozen=True, slots=True)
+class Nop(Op):
+    """Completes immediately; only used to shape dependencies (e.g. an activation point)."""
+
+    label: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cost:
+    """Closed-form cost of one rank's schedule, as the builder states it.
+
+    ``elements_sent`` per channel; multiply by the dtype's item size for bytes.
+    ``steps`` is the number of communication rounds on the critical path.
+    """
+
+    steps: int
+    elements_sent: dict[str, int]
+
+    @property
+    def total_elements_sent(self) -> int:
+        return sum(self.elements_sent.values())
+
+    def bytes_sent(self, itemsize: int) -> int:
+        return self.total_elements_sent * itemsize
+
+
+@dataclass(frozen=True, kw_only=True)
+class Schedule:
+    """One rank's part of a collective.
+
+    ``persistent``: after every op has completed the schedule re-arms itself (eager-SGD
+    §4.1.1 "persistent schedules"), so the runtime may execute it again without the
+    application rebuilding it. Ops are always consumable: one execution runs each op once.
+    """
+
+    name: str
+    rank: int
+    world_size: int
+    buffers: dict[str, int]
+    ops: tuple[Op, ...]
+    cost: Cost
+    persistent: bool = False
+
+    def __post_init__(self) -> None:
+        for index, op in enumerate(self.ops):
+            for dep in op.deps:
+                if not 0 <= dep < index:
+                    raise ValueError(
+                        f"{self.name} rank {self.rank}: op {index} depends on op {dep}; "
+                        "dependencies must point to earlier ops"
+                    )
+            if op.mode is DepMode.ANY and not op.deps:
+                raise ValueError(f"{self.name} rank {self.rank}: op {index} is any-of with no deps")
+            for sl in (*op.reads(), *op.writes()):
+                size = self.buffers.get(sl.buffer)
+                if size is None:
+                    raise ValueError(
+                        f"{self.name} rank {self.rank}: op {index} uses undeclared buffer {sl.buffer!r}"
+                    )
+                if sl.end > size:
+                    raise ValueError(
+                        f"{self.name} rank {self.rank}: op {index} slice {sl} exceeds buffer size {size}"
+                    )
+            if isinstance(op, (Send, Recv)):
+                if not 0 <= op.peer < self.world_size or op.peer == self.rank:
+                    raise ValueError(f"{self.name} rank {self.rank}: op {index} has bad peer {op.peer}")
+                if not 0 <= op.tag <= MAX_OP_TAG:
+                    raise ValueError(f"{self.name} rank {self.rank}: op {index} tag {op.tag} out of range")
+            reduce_op = op.op if isinstance(op, Reduce) else getattr(op, "reduce", None)
+            if reduce_op is not None and reduce_op not in REDUCE_OPS:
+                raise ValueError(f"{self.name} rank {self.rank}: op {index} has unknown reduction {reduce_op!r}")
+
+    def dependents(self) -> list[list[int]]:
+        """For each op, the ops that list it as a dependency."""
+        out: list[list[int]] = [[] for _ in self.ops]
+        for index, op in enumerate(self.ops):
+            for dep in op.deps:
+                out[dep].append(index)
+        return out
+
+    def sends(self) -> Iterable[Send]:
+        return (op for op in self.ops if isinstance(op, Send))
+
+    def recvs(self) -> Iterable[Recv]:
+        return (op for op in self.ops if isinstance(op, Recv))
+
+    def elements_sent_by_channel(self) -> dict[str, int]:
+        """What the ops actually send, to compare against the stated :attr:`cost`."""
+        out: dict[str, int] = {}
+        for op in self.sends():
+            out[op.channel] = out.get(op.channel, 0) + op.src.length
+        return out
+
+    def channels(self) -> set[str]:
+        return {op.channel for op in self.ops if isinstance(op, (Send, Recv))}
+
+
+class ScheduleBuilder:
+    """Accumulates ops for one rank; ``add`` returns the new op's index for use in deps."""
+
+    def __init__(self, name: str, rank: int, world_size: int) -> None:
+        self.name = name
+        self.rank = rank
+        self.world_size = world_size
+        self.buffers: dict[str, int] = {}
+        self.ops: list[Op] = []
+
+    def buffer(self, name: str, size: int) -> str:
+        self.buffers[name] = size
+        return name
+
+    def add(self, op: Op) -> int:
+        self.ops.append(op)
+        return len(self.ops) - 1
+
+    def send(self, peer: int, src: Slice, tag: int, deps: Sequence[int] = (), *,
+             channel: str = DEFAULT_CHANNEL) -> int:
+        return self.add(Send(peer=peer, src=src, tag=tag, channel=channel, deps=_deps(deps)))
+
+    def recv(self, peer: int, dst: Slice, tag: int, deps: Sequence[int] = (), *,
+             channel: str = DEFAULT_CHANNEL, reduce: str | None = None) -> int:
+        return self.add(Recv(peer=peer, dst=dst, tag=tag, channel=channel, reduce=reduce, deps=_deps(deps)))
+
+    def reduce(self, dst: Slice, src: Slice, op: str, deps: Sequence[int] = ()) -> int:
+        return self.add(Reduce(dst=dst, src=src, op=op, deps=_deps(deps)))
+
+    def copy(self, dst: Slice, src: Slice, deps: Sequence[int] = ()) -> int:
+        return self.add(Copy(dst=dst, src=src, deps=_deps(deps)))
+
+    def nop(self, deps: Sequence[int] = (), *, mode: DepMode = DepMode.ALL, label: str = "") -> int:
+        return self.add(Nop(deps=_deps(deps), mode=mode, label=label))
+
+    def build(self, cost: Cost, *, persistent: bool = False) -> Schedule:
+        return Schedule(
+            name=self.name,
+            rank=self.rank,
+            world_size=self.world_size,
+            buffers=dict(self.buffers),
+            ops=tuple(self.ops),
+            cost=cost,
+            persistent=persistent,
+        )
+
+
+def _deps(deps: Iterable[int | None]) -> tuple[int, ...]:
+    """Dependencies without duplicates or Nones (builders pass ``None`` for 'no previous op')."""
+    return tuple(sorted({d for d in deps if d is not None}))

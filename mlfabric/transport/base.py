@@ -1,0 +1,301 @@
+"""What every transport offers: tagged byte messages to a peer over a named channel.
+
+A transport moves opaque payloads; it never knows what algorithm it serves. Incoming
+messages land in a :class:`Mailbox` from which the runtime takes them by (channel, tag) and
+either a given source or any source (parameter-server pushes and eager-SGD activations
+arrive unannounced). Sends are asynchronous and return a :class:`SendHandle`: the payload
+must not be modified until ``done()`` (zero-copy transports read it in the background).
+
+Every message carries the job token; a message with a wrong token is logged and dropped, so
+nothing from outside the job reaches a tensor. Byte counters per (peer, channel) let tests
+compare traffic with a schedule's stated cost and let monitors read link usage.
+
+Exercise it with ``python -m pytest tests/unit/test_transport.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from mlfabric.errors import TransportError
+
+log = logging.getLogger("mlfabric.transport")
+
+# The runtime's control messages (abort notices, goodbyes) travel on this channel.
+CONTROL_CHANNEL = "ctl"
+TOKEN_BYTES = 16
+
+
+@dataclass(slots=True)
+class Message:
+    src: int
+    tag: int
+    channel: str
+    meta: bytes
+    payload: memoryview
+
+    @property
+    def nbytes(self) -> int:
+        return self.payload.nbytes
+
+
+class SendHandle:
+    """Completion of one send; ``done()`` once the transport no longer reads the payload."""
+
+    __slots__ = ("_done",)
+
+    def __init__(self, done: bool = False) -> None:
+        self._done = done
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_done(self) -> None:
+        self._done = True
+
+
+COMPLETED = SendHandle(done=True)
+
+
+@dataclass
+class LinkCounters:
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    msgs_sent: int = 0
+    msgs_recv: int = 0
+
+
+class Mailbox:
+    """Thread-safe store of delivered messages, plus a wake-up for anyone waiting on events.
+
+    ``version`` increases on every delivery or event so a progress loop can sleep until
+    something changed.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queues: dict[tuple[str, int], deque[Message]] = {}
+        self.version = 0
+
+    def put(self, msg: Message) -> None:
+        with self._cond:
+            self._queues.setdefault((msg.channel, msg.tag), deque()).append(msg)
+            self.version += 1
+            self._cond.notify_all()
+
+    def take(self, channel: str, tag: int, src: int | None = None) -> Message | None:
+        """The oldest message with this channel and tag, from ``src`` or from anyone."""
+        with self._cond:
+            queue = self._queues.get((channel, tag))
+            if not queue:
+                return None
+            if src is None:
+                msg = queue.popleft()
+            else:
+                for i, candidate in enumerate(queue):
+                    if candidate.src == src:
+                        msg = candidate
+                        del queue[i]
+                        break
+                else:
+                    return None
+            if not queue:
+                del self._queues[(channel, tag)]
+            return msg
+
+    def take_channel(self, channel: str) -> list[Message]:
+        """Every queued message of one channel (the control channel is drained this way)."""
+        with self._cond:
+            keys = [k for k in self._queues if k[0] == channel]
+            out = [m for k in keys for m in self._queues.pop(k)]
+            return out
+
+    def notify(self) -> None:
+        with self._cond:
+            self.version += 1
+            self._cond.notify_all()
+
+    def wait(self, seen_version: int, timeout: float) -> int:
+        """Block until ``version`` differs from ``seen_version`` or ``timeout`` passes."""
+        with self._cond:
+            if self.version == seen_version:
+                self._cond.wait(timeout)
+            return self.version
+
+    def pending(self) -> int:
+        with self._cond:
+            return sum(len(q) for q in self._queues.values())
+
+
+class Transport(ABC):
+    """Abstract transport for one rank. Subclasses implement ``_send`` and deliver incoming
+    messages with :meth:`_deliver`."""
+
+    def __init__(self, rank: int, world_size: int, channels: tuple[str, ...]) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        if not channels:
+            raise ValueError("a transport needs at least one channel")
+        self.rank = rank
+        self.world_size = world_size
+        self.channels = tuple(dict.fromkeys(channels))
+        self.mailbox = Mailbox()
+        self.lost_peers: dict[int, str] = {}
+        self.departed_peers: set[int] = set()
+        self.rejected_messages = 0
+        self._counters: dict[tuple[int, str], LinkCounters] = {}
+        self._counter_lock = threading.Lock()
+        self._closed = False
+        self._peer_lost_callbacks: list[Callable[[int, str], None]] = []
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def send(self, peer: int, tag: int, payload: memoryview | bytes, *,
+             channel: str = "0", meta: bytes = b"") -> SendHandle:
+        """Queue ``payload`` for ``peer``; the returned handle says when it may be reused."""
+        if self._closed:
+            raise TransportError(f"rank {self.rank}: transport is closed")
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            raise ValueError(f"rank {self.rank}: cannot send to peer {peer} (world size {self.world_size})")
+        if channel != CONTROL_CHANNEL and channel not in self.channels:
+            raise ValueError(f"rank {self.rank}: unknown channel {channel!r}; this transport has {self.channels}")
+        view = memoryview(payload).cast("B")
+        with self._counter_lock:
+            counters = self._counters.setdefault((peer, channel), LinkCounters())
+            counters.bytes_sent += view.nbytes
+            counters.msgs_sent += 1
+        return self._send(peer, tag, view, channel, meta)
+
+    @abstractmethod
+    def _send(self, peer: int, tag: int, payload: memoryview, channel: str, meta: bytes) -> SendHandle:
+        ...
+
+    # -- receiving -------------------------------------------------------------------------
+
+    def _deliver(self, msg: Message) -> None:
+        with self._counter_lock:
+            counters = self._counters.setdefault((msg.src, msg.channel), LinkCounters())
+            counters.bytes_recv += msg.nbytes
+            counters.msgs_recv += 1
+        if msg.channel == CONTROL_CHANNEL and msg.tag == GOODBYE_TAG:
+            self.departed_peers.add(msg.src)
+            self.mailbox.notify()
+            return
+        self.mailbox.put(msg)
+
+    def _reject(self, reason: str) -> None:
+        self.rejected_messages += 1
+        log.warning("rank %d: rejected a message from outside the job: %s", self.rank, reason)
+
+    def try_recv(self, tag: int, *, src: int | None = None, channel: str = "0") -> Message | None:
+        return self.mailbox.take(channel, tag, src)
+
+    def recv(self, tag: int, *, src: int | None = None, channel: str = "0",
+             timeout: float = 60.0) -> Message:
+        """Blocking receive; raises :class:`TransportError` after ``timeout`` seconds or as
+        soon as the awaited peer is known to be lost."""
+        deadline = time.monotonic() + timeout
+        version = self.mailbox.version
+        while True:
+            msg = self.mailbox.take(channel, tag, src)
+            if msg is not None:
+                return msg
+            if src is not None and src in self.lost_peers:
+                raise TransportError(
+                    f"rank {self.rank}: peer {src} was lost ({self.lost_peers[src]}) while "
+                    f"waiting for tag {tag} on channel {channel!r}"
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                who = "any peer" if src is None else f"peer {src}"
+                raise TransportError(
+                    f"rank {self.rank}: timed out after {timeout:.1f}s waiting for tag {tag} "
+                    f"from {who} on channel {channel!r}"
+                )
+            version = self.mailbox.wait(version, min(remaining, 0.1))
+
+    # -- liveness --------------------------------------------------------------------------
+
+    def on_peer_lost(self, callback: Callable[[int, str], None]) -> None:
+        self._peer_lost_callbacks.append(callback)
+
+    def _peer_lost(self, peer: int, reason: str) -> None:
+        if peer in self.lost_peers or peer in self.departed_peers or self._closed:
+            return
+        self.lost_peers[peer] = reason
+        log.error("rank %d: lost peer %d: %s", self.rank, peer, reason)
+        for callback in self._peer_lost_callbacks:
+            callback(peer, reason)
+        self.mailbox.notify()
+
+    # -- accounting ------------------------------------------------------------------------
+
+    def counters(self) -> dict[tuple[int, str], LinkCounters]:
+        """Payload bytes and messages per (peer, channel), control traffic included."""
+        with self._counter_lock:
+            return {k: LinkCounters(**vars(v)) for k, v in self._counters.items()}
+
+    def bytes_sent(self, channel: str | None = None) -> int:
+        return sum(c.bytes_sent for (peer, ch), c in self.counters().items()
+                   if ch != CONTROL_CHANNEL and (channel is None or ch == channel))
+
+    def reset_counters(self) -> None:
+        with self._counter_lock:
+            self._counters.clear()
+
+    # -- shutdown --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Tell peers we leave on purpose (so they do not report us as lost), then stop."""
+        if self._closed:
+            return
+        for peer in range(self.world_size):
+            if peer != self.rank and peer not in self.lost_peers:
+                try:
+                    self._send(peer, GOODBYE_TAG, memoryview(b""), CONTROL_CHANNEL, b"")
+                except Exception:  # a dead peer cannot be told; closing must still succeed
+                    pass
+        self._closed = True
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        """Release sockets and threads; subclasses override."""
+
+    def __enter__(self) -> "Transport":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+GOODBYE_TAG = 0xFFFF_FFFF
+
+
+# -- wire header shared by the byte-stream transports ----------------------------------------
+
+_HEADER = struct.Struct("<4s16sIQH")  # magic, job token, source rank, tag, channel index
+MAGIC = b"MLF1"
+
+
+def encode_header(token: bytes, src: int, tag: int, channel_index: int) -> bytes:
+    return _HEADER.pack(MAGIC, token, src, tag, channel_index)
+
+
+def decode_header(frame: bytes | memoryview, token: bytes) -> tuple[int, int, int]:
+    """(source rank, tag, channel index) — raises ``ValueError`` with the reason if the frame
+    is not ours."""
+    if len(frame) != _HEADER.size:
+        raise ValueError(f"header of {len(frame)} bytes, expected {_HEADER.size}")
+    magic, their_token, src, tag, channel_index = _HEADER.unpack(frame)
+    if magic != MAGIC:
+        raise ValueError(f"bad magic {magic!r}")
+    if their_token != token:
+        raise ValueError("wrong job token")
+    return src, tag, channel_index

@@ -1,0 +1,272 @@
+"""ZeroMQ TCP transport: one listening ROUTER socket per channel, one DEALER per (peer, channel).
+
+A host with k NICs binds k addresses, one per channel, so that BCube traffic of level l
+leaves through NIC l (set ``MLFABRIC_CHANNEL_ADDRS="0=10.0.0.2,1=10.1.0.2"`` or pass
+``channel_addrs``). Addresses and a random job token are exchanged through the rendezvous
+store. Large payloads go out as zero-copy frames whose completion is tracked; a background
+I/O thread receives, checks every message's job token (junk and foreign jobs are logged and
+dropped) and watches connections so that a dead peer is reported within a second.
+
+Exercise it with ``python -m pytest tests/local/test_zmq.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from typing import Mapping
+
+import zmq
+
+from mlfabric.errors import TransportError
+
+from .base import (
+    CONTROL_CHANNEL,
+    TOKEN_BYTES,
+    Message,
+    SendHandle,
+    Transport,
+    decode_header,
+    encode_header,
+)
+
+log = logging.getLogger("mlfabric.transport.zmq")
+
+# Below this size a copy costs less than tracking a zero-copy frame.
+ZERO_COPY_MIN_BYTES = 64 * 1024
+# After a connection drops, wait this long for the peer's goodbye before declaring it lost
+# (the goodbye and the disconnect travel on different sockets and may arrive in any order).
+GOODBYE_GRACE_S = 0.5
+
+
+class _TrackedSend(SendHandle):
+    __slots__ = ("_tracker",)
+
+    def __init__(self, tracker: zmq.MessageTracker) -> None:
+        super().__init__(False)
+        self._tracker = tracker
+
+    def done(self) -> bool:
+        if not self._done and self._tracker.done:
+            self._done = True
+        return self._done
+
+
+_DONE = SendHandle(done=True)
+
+
+def channel_addrs_from_env() -> dict[str, str]:
+    """Parse ``MLFABRIC_CHANNEL_ADDRS="0=10.0.0.2,1=10.1.0.2"`` (channel=bind address)."""
+    raw = os.environ.get("MLFABRIC_CHANNEL_ADDRS", "").strip()
+    out: dict[str, str] = {}
+    for item in filter(None, (p.strip() for p in raw.split(","))):
+        name, sep, addr = item.partition("=")
+        if not sep or not name or not addr:
+            raise ValueError(f"MLFABRIC_CHANNEL_ADDRS item {item!r} is not CHANNEL=ADDRESS")
+        out[name] = addr
+    return out
+
+
+def local_address_towards(host: str) -> str:
+    """The local IP the kernel would use to reach ``host`` (a UDP connect sends nothing)."""
+    try:
+        ip = socket.gethostbyname(host)
+    except OSError:
+        return "127.0.0.1"
+    if ip.startswith("127."):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((ip, 9))
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+class ZmqTransport(Transport):
+    """See the module docstring. Build it with :meth:`create` (rendezvous through a store)."""
+
+    def __init__(self, rank: int, world_size: int, token: bytes, *,
+                 channels: tuple[str, ...] = ("0",), bind_addrs: Mapping[str, str] | None = None) -> None:
+        super().__init__(rank, world_size, channels)
+        if len(token) != TOKEN_BYTES:
+            raise ValueError(f"job token must be {TOKEN_BYTES} bytes")
+        self.token = token
+        self._ctx = zmq.Context(io_threads=1)
+        self._channel_index = {name: i for i, name in enumerate(self.channels)}
+        self._channel_index[CONTROL_CHANNEL] = len(self.channels)
+        self._index_channel = {i: name for name, i in self._channel_index.items()}
+        self._send_lock = threading.Lock()
+        self._routers: dict[str, zmq.Socket] = {}
+        self.endpoints: dict[str, str] = {}
+        bind_addrs = dict(bind_addrs or {})
+        # Control messages ride the first channel's sockets with their own channel index.
+        for name in self.channels:
+            router = self._ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.RCVHWM, 0)
+            router.setsockopt(zmq.LINGER, 0)
+            host = bind_addrs.get(name, "127.0.0.1")
+            port = router.bind_to_random_port(f"tcp://{host}")
+            self._routers[name] = router
+            self.endpoints[name] = f"tcp://{host}:{port}"
+        self._dealers: dict[tuple[int, str], zmq.Socket] = {}
+        self._monitors: dict[zmq.Socket, tuple[str, int | None]] = {}
+        self._disconnected_at: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._io_thread: threading.Thread | None = None
+
+    # -- setup -----------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, store, rank: int, world_size: int, *, channels: tuple[str, ...] = ("0",),
+               bind_addrs: Mapping[str, str] | None = None, timeout: float = 60.0) -> "ZmqTransport":
+        """Bind, publish our endpoints in ``store`` (a torch.distributed Store), learn
+        everyone else's, connect to all peers and start the I/O thread."""
+        if rank == 0:
+            store.set("token", secrets.token_hex(TOKEN_BYTES))
+        token = bytes.fromhex(store.get("token").decode())
+        transport = cls(rank, world_size, token, channels=channels, bind_addrs=bind_addrs)
+        try:
+            store.set(f"endpoints/{rank}", json.dumps(transport.endpoints))
+            peers: dict[int, dict[str, str]] = {}
+            for peer in range(world_size):
+                if peer != rank:
+                    peers[peer] = json.loads(store.get(f"endpoints/{peer}").decode())
+            transport.connect(peers)
+        except Exception:
+            transport._shutdown()
+            raise
+        return transport
+
+    def connect(self, peers: Mapping[int, Mapping[str, str]]) -> None:
+        for peer, endpoints in peers.items():
+            missing = set(self.channels) - set(endpoints)
+            if missing:
+                raise TransportError(
+                    f"rank {self.rank}: peer {peer} has no endpoint for channels {sorted(missing)}; "
+                    "all ranks must use the same channels"
+                )
+            for name in self.channels:
+                dealer = self._ctx.socket(zmq.DEALER)
+                dealer.setsockopt(zmq.SNDHWM, 0)
+                dealer.setsockopt(zmq.LINGER, 2000)
+                dealer.setsockopt(zmq.IMMEDIATE, 0)
+                monitor = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                self._monitors[monitor] = ("dealer", peer)
+                dealer.connect(endpoints[name])
+                self._dealers[(peer, name)] = dealer
+        for name, router in self._routers.items():
+            monitor = router.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            )
+            self._monitors[monitor] = ("router", None)
+        self._io_thread = threading.Thread(target=self._io_loop, name=f"mlfabric-zmq-{self.rank}", daemon=True)
+        self._io_thread.start()
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def _send(self, peer: int, tag: int, payload: memoryview, channel: str, meta: bytes) -> SendHandle:
+        socket_channel = self.channels[0] if channel == CONTROL_CHANNEL else channel
+        dealer = self._dealers.get((peer, socket_channel))
+        if dealer is None:
+            raise TransportError(f"rank {self.rank}: no connection to peer {peer} on channel {channel!r}")
+        header = encode_header(self.token, self.rank, tag, self._channel_index[channel])
+        with self._send_lock:
+            if payload.nbytes < ZERO_COPY_MIN_BYTES:
+                dealer.send_multipart([header, meta, payload], copy=True)
+                return _DONE
+            tracker = dealer.send_multipart([header, meta, payload], copy=False, track=True)
+        return _TrackedSend(tracker)
+
+    # -- receiving -------------------------------------------------------------------------
+
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        router_channel = {}
+        for name, router in self._routers.items():
+            poller.register(router, zmq.POLLIN)
+            router_channel[router] = name
+        for monitor in self._monitors:
+            poller.register(monitor, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                events = dict(poller.poll(100))
+            except zmq.ZMQError:
+                if self._stop.is_set():
+                    return
+                raise
+            for sock in events:
+                if sock in router_channel:
+                    self._drain_router(sock, router_channel[sock])
+                else:
+                    self._handle_monitor(sock)
+            self._expire_disconnects()
+
+    def _drain_router(self, router: zmq.Socket, channel: str) -> None:
+        while True:
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(frames) != 4:
+                self._reject(f"{len(frames) - 1} frames on channel {channel!r}, expected 3")
+                continue
+            _, header, meta, payload = frames
+            try:
+                src, tag, channel_index = decode_header(header.bytes, self.token)
+            except ValueError as exc:
+                self._reject(f"{exc} on channel {channel!r}")
+                continue
+            name = self._index_channel.get(channel_index)
+            if not 0 <= src < self.world_size or src == self.rank or name is None:
+                self._reject(f"bad source {src} or channel index {channel_index}")
+                continue
+            self._deliver(Message(src, tag, name, meta.bytes, payload.buffer))
+
+    def _handle_monitor(self, monitor: zmq.Socket) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        kind, peer = self._monitors[monitor]
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            code = event["event"]
+            if kind == "router" and code in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                                              zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+                self._reject(f"connection failed the protocol handshake ({event['endpoint']!r})")
+            elif kind == "dealer" and code == zmq.EVENT_DISCONNECTED and peer is not None:
+                self._disconnected_at.setdefault(peer, time.monotonic())
+
+    def _expire_disconnects(self) -> None:
+        now = time.monotonic()
+        for peer, since in list(self._disconnected_at.items()):
+            if peer in self.departed_peers:
+                del self._disconnected_at[peer]
+            elif now - since >= GOODBYE_GRACE_S:
+                del self._disconnected_at[peer]
+                self._peer_lost(peer, "its connection closed without a goodbye (process died?)")
+
+    # -- shutdown --------------------------------------------------------------------------
+
+    def _shutdown(self) -> None:
+        self._stop.set()
+        if self._io_thread is not None and self._io_thread is not threading.current_thread():
+            self._io_thread.join(timeout=2)
+        for monitor in self._monitors:
+            monitor.close(linger=0)
+        for dealer in self._dealers.values():
+            try:
+                dealer.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            dealer.close()
+        for router in self._routers.values():
+            router.close(linger=0)
+        self._ctx.term()
