@@ -65,7 +65,9 @@ def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | N
                                        channels=tuple(channels or ("0",)), timeout=timeout)
     # Rank 0 serves the store: keep it until everyone has finished reading from it.
     store_barrier(store, "init", job.world_size, timeout)
-    return Communicator(tr, timeout=timeout)
+    comm = Communicator(tr, timeout=timeout)
+    comm.store = store  # rank 0 serves the store: it must live as long as the communicator
+    return comm
 
 
 T = TypeVar("T")

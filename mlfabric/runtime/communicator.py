@@ -47,6 +47,7 @@ class Communicator:
         self._lock = threading.Lock()
         self._on_close = list(on_close)
         self._closed = False
+        self.store: object | None = None  # the rendezvous store, when init() made one
 
     @property
     def rank(self) -> int:

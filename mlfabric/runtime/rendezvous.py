@@ -88,10 +88,23 @@ def connect_store(job: JobInfo, timeout: float) -> dist.Store:
 
 
 def store_barrier(store: dist.Store, name: str, world_size: int, timeout: float) -> None:
-    """Wait until every rank has reached ``name`` (so rank 0 keeps serving until then)."""
-    store.add(f"barrier/{name}", 1)
+    """Wait until every rank has reached ``name``.
+
+    Two phases: ranks first count in, then count out, and rank 0 (which may be serving the
+    store) only leaves once everybody has counted out — otherwise it could shut the store
+    down under a rank still polling it.
+    """
     deadline = time.monotonic() + timeout
-    while int(store.add(f"barrier/{name}", 0)) < world_size:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rendezvous barrier {name!r}: not every rank arrived within {timeout}s")
-        time.sleep(0.005)
+
+    def wait_for(key: str) -> None:
+        while int(store.add(key, 0)) < world_size:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"rendezvous barrier {name!r}: not every rank arrived within {timeout}s"
+                )
+            time.sleep(0.002)
+
+    store.add(f"barrier/{name}/in", 1)
+    wait_for(f"barrier/{name}/in")
+    store.add(f"barrier/{name}/out", 1)
+    wait_for(f"barrier/{name}/out")

@@ -26,6 +26,11 @@ def interpret(schedules: Sequence[Schedule], data: Sequence[np.ndarray]) -> list
     for sched, arr in zip(schedules, data, strict=True):
         bufs = {name: np.zeros(size, dtype=arr.dtype) for name, size in sched.buffers.items()}
         bufs["data"] = np.array(arr, copy=True).reshape(-1)
+        if bufs["data"].size != sched.buffers["data"]:
+            raise ValueError(
+                f"rank {sched.rank}: data has {bufs['data'].size} elements, schedule expects "
+                f"{sched.buffers['data']}"
+            )
         buffers.append(bufs)
 
     def view(rank: int, sl: Slice) -> np.ndarray:

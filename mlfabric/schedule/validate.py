@@ -9,8 +9,8 @@ Checks, in order:
    one write (a race the executor's parallel progress would expose);
 4. the set cannot deadlock: executing it with eager (buffered) sends, every op completes.
 
-Any-of dependencies are honoured in step 4. Partial collectives, whose receives may never
-fire, pass ``require_all_complete=False`` together with the set of ops that start them.
+Any-of dependencies are honoured in step 4. Sends are modelled as eager (buffered), which is
+what every mlfabric transport provides.
 
 Exercise it with ``python -m pytest tests/unit/test_schedule.py``.
 """
@@ -44,6 +44,9 @@ def validate(schedules: Sequence[Schedule], *, check_races: bool = True) -> Vali
     world_size = len(schedules)
     if world_size == 0:
         raise ScheduleError("empty schedule set")
+    names = {sched.name for sched in schedules}
+    if len(names) > 1:
+        raise ScheduleError(f"schedules of different collectives in one set: {sorted(names)}")
     for rank, sched in enumerate(schedules):
         if sched.rank != rank or sched.world_size != world_size:
             raise ScheduleError(
