@@ -8,10 +8,11 @@ DDP still needs a torch.distributed process group for its own bookkeeping (param
 broadcast at construction, bucket rebuilding); only the gradient traffic goes through
 mlfabric. Like DDP's default hook the result is the average over ranks.
 
+DDP inspects the hook's annotations at registration, so this module does not use
+``from __future__ import annotations``.
+
 Exercise it with ``python -m pytest tests/local/test_ddp_hook.py``.
 """
-
-from __future__ import annotations
 
 from dataclasses import dataclass, field
 

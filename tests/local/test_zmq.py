@@ -1,0 +1,196 @@
+"""The zmq transport with real processes on loopback: correctness, traffic, faults, intruders.
+
+Run: python -m pytest tests/local/test_zmq.py
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+
+import pytest
+import torch
+import zmq
+
+import mlfabric
+from mlfabric.bench.procs import run_ranks
+from mlfabric.collectives import build
+from mlfabric.transport.base import encode_header
+
+pytestmark = pytest.mark.local
+
+
+def _init(timeout: float = 30.0) -> mlfabric.Communicator:
+    """Rank, world size and rendezvous come from the torchrun variables run_ranks sets."""
+    return mlfabric.init("zmq", timeout=timeout)
+
+
+def _rank_input(rank: int, count: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    return torch.randint(-8, 9, (count,), generator=g).to(dtype)
+
+
+def _correctness() -> int:
+    comm = _init()
+    checked = 0
+    for seed, alg in enumerate(("ring", "halving_doubling", "tree", "auto")):
+        for count in (0, 1, 7, 1000, 1_000_000):
+            for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int64):
+                for op in ("sum", "avg", "max"):
+                    if count == 1_000_000 and (dtype in (torch.float16, torch.bfloat16) or op == "avg"):
+                        continue
+                    t = _rank_input(comm.rank, count, dtype, seed)
+                    everyone = torch.stack([_rank_input(r, count, dtype, seed).double()
+                                            for r in range(comm.world_size)])
+                    if op == "max":
+                        expected = everyone.max(0).values if count else everyone.sum(0)
+                    else:
+                        expected = everyone.sum(0)
+                        if op == "avg":
+                            expected = (expected / comm.world_size if dtype.is_floating_point
+                                        else torch.floor(expected / comm.world_size))
+                    comm.allreduce(t, algorithm=alg, op=op)
+                    if dtype.is_floating_point and op == "avg":
+                        torch.testing.assert_close(t.double(), expected, rtol=1e-2, atol=1e-2)
+                    else:
+                        assert torch.equal(t, expected.to(dtype)), (alg, count, dtype, op)
+                    checked += 1
+    b = torch.arange(10.0) if comm.rank == 1 else torch.zeros(10)
+    comm.broadcast(b, root=1)
+    assert torch.equal(b, torch.arange(10.0))
+    gathered = comm.allgather(torch.tensor([comm.rank]))
+    assert gathered.flatten().tolist() == list(range(comm.world_size))
+    comm.close()
+    return checked
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zmq_allreduce_correct(world: int) -> None:
+    results = run_ranks(_correctness, world, timeout=240)
+    assert len(set(results)) == 1 and results[0] > 100
+
+
+def _traffic(count: int) -> dict[str, tuple[int, int]]:
+    comm = _init()
+    out = {}
+    for alg in ("ring", "halving_doubling", "tree"):
+        comm.transport.reset_counters()
+        comm.allreduce(torch.ones(count, dtype=torch.float32), algorithm=alg)
+        stated = build(f"allreduce:{alg}", comm.world_size, comm.rank, count, op="sum").cost
+        out[alg] = (comm.transport.bytes_sent(), stated.bytes_sent(4))
+    comm.close()
+    return out
+
+
+def test_zmq_bytes_equal_stated_cost() -> None:
+    for per_rank in run_ranks(_traffic, 3, args=(300_001,), timeout=120):
+        for alg, (counted, stated) in per_rank.items():
+            assert counted == stated, alg
+            assert counted > 0
+
+
+def _mismatch() -> str:
+    comm = _init(timeout=20)
+    count = 999 if comm.rank == 1 else 1000
+    try:
+        comm.allreduce(torch.ones(count), algorithm="ring")
+    except mlfabric.CollectiveError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        comm.close()
+    return "no error"
+
+
+def test_zmq_size_mismatch_errors_on_every_rank() -> None:
+    start = time.monotonic()
+    messages = run_ranks(_mismatch, 4, timeout=60)
+    assert time.monotonic() - start < 20  # well before the 20 s collective timeout
+    assert all(m != "no error" for m in messages), messages
+    assert any("CollectiveMismatchError" in m and "999" in m for m in messages)
+
+
+def _killed_mid_collective() -> str:
+    comm = _init(timeout=15)
+    comm.barrier()
+    t = torch.ones(16_000_000)  # 64 MB: takes far longer than the 10 ms rank 2 lives
+    if comm.rank == 2:
+        comm.allreduce_async(t)
+        time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        comm.allreduce(t)
+    except mlfabric.PeerLostError as exc:
+        return f"{exc.peer}|{time.monotonic() - start:.2f}|{exc}"
+    except mlfabric.CollectiveError as exc:
+        return f"other|{time.monotonic() - start:.2f}|{exc}"
+    finally:
+        comm.close()
+    return "completed"
+
+
+def test_zmq_killed_rank_is_reported_by_every_other_rank() -> None:
+    results = run_ranks(_killed_mid_collective, 4, timeout=60,
+                        expect_failures={2})
+    survivors = [r for rank, r in enumerate(results) if rank != 2]
+    for line in survivors:
+        assert line != "completed"
+        peer, elapsed, message = line.split("|", 2)
+        assert peer == "2" and "peer 2" in message, line
+        assert float(elapsed) < 15, line
+
+
+def _intruders(endpoint_file: str) -> list[int]:
+    logging.basicConfig(level=logging.WARNING)
+    comm = _init()
+    if comm.rank == 0:
+        with open(endpoint_file, "w") as fh:
+            fh.write(comm.transport.endpoints["0"])
+    comm.barrier()
+    # Give the intruders (started by the test once the file exists) time to act.
+    deadline = time.monotonic() + 20
+    while comm.rank == 0 and comm.transport.rejected_messages < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    comm.barrier()
+    t = torch.full((1000,), float(comm.rank + 1))
+    comm.allreduce(t)
+    assert torch.equal(t, torch.full((1000,), 3.0))
+    rejected = comm.transport.rejected_messages
+    comm.close()
+    return [rejected]
+
+
+def test_zmq_rejects_junk_and_wrong_token(tmp_path) -> None:
+    import threading
+
+    endpoint_file = tmp_path / "endpoint"
+    results: list = []
+    runner = threading.Thread(target=lambda: results.append(
+        run_ranks(_intruders, 2, args=(str(endpoint_file),), timeout=90)))
+    runner.start()
+    deadline = time.monotonic() + 60
+    while not endpoint_file.exists() or not endpoint_file.read_text():
+        assert time.monotonic() < deadline, "rank 0 never published its endpoint"
+        time.sleep(0.05)
+    endpoint = endpoint_file.read_text()
+    host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+    # 1. A plain socket writing junk: fails zmq's handshake, never reaches the job.
+    with socket.create_connection((host, int(port))) as plain:
+        plain.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + os.urandom(256))
+        time.sleep(0.3)
+    # 2. A well-formed zmq peer with the wrong job token, aiming at the tag of the next allreduce.
+    ctx = zmq.Context()
+    intruder = ctx.socket(zmq.DEALER)
+    intruder.connect(endpoint)
+    header = encode_header(b"\x00" * 16, 1, 0, 0)
+    intruder.send_multipart([header, b"allreduce", torch.full((1000,), 1e9).numpy().tobytes()])
+    time.sleep(0.3)
+    intruder.close(linger=500)
+    ctx.term()
+    runner.join(timeout=120)
+    assert results, "the ranks did not finish"
+    rejected_on_rank0 = results[0][0][0]
+    assert rejected_on_rank0 >= 2

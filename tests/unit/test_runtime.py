@@ -1,0 +1,197 @@
+"""Executor + Communicator on the in-process transport (ranks are threads).
+
+Run: python -m pytest tests/unit/test_runtime.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import mlfabric
+from mlfabric import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError
+from mlfabric.collectives import build, choose_allreduce
+from mlfabric.transport.local import LocalFabric
+
+ALGORITHMS = ("ring", "halving_doubling", "tree")
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64)
+
+
+def rank_input(rank: int, count: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Small integers, so float16/bfloat16 sums are exact whatever the reduction order."""
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    return torch.randint(-8, 9, (count,), generator=g).to(dtype)
+
+
+def reference(world: int, count: int, dtype: torch.dtype, seed: int, op: str) -> torch.Tensor:
+    stack = torch.stack([rank_input(r, count, dtype, seed).to(torch.float64) for r in range(world)])
+    if op == "sum":
+        out = stack.sum(0)
+    elif op == "max":
+        out = stack.max(0).values if count else stack.sum(0)
+    elif op == "min":
+        out = stack.min(0).values if count else stack.sum(0)
+    elif op == "avg":
+        total = stack.sum(0)
+        out = torch.floor(total / world) if not dtype.is_floating_point else total / world
+    else:
+        raise ValueError(op)
+    return out.to(dtype)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
+def test_allreduce_matches_local_reference(world: int) -> None:
+    cases = [
+        (alg, count, dtype, op)
+        for alg in ALGORITHMS
+        for count in (0, 1, 7, 1000)
+        for dtype in DTYPES
+        for op in ("sum", "avg", "max")
+    ]
+    # A million elements once per algorithm (float32 sum) and once for int64 with ring.
+    cases += [(alg, 1_000_000, torch.float32, "sum") for alg in ALGORITHMS]
+    cases += [("ring", 1_000_000, torch.int64, "avg")]
+
+    def body(comm: mlfabric.Communicator) -> int:
+        for seed, (alg, count, dtype, op) in enumerate(cases):
+            t = rank_input(comm.rank, count, dtype, seed)
+            out = comm.allreduce(t, algorithm=alg, op=op)
+            assert out is t
+            expected = reference(world, count, dtype, seed, op)
+            if dtype.is_floating_point and op == "avg":
+                torch.testing.assert_close(t, expected, rtol=1e-2, atol=1e-2)
+            else:
+                assert torch.equal(t, expected), (alg, count, dtype, op)
+        return len(cases)
+
+    assert mlfabric.run_threads(world, body) == [len(cases)] * world
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_broadcast_allgather_reduce_scatter(world: int) -> None:
+    def body(comm: mlfabric.Communicator) -> None:
+        for root in range(world):
+            t = torch.full((5, 3), float(comm.rank))
+            comm.broadcast(t, root=root)
+            assert torch.equal(t, torch.full((5, 3), float(root)))
+        g = comm.allgather(torch.arange(4, dtype=torch.int64) + 10 * comm.rank)
+        assert g.shape == (world, 4)
+        assert torch.equal(g, torch.arange(4).repeat(world, 1) + 10 * torch.arange(world)[:, None])
+        full = torch.arange(11, dtype=torch.int64)
+        shard = comm.reduce_scatter(full * (comm.rank + 1))
+        expected = torch.tensor_split(full * sum(range(1, world + 1)), world)[comm.rank]
+        assert torch.equal(shard, expected)
+
+    mlfabric.run_threads(world, body)
+
+
+def test_non_contiguous_tensor_is_written_back() -> None:
+    def body(comm: mlfabric.Communicator) -> None:
+        base = torch.ones(6, 4) * (comm.rank + 1)
+        view = base.t()  # not contiguous
+        comm.allreduce(view)
+        assert torch.equal(base, torch.full((6, 4), 3.0))
+
+    mlfabric.run_threads(2, body)
+
+
+def test_async_returns_torch_future_and_overlaps() -> None:
+    def body(comm: mlfabric.Communicator) -> None:
+        tensors = [torch.full((1000,), float(i)) for i in range(4)]
+        futures = [comm.allreduce_async(t, algorithm="ring") for t in tensors]
+        assert all(isinstance(f, torch.futures.Future) for f in futures)
+        results = torch.futures.wait_all(futures)
+        for i, out in enumerate(results):
+            assert torch.equal(out, torch.full((1000,), 3.0 * i))
+
+    mlfabric.run_threads(3, body)
+
+
+def test_bytes_counted_by_transport_equal_stated_cost() -> None:
+    world, count = 5, 10_007
+    for alg in ALGORITHMS:
+        fabric = LocalFabric(world)
+        comms = [mlfabric.Communicator(t) for t in fabric.transports()]
+
+        def body(rank: int) -> None:
+            comms[rank].allreduce(torch.ones(count, dtype=torch.float64), algorithm=alg)
+
+        import threading
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        for rank, comm in enumerate(comms):
+            stated = build(f"allreduce:{alg}", world, rank, count, op="sum").cost
+            assert comm.transport.bytes_sent() == stated.bytes_sent(8), (alg, rank)
+            comm.close()
+
+
+def test_mismatched_sizes_fail_on_every_rank() -> None:
+    def body(comm: mlfabric.Communicator) -> str:
+        count = 1001 if comm.rank == 2 else 1000
+        with pytest.raises(mlfabric.CollectiveError) as info:
+            comm.allreduce(torch.ones(count), algorithm="ring")
+        return str(info.value)
+
+    messages = mlfabric.run_threads(4, body, timeout=10)
+    assert any("1001" in m and "1000" in m for m in messages)
+    assert all("mismatch" in m or "aborted" in m for m in messages)
+
+
+def test_mismatched_dtypes_raise_mismatch_error() -> None:
+    def body(comm: mlfabric.Communicator) -> type:
+        dtype = torch.float64 if comm.rank == 0 else torch.float32
+        with pytest.raises(mlfabric.CollectiveError) as info:
+            comm.allreduce(torch.ones(64, dtype=dtype), algorithm="halving_doubling")
+        return type(info.value)
+
+    kinds = mlfabric.run_threads(2, body, timeout=10)
+    assert CollectiveMismatchError in kinds
+
+
+def test_killed_peer_is_named_on_every_other_rank() -> None:
+    fabric = LocalFabric(3)
+    comms = [mlfabric.Communicator(t, timeout=30) for t in fabric.transports()]
+    futures = [comms[r].allreduce_async(torch.ones(100_000), algorithm="ring") for r in (0, 1)]
+    start = time.monotonic()
+    fabric.kill(2)
+    for fut in futures:
+        with pytest.raises(PeerLostError, match="peer 2"):
+            fut.wait()
+    assert time.monotonic() - start < 5
+    for comm in comms[:2]:
+        comm.close()
+
+
+def test_timeout_names_the_missing_peer() -> None:
+    fabric = LocalFabric(2)
+    comms = [mlfabric.Communicator(t, timeout=0.5) for t in fabric.transports()]
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeoutError, match="recv from peer 1"):
+        comms[0].allreduce(torch.ones(10))
+    assert 0.4 < time.monotonic() - start < 3
+    for comm in comms:
+        comm.close()
+
+
+def test_bad_arguments_are_rejected() -> None:
+    comm = mlfabric.local_world(1)[0]
+    with pytest.raises(ValueError, match="unknown allreduce algorithm"):
+        comm.allreduce(torch.ones(3), algorithm="butterfly")
+    with pytest.raises(ValueError, match="unknown reduction"):
+        comm.allreduce(torch.ones(3), op="median")
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        comm.allreduce([1.0, 2.0])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="root 3"):
+        comm.broadcast(torch.ones(3), root=3)
+    comm.close()
+
+
+def test_auto_picks_by_size() -> None:
+    assert choose_allreduce("auto", 1024, 8) == "halving_doubling"
+    assert choose_allreduce("auto", 64 << 20, 8) == "ring"
