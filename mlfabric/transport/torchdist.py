@@ -3,9 +3,14 @@
 Each channel (and the control channel) gets its own process group, so traffic of different
 channels never queues behind each other. A message is three point-to-point transfers on
 the channel's group: a fixed-size header (job token, source, tag, sizes), the collective
-description, and the payload. A receive thread keeps one header receive posted per (peer,
-channel) and polls them, so the design needs no any-source receive and works on NCCL too
-(where staging tensors live on the rank's GPU, ``cuda:LOCAL_RANK``).
+description, and the payload.
+
+Receiving: on gloo one thread per channel blocks in an any-source receive of the next
+header, then pulls the body from that source; NCCL has no any-source receive, so there it
+is one thread per (channel, peer), with staging tensors on ``cuda:LOCAL_RANK``.
+Sending: the payload is staged into a fresh tensor so the caller's buffer is free at once
+(gloo only reports a send complete from ``wait()``), and a reaper thread waits on the
+sends in order, so a failed send is logged rather than lost.
 
 Exercise it with ``python -m pytest tests/local/test_torchdist.py``.
 """
@@ -14,37 +19,18 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
-import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from .base import CONTROL_CHANNEL, TOKEN_BYTES, Message, SendHandle, Transport
+from .base import COMPLETED, CONTROL_CHANNEL, TOKEN_BYTES, Message, SendHandle, Transport
 
 log = logging.getLogger("mlfabric.transport.torchdist")
 
 _HEADER_LEN = 6  # token, src, tag, channel index, meta bytes, payload bytes
-_POLL_S = 0.0002
-
-
-class _WorkHandle(SendHandle):
-    """Send completion of the isend works; keeps the tensors alive until then."""
-
-    __slots__ = ("_works", "_tensors")
-
-    def __init__(self, works: list, tensors: list[torch.Tensor]) -> None:
-        super().__init__(False)
-        self._works = works
-        self._tensors = tensors
-
-    def done(self) -> bool:
-        if not self._done and all(w.is_completed() for w in self._works):
-            self._done = True
-            self._works = []
-            self._tensors = []
-        return self._done
 
 
 class TorchDistTransport(Transport):
@@ -57,8 +43,15 @@ class TorchDistTransport(Transport):
         self._channel_index = {name: i for i, name in enumerate([*self.channels, CONTROL_CHANNEL])}
         self._send_lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._recv_loop, name=f"mlfabric-torchdist-{rank}", daemon=True)
-        self._thread.start()
+        self._sent: queue.Queue = queue.Queue()
+        threading.Thread(target=self._reap_sends, name=f"mlfabric-torchdist-reaper-{rank}",
+                         daemon=True).start()
+        any_source = device.type == "cpu"  # gloo; NCCL cannot receive from any source
+        for name in (*self.channels, CONTROL_CHANNEL):
+            sources = [None] if any_source else [p for p in range(world_size) if p != rank]
+            for src in sources:
+                threading.Thread(target=self._recv_loop, args=(name, src), daemon=True,
+                                 name=f"mlfabric-torchdist-recv-{rank}-{name}-{src}").start()
 
     @classmethod
     def create(cls, store, rank: int, world_size: int, *, backend: str = "gloo",
@@ -84,32 +77,37 @@ class TorchDistTransport(Transport):
                                len(meta), payload.nbytes], dtype=torch.int64, device=self._device)
         tensors = [header]
         if meta:
-            tensors.append(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self._device))
+            tensors.append(_staged(meta, self._device))
         if payload.nbytes:
-            tensors.append(torch.frombuffer(payload, dtype=torch.uint8).to(self._device))
+            tensors.append(_staged(payload, self._device))
         with self._send_lock:
             works = [dist.isend(t, dst=peer, group=group) for t in tensors]
-        return _WorkHandle(works, tensors)
+        self._sent.put((peer, works, tensors))
+        return COMPLETED
 
-    def _post_header(self, peer: int, channel: str):
+    def _reap_sends(self) -> None:
+        while True:
+            peer, works, _tensors = self._sent.get()
+            try:
+                for work in works:
+                    work.wait()
+            except Exception as exc:  # the peer died; liveness is reported by timeouts
+                if not self._stop.is_set():
+                    log.warning("rank %d: send to peer %d failed: %s", self.rank, peer, exc)
+
+    def _recv_loop(self, channel: str, src: int | None) -> None:
+        group = self._groups[channel]
         header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self._device)
-        return dist.irecv(header, src=peer, group=self._groups[channel]), header
-
-    def _recv_loop(self) -> None:
-        names = [*self.channels, CONTROL_CHANNEL]
-        posted = {(peer, name): self._post_header(peer, name)
-                  for peer in range(self.world_size) if peer != self.rank for name in names}
         while not self._stop.is_set():
-            idle = True
-            for key, (work, header) in list(posted.items()):
-                if not work.is_completed():
-                    continue
-                idle = False
-                peer, name = key
-                self._receive_body(peer, name, header.cpu().tolist())
-                posted[key] = self._post_header(peer, name)
-            if idle:
-                time.sleep(_POLL_S)
+            try:
+                work = dist.irecv(header, src=src, group=group)
+                work.wait()
+                peer = src if src is not None else work._source_rank()
+                self._receive_body(peer, channel, header.cpu().tolist())
+            except Exception as exc:
+                if not self._stop.is_set():
+                    log.warning("rank %d: receive loop on channel %r stopped: %s", self.rank, channel, exc)
+                return
 
     def _receive_body(self, peer: int, channel: str, header: list[int]) -> None:
         token, src, tag, channel_index, meta_len, nbytes = header
@@ -128,5 +126,10 @@ class TorchDistTransport(Transport):
         self._deliver(Message(src, tag, channel, bytes(meta.numpy()), memoryview(payload.numpy())))
 
     def _shutdown(self) -> None:
-        # Posted header receives cannot be cancelled; the thread is a daemon and stops polling.
+        # A posted receive cannot be cancelled: the receive threads are daemons, left blocked.
         self._stop.set()
+
+
+def _staged(data: bytes | memoryview, device: torch.device) -> torch.Tensor:
+    """A private copy of ``data`` as a uint8 tensor on ``device``."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
