@@ -1,0 +1,408 @@
+"""A mutable set of flows on capacitated links whose max-min rates are kept up to date.
+
+:class:`FlowNetwork` is what an event engine (``mlfabric.sim``) or the parameter-server
+scheduler holds: flows come and go (``add_flows`` / ``remove_flows``, in batches, e.g. all
+flows that finish at the same instant), link capacities change (``set_capacity``, from a
+capacity trace), per-flow caps change (``set_caps``); ``rates()`` re-solves lazily, once per
+batch of changes.
+
+Re-solving only what changed: progressive filling freezes flows in increasing order of rate,
+and a change can only alter the process from some level ``T`` on:
+
+* removing a flow: ``T`` = its old rate;
+* lowering link ``l``'s capacity to ``c'`` below its current load: ``T >= c' / W_l`` (``W_l``
+  = total weight on ``l``); raising the capacity of a saturated link: ``T >= load_l / W_l``
+  (its saturation level is at least the average rate on it); other capacity changes: none;
+* adding flows: ``T >= min over their links of c_l / W_l`` (with the new flows counted in
+  ``W_l``): below that level none of their links can fill, so nothing else can change;
+* changing a cap: like removing and re-adding the flow.
+
+Every flow whose old rate is below ``T`` keeps it; only the others are re-solved, on the
+capacity the kept flows leave. When most flows would be re-solved anyway, a full solve is
+done instead. Either way the result is the exact max-min allocation (tests compare with a
+from-scratch solve and check the certificate after random change sequences).
+
+Flow ids are small integers handed out by ``add_flows``; the id of a removed flow may be
+reused by a later ``add_flows``.
+
+Exercise it with::
+
+    .venv/bin/python -m pytest tests/unit/test_flow.py -q -k network
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mlfabric.flow.certificate import CertificateReport, check_certificate
+from mlfabric.flow.incidence import Incidence
+from mlfabric.flow.maxmin import DEFAULT_TIE_RTOL, solve_max_min, validate_capacity
+
+__all__ = ["FlowNetwork", "UpdateStats"]
+
+# Flows whose old rate is within this relative distance of the divergence level are
+# re-solved rather than kept: keeps rounding on a tie from splitting a batch.
+_KEEP_MARGIN = 1e-9
+# Above this fraction of flows to re-solve, a full solve is cheaper than the bookkeeping.
+_FULL_SOLVE_FRACTION = 0.6
+# A link whose load is within this relative distance of its capacity counts as saturated
+# when deciding whether a capacity increase matters (false positives only cost time).
+_SATURATION_SLACK = 1e-7
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateStats:
+    """What the last :meth:`FlowNetwork.update` did."""
+
+    #: "none" (nothing changed), "partial" (only flows at or above the divergence level) or "full".
+    kind: str
+    flows_total: int
+    flows_resolved: int
+    divergence_level: float
+
+
+class FlowNetwork:
+    """Flows over links with capacities; ``rates()`` returns their max-min fair rates."""
+
+    def __init__(
+        self,
+        link_capacity: np.ndarray | list[float],
+        *,
+        tie_rtol: float = DEFAULT_TIE_RTOL,
+        incremental: bool = True,
+    ) -> None:
+        capacity = np.asarray(link_capacity, dtype=np.float64)
+        self._capacity = validate_capacity(capacity, capacity.size).copy()
+        self.n_links = int(capacity.size)
+        self.tie_rtol = tie_rtol
+        #: False: every update is a full solve (for comparisons and debugging).
+        self.incremental = incremental
+        # Per-flow slots (grown by doubling; freed slots are reused).
+        self._slots = 0
+        self._start = np.zeros(0, dtype=np.int64)
+        self._length = np.zeros(0, dtype=np.int64)
+        self._cap = np.zeros(0)
+        self._rate = np.zeros(0)
+        self._alive = np.zeros(0, dtype=bool)
+        self._solved = np.zeros(0, dtype=bool)
+        self._free: list[np.ndarray] = []
+        self._n_alive = 0
+        # Solved flows sorted by rate at their last solve (may hold ids of since-removed or
+        # reused flows; they are filtered when read): the flows at or above a divergence
+        # level are a suffix, found by binary search instead of a pass over all flows.
+        self._order = np.zeros(0, dtype=np.int64)
+        self._order_rates = np.zeros(0)
+        #: Ids re-solved by the last update (their rates may have changed): an event engine
+        #: only needs to recompute finish times for these.
+        self.last_resolved = np.zeros(0, dtype=np.int64)
+        # Entry storage (append-only, compacted when mostly garbage).
+        self._entries = 0
+        self._dead_entries = 0
+        self._links = np.zeros(0, dtype=np.int64)
+        self._weights = np.zeros(0)
+        self._unit_weights = True
+        # Per-link aggregates over alive flows.
+        self._weight_sum = np.zeros(self.n_links)
+        self._load = np.zeros(self.n_links)  # of solved flows at their current rates
+        # Pending changes.
+        self._divergence = np.inf
+        self._pending_new: list[np.ndarray] = []
+        self._dirty = False
+        self.last_update = UpdateStats(kind="none", flows_total=0, flows_resolved=0, divergence_level=np.inf)
+
+    # ------------------------------------------------------------------ storage helpers
+
+    def _grow_slots(self, needed: int) -> None:
+        if needed <= self._start.size:
+            return
+        size = max(needed, 2 * self._start.size, 64)
+        for name, fill in (("_start", 0), ("_length", 0), ("_cap", np.inf), ("_rate", np.nan), ("_alive", False), ("_solved", False)):
+            old = getattr(self, name)
+            new = np.full(size, fill, dtype=old.dtype)
+            new[: old.size] = old
+            setattr(self, name, new)
+
+    def _grow_entries(self, needed: int) -> None:
+        if needed <= self._links.size:
+            return
+        size = max(needed, 2 * self._links.size, 256)
+        links = np.zeros(size, dtype=np.int64)
+        links[: self._entries] = self._links[: self._entries]
+        weights = np.zeros(size)
+        weights[: self._entries] = self._weights[: self._entries]
+        self._links, self._weights = links, weights
+
+    def _compact_entries(self) -> None:
+        ids = self.flow_ids()
+        incidence = self._incidence_of(ids)
+        self._links = incidence.links.copy()
+        self._weights = incidence.weight_array().copy()
+        self._entries = incidence.nnz
+        self._dead_entries = 0
+        self._start[ids] = incidence.indptr[:-1]
+
+    def _entry_positions(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        starts = self._start[ids]
+        lengths = self._length[ids]
+        indptr = np.zeros(ids.size + 1, dtype=np.int64)
+        np.cumsum(lengths, out=indptr[1:])
+        positions = np.repeat(starts - indptr[:-1], lengths) + np.arange(indptr[-1], dtype=np.int64)
+        return positions, indptr
+
+    def _incidence_of(self, ids: np.ndarray) -> Incidence:
+        positions, indptr = self._entry_positions(ids)
+        weights = None if self._unit_weights else self._weights[positions]
+        return Incidence(indptr=indptr, links=self._links[positions], weights=weights, n_links=self.n_links)
+
+    def _check_ids(self, ids: np.ndarray | list[int] | int, what: str, *, distinct: bool = False) -> np.ndarray:
+        array = np.atleast_1d(np.asarray(ids, dtype=np.int64))
+        if array.size == 0:
+            return array
+        bad = (array < 0) | (array >= self._slots)
+        if not bad.any():
+            bad = ~self._alive[array]
+        if bad.any():
+            raise ValueError(f"{what}: flow id {int(array[np.flatnonzero(bad)[0]])} is not a live flow of this FlowNetwork")
+        if distinct:
+            # O(n) repeat test (np.unique would sort): the last write of each id wins.
+            order = np.arange(array.size)
+            scratch = np.empty(self._slots, dtype=np.int64)
+            scratch[array] = order
+            if not np.array_equal(scratch[array], order):
+                raise ValueError(f"{what}: flow ids must not repeat")
+        return array
+
+    # ------------------------------------------------------------------ public: inspection
+
+    @property
+    def n_flows(self) -> int:
+        return self._n_alive
+
+    def flow_ids(self) -> np.ndarray:
+        """Ids of the live flows, ascending."""
+        return np.flatnonzero(self._alive[: self._slots])
+
+    def capacity(self) -> np.ndarray:
+        return self._capacity.copy()
+
+    def incidence(self, ids: np.ndarray | None = None) -> Incidence:
+        """Incidence of the given live flows (default: all, in :meth:`flow_ids` order)."""
+        ids = self.flow_ids() if ids is None else self._check_ids(ids, "incidence")
+        return self._incidence_of(ids)
+
+    def caps(self, ids: np.ndarray | None = None) -> np.ndarray:
+        ids = self.flow_ids() if ids is None else self._check_ids(ids, "caps")
+        return self._cap[ids].copy()
+
+    # ------------------------------------------------------------------ public: changes
+
+    def add_flows(self, incidence: Incidence, caps: np.ndarray | list[float] | None = None) -> np.ndarray:
+        """Add the incidence's flows (optionally with per-flow caps); returns their ids."""
+        if incidence.n_links != self.n_links:
+            raise ValueError(f"incidence is over {incidence.n_links} links, this FlowNetwork has {self.n_links}")
+        n = incidence.n_flows
+        cap_array = np.full(n, np.inf) if caps is None else np.asarray(caps, dtype=np.float64)
+        if cap_array.shape != (n,) or np.isnan(cap_array).any() or (cap_array < 0).any():
+            raise ValueError(f"caps must be {n} values >= 0 (inf for none)")
+        if n == 0:
+            return np.zeros(0, dtype=np.int64)
+        # Reuse freed slots first, then grow.
+        reused = np.zeros(0, dtype=np.int64)
+        if self._free:
+            pool = np.concatenate(self._free)
+            reused, rest = pool[:n], pool[n:]
+            self._free = [rest] if rest.size else []
+        fresh = np.arange(self._slots, self._slots + n - reused.size, dtype=np.int64)
+        ids = np.concatenate([reused, fresh])
+        self._slots += fresh.size
+        self._grow_slots(self._slots)
+        self._grow_entries(self._entries + incidence.nnz)
+
+        self._links[self._entries : self._entries + incidence.nnz] = incidence.links
+        self._weights[self._entries : self._entries + incidence.nnz] = incidence.weight_array()
+        if incidence.weights is not None and not np.all(incidence.weights == 1.0):
+            self._unit_weights = False
+        self._start[ids] = self._entries + incidence.indptr[:-1]
+        self._length[ids] = incidence.lengths()
+        self._entries += incidence.nnz
+        self._cap[ids] = cap_array
+        self._rate[ids] = np.nan
+        self._alive[ids] = True
+        self._n_alive += n
+        self._solved[ids] = False
+        self._weight_sum += incidence.link_weight_sum()
+        self._pending_new.append(ids)
+        self._dirty = True
+        return ids
+
+    def remove_flows(self, ids: np.ndarray | list[int] | int) -> None:
+        """Remove flows (e.g. all that finished at this instant: one batch, one re-solve)."""
+        ids = self._check_ids(ids, "remove_flows", distinct=True)
+        if ids.size == 0:
+            return
+        positions, indptr = self._entry_positions(ids)
+        links = self._links[positions]
+        weights = self._weights[positions]
+        self._weight_sum -= np.bincount(links, weights=weights, minlength=self.n_links)
+        solved = self._solved[ids]
+        if solved.any():
+            rates = self._rate[ids]
+            entry_rates = np.repeat(np.where(solved, rates, 0.0), np.diff(indptr))
+            finite = np.isfinite(entry_rates)
+            self._load -= np.bincount(links[finite], weights=(weights * entry_rates)[finite], minlength=self.n_links)
+            self._divergence = min(self._divergence, float(rates[solved].min()))
+        self._alive[ids] = False
+        self._n_alive -= ids.size
+        self._solved[ids] = False
+        self._rate[ids] = np.nan
+        self._free.append(ids)
+        self._dead_entries += int(self._length[ids].sum())
+        self._dirty = True
+        if self._dead_entries > max(self._entries // 2, 1 << 16):
+            self._compact_entries()
+
+    def set_capacity(self, links: np.ndarray | list[int] | int, capacity: np.ndarray | list[float] | float) -> None:
+        """Change link capacities (bit/s); e.g. one change point of a capacity trace."""
+        link_array = np.atleast_1d(np.asarray(links, dtype=np.int64))
+        values = np.broadcast_to(np.asarray(capacity, dtype=np.float64), link_array.shape).copy()
+        if link_array.size and (link_array.min() < 0 or link_array.max() >= self.n_links):
+            raise ValueError(f"link ids must be in [0, {self.n_links})")
+        if np.isnan(values).any() or (values < 0).any():
+            raise ValueError("capacities must be >= 0 (inf allowed)")
+        for link, new in zip(link_array.tolist(), values.tolist()):
+            old = self._capacity[link]
+            if new == old:
+                continue
+            self._capacity[link] = new
+            self._dirty = True
+            weight = self._weight_sum[link]
+            load = self._load[link]
+            if weight <= 0:
+                continue  # nobody uses the link
+            if new < old:
+                # From inf, flows at rate inf may cross the link (their load is not in _load).
+                if old == np.inf or new < load * (1.0 + _SATURATION_SLACK):
+                    self._divergence = min(self._divergence, new / weight)
+            elif load >= old * (1.0 - _SATURATION_SLACK):
+                self._divergence = min(self._divergence, load / weight)
+
+    def set_caps(self, ids: np.ndarray | list[int] | int, caps: np.ndarray | list[float] | float) -> None:
+        """Change per-flow rate caps (inf for none)."""
+        ids = self._check_ids(ids, "set_caps", distinct=True)
+        values = np.broadcast_to(np.asarray(caps, dtype=np.float64), ids.shape).copy()
+        if np.isnan(values).any() or (values < 0).any():
+            raise ValueError("caps must be >= 0 (inf for none)")
+        for flow, new in zip(ids.tolist(), values.tolist()):
+            old = self._cap[flow]
+            if new == old:
+                continue
+            self._cap[flow] = new
+            self._dirty = True
+            if not self._solved[flow]:
+                continue
+            rate = self._rate[flow]
+            if new < rate:
+                self._divergence = min(self._divergence, new)
+            elif rate >= old * (1.0 - _SATURATION_SLACK):
+                self._divergence = min(self._divergence, rate)
+
+    # ------------------------------------------------------------------ public: solving
+
+    def _distinct(self, ids: np.ndarray) -> np.ndarray:
+        if ids.size < 2:
+            return ids
+        order = np.arange(ids.size)
+        scratch = np.empty(self._slots, dtype=np.int64)
+        scratch[ids] = order
+        return ids[scratch[ids] == order]
+
+    def update(self) -> UpdateStats:
+        """Re-solve if anything changed since the last call; returns what was done."""
+        if not self._dirty:
+            self.last_resolved = np.zeros(0, dtype=np.int64)
+            self.last_update = UpdateStats(kind="none", flows_total=self._n_alive, flows_resolved=0, divergence_level=np.inf)
+            return self.last_update
+        divergence = self._divergence
+        new_ids = np.concatenate(self._pending_new) if self._pending_new else np.zeros(0, dtype=np.int64)
+        new_ids = self._distinct(new_ids[self._alive[new_ids] & ~self._solved[new_ids]])
+        if new_ids.size:
+            touched = np.unique(self._incidence_of(new_ids).links)
+            touched = touched[self._weight_sum[touched] > 0]  # zero-weight entries constrain nothing
+            if touched.size:
+                # Below c_l / W_l no link of a new flow can fill, so nothing else changes there.
+                bound = self._capacity[touched] / self._weight_sum[touched]
+                divergence = min(divergence, float(bound.min()))
+
+        # Solved flows at or above the divergence level: a suffix of the rate order.
+        keep_below = divergence * (1.0 - _KEEP_MARGIN)
+        split = int(np.searchsorted(self._order_rates, keep_below, side="left")) if divergence < np.inf else self._order.size
+        suffix = self._order[split:]
+        suffix = suffix[self._alive[suffix] & self._solved[suffix]]
+        resolve = self._distinct(np.concatenate([suffix, new_ids]))
+
+        full = (not self.incremental) or resolve.size > _FULL_SOLVE_FRACTION * self._n_alive
+        if full:
+            ids = self.flow_ids()
+            incidence = self._incidence_of(ids)
+            rates = solve_max_min(incidence, self._capacity, self._cap[ids], tie_rtol=self.tie_rtol)
+            self._rate[ids] = rates
+            self._solved[ids] = True
+            finite = np.isfinite(rates)
+            self._load = incidence.subset(np.flatnonzero(finite)).link_load(rates[finite])
+            sort = np.argsort(rates, kind="stable")
+            self._order, self._order_rates = ids[sort], rates[sort]
+            self.last_resolved = ids
+            stats = UpdateStats(kind="full", flows_total=ids.size, flows_resolved=ids.size, divergence_level=divergence)
+        elif resolve.size:
+            incidence = self._incidence_of(resolve)
+            old = self._rate[resolve]
+            was_solved = self._solved[resolve] & np.isfinite(old)
+            load_kept = self._load - incidence.subset(np.flatnonzero(was_solved)).link_load(old[was_solved])
+            residual = np.maximum(self._capacity - load_kept, 0.0)
+            rates = solve_max_min(incidence, residual, self._cap[resolve], tie_rtol=self.tie_rtol)
+            self._rate[resolve] = rates
+            self._solved[resolve] = True
+            finite = np.isfinite(rates)
+            self._load = load_kept + incidence.subset(np.flatnonzero(finite)).link_load(rates[finite])
+            sort = np.argsort(rates, kind="stable")
+            self._order = np.concatenate([self._order[:split], resolve[sort]])
+            self._order_rates = np.concatenate([self._order_rates[:split], rates[sort]])
+            if split and rates.size and rates[sort[0]] < self._order_rates[split - 1]:
+                # Re-solved rates lie at or above the divergence level up to rounding; if
+                # rounding put one below a kept rate, restore the order outright.
+                resort = np.argsort(self._order_rates, kind="stable")
+                self._order, self._order_rates = self._order[resort], self._order_rates[resort]
+            self.last_resolved = resolve
+            stats = UpdateStats(kind="partial", flows_total=self._n_alive, flows_resolved=resolve.size, divergence_level=divergence)
+        else:
+            self.last_resolved = np.zeros(0, dtype=np.int64)
+            stats = UpdateStats(kind="none", flows_total=self._n_alive, flows_resolved=0, divergence_level=divergence)
+        if self._order.size > 2 * self._n_alive + 1024:
+            # Mostly stale entries: rebuild from the live flows' current rates.
+            ids = self.flow_ids()
+            ids = ids[self._solved[ids]]
+            sort = np.argsort(self._rate[ids], kind="stable")
+            self._order, self._order_rates = ids[sort], self._rate[ids][sort]
+        self._divergence = np.inf
+        self._pending_new = []
+        self._dirty = False
+        self.last_update = stats
+        return stats
+
+    def rates(self, ids: np.ndarray | list[int] | None = None) -> np.ndarray:
+        """Max-min rates of the given live flows (default: all, in :meth:`flow_ids` order)."""
+        self.update()
+        ids = self.flow_ids() if ids is None else self._check_ids(ids, "rates")
+        return self._rate[ids].copy()
+
+    def link_load(self) -> np.ndarray:
+        """Load on every link at the current rates."""
+        self.update()
+        return self._load.copy()
+
+    def check(self, rtol: float = 1e-9) -> CertificateReport:
+        """Certificate of the current rates (recomputed from scratch, independent of the solver)."""
+        ids = self.flow_ids()
+        return check_certificate(self._incidence_of(ids), self._capacity, self.rates(ids), self._cap[ids], rtol=rtol)

@@ -1,0 +1,409 @@
+"""Max-min fair sharing: textbook answers, fast == naive, certificates, incremental updates.
+
+    .venv/bin/python -m pytest tests/unit/test_flow.py -q
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlfabric.flow import (
+    BenchmarkConfig,
+    CertificateError,
+    FlowNetwork,
+    Incidence,
+    benchmark_solver,
+    check_certificate,
+    format_benchmark,
+    naive_max_min,
+    solve_max_min,
+    solve_max_min_with_stats,
+)
+from mlfabric.topo import fat_tree
+
+METHODS = ("auto", "rounds", "events")
+INF = math.inf
+
+
+def solve_all(incidence: Incidence, capacity: list[float] | np.ndarray, caps: list[float] | None = None) -> np.ndarray:
+    """Solve with every method and the naive solver; they must agree; return the fast result."""
+    results = [solve_max_min(incidence, capacity, caps, method=method) for method in METHODS]
+    naive = np.asarray(naive_max_min(incidence, capacity, caps))
+    for rates in results:
+        np.testing.assert_allclose(rates, naive, rtol=1e-9, atol=0)
+    return results[0]
+
+
+# ---------------------------------------------------------------------------- incidence
+
+
+def test_incidence_constructors_agree() -> None:
+    lists = Incidence.from_paths([[0, 2], [], [1]], 3)
+    padded = Incidence.from_padded(np.array([[0, 2], [-1, -1], [1, -1]]), 3)
+    assert np.array_equal(lists.indptr, padded.indptr) and np.array_equal(lists.links, padded.links)
+    assert lists.lengths().tolist() == [2, 0, 1]
+    assert lists.link_load(np.array([1.0, 5.0, 2.0])).tolist() == [1.0, 2.0, 1.0]
+    sub = lists.subset([2, 0])
+    assert sub.to_lists() == [[(1, 1.0)], [(0, 1.0), (2, 1.0)]]
+    both = Incidence.concat([lists, sub])
+    assert both.n_flows == 5 and both.to_lists()[3:] == sub.to_lists()
+    weighted = Incidence.from_paths([[1, 1, 0]], 2, [[0.25, 0.25, 0.5]]).merge_duplicates()
+    assert weighted.to_lists() == [[(0, 0.5), (1, 0.5)]]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"indptr": [0, 2], "links": [0, 5], "weights": None, "n_links": 3}, "out of range"),
+        ({"indptr": [0, 3], "links": [0, 1], "weights": None, "n_links": 3}, "ends at"),
+        ({"indptr": [1, 2], "links": [0], "weights": None, "n_links": 3}, "starting at 0"),
+        ({"indptr": [0, 1], "links": [0], "weights": [-1.0], "n_links": 3}, "non-negative"),
+        ({"indptr": [0, 1], "links": [0.5], "weights": None, "n_links": 3}, "integers"),
+    ],
+)
+def test_incidence_validation(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Incidence(**kwargs)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- textbook instances
+
+
+def test_three_flows_on_a_two_link_line() -> None:
+    # Flow 0 crosses both links, flow 1 only link 0, flow 2 only link 1.
+    line = Incidence.from_paths([[0, 1], [0], [1]], 2)
+    assert solve_all(line, [1.0, 1.0]).tolist() == [0.5, 0.5, 0.5]
+    # Link 1 twice as fast: flow 0 is held to 1/2 by link 0, flow 2 takes the rest of link 1.
+    assert solve_all(line, [1.0, 2.0]).tolist() == [0.5, 0.5, 1.5]
+
+
+def test_parking_lot() -> None:
+    # One long flow over 3 links, one short flow per link; link 2 is slow.
+    parking = Incidence.from_paths([[0, 1, 2], [0], [1], [2]], 3)
+    rates = solve_all(parking, [10.0, 10.0, 2.0])
+    assert rates.tolist() == [1.0, 9.0, 9.0, 1.0]
+
+
+def test_bertsekas_gallager_example() -> None:
+    # Capacities 1 on all links; flows: A over links 0-1-2, B over 0, C over 1, D over 1-2 (scaled).
+    incidence = Incidence.from_paths([[0, 1, 2], [0], [1], [1, 2], [2]], 3)
+    rates = solve_all(incidence, [1.0, 1.0, 1.0])
+    # Link 1 has 3 flows -> 1/3 each for A, C, D; B gets 2/3 of link 0; E gets 1/3 of link 2.
+    np.testing.assert_allclose(rates, [1 / 3, 2 / 3, 1 / 3, 1 / 3, 1 / 3], rtol=1e-12)
+
+
+def test_caps_zero_capacity_and_unconstrained_flows() -> None:
+    incidence = Incidence.from_paths([[0], [0], [], [1], [], [2]], 3)
+    caps = [0.2, INF, 3.0, INF, INF, INF]
+    rates = solve_all(incidence, [1.0, 0.0, INF], caps)
+    assert rates.tolist() == [0.2, 0.8, 3.0, 0.0, INF, INF]
+    assert check_certificate(incidence, [1.0, 0.0, INF], rates, caps).ok
+
+
+def test_spraying_weights_share_links_fractionally() -> None:
+    # Flow 0 split in half over links 0 and 1; flow 1 alone on link 1.
+    incidence = Incidence.from_paths([[0, 1], [1]], 2, [[0.5, 0.5], [1.0]])
+    rates = solve_all(incidence, [1.0, 1.0])
+    # Level t: link 0 saturates at 0.5 t = 1 -> t = 2; link 1 at 0.5 t + t = 1 -> t = 2/3 first.
+    np.testing.assert_allclose(rates, [2 / 3, 2 / 3], rtol=1e-12)
+    # Zero weights neither load nor constrain.
+    zero = Incidence.from_paths([[0, 1]], 2, [[0.0, 1.0]])
+    assert solve_all(zero, [0.0, 5.0]).tolist() == [5.0]
+
+
+def test_ties_freeze_as_one_batch() -> None:
+    # 20 links saturating at the same level: one round, one event.
+    paths = [[link] for link in range(20) for _ in range(3)]
+    incidence = Incidence.from_paths(paths, 20)
+    for method in ("rounds", "events"):
+        rates, stats = solve_max_min_with_stats(incidence, np.full(20, 3.0), method=method)
+        assert (rates == 1.0).all()
+        assert stats.rounds + stats.events == 1
+
+
+def test_empty_and_degenerate_inputs() -> None:
+    assert solve_max_min(Incidence.empty(3), [1.0, 1.0, 1.0]).size == 0
+    with pytest.raises(ValueError, match="shape"):
+        solve_max_min(Incidence.from_paths([[0]], 2), [1.0])
+    with pytest.raises(ValueError, match="negative"):
+        solve_max_min(Incidence.from_paths([[0]], 1), [-1.0])
+    with pytest.raises(ValueError, match="cap of flow 0"):
+        solve_max_min(Incidence.from_paths([[0]], 1), [1.0], [-1.0])
+    with pytest.raises(ValueError, match="method"):
+        solve_max_min(Incidence.from_paths([[0]], 1), [1.0], method="magic")
+
+
+# ---------------------------------------------------------------------------- random instances
+
+
+@st.composite
+def instances(draw: st.DrawFn, max_links: int = 8, max_flows: int = 14) -> tuple[Incidence, list[float], list[float] | None]:
+    n_links = draw(st.integers(1, max_links))
+    n_flows = draw(st.integers(0, max_flows))
+    weighted = draw(st.booleans())
+    paths, weights = [], []
+    for _ in range(n_flows):
+        path = draw(st.lists(st.integers(0, n_links - 1), min_size=0, max_size=4, unique=True))
+        paths.append(path)
+        weights.append([draw(st.sampled_from([0.0, 0.25, 0.5, 1.0])) for _ in path])
+    capacity = [draw(st.sampled_from([0.0, 1.0, 2.0, 3.0, 7.5, INF])) if draw(st.booleans()) else draw(st.floats(0.1, 100.0)) for _ in range(n_links)]
+    caps = None
+    if draw(st.booleans()):
+        caps = [draw(st.sampled_from([INF, 0.5, 1.0, 2.5])) for _ in range(n_flows)]
+    return Incidence.from_paths(paths, n_links, weights if weighted else None), capacity, caps
+
+
+@settings(max_examples=300, deadline=None)
+@given(instances())
+def test_fast_solvers_equal_naive_and_certificate_holds(instance: tuple[Incidence, list[float], list[float] | None]) -> None:
+    incidence, capacity, caps = instance
+    rates = solve_all(incidence, capacity, caps)
+    report = check_certificate(incidence, capacity, rates, caps)
+    assert report.ok, report.summary()
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 2**32), st.sampled_from(["ecmp", "spray"]), st.integers(1, 400), st.sampled_from([1.0, 2.0, 4.0]))
+def test_certificate_holds_on_random_fat_tree_traffic(seed: int, routing: str, n_flows: int, oversub: float) -> None:
+    topology = fat_tree(4, 10e9, oversub=oversub)
+    rng = np.random.default_rng(seed)
+    flows = rng.integers(0, topology.n_hosts, (n_flows, 2))
+    incidence = topology.route_ecmp(flows, seed=seed) if routing == "ecmp" else topology.route_spray(flows)
+    capacity = topology.capacity() * rng.choice([0.5, 1.0, 1.0, 2.0], topology.n_links)
+    caps = np.where(rng.random(n_flows) < 0.2, rng.uniform(1e8, 5e9, n_flows), INF)
+    rates = solve_max_min(incidence, capacity, caps)
+    assert check_certificate(incidence, capacity, rates, caps).ok
+    np.testing.assert_allclose(rates, naive_max_min(incidence, capacity, caps), rtol=1e-9)
+
+
+def test_certificate_holds_on_a_250k_flow_six_hop_instance() -> None:
+    topology = fat_tree(16, 10e9, oversub=4)
+    rng = np.random.default_rng(42)
+    src = rng.integers(0, 1024, 250_000)
+    dst = (src + rng.integers(64, 1024 - 63, 250_000)) % 1024  # always another pod (64 hosts per pod)
+    dst = np.where(dst // 64 == src // 64, (dst + 64) % 1024, dst)
+    incidence = topology.route_ecmp(np.stack([src, dst], axis=1), seed=1)
+    assert (incidence.lengths() == 6).all()
+    rates, stats = solve_max_min_with_stats(incidence, topology.capacity())
+    report = check_certificate(incidence, topology.capacity(), rates)
+    assert report.ok, report.summary()
+    assert stats.n_flows == 250_000 and rates.min() > 0
+    # The oversubscribed ToR uplinks are the bottlenecks of (almost) everyone.
+    layers = topology.link_layer[report.bottleneck_link[report.bottleneck_link >= 0]]
+    tor = [topology.layer_names.index("edge-agg"), topology.layer_names.index("agg-edge")]
+    assert np.isin(layers, tor).mean() > 0.9
+
+
+# ---------------------------------------------------------------------------- certificate rejects wrong answers
+
+
+def test_certificate_rejects_infeasible_allocation() -> None:
+    incidence = Incidence.from_paths([[0, 1], [0], [1]], 2)
+    rates = solve_max_min(incidence, [1.0, 1.0])
+    report = check_certificate(incidence, [1.0, 1.0], rates * (1 + 1e-6))
+    assert not report.ok
+    assert report.overloaded_links.tolist() == [0, 1]
+    assert report.max_relative_overload == pytest.approx(1e-6, rel=1e-3)
+    with pytest.raises(CertificateError, match="overloaded"):
+        report.raise_if_failed()
+    # Within 1e-9 relative is accepted.
+    assert check_certificate(incidence, [1.0, 1.0], rates * (1 + 1e-10)).ok
+
+
+def test_certificate_rejects_feasible_but_unfair_allocations() -> None:
+    one_link = Incidence.from_paths([[0], [0]], 1)
+    # Saturated, but flow 1 is not the largest on its only link.
+    report = check_certificate(one_link, [1.0], [0.7, 0.3])
+    assert not report.ok and report.flows_without_bottleneck.tolist() == [1]
+    assert report.overloaded_links.size == 0
+    # Feasible but wasteful: nobody has a saturated link.
+    report = check_certificate(one_link, [1.0], [0.4, 0.4])
+    assert report.flows_without_bottleneck.tolist() == [0, 1]
+    # Line network: give flow 2 less than its max-min rate 1.5.
+    line = Incidence.from_paths([[0, 1], [0], [1]], 2)
+    assert not check_certificate(line, [1.0, 2.0], [0.5, 0.5, 1.4]).ok
+    # Shift rate from flow 0 to flow 1: still feasible, no longer max-min.
+    report = check_certificate(line, [1.0, 2.0], [0.4, 0.6, 1.6])
+    assert report.flows_without_bottleneck.tolist() == [0]
+
+
+def test_certificate_rejects_invalid_rates_and_caps() -> None:
+    incidence = Incidence.from_paths([[0], [], []], 1)
+    assert not check_certificate(incidence, [1.0], [1.0, -1.0, INF]).ok
+    assert check_certificate(incidence, [1.0], [1.0, -1.0, INF]).invalid_rate_flows.tolist() == [1]
+    assert not check_certificate(incidence, [1.0], [math.nan, INF, INF]).ok
+    # An unconstrained flow must be at inf; a capped one at its cap.
+    assert not check_certificate(incidence, [1.0], [1.0, 5.0, INF]).ok
+    assert check_certificate(incidence, [1.0], [1.0, 5.0, INF], [INF, 5.0, INF]).ok
+    assert not check_certificate(incidence, [1.0], [1.0, 6.0, INF], [INF, 5.0, INF]).ok
+    # An infinite rate on a finite link overloads it.
+    assert not check_certificate(incidence, [1.0], [INF, INF, INF]).ok
+
+
+def test_certificate_rejects_perturbed_large_solution() -> None:
+    topology = fat_tree(8, 10e9, oversub=2)
+    rng = np.random.default_rng(0)
+    flows = rng.integers(0, topology.n_hosts, (5000, 2))
+    flows = flows[flows[:, 0] != flows[:, 1]]
+    incidence = topology.route_ecmp(flows, seed=0)
+    capacity = topology.capacity()
+    rates = solve_max_min(incidence, capacity)
+    assert check_certificate(incidence, capacity, rates).ok
+    for victim in (int(np.argmax(rates)), int(np.argmin(rates)), 17):
+        lowered = rates.copy()
+        lowered[victim] *= 0.99
+        report = check_certificate(incidence, capacity, lowered)
+        # The victim's bottleneck is no longer full; flows sharing it lose their proof too.
+        assert victim in report.flows_without_bottleneck.tolist()
+        assert report.overloaded_links.size == 0
+
+
+# ---------------------------------------------------------------------------- FlowNetwork (incremental)
+
+
+operations = st.lists(
+    st.tuples(st.sampled_from(["add", "remove", "capacity", "cap"]), st.integers(0, 2**31)),
+    min_size=1,
+    max_size=25,
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.integers(1, 9), st.booleans(), operations)
+def test_flow_network_matches_full_solve_after_any_change_sequence(n_links: int, weighted: bool, ops: list[tuple[str, int]]) -> None:
+    rng = np.random.default_rng(n_links)
+    network = FlowNetwork(rng.choice([0.0, 1.0, 2.0, 3.0, INF], n_links, p=[0.05, 0.35, 0.3, 0.25, 0.05]))
+    for op, seed in ops:
+        r = np.random.default_rng(seed)
+        if op == "add" or network.n_flows == 0:
+            k = int(r.integers(1, 6))
+            paths = [list(r.choice(n_links, size=int(r.integers(0, min(n_links, 4) + 1)), replace=False)) for _ in range(k)]
+            weights = [list(r.choice([0.25, 0.5, 1.0], size=len(p))) for p in paths] if weighted else None
+            caps = r.choice([INF, 0.5, 1.0], size=k) if r.random() < 0.3 else None
+            network.add_flows(Incidence.from_paths(paths, n_links, weights), caps)
+        elif op == "remove":
+            ids = network.flow_ids()
+            network.remove_flows(r.choice(ids, size=int(r.integers(1, ids.size + 1)), replace=False))
+        elif op == "capacity":
+            network.set_capacity(int(r.integers(0, n_links)), float(r.choice([0.0, 0.5, 1.0, 2.0, 4.0, INF])))
+        else:
+            network.set_caps(int(r.choice(network.flow_ids())), float(r.choice([INF, 0.3, 1.0, 2.0])))
+        before = network.rates() if network.n_flows else np.zeros(0)
+        ids = network.flow_ids()
+        reference = solve_max_min(network.incidence(), network.capacity(), network.caps())
+        np.testing.assert_allclose(before, reference, rtol=1e-9, atol=0)
+        assert network.check().ok
+        np.testing.assert_allclose(network.link_load(), network.incidence().link_load(np.where(np.isfinite(reference), reference, 0.0)), rtol=1e-9, atol=1e-12)
+        assert ids.size == network.n_flows
+
+
+def test_flow_network_resolves_only_flows_at_or_above_the_change() -> None:
+    # Flows 0-9 each alone on a slow private link (rate 1); flows 10-13 share a fast link.
+    paths = [[i] for i in range(10)] + [[10]] * 4
+    capacity = [1.0] * 10 + [100.0]
+    network = FlowNetwork(capacity)
+    ids = network.add_flows(Incidence.from_paths(paths, 11))
+    assert network.rates().tolist() == [1.0] * 10 + [25.0] * 4
+    assert network.last_update.kind == "full"
+    network.remove_flows(ids[10:11])
+    rates = network.rates()
+    assert network.last_update.kind == "partial"
+    assert sorted(network.last_resolved.tolist()) == ids[11:].tolist()
+    np.testing.assert_allclose(rates, [1.0] * 10 + [100 / 3] * 3)
+    # Changing capacity of an unsaturated... no: link 10 is saturated; raising it re-solves its flows only.
+    network.set_capacity(10, 150.0)
+    np.testing.assert_allclose(network.rates(), [1.0] * 10 + [50.0] * 3)
+    assert network.last_update.kind == "partial" and network.last_update.flows_resolved == 3
+    # Lowering a link below its load re-solves from that level up.
+    network.set_capacity(0, 0.5)
+    np.testing.assert_allclose(network.rates()[:2], [0.5, 1.0])
+    # Nothing changed: nothing re-solved.
+    network.update()
+    assert network.last_update.kind == "none" and network.last_resolved.size == 0
+
+
+def test_flow_network_last_resolved_covers_every_changed_rate() -> None:
+    topology = fat_tree(4, 1.0, oversub=2)
+    rng = np.random.default_rng(7)
+    network = FlowNetwork(topology.capacity())
+    network.add_flows(topology.route_ecmp(rng.integers(0, 16, (200, 2)), seed=1))
+    previous = dict(zip(network.flow_ids().tolist(), network.rates().tolist()))
+    for step in range(30):
+        ids = network.flow_ids()
+        if step % 3 == 0:
+            network.add_flows(topology.route_ecmp(rng.integers(0, 16, (5, 2)), seed=step))
+        network.remove_flows(rng.choice(ids, size=5, replace=False))
+        current = dict(zip(network.flow_ids().tolist(), network.rates().tolist()))
+        resolved = set(network.last_resolved.tolist())
+        changed = {f for f, rate in current.items() if f not in previous or not math.isclose(previous[f], rate, rel_tol=1e-12)}
+        assert changed <= resolved
+        previous = current
+
+
+def test_flow_network_id_reuse_and_errors() -> None:
+    network = FlowNetwork([1.0, 1.0])
+    first = network.add_flows(Incidence.from_paths([[0], [0, 1]], 2))
+    network.remove_flows(first[:1])
+    second = network.add_flows(Incidence.from_paths([[1]], 2))
+    assert second.tolist() == first[:1].tolist()  # a removed id is reused
+    np.testing.assert_allclose(network.rates(), [0.5, 0.5])
+    with pytest.raises(ValueError, match="not a live flow"):
+        network.remove_flows([5])
+    with pytest.raises(ValueError, match="must not repeat"):
+        network.remove_flows([first[1], first[1]])
+    with pytest.raises(ValueError, match="links"):
+        network.add_flows(Incidence.from_paths([[0]], 3))
+    with pytest.raises(ValueError, match="capacities"):
+        network.set_capacity(0, -1.0)
+
+
+def test_flow_network_full_mode_gives_the_same_rates() -> None:
+    topology = fat_tree(4, 1.0)
+    rng = np.random.default_rng(3)
+    flows = topology.route_ecmp(rng.integers(0, 16, (300, 2)), seed=2)
+    networks = [FlowNetwork(topology.capacity(), incremental=flag) for flag in (True, False)]
+    for network in networks:
+        network.add_flows(flows)
+    for step in range(20):
+        victims = rng.choice(networks[0].flow_ids(), size=10, replace=False)
+        link = int(rng.integers(0, topology.n_links))
+        value = float(rng.choice([0.5, 1.0, 2.0]))
+        for network in networks:
+            network.remove_flows(victims)
+            network.set_capacity(link, value)
+        np.testing.assert_allclose(networks[0].rates(), networks[1].rates(), rtol=1e-9)
+    assert networks[1].last_update.kind == "full"
+
+
+# ---------------------------------------------------------------------------- naive solver and benchmark
+
+
+def test_naive_solver_textbook() -> None:
+    assert naive_max_min([[(0, 1.0), (1, 1.0)], [(0, 1.0)], [(1, 1.0)]], [1.0, 2.0]) == [0.5, 0.5, 1.5]
+    assert naive_max_min([[]], [1.0]) == [INF]
+    assert naive_max_min([[], [(0, 1.0)]], [1.0], [2.0, INF]) == [2.0, 1.0]
+
+
+def test_benchmark_runs_on_a_small_configuration() -> None:
+    config = BenchmarkConfig(
+        topology="fat-tree:k=4,oversub=2",
+        workers=8,
+        servers=4,
+        large_workers=6,
+        large_servers=6,
+        random_flows=2000,
+        repeats=1,
+    )
+    figures = benchmark_solver(config)
+    push = figures["push_40k"]
+    assert push["flows"] == 32 and push["certificate_ok"]
+    assert push["max_relative_difference"] < 1e-9 and push["speedup_wall"] > 0
+    assert figures["random_6hop_250k"]["hops_min"] == 6 and figures["random_6hop_250k"]["certificate_ok"]
+    assert figures["push_pull_500k"]["flows"] == 72
+    assert figures["drain_80k"]["updates"] >= 2 and figures["drain_80k"]["simulated_seconds"] > 0
+    assert "speed-up" in format_benchmark(figures)
