@@ -19,8 +19,11 @@ from mlfabric.schedule import DEFAULT_CHANNEL, Cost, Schedule, ScheduleBuilder, 
 
 from .partition import chunks_for, piece_sizes, pieces, subdivide
 
-# A pipelining chunk is at least 64 Ki elements; a segment gets at most 8 chunks.
-MIN_CHUNK_ELEMENTS = 1 << 16
+# A pipelining chunk is at least 4 Mi elements (16 MB of float32); a segment gets at most 8.
+# Measured (docs/results.md): every message costs the Python progress path a fixed amount
+# (frames, trackers, wake-ups), and on CPU-bound hosts 2 MB chunks were 10-15% slower at
+# 64 MB than one chunk per segment; ranks still overlap one another's steps.
+MIN_CHUNK_ELEMENTS = 1 << 22
 MAX_CHUNKS = 8
 
 

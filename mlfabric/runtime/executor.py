@@ -35,9 +35,8 @@ log = logging.getLogger("mlfabric.runtime")
 # Builder tags occupy the low 24 bits; the collective's sequence number sits above them so
 # messages of consecutive collectives can never be confused.
 TAG_BITS = 24
-# How long the progress thread sleeps when nothing can move: short while zero-copy sends are
-# in flight (their completion raises no event), longer when only arrivals can wake it.
-_SEND_POLL_S = 0.0002
+# The progress thread sleeps until the mailbox changes (an arrival, a send completion, a lost
+# peer); this bound only paces deadline checks.
 _IDLE_POLL_S = 0.05
 
 
@@ -91,6 +90,7 @@ class _Run:
             self.fired[i] = True
         self.pending_recvs: list[int] = []
         self.pending_sends: list[tuple[int, SendHandle]] = []
+        self.seen_version = -1  # mailbox version when pending receives were last matched
 
     @property
     def finished(self) -> bool:
@@ -99,8 +99,10 @@ class _Run:
     def view(self, sl: Slice) -> torch.Tensor:
         return self.buffers[sl.buffer][sl.offset:sl.end]
 
-    def advance(self) -> bool:
-        """Do everything that can be done now; True if anything happened."""
+    def advance(self, version: int) -> bool:
+        """Do everything that can be done now; True if anything happened. ``version`` is the
+        mailbox version read before this call: pending receives are only re-matched when it
+        moved, so an idle wake-up costs nothing per pending op."""
         progressed = False
         if self.pending_sends:
             still = []
@@ -111,7 +113,8 @@ class _Run:
                 else:
                     still.append((index, handle))
             self.pending_sends = still
-        if self.pending_recvs:
+        if self.pending_recvs and version != self.seen_version:
+            self.seen_version = version
             still_recv = []
             for index in self.pending_recvs:
                 if self._try_recv(index):
@@ -271,7 +274,7 @@ class Executor:
             progressed = False
             for run in list(self._active):
                 try:
-                    progressed |= run.advance()
+                    progressed |= run.advance(version)
                     if run.finished:
                         self._finish(run)
                     elif time.monotonic() > run.deadline:
@@ -296,8 +299,7 @@ class Executor:
                     if error is not None:
                         self._fail(run, error, notify_peers=False)
             if not progressed:
-                pause = _SEND_POLL_S if any(r.pending_sends for r in self._active) else _IDLE_POLL_S
-                mailbox.wait(version, pause)
+                self.transport.progress(version, _IDLE_POLL_S)
         for run in self._active + self._incoming:
             self._fail(run, CollectiveError(f"rank {self.rank}: communicator closed during "
                                             f"collective #{run.info.seq}", rank=self.rank),

@@ -47,7 +47,11 @@ class Message:
 
 
 class SendHandle:
-    """Completion of one send; ``done()`` once the transport no longer reads the payload."""
+    """Completion of one send; ``done()`` once the transport no longer reads the payload.
+
+    A transport whose handles complete later must call ``mailbox.notify()`` when they do:
+    the progress thread sleeps until the mailbox changes.
+    """
 
     __slots__ = ("_done",)
 
@@ -83,6 +87,9 @@ class Mailbox:
         self._cond = threading.Condition()
         self._queues: dict[tuple[str, int], deque[Message]] = {}
         self.version = 0
+        # Called by notify(): a transport whose progress blocks in a socket poll uses it to
+        # interrupt that poll.
+        self.on_notify: Callable[[], None] | None = None
 
     def put(self, msg: Message) -> None:
         with self._cond:
@@ -121,6 +128,8 @@ class Mailbox:
         with self._cond:
             self.version += 1
             self._cond.notify_all()
+        if self.on_notify is not None:
+            self.on_notify()
 
     def wait(self, seen_version: int, timeout: float) -> int:
         """Block until ``version`` differs from ``seen_version`` or ``timeout`` passes."""
@@ -219,7 +228,13 @@ class Transport(ABC):
                     f"rank {self.rank}: timed out after {timeout:.1f}s waiting for tag {tag} "
                     f"from {who} on channel {channel!r}"
                 )
-            version = self.mailbox.wait(version, min(remaining, 0.1))
+            version = self.progress(version, min(remaining, 0.1))
+
+    def progress(self, seen_version: int, timeout: float) -> int:
+        """Wait up to ``timeout`` s for the mailbox to move past ``seen_version`` (an arrival,
+        a send completion, an event) and return the new version. Transports that receive
+        on the caller's thread override this to poll their sockets."""
+        return self.mailbox.wait(seen_version, timeout)
 
     # -- liveness --------------------------------------------------------------------------
 
@@ -256,8 +271,11 @@ class Transport(ABC):
         """Tell peers we leave on purpose (so they do not report us as lost), then stop."""
         if self._closed:
             return
+        self.progress(self.mailbox.version, 0.0)  # take in goodbyes that already arrived
         for peer in range(self.world_size):
-            if peer != self.rank and peer not in self.lost_peers:
+            # A peer that already left would never take the goodbye: sending it anyway
+            # makes a lingering socket hold up shutdown.
+            if peer != self.rank and peer not in self.lost_peers and peer not in self.departed_peers:
                 try:
                     self._send(peer, GOODBYE_TAG, memoryview(b""), CONTROL_CHANNEL, b"")
                 except Exception:  # a dead peer cannot be told; closing must still succeed

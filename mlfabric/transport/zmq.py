@@ -3,8 +3,10 @@
 A host with k NICs binds k addresses, one per channel, so that BCube traffic of level l
 leaves through NIC l (set ``MLFABRIC_CHANNEL_ADDRS="0=10.0.0.2,1=10.1.0.2"`` or pass
 ``channel_addrs``). Addresses and a random job token are exchanged through the rendezvous
-store. Large payloads go out as zero-copy frames whose completion is tracked; a background
-I/O thread receives, checks every message's job token (junk and foreign jobs are logged and
+store. Large payloads go out as zero-copy frames whose completion is tracked. Receiving
+happens in :meth:`ZmqTransport.progress`, on the thread that waits for messages (the
+executor's progress thread), so an arriving chunk is reduced without a thread hand-off: it
+polls the sockets, checks every message's job token (junk and foreign jobs are logged and
 dropped) and watches connections so that a dead peer is reported within a second.
 
 Exercise it with ``python -m pytest tests/local/test_zmq.py``.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import secrets
 import socket
 import threading
@@ -39,22 +42,11 @@ log = logging.getLogger("mlfabric.transport.zmq")
 
 # Below this size a copy costs less than tracking a zero-copy frame.
 ZERO_COPY_MIN_BYTES = 64 * 1024
+# Kernel socket buffers: large enough that a multi-megabyte chunk moves in few syscalls.
+SOCKET_BUFFER_BYTES = 4 << 20
 # After a connection drops, wait this long for the peer's goodbye before declaring it lost
 # (the goodbye and the disconnect travel on different sockets and may arrive in any order).
 GOODBYE_GRACE_S = 0.5
-
-
-class _TrackedSend(SendHandle):
-    __slots__ = ("_tracker",)
-
-    def __init__(self, tracker: zmq.MessageTracker) -> None:
-        super().__init__(False)
-        self._tracker = tracker
-
-    def done(self) -> bool:
-        if not self._done and self._tracker.done:
-            self._done = True
-        return self._done
 
 
 _DONE = SendHandle(done=True)
@@ -109,6 +101,7 @@ class ZmqTransport(Transport):
         for name in self.channels:
             router = self._ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.RCVHWM, 0)
+            router.setsockopt(zmq.RCVBUF, SOCKET_BUFFER_BYTES)
             router.setsockopt(zmq.LINGER, 0)
             host = bind_addrs.get(name, "127.0.0.1")
             port = router.bind_to_random_port(f"tcp://{host}")
@@ -118,7 +111,21 @@ class ZmqTransport(Transport):
         self._monitors: dict[zmq.Socket, tuple[str, int | None]] = {}
         self._disconnected_at: dict[int, float] = {}
         self._stop = threading.Event()
-        self._io_thread: threading.Thread | None = None
+        # One thread at a time polls the sockets (zmq sockets are not thread-safe); others
+        # wait on the mailbox. notify() interrupts the poll through this pipe.
+        self._poll_lock = threading.Lock()
+        self._poller: zmq.Poller | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self.mailbox.on_notify = self._wake
+        # Zero-copy sends complete when libzmq lets go of the buffer, which raises no event a
+        # poller could see: this thread waits on the trackers (in send order) and wakes the
+        # mailbox, so the progress thread never has to spin.
+        self._tracked: queue.SimpleQueue = queue.SimpleQueue()
+        self._tracker_thread = threading.Thread(target=self._complete_sends, daemon=True,
+                                                name=f"mlfabric-zmq-sends-{rank}")
+        self._tracker_thread.start()
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -154,6 +161,7 @@ class ZmqTransport(Transport):
             for name in self.channels:
                 dealer = self._ctx.socket(zmq.DEALER)
                 dealer.setsockopt(zmq.SNDHWM, 0)
+                dealer.setsockopt(zmq.SNDBUF, SOCKET_BUFFER_BYTES)
                 dealer.setsockopt(zmq.LINGER, 2000)
                 dealer.setsockopt(zmq.IMMEDIATE, 0)
                 monitor = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -165,8 +173,13 @@ class ZmqTransport(Transport):
                 zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
             )
             self._monitors[monitor] = ("router", None)
-        self._io_thread = threading.Thread(target=self._io_loop, name=f"mlfabric-zmq-{self.rank}", daemon=True)
-        self._io_thread.start()
+        poller = zmq.Poller()
+        for router in self._routers.values():
+            poller.register(router, zmq.POLLIN)
+        for monitor in self._monitors:
+            poller.register(monitor, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        self._poller = poller
 
     # -- sending ---------------------------------------------------------------------------
 
@@ -181,31 +194,60 @@ class ZmqTransport(Transport):
                 dealer.send_multipart([header, meta, payload], copy=True)
                 return _DONE
             tracker = dealer.send_multipart([header, meta, payload], copy=False, track=True)
-        return _TrackedSend(tracker)
+        handle = SendHandle(done=False)
+        self._tracked.put((tracker, handle))
+        return handle
+
+    def _complete_sends(self) -> None:
+        while True:
+            item = self._tracked.get()
+            if item is None:
+                return
+            tracker, handle = item
+            while not tracker.done:
+                try:
+                    tracker.wait(timeout=0.5)
+                except zmq.NotDone:
+                    if self._stop.is_set():
+                        return
+            handle.set_done()
+            self.mailbox.notify()
 
     # -- receiving -------------------------------------------------------------------------
 
-    def _io_loop(self) -> None:
-        poller = zmq.Poller()
-        router_channel = {}
-        for name, router in self._routers.items():
-            poller.register(router, zmq.POLLIN)
-            router_channel[router] = name
-        for monitor in self._monitors:
-            poller.register(monitor, zmq.POLLIN)
-        while not self._stop.is_set():
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full (a wake-up is pending anyway) or closed
+
+    def progress(self, seen_version: int, timeout: float) -> int:
+        if self._poller is None or self._stop.is_set() or not self._poll_lock.acquire(blocking=False):
+            return self.mailbox.wait(seen_version, timeout)
+        try:
+            wait_ms = 0 if self.mailbox.version != seen_version else int(timeout * 1000)
             try:
-                events = dict(poller.poll(100))
+                events = self._poller.poll(wait_ms)
             except zmq.ZMQError:
                 if self._stop.is_set():
-                    return
+                    return self.mailbox.version
                 raise
-            for sock in events:
-                if sock in router_channel:
+            router_channel = {sock: name for name, sock in self._routers.items()}
+            for sock, _ in events:
+                if sock == self._wake_r:
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                elif sock in router_channel:
                     self._drain_router(sock, router_channel[sock])
                 else:
                     self._handle_monitor(sock)
             self._expire_disconnects()
+        finally:
+            self._poll_lock.release()
+        return self.mailbox.version
 
     def _drain_router(self, router: zmq.Socket, channel: str) -> None:
         while True:
@@ -257,16 +299,22 @@ class ZmqTransport(Transport):
 
     def _shutdown(self) -> None:
         self._stop.set()
-        if self._io_thread is not None and self._io_thread is not threading.current_thread():
-            self._io_thread.join(timeout=2)
-        for monitor in self._monitors:
-            monitor.close(linger=0)
-        for dealer in self._dealers.values():
-            try:
-                dealer.disable_monitor()
-            except zmq.ZMQError:
-                pass
-            dealer.close()
+        self._tracked.put(None)
+        with self._poll_lock:  # wait for a poll in progress to return
+            self._poller = None
+        self.mailbox.on_notify = None  # the pipe's descriptors may be reused once closed
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        # Close the watched sockets first and the monitor sockets last, and never call
+        # disable_monitor(): with its reader already closed it can block forever (seen in
+        # about 1 of 15 shutdowns; regression test in tests/local/test_zmq.py).
+        for (peer, _), dealer in self._dealers.items():
+            # Linger only towards peers still there, so a goodbye or abort notice is
+            # delivered; messages to a departed peer would only hold up context.term().
+            gone = peer in self.departed_peers or peer in self.lost_peers
+            dealer.close(linger=0 if gone else 1000)
         for router in self._routers.values():
             router.close(linger=0)
+        for monitor in self._monitors:
+            monitor.close(linger=0)
         self._ctx.term()
