@@ -223,7 +223,8 @@ class Executor:
         self._lock = threading.Lock()
         self._incoming: list[_Run] = []
         self._active: list[_Run] = []
-        self._finished_seqs: set[int] = set()
+        # Recently finished collectives, to recognise a late abort notice for one of them.
+        self._finished_seqs: deque[int] = deque(maxlen=1024)
         self._aborts: dict[int, CollectiveError] = {}
         self._deferred_error: CollectiveError | None = None
         self._stop = False
@@ -307,7 +308,7 @@ class Executor:
 
     def _finish(self, run: _Run) -> None:
         self._active.remove(run)
-        self._finished_seqs.add(run.info.seq)
+        self._finished_seqs.append(run.info.seq)
         try:
             value = run.result()
         except Exception as exc:
@@ -361,7 +362,10 @@ class Executor:
                 # collective on this rank reports it instead of silently going on.
                 self._deferred_error = error
             else:
-                pending = next((r for r in self._incoming if r.info.seq == seq), None)
+                with self._lock:
+                    pending = next((r for r in self._incoming if r.info.seq == seq), None)
+                    if pending is not None:
+                        self._incoming.remove(pending)
                 if pending is not None:
                     self._fail(pending, error, notify_peers=False)
                 else:
