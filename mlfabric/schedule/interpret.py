@@ -1,20 +1,19 @@
 """Run a whole set of per-rank schedules in one thread on numpy arrays.
 
 A reference interpreter for tests of builders: no transport, no threads, deterministic.
-Messages are delivered in the order the validator's progress check would deliver them.
+Ops fire in the order of the validator's ``walk`` (eager sends, consumable ops).
 
 Exercise it with ``python -m pytest tests/unit/test_collectives.py``.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Sequence
 
 import numpy as np
 
-from .ir import Copy, DepMode, Recv, Reduce, Schedule, Send, Slice
-from .validate import ScheduleError
+from .ir import Copy, Op, Recv, Reduce, Schedule, Send, Slice
+from .validate import ScheduleError, walk
 
 _NUMPY_REDUCE = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
 
@@ -37,45 +36,25 @@ def interpret(schedules: Sequence[Schedule], data: Sequence[np.ndarray]) -> list
         return buffers[rank][sl.buffer][sl.offset:sl.end]
 
     in_flight: dict[tuple[int, int, str, int], np.ndarray] = {}
-    parked: dict[tuple[int, int, str, int], tuple[int, int]] = {}
-    done = [[False] * len(s.ops) for s in schedules]
-    waiting = [[len(op.deps) for op in s.ops] for s in schedules]
-    dependents = [s.dependents() for s in schedules]
-    ready = deque((r, i) for r, s in enumerate(schedules) for i, op in enumerate(s.ops) if not op.deps)
-    while ready:
-        rank, i = ready.popleft()
-        if done[rank][i]:
-            continue
-        op = schedules[rank].ops[i]
-        if isinstance(op, Recv):
-            key = (op.peer, rank, op.channel, op.tag)
-            if key not in in_flight:
-                parked[key] = (rank, i)
-                continue
-            payload = in_flight.pop(key)
+
+    def fire(rank: int, index: int, op: Op) -> None:
+        if isinstance(op, Send):
+            # Copied at send time: the sender may overwrite the slice afterwards.
+            in_flight[(rank, op.peer, op.channel, op.tag)] = view(rank, op.src).copy()
+        elif isinstance(op, Recv):
+            payload = in_flight.pop((op.peer, rank, op.channel, op.tag))
             dst = view(rank, op.dst)
             if op.reduce:
                 _NUMPY_REDUCE[op.reduce](dst, payload, out=dst)
             else:
                 dst[:] = payload
-        elif isinstance(op, Send):
-            key = (rank, op.peer, op.channel, op.tag)
-            in_flight[key] = view(rank, op.src).copy()
-            if key in parked:
-                ready.append(parked.pop(key))
         elif isinstance(op, Reduce):
             dst = view(rank, op.dst)
             _NUMPY_REDUCE[op.op](dst, view(rank, op.src), out=dst)
         elif isinstance(op, Copy):
             view(rank, op.dst)[:] = view(rank, op.src)
-        done[rank][i] = True
-        for j in dependents[rank][i]:
-            if schedules[rank].ops[j].mode is DepMode.ANY:
-                ready.append((rank, j))
-            else:
-                waiting[rank][j] -= 1
-                if waiting[rank][j] == 0:
-                    ready.append((rank, j))
+
+    done = walk(schedules, fire)
     if not all(all(flags) for flags in done):
         raise ScheduleError("interpretation stalled: the schedule set deadlocks")
     return [bufs["data"] for bufs in buffers]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .ir import DepMode, Op, Recv, Schedule, Send
 
@@ -57,7 +57,7 @@ def validate(schedules: Sequence[Schedule], *, check_races: bool = True) -> Vali
     if check_races:
         for sched in schedules:
             _check_races(sched)
-    _check_progress(schedules, sends, recvs)
+    _check_progress(schedules)
     return ValidationReport(
         world_size=world_size,
         ops=sum(len(s.ops) for s in schedules),
@@ -160,12 +160,15 @@ def _check_races(sched: Schedule) -> None:
                     )
 
 
-def _check_progress(
-    schedules: Sequence[Schedule],
-    sends: dict[MessageKey, int],
-    recvs: dict[MessageKey, int],
-) -> None:
-    """Run the set to completion with eager sends; anything left over is a deadlock."""
+def walk(schedules: Sequence[Schedule],
+         on_fire: Callable[[int, int, Op], None] | None = None) -> list[list[bool]]:
+    """Execute a schedule set in one thread with eager (buffered) sends.
+
+    Fires every op whose all-of / any-of dependencies are met — each op once (consumable) —
+    and a receive only after its matching send. ``on_fire(rank, index, op)`` is called as
+    each op fires, in an order that respects those rules (the reference interpreter moves
+    data there). Returns, per rank, which ops ran; an op that never ran is deadlocked.
+    """
     done = [[False] * len(s.ops) for s in schedules]
     waiting_deps = [[len(op.deps) for op in s.ops] for s in schedules]
     dependents = [s.dependents() for s in schedules]
@@ -186,6 +189,8 @@ def _check_progress(
                 parked[key] = (rank, i)
                 continue
         done[rank][i] = True
+        if on_fire is not None:
+            on_fire(rank, i, op)
         if isinstance(op, Send):
             key = (rank, op.peer, op.channel, op.tag)
             sent.add(key)
@@ -199,6 +204,12 @@ def _check_progress(
                 waiting_deps[rank][j] -= 1
                 if waiting_deps[rank][j] == 0:
                     ready.append((rank, j))
+    return done
+
+
+def _check_progress(schedules: Sequence[Schedule]) -> None:
+    """Run the set to completion with eager sends; anything left over is a deadlock."""
+    done = walk(schedules)
     stuck = [
         (rank, i) for rank, flags in enumerate(done) for i, flag in enumerate(flags) if not flag
     ]
