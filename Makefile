@@ -8,7 +8,16 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-unit test-local install clean
+.PHONY: demo test test-unit test-local test-emu install system-deps clean
+
+# The emulator needs iproute2 (ip, tc). As root on Debian, install it when missing; elsewhere
+# the emulation tests skip and `mlfabric emu doctor` says what is missing.
+system-deps:
+	@if ! command -v tc >/dev/null 2>&1 || ! command -v ip >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2; \
+	  else echo "note: iproute2 (ip, tc) missing: emulation tests will be skipped"; fi; \
+	fi
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,7 +31,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/mlfabric demo
 
-test: $(STAMP)
+test: $(STAMP) system-deps
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 test-unit: $(STAMP)
@@ -30,6 +39,9 @@ test-unit: $(STAMP)
 
 test-local: $(STAMP)
 	$(PY) -m pytest -q tests/local
+
+test-emu: $(STAMP) system-deps
+	$(PY) -m pytest -q tests/emu
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

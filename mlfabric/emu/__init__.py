@@ -1,0 +1,27 @@
+"""Emulated clusters on one machine: namespaces, rate-limited NICs, churn, stragglers, launcher.
+
+    sudo .venv/bin/python -m pytest tests/emu -q
+    sudo .venv/bin/python -m mlfabric.emu launch --hosts 4 --rate 100mbit -- python train.py
+
+Modules: :mod:`~mlfabric.emu.cluster` (plan + build star/racks/bcube clusters, rates, cleanup),
+:mod:`~mlfabric.emu.churn` (N1-N3 bandwidth churn, trace CSV), :mod:`~mlfabric.emu.stragglers`
+(C1-C3, eager-SGD delay injection; pure), :mod:`~mlfabric.emu.launcher` (the launcher),
+:mod:`~mlfabric.emu.doctor`, :mod:`~mlfabric.emu.goodput` (TCP meter for tests),
+:mod:`~mlfabric.emu.cli` (typer commands). See ``docs/emulator.md``.
+"""
+
+from mlfabric.emu.churn import CHURN_MODELS, ChurnModel, ChurnRunner, churn_model, churn_schedule
+from mlfabric.emu.cluster import Cluster, ClusterPlan, cleanup, list_runs, plan_cluster
+from mlfabric.emu.cmd import EmuCommandError, EmuUnavailableError, have_root
+from mlfabric.emu.launcher import LaunchSpec, launch
+from mlfabric.emu.stragglers import (
+    STRAGGLER_PRESETS, ImbalanceInjector, LinearSkew, RandomDelay, StragglerModel, imbalance_model,
+)
+
+__all__ = [
+    "CHURN_MODELS", "ChurnModel", "ChurnRunner", "churn_model", "churn_schedule",
+    "Cluster", "ClusterPlan", "cleanup", "list_runs", "plan_cluster",
+    "EmuCommandError", "EmuUnavailableError", "have_root",
+    "LaunchSpec", "launch",
+    "STRAGGLER_PRESETS", "ImbalanceInjector", "LinearSkew", "RandomDelay", "StragglerModel", "imbalance_model",
+]

@@ -1,0 +1,104 @@
+"""Typer commands of the emulator: the ``emu`` sub-app (doctor, cleanup, list) and ``launch``.
+
+    mlfabric emu doctor
+    mlfabric emu cleanup [--force]
+    sudo mlfabric launch --hosts 8 --topology star --rate 1gbit --churn N2 --period 5s --seed 1 -- python train.py
+
+Until they are registered in ``mlfabric/cli.py`` the same commands run as
+``python -m mlfabric.emu doctor|cleanup|list|launch ...``. To register::
+
+    from mlfabric.emu.cli import emu_app, launch as emu_launch, LAUNCH_CONTEXT
+    app.add_typer(emu_app, name="emu")
+    app.command("launch", context_settings=LAUNCH_CONTEXT)(emu_launch)
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+__all__ = ["emu_app", "launch", "LAUNCH_CONTEXT"]
+
+emu_app = typer.Typer(help="Emulated clusters: network namespaces, rate-limited NICs (root).", no_args_is_help=True)
+
+#: Everything after ``--`` (and unknown options after the command) belongs to the launched command.
+LAUNCH_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+@emu_app.command("doctor")
+def doctor_command() -> None:
+    """Say what the emulator can use here: root, namespaces, veth, bridges, tc qdiscs."""
+    from mlfabric.emu.doctor import DEBIAN_PACKAGES, doctor
+
+    checks = doctor()
+    for check in checks:
+        mark = "ok  " if check.ok else ("MISS" if check.required else "n/a ")
+        typer.echo(f"[{mark}] {check.name:<20} {check.detail}")
+    if not all(c.ok for c in checks if c.required):
+        typer.echo(f"the emulator is not usable here (it needs root and the Debian package(s) {' '.join(DEBIAN_PACKAGES)})")
+        raise typer.Exit(1)
+    typer.echo("the emulator is usable")
+
+
+@emu_app.command("cleanup")
+def cleanup_command(
+    force: Annotated[bool, typer.Option("--force", help="Also remove clusters whose launcher is still running.")] = False,
+    prefix: Annotated[Optional[str], typer.Option(help="Only this run (mf1a2b).")] = None,
+) -> None:
+    """Remove namespaces, links and bridges left by emulator runs whose launcher died (kill -9)."""
+    from mlfabric.emu.cluster import cleanup
+
+    removed = cleanup(force=force, prefix=prefix)
+    typer.echo("removed: " + (", ".join(removed) if removed else "nothing"))
+
+
+@emu_app.command("list")
+def list_command() -> None:
+    """List emulator runs on this machine (prefix, owner pid, alive, namespaces)."""
+    from mlfabric.emu.cluster import list_runs
+
+    runs = list_runs()
+    if not runs:
+        typer.echo("no emulator runs")
+    for prefix, entry in sorted(runs.items()):
+        state = "running" if entry["alive"] else "leftover (mlfabric emu cleanup)"
+        typer.echo(f"{prefix}  pid={entry['pid']}  {state}  netns={' '.join(entry['netns'])}")  # type: ignore[arg-type]
+
+
+def launch(
+    ctx: typer.Context,
+    hosts: Annotated[Optional[int], typer.Option("--hosts", "-n", help="Number of hosts (= ranks).")] = None,
+    topology: Annotated[str, typer.Option(help="star, or a spec: star:n=8, racks:r=2,h=4,oversub=4, bcube:n=3,k=2.")]
+        = "star",
+    rate: Annotated[str, typer.Option(help="Host NIC rate, each direction: 100mbit, 1gbit, 10Gbps.")] = "1gbit",
+    churn: Annotated[Optional[str], typer.Option(help="Bandwidth churn: N1, N2, N3 or 5G:0.1,10G:0.9 (scaled to --rate).")]
+        = None,
+    period: Annotated[str, typer.Option(help="Churn period: every NIC direction is redrawn this often.")] = "5s",
+    seed: Annotated[int, typer.Option(help="Seed of the churn draws.")] = 0,
+    trace: Annotated[Optional[str], typer.Option(help="Write the applied churn as a capacity-trace CSV here.")] = None,
+    timeout: Annotated[Optional[str], typer.Option(help="Kill the job after this long (e.g. 10min).")] = None,
+    master_port: Annotated[int, typer.Option(help="MASTER_PORT on host 0.")] = 29500,
+    emulate: Annotated[str, typer.Option(help="auto (emulate when root), always, never (local processes).")] = "auto",
+) -> None:
+    """Start one process per emulated host (torchrun environment), then tear everything down.
+
+    Example: mlfabric launch --hosts 8 --topology star --rate 1gbit -- python train.py
+    """
+    from mlfabric.emu.cmd import EmuUnavailableError
+    from mlfabric.emu.launcher import LaunchSpec, launch as run_launch
+    from mlfabric.units import parse_duration, parse_rate
+
+    command = tuple(ctx.args)
+    try:
+        spec = LaunchSpec(command=command, hosts=hosts, topology=topology, rate_bps=parse_rate(rate), churn=churn,
+                          period_s=parse_duration(period), seed=seed, trace_path=trace, master_port=master_port,
+                          timeout_s=parse_duration(timeout) if timeout else None, emulate=emulate)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    try:
+        code = run_launch(spec)
+    except EmuUnavailableError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    raise typer.Exit(code)

@@ -1,0 +1,322 @@
+"""``mlfabric launch``: run one process per emulated host, torchrun-style, and always clean up.
+
+    sudo mlfabric launch --hosts 8 --topology star --rate 1gbit --churn N2 --period 5s --seed 1 -- python train.py
+    sudo .venv/bin/python -m mlfabric.emu launch --hosts 2 --rate 100mbit -- python -c "import os; print(os.environ['RANK'])"
+
+:func:`launch` builds the cluster (:mod:`mlfabric.emu.cluster`), optionally starts bandwidth
+churn (:mod:`mlfabric.emu.churn`, the applied schedule goes to a capacity-trace CSV), and
+starts rank ``r`` as ``ip netns exec <prefix>-h<r> COMMAND`` with the torchrun environment
+(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR = host 0's address,
+MASTER_PORT) plus ``MLFABRIC_CHANNEL_ADDRS`` (one channel per NIC / BCube level),
+``MLFABRIC_EMU_CLUSTER`` (the cluster description, JSON) and ``MLFABRIC_EMU_PREFIX``. Every
+output line of a rank is printed as ``[rank r] line``.
+
+Exit status: 0 when every rank exits 0; otherwise the first failing rank's status (the others
+get ``grace_s`` seconds, then are killed); 124 on timeout; 128 + signal on SIGINT/SIGTERM.
+Namespaces, links and processes are removed on every one of these paths; after a
+``kill -9`` of the launcher the ranks die with it (PR_SET_PDEATHSIG) and ``mlfabric emu
+cleanup`` removes the namespaces.
+
+Without root (or with ``emulate="never"``) the ranks run as plain local processes on loopback
+and a warning says that rates, churn and topology are not enforced.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import IO, Callable
+
+from mlfabric.emu.churn import ChurnRunner, churn_model
+from mlfabric.emu.cluster import Cluster, ClusterPlan, new_prefix, plan_cluster
+from mlfabric.emu.cmd import EmuUnavailableError, have_root, ns_exec_prefix
+from mlfabric.topo.spec import TOPOLOGY_KINDS, TopologySpec
+
+__all__ = ["LaunchSpec", "launch", "resolve_topology", "EMULATE_MODES"]
+
+EMULATE_MODES = ("auto", "always", "never")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchSpec:
+    """What :func:`launch` runs and on which emulated cluster.
+
+    ``topology`` is a spec string (``star:n=8``, ``racks:r=2,h=4,oversub=4``,
+    ``bcube:n=3,k=2``) or a bare ``star`` completed by ``hosts``. ``churn`` is ``N1``/``N2``/
+    ``N3`` or ``RATE:PROB,...``; its schedule is written to ``trace_path`` (default: in the
+    run directory, printed at start). ``timeout_s=None`` waits forever.
+    """
+
+    command: tuple[str, ...]
+    hosts: int | None = None
+    topology: str = "star"
+    rate_bps: float = 1e9
+    churn: str | None = None
+    period_s: float = 5.0
+    seed: int = 0
+    trace_path: str | None = None
+    master_port: int = 29500
+    timeout_s: float | None = None
+    grace_s: float = 5.0
+    emulate: str = "auto"
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise ValueError("no command to launch: put it after `--`, e.g. -- python train.py")
+        if self.emulate not in EMULATE_MODES:
+            raise ValueError(f"emulate must be one of {', '.join(EMULATE_MODES)}, got {self.emulate!r}")
+        if self.hosts is not None and self.hosts < 1:
+            raise ValueError(f"--hosts must be at least 1, got {self.hosts}")
+        if not self.rate_bps >= 8000:
+            raise ValueError(f"rate must be at least 8 kbit/s, got {self.rate_bps} bit/s")
+        if self.period_s <= 0:
+            raise ValueError(f"churn period must be positive, got {self.period_s}s")
+        if self.timeout_s is not None and self.timeout_s <= 0:
+            raise ValueError(f"timeout must be positive, got {self.timeout_s}")
+        if self.churn is not None:
+            churn_model(self.churn)  # validate early
+        resolve_topology(self.topology, self.hosts)
+
+
+def resolve_topology(topology: str, hosts: int | None) -> TopologySpec:
+    """``star`` + 8 hosts -> ``star:n=8``; a full spec is checked against ``hosts``."""
+    text = topology.strip()
+    if ":" not in text:
+        if text.lower() != "star":
+            example = TOPOLOGY_KINDS[text.lower()].example if text.lower() in TOPOLOGY_KINDS else "star:n=8"
+            raise ValueError(f"topology {topology!r} needs its parameters, e.g. {example}")
+        if hosts is None:
+            raise ValueError("--topology star needs --hosts N (or write star:n=N)")
+        return TopologySpec.parse(f"star:n={hosts}")
+    spec = TopologySpec.parse(text)
+    if spec.kind not in ("star", "racks", "bcube"):
+        raise ValueError(f"the emulator builds star, racks and bcube topologies, not {spec.kind!r}")
+    n = {"star": lambda: spec.int_param("n"), "racks": lambda: spec.int_param("r") * spec.int_param("h"),
+         "bcube": lambda: spec.int_param("n") ** spec.int_param("k")}[spec.kind]()
+    if hosts is not None and hosts != n:
+        raise ValueError(f"--hosts {hosts} contradicts topology {spec} which has {n} hosts")
+    return spec
+
+
+class _Interrupted(BaseException):
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+class _Signals:
+    """SIGINT/SIGTERM raise :class:`_Interrupted` until ``defer()``; then they are only remembered."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._deferred = False
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._old[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is None:
+            self.received = signum
+        if not self._deferred:
+            self._deferred = True  # a second signal must not interrupt the teardown
+            raise _Interrupted(signum)
+
+    def defer(self) -> None:
+        self._deferred = True
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, old in self._old.items():
+            signal.signal(signum, old)  # type: ignore[arg-type]
+
+
+def _pdeathsig() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class _Rank:
+    rank: int
+    proc: subprocess.Popen[bytes]
+    threads: list[threading.Thread]
+    code: int | None = None
+    ended_at: float = 0.0
+
+
+def _pump(stream: IO[bytes], rank: int, out: IO[str], lock: threading.Lock) -> None:
+    prefix = f"[rank {rank}] "
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace").rstrip("\n")
+        with lock:
+            out.write(prefix + line + "\n")
+            out.flush()
+    stream.close()
+
+
+def _exit_code(code: int) -> int:
+    return 128 - code if code < 0 else code
+
+
+def launch(spec: LaunchSpec, *, out: IO[str] | None = None, err: IO[str] | None = None,
+           on_cluster: Callable[[ClusterPlan | None], None] | None = None) -> int:
+    """Run ``spec.command`` once per host; return the exit status (see the module docstring)."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    topology = resolve_topology(spec.topology, spec.hosts)
+    emulate = spec.emulate == "always" or (spec.emulate == "auto" and have_root())
+    if spec.emulate == "always" and not have_root():
+        raise EmuUnavailableError("emulation was requested but needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN)")
+    cluster: Cluster | None = None
+    churn: ChurnRunner | None = None
+    ranks: list[_Rank] = []
+    lock = threading.Lock()
+    with _Signals() as signals:
+        try:
+            if emulate:
+                plan = plan_cluster(topology, spec.rate_bps, prefix=new_prefix())
+                run_dir = tempfile.mkdtemp(prefix=f"mlfabric-emu-{plan.prefix}-")
+                cluster = Cluster.create(plan)
+                cluster_json = os.path.join(run_dir, "cluster.json")
+                with open(cluster_json, "w") as handle:
+                    json.dump(plan.describe(), handle, indent=2)
+                err.write(f"mlfabric launch: cluster {plan.prefix}: {topology}, NICs at {spec.rate_bps / 1e6:g} Mbit/s, "
+                          f"MASTER_ADDR={plan.master_addr}; description in {cluster_json}\n")
+                if spec.churn is not None:
+                    trace = spec.trace_path or os.path.join(run_dir, "trace.csv")
+                    churn = ChurnRunner(cluster=cluster, model=churn_model(spec.churn), n_hosts=plan.n_hosts,
+                                        nics_per_host=len(plan.hosts[0].nics), base_rate_bps=spec.rate_bps,
+                                        period_s=spec.period_s, seed=spec.seed, trace_path=trace).start()
+                    err.write(f"mlfabric launch: churn {spec.churn} every {spec.period_s:g}s (seed {spec.seed}); "
+                              f"trace in {trace}\n")
+                n_hosts = plan.n_hosts
+                master_addr = plan.master_addr
+                prefixes = [ns_exec_prefix(h.netns) for h in plan.hosts]
+                extra = [{"MLFABRIC_CHANNEL_ADDRS": h.channel_addrs(), "MLFABRIC_EMU_CLUSTER": cluster_json,
+                          "MLFABRIC_EMU_PREFIX": plan.prefix, "MLFABRIC_EMU_NETNS": h.netns} for h in plan.hosts]
+                port = spec.master_port
+            else:
+                from mlfabric.bench.procs import free_port
+
+                plan = None
+                n_hosts = {"star": lambda: topology.int_param("n"),
+                           "racks": lambda: topology.int_param("r") * topology.int_param("h"),
+                           "bcube": lambda: topology.int_param("n") ** topology.int_param("k")}[topology.kind]()
+                why = "not root" if spec.emulate == "auto" else "--emulate never"
+                what = "rates, churn and topology" if spec.churn else "rates and topology"
+                err.write(f"mlfabric launch: WARNING: {why}, so no emulated network: the ranks run as local "
+                          f"processes on loopback and {what} are NOT enforced\n")
+                master_addr = "127.0.0.1"
+                prefixes = [[] for _ in range(n_hosts)]
+                extra = [{} for _ in range(n_hosts)]
+                port = free_port()
+            if on_cluster is not None:
+                on_cluster(plan)
+            for rank in range(n_hosts):
+                env = dict(os.environ)
+                env.update(spec.env)
+                env.update(extra[rank])
+                env.update({"RANK": str(rank), "WORLD_SIZE": str(n_hosts), "LOCAL_RANK": str(rank),
+                            "LOCAL_WORLD_SIZE": str(n_hosts), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+                            "ROLE_WORLD_SIZE": str(n_hosts), "MASTER_ADDR": master_addr, "MASTER_PORT": str(port),
+                            "PYTHONUNBUFFERED": "1"})
+                env.setdefault("OMP_NUM_THREADS", "1")
+                proc = subprocess.Popen([*prefixes[rank], *spec.command], stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                        start_new_session=True, preexec_fn=_pdeathsig)
+                threads = [threading.Thread(target=_pump, args=(stream, rank, sink, lock), daemon=True)
+                           for stream, sink in ((proc.stdout, out), (proc.stderr, err))]
+                for thread in threads:
+                    thread.start()
+                ranks.append(_Rank(rank=rank, proc=proc, threads=threads))
+            return _supervise(ranks, spec, err, lock, churn)
+        except _Interrupted as exc:
+            with lock:
+                err.write(f"mlfabric launch: {exc}; stopping the ranks and tearing down\n")
+            return 128 + exc.signum
+        finally:
+            signals.defer()
+            _stop_ranks(ranks, spec.grace_s)
+            churn_error: BaseException | None = None
+            if churn is not None:
+                try:
+                    churn.stop()
+                except RuntimeError as exc:
+                    churn_error = exc
+            if cluster is not None:
+                cluster.teardown()
+            if churn_error is not None:
+                err.write(f"mlfabric launch: {churn_error}\n")
+
+
+def _supervise(ranks: list[_Rank], spec: LaunchSpec, err: IO[str], lock: threading.Lock,
+               churn: ChurnRunner | None) -> int:
+    deadline = None if spec.timeout_s is None else time.monotonic() + spec.timeout_s
+    first_failure: _Rank | None = None
+    while True:
+        now = time.monotonic()
+        for r in ranks:
+            if r.code is None and (code := r.proc.poll()) is not None:
+                r.code, r.ended_at = code, now
+                if code != 0 and first_failure is None:
+                    first_failure = r
+                    with lock:
+                        err.write(f"mlfabric launch: rank {r.rank} exited with status {_exit_code(code)}; "
+                                  f"the others get {spec.grace_s:g}s before they are killed\n")
+        if all(r.code is not None for r in ranks):
+            break
+        if first_failure is not None and now > first_failure.ended_at + spec.grace_s:
+            break
+        if churn is not None and churn.error is not None:
+            with lock:
+                err.write(f"mlfabric launch: bandwidth churn failed ({churn.error}); stopping the ranks\n")
+            return 1
+        if deadline is not None and now > deadline:
+            pending = [r.rank for r in ranks if r.code is None]
+            with lock:
+                err.write(f"mlfabric launch: ranks {pending} still running after {spec.timeout_s:g}s; killing them\n")
+            return 124
+        time.sleep(0.05)
+    for r in ranks:
+        for thread in r.threads:
+            thread.join(timeout=2.0)
+    return 0 if first_failure is None else _exit_code(first_failure.code or 1)
+
+
+def _stop_ranks(ranks: Sequence[_Rank], grace_s: float) -> None:
+    """SIGTERM the ranks still running (their whole process group), SIGKILL after ``grace_s``."""
+    alive = [r for r in ranks if r.proc.poll() is None]
+    for r in alive:
+        try:
+            os.killpg(r.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_s
+    for r in alive:
+        try:
+            r.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(r.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            r.proc.wait(timeout=5.0)
+    for r in ranks:
+        for thread in r.threads:
+            thread.join(timeout=1.0)

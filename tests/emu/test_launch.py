@@ -1,0 +1,140 @@
+"""The launcher: environment, output prefixes, exit status, teardown on every path (root).
+
+    sudo .venv/bin/python -m pytest tests/emu/test_launch.py -q
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mlfabric.emu.cluster import cleanup
+from mlfabric.emu.launcher import LaunchSpec, launch, resolve_topology
+from tests.emu.conftest import needs_root, our_leftovers
+
+PY = sys.executable
+PRINT_ENV = ("import os; print(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['MASTER_ADDR'], "
+             "os.environ.get('MLFABRIC_CHANNEL_ADDRS', '-'))")
+
+
+def test_resolve_topology():
+    assert str(resolve_topology("star", 8)) == "star:n=8"
+    assert str(resolve_topology("racks:r=2,h=4,oversub=4", 8)) == "racks:r=2,h=4,oversub=4"
+    with pytest.raises(ValueError, match="contradicts"):
+        resolve_topology("bcube:n=3,k=2", 8)
+    with pytest.raises(ValueError, match="needs its parameters"):
+        resolve_topology("racks", 8)
+    with pytest.raises(ValueError, match="no command"):
+        LaunchSpec(command=(), hosts=2)
+
+
+def test_fallback_runs_local_processes_with_a_warning():
+    out, err = io.StringIO(), io.StringIO()
+    code = launch(LaunchSpec(command=(PY, "-c", PRINT_ENV), hosts=2, emulate="never", churn="N1"), out=out, err=err)
+    assert code == 0
+    assert "NOT enforced" in err.getvalue()
+    lines = sorted(out.getvalue().splitlines())
+    assert lines == ["[rank 0] 0 2 127.0.0.1 -", "[rank 1] 1 2 127.0.0.1 -"]
+
+
+@needs_root
+def test_launch_bcube_env_and_prefixed_output(no_leaks, tmp_path):
+    out, err = io.StringIO(), io.StringIO()
+    code = launch(LaunchSpec(command=(PY, "-c", PRINT_ENV), topology="bcube:n=2,k=2", rate_bps=100e6, churn="N3",
+                             period_s=0.2, trace_path=str(tmp_path / "trace.csv")), out=out, err=err)
+    assert code == 0, err.getvalue()
+    lines = sorted(out.getvalue().splitlines())
+    assert lines[0] == "[rank 0] 0 4 10.0.0.1 0=10.0.0.1,1=10.1.0.1"
+    assert lines[3] == "[rank 3] 3 4 10.0.0.1 0=10.0.0.4,1=10.1.0.4"
+    assert (tmp_path / "trace.csv").read_text().startswith("time_s,host,nic,direction,rate_bps\n0.0,0,0,egress,")
+
+
+@needs_root
+def test_failing_rank_sets_exit_status_and_others_are_stopped(no_leaks):
+    script = "import os,sys,time; r=int(os.environ['RANK']); sys.exit(3) if r == 1 else time.sleep(60)"
+    start = time.monotonic()
+    err = io.StringIO()
+    code = launch(LaunchSpec(command=(PY, "-c", script), hosts=3, rate_bps=100e6, grace_s=0.5),
+                  out=io.StringIO(), err=err)
+    assert code == 3
+    assert "rank 1 exited with status 3" in err.getvalue()
+    assert time.monotonic() - start < 15
+
+
+@needs_root
+def test_rank_can_reach_master_over_the_emulated_network(no_leaks):
+    script = ("import os,socket,time\n"
+              "r=int(os.environ['RANK']); a=os.environ['MASTER_ADDR']; p=int(os.environ['MASTER_PORT'])\n"
+              "if r == 0:\n s=socket.create_server((a,p)); c,peer=s.accept(); print('from', peer[0]); c.close()\n"
+              "else:\n"
+              " for _ in range(100):\n"
+              "  try: socket.create_connection((a,p)).close(); break\n"
+              "  except OSError: time.sleep(0.05)\n")
+    out = io.StringIO()
+    assert launch(LaunchSpec(command=(PY, "-c", script), hosts=2, rate_bps=100e6), out=out, err=io.StringIO()) == 0
+    assert out.getvalue().strip() == "[rank 0] from 10.0.0.2"
+
+
+def _start_launcher(extra: list[str]) -> subprocess.Popen:
+    cmd = [PY, "-m", "mlfabric.emu", "launch", "--hosts", "2", "--rate", "100mbit", *extra, "--",
+           PY, "-c", "import time; print('up', flush=True); time.sleep(60)"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+
+
+def _wait_up(proc: subprocess.Popen, n: int) -> None:
+    seen = 0
+    deadline = time.monotonic() + 60
+    while seen < n and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        assert line, f"launcher ended early: {proc.stderr.read()}"
+        seen += line.endswith("] up\n")
+
+
+def _rank_pids() -> list[int]:
+    out = subprocess.run(["pgrep", "-f", "print('up', flush=True)"], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split() if int(p) != os.getpid()]
+
+
+@needs_root
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_tears_everything_down(signum, no_leaks):
+    before = set(our_leftovers())
+    proc = _start_launcher([])
+    try:
+        _wait_up(proc, 2)
+        assert set(our_leftovers()) - before  # the cluster is up
+        proc.send_signal(signum)
+        assert proc.wait(timeout=30) == 128 + signum
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+    assert not set(our_leftovers()) - before
+
+
+@needs_root
+def test_sigkill_then_cleanup_leaves_nothing(no_leaks):
+    before = set(our_leftovers())
+    proc = _start_launcher(["--churn", "N1", "--period", "0.2s"])
+    try:
+        _wait_up(proc, 2)
+        proc.kill()
+        proc.wait(timeout=10)
+    finally:
+        proc.communicate()
+    leftover = set(our_leftovers()) - before
+    assert leftover, "a kill -9 cannot tear down; there must be something for cleanup to do"
+    deadline = time.monotonic() + 5
+    while _rank_pids() and time.monotonic() < deadline:  # PR_SET_PDEATHSIG kills the ranks
+        time.sleep(0.05)
+    assert not _rank_pids()
+    removed = cleanup()
+    assert leftover <= set(removed)
+    assert not set(our_leftovers()) - before
