@@ -1,8 +1,11 @@
-"""The ``mlfabric`` command line: ``demo`` and the ``bench`` family (more commands slot in).
+"""The ``mlfabric`` command line: ``demo``, the ``bench`` family and ``simulate`` (more commands slot in).
 
     mlfabric demo [--quick]
     mlfabric bench allreduce --world-size 4 --algorithms ring,halving_doubling,tree,gloo \\
         --sizes 4KB,1MB,64MB --iters 10 --warmup 2 --transport zmq --json out.json
+    mlfabric bench sim [--quick] [--slow] [--json out.json]
+    mlfabric simulate collective --topology bcube:n=4,k=2 --link 10Gbps --algorithm ring --size 100MB [--json]
+    mlfabric simulate ps --topology fat-tree:k=16,oversub=4 --workers 800 --servers 50 --strategy rack [--json]
 
 Each command is a thin shell: it parses options into the frozen config dataclass of the
 module that does the work (``mlfabric.bench.allreduce``, ``mlfabric.demo``), runs it, prints
@@ -21,7 +24,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-__all__ = ["app", "bench_app", "main"]
+__all__ = ["app", "bench_app", "main", "simulate_app"]
 
 app = typer.Typer(
     name="mlfabric",
@@ -35,6 +38,11 @@ bench_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(bench_app, name="bench")
+simulate_app = typer.Typer(
+    help="Flow-level simulation on a topology (max-min fair sharing): prints a table, or JSON with --json.",
+    no_args_is_help=True,
+)
+app.add_typer(simulate_app, name="simulate")
 
 console = Console()
 T = TypeVar("T")
@@ -129,6 +137,302 @@ def bench_allreduce(
     console.print(render_table(result))
     if json_path is not None:
         write_json(json_path, result.to_dict())
+
+
+@bench_app.command("sim")
+def bench_sim(
+    quick: Annotated[bool, typer.Option("--quick", help="Skip the naive solver and the 500k-flow instances.")] = False,
+    slow: Annotated[bool, typer.Option("--slow", help="Also run 624 x 400 with the per-server barrier (minutes).")]
+        = False,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures and metadata here.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the placement and of ECMP.")] = 0,
+) -> None:
+    """Max-min solver and event-engine timings on MLNET's 1,024-host fat-tree (800x50 and 624x400 PS)."""
+    from mlfabric.flow.bench import BenchmarkConfig, benchmark_solver, format_benchmark
+    from mlfabric.sim.bench import EngineBenchConfig, benchmark_engine, format_engine_benchmark
+
+    solver_config = BenchmarkConfig(seed=seed, include_naive=not quick, include_large=not quick,
+                                    include_drain=not quick, repeats=1 if quick else 3)
+    engine_config = EngineBenchConfig(seed=seed, slow=slow, sizes=((800, 50),) if quick else ((800, 50), (624, 400)),
+                                      naive_workers=0 if quick else 300)
+    with console.status("max-min solver benchmark"):
+        solver = benchmark_solver(solver_config)
+    console.print(format_benchmark(solver), highlight=False, soft_wrap=True)
+    with console.status("event engine benchmark"):
+        engine = benchmark_engine(engine_config)
+    console.print(format_engine_benchmark(engine), highlight=False, soft_wrap=True)
+    naive_40k = solver.get("push_40k", {}).get("naive_wall_s")
+    if naive_40k:
+        for run in engine["runs"]:
+            if "wall_s" in run:
+                run["wall_vs_one_naive_40k_solve"] = run["wall_s"] / naive_40k
+        first = next((run for run in engine["runs"] if "wall_s" in run), None)
+        if first:
+            console.print(f"  one whole {first['workers']} x {first['servers']} iteration ({first['barrier']} barrier) "
+                          f"= {first['wall_vs_one_naive_40k_solve']:.2f} x one naive solve of its 40k push flows "
+                          f"({naive_40k:.2f}s)", highlight=False, soft_wrap=True)
+    if json_path is not None:
+        command = ["mlfabric", "bench", "sim", *(["--quick"] if quick else []), *(["--slow"] if slow else []),
+                   "--seed", str(seed), "--json", str(json_path)]
+        write_json(json_path, {"command": " ".join(command), "solver": solver, "engine": engine})
+
+
+# --------------------------------------------------------------------------- simulate
+
+
+def _parse_or_usage(parse: Callable[[str], T], value: str) -> T:
+    try:
+        return parse(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def _sim_topology(spec: str, link: str) -> Any:
+    from mlfabric.topo import parse_topology
+
+    try:
+        return parse_topology(spec, link)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def _compute_model(compute: str, straggler: str, speed_range: Optional[str]) -> Any:
+    from mlfabric.sim import ComputeModel, straggler_preset
+    from mlfabric.units import parse_duration
+
+    seconds = _parse_or_usage(parse_duration, compute)
+    model = _parse_or_usage(straggler_preset, straggler)
+    speeds = None
+    if speed_range:
+        parts = split_list(speed_range, "speeds (low,high)")
+        if len(parts) != 2:
+            raise typer.BadParameter(f"--speed-range takes low,high (e.g. 1,2), got {speed_range!r}")
+        speeds = (_parse_or_usage(float, parts[0]), _parse_or_usage(float, parts[1]))
+    if seconds == 0 and model is None and speeds is None:
+        return None
+    return make_config(ComputeModel, compute_s=seconds, straggler=model, speed_range=speeds)
+
+
+def _sim_output(kind: str, result: Any, extra: dict[str, Any], *, json_flag: bool, output: Optional[Path],
+                plot: Optional[Path], links: str, command: list[str], rows: list[tuple[str, str]]) -> None:
+    from rich.table import Table
+
+    from mlfabric.sim.report import plot_results, summary_rows
+
+    label = extra.pop("label", kind)
+    data = {"command": " ".join(command), "kind": kind, **extra, **result.to_dict(links=links)}
+    data["time_s"] = extra.get("time_s", result.time_s)
+    if plot is not None:
+        plot_results([(label, result)], plot, title=f"{kind} {label} on {result.topology.spec}")
+        data["plot"] = str(plot)
+    if json_flag:
+        typer.echo(json.dumps(data, indent=2))
+    else:
+        table = Table(title=f"mlfabric simulate {kind}", show_header=False)
+        table.add_column("", style="bold")
+        table.add_column("")
+        for name, value in rows + summary_rows(result):
+            table.add_row(name, value)
+        console.print(table)
+        if plot is not None:
+            console.print(f"wrote {plot}")
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(data, indent=2) + "\n")
+        if not json_flag:
+            console.print(f"wrote {output}")
+
+
+def _run_sim(fn: Callable[[], T]) -> T:
+    from mlfabric.schedule import ScheduleError
+    from mlfabric.sim import SimulationStalled
+
+    try:
+        return fn()
+    except (SimulationStalled, ScheduleError) as exc:
+        console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+        raise typer.Exit(1) from None
+
+
+def _check_plot(plot: Optional[Path]) -> None:
+    if plot is None:
+        return
+    from mlfabric.sim.report import require_matplotlib
+
+    try:
+        require_matplotlib()
+    except RuntimeError as exc:
+        console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+        raise typer.Exit(1) from None
+
+
+TopologyOption = Annotated[str, typer.Option("--topology", help="Topology spec: star:n=16, fat-tree:k=16,oversub=4, "
+                                                               "racks:r=4,h=8,oversub=4, bcube:n=4,k=2, edges:FILE.")]
+LinkOption = Annotated[str, typer.Option("--link", help="Host link rate (bit/s): 10Gbps, 1e10, 25gbit.")]
+RoutingOption = Annotated[str, typer.Option(help="ecmp (seeded per-flow hashing) or spray (per-packet, even split).")]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print the figures as JSON instead of the table.")]
+OutputOption = Annotated[Optional[Path], typer.Option("--output", "-o", help="Also write the JSON to this file.")]
+PlotOption = Annotated[Optional[Path], typer.Option("--plot", help="Draw link-load CDF and makespans here "
+                                                                  "(needs matplotlib).")]
+LinksOption = Annotated[str, typer.Option("--links", help="Per-link byte counts in the JSON: nonzero, all or none.")]
+
+
+def _check_choice(value: str, choices: tuple[str, ...], option: str) -> str:
+    if value not in choices:
+        raise typer.BadParameter(f"{option} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+@simulate_app.command("collective")
+def simulate_collective_cmd(
+    topology: TopologyOption,
+    link: LinkOption = "10Gbps",
+    algorithm: Annotated[str, typer.Option(help="ring, halving_doubling, tree (allreduce), or a collective kind: "
+                                                "broadcast, reduce, reduce_scatter, allgather, allreduce:<alg>.")]
+        = "ring",
+    size: Annotated[str, typer.Option(help="Buffer size in bytes (KB/MB = powers of 1000, KiB/MiB of 1024).")]
+        = "100MB",
+    itemsize: Annotated[int, typer.Option(help="Bytes per element (4 = float32).")] = 4,
+    ranks: Annotated[Optional[int], typer.Option(help="Number of ranks (default: every host).")] = None,
+    placement: Annotated[str, typer.Option(help="Rank -> host: sequential (rank r on host r) or random.")]
+        = "sequential",
+    routing: RoutingOption = "ecmp",
+    seed: Annotated[int, typer.Option(help="Seed of ECMP, placement and compute draws.")] = 0,
+    channel: Annotated[Optional[str], typer.Option(help="Channel of every message; on BCube channel 'l' = NIC l.")]
+        = None,
+    chunks: Annotated[Optional[int], typer.Option(help="Pipelining chunks per segment (builder default).")] = None,
+    latency: Annotated[str, typer.Option(help="Latency added to every network message.")] = "0s",
+    compute: Annotated[str, typer.Option(help="Compute time of each rank before the collective.")] = "0s",
+    straggler: Annotated[str, typer.Option(help="Straggler model: none, C1, C2, C3 or probability,slowdown.")]
+        = "none",
+    json_flag: JsonFlag = False,
+    output: OutputOption = None,
+    plot: PlotOption = None,
+    links: LinksOption = "nonzero",
+) -> None:
+    """Simulate one collective built by mlfabric.collectives (the runtime's schedules) on a topology."""
+    from mlfabric.sim import EngineConfig, collective_kind, ring_closed_form_s, simulate_collective
+    from mlfabric.units import format_size, parse_duration, parse_size
+
+    _check_plot(plot)
+    _check_choice(routing, ("ecmp", "spray"), "--routing")
+    _check_choice(placement, ("sequential", "random"), "--placement")
+    _check_choice(links, ("nonzero", "all", "none"), "--links")
+    topo = _sim_topology(topology, link)
+    size_bytes = _parse_or_usage(parse_size, size)
+    config = make_config(EngineConfig, routing=routing, seed=seed, latency_s=_parse_or_usage(parse_duration, latency))
+    model = _compute_model(compute, straggler, None)
+    kind = collective_kind(algorithm)
+    options: dict[str, Any] = {}
+    if channel is not None:
+        options["channel"] = channel
+    if chunks is not None:
+        options["chunks"] = chunks
+    try:
+        result = _run_sim(lambda: simulate_collective(kind, topo, size_bytes=size_bytes, itemsize=itemsize, ranks=ranks,
+                                                      placement=placement, compute=model, config=config, **options))
+    except (ValueError, TypeError) as exc:
+        raise typer.BadParameter(str(exc)) from None
+    world = ranks or topo.n_hosts
+    extra: dict[str, Any] = {"algorithm": kind, "ranks": world, "size_bytes": size_bytes, "itemsize": itemsize,
+                             "label": kind}
+    rows = [("collective", f"{kind} of {format_size(size_bytes)} on {world} ranks ({placement} placement)")]
+    if kind.startswith("allreduce:"):
+        closed = ring_closed_form_s(world, size_bytes, topo.link_rate_bps)
+        extra["closed_form_s"] = closed
+        extra["time_vs_closed_form"] = result.time_s / closed if closed else None
+        rows.append(("2(N-1)/N x T_F (BML §2)", f"{closed:.6g} s (simulated / closed form = "
+                                                f"{result.time_s / closed:.4f})" if closed else "0"))
+    command = ["mlfabric", "simulate", "collective", "--topology", topology, "--link", link, "--algorithm", algorithm,
+               "--size", size, "--routing", routing, "--seed", str(seed)]
+    _sim_output("collective", result, extra, json_flag=json_flag, output=output, plot=plot, links=links,
+                command=command, rows=rows)
+
+
+@simulate_app.command("ps")
+def simulate_ps_cmd(
+    topology: TopologyOption,
+    workers: Annotated[int, typer.Option(help="Workers (W).")],
+    servers: Annotated[int, typer.Option(help="Parameter servers (S); the model is split evenly across them.")],
+    link: LinkOption = "10Gbps",
+    strategy: Annotated[str, typer.Option(help="baseline (direct), binary (trees of in-degree 2), rack (one "
+                                               "aggregator per rack) or tree (with --degree).")] = "baseline",
+    degree: Annotated[Optional[int], typer.Option(help="In-degree d of --strategy tree.")] = None,
+    model_size: Annotated[str, typer.Option("--model-size", help="Model (= gradient) size in bytes.")] = "100MB",
+    placement: Annotated[str, typer.Option(help="random (seeded, disjoint), sequential, or colocated "
+                                                "(worker i and server i on host i: the P2P PS).")] = "random",
+    routing: RoutingOption = "ecmp",
+    seed: Annotated[int, typer.Option(help="Seed of placement, ECMP and compute draws.")] = 0,
+    iterations: Annotated[int, typer.Option(help="Iterations to simulate.")] = 1,
+    staleness: Annotated[int, typer.Option(help="SSP staleness bound s (0 = BSP).")] = 0,
+    barrier: Annotated[str, typer.Option(help="server (a server pulls once its pushes arrived) or global "
+                                              "(pull phase after the whole push phase).")] = "server",
+    compute: Annotated[str, typer.Option(help="Compute time of one iteration at nominal speed.")] = "0s",
+    speed_range: Annotated[Optional[str], typer.Option("--speed-range", help="Relative worker speeds drawn "
+                                                                             "uniformly from low,high (e.g. 1,2).")]
+        = None,
+    straggler: Annotated[str, typer.Option(help="Straggler model: none, C1, C2, C3 or probability,slowdown.")]
+        = "none",
+    jobs: Annotated[int, typer.Option(help="Concurrent copies of the job, placed independently.")] = 1,
+    priorities: Annotated[str, typer.Option(help="With --jobs: none (fair sharing) or random (distinct "
+                                                 "strict priorities, MLNET §3).")] = "none",
+    latency: Annotated[str, typer.Option(help="Latency added to every network message.")] = "0s",
+    batch_rtol: Annotated[float, typer.Option("--batch-rtol", help="Flows finishing within this relative time "
+                                                                   "of each other finish together (speed vs "
+                                                                   "accuracy; default exact to ~1e-9).")] = 1e-9,
+    json_flag: JsonFlag = False,
+    output: OutputOption = None,
+    plot: PlotOption = None,
+    links: LinksOption = "nonzero",
+) -> None:
+    """Simulate parameter-server iterations: push then pull, BSP or SSP, direct or over MLNET trees."""
+    import numpy as np
+
+    from mlfabric.sim import EngineConfig, PSConfig, iteration_times, simulate_ps
+    from mlfabric.units import format_size, parse_duration, parse_size
+
+    _check_plot(plot)
+    _check_choice(routing, ("ecmp", "spray"), "--routing")
+    _check_choice(priorities, ("none", "random"), "--priorities")
+    _check_choice(links, ("nonzero", "all", "none"), "--links")
+    if jobs < 1:
+        raise typer.BadParameter(f"--jobs must be >= 1, got {jobs}")
+    topo = _sim_topology(topology, link)
+    model_bytes = _parse_or_usage(parse_size, model_size)
+    config = make_config(EngineConfig, routing=routing, seed=seed, latency_s=_parse_or_usage(parse_duration, latency),
+                         batch_rtol=batch_rtol)
+    ps = make_config(PSConfig, workers=workers, servers=servers, model_bytes=model_bytes, strategy=strategy,
+                     degree=degree, staleness=staleness, iterations=iterations, placement=placement, barrier=barrier,
+                     compute=_compute_model(compute, straggler, speed_range))
+    prios = None
+    if priorities == "random":
+        prios = np.random.default_rng(np.random.SeedSequence([seed, 4])).permutation(jobs).tolist()
+    try:
+        result = _run_sim(lambda: simulate_ps(topo, ps=ps, config=config, jobs=jobs, priorities=prios))
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    ends = iteration_times(result, iterations, workers) if jobs == 1 else None
+    extra: dict[str, Any] = {
+        "workers": workers, "servers": servers, "strategy": strategy, "degree": ps.tree_degree,
+        "model_bytes": model_bytes, "placement": placement, "iterations": iterations, "staleness": staleness,
+        "barrier": barrier, "jobs_count": jobs, "priorities": prios,
+        "makespan_s": result.time_s, "time_s": result.time_s / iterations, "label": strategy,
+    }
+    if ends is not None:
+        extra["iteration_end_s"] = ends.tolist()
+    rows = [
+        ("workload", (f"{jobs} jobs of " if jobs > 1 else "") + f"{workers} workers x {servers} servers, "
+                     f"{format_size(model_bytes)} model, {strategy}"
+                     + (f" (d={ps.tree_degree})" if ps.tree_degree else "")
+                     + (f", SSP s={staleness}" if staleness else ", BSP") + f", {placement} placement"),
+        ("time per iteration", f"{result.time_s / iterations:.6g} s (makespan {result.time_s:.6g} s over "
+                               f"{iterations} iteration{'s' if iterations > 1 else ''})"),
+    ]
+    command = ["mlfabric", "simulate", "ps", "--topology", topology, "--link", link, "--workers", str(workers),
+               "--servers", str(servers), "--strategy", strategy, "--model-size", model_size, "--routing", routing,
+               "--seed", str(seed)]
+    _sim_output("ps", result, extra, json_flag=json_flag, output=output, plot=plot, links=links,
+                command=command, rows=rows)
 
 
 # --------------------------------------------------------------------------- demo

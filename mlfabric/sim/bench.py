@@ -1,0 +1,139 @@
+"""Timing of the event engine on MLNET-sized parameter-server iterations (``mlfabric bench sim``).
+
+    .venv/bin/python -m mlfabric.sim.bench            # or: mlfabric bench sim
+
+On the 1,024-host k=16 fat-tree with 1:4 oversubscribed ToR uplinks (10 Gbps host links),
+workers and servers placed at random, one push+pull iteration (BSP, no compute) of:
+
+* 800 workers x 50 servers (80,000 flows) and 624 workers x 400 servers (499,200 flows);
+* with the per-server barrier (server j pulls once all pushes to j arrived: the default) and
+  with a global barrier (a push phase, then a pull phase). The per-server barrier staggers
+  the pulls, so flows start and finish at many more distinct instants, and each instant is a
+  re-solve: the 624 x 400 per-server run takes minutes and runs only with ``slow=True``;
+* side by side, a smaller iteration run by the same engine with the vectorized incremental
+  ``FlowNetwork`` and with a from-scratch pure-Python solve per event (``solver="naive"``):
+  the ratio is the engine's speed-up from the solver.
+
+Wall time includes building the task graph (reported apart too). Every run also reports the
+simulated time, flows, events and the solver's update kinds.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mlfabric.topo import parse_topology
+
+from .engine import EngineConfig, run_graph
+from .workloads import PSConfig, ps_graph
+
+__all__ = ["EngineBenchConfig", "benchmark_engine", "format_engine_benchmark"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineBenchConfig:
+    topology: str = "fat-tree:k=16,oversub=4"
+    link_rate_bps: float = 10e9
+    model_bytes: float = 100e6
+    seed: int = 0
+    #: (workers, servers) of the timed iterations.
+    sizes: tuple[tuple[int, int], ...] = ((800, 50), (624, 400))
+    barriers: tuple[str, ...] = ("server", "global")
+    #: Also run the per-server barrier on iterations of more than ``slow_flows`` flows (minutes).
+    slow: bool = False
+    slow_flows: int = 200_000
+    #: The side-by-side run with the naive solver (0 workers: skip it).
+    naive_workers: int = 300
+    naive_servers: int = 20
+    max_wall_s: float = 900.0
+
+
+def _run(topology: Any, ps: PSConfig, config: EngineConfig) -> dict[str, Any]:
+    wall0 = time.perf_counter()
+    graph = ps_graph(topology, ps, seed=config.seed)
+    built = time.perf_counter()
+    result = run_graph(graph, topology, config)
+    done = time.perf_counter()
+    return {
+        "workers": ps.workers,
+        "servers": ps.servers,
+        "barrier": ps.barrier,
+        "strategy": ps.strategy,
+        "solver": config.solver,
+        "flows": result.flows,
+        "tasks": graph.n_tasks,
+        "events": result.events,
+        "solver_updates": result.solver_updates,
+        "time_s": result.time_s,
+        "build_wall_s": built - wall0,
+        "run_wall_s": done - built,
+        "wall_s": done - wall0,
+    }
+
+
+def benchmark_engine(config: EngineBenchConfig | None = None) -> dict[str, Any]:
+    """Run the engine benchmark; returns its figures as a dict (see the module docstring)."""
+    config = config or EngineBenchConfig()
+    topology = parse_topology(config.topology, config.link_rate_bps)
+    engine = EngineConfig(routing="ecmp", seed=config.seed, max_wall_s=config.max_wall_s)
+    runs = []
+    for workers, servers in config.sizes:
+        for barrier in config.barriers:
+            if barrier == "server" and 2 * workers * servers > config.slow_flows and not config.slow:
+                runs.append({"workers": workers, "servers": servers, "barrier": barrier, "skipped": "slow (use --slow)"})
+                continue
+            ps = PSConfig(workers=workers, servers=servers, model_bytes=config.model_bytes, barrier=barrier)
+            runs.append(_run(topology, ps, engine))
+    results: dict[str, Any] = {
+        "config": {key: getattr(config, key) for key in config.__dataclass_fields__},
+        "machine": {"python": sys.version.split()[0], "numpy": np.__version__, "platform": platform.platform()},
+        "runs": runs,
+    }
+    if config.naive_workers:
+        ps = PSConfig(workers=config.naive_workers, servers=config.naive_servers, model_bytes=config.model_bytes)
+        fast = _run(topology, ps, engine)
+        naive = _run(topology, ps, EngineConfig(routing="ecmp", seed=config.seed, solver="naive",
+                                                 max_wall_s=config.max_wall_s))
+        results["naive_side_by_side"] = {
+            "fast": fast,
+            "naive": naive,
+            "speedup_wall": naive["run_wall_s"] / fast["run_wall_s"],
+            "same_time": bool(abs(naive["time_s"] - fast["time_s"]) <= 1e-9 * fast["time_s"]),
+        }
+    return results
+
+
+def format_engine_benchmark(results: dict[str, Any]) -> str:
+    lines = [f"event engine: one push+pull iteration (BSP, ECMP) on {results['config']['topology']}"]
+    for run in results["runs"]:
+        head = f"  {run['workers']:>4} x {run['servers']:<4} {run['barrier']:<6} barrier"
+        if "skipped" in run:
+            lines.append(f"{head}  skipped: {run['skipped']}")
+            continue
+        lines.append(
+            f"{head}  {run['flows']:>7} flows  {run['wall_s']:7.3f}s wall (graph {run['build_wall_s']:.3f}s)  "
+            f"{run['events']:>6} events  simulated {run['time_s']:.4f}s"
+        )
+    side = results.get("naive_side_by_side")
+    if side:
+        fast, naive = side["fast"], side["naive"]
+        lines.append(
+            f"  naive solver, {fast['workers']} x {fast['servers']} ({fast['flows']} flows, {fast['events']} events): "
+            f"{naive['run_wall_s']:.2f}s vs {fast['run_wall_s']:.3f}s, speed-up x{side['speedup_wall']:.0f}, "
+            f"same simulated time: {'yes' if side['same_time'] else 'NO'}"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    figures = benchmark_engine(EngineBenchConfig(slow="--slow" in sys.argv))
+    print(format_engine_benchmark(figures))
+    if "--json" in sys.argv:
+        print(json.dumps(figures, indent=2, default=float))

@@ -1,0 +1,675 @@
+"""The flow-level discrete-event engine: runs a task graph on a topology with max-min sharing.
+
+    from mlfabric.sim import simulate_collective
+    result = simulate_collective("allreduce:ring", "star:n=8", "10Gbps", size_bytes=100e6)
+    result.time_s          # simulated seconds of one collective
+
+Model. Every transfer task that becomes ready starts a *flow* from its source host to its
+destination host, routed by the topology (seeded per-flow ECMP, or packet spraying: the flow
+split evenly over all shortest paths). Flows share links max-min fairly (TCP-like), solved by
+:class:`~mlfabric.flow.FlowNetwork`, which re-solves incrementally when flows come and go.
+The engine repeats:
+
+1. run every task that is ready *now*: zero-time tasks complete at once (and may make more
+   tasks ready), delays set a timer, transfers start flows (all flows started at one instant
+   are routed and added in one batch);
+2. re-solve the rates (only flows whose rate can change get new finish times);
+3. advance the clock to the earliest flow finish or timer; every flow finishing within
+   ``batch_rtol`` (relative) of that instant completes in the same batch, so flows that
+   finish together in exact arithmetic cost one re-solve, not one each.
+
+Transfers between ranks on the same host, and zero-byte transfers, use no link: they complete
+immediately, or after ``latency_s`` (a per-message latency added to every network message;
+default 0, the fluid model of the closed-form costs). Per-link byte counts are accumulated
+when a flow starts (``bytes x`` the fraction of the flow on each link), so they are exact.
+
+Priorities (MLNET §3 "network prioritization"): every transfer has a priority class (0 is
+served first). Classes are *strict*: class 0's flows get the max-min allocation of the full
+link capacities; class 1's flows get the max-min allocation of what class 0 leaves on every
+link, and so on. A high-priority job is therefore slowed down by lower ones only where it
+does not saturate a link by itself; it finishes as if alone when it saturates its
+bottlenecks. (This is the fluid limit of strict-priority switch queues, the mechanism MLNET
+proposes when switches have enough queues; its host-side connection dropping gives the same
+order at the edge.) Each class is one ``FlowNetwork`` whose capacities are updated when a
+higher class's load changes.
+
+Watchdog: if no flow can make progress (no flows, or all at rate 0), no timer is pending and
+tasks are unfinished, the run fails with :class:`SimulationStalled` naming the stuck tasks
+(a deadlocked schedule set, a cycle in a graph, a flow over a zero-capacity link); the same
+if an event completes nothing repeatedly, or the number of events or the wall time exceeds
+its limit. Results are deterministic: the same graph, topology and seed give bit-identical
+times and byte counts (wall times aside).
+
+Exercise it with::
+
+    .venv/bin/python -m pytest tests/unit/test_sim.py -q
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mlfabric.flow import FlowNetwork, Incidence, UpdateStats, naive_max_min
+from mlfabric.topo import Topology, ecmp_hash
+
+from .graph import DELAY, TRANSFER, TaskGraph
+
+__all__ = ["EngineConfig", "Engine", "NaiveNetwork", "SimResult", "SimulationStalled", "run_graph", "ROUTINGS", "SOLVERS"]
+
+ROUTINGS = ("ecmp", "spray")
+SOLVERS = ("flow", "naive")
+
+_WAITING, _ACTIVE, _DONE = 0, 1, 2
+# How many flows the finish-time candidate set holds after a rebuild (see _FlowClass).
+_CANDIDATES = 2048
+
+
+class SimulationStalled(RuntimeError):
+    """The simulation cannot make progress; ``stuck`` describes the unfinished tasks."""
+
+    def __init__(self, message: str, *, time_s: float, stuck: list[str]) -> None:
+        super().__init__(message)
+        self.time_s = time_s
+        self.stuck = stuck
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """How the engine routes and batches; defaults are the fluid model of the closed forms."""
+
+    #: ``"ecmp"``: one shortest path per flow, hashed with ``seed``; ``"spray"``: every flow
+    #: split evenly over all its shortest paths (per-packet load balancing).
+    routing: str = "ecmp"
+    seed: int = 0
+    #: Added to every message that crosses the network (seconds).
+    latency_s: float = 0.0
+    #: Flows finishing within this relative distance of the next event finish with it.
+    batch_rtol: float = 1e-9
+    #: Watchdog: at most this many events (default: 4 x tasks + 1000).
+    max_events: int | None = None
+    #: Watchdog: fail after this much wall time (seconds); None = no limit.
+    max_wall_s: float | None = None
+    #: ``"flow"``: the incremental vectorized :class:`~mlfabric.flow.FlowNetwork`;
+    #: ``"naive"``: :class:`NaiveNetwork`, a from-scratch pure-Python solve at every event
+    #: (the baseline of ``mlfabric bench sim`` and a cross-check in tests).
+    solver: str = "flow"
+
+    def __post_init__(self) -> None:
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
+        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
+            raise ValueError(f"latency_s must be a finite time >= 0, got {self.latency_s}")
+        if not 0 <= self.batch_rtol <= 1e-2:
+            raise ValueError(f"batch_rtol must be in [0, 1e-2], got {self.batch_rtol}")
+        if self.solver not in SOLVERS:
+            raise ValueError(f"solver must be one of {', '.join(SOLVERS)}, got {self.solver!r}")
+        if self.max_wall_s is not None and not self.max_wall_s > 0:
+            raise ValueError(f"max_wall_s must be > 0, got {self.max_wall_s}")
+
+
+@dataclass(eq=False, kw_only=True)
+class SimResult:
+    """What a run produced. Times are simulated seconds from 0 (the start of the graph)."""
+
+    graph: TaskGraph = field(repr=False)
+    topology: Topology = field(repr=False)
+    config: EngineConfig
+    #: Completion time of the last task (the makespan; 0 for an empty graph).
+    time_s: float
+    #: Makespan of each job (``graph.job_names`` order).
+    job_time_s: np.ndarray
+    task_start_s: np.ndarray = field(repr=False)
+    task_finish_s: np.ndarray = field(repr=False)
+    #: Bytes carried by every link over the whole run (fractional under spraying).
+    link_bytes: np.ndarray = field(repr=False)
+    flows: int
+    events: int
+    solver_updates: dict[str, int]
+    wall_s: float
+
+    def rank_finish_s(self, job: int = 0) -> np.ndarray:
+        """Completion time of each rank's last task in ``job`` (ranks with no task: 0)."""
+        mask = (self.graph.job == job) & (self.graph.rank >= 0)
+        ranks = self.graph.rank[mask]
+        out = np.zeros(int(ranks.max()) + 1 if ranks.size else 0)
+        np.maximum.at(out, ranks, self.task_finish_s[mask])
+        return out
+
+    def host_bytes_sent(self) -> np.ndarray:
+        """Bytes each host sent into the network (sum over its NICs' egress links)."""
+        nics = self.topology.nic_links[:, :, 0]
+        return np.where(nics >= 0, self.link_bytes[np.maximum(nics, 0)], 0.0).sum(axis=1)
+
+    def link_summary(self) -> dict[str, Any]:
+        """Per-layer totals and maxima of the link byte counts."""
+        topo = self.topology
+        layers = {}
+        for index, name in enumerate(topo.layer_names):
+            members = self.link_bytes[topo.link_layer == index]
+            if members.size:
+                layers[name] = {"links": int(members.size), "total_bytes": float(members.sum()),
+                                "max_bytes": float(members.max()), "mean_bytes": float(members.mean())}
+        return {"total_bytes": float(self.link_bytes.sum()), "max_bytes": float(self.link_bytes.max(initial=0.0)),
+                "busy_links": int(np.count_nonzero(self.link_bytes)), "layers": layers}
+
+    def to_dict(self, *, links: str = "nonzero") -> dict[str, Any]:
+        """JSON-ready figures: ``time_s``, per-job times, per-link byte counts (``links``:
+        ``"nonzero"``, ``"all"`` or ``"none"``), counts and the engine configuration."""
+        topo = self.topology
+        out: dict[str, Any] = {
+            "time_s": self.time_s,
+            "jobs": [{"name": name, "time_s": float(t)} for name, t in zip(self.graph.job_names, self.job_time_s)],
+            "topology": str(topo.spec),
+            "link_rate_bps": topo.link_rate_bps,
+            "routing": self.config.routing,
+            "seed": self.config.seed,
+            "latency_s": self.config.latency_s,
+            "tasks": self.graph.n_tasks,
+            "flows": self.flows,
+            "events": self.events,
+            "solver_updates": dict(self.solver_updates),
+            "wall_s": self.wall_s,
+            "link_summary": self.link_summary(),
+        }
+        if links != "none":
+            ids = np.arange(topo.n_links) if links == "all" else np.flatnonzero(self.link_bytes)
+            out["link_bytes"] = [
+                {"link": int(l), "name": topo.link_name(int(l)), "layer": topo.layer_names[int(topo.link_layer[l])],
+                 "bytes": float(self.link_bytes[l])}
+                for l in ids.tolist()
+            ]
+        return out
+
+
+class NaiveNetwork:
+    """The part of :class:`~mlfabric.flow.FlowNetwork`'s interface the engine uses, re-solving
+    every flow from scratch with :func:`~mlfabric.flow.naive_max_min` after each change."""
+
+    def __init__(self, link_capacity: np.ndarray) -> None:
+        self._capacity = np.asarray(link_capacity, dtype=np.float64).copy()
+        self.n_links = int(self._capacity.size)
+        self._flows: dict[int, list[tuple[int, float]]] = {}
+        self._rate: dict[int, float] = {}
+        self._next = 0
+        self._dirty = False
+        self.last_resolved = np.zeros(0, dtype=np.int64)
+
+    @property
+    def n_flows(self) -> int:
+        return len(self._flows)
+
+    def flow_ids(self) -> np.ndarray:
+        return np.fromiter(sorted(self._flows), dtype=np.int64, count=len(self._flows))
+
+    def add_flows(self, incidence: Incidence) -> np.ndarray:
+        ids = np.arange(self._next, self._next + incidence.n_flows, dtype=np.int64)
+        self._next += incidence.n_flows
+        for flow, entries in zip(ids.tolist(), incidence.to_lists()):
+            self._flows[flow] = entries
+        self._dirty = True
+        return ids
+
+    def remove_flows(self, ids: np.ndarray) -> None:
+        for flow in np.asarray(ids).tolist():
+            del self._flows[flow]
+            self._rate.pop(flow, None)
+        self._dirty = True
+
+    def set_capacity(self, links: np.ndarray, capacity: np.ndarray) -> None:
+        self._capacity[np.asarray(links)] = capacity
+        self._dirty = True
+
+    def update(self) -> UpdateStats:
+        if not self._dirty:
+            self.last_resolved = np.zeros(0, dtype=np.int64)
+            return UpdateStats(kind="none", flows_total=len(self._flows), flows_resolved=0, divergence_level=math.inf)
+        ids = self.flow_ids()
+        rates = naive_max_min([self._flows[f] for f in ids.tolist()], self._capacity.tolist())
+        self._rate = dict(zip(ids.tolist(), rates))
+        self._dirty = False
+        self.last_resolved = ids
+        return UpdateStats(kind="full", flows_total=ids.size, flows_resolved=ids.size, divergence_level=0.0)
+
+    def rates(self, ids: np.ndarray) -> np.ndarray:
+        self.update()
+        return np.array([self._rate[f] for f in np.asarray(ids).tolist()], dtype=np.float64)
+
+    def link_load(self) -> np.ndarray:
+        self.update()
+        load = np.zeros(self.n_links)
+        for flow, entries in self._flows.items():
+            for link, weight in entries:
+                load[link] += weight * self._rate[flow]
+        return load
+
+    def incidence(self, ids: np.ndarray) -> Incidence:
+        rows = [self._flows[f] for f in np.asarray(ids).tolist()]
+        return Incidence.from_paths([[l for l, _ in r] for r in rows], self.n_links, [[w for _, w in r] for r in rows])
+
+
+class _FlowClass:
+    """The flows of one priority class: a FlowNetwork plus per-flow progress.
+
+    Finish times live in ``finish`` (indexed by flow id, inf for free slots). To avoid a scan
+    of every flow per event, ``candidates`` (without repeats; ``in_candidates`` marks them)
+    holds every live flow whose finish time is at most ``horizon``, plus possibly flows that
+    have since moved past it (dropped on the next look). When it runs empty it is rebuilt
+    from the ``_CANDIDATES`` earliest finish times.
+    """
+
+    def __init__(self, priority: int, capacity: np.ndarray, solver: str = "flow") -> None:
+        self.priority = priority
+        self.capacity = capacity.copy()
+        self.network: FlowNetwork | NaiveNetwork = (
+            FlowNetwork(self.capacity) if solver == "flow" else NaiveNetwork(self.capacity))
+        self.task = np.zeros(0, dtype=np.int64)
+        self.remaining = np.zeros(0)  # bits
+        self.rate = np.zeros(0)
+        self.stamp = np.zeros(0)
+        self.finish = np.zeros(0)
+        self.in_candidates = np.zeros(0, dtype=bool)
+        self.horizon = -math.inf
+        self.candidates = np.zeros(0, dtype=np.int64)
+        self.updates: dict[str, int] = {}
+
+    def _grow(self, needed: int) -> None:
+        if needed <= self.finish.size:
+            return
+        size = max(needed, 2 * self.finish.size, 64)
+        for name, fill in (("task", -1), ("remaining", 0.0), ("rate", 0.0), ("stamp", 0.0), ("finish", math.inf),
+                           ("in_candidates", False)):
+            old = getattr(self, name)
+            new = np.full(size, fill, dtype=old.dtype)
+            new[: old.size] = old
+            setattr(self, name, new)
+
+    def add(self, tasks: np.ndarray, incidence: Incidence, bits: np.ndarray, now: float) -> None:
+        ids = self.network.add_flows(incidence)
+        self._grow(int(ids.max()) + 1)
+        self.task[ids] = tasks
+        self.remaining[ids] = bits
+        self.rate[ids] = 0.0
+        self.stamp[ids] = now
+        self.finish[ids] = math.inf
+
+    def set_capacity(self, capacity: np.ndarray) -> None:
+        changed = np.flatnonzero(capacity != self.capacity)
+        if changed.size:
+            self.network.set_capacity(changed, capacity[changed])
+            self.capacity = capacity.copy()
+
+    def refresh(self, now: float) -> None:
+        stats = self.network.update()
+        self.updates[stats.kind] = self.updates.get(stats.kind, 0) + 1
+        changed = self.network.last_resolved
+        if not changed.size:
+            return
+        rate_old = self.rate[changed]
+        remaining = self.remaining[changed] - rate_old * (now - self.stamp[changed])
+        np.maximum(remaining, 0.0, out=remaining)
+        self.remaining[changed] = remaining
+        self.stamp[changed] = now
+        rate = self.network.rates(changed)
+        self.rate[changed] = rate
+        with np.errstate(divide="ignore", invalid="ignore"):
+            finish = remaining / rate  # inf at rate 0 (remaining > 0), nan at 0/0, 0 at rate inf
+        finish[np.isnan(finish)] = 0.0
+        finish += now
+        self.finish[changed] = finish
+        near = changed[finish <= self.horizon]
+        if near.size:
+            near = near[~self.in_candidates[near]]
+            self.in_candidates[near] = True
+            self.candidates = np.concatenate([self.candidates, near])
+
+    def next_finish(self) -> float:
+        """Earliest finish time of a live flow (inf when none can finish)."""
+        if self.network.n_flows == 0:
+            return math.inf
+        cand = self.candidates
+        if cand.size:
+            times = self.finish[cand]
+            keep = times <= self.horizon
+            if not keep.all():
+                self.in_candidates[cand[~keep]] = False
+                cand, times = cand[keep], times[keep]
+                self.candidates = cand
+            if cand.size:
+                return float(times.min())
+        finish = self.finish
+        finite = finish[np.isfinite(finish)]
+        if not finite.size:
+            self.horizon = -math.inf
+            return math.inf
+        if finite.size > _CANDIDATES:
+            self.horizon = float(np.partition(finite, _CANDIDATES - 1)[_CANDIDATES - 1])
+        else:
+            self.horizon = float(finite.max())
+        cand = np.flatnonzero(finish <= self.horizon)
+        self.in_candidates[cand] = True
+        self.candidates = cand
+        return float(finish[cand].min())
+
+    def pop_finished(self, threshold: float) -> np.ndarray:
+        """Remove the flows finishing by ``threshold``; returns their tasks."""
+        if threshold > self.horizon:
+            done = np.flatnonzero(self.finish <= threshold)
+            if self.candidates.size:
+                keep = self.finish[self.candidates] > threshold
+                self.candidates = self.candidates[keep]
+        else:
+            cand = self.candidates
+            hit = self.finish[cand] <= threshold
+            done = cand[hit]
+            self.candidates = cand[~hit]
+        if not done.size:
+            return np.zeros(0, dtype=np.int64)
+        self.in_candidates[done] = False
+        self.finish[done] = math.inf
+        tasks = self.task[done].copy()
+        self.task[done] = -1
+        self.network.remove_flows(done)
+        return tasks
+
+    def stalled(self) -> np.ndarray:
+        """Live flow ids with zero rate (after a refresh)."""
+        ids = self.network.flow_ids()
+        return ids[self.rate[ids] <= 0]
+
+
+class Engine:
+    """Runs one :class:`TaskGraph` on one :class:`Topology`; see the module docstring."""
+
+    def __init__(self, graph: TaskGraph, topology: Topology, config: EngineConfig | None = None) -> None:
+        self.graph = graph
+        self.topology = topology
+        self.config = config or EngineConfig()
+        transfers = graph.kind == TRANSFER
+        if transfers.any():
+            hosts = np.concatenate([graph.src[transfers], graph.dst[transfers]])
+            if hosts.min() < 0 or hosts.max() >= topology.n_hosts:
+                bad = int(np.flatnonzero(transfers & ((graph.src < 0) | (graph.src >= topology.n_hosts)
+                                                       | (graph.dst < 0) | (graph.dst >= topology.n_hosts)))[0])
+                raise ValueError(f"{graph.describe(bad)} names a host outside [0, {topology.n_hosts}) of {topology.spec}")
+        self._multi_nic = topology.n_nics > 1
+        self._nic_paths: dict[tuple[int, int, int], list[tuple[int, ...]]] = {}
+        priorities = np.unique(graph.priority[transfers]) if transfers.any() else np.zeros(0, dtype=np.int64)
+        capacity = topology.capacity()
+        self._classes = [_FlowClass(int(p), capacity, self.config.solver) for p in priorities.tolist()]
+        self._class_of = {int(p): i for i, p in enumerate(priorities.tolist())}
+        self._timers: list[tuple[float, int, np.ndarray]] = []
+        self._timer_seq = 0
+        self.now = 0.0
+        n = graph.n_tasks
+        self.state = np.full(n, _WAITING, dtype=np.int8)
+        self.need = graph.need_all.copy()
+        self.any_wait = graph.has_any.copy()
+        self.start_s = np.full(n, math.nan)
+        self.finish_s = np.full(n, math.nan)
+        self.link_bytes = np.zeros(topology.n_links)
+        self.flows = 0
+        self.events = 0
+        self.done = 0
+
+    # ------------------------------------------------------------------ routing
+
+    def _route(self, tasks: np.ndarray) -> Incidence:
+        g, topo, cfg = self.graph, self.topology, self.config
+        pairs = np.stack([g.src[tasks], g.dst[tasks]], axis=1)
+        special = (g.nic[tasks] >= 0) if self._multi_nic else np.zeros(tasks.size, dtype=bool)
+        if not special.any():
+            if cfg.routing == "ecmp":
+                return topo.route_ecmp(pairs, seed=cfg.seed, flow_keys=g.flow_key[tasks])
+            return topo.route_spray(pairs)
+        normal = np.flatnonzero(~special)
+        parts = []
+        if normal.size:
+            sub = pairs[normal]
+            parts.append(topo.route_ecmp(sub, seed=cfg.seed, flow_keys=g.flow_key[tasks[normal]]) if cfg.routing == "ecmp"
+                         else topo.route_spray(sub))
+        rows = np.flatnonzero(special)
+        parts.append(self._route_by_nic(tasks[rows]))
+        order = np.concatenate([normal, rows])
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(order.size)
+        return Incidence.concat(parts).subset(inverse)
+
+    def _route_by_nic(self, tasks: np.ndarray) -> Incidence:
+        """Paths that leave the sender through the task's NIC (all shortest paths when none does)."""
+        g, topo, cfg = self.graph, self.topology, self.config
+        paths_out: list[list[int]] = []
+        weights_out: list[list[float]] = []
+        hashes = ecmp_hash(g.src[tasks], g.dst[tasks], g.flow_key[tasks], cfg.seed)
+        for task, h in zip(tasks.tolist(), hashes.tolist()):
+            s, d, nic = int(g.src[task]), int(g.dst[task]), int(g.nic[task])
+            key = (s, d, nic)
+            paths = self._nic_paths.get(key)
+            if paths is None:
+                every = topo.paths(s, d)
+                egress = int(topo.nic_links[s, nic, 0]) if nic < topo.n_nics else -1
+                paths = [p for p in every if p and p[0] == egress] or every
+                self._nic_paths[key] = paths
+            if cfg.routing == "ecmp":
+                chosen = paths[h % len(paths)]
+                paths_out.append(list(chosen))
+                weights_out.append([1.0] * len(chosen))
+            else:
+                flat = [link for p in paths for link in p]
+                paths_out.append(flat)
+                weights_out.append([1.0 / len(paths)] * len(flat))
+        return Incidence.from_paths(paths_out, topo.n_links, weights_out).merge_duplicates()
+
+    # ------------------------------------------------------------------ task life cycle
+
+    def _timer(self, at: np.ndarray, tasks: np.ndarray) -> None:
+        order = np.argsort(at, kind="stable")
+        at, tasks = at[order], tasks[order]
+        bounds = np.flatnonzero(np.diff(at)) + 1
+        for chunk_at, chunk in zip(np.split(at, bounds), np.split(tasks, bounds)):
+            heapq.heappush(self._timers, (float(chunk_at[0]), self._timer_seq, chunk))
+            self._timer_seq += 1
+
+    def _activate(self, tasks: np.ndarray) -> np.ndarray:
+        """Start tasks that became ready now; returns those that complete immediately."""
+        g, now = self.graph, self.now
+        self.start_s[tasks] = now
+        kind = g.kind[tasks]
+        immediate = []
+        delays = tasks[kind == DELAY]
+        if delays.size:
+            duration = g.duration_s[delays]
+            zero = duration <= 0
+            immediate.append(delays[zero])
+            if not zero.all():
+                self._timer(now + duration[~zero], delays[~zero])
+        transfers = tasks[kind == TRANSFER]
+        if transfers.size:
+            src, dst = g.src[transfers], g.dst[transfers]
+            size = g.size_bytes[transfers]
+            local = src == dst
+            empty = (size <= 0) & ~local
+            immediate.append(transfers[local])
+            if empty.any():
+                if self.config.latency_s > 0:
+                    self._timer(np.full(int(empty.sum()), now + self.config.latency_s), transfers[empty])
+                else:
+                    immediate.append(transfers[empty])
+            network = transfers[~local & ~empty]
+            if network.size:
+                self._start_flows(network)
+        if not immediate:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate(immediate) if len(immediate) > 1 else immediate[0]
+
+    def _start_flows(self, tasks: np.ndarray) -> None:
+        g = self.graph
+        incidence = self._route(tasks)
+        sizes = g.size_bytes[tasks]
+        self.link_bytes += incidence.link_load(sizes)
+        self.flows += tasks.size
+        priority = g.priority[tasks]
+        if len(self._classes) == 1:
+            self._classes[0].add(tasks, incidence, sizes * 8.0, self.now)
+            return
+        for p in np.unique(priority).tolist():
+            rows = np.flatnonzero(priority == p)
+            self._classes[self._class_of[p]].add(tasks[rows], incidence.subset(rows), sizes[rows] * 8.0, self.now)
+
+    def _complete(self, tasks: np.ndarray) -> np.ndarray:
+        """Mark tasks done now and release their dependents; returns the tasks now ready."""
+        g = self.graph
+        self.state[tasks] = _DONE
+        self.finish_s[tasks] = self.now
+        self.done += tasks.size
+        starts = g.dep_ptr[tasks]
+        lengths = g.dep_ptr[tasks + 1] - starts
+        total = int(lengths.sum())
+        if total == 0:
+            return np.zeros(0, dtype=np.int64)
+        offsets = np.cumsum(lengths) - lengths
+        positions = np.repeat(starts - offsets, lengths) + np.arange(total, dtype=np.int64)
+        after = g.dep_dst[positions]
+        any_edge = g.dep_any[positions]
+        if any_edge.any():
+            self.any_wait[after[any_edge]] = False
+            all_after = after[~any_edge]
+        else:
+            all_after = after
+        if all_after.size:
+            targets, counts = np.unique(all_after, return_counts=True)
+            self.need[targets] -= counts
+        candidates = np.unique(after)
+        ready = candidates[(self.state[candidates] == _WAITING) & (self.need[candidates] == 0) & ~self.any_wait[candidates]]
+        self.state[ready] = _ACTIVE
+        return ready
+
+    def _settle(self, ready: np.ndarray) -> None:
+        """Run everything that can run at the current instant."""
+        while ready.size:
+            immediate = self._activate(ready)
+            if not immediate.size:
+                return
+            ready = self._complete(immediate)
+
+    def _finished_flows(self, tasks: np.ndarray) -> np.ndarray:
+        """Tasks whose flows just finished: complete now, or after the message latency."""
+        if self.config.latency_s > 0 and tasks.size:
+            self._timer(np.full(tasks.size, self.now + self.config.latency_s), tasks)
+            return np.zeros(0, dtype=np.int64)
+        return tasks
+
+    # ------------------------------------------------------------------ rates
+
+    def _refresh_rates(self) -> None:
+        classes = self._classes
+        if len(classes) == 1:
+            classes[0].refresh(self.now)
+            return
+        residual = self.topology.capacity()
+        for index, flow_class in enumerate(classes):
+            if index:
+                flow_class.set_capacity(np.maximum(residual, 0.0))
+            flow_class.refresh(self.now)
+            if index + 1 < len(classes):
+                residual = residual - flow_class.network.link_load()
+
+    # ------------------------------------------------------------------ main loop
+
+    def run(self) -> SimResult:
+        wall0 = time.perf_counter()
+        g, cfg = self.graph, self.config
+        n = g.n_tasks
+        max_events = cfg.max_events if cfg.max_events is not None else 4 * n + 1000
+        initial = np.flatnonzero((self.need == 0) & ~self.any_wait)
+        self.state[initial] = _ACTIVE
+        self._settle(initial)
+        idle_events = 0
+        while self.done < n:
+            self._refresh_rates()
+            t_flow = min((c.next_finish() for c in self._classes), default=math.inf)
+            t_timer = self._timers[0][0] if self._timers else math.inf
+            t_next = min(t_flow, t_timer)
+            if math.isnan(t_next):
+                raise self._stalled("a flow's finish time is NaN (a rate or size is not finite)")
+            if math.isinf(t_next):
+                raise self._stalled("no flow can progress and no timer is pending")
+            self.events += 1
+            if self.events > max_events:
+                raise self._stalled(f"more than {max_events} events: time has stopped advancing")
+            if cfg.max_wall_s is not None and time.perf_counter() - wall0 > cfg.max_wall_s:
+                raise self._stalled(f"wall-time limit of {cfg.max_wall_s} s exceeded")
+            self.now = max(self.now, t_next)
+            threshold = self.now + cfg.batch_rtol * abs(self.now)
+            finished = [c.pop_finished(threshold) for c in self._classes]
+            completed = [self._finished_flows(t) for t in finished if t.size]
+            while self._timers and self._timers[0][0] <= threshold:
+                completed.append(heapq.heappop(self._timers)[2])
+            batch = np.concatenate(completed) if completed else np.zeros(0, dtype=np.int64)
+            if not batch.size and not any(t.size for t in finished):
+                idle_events += 1
+                if idle_events > 3:
+                    raise self._stalled("events complete nothing: time has stopped advancing")
+                continue
+            idle_events = 0
+            if batch.size:
+                self._settle(self._complete(batch))
+        finish = np.nan_to_num(self.finish_s, nan=0.0)
+        job_time = np.zeros(len(g.job_names))
+        if n:
+            np.maximum.at(job_time, g.job, finish)
+        updates: dict[str, int] = {}
+        for c in self._classes:
+            for kind, count in c.updates.items():
+                updates[kind] = updates.get(kind, 0) + count
+        return SimResult(
+            graph=g, topology=self.topology, config=cfg, time_s=float(finish.max(initial=0.0)), job_time_s=job_time,
+            task_start_s=self.start_s, task_finish_s=self.finish_s, link_bytes=self.link_bytes, flows=self.flows,
+            events=self.events, solver_updates=updates, wall_s=time.perf_counter() - wall0,
+        )
+
+    # ------------------------------------------------------------------ diagnostics
+
+    def _stalled(self, reason: str, limit: int = 12) -> SimulationStalled:
+        g = self.graph
+        stuck: list[str] = []
+        unfinished = np.flatnonzero(self.state != _DONE)
+        # Flows that cannot move: name them with their zero-capacity links.
+        for c in self._classes:
+            for flow in c.stalled()[:limit].tolist():
+                task = int(c.task[flow])
+                links, _ = c.network.incidence(np.array([flow])).flow(0)
+                dead = [self.topology.link_name(int(l)) for l in links if c.capacity[l] <= 0]
+                where = f" over zero-capacity link(s) {', '.join(dead)}" if dead else ""
+                stuck.append(f"{g.describe(task)}: flow stalled at rate 0{where}")
+        # The first waiting task of each (job, rank): usually the one everything else waits on.
+        waiting = unfinished[self.state[unfinished] == _WAITING]
+        if waiting.size:
+            keys = g.job[waiting] * (1 << 32) + np.maximum(g.rank[waiting], -1) + 1
+            _, first = np.unique(keys, return_index=True)
+            for task in waiting[np.sort(first)][:limit].tolist():
+                needs = [f"{int(self.need[task])} all-of dependenc{'y' if self.need[task] == 1 else 'ies'}"]
+                if self.any_wait[task]:
+                    needs.append("one of its any-of dependencies")
+                stuck.append(f"{g.describe(task)} waits for {' and '.join(needs)}")
+        ranks = np.unique(g.rank[unfinished])
+        ranks = ranks[ranks >= 0]
+        message = (
+            f"simulation stalled at t={self.now:.9g} s: {reason}; {unfinished.size} of {g.n_tasks} tasks unfinished"
+            + (f" on ranks {', '.join(map(str, ranks[:16].tolist()))}{' ...' if ranks.size > 16 else ''}" if ranks.size else "")
+            + ". Stuck: " + ("; ".join(stuck) if stuck else "nothing identifiable")
+            + ". A deadlock (Recvs waiting on each other, or a dependency cycle) or a zero-capacity path is the usual cause."
+        )
+        return SimulationStalled(message, time_s=self.now, stuck=stuck)
+
+
+def run_graph(graph: TaskGraph, topology: Topology, config: EngineConfig | None = None, **options: Any) -> SimResult:
+    """Run ``graph`` on ``topology``; ``options`` are :class:`EngineConfig` fields."""
+    if config is not None and options:
+        raise ValueError("give either config or EngineConfig fields, not both")
+    return Engine(graph, topology, config or EngineConfig(**options)).run()

@@ -1,0 +1,490 @@
+"""Flow-level simulator: closed forms, bytes on links, PS/SSP/trees, priorities, watchdog, determinism, CLI.
+
+    .venv/bin/python -m pytest tests/unit/test_sim.py -q
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from mlfabric.collectives import build
+from mlfabric.schedule import ScheduleBuilder, ScheduleError, Slice
+from mlfabric.sim import (
+    STRAGGLER_PRESETS,
+    ComputeModel,
+    EngineConfig,
+    GraphBuilder,
+    PSConfig,
+    SimulationStalled,
+    StragglerModel,
+    compile_schedules,
+    iteration_times,
+    merge_graphs,
+    ps_graph,
+    ps_placement,
+    rack_of,
+    ring_closed_form_s,
+    run_graph,
+    simulate_collective,
+    simulate_ps,
+    straggler_preset,
+    tree_parents,
+)
+from mlfabric.sim.bench import EngineBenchConfig, benchmark_engine, format_engine_benchmark
+from mlfabric.topo import bcube, fat_tree, parse_topology, star
+
+RATE = 10e9  # 10 Gbps
+
+
+def rel_err(value: float, expected: float) -> float:
+    return abs(value - expected) / expected
+
+
+def ring_schedules(n: int, count: int, **options: object) -> list:
+    return [build("allreduce:ring", n, r, count, **options) for r in range(n)]
+
+
+# ---------------------------------------------------------------------------- closed forms (BML §2)
+
+
+@pytest.mark.parametrize("spec", ["star:n=4", "star:n=8", "star:n=16", "fat-tree:k=4"])
+@pytest.mark.parametrize("routing", ["ecmp", "spray"])
+@pytest.mark.parametrize("size", [1_000_000, 99_999_999, 100_000_000])
+def test_ring_allreduce_matches_closed_form(spec: str, routing: str, size: int) -> None:
+    topo = parse_topology(spec, RATE)
+    n = topo.n_hosts
+    result = simulate_collective("ring", topo, size_bytes=size, config=EngineConfig(routing=routing))
+    count = size // 4
+    closed = ring_closed_form_s(n, count * 4, RATE)
+    assert rel_err(result.time_s, closed) < 1e-3
+    if count % n == 0:  # equal segments: exact up to rounding
+        assert rel_err(result.time_s, closed) < 1e-9
+    # Bytes on the wire equal each builder's stated cost, rank by rank (one rank per host).
+    sent = result.host_bytes_sent()
+    for r, sched in enumerate(ring_schedules(n, count)):
+        assert sent[r] == sched.cost.bytes_sent(4)
+    # Every host's ingress link carries what its left neighbour sent it.
+    ingress = result.link_bytes[topo.nic_links[:, 0, 1]]
+    assert np.array_equal(ingress, np.roll(sent, 1))
+
+
+@pytest.mark.parametrize("algorithm", ["halving_doubling", "tree"])
+@pytest.mark.parametrize("n", [5, 8])
+def test_bytes_on_links_equal_stated_cost(algorithm: str, n: int) -> None:
+    topo = star(n, RATE)
+    count = 1 << 18
+    result = simulate_collective(algorithm, topo, size_bytes=count * 4)
+    sent = result.host_bytes_sent()
+    for r in range(n):
+        assert sent[r] == build(f"allreduce:{algorithm}", n, r, count).cost.bytes_sent(4)
+    assert result.time_s > 0
+
+
+@pytest.mark.parametrize("spec", ["star:n=4", "star:n=8", "star:n=16", "fat-tree:k=4"])
+@pytest.mark.parametrize("size", [10_000_000, 64_000_000])
+def test_p2p_parameter_server_matches_closed_form_with_spraying(spec: str, size: int) -> None:
+    topo = parse_topology(spec, RATE)
+    n = topo.n_hosts
+    ps = PSConfig(workers=n, servers=n, model_bytes=size, placement="colocated")
+    result = simulate_ps(topo, ps=ps, config=EngineConfig(routing="spray"))
+    assert rel_err(result.time_s, ring_closed_form_s(n, size, RATE)) < 1e-3
+    # Push + pull: every host sends (N-1)/N of the model in each phase, through its NIC.
+    assert np.allclose(result.host_bytes_sent(), 2 * (n - 1) * size / n, rtol=1e-12)
+
+
+def test_p2p_parameter_server_under_ecmp_is_slowed_by_hash_collisions() -> None:
+    topo = fat_tree(4, RATE)
+    ps = PSConfig(workers=16, servers=16, model_bytes=10_000_000, placement="colocated")
+    closed = ring_closed_form_s(16, 10_000_000, RATE)
+    ratios = [simulate_ps(topo, ps=ps, config=EngineConfig(routing="ecmp", seed=seed)).time_s / closed
+              for seed in range(4)]
+    assert min(ratios) >= 1 - 1e-9  # never faster than the non-blocking bound
+    assert max(ratios) > 1.1  # collisions on core/aggregation links cost real time
+
+
+def test_ring_allreduce_with_per_flow_ecmp_on_fat_tree_has_no_collisions() -> None:
+    # Consecutive ranks: at most one ring flow leaves each edge switch and each pod.
+    topo = fat_tree(4, RATE)
+    for seed in range(3):
+        result = simulate_collective("ring", topo, size_bytes=16_000_000, config=EngineConfig(seed=seed))
+        assert rel_err(result.time_s, ring_closed_form_s(16, 16_000_000, RATE)) < 1e-9
+
+
+def test_latency_adds_one_per_step() -> None:
+    result = simulate_collective("ring", "star:n=4", "10Gbps", size_bytes=4_000_000,
+                                 config=EngineConfig(latency_s=1e-3))
+    assert rel_err(result.time_s, ring_closed_form_s(4, 4_000_000, RATE) + 2 * 3 * 1e-3) < 1e-9
+
+
+def test_bcube_channel_selects_the_nic() -> None:
+    topo = bcube(4, 2, RATE)  # host h has digits (h % 4, h // 4); NIC l corrects digit l
+    # Hosts 0 and 5 differ in both digits: two shortest paths, one leaving through each NIC.
+    for nic in (0, 1):
+        for routing in ("ecmp", "spray"):
+            b = GraphBuilder()
+            b.add_transfers(0, 5, 1e6, nic=nic)
+            result = run_graph(b.build(), topo, routing=routing)
+            assert result.link_bytes[topo.nic_links[0, nic, 0]] == 1e6
+            assert result.link_bytes[topo.nic_links[0, 1 - nic, 0]] == 0
+    # Ring allreduce on channel "0": every rank's own sends leave through NIC 0; NIC 1 only
+    # relays the four hops 3->4, 7->8, 11->12, 15->0 whose hosts differ in both digits.
+    count = 1 << 20
+    schedules = ring_schedules(16, count, channel="0")
+    result = run_graph(compile_schedules(schedules), topo)
+    egress = result.link_bytes[topo.nic_links[:, :, 0]]  # (hosts, nics)
+    assert np.array_equal(egress[:, 0], [s.cost.bytes_sent(4) for s in schedules])
+    assert egress[:, 1].sum() == 4 * schedules[3].cost.bytes_sent(4)
+    assert rel_err(result.time_s, ring_closed_form_s(16, count * 4, RATE)) < 1e-9
+
+
+# ---------------------------------------------------------------------------- parameter server
+
+
+def test_ps_bsp_on_a_star_matches_the_naive_expectation() -> None:
+    # W workers, S servers on distinct hosts of a star: in each phase every worker link
+    # carries S flows and every server link W, all of model/S bytes, so each phase takes
+    # model/S * 8 / min(R/S, R/W).
+    workers, servers, model = 6, 2, 60_000_000
+    topo = star(workers + servers, RATE)
+    result = simulate_ps(topo, ps=PSConfig(workers=workers, servers=servers, model_bytes=model, placement="sequential"))
+    phase = (model / servers * 8) / min(RATE / servers, RATE / workers)
+    assert rel_err(result.time_s, 2 * phase) < 1e-9
+    # Each server received W shards and sent W shards; each worker sent and received the model.
+    bytes_sent = result.host_bytes_sent()
+    assert np.allclose(bytes_sent[:workers], model) and np.allclose(bytes_sent[workers:], workers * model / servers)
+
+
+def test_ps_compute_bsp_vs_ssp_follow_max_of_sums() -> None:
+    # With a zero-byte model the network is free: BSP costs sum_i max_w t[i,w], SSP with a
+    # staleness >= iterations costs max_w sum_i t[i,w]; staleness 0 is BSP.
+    workers, iterations, seed = 6, 5, 3
+    compute = ComputeModel(compute_s=1.0, speed_range=(1.0, 2.0), straggler=StragglerModel(probability=0.3, slowdown=4))
+    times = compute.compute_times(iterations, workers, seed)
+    topo = star(workers + 1, RATE)
+    runs = {}
+    for staleness in (0, iterations):
+        ps = PSConfig(workers=workers, servers=1, model_bytes=0, iterations=iterations, staleness=staleness,
+                      compute=compute, placement="sequential")
+        runs[staleness] = simulate_ps(topo, ps=ps, config=EngineConfig(seed=seed))
+    assert rel_err(runs[0].time_s, times.max(axis=1).sum()) < 1e-12
+    assert rel_err(runs[iterations].time_s, times.sum(axis=0).max()) < 1e-12
+    assert runs[iterations].time_s < runs[0].time_s
+    ends = iteration_times(runs[0], iterations, workers)
+    assert np.allclose(ends, np.cumsum(times.max(axis=1)))
+
+
+def test_ssp_staleness_bounds_how_far_a_fast_worker_runs_ahead() -> None:
+    # Worker 1 is 3x slower; with staleness 1, worker 0 may start iteration i only after the
+    # pull of iteration i-2, which needs worker 1's push of iteration i-2.
+    ps = PSConfig(workers=2, servers=1, model_bytes=0, iterations=6, staleness=1, placement="sequential",
+                  compute=ComputeModel(compute_s=1.0, speeds=(3.0, 1.0)))
+    result = simulate_ps(star(3, RATE), ps=ps)
+    g = result.graph
+    starts = result.task_start_s[g.label == g.label_names.index("compute")].reshape(6, 2)
+    fast, slow = starts[:, 0], starts[:, 1]
+    assert np.allclose(slow, np.arange(6) * 1.0)  # the slow worker never waits
+    assert np.all(fast[2:] >= slow[:-2] + 1.0 - 1e-12)  # gate: pull of i-2 = slow push of i-2
+    assert result.time_s == pytest.approx(6.0)
+
+
+@pytest.mark.parametrize("strategy, degree", [("binary", 2), ("tree", 3)])
+def test_tree_parents_have_in_degree_d(strategy: str, degree: int) -> None:
+    topo = fat_tree(8, RATE)
+    ps = PSConfig(workers=50, servers=4, model_bytes=1e6, strategy=strategy, degree=degree if strategy == "tree" else None)
+    workers, servers = np.arange(50), np.arange(50, 54)
+    parents = tree_parents(topo, ps, workers, servers)
+    for j in range(4):
+        children = np.bincount(parents[j][parents[j] >= 0], minlength=50)
+        assert children.max() <= degree
+        assert np.count_nonzero(parents[j] == -1) == degree  # the server's in-degree
+        for w in range(50):  # every worker reaches the server without a cycle
+            node, hops = w, 0
+            while node >= 0:
+                node, hops = parents[j][node], hops + 1
+                assert hops <= 50
+    # Rotation: different servers' trees use different aggregators.
+    assert not np.array_equal(parents[0], parents[1])
+
+
+def test_rack_trees_aggregate_once_per_rack() -> None:
+    topo = fat_tree(8, RATE)  # 4 hosts per rack
+    ps = PSConfig(workers=40, servers=3, model_bytes=1e6, strategy="rack")
+    workers, servers = np.arange(40), np.arange(40, 43)
+    parents = tree_parents(topo, ps, workers, servers)
+    racks = rack_of(topo, workers)
+    for j in range(3):
+        aggregators = np.flatnonzero(parents[j] == -1)
+        assert sorted(racks[aggregators].tolist()) == sorted(set(racks.tolist()))  # one per rack
+        members = parents[j] >= 0
+        assert np.array_equal(racks[parents[j][members]], racks[members])  # children in the same rack
+        assert np.all(parents[j][parents[j][members]] == -1)  # depth 2
+    assert len({tuple(np.flatnonzero(p == -1)) for p in parents}) == 3  # rotated per server
+
+
+def test_trees_cut_server_traffic_and_beat_baseline_on_oversubscribed_fat_tree() -> None:
+    topo = fat_tree(8, RATE, oversub=4)
+    model, workers, servers = 10_000_000, 100, 8
+    results = {s: simulate_ps(topo, ps=PSConfig(workers=workers, servers=servers, model_bytes=model, strategy=s))
+               for s in ("baseline", "binary", "rack")}
+    shard = model / servers
+    w_hosts, s_hosts = ps_placement(topo, PSConfig(workers=workers, servers=servers, model_bytes=model), 0)
+    for strategy, result in results.items():
+        parents = tree_parents(topo, PSConfig(workers=workers, servers=servers, model_bytes=model, strategy=strategy),
+                               w_hosts, s_hosts)
+        into_server = result.link_bytes[topo.nic_links[s_hosts, 0, 1]]
+        # A server receives one message of its shard per child in its tree (W for baseline).
+        assert np.allclose(into_server, (parents == -1).sum(axis=1) * shard)
+    assert results["binary"].time_s < results["baseline"].time_s
+    assert results["rack"].time_s < results["baseline"].time_s
+    assert results["rack"].link_bytes.sum() < results["baseline"].link_bytes.sum()
+
+
+def test_global_barrier_waits_for_every_push() -> None:
+    topo = fat_tree(4, RATE, oversub=2)
+    ps = PSConfig(workers=10, servers=3, model_bytes=3_000_000, barrier="global")
+    result = simulate_ps(topo, ps=ps)
+    g = result.graph
+    push = g.label == g.label_names.index("push")
+    pull = g.label == g.label_names.index("pull")
+    assert result.task_start_s[pull].min() >= result.task_finish_s[push].max()
+    server = simulate_ps(topo, ps=PSConfig(workers=10, servers=3, model_bytes=3_000_000))
+    gs = server.graph
+    # With the per-server barrier some pull starts before the last push ends.
+    assert server.task_start_s[gs.label == gs.label_names.index("pull")].min() < \
+        server.task_finish_s[gs.label == gs.label_names.index("push")].max()
+
+
+# ---------------------------------------------------------------------------- priorities
+
+
+def _transfer_job(src: int, dst: int, size: float) -> object:
+    b = GraphBuilder()
+    b.add_transfers(src, dst, size)
+    return b.build()
+
+
+def test_high_priority_job_finishes_as_if_alone() -> None:
+    topo = star(3, RATE)
+    alone = (100e6 * 8) / RATE
+    jobs = [_transfer_job(0, 2, 100e6), _transfer_job(1, 2, 100e6)]  # both into host 2
+    prioritized = run_graph(merge_graphs(jobs, names=["hi", "lo"], priorities=[0, 1]), topo)
+    assert rel_err(prioritized.job_time_s[0], alone) < 1e-12
+    assert rel_err(prioritized.job_time_s[1], 2 * alone) < 1e-12
+    fair = run_graph(merge_graphs(jobs), topo)
+    assert np.allclose(fair.job_time_s, 2 * alone, rtol=1e-12)
+    flipped = run_graph(merge_graphs(jobs, priorities=[1, 0]), topo)
+    assert rel_err(flipped.job_time_s[1], alone) < 1e-12
+
+
+def test_low_priority_uses_what_high_priority_leaves() -> None:
+    # High priority: 0->2 limited to half a link by sharing host 0's uplink with 0->1 (same
+    # class). Low priority 1->2 gets the other half of host 2's downlink meanwhile.
+    topo = star(3, RATE)
+    b = GraphBuilder()
+    b.add_transfers(np.array([0, 0]), np.array([1, 2]), np.array([100e6, 100e6]))
+    high = b.build()
+    low = _transfer_job(1, 2, 100e6)
+    result = run_graph(merge_graphs([high, low], priorities=[0, 1]), topo)
+    t = 100e6 * 8 / RATE
+    assert rel_err(result.job_time_s[0], 2 * t) < 1e-12  # as if alone: two flows share one uplink
+    assert rel_err(result.job_time_s[1], 2 * t) < 1e-12  # half rate for 2t: done exactly then
+
+
+def test_concurrent_ps_jobs_with_priorities() -> None:
+    topo = fat_tree(4, RATE, oversub=2)
+    ps = PSConfig(workers=6, servers=2, model_bytes=4_000_000)
+    fair = simulate_ps(topo, ps=ps, jobs=3)
+    ranked = simulate_ps(topo, ps=ps, jobs=3, priorities=[2, 0, 1])
+    # Job i is placed with placement stream i: the top job (1) runs as if it were alone.
+    solo = run_graph(ps_graph(topo, ps, job=1), topo)
+    assert rel_err(ranked.job_time_s[1], solo.time_s) < 1e-9
+    assert ranked.job_time_s[1] < fair.job_time_s[1]
+    assert ranked.job_time_s[0] > ranked.job_time_s[1]  # the lowest class waits for the others
+    assert np.allclose(ranked.link_bytes.sum(), fair.link_bytes.sum())
+
+
+# ---------------------------------------------------------------------------- watchdog and errors
+
+
+def _deadlocked_pair() -> list:
+    schedules = []
+    for rank in range(2):
+        b = ScheduleBuilder("hand", rank, 2)
+        b.buffer("data", 4)
+        r = b.recv(1 - rank, Slice("data", 0, 4), tag=0)
+        b.send(1 - rank, Slice("data", 0, 4), tag=0, deps=[r])
+        schedules.append(b.build(cost_placeholder()))
+    return schedules
+
+
+def cost_placeholder():
+    from mlfabric.schedule import Cost
+
+    return Cost(steps=1, elements_sent={"0": 4})
+
+
+def test_watchdog_reports_a_deadlocked_schedule_set() -> None:
+    with pytest.raises(SimulationStalled) as info:
+        run_graph(compile_schedules(_deadlocked_pair()), star(2, RATE))
+    message = str(info.value)
+    assert "rank 0 op 0 Recv from rank 1" in message and "rank 1 op 0 Recv from rank 0" in message
+    assert "deadlock" in message
+    assert info.value.time_s == 0.0 and len(info.value.stuck) == 2
+
+
+def test_watchdog_reports_a_flow_over_a_dead_link() -> None:
+    topo = star(2, RATE)
+    capacity = topo.capacity()
+    capacity[topo.host_link(1, 0, "ingress")] = 0.0
+    dead = topo.with_capacity(capacity)
+    with pytest.raises(SimulationStalled, match=r"stalled at rate 0 over zero-capacity link\(s\) sw->h1"):
+        run_graph(_transfer_job(0, 1, 1e6), dead)
+
+
+def test_watchdog_limits_events() -> None:
+    with pytest.raises(SimulationStalled, match="more than 3 events"):
+        simulate_collective("ring", "star:n=4", "10Gbps", size_bytes=4_000_000, config=EngineConfig(max_events=3))
+
+
+def test_unmatched_recv_is_a_schedule_error() -> None:
+    b0 = ScheduleBuilder("hand", 0, 2)
+    b0.buffer("data", 4)
+    b0.recv(1, Slice("data", 0, 4), tag=5)
+    b1 = ScheduleBuilder("hand", 1, 2)
+    b1.buffer("data", 4)
+    with pytest.raises(ScheduleError, match="rank 0 op 0: Recv from rank 1 .*tag 5.* no matching Send"):
+        compile_schedules([b0.build(cost_placeholder()), b1.build(cost_placeholder())])
+
+
+def test_any_of_dependencies_fire_on_the_first() -> None:
+    # Rank 0 waits for either message; the Nop fires when the fast one (from host 1) lands.
+    topo = star(3, RATE)
+    b = GraphBuilder()
+    fast = b.add_transfers(1, 0, 1e6)
+    slow = b.add_transfers(2, 0, 4e6)
+    gate = b.add_delays(0.0, label="nop")
+    b.add_edges(np.concatenate([fast, slow]), np.concatenate([gate, gate]), any_of=True)
+    result = run_graph(b.build(), topo)
+    # Both share host 0's downlink: the small one finishes at 2 x 1 MB / R.
+    assert rel_err(result.task_finish_s[gate[0]], 2 * 1e6 * 8 / RATE) < 1e-12
+
+
+# ---------------------------------------------------------------------------- solver cross-check, determinism
+
+
+def test_naive_solver_engine_agrees_with_flow_network() -> None:
+    topo = fat_tree(4, RATE, oversub=2)
+    ps = PSConfig(workers=10, servers=4, model_bytes=4_000_000, strategy="binary")
+    fast = simulate_ps(topo, ps=ps, config=EngineConfig(seed=1))
+    naive = simulate_ps(topo, ps=ps, config=EngineConfig(seed=1, solver="naive"))
+    assert fast.events == naive.events
+    np.testing.assert_allclose(fast.task_finish_s, naive.task_finish_s, rtol=1e-9)
+    assert np.array_equal(fast.link_bytes, naive.link_bytes)
+
+
+def test_same_seed_is_bit_identical_and_seeds_differ_under_ecmp() -> None:
+    topo = fat_tree(4, RATE)
+    ps = PSConfig(workers=10, servers=4, model_bytes=8_000_000, strategy="rack",
+                  compute=ComputeModel(compute_s=0.01, straggler=STRAGGLER_PRESETS["C2"]))
+    runs = [simulate_ps(topo, ps=ps, config=EngineConfig(seed=seed)) for seed in (7, 7, 8)]
+    assert runs[0].time_s == runs[1].time_s
+    assert np.array_equal(runs[0].task_finish_s, runs[1].task_finish_s, equal_nan=True)
+    assert np.array_equal(runs[0].link_bytes, runs[1].link_bytes)
+    assert runs[0].time_s != runs[2].time_s or not np.array_equal(runs[0].link_bytes, runs[2].link_bytes)
+
+
+# ---------------------------------------------------------------------------- compute model
+
+
+def test_straggler_presets_and_draws() -> None:
+    assert straggler_preset("C1") == StragglerModel(probability=0.10, slowdown=2.0)
+    assert straggler_preset("c2").slowdown == 4.0 and straggler_preset("C3").probability == 0.04
+    assert straggler_preset("none") is None and straggler_preset("0.2,3") == StragglerModel(probability=0.2, slowdown=3)
+    with pytest.raises(ValueError, match="unknown straggler"):
+        straggler_preset("C9")
+    factors = STRAGGLER_PRESETS["C2"].factors(200, 500, seed=1)
+    assert set(np.unique(factors).tolist()) == {1.0, 4.0}
+    assert abs((factors == 4.0).mean() - 0.10) < 0.01
+    assert np.array_equal(factors[:50], STRAGGLER_PRESETS["C2"].factors(50, 500, seed=1))  # prefix-stable
+    speeds = ComputeModel(compute_s=1, speed_range=(1.0, 2.0)).worker_speeds(1000, seed=0)
+    assert speeds.min() >= 1.0 and speeds.max() <= 2.0
+    with pytest.raises(ValueError):
+        ComputeModel(speeds=(1.0,), speed_range=(1.0, 2.0))
+
+
+def test_reduce_time_from_compute_model() -> None:
+    # Ring reduce-scatter: N-1 receive-reduces per rank of count/N elements each, on the path.
+    n, count = 4, 4_000_000
+    model = ComputeModel(reduce_bytes_per_s=4e9)
+    plain = simulate_collective("reduce_scatter", star(n, RATE), size_bytes=count * 4)
+    slow = simulate_collective("reduce_scatter", star(n, RATE), size_bytes=count * 4, compute=model)
+    per_step = count / n * 4 / 4e9
+    assert rel_err(slow.time_s - plain.time_s, (n - 1) * per_step) < 1e-9
+
+
+# ---------------------------------------------------------------------------- CLI and bench
+
+
+def test_cli_simulate_collective_json() -> None:
+    from mlfabric.cli import app
+
+    result = CliRunner().invoke(app, ["simulate", "collective", "--topology", "bcube:n=4,k=2", "--link", "10Gbps",
+                                      "--algorithm", "ring", "--size", "100MB", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert rel_err(data["time_s"], 0.15) < 1e-9 and data["closed_form_s"] == pytest.approx(0.15)
+    assert data["ranks"] == 16 and data["algorithm"] == "allreduce:ring"
+    assert sum(entry["bytes"] for entry in data["link_bytes"]) == pytest.approx(data["link_summary"]["total_bytes"])
+    assert all(entry["name"] and entry["bytes"] > 0 for entry in data["link_bytes"])
+
+
+def test_cli_simulate_ps_table_json_and_errors(tmp_path: Path) -> None:
+    from mlfabric.cli import app
+
+    out = tmp_path / "ps.json"
+    args = ["simulate", "ps", "--topology", "fat-tree:k=4,oversub=4", "--workers", "8", "--servers", "2",
+            "--strategy", "rack", "--model-size", "10MB", "--output", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "time per iteration" in result.output
+    data = json.loads(out.read_text())
+    assert data["time_s"] > 0 and data["strategy"] == "rack" and data["link_bytes"]
+    assert data["iteration_end_s"] == [pytest.approx(data["time_s"])]
+    bad = CliRunner().invoke(app, ["simulate", "ps", "--topology", "star:n=4", "--workers", "4", "--servers", "2"])
+    assert bad.exit_code == 2 and "do not fit" in " ".join(bad.output.split())
+    bad = CliRunner().invoke(app, ["simulate", "ps", "--topology", "star:n=8", "--workers", "4", "--servers", "2",
+                                   "--strategy", "bogus"])
+    assert bad.exit_code == 2 and "unknown PS strategy" in " ".join(bad.output.split())
+
+
+def test_cli_plot_needs_matplotlib(tmp_path: Path) -> None:
+    from mlfabric.cli import app
+
+    png = tmp_path / "out.png"
+    result = CliRunner().invoke(app, ["simulate", "collective", "--topology", "star:n=4", "--size", "1MB",
+                                      "--plot", str(png)])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert result.exit_code == 1 and "pip install matplotlib" in result.output and not png.exists()
+    else:
+        assert result.exit_code == 0, result.output
+        assert png.stat().st_size > 0
+
+
+def test_engine_benchmark_small() -> None:
+    figures = benchmark_engine(EngineBenchConfig(topology="fat-tree:k=8,oversub=4", sizes=((40, 8), (60, 40)),
+                                                 slow_flows=1000, naive_workers=12, naive_servers=4))
+    runs = figures["runs"]
+    assert [(r["workers"], r["servers"], r["barrier"]) for r in runs] == [
+        (40, 8, "server"), (40, 8, "global"), (60, 40, "server"), (60, 40, "global")]
+    assert runs[0]["flows"] == 2 * 40 * 8 and runs[0]["time_s"] > 0
+    assert "skipped" in runs[2] and runs[3]["flows"] == 2 * 60 * 40
+    side = figures["naive_side_by_side"]
+    assert side["same_time"] and side["speedup_wall"] > 0
+    assert "naive solver" in format_engine_benchmark(figures)
