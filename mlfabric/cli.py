@@ -24,6 +24,9 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from mlfabric.emu.cli import LAUNCH_CONTEXT, emu_app
+from mlfabric.emu.cli import launch as emu_launch
+
 __all__ = ["app", "bench_app", "main", "simulate_app"]
 
 app = typer.Typer(
@@ -43,6 +46,8 @@ simulate_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(simulate_app, name="simulate")
+app.add_typer(emu_app, name="emu")
+app.command("launch", context_settings=LAUNCH_CONTEXT)(emu_launch)
 
 console = Console()
 T = TypeVar("T")

@@ -4,12 +4,8 @@
     mlfabric emu cleanup [--force]
     sudo mlfabric launch --hosts 8 --topology star --rate 1gbit --churn N2 --period 5s --seed 1 -- python train.py
 
-Until they are registered in ``mlfabric/cli.py`` the same commands run as
-``python -m mlfabric.emu doctor|cleanup|list|launch ...``. To register::
-
-    from mlfabric.emu.cli import emu_app, launch as emu_launch, LAUNCH_CONTEXT
-    app.add_typer(emu_app, name="emu")
-    app.command("launch", context_settings=LAUNCH_CONTEXT)(emu_launch)
+``mlfabric/cli.py`` registers them; ``python -m mlfabric.emu doctor|cleanup|list|launch ...``
+runs the same commands without the rest of the CLI.
 """
 
 from __future__ import annotations

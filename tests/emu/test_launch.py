@@ -138,3 +138,19 @@ def test_sigkill_then_cleanup_leaves_nothing(no_leaks):
     removed = cleanup()
     assert leftover <= set(removed)
     assert not set(our_leftovers()) - before
+
+
+@needs_root
+def test_cli_launch_runs_an_mlfabric_job_on_an_emulated_star() -> None:
+    """`mlfabric launch` end to end: a real zmq allreduce across 3 namespaces, then teardown."""
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "allreduce.py"
+    cli = Path(sys.executable).with_name("mlfabric")
+    out = subprocess.run([str(cli), "launch", "--hosts", "3", "--topology", "star", "--rate",
+                          "100mbit", "--", sys.executable, str(example)],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "[rank 0] Communicator(rank=0, world_size=3" in out.stdout + out.stderr
+    assert "allreduce ok (every element = 3)" in out.stdout + out.stderr
+    assert our_leftovers() == []
