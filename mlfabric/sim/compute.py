@@ -30,43 +30,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mlfabric.emu.stragglers import STRAGGLER_PRESETS, StragglerModel
+
 __all__ = ["ComputeModel", "StragglerModel", "STRAGGLER_PRESETS", "straggler_preset"]
 
-# Independent random streams derived from the simulation seed.
+# Independent random streams derived from the simulation seed (stragglers use stream 2,
+# inside the one StragglerModel shared with the emulator).
 _SPEED_STREAM = 1
-_STRAGGLER_STREAM = 2
-
-
-@dataclass(frozen=True, kw_only=True)
-class StragglerModel:
-    """Each worker, in each iteration, is slowed down by ``slowdown`` with ``probability``."""
-
-    probability: float
-    slowdown: float
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.probability <= 1.0:
-            raise ValueError(f"straggler probability must be in [0, 1], got {self.probability}")
-        if not (self.slowdown >= 1.0 and math.isfinite(self.slowdown)):
-            raise ValueError(f"straggler slowdown must be a finite factor >= 1, got {self.slowdown}")
-
-    def factors(self, iterations: int, workers: int, seed: int) -> np.ndarray:
-        """``(iterations, workers)`` slowdown factors (1 or ``slowdown``), deterministic for a seed.
-
-        Row ``i`` depends only on ``(seed, i)``-independent draws made in order, so the first
-        iterations are the same whatever the total number of iterations.
-        """
-        rng = np.random.default_rng(np.random.SeedSequence([seed, _STRAGGLER_STREAM]))
-        draws = rng.random((iterations, workers))
-        return np.where(draws < self.probability, self.slowdown, 1.0)
-
-
-#: MLfabric §7 compute settings: (probability, slowdown).
-STRAGGLER_PRESETS: dict[str, StragglerModel] = {
-    "C1": StragglerModel(probability=0.10, slowdown=2.0),
-    "C2": StragglerModel(probability=0.10, slowdown=4.0),
-    "C3": StragglerModel(probability=0.04, slowdown=2.0),
-}
 
 
 def straggler_preset(name: str) -> StragglerModel | None:
