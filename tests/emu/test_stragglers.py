@@ -30,11 +30,15 @@ def test_straggler_factors_seeded_frequency_and_prefix_stable():
     assert np.allclose([next(rows) for _ in range(50)], (a[:50] - 1) * 0.5)
 
 
-def test_straggler_draws_match_the_simulator():
+def test_simulator_draws_the_same_stragglers_as_the_emulator():
+    """For a seed, a simulated run slows exactly the workers the emulator would slow."""
     sim = pytest.importorskip("mlfabric.sim.compute")
-    ours = StragglerModel(probability=0.1, slowdown=2.0).factors(100, 8, seed=3)
-    theirs = sim.StragglerModel(probability=0.1, slowdown=2.0).factors(100, 8, seed=3)
-    assert np.array_equal(ours, theirs)
+    model = StragglerModel(probability=0.1, slowdown=2.0)
+    times = sim.ComputeModel(compute_s=0.5, straggler=model).compute_times(100, 8, seed=3)
+    emulator_delays = model.delays(100, 8, seed=3, compute_s=0.5)
+    assert set(np.unique(times)) == {0.5, 1.0}
+    assert np.array_equal(times == 1.0, emulator_delays == 0.5)
+    assert 0.05 < (times == 1.0).mean() < 0.15
 
 
 def test_random_delay_one_worker_per_step():
