@@ -133,7 +133,7 @@ class ZmqTransport(Transport):
     def create(cls, store, rank: int, world_size: int, *, channels: tuple[str, ...] = ("0",),
                bind_addrs: Mapping[str, str] | None = None, timeout: float = 60.0) -> "ZmqTransport":
         """Bind, publish our endpoints in ``store`` (a torch.distributed Store), learn
-        everyone else's, connect to all peers and start the I/O thread."""
+        everyone else's and connect to all peers."""
         if rank == 0:
             store.set("token", secrets.token_hex(TOKEN_BYTES))
         token = bytes.fromhex(store.get("token").decode())
