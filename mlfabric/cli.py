@@ -122,17 +122,37 @@ def bench_allreduce(
         = None,
     timeout: Annotated[float, typer.Option(help="Seconds before the whole run is killed.")] = 600.0,
     seed: Annotated[int, typer.Option(help="Seed of the input tensors.")] = 0,
+    emulate: Annotated[bool, typer.Option("--emulate", help="Run each rank on a host of an emulated "
+                                          "cluster (root; see `mlfabric emu doctor`).")] = False,
+    hosts: Annotated[Optional[int], typer.Option("--hosts", help="With --emulate: hosts of a star "
+                                                 "(sets --world-size).")] = None,
+    topology: Annotated[Optional[str], typer.Option(help="With --emulate: topology spec, e.g. "
+                                                    "star:n=8, racks:r=2,h=4,oversub=4, bcube:n=3,k=2.")] = None,
+    rate: Annotated[str, typer.Option(help="With --emulate: NIC rate, e.g. 1gbit, 500mbit.")] = "1gbit",
 ) -> None:
     """Allreduce time, algbw and busbw of mlfabric's algorithms vs gloo, interleaved per repetition."""
     from mlfabric.bench.allreduce import AllreduceBenchConfig, render_table, run_allreduce_bench
+    from mlfabric.units import parse_rate
 
+    emulate_topology = emulate_rate = None
+    if emulate:
+        from mlfabric.emu.cluster import plan_cluster
+        from mlfabric.emu.launcher import resolve_topology
+
+        spec = run_or_exit(lambda: resolve_topology(topology or "star", hosts or world_size))
+        emulate_topology = str(spec)
+        emulate_rate = run_or_exit(lambda: parse_rate(rate))
+        world_size = plan_cluster(spec, emulate_rate).n_hosts
     config = make_config(AllreduceBenchConfig, world_size=world_size,
+                         emulate_topology=emulate_topology, emulate_rate_bps=emulate_rate,
                          algorithms=tuple(split_list(algorithms, "algorithms")),
                          sizes=tuple(parse_sizes(sizes)), iters=iters, warmup=warmup,
                          transport=transport, timeout_s=timeout, seed=seed)
     command = ["mlfabric", "bench", "allreduce", "--world-size", str(world_size), "--algorithms",
                ",".join(config.algorithms), "--sizes", sizes.replace(" ", ""), "--iters", str(iters),
                "--warmup", str(warmup), "--transport", transport, "--seed", str(seed)]
+    if emulate:
+        command += ["--emulate", "--topology", str(emulate_topology), "--rate", rate]
     if json_path is not None:
         command += ["--json", str(json_path)]
     with progress_bar() as progress:

@@ -18,6 +18,8 @@ same run. :func:`run_allreduce_bench` returns it all as :class:`AllreduceBenchRe
 
 from __future__ import annotations
 
+import contextlib
+
 import datetime as _dt
 import os
 import platform
@@ -27,7 +29,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from mlfabric.bench.procs import LaunchConfig, rank_env, report, run_ranks
 
@@ -59,6 +61,10 @@ class AllreduceBenchConfig:
     transport: str = "zmq"
     timeout_s: float = 600.0
     seed: int = 0
+    # Run the ranks on an emulated cluster (root): a topology spec such as "star:n=8" and the
+    # per-NIC rate in bit/s. None: local processes on loopback.
+    emulate_topology: str | None = None
+    emulate_rate_bps: float | None = None
 
     def __post_init__(self) -> None:
         from mlfabric import TRANSPORTS
@@ -152,6 +158,36 @@ def collect_metadata(config: AllreduceBenchConfig, argv: Sequence[str] | None = 
     }
 
 
+@contextlib.contextmanager
+def _launch_config(config: AllreduceBenchConfig, capture_output: bool) -> Iterator[LaunchConfig]:
+    """Local ranks on loopback, or one rank per host of an emulated cluster (torn down after)."""
+    if config.emulate_topology is None:
+        yield LaunchConfig(world_size=config.world_size, timeout_s=config.timeout_s,
+                           capture_output=capture_output)
+        return
+    from mlfabric.emu.cluster import Cluster, new_prefix, plan_cluster
+    from mlfabric.emu.cmd import ns_exec_prefix
+    from mlfabric.topo.spec import TopologySpec
+
+    if config.emulate_rate_bps is None:
+        raise ValueError("an emulated benchmark needs a NIC rate")
+    plan = plan_cluster(TopologySpec.parse(config.emulate_topology), config.emulate_rate_bps,
+                        prefix=new_prefix())
+    if plan.n_hosts != config.world_size:
+        raise ValueError(f"topology {config.emulate_topology} has {plan.n_hosts} hosts but the "
+                         f"benchmark asks for {config.world_size} ranks")
+    with Cluster.create(plan):
+        yield LaunchConfig(
+            world_size=config.world_size, timeout_s=config.timeout_s, capture_output=capture_output,
+            # Host 0's namespace is brand new, so any port is free there (and free_port() could
+            # not probe it from this namespace).
+            master_addr=plan.master_addr, master_port=29500,
+            command_prefix=[ns_exec_prefix(h.netns) for h in plan.hosts],
+            # gloo picks its interface from the hostname, which a namespace cannot resolve.
+            rank_env=[{"MLFABRIC_CHANNEL_ADDRS": h.channel_addrs(),
+                       "GLOO_SOCKET_IFNAME": h.nics[0].host_dev} for h in plan.hosts])
+
+
 def run_allreduce_bench(config: AllreduceBenchConfig, *, argv: Sequence[str] | None = None,
                         on_progress: Callable[[int, int], None] | None = None,
                         capture_output: bool = False) -> AllreduceBenchResult:
@@ -159,15 +195,15 @@ def run_allreduce_bench(config: AllreduceBenchConfig, *, argv: Sequence[str] | N
 
     ``on_progress(done, total)`` is called as rank 0 finishes each (size, repetition).
     """
-    launch = LaunchConfig(world_size=config.world_size, timeout_s=config.timeout_s,
-                          capture_output=capture_output)
     total = len(config.sizes) * (config.warmup + config.iters)
 
     def on_report(rank: int, payload: Any) -> None:
         if on_progress is not None and rank == 0:
             on_progress(int(payload), total)
 
-    per_rank: list[_RankTimes] = run_ranks(_rank_main, config=launch, args=(config,), on_report=on_report)
+    with _launch_config(config, capture_output) as launch:
+        per_rank: list[_RankTimes] = run_ranks(_rank_main, config=launch, args=(config,),
+                                               on_report=on_report)
     factor = bus_factor(config.world_size)
     measurements: list[AllreduceMeasurement] = []
     for size in config.sizes:

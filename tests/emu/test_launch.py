@@ -154,3 +154,20 @@ def test_cli_launch_runs_an_mlfabric_job_on_an_emulated_star() -> None:
     assert "[rank 0] Communicator(rank=0, world_size=3" in out.stdout + out.stderr
     assert "allreduce ok (every element = 3)" in out.stdout + out.stderr
     assert our_leftovers() == []
+
+
+@needs_root
+def test_allreduce_benchmark_on_an_emulated_star() -> None:
+    """`bench allreduce --emulate`: ranks in namespaces, gloo and mlfabric both checked."""
+    from mlfabric.bench.allreduce import AllreduceBenchConfig, run_allreduce_bench
+
+    config = AllreduceBenchConfig(world_size=2, algorithms=("ring", "gloo"), sizes=(4_000_000,),
+                                  iters=2, warmup=1, timeout_s=120,
+                                  emulate_topology="star:n=2", emulate_rate_bps=100e6)
+    result = run_allreduce_bench(config, capture_output=True)
+    ring, gloo = result.get(4_000_000, "ring"), result.get(4_000_000, "gloo")
+    assert ring.correct and gloo.correct
+    # Each rank sends 4 MB (2(N-1)/N of it) at 100 Mbit/s: at least 0.32 s once the shaper's
+    # burst allowance is spent, against a few ms on loopback. 0.2 s leaves room for the burst.
+    assert ring.median_s > 0.2 and gloo.median_s > 0.2
+    assert our_leftovers() == []
