@@ -95,6 +95,7 @@ class ZmqTransport(Transport):
         self._index_channel = {i: name for name, i in self._channel_index.items()}
         self._send_lock = threading.Lock()
         self._routers: dict[str, zmq.Socket] = {}
+        self._router_channel: dict[zmq.Socket, str] = {}
         self.endpoints: dict[str, str] = {}
         bind_addrs = dict(bind_addrs or {})
         # Control messages ride the first channel's sockets with their own channel index.
@@ -106,6 +107,7 @@ class ZmqTransport(Transport):
             host = bind_addrs.get(name, "127.0.0.1")
             port = router.bind_to_random_port(f"tcp://{host}")
             self._routers[name] = router
+            self._router_channel[router] = name
             self.endpoints[name] = f"tcp://{host}:{port}"
         self._dealers: dict[tuple[int, str], zmq.Socket] = {}
         self._monitors: dict[zmq.Socket, tuple[str, int | None]] = {}
@@ -232,7 +234,6 @@ class ZmqTransport(Transport):
                 if self._stop.is_set():
                     return self.mailbox.version
                 raise
-            router_channel = {sock: name for name, sock in self._routers.items()}
             for sock, _ in events:
                 if sock == self._wake_r:
                     try:
@@ -240,8 +241,8 @@ class ZmqTransport(Transport):
                             pass
                     except BlockingIOError:
                         pass
-                elif sock in router_channel:
-                    self._drain_router(sock, router_channel[sock])
+                elif sock in self._router_channel:
+                    self._drain_router(sock, self._router_channel[sock])
                 else:
                     self._handle_monitor(sock)
             self._expire_disconnects()
