@@ -10,6 +10,7 @@ See README.md for the quickstart and docs/ for the algorithms and measured resul
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Callable, Sequence, TypeVar
 
@@ -26,12 +27,14 @@ from .runtime.communicator import DEFAULT_TIMEOUT_S, Communicator
 __version__ = "0.1.0"
 
 TRANSPORTS = ("zmq", "torch")
+TOPOLOGY_ENV = "MLFABRIC_TOPOLOGY"
 
 
 def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | None = None,
          master_addr: str | None = None, master_port: int | None = None,
          timeout: float = DEFAULT_TIMEOUT_S, channels: Sequence[str] | None = None,
-         channel_addrs: dict[str, str] | None = None, backend: str = "gloo") -> Communicator:
+         channel_addrs: dict[str, str] | None = None, backend: str = "gloo",
+         topology: str | None = None) -> Communicator:
     """Join the job and return a :class:`Communicator`.
 
     ``transport``: ``"zmq"`` (TCP via ZeroMQ, the default) or ``"torch"`` (torch.distributed
@@ -40,6 +43,8 @@ def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | N
     MASTER_ADDR and MASTER_PORT. ``timeout`` (seconds) bounds every wait.
     ``channels`` names the NICs (one listening address each, from ``channel_addrs`` or the
     ``MLFABRIC_CHANNEL_ADDRS`` variable); by default a single channel ``"0"``.
+    ``topology`` (or ``MLFABRIC_TOPOLOGY``) is the cluster's topology spec, rank r on host r,
+    e.g. ``"bcube:n=3,k=2"``: BML (``algorithm="bcube"``, and ``"auto"`` on a BCube) needs it.
     """
     from .runtime.rendezvous import connect_store, job_info, store_barrier
 
@@ -47,6 +52,7 @@ def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | N
         raise ValueError(f"unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
+    topology = topology if topology is not None else (os.environ.get(TOPOLOGY_ENV) or None)
     job = job_info(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port)
     store = connect_store(job, timeout)
     if transport == "zmq":
@@ -65,7 +71,7 @@ def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | N
                                        channels=tuple(channels or ("0",)), timeout=timeout)
     # Rank 0 serves the store: keep it until everyone has finished reading from it.
     store_barrier(store, "init", job.world_size, timeout)
-    comm = Communicator(tr, timeout=timeout)
+    comm = Communicator(tr, timeout=timeout, topology=topology)
     comm.store = store  # rank 0 serves the store: it must live as long as the communicator
     return comm
 
@@ -74,19 +80,20 @@ T = TypeVar("T")
 
 
 def local_world(world_size: int, *, timeout: float = DEFAULT_TIMEOUT_S,
-                channels: Sequence[str] = ("0",)) -> list[Communicator]:
+                channels: Sequence[str] = ("0",), topology: str | None = None) -> list[Communicator]:
     """``world_size`` communicators joined by the in-process transport (ranks = threads)."""
     from .transport.local import LocalFabric
 
     fabric = LocalFabric(world_size, tuple(channels))
-    return [Communicator(t, timeout=timeout) for t in fabric.transports()]
+    return [Communicator(t, timeout=timeout, topology=topology) for t in fabric.transports()]
 
 
 def run_threads(world_size: int, fn: Callable[[Communicator], T], *,
-                timeout: float = DEFAULT_TIMEOUT_S, channels: Sequence[str] = ("0",)) -> list[T]:
+                timeout: float = DEFAULT_TIMEOUT_S, channels: Sequence[str] = ("0",),
+                topology: str | None = None) -> list[T]:
     """Run ``fn(comm)`` on ``world_size`` threads, one rank each; returns per-rank results
     and re-raises the first exception."""
-    comms = local_world(world_size, timeout=timeout, channels=channels)
+    comms = local_world(world_size, timeout=timeout, channels=channels, topology=topology)
     results: list[object] = [None] * world_size
     errors: list[BaseException | None] = [None] * world_size
 

@@ -14,7 +14,9 @@ from typing import Callable
 
 from mlfabric.schedule import Schedule
 
+from .bcube import bcube_allreduce, hierarchical_allreduce
 from .halving_doubling import halving_doubling_allreduce
+from .p2p_ps import p2p_ps_allreduce
 from .ring import ring_allgather, ring_allreduce, ring_reduce_scatter
 from .tree import binomial_broadcast, binomial_reduce, tree_allreduce
 
@@ -22,6 +24,9 @@ ALLREDUCE_ALGORITHMS: dict[str, Callable[..., Schedule]] = {
     "ring": ring_allreduce,
     "halving_doubling": halving_doubling_allreduce,
     "tree": tree_allreduce,
+    "bcube": bcube_allreduce,
+    "hierarchical": hierarchical_allreduce,
+    "ps": p2p_ps_allreduce,
 }
 
 # Below this many bytes latency dominates and halving-doubling's log2(N) steps win; above
@@ -29,9 +34,15 @@ ALLREDUCE_ALGORITHMS: dict[str, Callable[..., Schedule]] = {
 AUTO_RING_MIN_BYTES = 256 * 1024
 
 
-def choose_allreduce(algorithm: str, nbytes: int, world_size: int) -> str:
-    """Resolve ``"auto"`` and reject unknown names with the list of known ones."""
+def choose_allreduce(algorithm: str, nbytes: int, world_size: int, topology: str | None = None) -> str:
+    """Resolve ``"auto"`` and reject unknown names with the list of known ones.
+
+    ``topology`` is the cluster's topology spec when known (``"bcube:n=3,k=2"``): on a BCube
+    ``auto`` is BML, the only algorithm that talks to 1-hop neighbours only and uses every NIC.
+    """
     if algorithm == "auto":
+        if topology is not None and topology.startswith("bcube:"):
+            return "bcube"
         return "ring" if nbytes >= AUTO_RING_MIN_BYTES else "halving_doubling"
     if algorithm not in ALLREDUCE_ALGORITHMS:
         known = ", ".join([*ALLREDUCE_ALGORITHMS, "auto"])
@@ -57,7 +68,8 @@ def build(kind: str, world_size: int, rank: int, count: int, **options: object) 
 
 
 __all__ = [
-    "ALLREDUCE_ALGORITHMS", "AUTO_RING_MIN_BYTES", "binomial_broadcast", "binomial_reduce",
-    "build", "choose_allreduce", "halving_doubling_allreduce", "ring_allgather",
-    "ring_allreduce", "ring_reduce_scatter", "tree_allreduce",
+    "ALLREDUCE_ALGORITHMS", "AUTO_RING_MIN_BYTES", "bcube_allreduce", "binomial_broadcast",
+    "binomial_reduce", "build", "choose_allreduce", "halving_doubling_allreduce",
+    "hierarchical_allreduce", "p2p_ps_allreduce", "ring_allgather", "ring_allreduce",
+    "ring_reduce_scatter", "tree_allreduce",
 ]

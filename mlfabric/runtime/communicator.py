@@ -18,13 +18,16 @@ Exercise it with ``python -m pytest tests/unit/test_runtime.py tests/local``.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 from typing import Callable, Sequence
 
 import torch
 
 from mlfabric import collectives
+from mlfabric.collectives.bcube import hierarchy_of
 from mlfabric.schedule import REDUCE_OPS
+from mlfabric.topo.spec import TopologySpec
 from mlfabric.transport.base import Transport
 
 from .executor import Executor, RunInfo
@@ -34,12 +37,19 @@ REDUCE_OP_NAMES = ("sum", "avg", "max", "min", "prod")
 
 
 class Communicator:
-    """Collectives over one transport. Thread-safe: calls are ordered by a lock."""
+    """Collectives over one transport. Thread-safe: calls are ordered by a lock.
+
+    ``topology`` (a spec such as ``"bcube:n=3,k=2"``) describes the cluster the ranks run on,
+    rank ``r`` on host ``r``: it gives BML (``algorithm="bcube"``) and ``"hierarchical"``
+    their shape and lets ``"auto"`` pick BML on a BCube.
+    """
 
     def __init__(self, transport: Transport, *, timeout: float = DEFAULT_TIMEOUT_S,
-                 on_close: Sequence[Callable[[], None]] = ()) -> None:
+                 on_close: Sequence[Callable[[], None]] = (),
+                 topology: TopologySpec | str | None = None) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
+        self.topology = _check_topology(topology, transport.world_size)
         self.transport = transport
         self.timeout = float(timeout)
         self.executor = Executor(transport, name=f"mlfabric-progress-{transport.rank}")
@@ -65,7 +75,9 @@ class Communicator:
         _check_tensor(tensor, "allreduce")
         _check_op(op)
         flat, write_back = _flat_work_buffer(tensor)
-        name = collectives.choose_allreduce(algorithm, flat.numel() * flat.element_size(), self.world_size)
+        name = collectives.choose_allreduce(algorithm, flat.numel() * flat.element_size(), self.world_size,
+                                            None if self.topology is None else str(self.topology))
+        options = self._allreduce_options(name)
         reduce_op = "sum" if op == "avg" else op
 
         def finish() -> torch.Tensor:
@@ -75,7 +87,26 @@ class Communicator:
             return tensor
 
         return self._run(f"allreduce:{name}", flat, f"allreduce({name}, {op})", finish,
-                         timeout, op=reduce_op)
+                         timeout, op=reduce_op, **options)
+
+    def _allreduce_options(self, name: str) -> dict[str, object]:
+        """The shape an algorithm needs from the topology (BCube digits, switch hierarchy)."""
+        if name not in ("bcube", "hierarchical"):
+            return {}
+        spec = self.topology
+        if spec is None or (name == "bcube" and spec.kind != "bcube"):
+            raise ValueError(
+                f"algorithm={name!r} needs the cluster's shape: pass "
+                "mlfabric.init(..., topology='bcube:n=3,k=2') or set MLFABRIC_TOPOLOGY (the "
+                f"emulator's launcher does); this communicator's topology is {spec}")
+        if name == "hierarchical":
+            return {"radices": hierarchy_of(spec)}
+        levels = int(spec.params["k"])
+        # Level l rides channel "l" (NIC l) when the transport has it, else the first NIC:
+        # BML stays correct on a one-NIC cluster, it just loses its bandwidth advantage.
+        channels = tuple(str(level) if str(level) in self.transport.channels else self.transport.channels[0]
+                         for level in range(levels))
+        return {"n": int(spec.params["n"]), "k": levels, "channels": channels}
 
     def allreduce(self, tensor: torch.Tensor, algorithm: str = "ring", op: str = "sum", *,
                   timeout: float | None = None) -> torch.Tensor:
@@ -185,6 +216,19 @@ class Communicator:
     def __repr__(self) -> str:
         return (f"Communicator(rank={self.rank}, world_size={self.world_size}, "
                 f"transport={type(self.transport).__name__})")
+
+
+def _check_topology(topology: TopologySpec | str | None, world_size: int) -> TopologySpec | None:
+    if topology is None:
+        return None
+    spec = topology if isinstance(topology, TopologySpec) else TopologySpec.parse(topology)
+    if spec.kind == "edges":
+        return spec
+    hosts = math.prod(hierarchy_of(spec))
+    if hosts != world_size:
+        raise ValueError(f"topology {spec} has {hosts} hosts but the world size is {world_size}; "
+                         "mlfabric runs one rank per host")
+    return spec
 
 
 def _check_tensor(tensor: object, what: str) -> None:

@@ -1,0 +1,244 @@
+"""BML gradient synchronization on BCube(n,k) (papers/bml.txt §3.2, Algorithm 1), and the same
+digit-by-digit exchange on one NIC as the "hierarchical" baseline of BML §3.3.
+
+Host ``a`` has digits ``[a_{k-1} .. a_0]`` with ``a = sum_i a_i n^i`` (``mlfabric.topo.bcube``
+numbers hosts the same way). Each host runs ``k`` synchronization threads; the gradient is cut
+into ``k*N`` pieces ``<e, v_{k-1} .. v_0>`` and thread ``t`` handles the ``N`` pieces with
+``e = t``. Thread ``t`` corrects the digits in the order ``j_i = (i + t) mod k``:
+
+* aggregation step ``w`` uses level ``l = j_w`` = ``(w + t) mod k``: to each level-``l``
+  neighbour ``s`` it sends the pieces whose digits ``j_0..j_{w-1}`` equal its own and whose
+  digit ``j_w`` equals ``s``'s (``CalcGset(s, w)``), and reduces what it receives into the
+  pieces matching its own digits ``j_0..j_w``. After ``k`` steps piece ``<t, a>`` is complete.
+* broadcast step ``w`` uses level ``(k-1-w+t) mod k`` = ``j_{k-1-w}``: it sends the complete
+  pieces matching its digits ``j_0..j_{k-1-w}`` (``CalcGset(a, k-1-w)``) to every neighbour
+  of that level and stores theirs.
+
+In every step the ``k`` threads of a host use ``k`` distinct levels, so all NICs are busy and
+the GST is ``2 (N-1)/(k N) * T_F`` (one full-gradient transfer time ``T_F`` per NIC), ``1/k``
+of the parameter server's or ring's ``2 (N-1)/N * T_F`` on a Fat-Tree.
+
+**Buffer layout.** A piece's name ``<e, digits>`` is a label; where its elements sit in the
+flat buffer is ours to choose. We lay thread ``t``'s ``N`` pieces out in the order of the
+mixed-radix number ``(v_{j_0}, v_{j_1}, .., v_{j_{k-1}})`` (``v_{j_0}`` most significant), so
+every ``CalcGset`` is one contiguous slice and every transfer one message. The buffer is cut
+into ``k*N`` pieces per call, i.e. per DDP bucket, which is BML §4.1's per-layer split.
+
+**Hierarchical synchronization** (``hierarchical_allreduce``) is the same exchange with one
+thread on one NIC over mixed radices, e.g. a Fat-Tree(k) grouped by edge switch (``k/2``
+hosts), then by pod (``k/2`` edges), then across the ``k`` pods: BML §3.3's baseline, whose
+GST equals the parameter server's on a non-blocking network.
+
+Cost per rank with ``count`` divisible by ``k*N``: on every level ``2 (N-1) * count/(k N)``
+elements in ``2k`` steps.
+
+Exercise it with ``python -m pytest tests/unit/test_bcube.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+from mlfabric.schedule import DEFAULT_CHANNEL, Cost, Schedule, ScheduleBuilder, Slice
+
+from .partition import piece_offsets, piece_sizes
+
+if TYPE_CHECKING:
+    from mlfabric.topo.spec import TopologySpec
+
+AGGREGATION, BROADCAST = 0, 1
+
+
+@dataclass(frozen=True)
+class DigitExchange:
+    """The geometry shared by every rank: radices, threads, and how pieces map to slices."""
+
+    radices: tuple[int, ...]  # radix of digit i (least significant first)
+    threads: int
+    count: int
+
+    @property
+    def levels(self) -> int:
+        return len(self.radices)
+
+    @cached_property
+    def world_size(self) -> int:
+        return math.prod(self.radices)
+
+    @cached_property
+    def _offsets(self) -> list[int]:
+        parts = self.threads * self.world_size
+        return [*piece_offsets(self.count, parts), self.count]
+
+    @cached_property
+    def _sizes(self) -> list[int]:
+        return piece_sizes(self.count, self.threads * self.world_size)
+
+    def digits(self, host: int) -> list[int]:
+        out = []
+        for radix in self.radices:
+            host, digit = divmod(host, radix)
+            out.append(digit)
+        return out
+
+    def host(self, digits: list[int]) -> int:
+        value = 0
+        for radix, digit in zip(reversed(self.radices), reversed(digits)):
+            value = value * radix + digit
+        return value
+
+    def order(self, thread: int) -> list[int]:
+        """The digit (= level) thread ``thread`` corrects in step i: ``j_i = (i + t) mod L``."""
+        return [(i + thread) % self.levels for i in range(self.levels)]
+
+    def aggregation_level(self, thread: int, step: int) -> int:
+        return (step + thread) % self.levels
+
+    def broadcast_level(self, thread: int, step: int) -> int:
+        return (self.levels - 1 - step + thread) % self.levels
+
+    def block(self, thread: int, fixed: list[int]) -> Slice:
+        """The pieces of ``thread`` whose digits ``j_0 .. j_{len(fixed)-1}`` equal ``fixed``."""
+        order = self.order(thread)
+        position, span = 0, self.world_size
+        for level, digit in zip(order, fixed):
+            span //= self.radices[level]
+            position += digit * span
+        first = thread * self.world_size + position
+        return Slice("data", self._offsets[first], self._offsets[first + span] - self._offsets[first])
+
+    def neighbours(self, host: int, level: int) -> list[tuple[int, int]]:
+        """``(digit, host)`` of the other hosts that differ from ``host`` only in ``level``.
+        Listed starting after ``host``'s own digit so that hosts spread their first messages."""
+        digits = self.digits(host)
+        radix = self.radices[level]
+        out = []
+        for shift in range(1, radix):
+            d = (digits[level] + shift) % radix
+            out.append((d, self.host(digits[:level] + [d] + digits[level + 1:])))
+        return out
+
+
+def tag_of(thread: int, stage: int, step: int, levels: int) -> int:
+    """Builder tag of the message of (thread, stage, step); one per ordered pair and step."""
+    return (thread * 2 + stage) * levels + step
+
+
+def decode_tag(tag: int, levels: int) -> tuple[int, int, int]:
+    """``(thread, stage, step)`` of a tag made by :func:`tag_of` (used by the structural tests)."""
+    rest, step = divmod(tag, levels)
+    thread, stage = divmod(rest, 2)
+    return thread, stage, step
+
+
+def bcube_allreduce(world_size: int, rank: int, count: int, *, n: int, k: int, op: str = "sum",
+                    channels: tuple[str, ...] | None = None) -> Schedule:
+    """BML Algorithm 1 on BCube(n, k). ``channels[l]`` carries level-``l`` traffic (default
+    ``"0" .. "k-1"``: one channel per NIC); pass fewer distinct names to share NICs."""
+    if n < 2 or k < 1:
+        raise ValueError(f"BCube needs n >= 2 and k >= 1, got n={n}, k={k}")
+    if world_size != n**k:
+        raise ValueError(f"BCube(n={n}, k={k}) has {n**k} hosts but the world size is {world_size}; "
+                         f"BML needs exactly n^k ranks")
+    channels = channels or tuple(str(level) for level in range(k))
+    if len(channels) != k:
+        raise ValueError(f"BCube(n={n}, k={k}) needs {k} channels (one per level), got {channels}")
+    return _digit_exchange("bcube_allreduce", DigitExchange((n,) * k, k, count), rank, op, channels)
+
+
+def hierarchical_allreduce(world_size: int, rank: int, count: int, *, radices: tuple[int, ...],
+                           op: str = "sum", channel: str = DEFAULT_CHANNEL) -> Schedule:
+    """Group ranks by digit 0 (radix ``radices[0]``), then digit 1, ...: one thread, one NIC."""
+    if not radices or any(r < 1 for r in radices):
+        raise ValueError(f"radices must be positive, got {radices}")
+    if math.prod(radices) != world_size:
+        raise ValueError(f"radices {radices} describe {math.prod(radices)} ranks, not {world_size}")
+    exchange = DigitExchange(tuple(radices), 1, count)
+    return _digit_exchange("hierarchical_allreduce", exchange, rank, op, (channel,) * len(radices))
+
+
+def _digit_exchange(name: str, ex: DigitExchange, rank: int, op: str,
+                    channels: tuple[str, ...]) -> Schedule:
+    if not 0 <= rank < ex.world_size:
+        raise ValueError(f"rank {rank} is outside world size {ex.world_size}")
+    b = ScheduleBuilder(name, rank, ex.world_size)
+    b.buffer("data", ex.count)
+    levels = ex.levels
+    mine = ex.digits(rank)
+    sent: dict[str, int] = {}
+
+    def send(peer: int, sl: Slice, tag: int, deps: list[int], level: int) -> int:
+        sent[channels[level]] = sent.get(channels[level], 0) + sl.length
+        return b.send(peer, sl, tag, deps, channel=channels[level])
+
+    for t in range(ex.threads):
+        order = ex.order(t)
+        # Aggregation: after step w this rank holds the reduction over the hosts that share
+        # its digits outside j_0..j_w, for the pieces matching its digits j_0..j_w.
+        previous_recvs: list[int] = []
+        agg_send: dict[tuple[int, int], int] = {}  # (step, peer) -> send op
+        for w in range(levels):
+            level = ex.aggregation_level(t, w)
+            fixed = [mine[j] for j in order[:w]]
+            tag = tag_of(t, AGGREGATION, w, levels)
+            recvs: list[int] = []
+            for digit, peer in ex.neighbours(rank, level):
+                agg_send[(w, peer)] = send(peer, ex.block(t, fixed + [digit]), tag, previous_recvs, level)
+            own = ex.block(t, fixed + [mine[level]])
+            for _, peer in ex.neighbours(rank, level):
+                # Reductions into the same block are chained (they would race otherwise);
+                # the messages themselves still arrive concurrently.
+                chain = recvs[-1:] or previous_recvs
+                recvs.append(b.recv(peer, own, tag, chain, channel=channels[level], reduce=op))
+            previous_recvs = recvs or previous_recvs
+        # Broadcast: step w spreads the complete pieces matching digits j_0..j_{L-1-w}: the
+        # piece completed by the last aggregation plus what the previous broadcast brought.
+        complete = previous_recvs[-1:]  # every op that wrote a complete piece so far
+        for w in range(levels):
+            level = ex.broadcast_level(t, w)
+            agg_step = levels - 1 - w  # the aggregation step that used this level
+            fixed = [mine[j] for j in order[:agg_step]]
+            own = ex.block(t, fixed + [mine[level]])
+            tag = tag_of(t, BROADCAST, w, levels)
+            recvs = []
+            for _, peer in ex.neighbours(rank, level):
+                send(peer, own, tag, complete, level)
+            for digit, peer in ex.neighbours(rank, level):
+                # Overwrites exactly what the aggregation send to this peer read.
+                recvs.append(b.recv(peer, ex.block(t, fixed + [digit]), tag,
+                                    [agg_send[(agg_step, peer)]], channel=channels[level]))
+            complete += recvs
+    return b.build(Cost(steps=2 * levels, elements_sent=sent))
+
+
+def closed_form_elements_per_level(count: int, n: int, k: int) -> float:
+    """BML's per-level traffic of one host: ``2 (N-1)`` pieces of ``count / (k N)`` elements."""
+    world = n**k
+    return 2 * (world - 1) * count / (k * world)
+
+
+def closed_form_gst(n: int, k: int, full_transfer_s: float) -> float:
+    """BML §3.2: ``2 (N-1)/(k N) * T_F``."""
+    world = n**k
+    return 2 * (world - 1) / (k * world) * full_transfer_s
+
+
+def hierarchy_of(spec: "TopologySpec") -> tuple[int, ...]:
+    """Digit radices (innermost group first) that group a topology's hosts by switch:
+    Fat-Tree(k) -> hosts per edge switch, edges per pod, pods ``(k/2, k/2, k)``; racks ->
+    ``(h, r)``; BCube(n,k) -> ``(n,) * k``; star -> ``(n,)``. Hosts are numbered as in
+    ``mlfabric.topo`` (consecutive hosts share the innermost switch)."""
+    p = spec.params
+    if spec.kind == "fat-tree":
+        half = int(p["k"]) // 2
+        return (half, half, int(p["k"]))
+    if spec.kind == "racks":
+        return (int(p["h"]), int(p["r"]))
+    if spec.kind == "bcube":
+        return (int(p["n"]),) * int(p["k"])
+    if spec.kind == "star":
+        return (int(p["n"]),)
+    raise ValueError(f"no switch hierarchy for topology {spec}")

@@ -1,0 +1,47 @@
+"""The P2P parameter server as an allreduce (BML §2, the baseline of BML's experiments).
+
+Every rank is both a worker and a parameter server: rank ``j`` serves shard ``j`` (the
+buffer cut into N pieces as in ``partition``). *Push*: every rank sends shard ``j`` of its
+gradient to rank ``j``, which reduces the N-1 shards it receives into its own. *Pull*: every
+rank sends its reduced shard to every other rank. Each rank talks to every other rank
+directly, so on a non-blocking network the GST is ``2 (N-1)/N * T_F`` like the ring's, in 2
+steps instead of ``2 (N-1)``; on BCube its flows cross several hops and it needs twice
+BML's time (BML §3.3).
+
+Cost per rank (count elements, N ranks, shards ``s_i``): 2 steps, ``count + (N-2) s_rank``
+elements sent (``2 (N-1)/N * count`` when N divides count).
+
+Exercise it with ``python -m pytest tests/unit/test_bcube.py -k ps``.
+"""
+
+from __future__ import annotations
+
+from mlfabric.schedule import DEFAULT_CHANNEL, Cost, Schedule, ScheduleBuilder
+
+from .partition import pieces
+
+PUSH_TAG, PULL_TAG = 0, 1
+
+
+def p2p_ps_allreduce(world_size: int, rank: int, count: int, *, op: str = "sum",
+                     channel: str = DEFAULT_CHANNEL) -> Schedule:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world size {world_size}")
+    b = ScheduleBuilder("p2p_ps_allreduce", rank, world_size)
+    b.buffer("data", count)
+    shards = pieces(count, world_size)
+    # Start with the next rank so that not every rank pushes to rank 0 first.
+    peers = [(rank + shift) % world_size for shift in range(1, world_size)]
+    pushes = {peer: b.send(peer, shards[peer], PUSH_TAG, channel=channel) for peer in peers}
+    reduced: list[int] = []
+    for peer in peers:
+        # Chained: the reductions of one shard would race otherwise.
+        reduced.append(b.recv(peer, shards[rank], PUSH_TAG, reduced[-1:], channel=channel, reduce=op))
+    for peer in peers:
+        b.send(peer, shards[rank], PULL_TAG, reduced[-1:], channel=channel)
+    for peer in peers:
+        # Overwrites the shard pushed to this peer: wait until that send has read it.
+        b.recv(peer, shards[peer], PULL_TAG, [pushes[peer]], channel=channel)
+    # Push everything but the own shard, pull the own shard to N-1 ranks.
+    sent = count + (world_size - 2) * shards[rank].length if world_size > 1 else 0
+    return b.build(Cost(steps=2 if world_size > 1 else 0, elements_sent={channel: sent}))
