@@ -17,6 +17,7 @@ Exercise it with ``python -m pytest tests/unit/test_runtime.py tests/local``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import threading
@@ -31,6 +32,7 @@ from mlfabric.topo.spec import TopologySpec
 from mlfabric.transport.base import Transport
 
 from .executor import Executor, RunInfo
+from .partial import QUORUM_CHOICES, PartialAllreduce, PartialResult
 
 DEFAULT_TIMEOUT_S = 60.0
 REDUCE_OP_NAMES = ("sum", "avg", "max", "min", "prod")
@@ -58,6 +60,7 @@ class Communicator:
         self._on_close = list(on_close)
         self._closed = False
         self.store: object | None = None  # the rendezvous store, when init() made one
+        self._partials: dict[tuple[object, ...], PartialAllreduce] = {}
 
     @property
     def rank(self) -> int:
@@ -173,6 +176,61 @@ class Communicator:
         (shards differ by at most one element); rank r gets shard r as a 1-D tensor.
         """
         return self.reduce_scatter_async(tensor, op, timeout=timeout).wait()
+
+    # -- partial allreduce (eager-SGD) -----------------------------------------------------
+
+    def partial_allreduce_async(self, tensor: torch.Tensor, quorum: str = "solo", round: int | None = None, *,
+                                algorithm: str = "ring", op: str = "sum", seed: int = 0,
+                                timeout: float | None = None) -> torch.futures.Future:
+        """Future of a :class:`~mlfabric.runtime.partial.PartialResult`; see :meth:`partial_allreduce`."""
+        _check_tensor(tensor, "partial_allreduce")
+        if op not in ("sum", "avg"):
+            raise ValueError(f"partial_allreduce supports op 'sum' and 'avg', got {op!r}: stale "
+                             "contributions are accumulated, which only a sum keeps exact")
+        if quorum not in QUORUM_CHOICES:
+            raise ValueError(f"unknown quorum {quorum!r}; choose one of {', '.join(QUORUM_CHOICES)}")
+        if self._closed:
+            raise RuntimeError(f"rank {self.rank}: communicator is closed")
+        key = (quorum, tensor.numel(), tensor.dtype, algorithm, seed)
+        with self._lock:
+            handle = self._partials.get(key)
+            if handle is None:
+                description = (f"partial_allreduce({quorum}, {algorithm}) of {tensor.numel()} x "
+                               f"{str(tensor.dtype).removeprefix('torch.')}")
+                handle = PartialAllreduce(self.executor, len(self._partials), quorum=quorum,
+                                          count=tensor.numel(), dtype=tensor.dtype, algorithm=algorithm,
+                                          op="sum", seed=seed, description=description)
+                self._partials[key] = handle
+                self.executor.attach(handle)
+        future = handle.call(tensor, round, self.timeout if timeout is None else timeout)
+        if op == "sum":
+            return future
+
+        def average(fut: torch.futures.Future) -> PartialResult:
+            res = fut.value()
+            out = res.tensor.clone()
+            _divide(out, self.world_size - len(res.lost))
+            return dataclasses.replace(res, tensor=out)
+
+        return future.then(average)
+
+    def partial_allreduce(self, tensor: torch.Tensor, quorum: str = "solo", round: int | None = None, *,
+                          algorithm: str = "ring", op: str = "sum", seed: int = 0,
+                          timeout: float | None = None) -> PartialResult:
+        """Solo or majority allreduce (eager-SGD §4): returns without waiting for slow ranks.
+
+        ``quorum="solo"``: the first rank to call starts the round; ``"majority"``: the
+        round's initiator, drawn from ``seed`` (shared by all ranks), starts it, so on
+        average half the ranks contribute fresh data; ``"all"``: a synchronous allreduce.
+        Ranks that have not called contribute what they accumulated so far (their send
+        buffer); a tensor that misses its round is kept for the next one, never lost.
+        ``round`` defaults to one after the last round this rank received. The result's
+        ``tensor`` is the same on every rank; ``contributed`` says whether this call's tensor
+        is in it; ``active`` counts the ranks whose fresh data is; ``round`` is the execution
+        it comes from. ``op="avg"`` divides by the number of live ranks.
+        """
+        return self.partial_allreduce_async(tensor, quorum, round, algorithm=algorithm, op=op,
+                                            seed=seed, timeout=timeout).wait()
 
     def barrier(self, *, timeout: float | None = None) -> None:
         """Wait until every rank reaches the barrier (a 1-element allreduce)."""

@@ -68,7 +68,15 @@ class RunInfo:
 
 
 class _Run:
-    """The state of one execution of one schedule."""
+    """The state of one execution of one schedule.
+
+    The executor drives anything with this run's interface (``advance``, ``finished``,
+    ``deadline``, ``info``, ``fail``, ``waiting_on``, ``tolerates_lost_peers``): the
+    persistent partial collectives of ``runtime/partial.py`` plug in that way.
+    """
+
+    # A run that handles lost peers itself (partial collectives re-form their group).
+    tolerates_lost_peers = False
 
     def __init__(self, executor: "Executor", schedule: Schedule, buffers: dict[str, torch.Tensor],
                  info: RunInfo, deadline: float, future: torch.futures.Future,
@@ -200,6 +208,10 @@ class _Run:
                     self.fired[j] = True
                     self.ready.append(j)
 
+    def fail(self, error: CollectiveError) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
+
     def waiting_on(self) -> str:
         """Human summary of what is still outstanding, for timeout messages."""
         parts = []
@@ -250,10 +262,17 @@ class Executor:
             if name not in buffers:
                 buffers[name] = torch.empty(size, dtype=dtype)
         run = _Run(self, schedule, buffers, info, time.monotonic() + timeout, future, result)
+        self.attach(run)
+        return future
+
+    def attach(self, run: "_Run") -> None:
+        """Hand a run (or anything with its interface) to the progress thread."""
+        if self._stop:
+            run.fail(CollectiveError(f"rank {self.rank}: communicator is closed", rank=self.rank))
+            return
         with self._lock:
             self._incoming.append(run)
         self.transport.mailbox.notify()
-        return future
 
     def close(self) -> None:
         self._stop = True
@@ -296,7 +315,7 @@ class Executor:
                     self._fail(run, wrapped, notify_peers=True)
             if self.transport.lost_peers and self._active:
                 for run in list(self._active):
-                    error = self._lost_peer_error(run.info)
+                    error = None if run.tolerates_lost_peers else self._lost_peer_error(run.info)
                     if error is not None:
                         self._fail(run, error, notify_peers=False)
             if not progressed:
@@ -321,8 +340,7 @@ class Executor:
             self._active.remove(run)
         if notify_peers:
             self._broadcast_abort(run.info.seq, str(error))
-        if not run.future.done():
-            run.future.set_exception(error)
+        run.fail(error)
 
     def _lost_peer_error(self, info: RunInfo) -> PeerLostError | None:
         lost = self.transport.lost_peers

@@ -15,7 +15,7 @@ Exercise it with ``python -m pytest tests/unit/test_schedule.py``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Iterable, Sequence
 
@@ -168,6 +168,11 @@ class Schedule:
     ``persistent``: after every op has completed the schedule re-arms itself (eager-SGD
     §4.1.1 "persistent schedules"), so the runtime may execute it again without the
     application rebuilding it. Ops are always consumable: one execution runs each op once.
+
+    ``triggers``: dependency-free Nops that fire on an external event — the application
+    calling the collective (eager-SGD §4.1.1's *internal activation*) — instead of at start.
+    The validator and the interpreter treat them as fired (every rank initiating);
+    ``walk(..., triggered=...)`` explores other initiator sets.
     """
 
     name: str
@@ -177,8 +182,12 @@ class Schedule:
     ops: tuple[Op, ...]
     cost: Cost
     persistent: bool = False
+    triggers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        for index in self.triggers:
+            if not (0 <= index < len(self.ops) and isinstance(self.ops[index], Nop) and not self.ops[index].deps):
+                raise ValueError(f"{self.name} rank {self.rank}: trigger {index} is not a dependency-free Nop")
         for index, op in enumerate(self.ops):
             for dep in op.deps:
                 if not 0 <= dep < index:
@@ -241,6 +250,7 @@ class ScheduleBuilder:
         self.world_size = world_size
         self.buffers: dict[str, int] = {}
         self.ops: list[Op] = []
+        self.triggers: list[int] = []
 
     def buffer(self, name: str, size: int) -> str:
         self.buffers[name] = size
@@ -267,6 +277,34 @@ class ScheduleBuilder:
     def nop(self, deps: Sequence[int] = (), *, mode: DepMode = DepMode.ALL, label: str = "") -> int:
         return self.add(Nop(deps=_deps(deps), mode=mode, label=label))
 
+    def trigger(self, label: str) -> int:
+        """A Nop fired by an external event (see :attr:`Schedule.triggers`)."""
+        index = self.nop(label=label)
+        self.triggers.append(index)
+        return index
+
+    def append(self, schedule: Schedule, *, after: Sequence[int] = (), tag_offset: int = 0) -> list[int]:
+        """Copy ``schedule``'s ops (same rank and world) after the ops built so far, so one
+        algorithm can follow another: its dependency-free ops wait for ``after``, its tags
+        move up by ``tag_offset``, its buffers are declared here. Returns the new indices."""
+        if (schedule.rank, schedule.world_size) != (self.rank, self.world_size):
+            raise ValueError(f"cannot append rank {schedule.rank}/{schedule.world_size} ops to "
+                             f"rank {self.rank}/{self.world_size}")
+        for name, size in schedule.buffers.items():
+            if self.buffers.get(name, size) != size:
+                raise ValueError(f"buffer {name!r} has size {self.buffers[name]} here, {size} in {schedule.name}")
+            self.buffers[name] = size
+        base = len(self.ops)
+        head = _deps(after)
+        for op in schedule.ops:
+            deps = tuple(base + d for d in op.deps) or head
+            mode = op.mode if op.deps else DepMode.ALL
+            if isinstance(op, (Send, Recv)):
+                self.add(replace(op, deps=deps, mode=mode, tag=op.tag + tag_offset))
+            else:
+                self.add(replace(op, deps=deps, mode=mode))
+        return list(range(base, len(self.ops)))
+
     def build(self, cost: Cost, *, persistent: bool = False) -> Schedule:
         return Schedule(
             name=self.name,
@@ -276,6 +314,7 @@ class ScheduleBuilder:
             ops=tuple(self.ops),
             cost=cost,
             persistent=persistent,
+            triggers=tuple(self.triggers),
         )
 
 

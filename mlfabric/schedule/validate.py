@@ -161,8 +161,12 @@ def _check_races(sched: Schedule) -> None:
 
 
 def walk(schedules: Sequence[Schedule],
-         on_fire: Callable[[int, int, Op], None] | None = None) -> list[list[bool]]:
+         on_fire: Callable[[int, int, Op], None] | None = None, *,
+         triggered: Callable[[int, int], bool] | None = None) -> list[list[bool]]:
     """Execute a schedule set in one thread with eager (buffered) sends.
+
+    Trigger ops (:attr:`Schedule.triggers`) fire when ``triggered(rank, index)`` says so
+    (default: all of them, i.e. every rank initiating).
 
     Fires every op whose all-of / any-of dependencies are met — each op once (consumable) —
     and a receive only after its matching send. ``on_fire(rank, index, op)`` is called as
@@ -176,7 +180,8 @@ def walk(schedules: Sequence[Schedule],
     # Recvs whose deps are satisfied but whose message has not been sent yet.
     parked: dict[MessageKey, tuple[int, int]] = {}
     ready: deque[tuple[int, int]] = deque(
-        (rank, i) for rank, s in enumerate(schedules) for i, op in enumerate(s.ops) if not op.deps
+        (rank, i) for rank, s in enumerate(schedules) for i, op in enumerate(s.ops)
+        if not op.deps and (triggered is None or i not in s.triggers or triggered(rank, i))
     )
     while ready:
         rank, i = ready.popleft()

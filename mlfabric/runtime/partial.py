@@ -1,0 +1,360 @@
+"""Partial allreduce at run time (eager-SGD §4): a persistent schedule on the progress thread.
+
+    res = comm.partial_allreduce(grad, quorum="solo")     # or "majority"
+    res.tensor, res.contributed, res.active, res.round
+
+One :class:`PartialAllreduce` per (quorum, size, dtype, algorithm, op) lives on the
+communicator's progress thread for the communicator's lifetime. It keeps one execution of
+the schedule from ``collectives/partial.py`` armed at all times, so that a rank which has not
+called yet still takes part when a peer's activation message arrives: it contributes its
+*send buffer* — the sum of what the application handed in since its last contribution
+(nothing, or stale gradients) — and the application finds the result when it calls.
+
+Rounds. Executions are numbered 0, 1, 2...; a call asks for round ``r`` (default: one after
+the last round this rank saw). If execution ``r`` has not started on this rank, the call's
+tensor joins the send buffer (*fresh*), and the rank activates it — always with ``solo``, only
+if it is round ``r``'s initiator with ``majority`` (drawn from a seed every rank shares,
+eager-SGD §4.2) — and the call returns execution ``r``'s result (``contributed=True``). If
+execution ``r`` already started, the tensor is kept for the next execution and the call
+returns the latest result (``contributed=False``): a rank several rounds behind catches up
+in one call. ``quorum="all"`` waits for every rank, a synchronous allreduce that survives
+failures like the partial ones.
+
+Every execution reduces one extra element, 1 on ranks whose fresh data is in, so every rank
+learns ``active``, the number of ranks that contributed fresh data.
+
+Failures. When a member is lost, the survivors re-form the group: they abandon the
+execution in flight (putting their snapshot back into the send buffer, so nothing is lost
+locally), agree on the round to resume at (the largest round any survivor had armed), and
+go on with a schedule over the survivors (a new *epoch*, which scopes the tags). A survivor
+that had not finished the abandoned round skips its result. ``res.lost`` names the lost ranks.
+
+Exercise it with ``python -m pytest tests/unit/test_partial.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mlfabric.collectives.partial import INTERNAL_ACTIVATION, QUORUMS, activation_op_count, partial_allreduce
+from mlfabric.errors import CollectiveError, CollectiveTimeoutError
+from mlfabric.schedule import Schedule
+
+from .executor import Executor, RunInfo, _Run, message_tag
+
+log = logging.getLogger("mlfabric.runtime.partial")
+
+QUORUM_CHOICES = (*QUORUMS, "all")
+# Sequence numbers of partial collectives live in their own space above the communicator's
+# (bit 39 set): handle id, epoch and round share the remaining bits.
+_PARTIAL_SEQ = 1 << 39
+_HANDLE_SHIFT, _EPOCH_SHIFT = 31, 25
+_MAX_HANDLES, _MAX_EPOCHS, _MAX_ROUNDS = 1 << 8, 1 << 6, 1 << 25
+_AGREE_ROUND = _MAX_ROUNDS - 1  # the round slot of an epoch's agreement messages
+_KEEP_DRAINING = 16  # executions whose late activation messages are still discarded
+
+
+@dataclass(frozen=True)
+class PartialResult:
+    """What one call of ``partial_allreduce`` returns."""
+
+    tensor: torch.Tensor       # the reduced result of execution ``round``, same on every rank
+    contributed: bool          # this call's tensor is in ``tensor`` (else it waits in the send buffer)
+    active: int                # ranks whose fresh data is in ``tensor``
+    round: int                 # the execution ``tensor`` comes from
+    lost: frozenset[int] = frozenset()  # ranks lost so far (the group shrank without them)
+
+
+@dataclass
+class _Call:
+    future: torch.futures.Future
+    deadline: float
+    fresh: bool
+
+
+class _Execution(_Run):
+    """One execution of a partial schedule: triggers wait for the application, the run is done
+    when the reduction is (activation ops may stay unmatched), and the start of the reduction
+    fills ``data`` from the send buffer."""
+
+    def __init__(self, owner: "PartialAllreduce", schedule: Schedule, work: torch.Tensor,
+                 info: RunInfo) -> None:
+        super().__init__(owner.executor, schedule, {"data": work}, info, math.inf,
+                         torch.futures.Future(), lambda: None)
+        self.owner = owner
+        self.reduction_start = activation_op_count(schedule) - 1  # the "activate reduction" Nop
+        self.required = len(schedule.ops) - self.reduction_start
+        self.required_done = 0
+        self.activated = False
+        self.ready = deque(i for i in self.ready if i not in schedule.triggers)
+        for index in schedule.triggers:
+            self.fired[index] = False
+
+    def trigger(self) -> None:
+        if not self.fired[INTERNAL_ACTIVATION]:
+            self.fired[INTERNAL_ACTIVATION] = True
+            self.ready.append(INTERNAL_ACTIVATION)
+
+    def _fire(self, index: int) -> None:
+        if index == self.reduction_start:
+            self.activated = True
+            self.owner._fill(self.buffers["data"])
+        super()._fire(index)
+
+    def _complete(self, index: int) -> None:
+        if index >= self.reduction_start:
+            self.required_done += 1
+        super()._complete(index)
+
+    @property
+    def finished(self) -> bool:
+        return self.required_done == self.required
+
+
+class PartialAllreduce:
+    """A persistent partial allreduce, driven by the executor's progress thread (see module)."""
+
+    tolerates_lost_peers = True
+    finished = False
+    deadline = math.inf
+
+    def __init__(self, executor: Executor, handle_id: int, *, quorum: str, count: int,
+                 dtype: torch.dtype, algorithm: str, op: str, seed: int, description: str) -> None:
+        if quorum not in QUORUM_CHOICES:
+            raise ValueError(f"unknown quorum {quorum!r}; choose one of {', '.join(QUORUM_CHOICES)}")
+        if not 0 <= handle_id < _MAX_HANDLES:
+            raise ValueError(f"at most {_MAX_HANDLES} partial collectives per communicator")
+        self.executor = executor
+        self.transport = executor.transport
+        self.rank = executor.rank
+        self.handle_id = handle_id
+        self.quorum, self.count, self.dtype = quorum, count, dtype
+        self.algorithm, self.op, self.seed = algorithm, op, seed
+        self.description = description
+        self.info = RunInfo(seq=self._seq(0, 0), description=description)
+        self.members = tuple(range(self.transport.world_size))
+        self.lost: frozenset[int] = frozenset()
+        self.epoch = 0
+        self.send_buffer = torch.zeros(count, dtype=dtype)
+        self.snapshot: torch.Tensor | None = None
+        self.fresh = False
+        self.calls: list[_Call] = []
+        self.latest: tuple[int, torch.Tensor, int] | None = None  # (round, result, active)
+        self.round = 0
+        self.execution: _Execution | None = None
+        self.agreeing: dict[int, int] | None = None  # peer -> its armed round, while re-forming
+        self._commands: deque[tuple[torch.Tensor, int | None, _Call]] = deque()
+        self._lock = threading.Lock()
+        self._drain: deque[list[tuple[str, int, int]]] = deque(maxlen=_KEEP_DRAINING)
+        self._broken: CollectiveError | None = None
+        self.last_seen = -1  # application side: the last round a call returned
+        self._arm(0)
+
+    # -- application side (any thread) -------------------------------------------------------
+
+    def call(self, tensor: torch.Tensor, round: int | None, timeout: float) -> torch.futures.Future:
+        future: torch.futures.Future = torch.futures.Future()
+        if self._broken is not None:
+            future.set_exception(self._broken)
+            return future
+        flat = tensor.detach().reshape(-1).to("cpu", self.dtype, copy=True)
+        call = _Call(future, time.monotonic() + timeout, fresh=False)
+        with self._lock:
+            self._commands.append((flat, round, call))
+        self.transport.mailbox.notify()
+        return future
+
+    # -- progress thread ---------------------------------------------------------------------
+
+    def _seq(self, epoch: int, round: int) -> int:
+        return _PARTIAL_SEQ | (self.handle_id << _HANDLE_SHIFT) | (epoch << _EPOCH_SHIFT) | round
+
+    def _initiator(self, round: int) -> int:
+        """Majority's designated initiator of ``round``: same seed, same draw on every rank."""
+        rng = np.random.default_rng([self.seed, self.handle_id, self.epoch, round])
+        return self.members[int(rng.integers(len(self.members)))]
+
+    def _arm(self, round: int) -> None:
+        if round >= _AGREE_ROUND:
+            raise CollectiveError(f"rank {self.rank}: partial allreduce ran out of rounds", rank=self.rank)
+        self.round = round
+        schedule = partial_allreduce(self.transport.world_size, self.rank, self.count + 1,
+                                     algorithm=self.algorithm, op=self.op, members=self.members,
+                                     external_activation=self.quorum != "all")
+        work = torch.empty(self.count + 1, dtype=self.dtype)
+        info = RunInfo(seq=self._seq(self.epoch, round), description=self.description)
+        self.execution = _Execution(self, schedule, work, info)
+
+    def _fill(self, work: torch.Tensor) -> None:
+        """The reduction starts: contribute the send buffer, flag whether it holds fresh data."""
+        self.snapshot, self.send_buffer = self.send_buffer, torch.zeros(self.count, dtype=self.dtype)
+        work[:self.count].copy_(self.snapshot)
+        work[self.count] = 1 if self.fresh else 0
+
+    def advance(self, version: int) -> bool:
+        progressed = self._take_commands()
+        if set(self.transport.lost_peers) & set(self.members) - self.lost:
+            self._reform()
+            progressed = True
+        if self.agreeing is not None:
+            return self._agree() or progressed
+        execution = self.execution
+        assert execution is not None
+        progressed |= execution.advance(version)
+        if execution.finished:
+            self._complete_round(execution)
+            progressed = True
+        self._drain_late_messages()
+        self._expire_calls()
+        return progressed
+
+    def _take_commands(self) -> bool:
+        with self._lock:
+            commands = list(self._commands)
+            self._commands.clear()
+        for flat, round, call in commands:
+            try:
+                self._accept(flat, round, call)
+            except Exception as exc:  # a bad argument fails this call only
+                call.future.set_exception(exc)
+        return bool(commands)
+
+    def _accept(self, flat: torch.Tensor, round: int | None, call: _Call) -> None:
+        if flat.numel() != self.count:
+            raise ValueError(f"partial_allreduce of {flat.numel()} elements on a collective of {self.count}")
+        wanted = self.last_seen + 1 if round is None else round
+        if wanted < 0:
+            raise ValueError(f"round must be >= 0, got {round}")
+        if wanted > self.round:
+            raise ValueError(f"rank {self.rank}: round {wanted} requested but round {self.round} has not "
+                             "executed yet; call rounds in order")
+        execution = self.execution
+        self.send_buffer.add_(flat)
+        if wanted < self.round or self.agreeing is not None or (execution is not None and execution.activated):
+            # Too late for the execution that round named: the data waits for the next one.
+            if wanted < self.round and self.latest is not None and self.latest[0] >= wanted:
+                self._resolve(call, contributed=False)
+            else:
+                self.calls.append(call)  # the execution in flight will answer it
+            return
+        call.fresh = True
+        self.fresh = True
+        self.calls.append(call)
+        if self.quorum != "majority" or self._initiator(self.round) == self.rank:
+            assert execution is not None
+            execution.trigger()
+
+    def _resolve(self, call: _Call, *, contributed: bool) -> None:
+        assert self.latest is not None
+        round, result, active = self.latest
+        self.last_seen = max(self.last_seen, round)
+        if not call.future.done():
+            call.future.set_result(PartialResult(tensor=result, contributed=contributed, active=active,
+                                                 round=round, lost=self.lost))
+
+    def _complete_round(self, execution: _Execution) -> None:
+        work = execution.buffers["data"]
+        self.latest = (self.round, work[:self.count], int(work[self.count].item()))
+        self._drain.append([(execution.schedule.ops[i].channel, message_tag(execution.info.seq, execution.schedule.ops[i].tag),
+                             execution.schedule.ops[i].peer) for i in execution.pending_recvs])
+        self.fresh = False
+        self.snapshot = None
+        calls, self.calls = self.calls, []
+        for call in calls:
+            # A fresh call was accepted before the reduction started, so its data is in.
+            self._resolve(call, contributed=call.fresh)
+        self._arm(self.round + 1)
+
+    def _drain_late_messages(self) -> None:
+        """Activation messages of finished executions that arrive late are discarded."""
+        mailbox = self.transport.mailbox
+        for keys in self._drain:
+            keys[:] = [key for key in keys if mailbox.take(key[0], key[1], key[2]) is None]
+
+    def _expire_calls(self) -> None:
+        now = time.monotonic()
+        for call in [c for c in self.calls if now > c.deadline]:
+            self.calls.remove(call)
+            call.future.set_exception(CollectiveTimeoutError(
+                f"rank {self.rank}: partial allreduce round {self.round} ({self.quorum}) timed out; "
+                f"{'waiting for the initiator, rank ' + str(self._initiator(self.round)) if self.quorum == 'majority' else 'no activation arrived'}",
+                rank=self.rank))
+
+    # -- failures ----------------------------------------------------------------------------
+
+    def _reform(self) -> None:
+        """Drop the lost members, abandon the execution in flight, start agreeing on a round."""
+        self.lost = frozenset(self.transport.lost_peers) & frozenset(range(self.transport.world_size))
+        self.members = tuple(m for m in self.members if m not in self.lost)
+        log.warning("rank %d: partial allreduce continues without rank(s) %s", self.rank, sorted(self.lost))
+        if self.snapshot is not None:
+            self.send_buffer.add_(self.snapshot)  # the abandoned contribution is not lost
+            self.snapshot = None
+        self.execution = None
+        self.epoch += 1
+        if self.epoch >= _MAX_EPOCHS:
+            raise CollectiveError(f"rank {self.rank}: too many group changes", rank=self.rank)
+        self.agreeing = {}
+        tag = message_tag(self._seq(self.epoch, _AGREE_ROUND), 0)
+        payload = struct.pack("<q", self.round)
+        for peer in self.members:
+            if peer != self.rank:
+                self.transport.send(peer, tag, payload, channel=self.transport.channels[0])
+
+    def _agree(self) -> bool:
+        assert self.agreeing is not None
+        tag = message_tag(self._seq(self.epoch, _AGREE_ROUND), 0)
+        progressed = False
+        for peer in self.members:
+            if peer == self.rank or peer in self.agreeing:
+                continue
+            msg = self.transport.mailbox.take(self.transport.channels[0], tag, peer)
+            if msg is not None:
+                self.agreeing[peer] = struct.unpack("<q", bytes(msg.payload))[0]
+                progressed = True
+        self._expire_calls()
+        if len(self.agreeing) < len(self.members) - 1:
+            return progressed
+        resume = max([self.round, *self.agreeing.values()])
+        self.agreeing = None
+        fresh_calls = [c for c in self.calls if c.fresh]
+        if resume > self.round:
+            # This rank had not finished the abandoned round: it skips it; its calls get the
+            # latest result it has and their data stays in the send buffer.
+            for call in list(self.calls):
+                if self.latest is not None:
+                    self.calls.remove(call)
+                    self._resolve(call, contributed=False)
+                else:
+                    call.fresh = False
+            fresh_calls = []
+        self._arm(resume)
+        self.fresh = bool(fresh_calls)
+        if fresh_calls and (self.quorum != "majority" or self._initiator(resume) == self.rank):
+            assert self.execution is not None
+            self.execution.trigger()
+        return True
+
+    # -- executor protocol -------------------------------------------------------------------
+
+    def fail(self, error: CollectiveError) -> None:
+        self._broken = error
+        calls, self.calls = self.calls, []
+        with self._lock:
+            calls += [call for _, _, call in self._commands]
+            self._commands.clear()
+        for call in calls:
+            if not call.future.done():
+                call.future.set_exception(error)
+
+    def waiting_on(self) -> str:
+        return f"partial allreduce round {self.round}"
