@@ -1,0 +1,293 @@
+"""Partial collectives (eager-SGD §4): the activation schedule's structure, and the runtime's
+semantics on the threads transport — sums, rounds, several initiators, catching up,
+conservation, a lost rank, bad arguments.
+
+    python -m pytest tests/unit/test_partial.py -q
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import mlfabric
+from mlfabric.collectives.partial import INTERNAL_ACTIVATION, activation_op_count, partial_allreduce
+from mlfabric.runtime.communicator import Communicator
+from mlfabric.schedule import DepMode, Recv, Send, validate
+from mlfabric.schedule.interpret import interpret
+from mlfabric.schedule.validate import walk
+from mlfabric.transport.local import LocalFabric
+
+WORLDS = [1, 2, 3, 4, 5, 6, 8, 11]
+
+
+# --- the schedule ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", WORLDS)
+@pytest.mark.parametrize("algorithm", ["ring", "halving_doubling", "tree", "ps"])
+def test_schedule_is_valid_persistent_and_reduces(n: int, algorithm: str) -> None:
+    schedules = [partial_allreduce(n, r, 9, algorithm=algorithm) for r in range(n)]
+    validate(schedules)  # every rank initiating: all sends match, no deadlock, no race
+    assert all(s.persistent and s.triggers == (INTERNAL_ACTIVATION,) for s in schedules)
+    data = [np.arange(9) * (r + 1) for r in range(n)]
+    for out in interpret(schedules, data):
+        np.testing.assert_array_equal(out, np.arange(9) * n * (n + 1) // 2)
+
+
+@pytest.mark.parametrize("n", WORLDS)
+def test_any_single_initiator_activates_everyone(n: int) -> None:
+    schedules = [partial_allreduce(n, r, 5) for r in range(n)]
+    for initiator in range(n):
+        done = walk(schedules, triggered=lambda rank, _i, who=initiator: rank == who)
+        for rank, flags in enumerate(done):
+            first = activation_op_count(schedules[rank]) - 1
+            assert all(flags[first:]), f"N={n} initiator {initiator}: rank {rank} did not reduce"
+            assert flags[INTERNAL_ACTIVATION] == (rank == initiator)
+
+
+@pytest.mark.parametrize("n", [4, 8, 6])
+def test_activation_is_a_binomial_tree_from_the_initiator(n: int) -> None:
+    """With one initiator every other rank receives exactly one activation message (a tree,
+    not a flood): N-1 activation messages in all."""
+    schedules = [partial_allreduce(n, r, 5) for r in range(n)]
+    fired: list[tuple[int, int]] = []
+
+    def on_fire(rank: int, index: int, op: object) -> None:
+        if isinstance(op, Send) and index < activation_op_count(schedules[rank]):
+            fired.append((rank, op.peer))
+
+    walk(schedules, on_fire, triggered=lambda rank, _i: rank == 1)
+    assert len(fired) == n - 1
+    assert sorted(dst for _, dst in fired) == sorted(set(range(n)) - {1})
+
+
+def test_activation_sends_are_any_of_and_reduction_waits_for_activation() -> None:
+    sched = partial_allreduce(8, 5, 16)
+    first = activation_op_count(sched)
+    activation_sends = [op for op in sched.ops[:first] if isinstance(op, Send)]
+    assert len(activation_sends) == 3 and all(op.mode is DepMode.ANY for op in activation_sends)
+    assert all(op.src.length == 0 for op in activation_sends)
+    start = sched.ops[first - 1]
+    assert start.mode is DepMode.ANY and INTERNAL_ACTIVATION in start.deps
+    assert all(op.deps for op in sched.ops[first:]), "a reduction op could start before activation"
+
+
+def test_members_map_virtual_ranks_to_survivors() -> None:
+    sched = partial_allreduce(8, 5, 10, members=(1, 3, 5, 7))
+    peers = {op.peer for op in sched.ops if isinstance(op, (Send, Recv))}
+    assert peers == {1, 3, 7} and sched.rank == 5 and sched.world_size == 8
+    with pytest.raises(ValueError, match="not among"):
+        partial_allreduce(8, 2, 10, members=(1, 3))
+
+
+# --- the runtime -----------------------------------------------------------------------------
+
+
+def _threads(n: int, fn, timeout: float = 30.0) -> list:
+    return mlfabric.run_threads(n, fn, timeout=timeout)
+
+
+@pytest.mark.parametrize("quorum", ["solo", "majority", "all"])
+def test_result_is_the_sum_of_what_active_reports_and_same_everywhere(quorum: str) -> None:
+    """Each rank hands in a distinct power of two per round, so the result tells exactly
+    which fresh and stale contributions it holds; it must match ``active`` and be identical
+    on every rank that got that round."""
+    n, rounds = 4, 6
+
+    def body(comm: Communicator) -> list[tuple[int, bool, int, int]]:
+        out = []
+        for step in range(rounds):
+            time.sleep(0.01 * ((comm.rank * 3 + step) % n))
+            value = 1 << (comm.rank * rounds + step)
+            res = comm.partial_allreduce(torch.tensor([value, 1], dtype=torch.int64), quorum=quorum)
+            out.append((res.round, res.contributed, res.active, int(res.tensor[0])))
+        return out
+
+    results = _threads(n, body)
+    by_round: dict[int, set[tuple[int, int]]] = {}
+    for rank, calls in enumerate(results):
+        for round_, contributed, active, total in calls:
+            by_round.setdefault(round_, set()).add((active, total))
+            if contributed:
+                # this rank's bit for the step that call made is in the total
+                step = [c[0] for c in calls].index(round_)
+                assert total >> (rank * rounds + step) & 1
+    for round_, seen in by_round.items():
+        assert len(seen) == 1, f"round {round_} differs between ranks: {seen}"
+        fresh_ranks = {rank for rank, calls in enumerate(results) for r, contributed, _, _ in calls
+                       if r == round_ and contributed}
+        assert next(iter(seen))[0] == len(fresh_ranks), f"round {round_}: active vs contributors"
+    # Conservation: the last round everyone saw... every bit handed in appears in exactly one
+    # round's total, or is still waiting in a send buffer.
+    totals = {r: next(iter(s))[1] for r, s in by_round.items()}
+    combined = 0
+    for total in totals.values():
+        assert combined & total == 0, "a contribution was counted twice"
+        combined |= total
+    if quorum == "all":
+        assert all(active == n for calls in results for _, _, active, _ in calls)
+        assert combined == (1 << (n * rounds)) - 1
+
+
+def test_conservation_with_integer_gradients() -> None:
+    """Sum of everything handed in = sum of every executed round's result + what is still in
+    the send buffers, exactly (integers)."""
+    n, steps = 4, 12
+    fabric = LocalFabric(n)
+    comms = [Communicator(t, timeout=30) for t in fabric.transports()]
+    produced = torch.zeros(3, dtype=torch.int64)
+    lock = threading.Lock()
+    results: dict[int, torch.Tensor] = {}
+
+    def body(rank: int) -> None:
+        rng = np.random.default_rng(rank)
+        for _ in range(steps):
+            time.sleep(float(rng.uniform(0, 0.02)) * (1 + 3 * (rank == 0)))
+            grad = torch.tensor(rng.integers(-50, 50, size=3), dtype=torch.int64)
+            with lock:
+                produced.add_(grad)
+            res = comms[rank].partial_allreduce(grad, quorum="solo")
+            with lock:
+                results.setdefault(res.round, res.tensor.clone())
+                assert torch.equal(results[res.round], res.tensor)
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    time.sleep(0.2)  # let the progress threads finish any round a peer started last
+    handles = [next(iter(c._partials.values())) for c in comms]
+    executed = handles[0].latest[0] + 1
+    assert all(h.latest[0] + 1 == executed for h in handles)
+    # A round only starts when a rank calls it, and that call returns it: none is missing.
+    assert set(results) == set(range(executed))
+    applied = sum(results.values())
+    waiting = sum(h.send_buffer for h in handles)
+    assert torch.equal(produced, applied + waiting), (produced, applied, waiting)
+    for c in comms:
+        c.close()
+
+
+def test_several_simultaneous_initiators_execute_the_round_once() -> None:
+    n = 8
+    barrier = threading.Barrier(n)
+
+    def body(comm: Communicator) -> tuple[int, int, int]:
+        barrier.wait()
+        res = comm.partial_allreduce(torch.ones(4, dtype=torch.int64), quorum="solo")
+        time.sleep(0.1)
+        handle = next(iter(comm._partials.values()))
+        return res.round, int(res.tensor[0]), handle.round
+
+    for round_, total, armed in _threads(n, body):
+        # everyone initiated round 0 at once: one execution, never a second one
+        assert round_ == 0 and armed == 1
+        assert 1 <= total <= n
+
+
+def test_a_rank_several_rounds_behind_gets_the_latest_result() -> None:
+    n = 3
+    gate = threading.Event()
+
+    def body(comm: Communicator) -> list[tuple[int, bool, int]]:
+        out = []
+        # Round 0 with everyone: a rank takes part in rounds from its first call on.
+        comm.partial_allreduce(torch.tensor([0]), quorum="solo")
+        if comm.rank == 2:
+            gate.wait(10)
+            time.sleep(0.1)
+            res = comm.partial_allreduce(torch.tensor([100]), quorum="solo")  # asks for round 1
+            out.append((res.round, res.contributed, int(res.tensor[0])))
+            res = comm.partial_allreduce(torch.tensor([1000]), quorum="solo")
+            out.append((res.round, res.contributed, int(res.tensor[0])))
+            return out
+        for step in range(1, 5):
+            res = comm.partial_allreduce(torch.tensor([1]), quorum="solo", round=step)
+            out.append((res.round, res.contributed, int(res.tensor[0])))
+            time.sleep(0.01)
+        if comm.rank == 0:
+            gate.set()
+        res = comm.partial_allreduce(torch.tensor([1]), quorum="solo", round=5)
+        out.append((res.round, res.contributed, int(res.tensor[0])))
+        return out
+
+    results = _threads(n, body)
+    late = results[2]
+    latest_before = max(r for r, _, _ in results[0][:4])
+    # first call: round 0 is long gone -> the latest result, not contributed
+    assert late[0][0] >= latest_before and late[0][1] is False
+    # its 100 was kept, and goes in with the next call's 1000
+    assert late[1][1] is True and late[1][2] >= 1100
+
+
+@pytest.mark.parametrize("quorum", ["solo", "majority"])
+def test_lost_rank_does_not_block_the_others(quorum: str) -> None:
+    n = 4
+    fabric = LocalFabric(n)
+    comms = [Communicator(t, timeout=20) for t in fabric.transports()]
+    results: list[list] = [[] for _ in range(n)]
+    errors: list[BaseException] = []
+
+    def body(rank: int) -> None:
+        try:
+            for step in range(8):
+                if rank == 3 and step == 2:
+                    fabric.kill(3)
+                    return
+                time.sleep(0.01)
+                res = comms[rank].partial_allreduce(torch.ones(2, dtype=torch.int64), quorum=quorum)
+                results[rank].append(res)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    for rank in range(3):
+        assert len(results[rank]) == 8, f"rank {rank} stopped after {len(results[rank])} rounds"
+        final = results[rank][-1]
+        assert final.lost == frozenset({3})
+        assert int(final.tensor[0]) <= 2 * 3  # only the three survivors (plus stale) remain
+    for c in comms[:3]:
+        c.close()
+
+
+def test_bad_arguments_give_clear_errors() -> None:
+    comms = mlfabric.local_world(2)
+    try:
+        with pytest.raises(ValueError, match="unknown quorum"):
+            comms[0].partial_allreduce(torch.ones(3), quorum="most")
+        with pytest.raises(ValueError, match="op"):
+            comms[0].partial_allreduce(torch.ones(3), op="max")
+        with pytest.raises(ValueError, match="call rounds in order"):
+            comms[0].partial_allreduce(torch.ones(3), round=5)
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def test_mismatched_sizes_fail_on_every_rank() -> None:
+    def body(comm: Communicator) -> str:
+        with pytest.raises(mlfabric.CollectiveError) as info:
+            comm.partial_allreduce(torch.ones(5 if comm.rank == 0 else 6), quorum="all", timeout=10)
+        return str(info.value)
+
+    for message in _threads(2, body):
+        assert "mismatch" in message or "aborted" in message
+
+
+def test_avg_divides_by_live_ranks() -> None:
+    def body(comm: Communicator) -> torch.Tensor:
+        return comm.partial_allreduce(torch.full((3,), 4.0), quorum="all", op="avg").tensor
+
+    for out in _threads(4, body):
+        torch.testing.assert_close(out, torch.full((3,), 4.0))
