@@ -18,7 +18,9 @@ eager-SGD §4.2) — and the call returns execution ``r``'s result (``contribute
 execution ``r`` already started, the tensor is kept for the next execution and the call
 returns the latest result (``contributed=False``): a rank several rounds behind catches up
 in one call. ``quorum="all"`` waits for every rank, a synchronous allreduce that survives
-failures like the partial ones.
+failures like the partial ones. A rank takes part from its first call on (that call
+registers the collective on its progress thread): until every rank has called once, the
+first round waits for the latecomers.
 
 Every execution reduces one extra element, 1 on ranks whose fresh data is in, so every rank
 learns ``active``, the number of ranks that contributed fresh data.
@@ -27,7 +29,8 @@ Failures. When a member is lost, the survivors re-form the group: they abandon t
 execution in flight (putting their snapshot back into the send buffer, so nothing is lost
 locally), agree on the round to resume at (the largest round any survivor had armed), and
 go on with a schedule over the survivors (a new *epoch*, which scopes the tags). A survivor
-that had not finished the abandoned round skips its result. ``res.lost`` names the lost ranks.
+that had not finished the abandoned round skips its result. A rank that closes its
+communicator leaves the group the same way. ``res.lost`` names the ranks that left.
 
 Exercise it with ``python -m pytest tests/unit/test_partial.py``.
 """
@@ -202,7 +205,7 @@ class PartialAllreduce:
 
     def advance(self, version: int) -> bool:
         progressed = self._take_commands()
-        if set(self.transport.lost_peers) & set(self.members) - self.lost:
+        if self._gone() & set(self.members):
             self._reform()
             progressed = True
         if self.agreeing is not None:
@@ -291,9 +294,13 @@ class PartialAllreduce:
 
     # -- failures ----------------------------------------------------------------------------
 
+    def _gone(self) -> set[int]:
+        """Members that crashed (lost) or closed their communicator (departed)."""
+        return set(self.transport.lost_peers) | set(self.transport.departed_peers)
+
     def _reform(self) -> None:
         """Drop the lost members, abandon the execution in flight, start agreeing on a round."""
-        self.lost = frozenset(self.transport.lost_peers) & frozenset(range(self.transport.world_size))
+        self.lost = frozenset(self._gone())
         self.members = tuple(m for m in self.members if m not in self.lost)
         log.warning("rank %d: partial allreduce continues without rank(s) %s", self.rank, sorted(self.lost))
         if self.snapshot is not None:
