@@ -10,6 +10,7 @@ See README.md for the quickstart and docs/ for the algorithms and measured resul
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import Callable, Sequence, TypeVar
@@ -26,6 +27,8 @@ from .runtime.communicator import DEFAULT_TIMEOUT_S, Communicator
 
 __version__ = "0.1.0"
 
+log = logging.getLogger("mlfabric")
+
 TRANSPORTS = ("zmq", "torch")
 TOPOLOGY_ENV = "MLFABRIC_TOPOLOGY"
 
@@ -34,7 +37,7 @@ def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | N
          master_addr: str | None = None, master_port: int | None = None,
          timeout: float = DEFAULT_TIMEOUT_S, channels: Sequence[str] | None = None,
          channel_addrs: dict[str, str] | None = None, backend: str = "gloo",
-         topology: str | None = None) -> Communicator:
+         topology: str | None = None, pace: str | None = None) -> Communicator:
     """Join the job and return a :class:`Communicator`.
 
     ``transport``: ``"zmq"`` (TCP via ZeroMQ, the default) or ``"torch"`` (torch.distributed
@@ -45,6 +48,8 @@ def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | N
     ``MLFABRIC_CHANNEL_ADDRS`` variable); by default a single channel ``"0"``.
     ``topology`` (or ``MLFABRIC_TOPOLOGY``) is the cluster's topology spec, rank r on host r,
     e.g. ``"bcube:n=3,k=2"``: BML (``algorithm="bcube"``, and ``"auto"`` on a BCube) needs it.
+    ``pace`` (or ``MLFABRIC_PACE``), zmq only: shape sends in user space, ``"100mbit"`` for
+    every channel or ``"0=1gbit,1=500mbit"`` — what ``mlfabric launch`` does without root.
     """
     from .runtime.rendezvous import connect_store, job_info, store_barrier
 
@@ -52,20 +57,33 @@ def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | N
         raise ValueError(f"unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
+    if pace and transport != "zmq":
+        raise ValueError("user-space pacing needs the zmq transport (transport='zmq')")
     topology = topology if topology is not None else (os.environ.get(TOPOLOGY_ENV) or None)
     job = job_info(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port)
     store = connect_store(job, timeout)
     if transport == "zmq":
+        from .transport.pacing import PACE_ENV, parse_pace
         from .transport.zmq import ZmqTransport, channel_addrs_from_env, local_address_towards
+        from .units import format_rate
 
         addrs = channel_addrs if channel_addrs is not None else channel_addrs_from_env()
         names = tuple(channels) if channels else (tuple(addrs) or ("0",))
         default_addr = local_address_towards(job.master_addr)
         bind = {name: addrs.get(name, default_addr) for name in names}
+        pace_bps = parse_pace(pace if pace is not None else os.environ.get(PACE_ENV, ""), names)
+        if pace_bps:
+            log.warning("rank %d: user-space shaping (no kernel shaper): pacing channels %s",
+                        job.rank, ", ".join(f"{n} at {format_rate(r)}" for n, r in pace_bps.items()))
         tr = ZmqTransport.create(store, job.rank, job.world_size, channels=names,
-                                 bind_addrs=bind, timeout=timeout)
+                                 bind_addrs=bind, timeout=timeout, pace_bps=pace_bps)
     else:
+        from .transport.pacing import PACE_ENV
         from .transport.torchdist import TorchDistTransport
+
+        if os.environ.get(PACE_ENV):
+            log.warning("rank %d: %s is set but the torch transport does not pace; rates are not "
+                        "enforced", job.rank, PACE_ENV)
 
         tr = TorchDistTransport.create(store, job.rank, job.world_size, backend=backend,
                                        channels=tuple(channels or ("0",)), timeout=timeout)

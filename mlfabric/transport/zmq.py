@@ -37,6 +37,7 @@ from .base import (
     decode_header,
     encode_header,
 )
+from .pacing import Pacer
 
 log = logging.getLogger("mlfabric.transport.zmq")
 
@@ -84,7 +85,8 @@ class ZmqTransport(Transport):
     """See the module docstring. Build it with :meth:`create` (rendezvous through a store)."""
 
     def __init__(self, rank: int, world_size: int, token: bytes, *,
-                 channels: tuple[str, ...] = ("0",), bind_addrs: Mapping[str, str] | None = None) -> None:
+                 channels: tuple[str, ...] = ("0",), bind_addrs: Mapping[str, str] | None = None,
+                 pace_bps: Mapping[str, float] | None = None) -> None:
         super().__init__(rank, world_size, channels)
         if len(token) != TOKEN_BYTES:
             raise ValueError(f"job token must be {TOKEN_BYTES} bytes")
@@ -128,18 +130,21 @@ class ZmqTransport(Transport):
         self._tracker_thread = threading.Thread(target=self._complete_sends, daemon=True,
                                                 name=f"mlfabric-zmq-sends-{rank}")
         self._tracker_thread.start()
+        # User-space shaping (the emulator's fallback without root): see pacing.py.
+        self._pacer = Pacer(pace_bps, name=f"mlfabric-pacer-{rank}") if pace_bps else None
 
     # -- setup -----------------------------------------------------------------------------
 
     @classmethod
     def create(cls, store, rank: int, world_size: int, *, channels: tuple[str, ...] = ("0",),
-               bind_addrs: Mapping[str, str] | None = None, timeout: float = 60.0) -> "ZmqTransport":
+               bind_addrs: Mapping[str, str] | None = None, timeout: float = 60.0,
+               pace_bps: Mapping[str, float] | None = None) -> "ZmqTransport":
         """Bind, publish our endpoints in ``store`` (a torch.distributed Store), learn
         everyone else's and connect to all peers."""
         if rank == 0:
             store.set("token", secrets.token_hex(TOKEN_BYTES))
         token = bytes.fromhex(store.get("token").decode())
-        transport = cls(rank, world_size, token, channels=channels, bind_addrs=bind_addrs)
+        transport = cls(rank, world_size, token, channels=channels, bind_addrs=bind_addrs, pace_bps=pace_bps)
         try:
             store.set(f"endpoints/{rank}", json.dumps(transport.endpoints))
             peers: dict[int, dict[str, str]] = {}
@@ -191,6 +196,8 @@ class ZmqTransport(Transport):
         if dealer is None:
             raise TransportError(f"rank {self.rank}: no connection to peer {peer} on channel {channel!r}")
         header = encode_header(self.token, self.rank, tag, self._channel_index[channel])
+        if self._pacer is not None and self._pacer.clock.paced(channel):
+            return self._send_paced(dealer, [header, meta, payload], channel)
         with self._send_lock:
             if payload.nbytes < ZERO_COPY_MIN_BYTES:
                 dealer.send_multipart([header, meta, payload], copy=True)
@@ -198,6 +205,27 @@ class ZmqTransport(Transport):
             tracker = dealer.send_multipart([header, meta, payload], copy=False, track=True)
         handle = SendHandle(done=False)
         self._tracked.put((tracker, handle))
+        return handle
+
+    def _send_paced(self, dealer: zmq.Socket, frames: list, channel: str) -> SendHandle:
+        """Hand the message to the socket when the channel's virtual link is done with it."""
+        handle = SendHandle(done=False)
+        payload = frames[2]
+
+        def send_now() -> None:
+            if self._stop.is_set():
+                return
+            if payload.nbytes < ZERO_COPY_MIN_BYTES:
+                with self._send_lock:
+                    dealer.send_multipart(frames, copy=True)
+                handle.set_done()
+                self.mailbox.notify()
+            else:
+                with self._send_lock:
+                    tracker = dealer.send_multipart(frames, copy=False, track=True)
+                self._tracked.put((tracker, handle))
+
+        self._pacer.submit(channel, payload.nbytes, send_now)
         return handle
 
     def _complete_sends(self) -> None:
@@ -300,6 +328,8 @@ class ZmqTransport(Transport):
 
     def _shutdown(self) -> None:
         self._stop.set()
+        if self._pacer is not None:
+            self._pacer.close()
         self._tracked.put(None)
         with self._poll_lock:  # wait for a poll in progress to return
             self._poller = None
