@@ -37,6 +37,7 @@ Exercise it with ``python -m pytest tests/unit/test_partial.py``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import struct
@@ -84,17 +85,27 @@ class _Call:
     fresh: bool
 
 
+@functools.lru_cache(maxsize=64)
+def _schedule(world_size: int, rank: int, count: int, algorithm: str, op: str,
+              members: tuple[int, ...], external_activation: bool) -> tuple[Schedule, int]:
+    """The persistent schedule and the index of its reduction's start, built once per group
+    (re-arming must cost no Python work)."""
+    schedule = partial_allreduce(world_size, rank, count, algorithm=algorithm, op=op, members=members,
+                                 external_activation=external_activation)
+    return schedule, activation_op_count(schedule) - 1
+
+
 class _Execution(_Run):
     """One execution of a partial schedule: triggers wait for the application, the run is done
     when the reduction is (activation ops may stay unmatched), and the start of the reduction
     fills ``data`` from the send buffer."""
 
-    def __init__(self, owner: "PartialAllreduce", schedule: Schedule, work: torch.Tensor,
-                 info: RunInfo) -> None:
+    def __init__(self, owner: "PartialAllreduce", schedule: Schedule, reduction_start: int,
+                 work: torch.Tensor, info: RunInfo) -> None:
         super().__init__(owner.executor, schedule, {"data": work}, info, math.inf,
                          torch.futures.Future(), lambda: None)
         self.owner = owner
-        self.reduction_start = activation_op_count(schedule) - 1  # the "activate reduction" Nop
+        self.reduction_start = reduction_start  # the "activate reduction" Nop
         self.required = len(schedule.ops) - self.reduction_start
         self.required_done = 0
         self.activated = False
@@ -190,12 +201,11 @@ class PartialAllreduce:
         if round >= _AGREE_ROUND:
             raise CollectiveError(f"rank {self.rank}: partial allreduce ran out of rounds", rank=self.rank)
         self.round = round
-        schedule = partial_allreduce(self.transport.world_size, self.rank, self.count + 1,
-                                     algorithm=self.algorithm, op=self.op, members=self.members,
-                                     external_activation=self.quorum != "all")
+        schedule, start = _schedule(self.transport.world_size, self.rank, self.count + 1, self.algorithm,
+                                    self.op, self.members, self.quorum != "all")
         work = torch.empty(self.count + 1, dtype=self.dtype)
         info = RunInfo(seq=self._seq(self.epoch, round), description=self.description)
-        self.execution = _Execution(self, schedule, work, info)
+        self.execution = _Execution(self, schedule, start, work, info)
 
     def _fill(self, work: torch.Tensor) -> None:
         """The reduction starts: contribute the send buffer, flag whether it holds fresh data."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from functools import cached_property
 from typing import Iterable, Sequence
 
 DEFAULT_CHANNEL = "0"
@@ -217,7 +218,12 @@ class Schedule:
                 raise ValueError(f"{self.name} rank {self.rank}: op {index} has unknown reduction {reduce_op!r}")
 
     def dependents(self) -> list[list[int]]:
-        """For each op, the ops that list it as a dependency."""
+        """For each op, the ops that list it as a dependency (computed once per schedule:
+        the runtime asks at every execution). Treat the lists as read-only."""
+        return self._dependents
+
+    @cached_property
+    def _dependents(self) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in self.ops]
         for index, op in enumerate(self.ops):
             for dep in op.deps:
