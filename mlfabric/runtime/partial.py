@@ -214,7 +214,8 @@ class PartialAllreduce:
         work[self.count] = 1 if self.fresh else 0
 
     def advance(self, version: int) -> bool:
-        progressed = self._take_commands()
+        # While the group re-forms the next round is unknown: calls wait in the queue.
+        progressed = self._take_commands() if self.agreeing is None else False
         if self._gone() & set(self.members):
             self._reform()
             progressed = True
@@ -252,7 +253,7 @@ class PartialAllreduce:
                              "executed yet; call rounds in order")
         execution = self.execution
         self.send_buffer.add_(flat)
-        if wanted < self.round or self.agreeing is not None or (execution is not None and execution.activated):
+        if wanted < self.round or (execution is not None and execution.activated):
             # Too late for the execution that round named: the data waits for the next one.
             if wanted < self.round and self.latest is not None and self.latest[0] >= wanted:
                 self._resolve(call, contributed=False)
