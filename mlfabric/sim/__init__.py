@@ -7,7 +7,8 @@
 * :mod:`mlfabric.sim.compute` -- compute models: per-worker speeds, stragglers (C1-C3);
 * :mod:`mlfabric.sim.workloads` -- collectives, parameter servers (BSP/SSP), MLNET
   aggregation/multicast trees, concurrent jobs;
-* :mod:`mlfabric.sim.bench` -- the engine benchmark behind ``mlfabric bench sim``.
+* :mod:`mlfabric.sim.bench` -- the engine benchmark behind ``mlfabric bench sim``;
+* :mod:`mlfabric.sim.bml` -- BML Fig. 5 and GST checks behind ``mlfabric simulate bml``.
 
 See ``docs/simulator.md``. Exercise it with::
 
