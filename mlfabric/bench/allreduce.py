@@ -14,13 +14,23 @@ valued float32, so sums are exact in any order) and the benchmark fails on any m
 Reported per size and algorithm: the median iteration time, algbw = bytes / time and
 busbw = algbw * 2(N-1)/N (as nccl-tests defines them), and busbw relative to gloo's in the
 same run. :func:`run_allreduce_bench` returns it all as :class:`AllreduceBenchResult`.
+
+With ``emulate_topology`` (``--emulate --topology``, root) rank r runs on host r of an
+emulated cluster (:func:`mlfabric.emu.launcher.emulated_launch`: shaped NICs, and
+``MLFABRIC_TOPOLOGY`` so that ``bcube`` runs BML with level l on NIC l), and every mlfabric
+algorithm's row carries the simulator's time for the same schedule on the same topology and
+rate (:func:`simulated_allreduce_s`). :func:`run_bml_comparison` (``--compare-star``) then
+runs ring and the P2P parameter server on a star of as many hosts and reports BML's speedup
+over both (BML §4: GST(star) / GST(BML), 2x in theory on BCube(n,2)).
 """
 
 from __future__ import annotations
 
 import contextlib
 
+import dataclasses
 import datetime as _dt
+import math
 import os
 import platform
 import shlex
@@ -38,11 +48,17 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AllreduceBenchConfig", "AllreduceBenchResult", "AllreduceMeasurement", "BenchmarkError",
-    "GLOO", "bus_factor", "collect_metadata", "format_bandwidth", "render_table", "run_allreduce_bench",
+    "BmlComparison", "GLOO", "STAR_ALGORITHMS", "bus_factor", "collect_metadata", "compare_star_config",
+    "format_bandwidth", "render_comparison", "render_table", "run_allreduce_bench", "run_bml_comparison",
+    "simulated_allreduce_s",
 ]
 
 GLOO = "gloo"
 ELEMENT_BYTES = 4  # float32
+#: The BML issue's check: emulated and simulated GST agree within 10%.
+SIM_AGREEMENT = 0.10
+#: What --compare-star runs on the star of the same hosts: BML §4's baselines.
+STAR_ALGORITHMS = ("ring", "ps")
 
 
 class BenchmarkError(RuntimeError):
@@ -69,6 +85,7 @@ class AllreduceBenchConfig:
     def __post_init__(self) -> None:
         from mlfabric import TRANSPORTS
         from mlfabric.collectives import ALLREDUCE_ALGORITHMS
+        from mlfabric.topo.spec import TopologySpec
 
         if self.world_size < 2:
             raise ValueError(f"the allreduce benchmark needs world_size >= 2, got {self.world_size}")
@@ -80,6 +97,12 @@ class AllreduceBenchConfig:
                 raise ValueError(f"unknown algorithm {name!r}; choose from {', '.join(known)}")
         if len(set(self.algorithms)) != len(self.algorithms):
             raise ValueError(f"algorithms repeat: {', '.join(self.algorithms)}")
+        spec = None if self.emulate_topology is None else TopologySpec.parse(self.emulate_topology)
+        if "bcube" in self.algorithms and (spec is None or spec.kind != "bcube"):
+            raise ValueError("algorithm bcube (BML) runs on a BCube: use --emulate --topology bcube:n=3,k=2 "
+                             f"(the topology here is {spec})")
+        if "hierarchical" in self.algorithms and spec is None:
+            raise ValueError("algorithm hierarchical needs the cluster's switch hierarchy: use --emulate --topology ...")
         if not self.sizes:
             raise ValueError("no sizes to benchmark")
         for size in self.sizes:
@@ -109,6 +132,11 @@ class AllreduceMeasurement:
     busbw: float               # algbw * 2(N-1)/N
     busbw_vs_gloo: float | None  # busbw / gloo's busbw at this size (None without gloo)
     correct: bool
+    # Emulated runs: the simulator's time for the same schedule on the same topology and NIC
+    # rate (mlfabric.sim), and median_s / simulated_s. None for gloo (no schedule) and for
+    # runs on loopback.
+    simulated_s: float | None = None
+    emulated_vs_simulated: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,27 +193,38 @@ def _launch_config(config: AllreduceBenchConfig, capture_output: bool) -> Iterat
         yield LaunchConfig(world_size=config.world_size, timeout_s=config.timeout_s,
                            capture_output=capture_output)
         return
-    from mlfabric.emu.cluster import Cluster, new_prefix, plan_cluster
-    from mlfabric.emu.cmd import ns_exec_prefix
-    from mlfabric.topo.spec import TopologySpec
+    from mlfabric.emu.launcher import emulated_launch
 
     if config.emulate_rate_bps is None:
         raise ValueError("an emulated benchmark needs a NIC rate")
-    plan = plan_cluster(TopologySpec.parse(config.emulate_topology), config.emulate_rate_bps,
-                        prefix=new_prefix())
-    if plan.n_hosts != config.world_size:
-        raise ValueError(f"topology {config.emulate_topology} has {plan.n_hosts} hosts but the "
-                         f"benchmark asks for {config.world_size} ranks")
-    with Cluster.create(plan):
-        yield LaunchConfig(
-            world_size=config.world_size, timeout_s=config.timeout_s, capture_output=capture_output,
-            # Host 0's namespace is brand new, so any port is free there (and free_port() could
-            # not probe it from this namespace).
-            master_addr=plan.master_addr, master_port=29500,
-            command_prefix=[ns_exec_prefix(h.netns) for h in plan.hosts],
-            # gloo picks its interface from the hostname, which a namespace cannot resolve.
-            rank_env=[{"MLFABRIC_CHANNEL_ADDRS": h.channel_addrs(),
-                       "GLOO_SOCKET_IFNAME": h.nics[0].host_dev} for h in plan.hosts])
+    with emulated_launch(config.emulate_topology, config.emulate_rate_bps, timeout_s=config.timeout_s,
+                         capture_output=capture_output) as launch:
+        if launch.world_size != config.world_size:
+            raise ValueError(f"topology {config.emulate_topology} has {launch.world_size} hosts but the "
+                             f"benchmark asks for {config.world_size} ranks")
+        yield launch
+
+
+def simulated_allreduce_s(algorithm: str, topology: str, rate_bps: float, nbytes: int) -> float | None:
+    """The simulator's time (s) for mlfabric's ``algorithm`` on ``nbytes`` of float32 on
+    ``topology`` (rank r on host r) with every NIC at ``rate_bps``: the same schedule, with
+    the same options, as the communicator runs there. None for gloo, which has no schedule."""
+    if algorithm == GLOO:
+        return None
+    from mlfabric.collectives import choose_allreduce
+    from mlfabric.collectives.bcube import hierarchy_of
+    from mlfabric.sim.workloads import simulate_collective
+    from mlfabric.topo.spec import TopologySpec
+
+    spec = TopologySpec.parse(topology)
+    name = choose_allreduce(algorithm, nbytes, math.prod(hierarchy_of(spec)), str(spec))
+    options: dict[str, Any] = {}
+    if name == "bcube":
+        options = {"n": spec.int_param("n"), "k": spec.int_param("k")}
+    elif name == "hierarchical":
+        options = {"radices": hierarchy_of(spec)}
+    return simulate_collective(name, str(spec), rate_bps, size_bytes=nbytes, itemsize=ELEMENT_BYTES,
+                               **options).time_s
 
 
 def run_allreduce_bench(config: AllreduceBenchConfig, *, argv: Sequence[str] | None = None,
@@ -221,12 +260,106 @@ def run_allreduce_bench(config: AllreduceBenchConfig, *, argv: Sequence[str] | N
             correct = all((size, algorithm) in r.verified for r in per_rank)
             algbw = nbytes / median
             ratio = medians[GLOO] / median if GLOO in medians else None  # busbw ratio = inverse time ratio
+            simulated = None
+            if config.emulate_topology is not None and config.emulate_rate_bps is not None:
+                simulated = simulated_allreduce_s(algorithm, config.emulate_topology, config.emulate_rate_bps,
+                                                  nbytes)
             measurements.append(AllreduceMeasurement(
                 algorithm=algorithm, size_bytes=size, nbytes=nbytes, count=count, times_s=times,
                 median_s=median, min_s=min(times), max_s=max(times), algbw=algbw,
-                busbw=algbw * factor, busbw_vs_gloo=ratio, correct=correct))
+                busbw=algbw * factor, busbw_vs_gloo=ratio, correct=correct, simulated_s=simulated,
+                emulated_vs_simulated=None if not simulated else median / simulated))
     return AllreduceBenchResult(config=config, measurements=tuple(measurements),
                                 metadata=collect_metadata(config, argv))
+
+
+# --------------------------------------------------------------------------- BML vs star
+
+
+#: BML §4.3 / the BML issue: BML's GST at least this many times faster than ring and PS on the
+#: star (theory: k = 2).
+BML_SPEEDUP_BAR = 1.7
+
+
+@dataclass(frozen=True, kw_only=True)
+class BmlComparison:
+    """``--compare-star``: the algorithms on the emulated BCube, then ring and the P2P
+    parameter server on a star of the same hosts with the same per-NIC rate (BML §4.2's
+    Fat-Tree: one non-blocking switch, one NIC per host)."""
+
+    bcube: AllreduceBenchResult
+    star: AllreduceBenchResult
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Every (cluster, size, algorithm): GST (median), simulated GST and their ratio."""
+        rows = []
+        for result in (self.bcube, self.star):
+            for m in result.measurements:
+                rows.append({"cluster": result.config.emulate_topology, "algorithm": m.algorithm,
+                             "size_bytes": m.size_bytes, "nbytes": m.nbytes, "gst_s": m.median_s,
+                             "min_s": m.min_s, "max_s": m.max_s, "simulated_s": m.simulated_s,
+                             "emulated_vs_simulated": m.emulated_vs_simulated, "busbw": m.busbw,
+                             "correct": m.correct})
+        return rows
+
+    def speedups(self) -> list[dict[str, Any]]:
+        """Per size: BML on the BCube vs ring and vs PS on the star, measured and simulated."""
+        out = []
+        for size in self.bcube.config.sizes:
+            bml = self.bcube.get(size, "bcube")
+            ring, ps = self.star.get(size, "ring"), self.star.get(size, "ps")
+            entry: dict[str, Any] = {
+                "size_bytes": size, "bml_s": bml.median_s, "ring_star_s": ring.median_s, "ps_star_s": ps.median_s,
+                "bml_vs_ring_star": ring.median_s / bml.median_s, "bml_vs_ps_star": ps.median_s / bml.median_s,
+                "simulated_bml_vs_ring_star": None, "simulated_bml_vs_ps_star": None}
+            if bml.simulated_s and ring.simulated_s and ps.simulated_s:
+                entry["simulated_bml_vs_ring_star"] = ring.simulated_s / bml.simulated_s
+                entry["simulated_bml_vs_ps_star"] = ps.simulated_s / bml.simulated_s
+            out.append(entry)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "benchmark": "allreduce-bml-vs-star",
+            "metadata": self.metadata,
+            "units": {"time": "s", "size": "bytes", "busbw": "bytes/s", "speedup": "star GST / BML GST"},
+            "bars": {"bml_speedup_min": BML_SPEEDUP_BAR, "emulated_vs_simulated_within": SIM_AGREEMENT},
+            "rows": self.rows(),
+            "speedups": self.speedups(),
+            "runs": {"bcube": self.bcube.to_dict(), "star": self.star.to_dict()},
+        }
+
+
+def compare_star_config(config: AllreduceBenchConfig) -> AllreduceBenchConfig:
+    """The star run of ``--compare-star`` for a BCube ``config`` (ValueError if it is none)."""
+    from mlfabric.topo.spec import TopologySpec
+
+    if config.emulate_topology is None or TopologySpec.parse(config.emulate_topology).kind != "bcube":
+        raise ValueError("--compare-star compares BML on an emulated BCube with a star: use --emulate "
+                         f"--topology bcube:n=3,k=2 (got {config.emulate_topology})")
+    if "bcube" not in config.algorithms:
+        raise ValueError("--compare-star compares BML with the star: include bcube in --algorithms")
+    return dataclasses.replace(config, algorithms=STAR_ALGORITHMS,
+                               emulate_topology=f"star:n={config.world_size}")
+
+
+def run_bml_comparison(config: AllreduceBenchConfig, *, argv: Sequence[str] | None = None,
+                       on_progress: Callable[[int, int], None] | None = None,
+                       capture_output: bool = False) -> BmlComparison:
+    """``config`` on its emulated BCube, then :func:`compare_star_config` on a star (one
+    cluster after the other, each torn down after its run)."""
+    star_config = compare_star_config(config)
+    per_run = len(config.sizes) * (config.warmup + config.iters)
+
+    def progress(offset: int) -> Callable[[int, int], None] | None:
+        if on_progress is None:
+            return None
+        return lambda done, total: on_progress(offset + done, 2 * per_run)
+
+    bcube = run_allreduce_bench(config, argv=argv, on_progress=progress(0), capture_output=capture_output)
+    star = run_allreduce_bench(star_config, argv=argv, on_progress=progress(per_run), capture_output=capture_output)
+    return BmlComparison(bcube=bcube, star=star, metadata=collect_metadata(config, argv))
 
 
 # --------------------------------------------------------------------------- inside a rank
@@ -249,7 +382,10 @@ def _rank_main(config: AllreduceBenchConfig) -> _RankTimes:
 
     env = rank_env()
     dist.init_process_group("gloo", timeout=timedelta(seconds=config.timeout_s))
-    comm = mlfabric.init(transport=config.transport, timeout=min(config.timeout_s, 300.0))
+    # On an emulated cluster the topology is in MLFABRIC_TOPOLOGY too; passing it says which
+    # cluster this benchmark was configured for (BML's digits and channels come from it).
+    comm = mlfabric.init(transport=config.transport, timeout=min(config.timeout_s, 300.0),
+                         topology=config.emulate_topology)
     times: dict[tuple[int, str], list[float]] = {}
     verified: set[tuple[int, str]] = set()
     done = 0
@@ -321,11 +457,16 @@ def render_table(result: AllreduceBenchResult) -> Table:
     from mlfabric.units import format_size
 
     config = result.config
-    table = Table(title=f"allreduce: {config.world_size} ranks, {config.transport} transport, float32, "
+    where = "" if config.emulate_topology is None else (
+        f" on emulated {config.emulate_topology} at {(config.emulate_rate_bps or 0) / 1e6:g} Mbit/s per NIC")
+    table = Table(title=f"allreduce: {config.world_size} ranks{where}, {config.transport} transport, float32, "
                         f"median of {config.iters}", title_justify="left", box=box.SIMPLE_HEAD)
-    for name, justify in (("size", "right"), ("algorithm", "left"), ("time ms", "right"),
-                          ("algbw", "right"), ("busbw", "right"), ("vs gloo", "right"),
-                          ("ok", "center")):
+    simulated = any(m.simulated_s is not None for m in result.measurements)
+    columns = [("size", "right"), ("algorithm", "left"), ("time ms", "right")]
+    if simulated:
+        columns += [("sim ms", "right"), ("emu/sim", "right")]
+    columns += [("algbw", "right"), ("busbw", "right"), ("vs gloo", "right"), ("ok", "center")]
+    for name, justify in columns:
         table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     last_size = None
     for m in result.measurements:
@@ -334,11 +475,62 @@ def render_table(result: AllreduceBenchResult) -> Table:
         ratio = "" if m.busbw_vs_gloo is None else f"{m.busbw_vs_gloo:.2f}x"
         if m.busbw_vs_gloo is not None and m.algorithm != GLOO:
             ratio = f"[{'green' if m.busbw_vs_gloo >= 1.0 else 'red'}]{ratio}[/]"
-        table.add_row(format_size(m.size_bytes) if m.size_bytes != last_size else "", m.algorithm,
-                      f"{m.median_s * 1e3:.3f}", format_bandwidth(m.algbw), format_bandwidth(m.busbw),
-                      ratio, "yes" if m.correct else "[red]NO[/]")
+        cells = [format_size(m.size_bytes) if m.size_bytes != last_size else "", m.algorithm,
+                 f"{m.median_s * 1e3:.3f}"]
+        if simulated:
+            cells += _simulated_cells(m)
+        cells += [format_bandwidth(m.algbw), format_bandwidth(m.busbw), ratio, "yes" if m.correct else "[red]NO[/]"]
+        table.add_row(*cells)
         last_size = m.size_bytes
     return table
+
+
+def _simulated_cells(m: AllreduceMeasurement) -> list[str]:
+    if m.simulated_s is None or m.emulated_vs_simulated is None:
+        return ["", ""]
+    ratio = m.emulated_vs_simulated
+    colour = "green" if abs(ratio - 1.0) <= SIM_AGREEMENT else "red"
+    return [f"{m.simulated_s * 1e3:.3f}", f"[{colour}]{ratio:.3f}[/]"]
+
+
+def render_comparison(comparison: BmlComparison) -> list[Table]:
+    """Two rich tables: every (cluster, algorithm) row, then BML's speedups over the star."""
+    from rich import box
+    from rich.table import Table
+
+    from mlfabric.topo.spec import TopologySpec
+    from mlfabric.units import format_size
+
+    config = comparison.bcube.config
+    rate = (config.emulate_rate_bps or 0) / 1e6
+    rows = Table(title=f"allreduce GST: emulated {config.emulate_topology} vs star:n={config.world_size}, "
+                       f"{rate:g} Mbit/s per NIC, {config.transport} transport, median of {config.iters}",
+                 title_justify="left", box=box.SIMPLE_HEAD)
+    for name, justify in (("cluster", "left"), ("size", "right"), ("algorithm", "left"), ("GST ms", "right"),
+                          ("sim ms", "right"), ("emu/sim", "right"), ("ok", "center")):
+        rows.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for index, result in enumerate((comparison.bcube, comparison.star)):
+        if index:
+            rows.add_section()
+        for m in result.measurements:
+            rows.add_row(str(result.config.emulate_topology), format_size(m.size_bytes), m.algorithm,
+                         f"{m.median_s * 1e3:.1f}", *_simulated_cells(m), "yes" if m.correct else "[red]NO[/]")
+    levels = TopologySpec.parse(str(config.emulate_topology)).int_param("k")
+    speed = Table(title=f"BML (bcube on {config.emulate_topology}) vs the star: GST(star) / GST(BML); "
+                        f"theory {levels}x (k), bar {BML_SPEEDUP_BAR:g}x", title_justify="left", box=box.SIMPLE_HEAD)
+    for name in ("size", "BML ms", "ring@star", "PS@star", "vs ring", "vs PS", "sim: vs ring, PS"):
+        speed.add_column(name, justify="right", no_wrap=True)
+    for entry in comparison.speedups():
+        def cell(value: float) -> str:
+            return f"[{'green' if value >= BML_SPEEDUP_BAR else 'red'}]{value:.2f}x[/]"
+
+        simulated = ""
+        if entry["simulated_bml_vs_ring_star"] is not None:
+            simulated = f"{entry['simulated_bml_vs_ring_star']:.2f}x, {entry['simulated_bml_vs_ps_star']:.2f}x"
+        speed.add_row(format_size(entry["size_bytes"]), f"{entry['bml_s'] * 1e3:.1f}",
+                      f"{entry['ring_star_s'] * 1e3:.1f}", f"{entry['ps_star_s'] * 1e3:.1f}",
+                      cell(entry["bml_vs_ring_star"]), cell(entry["bml_vs_ps_star"]), simulated)
+    return [rows, speed]
 
 
 def format_bandwidth(bytes_per_s: float) -> str:

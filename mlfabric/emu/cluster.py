@@ -28,7 +28,9 @@ needed) and built by :class:`Cluster` (root / CAP_NET_ADMIN):
 
 The cluster description (:meth:`Cluster.describe`, also written as JSON by the launcher) lists
 each host's namespace and per-NIC addresses: ``MLFABRIC_CHANNEL_ADDRS`` for the zmq transport
-comes from it (channel ``l`` = NIC ``l`` = BCube level ``l``).
+comes from it (channel ``l`` = NIC ``l`` = BCube level ``l``). :meth:`ClusterPlan.rank_env` is
+the one place that maps the cluster to a rank's environment (channels, ``MLFABRIC_TOPOLOGY``,
+``GLOO_SOCKET_IFNAME``, ...) and :meth:`ClusterPlan.command_prefixes` to its command prefix.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlfabric.emu.cmd import EmuCommandError, EmuUnavailableError, batch, have_root, run
+from mlfabric.emu.cmd import EmuCommandError, EmuUnavailableError, batch, have_root, ns_exec_prefix, run
 from mlfabric.topo.spec import TopologySpec
 from mlfabric.units import parse_rate
 
@@ -143,6 +145,36 @@ class ClusterPlan:
         except IndexError:
             raise ValueError(f"no NIC {nic} on host {host}: the cluster {self.spec} has {self.n_hosts} hosts "
                              f"with {len(self.hosts[0].nics)} NIC(s) each") from None
+
+    def rank_env(self, rank: int, *, cluster_json: str | None = None) -> dict[str, str]:
+        """The environment rank ``rank`` (on host ``rank``) needs besides the torchrun variables.
+
+        ``MLFABRIC_CHANNEL_ADDRS`` (one channel per NIC / BCube level, what the zmq transport
+        binds), ``MLFABRIC_TOPOLOGY`` (the spec: ``mlfabric.init`` reads it, BML needs it),
+        ``MLFABRIC_EMU_PREFIX``, ``MLFABRIC_EMU_NETNS``, ``GLOO_SOCKET_IFNAME`` (gloo picks
+        its interface from the hostname, which a namespace cannot resolve) and, when given,
+        ``MLFABRIC_EMU_CLUSTER`` (the path of the :meth:`describe` JSON). Every launcher of
+        ranks on a cluster (``mlfabric launch``, the emulated benchmarks) uses this.
+        """
+        from mlfabric import TOPOLOGY_ENV
+
+        if not 0 <= rank < self.n_hosts:
+            raise ValueError(f"rank {rank} has no host: the cluster {self.spec} has {self.n_hosts} hosts")
+        host = self.hosts[rank]
+        env = {"MLFABRIC_CHANNEL_ADDRS": host.channel_addrs(), TOPOLOGY_ENV: str(self.spec),
+               "MLFABRIC_EMU_PREFIX": self.prefix, "MLFABRIC_EMU_NETNS": host.netns,
+               "GLOO_SOCKET_IFNAME": host.nics[0].host_dev}
+        if cluster_json is not None:
+            env["MLFABRIC_EMU_CLUSTER"] = cluster_json
+        return env
+
+    def rank_envs(self, *, cluster_json: str | None = None) -> list[dict[str, str]]:
+        """:meth:`rank_env` of every rank, in rank order."""
+        return [self.rank_env(rank, cluster_json=cluster_json) for rank in range(self.n_hosts)]
+
+    def command_prefixes(self) -> list[list[str]]:
+        """Per rank, the prefix that runs its command inside its host (``ip netns exec ...``)."""
+        return [ns_exec_prefix(host.netns) for host in self.hosts]
 
     def describe(self) -> dict[str, object]:
         """JSON-friendly description: spec, rate, and per host its namespace and NIC addresses."""
@@ -310,6 +342,12 @@ def _sysctl_script(*, forwarding: bool) -> str:
         "net/ipv6/conf/all/disable_ipv6": 1, "net/ipv6/conf/default/disable_ipv6": 1,
         "net/ipv4/conf/all/rp_filter": 0, "net/ipv4/conf/default/rp_filter": 0,
         "net/ipv4/ip_forward": 1 if forwarding else 0,
+        # Hosts start from the same TCP as a training cluster's: no slow start after an idle
+        # gap (collectives are bursty: the VM's default re-probed every call) and Reno instead
+        # of the VM's BBR, which shared a NIC poorly between a parameter server's flows
+        # (measured: BML vs star 1.29x with the defaults, 1.74x with these; docs/results.md).
+        "net/ipv4/tcp_slow_start_after_idle": 0,
+        "net/ipv4/tcp_congestion_control": "reno",
     }
     return "; ".join(f"echo {v} > /proc/sys/{k} 2>/dev/null || true" for k, v in values.items())
 

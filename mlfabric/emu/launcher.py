@@ -7,9 +7,13 @@
 churn (:mod:`mlfabric.emu.churn`, the applied schedule goes to a capacity-trace CSV), and
 starts rank ``r`` as ``ip netns exec <prefix>-h<r> COMMAND`` with the torchrun environment
 (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR = host 0's address,
-MASTER_PORT) plus ``MLFABRIC_CHANNEL_ADDRS`` (one channel per NIC / BCube level),
-``MLFABRIC_EMU_CLUSTER`` (the cluster description, JSON) and ``MLFABRIC_EMU_PREFIX``. Every
-output line of a rank is printed as ``[rank r] line``.
+MASTER_PORT) plus what :meth:`ClusterPlan.rank_env` gives every rank of a cluster:
+``MLFABRIC_CHANNEL_ADDRS`` (one channel per NIC / BCube level), ``MLFABRIC_TOPOLOGY`` (the
+spec, which ``mlfabric.init`` reads: BML needs it), ``GLOO_SOCKET_IFNAME``,
+``MLFABRIC_EMU_CLUSTER`` (the cluster description, JSON), ``MLFABRIC_EMU_PREFIX`` and
+``MLFABRIC_EMU_NETNS``. Every output line of a rank is printed as ``[rank r] line``.
+:func:`emulated_launch` gives the same placement and environment to ranks started by
+:func:`mlfabric.bench.procs.run_ranks` (the emulated benchmarks and training jobs).
 
 Exit status: 0 when every rank exits 0; otherwise the first failing rank's status (the others
 get ``grace_s`` seconds, then are killed); 124 on timeout; 128 + signal on SIGINT/SIGTERM.
@@ -18,11 +22,13 @@ Namespaces, links and processes are removed on every one of these paths; after a
 cleanup`` removes the namespaces.
 
 Without root (or with ``emulate="never"``) the ranks run as plain local processes on loopback
-and a warning says that rates, churn and topology are not enforced.
+(with ``MLFABRIC_TOPOLOGY`` still set) and a warning says that rates, churn and topology are
+not enforced.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -32,17 +38,22 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import IO, Callable
+from typing import IO, TYPE_CHECKING, Any, Callable
 
+from mlfabric import TOPOLOGY_ENV
 from mlfabric.emu.churn import ChurnRunner, churn_model
 from mlfabric.emu.cluster import Cluster, ClusterPlan, new_prefix, plan_cluster
-from mlfabric.emu.cmd import EmuUnavailableError, have_root, ns_exec_prefix
+from mlfabric.emu.cmd import EmuUnavailableError, have_root
 from mlfabric.topo.spec import TOPOLOGY_KINDS, TopologySpec
 
-__all__ = ["LaunchSpec", "launch", "resolve_topology", "EMULATE_MODES"]
+if TYPE_CHECKING:
+    from mlfabric.bench.procs import LaunchConfig
+
+__all__ = ["LaunchSpec", "launch", "resolve_topology", "EMULATE_MODES", "cluster_launch_config",
+           "emulated_launch"]
 
 EMULATE_MODES = ("auto", "always", "never")
 
@@ -107,6 +118,32 @@ def resolve_topology(topology: str, hosts: int | None) -> TopologySpec:
     if hosts is not None and hosts != n:
         raise ValueError(f"--hosts {hosts} contradicts topology {spec} which has {n} hosts")
     return spec
+
+
+def cluster_launch_config(plan: ClusterPlan, *, master_port: int = 29500, **options: Any) -> LaunchConfig:
+    """A :class:`~mlfabric.bench.procs.LaunchConfig` that runs rank ``r`` inside host ``r`` of
+    ``plan`` with :meth:`ClusterPlan.rank_env` (what ``mlfabric launch`` gives its ranks too);
+    ``options`` are the other ``LaunchConfig`` fields (``timeout_s``, ``capture_output``, ...)."""
+    from mlfabric.bench.procs import LaunchConfig
+
+    # Host 0's namespace is brand new, so any port is free there (and free_port() could not
+    # probe it from this namespace).
+    return LaunchConfig(world_size=plan.n_hosts, master_addr=plan.master_addr, master_port=master_port,
+                        command_prefix=plan.command_prefixes(), rank_env=plan.rank_envs(), **options)
+
+
+@contextlib.contextmanager
+def emulated_launch(topology: str | TopologySpec, rate_bps: float, **options: Any) -> Iterator[LaunchConfig]:
+    """Build an emulated cluster, yield the :func:`cluster_launch_config` of its ranks (for
+    :func:`mlfabric.bench.procs.run_ranks`), tear it down on the way out (root needed).
+
+    Several launches may run one after the other in one cluster; give each its own
+    ``master_port`` (``dataclasses.replace``) so that no socket of the previous one is in the way.
+    """
+    spec = resolve_topology(str(topology), None)
+    plan = plan_cluster(spec, rate_bps, prefix=new_prefix())
+    with Cluster.create(plan):
+        yield cluster_launch_config(plan, **options)
 
 
 class _Interrupted(BaseException):
@@ -207,9 +244,8 @@ def launch(spec: LaunchSpec, *, out: IO[str] | None = None, err: IO[str] | None 
                               f"trace in {trace}\n")
                 n_hosts = plan.n_hosts
                 master_addr = plan.master_addr
-                prefixes = [ns_exec_prefix(h.netns) for h in plan.hosts]
-                extra = [{"MLFABRIC_CHANNEL_ADDRS": h.channel_addrs(), "MLFABRIC_EMU_CLUSTER": cluster_json,
-                          "MLFABRIC_EMU_PREFIX": plan.prefix, "MLFABRIC_EMU_NETNS": h.netns} for h in plan.hosts]
+                prefixes = plan.command_prefixes()
+                extra = plan.rank_envs(cluster_json=cluster_json)
                 port = spec.master_port
             else:
                 from mlfabric.bench.procs import free_port
@@ -224,7 +260,8 @@ def launch(spec: LaunchSpec, *, out: IO[str] | None = None, err: IO[str] | None 
                           f"processes on loopback and {what} are NOT enforced\n")
                 master_addr = "127.0.0.1"
                 prefixes = [[] for _ in range(n_hosts)]
-                extra = [{} for _ in range(n_hosts)]
+                # The ranks still learn the topology (BML stays correct on one NIC, just not faster).
+                extra = [{TOPOLOGY_ENV: str(topology)} for _ in range(n_hosts)]
                 port = free_port()
             if on_cluster is not None:
                 on_cluster(plan)

@@ -5,9 +5,9 @@
 
 from .data import DataConfig, Dataset, make_dataset, shard
 from .ddp import BASELINE, RankTrainResult, TrainConfig, TrainResult, run_training, train_rank
-from .models import MLP, count_parameters
+from .models import MLP, LeNet5, count_parameters
 
 __all__ = [
-    "BASELINE", "MLP", "DataConfig", "Dataset", "RankTrainResult", "TrainConfig", "TrainResult",
+    "BASELINE", "LeNet5", "MLP", "DataConfig", "Dataset", "RankTrainResult", "TrainConfig", "TrainResult",
     "count_parameters", "make_dataset", "run_training", "shard", "train_rank",
 ]

@@ -4,11 +4,15 @@
 
 :func:`run_training` launches ``world_size`` ranks (:mod:`mlfabric.bench.procs`); each
 joins a gloo process group (DDP's bookkeeping) and an mlfabric communicator, wraps an
-:class:`~mlfabric.train.models.MLP` in DistributedDataParallel with
-``mlfabric.torch.allreduce_hook`` and trains it with SGD on its shard of the synthetic
-teacher task (:mod:`mlfabric.train.data`). ``algorithm="gloo"`` leaves DDP's own allreduce
-in place: the synchronous baseline. Rank 0 reports ``{"step", "loss"}`` as it goes, for
-progress bars. :func:`train_rank` is the per-rank body, usable under ``torchrun`` too.
+:class:`~mlfabric.train.models.MLP` (or, with ``model="lenet5"``, BML's
+:class:`~mlfabric.train.models.LeNet5` on MNIST-shaped images) in DistributedDataParallel
+with ``mlfabric.torch.allreduce_hook`` and trains it with SGD on its shard of the synthetic
+task (:mod:`mlfabric.train.data`). ``algorithm="gloo"`` leaves DDP's own allreduce in place:
+the synchronous baseline. Rank 0 reports ``{"step", "loss"}`` as it goes, for progress bars.
+:func:`train_rank` is the per-rank body, usable under ``torchrun`` and ``mlfabric launch``
+too; ``run_training(..., launch=...)`` runs the ranks elsewhere, e.g. on an emulated cluster
+(:func:`mlfabric.emu.launcher.emulated_launch`, whose ``MLFABRIC_TOPOLOGY`` lets
+``algorithm="bcube"`` run BML).
 """
 
 from __future__ import annotations
@@ -36,9 +40,13 @@ class TrainConfig:
     batch_size: int = 64
     lr: float = 0.05
     momentum: float = 0.9
+    model: str = "mlp"  # or "lenet5" (needs data.kind="images")
     hidden: int = 256
     depth: int = 3
     algorithm: str = "ring"
+    # The cluster's topology spec for the communicator (None: MLFABRIC_TOPOLOGY, which the
+    # emulator sets); BML (algorithm="bcube") needs a BCube.
+    topology: str | None = None
     transport: str = "zmq"
     bucket_cap_mb: float = 0.25  # small buckets: several allreduces per step, as in real models
     data: DataConfig = field(default_factory=DataConfig)
@@ -50,6 +58,14 @@ class TrainConfig:
         from mlfabric import TRANSPORTS
         from mlfabric.collectives import ALLREDUCE_ALGORITHMS
 
+        from .models import MODELS
+
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
+        if self.model == "lenet5" and self.data.kind != "images":
+            raise ValueError("model lenet5 trains on images: use data=DataConfig(kind='images')")
+        if self.model == "mlp" and self.data.kind != "teacher":
+            raise ValueError("model mlp trains on the teacher task: use data=DataConfig(kind='teacher')")
         if self.steps < 1 or self.batch_size < 1 or self.report_every < 1:
             raise ValueError(f"steps, batch_size and report_every must be positive, got "
                              f"{self.steps}, {self.batch_size}, {self.report_every}")
@@ -92,6 +108,12 @@ class TrainResult:
         return self.losses[0]
 
     @property
+    def loop_s(self) -> float:
+        """Wall time of the training loop on the slowest rank: the job completion time (JCT)
+        of ``config.steps`` iterations, without process start-up and rendezvous."""
+        return max(r.loop_s for r in self.per_rank)
+
+    @property
     def final_loss(self) -> float:
         """Mean of the last 10 steps' losses (a single minibatch loss is noisy)."""
         tail = self.losses[-min(10, len(self.losses)):]
@@ -109,9 +131,12 @@ class TrainResult:
 
 def run_training(config: TrainConfig, *, world_size: int = 2,
                  on_step: Callable[[int, float], None] | None = None,
-                 capture_output: bool = False) -> TrainResult:
-    """Train on ``world_size`` local ranks; ``on_step(step, loss)`` follows rank 0."""
-    launch = LaunchConfig(world_size=world_size, timeout_s=config.timeout_s, capture_output=capture_output)
+                 capture_output: bool = False, launch: LaunchConfig | None = None) -> TrainResult:
+    """Train on ``world_size`` local ranks, or on the ranks ``launch`` describes (its world
+    size wins); ``on_step(step, loss)`` follows rank 0."""
+    if launch is None:
+        launch = LaunchConfig(world_size=world_size, timeout_s=config.timeout_s, capture_output=capture_output)
+    world_size = launch.world_size
 
     def on_report(rank: int, payload: Any) -> None:
         if on_step is not None and rank == 0 and isinstance(payload, dict):
@@ -138,7 +163,7 @@ def train_rank(config: TrainConfig) -> RankTrainResult:
     import mlfabric
     import mlfabric.torch as mltorch
 
-    from .models import MLP, count_parameters
+    from .models import MLP, LeNet5, count_parameters
 
     env = rank_env()
     dist.init_process_group("gloo", timeout=timedelta(seconds=config.timeout_s))
@@ -151,11 +176,14 @@ def train_rank(config: TrainConfig) -> RankTrainResult:
             raise ValueError(f"rank {env.rank}: its shard has {x.shape[0]} samples, fewer than one "
                              f"batch of {config.batch_size}; raise data.train_samples")
         torch.manual_seed(config.seed)
-        model = MLP(in_features=config.data.features, hidden=config.hidden, depth=config.depth,
-                    classes=config.data.classes)
+        if config.model == "lenet5":
+            model: torch.nn.Module = LeNet5(image_size=config.data.image_size, classes=config.data.classes)
+        else:
+            model = MLP(in_features=config.data.features, hidden=config.hidden, depth=config.depth,
+                        classes=config.data.classes)
         ddp = DDP(model, bucket_cap_mb=config.bucket_cap_mb)
         if config.algorithm != BASELINE:
-            comm = mlfabric.init(transport=config.transport, timeout=config.timeout_s)
+            comm = mlfabric.init(transport=config.transport, timeout=config.timeout_s, topology=config.topology)
             state = mltorch.HookState(comm, algorithm=config.algorithm)
             ddp.register_comm_hook(state, mltorch.allreduce_hook)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=config.lr, momentum=config.momentum)

@@ -1,0 +1,109 @@
+"""The cluster -> rank environment mapping and the BML benchmark/job configs (no root needed).
+
+    .venv/bin/python -m pytest tests/unit/test_bml_env.py -q
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import pytest
+
+from mlfabric.emu.cluster import plan_cluster
+from mlfabric.emu.launcher import LaunchSpec, cluster_launch_config, launch
+
+
+def test_rank_env_of_a_bcube_host():
+    plan = plan_cluster("bcube:n=3,k=2", 500e6, prefix="mfabcd")
+    assert plan.rank_env(4) == {
+        "MLFABRIC_CHANNEL_ADDRS": "0=10.0.0.5,1=10.1.0.5",  # host 4: NIC l at 10.l.0.5
+        "MLFABRIC_TOPOLOGY": "bcube:n=3,k=2",
+        "MLFABRIC_EMU_PREFIX": "mfabcd",
+        "MLFABRIC_EMU_NETNS": "mfabcd-h4",
+        "GLOO_SOCKET_IFNAME": "eth0",
+    }
+    assert plan.rank_env(0, cluster_json="/tmp/c.json")["MLFABRIC_EMU_CLUSTER"] == "/tmp/c.json"
+    envs = plan.rank_envs()
+    assert len(envs) == 9 and envs[4] == plan.rank_env(4)
+    assert [env["MLFABRIC_EMU_NETNS"] for env in envs] == [f"mfabcd-h{h}" for h in range(9)]
+    prefixes = plan.command_prefixes()
+    assert prefixes[4][-3:] == ["netns", "exec", "mfabcd-h4"] and prefixes[4][0].endswith("ip")
+    with pytest.raises(ValueError, match="rank 9 has no host"):
+        plan.rank_env(9)
+
+
+def test_rank_env_of_a_star_host():
+    env = plan_cluster("star:n=9", 500e6, prefix="mf00ff").rank_env(8)
+    assert env["MLFABRIC_CHANNEL_ADDRS"] == "0=10.0.0.9"
+    assert env["MLFABRIC_TOPOLOGY"] == "star:n=9"
+
+
+def test_cluster_launch_config_places_rank_r_on_host_r():
+    plan = plan_cluster("bcube:n=3,k=2", 500e6, prefix="mfabcd")
+    config = cluster_launch_config(plan, timeout_s=7.0, capture_output=True)
+    assert config.world_size == 9 and config.timeout_s == 7.0 and config.capture_output
+    assert config.master_addr == "10.0.0.1" and config.master_port == 29500
+    assert list(config.rank_env) == plan.rank_envs()
+    assert [list(p) for p in config.command_prefix] == plan.command_prefixes()
+
+
+def test_launcher_fallback_still_sets_the_topology():
+    out = io.StringIO()
+    script = "import os; print(os.environ['RANK'], os.environ['MLFABRIC_TOPOLOGY'])"
+    code = launch(LaunchSpec(command=(sys.executable, "-c", script), topology="star:n=2", emulate="never"),
+                  out=out, err=io.StringIO())
+    assert code == 0
+    assert sorted(out.getvalue().splitlines()) == ["[rank 0] 0 star:n=2", "[rank 1] 1 star:n=2"]
+
+
+def test_bench_config_needs_a_bcube_for_bml_and_compare_star():
+    from mlfabric.bench.allreduce import AllreduceBenchConfig, compare_star_config
+
+    with pytest.raises(ValueError, match="bcube"):
+        AllreduceBenchConfig(world_size=4, algorithms=("bcube",))
+    with pytest.raises(ValueError, match="bcube"):
+        AllreduceBenchConfig(world_size=9, algorithms=("bcube",), emulate_topology="star:n=9", emulate_rate_bps=1e8)
+    config = AllreduceBenchConfig(world_size=9, algorithms=("bcube", "ring", "gloo"), sizes=(1000,),
+                                  emulate_topology="bcube:n=3,k=2", emulate_rate_bps=5e8)
+    star = compare_star_config(config)
+    assert star.emulate_topology == "star:n=9" and star.algorithms == ("ring", "ps")
+    assert star.emulate_rate_bps == 5e8 and star.sizes == (1000,) and star.world_size == 9
+    with pytest.raises(ValueError, match="include bcube"):
+        compare_star_config(AllreduceBenchConfig(world_size=9, algorithms=("ring",), emulate_topology="bcube:n=3,k=2",
+                                                 emulate_rate_bps=5e8))
+    with pytest.raises(ValueError, match="compare-star"):
+        compare_star_config(AllreduceBenchConfig(world_size=9, algorithms=("ring",), emulate_topology="star:n=9",
+                                                 emulate_rate_bps=5e8))
+
+
+def test_simulated_prediction_of_the_emulated_rows():
+    from mlfabric.bench.allreduce import simulated_allreduce_s
+
+    size = 64_000_000
+    t_f = size * 8 / 500e6
+    assert simulated_allreduce_s("gloo", "bcube:n=3,k=2", 500e6, size) is None
+    # BML §3.2: GST 2(N-1)/(kN) T_F on BCube(n,k); ring and P2P PS 2(N-1)/N T_F on a star.
+    assert simulated_allreduce_s("bcube", "bcube:n=3,k=2", 500e6, size) == pytest.approx(16 / 18 * t_f, rel=1e-3)
+    assert simulated_allreduce_s("auto", "bcube:n=3,k=2", 500e6, size) == pytest.approx(16 / 18 * t_f, rel=1e-3)
+    assert simulated_allreduce_s("ring", "star:n=9", 500e6, size) == pytest.approx(16 / 9 * t_f, rel=1e-3)
+    assert simulated_allreduce_s("ps", "star:n=9", 500e6, size) == pytest.approx(16 / 9 * t_f, rel=1e-3)
+
+
+def test_bml_job_config():
+    from mlfabric.train.bml_job import BmlJobConfig
+    from mlfabric.train.models import LeNet5, count_parameters
+
+    config = BmlJobConfig(iterations=5, batches=(32, 128))
+    assert config.hosts == 9
+    bml, ps = config.networks
+    assert (bml.name, bml.topology, bml.algorithm) == ("BML", "bcube:n=3,k=2", "bcube")
+    assert (ps.name, ps.topology, ps.algorithm) == ("PS", "star:n=9", "ps")
+    train = config.train_config(128, bml)
+    assert train.model == "lenet5" and train.topology == "bcube:n=3,k=2" and train.batch_size == 128
+    assert train.data.kind == "images" and train.steps == 5
+    assert count_parameters(LeNet5()) == 3_274_634  # BML §4.2: 3.27 million, 12.5 MiB of float32
+    with pytest.raises(ValueError, match="raise train_samples"):
+        BmlJobConfig(train_samples=900).train_config(128, bml)
+    with pytest.raises(ValueError, match="BCube"):
+        BmlJobConfig(bcube="star:n=9")
