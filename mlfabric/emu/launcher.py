@@ -22,8 +22,9 @@ Namespaces, links and processes are removed on every one of these paths; after a
 cleanup`` removes the namespaces.
 
 Without root (or with ``emulate="never"``) the ranks run as plain local processes on loopback
-(with ``MLFABRIC_TOPOLOGY`` still set) and a warning says that rates, churn and topology are
-not enforced.
+with ``MLFABRIC_TOPOLOGY``, one loopback channel per NIC and ``MLFABRIC_PACE`` (the zmq
+transport then paces every channel to the rate in user space, :mod:`mlfabric.transport.pacing`);
+a warning says that this is user-space shaping and that churn and topology are not enforced.
 """
 
 from __future__ import annotations
@@ -48,12 +49,13 @@ from mlfabric.emu.churn import ChurnRunner, churn_model
 from mlfabric.emu.cluster import Cluster, ClusterPlan, new_prefix, plan_cluster
 from mlfabric.emu.cmd import EmuUnavailableError, have_root
 from mlfabric.topo.spec import TOPOLOGY_KINDS, TopologySpec
+from mlfabric.transport.pacing import PACE_ENV
 
 if TYPE_CHECKING:
     from mlfabric.bench.procs import LaunchConfig
 
 __all__ = ["LaunchSpec", "launch", "resolve_topology", "EMULATE_MODES", "cluster_launch_config",
-           "emulated_launch"]
+           "emulated_launch", "fallback_env"]
 
 EMULATE_MODES = ("auto", "always", "never")
 
@@ -118,6 +120,15 @@ def resolve_topology(topology: str, hosts: int | None) -> TopologySpec:
     if hosts is not None and hosts != n:
         raise ValueError(f"--hosts {hosts} contradicts topology {spec} which has {n} hosts")
     return spec
+
+
+def fallback_env(topology: TopologySpec, rate_bps: float) -> dict[str, str]:
+    """What a rank gets without an emulated network: the topology (BML stays correct), one
+    loopback channel per NIC, and ``MLFABRIC_PACE`` so the zmq transport shapes each of them
+    to ``rate_bps`` in user space (transport/pacing.py)."""
+    nics = topology.int_param("k") if topology.kind == "bcube" else 1
+    return {TOPOLOGY_ENV: str(topology), PACE_ENV: f"{rate_bps:.0f}bit",
+            "MLFABRIC_CHANNEL_ADDRS": ",".join(f"{nic}=127.0.0.1" for nic in range(nics))}
 
 
 def cluster_launch_config(plan: ClusterPlan, *, master_port: int = 29500, **options: Any) -> LaunchConfig:
@@ -255,13 +266,13 @@ def launch(spec: LaunchSpec, *, out: IO[str] | None = None, err: IO[str] | None 
                            "racks": lambda: topology.int_param("r") * topology.int_param("h"),
                            "bcube": lambda: topology.int_param("n") ** topology.int_param("k")}[topology.kind]()
                 why = "not root" if spec.emulate == "auto" else "--emulate never"
-                what = "rates, churn and topology" if spec.churn else "rates and topology"
+                what = "churn and topology" if spec.churn else "topology"
                 err.write(f"mlfabric launch: WARNING: {why}, so no emulated network: the ranks run as local "
-                          f"processes on loopback and {what} are NOT enforced\n")
+                          f"processes on loopback; the zmq transport paces each NIC to {spec.rate_bps / 1e6:g} "
+                          f"Mbit/s in user space (egress only, per message) and {what} are NOT enforced\n")
                 master_addr = "127.0.0.1"
                 prefixes = [[] for _ in range(n_hosts)]
-                # The ranks still learn the topology (BML stays correct on one NIC, just not faster).
-                extra = [{TOPOLOGY_ENV: str(topology)} for _ in range(n_hosts)]
+                extra = [fallback_env(topology, spec.rate_bps) for _ in range(n_hosts)]
                 port = free_port()
             if on_cluster is not None:
                 on_cluster(plan)

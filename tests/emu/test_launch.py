@@ -38,9 +38,19 @@ def test_fallback_runs_local_processes_with_a_warning():
     out, err = io.StringIO(), io.StringIO()
     code = launch(LaunchSpec(command=(PY, "-c", PRINT_ENV), hosts=2, emulate="never", churn="N1"), out=out, err=err)
     assert code == 0
-    assert "NOT enforced" in err.getvalue()
+    assert "NOT enforced" in err.getvalue() and "paces each NIC" in err.getvalue()
     lines = sorted(out.getvalue().splitlines())
-    assert lines == ["[rank 0] 0 2 127.0.0.1 -", "[rank 1] 1 2 127.0.0.1 -"]
+    assert lines == ["[rank 0] 0 2 127.0.0.1 0=127.0.0.1", "[rank 1] 1 2 127.0.0.1 0=127.0.0.1"]
+
+
+def test_fallback_env_paces_every_nic():
+    from mlfabric.emu.launcher import fallback_env
+    from mlfabric.topo.spec import TopologySpec
+
+    env = fallback_env(TopologySpec.parse("bcube:n=3,k=2"), 500e6)
+    assert env == {"MLFABRIC_TOPOLOGY": "bcube:n=3,k=2", "MLFABRIC_PACE": "500000000bit",
+                   "MLFABRIC_CHANNEL_ADDRS": "0=127.0.0.1,1=127.0.0.1"}
+    assert fallback_env(TopologySpec.parse("star:n=4"), 1e9)["MLFABRIC_CHANNEL_ADDRS"] == "0=127.0.0.1"
 
 
 @needs_root
