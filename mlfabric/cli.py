@@ -3,9 +3,15 @@
     mlfabric demo [--quick]
     mlfabric bench allreduce --world-size 4 --algorithms ring,halving_doubling,tree,gloo \\
         --sizes 4KB,1MB,64MB --iters 10 --warmup 2 --transport zmq --json out.json
+    mlfabric bench allreduce --emulate --topology bcube:n=3,k=2 --rate 500mbit --algorithms bcube,ring,gloo \\
+        --sizes 64MB --compare-star --json out.json          # root: BML vs ring and PS on a star
+    mlfabric bench bml-job --iterations 100 --batches 32,128 --rate 500mbit --json out.json   # root: BML Fig. 6
     mlfabric bench sim [--quick] [--slow] [--json out.json]
+    mlfabric bench partial --world-size 32 --skew linear:1ms..32ms --iterations 64 --json out.json  # eager-SGD Fig. 9
+    mlfabric train --workload hyperplane --workers 8 --sync allreduce,eager-solo --inject one-random:300ms
     mlfabric simulate collective --topology bcube:n=4,k=2 --link 10Gbps --algorithm ring --size 100MB [--json]
     mlfabric simulate ps --topology fat-tree:k=16,oversub=4 --workers 800 --servers 50 --strategy rack [--json]
+    mlfabric simulate bml [--servers 16,1024] [--json out.json]
 
 Each command is a thin shell: it parses options into the frozen config dataclass of the
 module that does the work (``mlfabric.bench.allreduce``, ``mlfabric.demo``), runs it, prints
@@ -110,8 +116,9 @@ def progress_bar(transient: bool = True) -> Progress:
 def bench_allreduce(
     world_size: Annotated[int, typer.Option("--world-size", "-n", help="Number of local ranks.")] = 4,
     algorithms: Annotated[str, typer.Option(
-        help="Comma-separated: ring, halving_doubling, tree, auto (mlfabric) and gloo "
-             "(torch.distributed, the reference).")] = "ring,halving_doubling,tree,gloo",
+        help="Comma-separated: ring, halving_doubling, tree, ps, bcube (BML; on --topology bcube:...), "
+             "hierarchical, auto (mlfabric) and gloo (torch.distributed, the reference).")]
+        = "ring,halving_doubling,tree,gloo",
     sizes: Annotated[str, typer.Option(
         help="Comma-separated message sizes: KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024.")]
         = "4KB,1MB,64MB",
@@ -129,9 +136,15 @@ def bench_allreduce(
     topology: Annotated[Optional[str], typer.Option(help="With --emulate: topology spec, e.g. "
                                                     "star:n=8, racks:r=2,h=4,oversub=4, bcube:n=3,k=2.")] = None,
     rate: Annotated[str, typer.Option(help="With --emulate: NIC rate, e.g. 1gbit, 500mbit.")] = "1gbit",
+    compare_star: Annotated[bool, typer.Option("--compare-star", help="With --emulate --topology bcube:...: "
+                                               "then run ring and ps on a star of the same hosts at the same "
+                                               "NIC rate and report BML's speedup (BML §4).")] = False,
 ) -> None:
-    """Allreduce time, algbw and busbw of mlfabric's algorithms vs gloo, interleaved per repetition."""
-    from mlfabric.bench.allreduce import AllreduceBenchConfig, render_table, run_allreduce_bench
+    """Allreduce time, algbw and busbw of mlfabric's algorithms vs gloo, interleaved per repetition.
+
+    Emulated runs also show the simulator's time for each mlfabric algorithm (emu/sim)."""
+    from mlfabric.bench.allreduce import (AllreduceBenchConfig, compare_star_config, render_comparison,
+                                          render_table, run_allreduce_bench, run_bml_comparison)
     from mlfabric.units import parse_rate
 
     emulate_topology = emulate_rate = None
@@ -139,9 +152,11 @@ def bench_allreduce(
         from mlfabric.emu.cluster import plan_cluster
         from mlfabric.emu.launcher import resolve_topology
 
-        spec = run_or_exit(lambda: resolve_topology(topology or "star", hosts or world_size))
+        # A full spec (bcube:n=3,k=2) sets the number of ranks; a bare "star" takes --hosts or --world-size.
+        given = hosts if hosts is not None or (topology and ":" in topology) else world_size
+        spec = make_config(resolve_topology, topology=topology or "star", hosts=given)
         emulate_topology = str(spec)
-        emulate_rate = run_or_exit(lambda: parse_rate(rate))
+        emulate_rate = make_config(parse_rate, value=rate)
         world_size = plan_cluster(spec, emulate_rate).n_hosts
     config = make_config(AllreduceBenchConfig, world_size=world_size,
                          emulate_topology=emulate_topology, emulate_rate_bps=emulate_rate,
@@ -153,13 +168,53 @@ def bench_allreduce(
                "--warmup", str(warmup), "--transport", transport, "--seed", str(seed)]
     if emulate:
         command += ["--emulate", "--topology", str(emulate_topology), "--rate", rate]
+    if compare_star:
+        make_config(compare_star_config, config=config)  # usage errors before anything runs
+        command += ["--compare-star"]
     if json_path is not None:
         command += ["--json", str(json_path)]
     with progress_bar() as progress:
         task = progress.add_task(f"allreduce on {world_size} ranks", total=None)
-        result = run_or_exit(lambda: run_allreduce_bench(
+        run = run_bml_comparison if compare_star else run_allreduce_bench
+        result = run_or_exit(lambda: run(
             config, argv=command, on_progress=lambda done, total: progress.update(task, completed=done, total=total)))
-    console.print(render_table(result))
+    if compare_star:
+        for table in render_comparison(result):
+            console.print(table)
+    else:
+        console.print(render_table(result))
+    if json_path is not None:
+        write_json(json_path, result.to_dict())
+
+
+@bench_app.command("bml-job")
+def bench_bml_job(
+    iterations: Annotated[int, typer.Option(help="Training iterations per run.")] = 100,
+    batches: Annotated[str, typer.Option(help="Comma-separated sub-minibatch sizes (per rank).")] = "32,128",
+    rate: Annotated[str, typer.Option(help="Rate of every emulated NIC, e.g. 500mbit.")] = "500mbit",
+    topology: Annotated[str, typer.Option(help="BML's BCube; PS runs on a star of as many hosts.")]
+        = "bcube:n=3,k=2",
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures and metadata here.")]
+        = None,
+    timeout: Annotated[float, typer.Option(help="Seconds before one run is killed.")] = 1800.0,
+    seed: Annotated[int, typer.Option(help="Seed of the model, data and batches.")] = 0,
+) -> None:
+    """BML Fig. 6 (root): LeNet-5 JCT, BML (bcube) on an emulated BCube vs PS (ps) on a star."""
+    from mlfabric.train.bml_job import BmlJobConfig, render_job_table, run_bml_job
+    from mlfabric.units import parse_rate
+
+    sizes = [_parse_or_usage(int, item) for item in split_list(batches, "batch sizes")]
+    config = make_config(BmlJobConfig, iterations=iterations, batches=tuple(sizes), bcube=topology, seed=seed,
+                         rate_bps=make_config(parse_rate, value=rate), timeout_s=timeout)
+    command = ["mlfabric", "bench", "bml-job", "--iterations", str(iterations), "--batches", ",".join(map(str, sizes)),
+               "--rate", rate, "--topology", topology, "--seed", str(seed)]
+    if json_path is not None:
+        command += ["--json", str(json_path)]
+    with progress_bar() as progress:
+        task = progress.add_task("LeNet-5", total=iterations)
+        result = run_or_exit(lambda: run_bml_job(config, argv=command, on_step=lambda label, done, total: progress.update(
+            task, description=label, completed=done, total=total)))
+    console.print(render_job_table(result))
     if json_path is not None:
         write_json(json_path, result.to_dict())
 
@@ -200,6 +255,49 @@ def bench_sim(
         command = ["mlfabric", "bench", "sim", *(["--quick"] if quick else []), *(["--slow"] if slow else []),
                    "--seed", str(seed), "--json", str(json_path)]
         write_json(json_path, {"command": " ".join(command), "solver": solver, "engine": engine})
+
+
+@bench_app.command("partial")
+def bench_partial(
+    world_size: Annotated[int, typer.Option("--world-size", "-n", help="Number of local ranks (processes).")] = 32,
+    skew: Annotated[str, typer.Option(help="Delay before each call: linear:FIRST..LAST (rank 0 waits FIRST, the "
+                                           "last rank LAST), none, or skew:FIRST[,STEP].")] = "linear:1ms..32ms",
+    iterations: Annotated[int, typer.Option(help="Timed iterations (each runs all three variants).")] = 64,
+    warmup: Annotated[int, typer.Option(help="Untimed iterations before them.")] = 2,
+    size: Annotated[str, typer.Option(help="Message size (float32): KB/MB powers of 1000, KiB/MiB of 1024.")] = "1KB",
+    algorithm: Annotated[str, typer.Option(help="Reduction schedule of all three variants: tree, halving_doubling, "
+                                               "ring, ps or auto.")] = "tree",
+    transport: Annotated[str, typer.Option(help="mlfabric transport: zmq or torch.")] = "zmq",
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures and metadata here.")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds before the whole run is killed.")] = 900.0,
+    seed: Annotated[int, typer.Option(help="Seed of majority's initiator draws.")] = 0,
+) -> None:
+    """Solo and majority allreduce vs synchronous under a linear skew (eager-SGD §6.1, Fig. 8/9).
+
+    Every iteration: a barrier, rank r sleeps its skew, then calls the collective; latency is
+    measured per rank from the call to its return and averaged over ranks and iterations."""
+    from mlfabric.bench.partial import PartialBenchConfig, render_table, run_partial_bench
+    from mlfabric.units import parse_size
+
+    config = make_config(PartialBenchConfig, world_size=world_size, skew=skew, iterations=iterations, warmup=warmup,
+                         size_bytes=_parse_or_usage(parse_size, size), algorithm=algorithm, transport=transport,
+                         timeout_s=timeout, seed=seed)
+    command = ["mlfabric", "bench", "partial", "--world-size", str(world_size), "--skew", skew, "--iterations",
+               str(iterations), "--warmup", str(warmup), "--size", size, "--algorithm", algorithm,
+               "--transport", transport, "--seed", str(seed)]
+    if json_path is not None:
+        command += ["--json", str(json_path)]
+    with progress_bar() as progress:
+        task = progress.add_task(f"partial allreduce on {world_size} ranks (start-up first)", total=None)
+        result = run_or_exit(lambda: run_partial_bench(
+            config, argv=command, capture_output=True,
+            on_progress=lambda done, total: progress.update(task, completed=done, total=total)))
+    console.print(render_table(result))
+    if json_path is not None:
+        write_json(json_path, result.to_dict())
+    if not all(s.correct for s in result.summaries):
+        console.print("[bold red]error:[/] a variant's sums were wrong: " + "; ".join(result.metadata["problems"]))
+        raise typer.Exit(1)
 
 
 # --------------------------------------------------------------------------- simulate
@@ -460,6 +558,169 @@ def simulate_ps_cmd(
                 command=command, rows=rows)
 
 
+def _parse_bcube_cases(text: str) -> list[tuple[int, int]]:
+    """``"4x2,3x2"`` -> ``[(4, 2), (3, 2)]`` (BCube(n,k) as ``nxk``)."""
+    cases = []
+    for item in split_list(text, "BCube sizes nxk (e.g. 4x2,8x3)"):
+        n, sep, k = item.lower().partition("x")
+        if not sep or not n.isdigit() or not k.isdigit():
+            raise typer.BadParameter(f"expected BCube(n,k) as nxk (e.g. 4x2), got {item!r}")
+        if int(n) < 2 or int(k) < 1:
+            raise typer.BadParameter(f"BCube(n,k) needs n >= 2 and k >= 1, got {item!r}")
+        cases.append((int(n), int(k)))
+    return cases
+
+
+@simulate_app.command("bml")
+def simulate_bml_cmd(
+    servers: Annotated[str, typer.Option(help="Fig. 5 panels: 16 (BCube(4,2), Fat-Tree(4)) and/or 1024 "
+                                              "(BCube(32,2), Fat-Tree(16): ~4 min, ~16 GB peak for PS/Fat-Tree).")]
+        = "16,1024",
+    checks: Annotated[str, typer.Option(help="BCube(n,k) of the GST check (nxk, comma-separated): simulated BML "
+                                             "GST within --rtol of 2(N-1)/(kN) x T_F.")] = "4x2,3x2,32x2,8x3",
+    rtol: Annotated[float, typer.Option(help="Relative tolerance of the GST check.")] = 1e-3,
+    link: LinkOption = "10Gbps",
+    routing: Annotated[str, typer.Option(help="spray (per-packet, the non-blocking fluid model of the paper's "
+                                              "theory) or ecmp (seeded per-flow hashing).")] = "spray",
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures and metadata here.")] = None,
+) -> None:
+    """BML Fig. 5: simulated GST (x T_F) of BML and PS on BCube, hierarchical and PS on Fat-Tree; GST checks."""
+    from rich import box
+    from rich.table import Table
+
+    from mlfabric.sim.bml import FIG5_SETUPS, figure5, gst_checks
+    from mlfabric.units import format_rate, parse_rate
+
+    _check_choice(routing, ("ecmp", "spray"), "--routing")
+    panels = []
+    for item in split_list(servers, "server counts"):
+        if not item.isdigit() or int(item) not in FIG5_SETUPS:
+            raise typer.BadParameter(f"--servers takes {', '.join(map(str, FIG5_SETUPS))}, got {item!r}")
+        panels.append(int(item))
+    cases = _parse_bcube_cases(checks)
+    if not rtol > 0:
+        raise typer.BadParameter(f"--rtol must be > 0, got {rtol}")
+    rate = _parse_or_usage(parse_rate, link)
+    with console.status("simulating") as status:
+        rows = _run_sim(lambda: figure5(panels, rate=rate, routing=routing, on_bar=lambda count, label: status.update(
+            f"Fig. 5, {count} servers: {label}")))
+        results = _run_sim(lambda: gst_checks(cases, rtol=rtol, rate=rate, routing=routing, on_case=lambda n, k: status.update(
+            f"GST check: BML on BCube({n},{k})")))
+    table = Table(title=f"BML Fig. 5: GST in T_F (gradient x 8 / link rate), {format_rate(rate)}, {routing}",
+                  caption="ratio = simulated / paper's theory", box=box.SIMPLE_HEAD)
+    for name in ("N", "bar", "GST/T_F", "theory", "ratio", "flows", "wall s"):
+        table.add_column(name, justify="left" if name == "bar" else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(str(row["servers"]), row["name"],
+                      f"{row['gst_tf']:.4f}", f"{row['theory_tf']:.4f}", f"{row['sim_vs_theory']:.4f}",
+                      f"{row['flows']:,}", f"{row['wall_s']:.1f}")
+    console.print(table)
+    bounds = [f"{row['bound_tf']:.4f} ({row['servers']})" for row in rows if "bound_tf" in row]
+    if bounds:
+        console.print(f"PS/BCube theory is the paper's 2 x BML (§3.3); the uplink-load bound of its all-to-all, "
+                      f"2(n-1)/n, is {', '.join(bounds)}.", highlight=False)
+    check_table = Table(title=f"GST check: simulated BML within {rtol:g} of 2(N-1)/(kN) x T_F", box=box.SIMPLE_HEAD)
+    for name in ("BCube(n,k)", "N", "simulated", "2(N-1)/(kN)", "rel. error", "ok", "wall s"):
+        check_table.add_column(name, justify="left" if name == "BCube(n,k)" else "right")
+    for check in results:
+        check_table.add_row(f"BCube({check.n},{check.k})", str(check.n**check.k), f"{check.simulated_tf:.6f}",
+                            f"{check.closed_form_tf:.6f}", f"{check.rel_error:.1e}",
+                            "[green]yes[/]" if check.ok else "[bold red]NO[/]", f"{check.wall_s:.1f}")
+    console.print(check_table)
+    ok = all(check.ok for check in results)
+    if json_path is not None:
+        command = ["mlfabric", "simulate", "bml", "--servers", ",".join(map(str, panels)), "--checks",
+                   ",".join(f"{n}x{k}" for n, k in cases), "--rtol", f"{rtol:g}", "--link", link, "--routing", routing,
+                   "--json", str(json_path)]
+        write_json(json_path, {"command": " ".join(command), "link_rate_bps": rate, "routing": routing,
+                               "figure5": rows, "gst_checks": [check.to_dict() for check in results], "ok": ok})
+    if not ok:
+        console.print("[bold red]error:[/] a GST check failed", markup=True, highlight=False)
+        raise typer.Exit(1)
+
+
+# --------------------------------------------------------------------------- train
+
+
+@app.command("train")
+def train(
+    workload: Annotated[str, typer.Option(help="hyperplane (eager-SGD §6.2.1) or lstm (§6.3).")] = "hyperplane",
+    workers: Annotated[int, typer.Option(help="Number of local ranks (processes).")] = 8,
+    sync: Annotated[str, typer.Option(help="Comma-separated modes: allreduce (synchronous SGD), eager-solo, "
+                                           "eager-majority.")] = "allreduce,eager-solo",
+    inject: Annotated[Optional[list[str]], typer.Option(
+        help="Delay injection, repeatable (each runs every mode): one-random:300ms (one random worker per step), "
+             "random:300ms,2, skew:50ms,50ms,rotate, none.")] = None,
+    epochs: Annotated[Optional[int], typer.Option(help="Epochs (default: 48 hyperplane, 16 lstm).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Per worker (default: 256 hyperplane, "
+                                                                         "16 lstm).")] = None,
+    lr: Annotated[Optional[float], typer.Option(help="SGD learning rate (default: 0.05 hyperplane, 0.1 lstm).")]
+        = None,
+    momentum: Annotated[Optional[float], typer.Option(help="SGD momentum (default: 0 hyperplane, 0.9 lstm).")] = None,
+    sync_every_epochs: Annotated[Optional[int], typer.Option(
+        "--sync-every-epochs", help="eager-SGD model average every N epochs (0: only at the end; default: 2 "
+                                    "hyperplane, 10 lstm).")] = None,
+    algorithm: Annotated[str, typer.Option(help="Reduction schedule: ring, halving_doubling, tree or ps.")] = "ring",
+    dim: Annotated[int, typer.Option(help="hyperplane: input dimension.")] = 8192,
+    train_samples: Annotated[Optional[int], typer.Option("--train-samples", help="Training set size (default: "
+                                                                                "32768 hyperplane, 4096 lstm).")] = None,
+    frame_time: Annotated[str, typer.Option("--frame-time", help="lstm: emulated accelerator time per padded time "
+                                                                 "step (sleep), e.g. 2ms; 0: CPU compute only.")] = "0",
+    out: Annotated[Optional[Path], typer.Option(help="Directory for curves.csv, curves.png and tensorboard/ "
+                                                     "(default: runs/<workload>).")] = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures and metadata here.")] = None,
+    plot: Annotated[bool, typer.Option("--plot/--no-plot", help="Draw curves.png (needs matplotlib).")] = True,
+    transport: Annotated[str, typer.Option(help="mlfabric transport: zmq or torch.")] = "zmq",
+    timeout: Annotated[float, typer.Option(help="Seconds before the whole launch is killed.")] = 3600.0,
+    seed: Annotated[int, typer.Option(help="Seed of data, models, batches and injections.")] = 0,
+) -> None:
+    """eager-SGD vs synchronous SGD on local ranks: throughput and validation metric vs wall time.
+
+    All (injection, mode) runs share one launch and run one after the other; the table shows
+    each eager mode's throughput and final metric relative to allreduce under the same injection."""
+    import dataclasses
+
+    from mlfabric.train.eager import EagerTrainConfig, render_table, run_eager_training, write_outputs
+    from mlfabric.train.workloads import HyperplaneSpec, LstmSpec
+    from mlfabric.units import parse_duration
+
+    injects = tuple(inject) if inject else ("none",)
+    modes = tuple(split_list(sync, "sync modes"))
+    hyper = make_config(HyperplaneSpec, dim=dim, **({"train_samples": train_samples}
+                                                   if train_samples and workload == "hyperplane" else {}))
+    lstm = make_config(LstmSpec, frame_time_s=_parse_or_usage(parse_duration, frame_time),
+                       **({"train_samples": train_samples} if train_samples and workload == "lstm" else {}))
+    config = make_config(EagerTrainConfig, workload=workload, workers=workers, modes=modes, injects=injects,
+                         epochs=epochs, batch_size=batch_size, lr=lr, momentum=momentum,
+                         sync_every_epochs=sync_every_epochs, algorithm=algorithm, hyperplane=hyper, lstm=lstm,
+                         transport=transport, timeout_s=timeout, seed=seed)
+    out_dir = out if out is not None else Path("runs") / workload
+    command = ["mlfabric", "train", "--workload", workload, "--workers", str(workers), "--sync", sync,
+               *[arg for spec in injects for arg in ("--inject", spec)],
+               "--algorithm", algorithm, "--seed", str(seed), "--out", str(out_dir)]
+    for flag, value in (("--epochs", epochs), ("--batch-size", batch_size), ("--lr", lr), ("--momentum", momentum),
+                        ("--train-samples", train_samples), ("--sync-every-epochs", sync_every_epochs)):
+        if value is not None:
+            command += [flag, str(value)]
+    if workload == "hyperplane":
+        command += ["--dim", str(dim)]
+    elif frame_time not in ("0", "0s"):
+        command += ["--frame-time", frame_time]
+    with progress_bar() as progress:
+        task = progress.add_task(f"{workload} on {workers} ranks: {len(config.runs())} runs (start-up first)",
+                                 total=len(config.runs()))
+        result = run_or_exit(lambda: run_eager_training(
+            config, argv=command, capture_output=True,
+            on_run=lambda done, total: progress.update(task, completed=done, total=total)))
+    files = write_outputs(result, out_dir, plot=plot)
+    result = dataclasses.replace(result, files=files)
+    console.print(render_table(result))
+    for kind, path in files.items():
+        console.print(f"{'note' if kind.endswith('skipped') else 'wrote'} {kind.removesuffix('_skipped')}: {path}")
+    if json_path is not None:
+        write_json(json_path, result.to_dict())
+
+
 # --------------------------------------------------------------------------- demo
 
 
@@ -467,11 +728,21 @@ def simulate_ps_cmd(
 def demo(
     quick: Annotated[bool, typer.Option("--quick", help="A smaller, faster run.")] = False,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the demo's figures here.")] = None,
+    plot: Annotated[Path, typer.Option("--plot", help="Where the straggler scenario draws its MSE-vs-time plot "
+                                                     "(needs matplotlib).")] = Path("mlfabric-demo-stragglers.png"),
+    stragglers: Annotated[bool, typer.Option("--stragglers/--no-stragglers", help="Run the straggler scenario "
+                                             "(synchronous vs eager-SGD solo/majority on 8 ranks).")] = True,
 ) -> None:
-    """Benchmark allreduce on 4 local ranks, then train a small MLP with DDP + mlfabric on 2."""
+    """Benchmark allreduce on 4 local ranks, train a small MLP with DDP + mlfabric on 2, then
+    synchronous SGD vs eager-SGD (solo, majority) on 8 ranks with one straggler per step."""
+    import dataclasses
+
     from mlfabric.demo import demo_config, run_demo
 
-    result = run_or_exit(lambda: run_demo(demo_config(quick=quick), console=console))
+    config = dataclasses.replace(demo_config(quick=quick), plot_path=str(plot))
+    if not stragglers:
+        config = dataclasses.replace(config, stragglers=None)
+    result = run_or_exit(lambda: run_demo(config, console=console))
     if json_path is not None:
         write_json(json_path, result.to_dict())
 

@@ -8,7 +8,11 @@
 2. DDP training of a small MLP on a synthetic task (:mod:`mlfabric.train`) on 2 ranks, with
    mlfabric's comm hook carrying the gradients, and the same run with DDP's own gloo
    allreduce side by side (same seed: the loss curves should agree).
-3. A summary: final loss, accuracy and steps/s of both runs, and each algorithm's busbw
+3. Stragglers (eager-SGD §6.2.1, small): hyperplane regression on 8 local ranks, one random
+   worker delayed every step, trained with synchronous SGD (allreduce) and with eager-SGD
+   (solo and majority partial allreduce, :mod:`mlfabric.train.eager`): throughput, final
+   validation MSE and a plot of MSE vs wall time (needs matplotlib).
+4. A summary: final loss, accuracy and steps/s of the DDP runs, and each algorithm's busbw
    relative to gloo per message size.
 """
 
@@ -32,6 +36,7 @@ from mlfabric.bench.allreduce import (
     run_allreduce_bench,
 )
 from mlfabric.train import BASELINE, TrainConfig, TrainResult, run_training
+from mlfabric.train.eager import MODES, EagerTrainConfig, EagerTrainResult, run_eager_training
 from mlfabric.units import format_size
 
 __all__ = ["DemoConfig", "DemoResult", "demo_config", "run_demo"]
@@ -43,6 +48,8 @@ class DemoConfig:
     train: TrainConfig
     train_world_size: int = 2
     compare_baseline: bool = True  # also train with DDP's default allreduce
+    stragglers: EagerTrainConfig | None = None  # synchronous vs eager-SGD under injected delays
+    plot_path: str | None = "mlfabric-demo-stragglers.png"
 
 
 def demo_config(*, quick: bool = False) -> DemoConfig:
@@ -53,7 +60,17 @@ def demo_config(*, quick: bool = False) -> DemoConfig:
     else:
         bench = AllreduceBenchConfig(world_size=4, sizes=(4_000, 1_000_000, 16_000_000), iters=5, warmup=1)
         train = TrainConfig(steps=300, algorithm="ring")
-    return DemoConfig(bench=bench, train=train)
+    return DemoConfig(bench=bench, train=train, stragglers=stragglers_config(quick=quick))
+
+
+def stragglers_config(*, quick: bool = False) -> EagerTrainConfig:
+    """The straggler scenario: a 1,024-dimensional hyperplane on 8 ranks, one random worker
+    delayed 100 ms every step; allreduce vs eager-SGD solo vs majority."""
+    from mlfabric.train.workloads import HyperplaneSpec
+
+    return EagerTrainConfig(workload="hyperplane", workers=8, modes=MODES, injects=("one-random:100ms",),
+                            epochs=8 if quick else 16, batch_size=128, lr=0.1, sync_every_epochs=2,
+                            hyperplane=HyperplaneSpec(dim=1024, train_samples=8_192, val_samples=2_048))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +78,8 @@ class DemoResult:
     config: DemoConfig
     bench: AllreduceBenchResult
     training: tuple[TrainResult, ...]  # mlfabric hook first, then the baseline if run
+    stragglers: EagerTrainResult | None = None
+    plot: str | None = None  # the straggler scenario's plot, when drawn
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -70,6 +89,8 @@ class DemoResult:
             "bench": self.bench.to_dict(),
             "training": [{**run.summary(), "losses": list(run.losses), "step_times_s": list(run.step_times)}
                          for run in self.training],
+            "stragglers": None if self.stragglers is None else self.stragglers.to_dict(),
+            "stragglers_plot": self.plot,
         }
 
 
@@ -77,7 +98,8 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> DemoResul
     """Run the benchmark and the training runs, printing progress and tables on ``console``."""
     console = console or Console()
     console.rule("[bold]mlfabric demo")
-    console.print(f"[bold]1/2[/]  allreduce on {config.bench.world_size} local ranks: "
+    parts = 3 if config.stragglers is not None else 2
+    console.print(f"[bold]1/{parts}[/]  allreduce on {config.bench.world_size} local ranks: "
                   f"{', '.join(format_size(s) for s in config.bench.sizes)}; "
                   f"{config.bench.iters} timed + {config.bench.warmup} warm-up reps")
     with _progress(console) as progress:
@@ -90,7 +112,7 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> DemoResul
     runs = [config.train]
     if config.compare_baseline:
         runs.append(dataclasses.replace(config.train, algorithm=BASELINE))
-    console.print(f"[bold]2/2[/]  DDP on {config.train_world_size} local ranks: MLP, synthetic "
+    console.print(f"[bold]2/{parts}[/]  DDP on {config.train_world_size} local ranks: MLP, synthetic "
                   f"{config.train.data.classes}-class task, {config.train.steps} steps")
     training = []
     for run in runs:
@@ -103,11 +125,54 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> DemoResul
 
             training.append(run_training(run, world_size=config.train_world_size, on_step=on_step,
                                          capture_output=True))
-    result = DemoResult(config=config, bench=bench, training=tuple(training),
+    stragglers, plot = None, None
+    if config.stragglers is not None:
+        stragglers, plot = _run_stragglers(config, console)
+    result = DemoResult(config=config, bench=bench, training=tuple(training), stragglers=stragglers, plot=plot,
                         metadata=collect_metadata(config.bench, ["mlfabric", "demo"]))
     console.print(_training_table(result))
     console.print(_ratio_table(bench))
+    if stragglers is not None:
+        console.print(_stragglers_table(stragglers))
+        if plot is not None:
+            console.print(f"plot: {plot}")
     return result
+
+
+def _run_stragglers(config: DemoConfig, console: Console) -> tuple[EagerTrainResult, str | None]:
+    from pathlib import Path
+
+    from mlfabric.train.eager import plot_curves
+
+    eager = config.stragglers
+    assert eager is not None
+    console.print(f"[bold]3/3[/]  stragglers: {eager.workload} ({eager.hyperplane.dim} dimensions) on {eager.workers} "
+                  f"local ranks, one random worker delayed {eager.injects[0].split(':', 1)[1]} every step; "
+                  f"{', '.join(eager.modes)}")
+    with _progress(console) as progress:
+        task = progress.add_task("stragglers", total=len(eager.runs()))
+        result = run_eager_training(eager, argv=["mlfabric", "demo"], capture_output=True,
+                                    on_run=lambda done, total: progress.update(task, completed=done, total=total))
+    plot = None
+    if config.plot_path is not None:
+        try:
+            plot = str(plot_curves(result, Path(config.plot_path)))
+        except RuntimeError as exc:  # matplotlib is not installed
+            console.print(f"[yellow]no plot:[/] {exc}")
+    return result, plot
+
+
+def _stragglers_table(result: EagerTrainResult) -> Table:
+    base = result.get("allreduce")
+    table = Table(title=f"stragglers: {result.config.workers} ranks, {result.config.injects[0]}, "
+                        f"{result.config.steps} steps per rank", title_justify="left", box=box.SIMPLE_HEAD)
+    for name in ("gradients via", "steps/s", "vs allreduce", "final val MSE", "vs allreduce ", "active ranks"):
+        table.add_column(name, justify="left" if name == "gradients via" else "right", no_wrap=True)
+    for run in result.runs:
+        table.add_row(run.mode, f"{run.steps_per_s:.2f}", f"{run.steps_per_s / base.steps_per_s:.2f}x",
+                      f"{run.final_metric:.3f}", f"{(run.final_metric / base.final_metric - 1) * 100:+.1f}%",
+                      "" if run.mean_active is None else f"{run.mean_active:.1f} of {result.config.workers}")
+    return table
 
 
 def _label(run: TrainConfig) -> str:

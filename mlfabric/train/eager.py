@@ -1,0 +1,623 @@
+"""eager-SGD training runs (eager-SGD §6.2.1 and §6.3): synchronous vs solo vs majority on local ranks.
+
+    mlfabric train --workload hyperplane --workers 8 --sync allreduce,eager-solo \\
+        --inject one-random:200ms --inject one-random:300ms --out runs/hyperplane
+
+One launch of ``workers`` ranks (:mod:`mlfabric.bench.procs`) runs every (injection, mode)
+pair in turn, so all of them meet the same machine: for each injection, each mode trains a
+fresh model from the same seed on the same shards in the same order. Modes:
+
+* ``allreduce``: synchronous SGD, the gradients averaged with mlfabric's regular
+  ``comm.allreduce`` every step (Deep500's / Horovod's synch-SGD);
+* ``eager-solo`` / ``eager-majority``: :class:`mlfabric.torch.EagerSGD` with quorum solo or
+  majority (the model averaged every ``sync_every_epochs`` epochs and once at the end).
+
+Injections (:mod:`mlfabric.emu.stragglers`): ``one-random:300ms`` delays one worker chosen at
+random (seeded: the same choice on every rank) by 300 ms every step, §6.2.1's light load
+imbalance; ``random:300ms,2`` two workers; ``skew:50ms,50ms,rotate`` §6.2.3's rotating skew;
+``none``. The LSTM workload is imbalanced by itself (its sequence lengths follow UCF101's).
+
+Measured per run: the training loop's wall time on the slowest rank (the job's), throughput
+(steps / that time; every rank takes the same number of steps), the validation metric of
+rank 0's model at every epoch boundary against the wall time (MSE for the hyperplane,
+accuracy for the LSTM; snapshots are evaluated after the loop, so evaluation costs the
+training nothing), the final metric after the last model average, and eager-SGD's
+statistics (the fraction of steps whose gradient made its round, the mean number of active
+ranks). :func:`write_outputs` writes them as CSV (always), TensorBoard scalars (when
+``tensorboard`` is installed: ``pip install 'mlfabric[tensorboard]'``) and a PNG (when
+matplotlib is: ``pip install 'mlfabric[plot]'``).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from mlfabric.bench.procs import LaunchConfig, rank_env, report, run_ranks
+
+from .workloads import Hyperplane, HyperplaneSpec, LstmSpec, SequenceTask
+
+if TYPE_CHECKING:
+    import torch
+    from rich.table import Table
+
+__all__ = [
+    "MODES", "SYNCHRONOUS", "WORKLOADS", "CurvePoint", "EagerTrainConfig", "EagerTrainResult", "RunResult",
+    "parse_injection", "render_table", "run_eager_training", "write_outputs",
+]
+
+SYNCHRONOUS = "allreduce"
+MODES = (SYNCHRONOUS, "eager-solo", "eager-majority")
+#: "Reaching allreduce's final metric": within 5% of its MSE, within 1 point of its accuracy.
+TARGET_TOLERANCE = {"mse": 0.05, "accuracy": 0.01}
+
+
+def target(run: RunResult) -> float:
+    """The metric a run must reach to match ``run``'s final one (see :data:`TARGET_TOLERANCE`)."""
+    if run.metric == "mse":
+        return run.final_metric * (1 + TARGET_TOLERANCE["mse"])
+    return run.final_metric - TARGET_TOLERANCE["accuracy"]
+WORKLOADS = ("hyperplane", "lstm")
+# Per workload: per-worker batch, lr, momentum, epochs, epochs between model averages.
+# Hyperplane: eager-SGD Table 1 (8 workers x 256 = 2,048 per step, 48 epochs). Its 32,768
+# samples make 16-step epochs, so a model average every 2 epochs is every 32 steps (see
+# docs/eager_sgd.md: with 160 steps between averages the models drift apart on a machine
+# whose workers share cores). lr 0.05: 0.1 is at the edge of stability with 256-sample
+# shards in 8,192 dimensions. LSTM: Table 1's 128 per step (8 x 16), 16 epochs, average every 10.
+_DEFAULTS = {
+    "hyperplane": {"batch_size": 256, "lr": 0.05, "momentum": 0.0, "epochs": 48, "sync_every_epochs": 2},
+    "lstm": {"batch_size": 16, "lr": 0.1, "momentum": 0.9, "epochs": 16, "sync_every_epochs": 10},
+}
+
+
+def parse_injection(text: str) -> Any:
+    """``one-random:DELAY`` (one worker per step, eager-SGD §6.2.1), or any spelling of
+    :func:`mlfabric.emu.stragglers.imbalance_model` (``random:DELAY[,COUNT]``,
+    ``skew:FIRST[,STEP][,rotate]``, ``C1``..., ``none``). None means no injection."""
+    from mlfabric.emu.stragglers import RandomDelay, imbalance_model
+    from mlfabric.units import parse_duration
+
+    key = text.strip()
+    if key.lower().startswith("one-random:"):
+        return RandomDelay(delay_s=parse_duration(key.split(":", 1)[1]), count=1)
+    return imbalance_model(key)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EagerTrainConfig:
+    """The runs: every mode under every injection. ``None`` picks the workload's default."""
+
+    workload: str = "hyperplane"
+    workers: int = 8
+    modes: tuple[str, ...] = (SYNCHRONOUS, "eager-solo")
+    injects: tuple[str, ...] = ("none",)
+    epochs: int | None = None
+    batch_size: int | None = None  # per worker
+    lr: float | None = None
+    momentum: float | None = None
+    sync_every_epochs: int | None = None
+    algorithm: str = "ring"
+    hyperplane: HyperplaneSpec = field(default_factory=HyperplaneSpec)
+    lstm: LstmSpec = field(default_factory=LstmSpec)
+    transport: str = "zmq"
+    timeout_s: float = 3_600.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        from mlfabric import TRANSPORTS
+        from mlfabric.collectives import ALLREDUCE_ALGORITHMS
+
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"unknown workload {self.workload!r}; choose one of {', '.join(WORKLOADS)}")
+        if self.workers < 1:
+            raise ValueError(f"need at least one worker, got {self.workers}")
+        if not self.modes or len(set(self.modes)) != len(self.modes):
+            raise ValueError(f"modes must be distinct and non-empty, got {self.modes}")
+        for mode in self.modes:
+            if mode not in MODES:
+                raise ValueError(f"unknown sync mode {mode!r}; choose from {', '.join(MODES)}")
+        if not self.injects or len(set(self.injects)) != len(self.injects):
+            raise ValueError(f"injections must be distinct and non-empty, got {self.injects}")
+        for inject in self.injects:
+            model = parse_injection(inject)
+            if model is not None and hasattr(model, "count") and model.count > self.workers:
+                raise ValueError(f"injection {inject!r} delays more workers than the {self.workers} there are")
+        if self.epochs_ < 1 or self.batch_size_ < 1 or not self.lr_ > 0 or not self.momentum_ >= 0:
+            raise ValueError("epochs, batch size and lr must be positive, momentum >= 0")
+        if self.sync_every_epochs_ < 0:
+            raise ValueError(f"sync_every_epochs must be >= 0 (0: only at the end), got {self.sync_every_epochs}")
+        if self.algorithm not in ALLREDUCE_ALGORITHMS or self.algorithm in ("bcube", "hierarchical"):
+            raise ValueError(f"algorithm must be ring, halving_doubling, tree or ps, got {self.algorithm!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.steps_per_epoch < 1:
+            raise ValueError(f"{self.train_samples} training samples over {self.workers} workers give less than "
+                             f"one batch of {self.batch_size_} per worker; raise the training set")
+
+    # Resolved settings (the workload's defaults where None).
+    @property
+    def epochs_(self) -> int:
+        return self.epochs if self.epochs is not None else int(_DEFAULTS[self.workload]["epochs"])
+
+    @property
+    def batch_size_(self) -> int:
+        return self.batch_size if self.batch_size is not None else int(_DEFAULTS[self.workload]["batch_size"])
+
+    @property
+    def lr_(self) -> float:
+        return self.lr if self.lr is not None else float(_DEFAULTS[self.workload]["lr"])
+
+    @property
+    def momentum_(self) -> float:
+        return self.momentum if self.momentum is not None else float(_DEFAULTS[self.workload]["momentum"])
+
+    @property
+    def sync_every_epochs_(self) -> int:
+        if self.sync_every_epochs is not None:
+            return self.sync_every_epochs
+        return int(_DEFAULTS[self.workload]["sync_every_epochs"])
+
+    @property
+    def train_samples(self) -> int:
+        return self.hyperplane.train_samples if self.workload == "hyperplane" else self.lstm.train_samples
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return (self.train_samples // self.workers) // self.batch_size_
+
+    @property
+    def steps(self) -> int:
+        return self.steps_per_epoch * self.epochs_
+
+    def runs(self) -> list[tuple[str, str]]:
+        """(injection, mode) in the order they run."""
+        return [(inject, mode) for inject in self.injects for mode in self.modes]
+
+    def task(self) -> Hyperplane | SequenceTask:
+        if self.workload == "hyperplane":
+            return Hyperplane(self.hyperplane, self.seed)
+        return SequenceTask(self.lstm, self.seed)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CurvePoint:
+    epoch: int
+    step: int
+    wall_s: float            # since the start of the run's training loop, the last rank to get there
+    train_loss: float        # mean minibatch loss of the epoch, over ranks
+    val_loss: float          # of the ranks' average model at this epoch boundary
+    val_metric: float        # MSE (hyperplane) or accuracy (lstm) of the ranks' average model
+    val_metric_rank0: float  # the same for rank 0's own model (eager-SGD's drift from the average)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunResult:
+    inject: str
+    mode: str
+    metric: str               # "mse" (lower is better) or "accuracy"
+    steps: int                # per rank
+    loop_s: float             # the slowest rank's training loop
+    per_rank_loop_s: tuple[float, ...]
+    curve: tuple[CurvePoint, ...]
+    final_val_loss: float     # after the last model average
+    final_metric: float
+    mean_active: float | None          # eager only: mean over ranks and steps
+    contributed_fraction: float | None
+    rounds_skipped: float | None       # mean over ranks
+    injected_s: float                  # mean over ranks of the injected delay
+    samples_per_step: int              # over all workers
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode} [{self.inject}]"
+
+    @property
+    def steps_per_s(self) -> float:
+        return self.steps / self.loop_s
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.steps_per_s * self.samples_per_step
+
+    def time_to(self, target: float) -> float | None:
+        """Wall time of the first epoch boundary whose metric reaches ``target`` (None if never):
+        at most ``target`` for the MSE, at least for the accuracy."""
+        better = (lambda v: v <= target) if self.metric == "mse" else (lambda v: v >= target)
+        for point in self.curve:
+            if better(point.val_metric):
+                return point.wall_s
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data.update({"label": self.label, "steps_per_s": self.steps_per_s, "samples_per_s": self.samples_per_s,
+                     "curve": [dataclasses.asdict(p) for p in self.curve],
+                     "per_rank_loop_s": list(self.per_rank_loop_s)})
+        return data
+
+
+@dataclass(frozen=True, kw_only=True)
+class EagerTrainResult:
+    config: EagerTrainConfig
+    runs: tuple[RunResult, ...]
+    startup_s: float
+    wall_s: float
+    metadata: dict[str, Any] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+
+    def get(self, mode: str, inject: str | None = None) -> RunResult:
+        for run in self.runs:
+            if run.mode == mode and (inject is None or run.inject == inject):
+                return run
+        raise KeyError(f"no run of {mode} with injection {inject}")
+
+    def comparisons(self) -> list[dict[str, Any]]:
+        """Per (injection, eager mode): throughput and metric relative to ``allreduce``, and the
+        wall time both take to get near allreduce's final metric (``target``: within
+        :data:`TARGET_TOLERANCE` of it, since one validation point is noisy)."""
+        out = []
+        for inject in self.config.injects:
+            try:
+                base = self.get(SYNCHRONOUS, inject)
+            except KeyError:
+                continue
+            for run in self.runs:
+                if run.inject != inject or run.mode == SYNCHRONOUS:
+                    continue
+                out.append({
+                    "inject": inject, "mode": run.mode, "speedup": run.steps_per_s / base.steps_per_s,
+                    "metric": run.metric, "final_metric": run.final_metric, "sync_final_metric": base.final_metric,
+                    "metric_ratio": run.final_metric / base.final_metric if base.final_metric else math.nan,
+                    "metric_gap": base.final_metric - run.final_metric,
+                    "target": target(base), "time_to_target_s": run.time_to(target(base)),
+                    "sync_time_to_target_s": base.time_to(target(base)), "sync_loop_s": base.loop_s,
+                })
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "benchmark": "eager-sgd-train",
+            "metadata": self.metadata,
+            "config": {**dataclasses.asdict(self.config), "modes": list(self.config.modes),
+                       "injects": list(self.config.injects), "epochs": self.config.epochs_,
+                       "batch_size": self.config.batch_size_, "lr": self.config.lr_,
+                       "momentum": self.config.momentum_, "steps": self.config.steps,
+                       "sync_every_epochs": self.config.sync_every_epochs_},
+            "units": {"time": "s", "speedup": "steps/s over allreduce's in the same launch",
+                      "metric": "mse (hyperplane) or accuracy (lstm), on the validation set"},
+            "startup_s": self.startup_s, "wall_s": self.wall_s,
+            "runs": [run.to_dict() for run in self.runs],
+            "comparisons": self.comparisons(),
+            "files": self.files,
+        }
+
+
+# --------------------------------------------------------------------------- inside a rank
+
+
+class _AllreduceSGD:
+    """Synchronous data-parallel SGD: average the flat gradient with ``comm.allreduce``."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, comm: Any, algorithm: str) -> None:
+        import torch
+
+        self.optimizer, self.comm, self.algorithm = optimizer, comm, algorithm
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.flat = torch.zeros(sum(p.numel() for p in self.params))
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            self.flat[offset:offset + n].copy_(p.grad.reshape(-1))
+            offset += n
+        self.comm.allreduce(self.flat, algorithm=self.algorithm, op="avg")
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad.copy_(self.flat[offset:offset + n].view_as(p))
+            offset += n
+        self.optimizer.step()
+
+    def epoch_end(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        pass  # every rank applied the same averages: the models are equal already
+
+
+@dataclass(frozen=True, kw_only=True)
+class _RankRun:
+    loop_s: float
+    injected_s: float
+    curve: tuple[CurvePoint, ...]   # rank 0 only
+    final: tuple[float, float]      # (val loss, metric), rank 0 only
+    stats: dict[str, Any] | None    # EagerSGD statistics
+
+
+def _rank_main(config: EagerTrainConfig, launched_at: float) -> tuple[float, list[_RankRun]]:
+    import torch
+
+    import mlfabric
+
+    env = rank_env()
+    torch.set_num_threads(1)
+    comm = mlfabric.init(transport=config.transport, timeout=config.timeout_s)
+    try:
+        task = config.task()
+        x, y = task.shard(env.rank, env.world_size)
+        val = task.val() if env.rank == 0 else None
+        comm.barrier()
+        startup = time.time() - launched_at
+        runs = []
+        for index, (inject, mode) in enumerate(config.runs()):
+            runs.append(_train_one(config, comm, task, x, y, val, inject, mode, index, env.rank))
+            if env.rank == 0:
+                report({"run": index + 1, "runs": len(config.runs())})
+        comm.barrier()
+        return startup, runs
+    finally:
+        comm.close()
+
+
+def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, val: Any, inject: str,
+               mode: str, index: int, rank: int) -> _RankRun:
+    import torch
+
+    from mlfabric.emu.stragglers import ImbalanceInjector
+    from mlfabric.torch import EagerSGD
+
+    torch.manual_seed(config.seed)  # the same initial model on every rank and in every run
+    model = task.model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr_, momentum=config.momentum_)
+    if mode == SYNCHRONOUS:
+        trainer: Any = _AllreduceSGD(optimizer, model, comm, config.algorithm)
+    else:
+        # A seed per run gives each run its own persistent collective (nothing carries over).
+        trainer = EagerSGD(optimizer, model, comm, quorum=mode.removeprefix("eager-"),
+                           sync_every_epochs=config.sync_every_epochs_, algorithm=config.algorithm,
+                           seed=config.seed * 1_000 + index)
+    imbalance = parse_injection(inject)
+    injector = ImbalanceInjector(imbalance, rank, comm.world_size, seed=config.seed) if imbalance else None
+    order = torch.Generator().manual_seed(config.seed * 1_000_003 + rank)  # same batches in every run
+    n = y.shape[0]
+    batch = config.batch_size_
+    snapshots: list[torch.Tensor] = []
+    walls: list[float] = []
+    train_losses: list[float] = []
+    injected = 0.0
+    comm.barrier()
+    start = time.perf_counter()
+    for epoch in range(config.epochs_):
+        perm = torch.randperm(n, generator=order)
+        losses = []
+        for i in range(config.steps_per_epoch):
+            picked = perm[i * batch:(i + 1) * batch]
+            xb = task.batch(x, picked)
+            trainer.zero_grad()
+            loss = task.loss(model, xb, y[picked])
+            loss.backward()
+            delay = injector.delay() if injector is not None else 0.0
+            pause = delay + task.device_time(xb)
+            if pause > 0:
+                time.sleep(pause)
+            injected += delay
+            trainer.step()
+            losses.append(float(loss.detach()))
+        trainer.epoch_end()
+        walls.append(time.perf_counter() - start)
+        snapshots.append(torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone())
+        train_losses.append(statistics.fmean(losses))
+    loop_s = time.perf_counter() - start
+    trainer.synchronize()
+    # The curve: at every epoch boundary, the average of the ranks' models (what a model
+    # synchronization there would give; the same as each rank's for allreduce) and rank 0's.
+    local = torch.stack(snapshots)
+    averaged = comm.allreduce(local.clone(), algorithm=config.algorithm, op="avg")
+    at = comm.allreduce(torch.tensor(walls, dtype=torch.float64), algorithm=config.algorithm, op="max")
+    mean_loss = comm.allreduce(torch.tensor(train_losses, dtype=torch.float64), algorithm=config.algorithm,
+                               op="avg")
+    curve: list[CurvePoint] = []
+    final = (math.nan, math.nan)
+    if rank == 0:
+        final = task.evaluate(model, *val)
+        for epoch in range(config.epochs_):
+            torch.nn.utils.vector_to_parameters(averaged[epoch], model.parameters())
+            val_loss, metric = task.evaluate(model, *val)
+            torch.nn.utils.vector_to_parameters(local[epoch], model.parameters())
+            _, metric_rank0 = task.evaluate(model, *val)
+            curve.append(CurvePoint(epoch=epoch + 1, step=(epoch + 1) * config.steps_per_epoch,
+                                    wall_s=float(at[epoch]), train_loss=float(mean_loss[epoch]),
+                                    val_loss=val_loss, val_metric=metric, val_metric_rank0=metric_rank0))
+    comm.barrier()
+    stats = trainer.stats.as_dict() if isinstance(trainer, EagerSGD) else None
+    return _RankRun(loop_s=loop_s, injected_s=injected, curve=tuple(curve), final=final, stats=stats)
+
+
+# --------------------------------------------------------------------------- in the parent
+
+
+def run_eager_training(config: EagerTrainConfig, *, argv: Sequence[str] | None = None,
+                       on_run: Callable[[int, int], None] | None = None,
+                       capture_output: bool = False) -> EagerTrainResult:
+    """Train every (injection, mode) on ``config.workers`` local ranks, in one launch."""
+    import platform
+    import shlex
+    import socket
+    import sys
+
+    import torch
+
+    def on_report(rank: int, payload: Any) -> None:
+        if on_run is not None and rank == 0 and isinstance(payload, dict):
+            on_run(int(payload["run"]), int(payload["runs"]))
+
+    launched = time.time()
+    launch = LaunchConfig(world_size=config.workers, timeout_s=config.timeout_s, capture_output=capture_output)
+    per_rank: list[tuple[float, list[_RankRun]]] = run_ranks(_rank_main, config=launch, args=(config, launched),
+                                                             on_report=on_report)
+    wall = time.time() - launched
+    task_metric = "mse" if config.workload == "hyperplane" else "accuracy"
+    runs = []
+    for index, (inject, mode) in enumerate(config.runs()):
+        ranks = [r[1][index] for r in per_rank]
+        stats = [r.stats for r in ranks if r.stats is not None]
+        runs.append(RunResult(
+            inject=inject, mode=mode, metric=task_metric, steps=config.steps,
+            loop_s=max(r.loop_s for r in ranks), per_rank_loop_s=tuple(r.loop_s for r in ranks),
+            curve=ranks[0].curve, final_val_loss=ranks[0].final[0], final_metric=ranks[0].final[1],
+            mean_active=statistics.fmean(s["mean_active"] for s in stats) if stats else None,
+            contributed_fraction=statistics.fmean(s["contributed_fraction"] for s in stats) if stats else None,
+            rounds_skipped=statistics.fmean(s["rounds_skipped"] for s in stats) if stats else None,
+            injected_s=statistics.fmean(r.injected_s for r in ranks),
+            samples_per_step=config.batch_size_ * config.workers))
+    metadata = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "hostname": socket.gethostname(),
+        "platform": platform.platform(), "cpu_count": __import__("os").cpu_count(),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "command": shlex.join(argv if argv is not None else sys.argv),
+    }
+    return EagerTrainResult(config=config, runs=tuple(runs), startup_s=max(r[0] for r in per_rank), wall_s=wall,
+                            metadata=metadata)
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+CSV_COLUMNS = ("workload", "inject", "mode", "epoch", "step", "wall_s", "train_loss", "val_loss", "val_metric",
+               "val_metric_rank0", "metric")
+
+
+def write_outputs(result: EagerTrainResult, out_dir: Path, *, plot: bool = True,
+                  tensorboard: bool = True) -> dict[str, str]:
+    """``curves.csv`` (always), ``tensorboard/<run>/`` (if tensorboard is installed) and
+    ``curves.png`` (if matplotlib is). Returns {"csv"|"tensorboard"|"png": path} of what it
+    wrote, plus {"png_skipped"|"tensorboard_skipped": reason} for what it could not."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files: dict[str, str] = {}
+    csv_path = out_dir / "curves.csv"
+    with csv_path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(CSV_COLUMNS)
+        for run in result.runs:
+            for p in run.curve:
+                writer.writerow([result.config.workload, run.inject, run.mode, p.epoch, p.step, f"{p.wall_s:.6f}",
+                                 f"{p.train_loss:.6g}", f"{p.val_loss:.6g}", f"{p.val_metric:.6g}",
+                                 f"{p.val_metric_rank0:.6g}", run.metric])
+    files["csv"] = str(csv_path)
+    if tensorboard:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            files["tensorboard_skipped"] = "tensorboard is not installed: pip install 'mlfabric[tensorboard]'"
+        else:
+            root = out_dir / "tensorboard"
+            for run in result.runs:
+                name = f"{run.mode}_{run.inject}".replace(":", "-").replace(",", "_").replace("/", "_")
+                with SummaryWriter(log_dir=str(root / name)) as writer:
+                    for p in run.curve:
+                        writer.add_scalar(f"val/{run.metric}", p.val_metric, p.step, walltime=p.wall_s)
+                        writer.add_scalar(f"val/{run.metric}_rank0", p.val_metric_rank0, p.step, walltime=p.wall_s)
+                        writer.add_scalar("val/loss", p.val_loss, p.step, walltime=p.wall_s)
+                        writer.add_scalar("train/loss", p.train_loss, p.step, walltime=p.wall_s)
+                        writer.add_scalar(f"val_vs_time_ms/{run.metric}", p.val_metric, int(p.wall_s * 1e3))
+            files["tensorboard"] = str(root)
+    if plot:
+        try:
+            files["png"] = str(plot_curves(result, out_dir / "curves.png"))
+        except RuntimeError as exc:  # matplotlib missing
+            files["png_skipped"] = str(exc)
+    return files
+
+
+def plot_curves(result: EagerTrainResult, path: Path) -> Path:
+    """Validation metric vs wall time (one line per run) and throughput per run (eager-SGD Fig. 10)."""
+    from mlfabric.sim.report import require_matplotlib
+
+    plt = require_matplotlib()
+    fig, (curves, bars) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    colors = plt.get_cmap("tab10")
+    modes = list(MODES)
+    injects = list(result.config.injects)
+    styles = ("-", "--", ":", "-.")
+    for run in result.runs:
+        color = colors(modes.index(run.mode) % 10)
+        style = styles[injects.index(run.inject) % len(styles)]
+        curves.plot([p.wall_s for p in run.curve], [p.val_metric for p in run.curve], style, color=color,
+                    marker=".", label=run.label)
+        curves.plot([run.loop_s], [run.final_metric], "*", color=color, markersize=10)
+    metric = result.runs[0].metric
+    if metric == "mse":
+        curves.set_yscale("log")
+    curves.set_xlabel("wall time (s)")
+    curves.set_ylabel(f"validation {metric} (average model; *: final)")
+    curves.set_title(f"{result.config.workload}: {result.config.workers} workers")
+    curves.grid(True, alpha=0.3)
+    curves.legend(fontsize=8)
+    labels = [run.label for run in result.runs]
+    values = [run.steps_per_s for run in result.runs]
+    bars.barh(range(len(values)), values, color=[colors(modes.index(r.mode) % 10) for r in result.runs])
+    bars.set_yticks(range(len(values)), labels, fontsize=8)
+    bars.invert_yaxis()
+    bars.set_xlabel("throughput (steps/s)")
+    for i, run in enumerate(result.runs):
+        bars.text(values[i], i, f" {values[i]:.2f}", va="center", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def render_table(result: EagerTrainResult) -> Table:
+    """One row per run: throughput, speedup over allreduce, final metric and eager statistics."""
+    from rich import box
+    from rich.table import Table
+
+    config = result.config
+    metric = result.runs[0].metric
+    table = Table(title=f"{config.workload}: {config.workers} workers, {config.epochs_} epochs x "
+                        f"{config.steps_per_epoch} steps, batch {config.batch_size_} per worker, "
+                        f"{config.transport} transport", title_justify="left", box=box.SIMPLE_HEAD)
+    for name in ("injection", "mode", "loop s", "steps/s", "speedup", metric, f"{metric} vs sync", "to target s",
+                 "active", "fresh"):
+        table.add_column(name, justify="left" if name in ("injection", "mode") else "right", no_wrap=True)
+    comparisons = {(c["inject"], c["mode"]): c for c in result.comparisons()}
+    last = None
+    for run in result.runs:
+        if last is not None and run.inject != last:
+            table.add_section()
+        c = comparisons.get((run.inject, run.mode))
+        speed = "" if c is None else f"{c['speedup']:.2f}x"
+        if metric == "mse":
+            delta = "" if c is None else f"{(c['metric_ratio'] - 1) * 100:+.1f}%"
+            value = f"{run.final_metric:.3f}"
+        else:
+            delta = "" if c is None else f"{-c['metric_gap'] * 100:+.1f} pt"
+            value = f"{run.final_metric:.1%}"
+        try:
+            reach = run.time_to(target(result.get(SYNCHRONOUS, run.inject)))
+        except KeyError:
+            reach = None
+        table.add_row(run.inject if run.inject != last else "", run.mode, f"{run.loop_s:.1f}",
+                      f"{run.steps_per_s:.2f}", speed, value, delta, "never" if reach is None else f"{reach:.1f}",
+                      "" if run.mean_active is None else f"{run.mean_active:.1f}",
+                      "" if run.contributed_fraction is None else f"{run.contributed_fraction:.0%}")
+        last = run.inject
+    table.caption = (f"start-up {result.startup_s:.1f} s, whole launch {result.wall_s:.1f} s; speedup = steps/s over "
+                     f"allreduce's; {metric} of the final (averaged) model; to target = wall time until the average "
+                     f"model's {metric} is within {'5%' if metric == 'mse' else '1 point'} of allreduce's final one; "
+                     "active = ranks with fresh gradients per round; fresh = steps whose gradient made its round")
+    table.caption_justify = "left"
+    return table
