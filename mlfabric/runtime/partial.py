@@ -253,13 +253,15 @@ class PartialAllreduce:
                              "executed yet; call rounds in order")
         execution = self.execution
         self.send_buffer.add_(flat)
-        if wanted < self.round or (execution is not None and execution.activated):
-            # Too late for the execution that round named: the data waits for the next one.
-            if wanted < self.round and self.latest is not None and self.latest[0] >= wanted:
-                self._resolve(call, contributed=False)
-            else:
-                self.calls.append(call)  # the execution in flight will answer it
+        if wanted < self.round and self.latest is not None and self.latest[0] >= wanted:
+            # Too late for the execution that round named: the latest result answers, the
+            # data waits for the next execution.
+            self._resolve(call, contributed=False)
             return
+        if execution is not None and execution.activated:
+            self.calls.append(call)  # the execution in flight answers it; the data waits
+            return
+        # The round armed now (also when the round asked for was skipped by a re-formation).
         call.fresh = True
         self.fresh = True
         self.calls.append(call)
