@@ -22,6 +22,11 @@ failures like the partial ones. A rank takes part from its first call on (that c
 registers the collective on its progress thread): until every rank has called once, the
 first round waits for the latecomers.
 
+End of a run with ``majority``: a rank that stops calling may be the initiator another rank
+waits for. Either end every rank at the same *round* (loop until ``res.round`` reaches the
+last one: every rank then stops on the same execution), or do as ``EagerSGD.synchronize``
+does and keep calling with zeros until every rank has arrived.
+
 Every execution reduces one extra element, 1 on ranks whose fresh data is in, so every rank
 learns ``active``, the number of ranks that contributed fresh data.
 
