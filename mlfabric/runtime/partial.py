@@ -174,6 +174,7 @@ class PartialAllreduce:
         self._commands: deque[tuple[torch.Tensor, int | None, _Call]] = deque()
         self._lock = threading.Lock()
         self._drain: deque[list[tuple[str, int, int]]] = deque(maxlen=_KEEP_DRAINING)
+        self._drained_at = -1  # mailbox version of the last drain
         self._broken: CollectiveError | None = None
         self.last_seen = -1  # application side: the last round a call returned
         self._arm(0)
@@ -232,7 +233,9 @@ class PartialAllreduce:
         if execution.finished:
             self._complete_round(execution)
             progressed = True
-        self._drain_late_messages()
+        if version != self._drained_at:  # late messages can only be there if something arrived
+            self._drained_at = version
+            self._drain_late_messages()
         self._expire_calls()
         return progressed
 
