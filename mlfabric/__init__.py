@@ -31,13 +31,15 @@ log = logging.getLogger("mlfabric")
 
 TRANSPORTS = ("zmq", "torch")
 TOPOLOGY_ENV = "MLFABRIC_TOPOLOGY"
+CHUNK_ENV = "MLFABRIC_CHUNK_BYTES"
 
 
 def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | None = None,
          master_addr: str | None = None, master_port: int | None = None,
          timeout: float = DEFAULT_TIMEOUT_S, channels: Sequence[str] | None = None,
          channel_addrs: dict[str, str] | None = None, backend: str = "gloo",
-         topology: str | None = None, pace: str | None = None) -> Communicator:
+         topology: str | None = None, pace: str | None = None,
+         chunk_bytes: int | str | None = None) -> Communicator:
     """Join the job and return a :class:`Communicator`.
 
     ``transport``: ``"zmq"`` (TCP via ZeroMQ, the default) or ``"torch"`` (torch.distributed
@@ -50,6 +52,11 @@ def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | N
     e.g. ``"bcube:n=3,k=2"``: BML (``algorithm="bcube"``, and ``"auto"`` on a BCube) needs it.
     ``pace`` (or ``MLFABRIC_PACE``), zmq only: shape sends in user space, ``"100mbit"`` for
     every channel or ``"0=1gbit,1=500mbit"`` — what ``mlfabric launch`` does without root.
+    ``chunk_bytes`` (or ``MLFABRIC_CHUNK_BYTES``, e.g. ``"2MiB"``; the same on every rank):
+    the ring collectives' pipelining chunk. By default chunks are large (16 MB: on hosts whose
+    CPU is the bottleneck each message's fixed cost dominates); on a bandwidth-limited network
+    a chunk of ~16 ms of NIC time overlaps each step's reduction with the transfer (the
+    emulator sets it from its NIC rate: :func:`mlfabric.emu.cluster.pipeline_chunk_bytes`).
     """
     from .runtime.rendezvous import connect_store, job_info, store_barrier
 
@@ -60,6 +67,14 @@ def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | N
     if pace and transport != "zmq":
         raise ValueError("user-space pacing needs the zmq transport (transport='zmq')")
     topology = topology if topology is not None else (os.environ.get(TOPOLOGY_ENV) or None)
+    chunk = chunk_bytes if chunk_bytes is not None else (os.environ.get(CHUNK_ENV) or None)
+    if chunk is not None:
+        from .units import parse_size
+
+        try:
+            chunk = parse_size(chunk)
+        except ValueError as exc:
+            raise ValueError(f"chunk_bytes / {CHUNK_ENV}: {exc}") from None
     job = job_info(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port)
     store = connect_store(job, timeout)
     if transport == "zmq":
@@ -89,7 +104,7 @@ def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | N
                                        channels=tuple(channels or ("0",)), timeout=timeout)
     # Rank 0 serves the store: keep it until everyone has finished reading from it.
     store_barrier(store, "init", job.world_size, timeout)
-    comm = Communicator(tr, timeout=timeout, topology=topology)
+    comm = Communicator(tr, timeout=timeout, topology=topology, chunk_bytes=chunk)
     comm.store = store  # rank 0 serves the store: it must live as long as the communicator
     return comm
 

@@ -139,10 +139,13 @@ def bench_allreduce(
     compare_star: Annotated[bool, typer.Option("--compare-star", help="With --emulate --topology bcube:...: "
                                                "then run ring and ps on a star of the same hosts at the same "
                                                "NIC rate and report BML's speedup (BML §4).")] = False,
+    goodput: Annotated[bool, typer.Option("--goodput/--no-goodput", help="With --emulate: first measure one TCP "
+                                          "flow between hosts 0 and 1 (2.5 s) and show busbw relative to it.")] = True,
 ) -> None:
     """Allreduce time, algbw and busbw of mlfabric's algorithms vs gloo, interleaved per repetition.
 
-    Emulated runs also show the simulator's time for each mlfabric algorithm (emu/sim)."""
+    Emulated runs also show the simulator's time for each mlfabric algorithm (emu/sim) and,
+    with --goodput, busbw relative to the two-host TCP goodput measured in the same run."""
     from mlfabric.bench.allreduce import (AllreduceBenchConfig, compare_star_config, render_comparison,
                                           render_table, run_allreduce_bench, run_bml_comparison)
     from mlfabric.units import parse_rate
@@ -162,12 +165,13 @@ def bench_allreduce(
                          emulate_topology=emulate_topology, emulate_rate_bps=emulate_rate,
                          algorithms=tuple(split_list(algorithms, "algorithms")),
                          sizes=tuple(parse_sizes(sizes)), iters=iters, warmup=warmup,
-                         transport=transport, timeout_s=timeout, seed=seed)
+                         transport=transport, timeout_s=timeout, seed=seed, measure_goodput=goodput)
     command = ["mlfabric", "bench", "allreduce", "--world-size", str(world_size), "--algorithms",
                ",".join(config.algorithms), "--sizes", sizes.replace(" ", ""), "--iters", str(iters),
                "--warmup", str(warmup), "--transport", transport, "--seed", str(seed)]
     if emulate:
         command += ["--emulate", "--topology", str(emulate_topology), "--rate", rate]
+        command += [] if goodput else ["--no-goodput"]
     if compare_star:
         make_config(compare_star_config, config=config)  # usage errors before anything runs
         command += ["--compare-star"]

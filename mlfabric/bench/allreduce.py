@@ -81,6 +81,9 @@ class AllreduceBenchConfig:
     # per-NIC rate in bit/s. None: local processes on loopback.
     emulate_topology: str | None = None
     emulate_rate_bps: float | None = None
+    # Emulated runs: first measure one TCP flow's goodput between hosts 0 and 1 of the same
+    # cluster (the emulator issue's reference: busbw is compared with it in the same run).
+    measure_goodput: bool = True
 
     def __post_init__(self) -> None:
         from mlfabric import TRANSPORTS
@@ -137,6 +140,8 @@ class AllreduceMeasurement:
     # runs on loopback.
     simulated_s: float | None = None
     emulated_vs_simulated: float | None = None
+    # Emulated runs: busbw (in bit/s) / the two-host TCP goodput measured in the same run.
+    busbw_vs_goodput: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,6 +149,9 @@ class AllreduceBenchResult:
     config: AllreduceBenchConfig
     measurements: tuple[AllreduceMeasurement, ...]
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: Emulated runs: one TCP flow's goodput (bit/s) from host 0 to host 1, measured on the
+    #: cluster just before the ranks started (None: not measured).
+    two_host_goodput_bps: float | None = None
 
     def get(self, size_bytes: int, algorithm: str) -> AllreduceMeasurement:
         for m in self.measurements:
@@ -160,6 +168,7 @@ class AllreduceBenchResult:
                        "sizes": list(self.config.sizes)},
             "units": {"time": "s", "size": "bytes", "algbw": "bytes/s", "busbw": "bytes/s",
                       "busbw_factor": "2(N-1)/N"},
+            "two_host_goodput_bps": self.two_host_goodput_bps,
             "results": [{**asdict(m), "times_s": list(m.times_s)} for m in self.measurements],
         }
 
@@ -187,8 +196,11 @@ def collect_metadata(config: AllreduceBenchConfig, argv: Sequence[str] | None = 
 
 
 @contextlib.contextmanager
-def _launch_config(config: AllreduceBenchConfig, capture_output: bool) -> Iterator[LaunchConfig]:
-    """Local ranks on loopback, or one rank per host of an emulated cluster (torn down after)."""
+def _launch_config(config: AllreduceBenchConfig, capture_output: bool,
+                   goodput: dict[str, float] | None = None) -> Iterator[LaunchConfig]:
+    """Local ranks on loopback, or one rank per host of an emulated cluster (torn down after).
+    With ``goodput`` (a dict), an emulated cluster first measures its two-host TCP goodput
+    into ``goodput["bps"]``."""
     if config.emulate_topology is None:
         yield LaunchConfig(world_size=config.world_size, timeout_s=config.timeout_s,
                            capture_output=capture_output)
@@ -197,8 +209,14 @@ def _launch_config(config: AllreduceBenchConfig, capture_output: bool) -> Iterat
 
     if config.emulate_rate_bps is None:
         raise ValueError("an emulated benchmark needs a NIC rate")
-    with emulated_launch(config.emulate_topology, config.emulate_rate_bps, timeout_s=config.timeout_s,
-                         capture_output=capture_output) as launch:
+    def measure(plan: Any) -> None:
+        from mlfabric.emu.goodput import two_host_goodput_bps
+
+        if goodput is not None and plan.n_hosts >= 2:
+            goodput["bps"] = two_host_goodput_bps(plan)
+
+    with emulated_launch(config.emulate_topology, config.emulate_rate_bps, on_built=measure,
+                         timeout_s=config.timeout_s, capture_output=capture_output) as launch:
         if launch.world_size != config.world_size:
             raise ValueError(f"topology {config.emulate_topology} has {launch.world_size} hosts but the "
                              f"benchmark asks for {config.world_size} ranks")
@@ -240,9 +258,11 @@ def run_allreduce_bench(config: AllreduceBenchConfig, *, argv: Sequence[str] | N
         if on_progress is not None and rank == 0:
             on_progress(int(payload), total)
 
-    with _launch_config(config, capture_output) as launch:
+    goodput: dict[str, float] = {}
+    with _launch_config(config, capture_output, goodput if config.measure_goodput else None) as launch:
         per_rank: list[_RankTimes] = run_ranks(_rank_main, config=launch, args=(config,),
                                                on_report=on_report)
+    reference_bps = goodput.get("bps")
     factor = bus_factor(config.world_size)
     measurements: list[AllreduceMeasurement] = []
     for size in config.sizes:
@@ -268,9 +288,10 @@ def run_allreduce_bench(config: AllreduceBenchConfig, *, argv: Sequence[str] | N
                 algorithm=algorithm, size_bytes=size, nbytes=nbytes, count=count, times_s=times,
                 median_s=median, min_s=min(times), max_s=max(times), algbw=algbw,
                 busbw=algbw * factor, busbw_vs_gloo=ratio, correct=correct, simulated_s=simulated,
-                emulated_vs_simulated=None if not simulated else median / simulated))
+                emulated_vs_simulated=None if not simulated else median / simulated,
+                busbw_vs_goodput=None if reference_bps is None else algbw * factor * 8 / reference_bps))
     return AllreduceBenchResult(config=config, measurements=tuple(measurements),
-                                metadata=collect_metadata(config, argv))
+                                metadata=collect_metadata(config, argv), two_host_goodput_bps=reference_bps)
 
 
 # --------------------------------------------------------------------------- BML vs star
@@ -459,13 +480,18 @@ def render_table(result: AllreduceBenchResult) -> Table:
     config = result.config
     where = "" if config.emulate_topology is None else (
         f" on emulated {config.emulate_topology} at {(config.emulate_rate_bps or 0) / 1e6:g} Mbit/s per NIC")
+    if result.two_host_goodput_bps is not None:
+        where += f" (two-host TCP goodput {result.two_host_goodput_bps / 1e6:.1f} Mbit/s)"
     table = Table(title=f"allreduce: {config.world_size} ranks{where}, {config.transport} transport, float32, "
                         f"median of {config.iters}", title_justify="left", box=box.SIMPLE_HEAD)
     simulated = any(m.simulated_s is not None for m in result.measurements)
     columns = [("size", "right"), ("algorithm", "left"), ("time ms", "right")]
     if simulated:
         columns += [("sim ms", "right"), ("emu/sim", "right")]
-    columns += [("algbw", "right"), ("busbw", "right"), ("vs gloo", "right"), ("ok", "center")]
+    columns += [("algbw", "right"), ("busbw", "right"), ("vs gloo", "right")]
+    if result.two_host_goodput_bps is not None:
+        columns.append(("vs goodput", "right"))
+    columns.append(("ok", "center"))
     for name, justify in columns:
         table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     last_size = None
@@ -479,7 +505,10 @@ def render_table(result: AllreduceBenchResult) -> Table:
                  f"{m.median_s * 1e3:.3f}"]
         if simulated:
             cells += _simulated_cells(m)
-        cells += [format_bandwidth(m.algbw), format_bandwidth(m.busbw), ratio, "yes" if m.correct else "[red]NO[/]"]
+        cells += [format_bandwidth(m.algbw), format_bandwidth(m.busbw), ratio]
+        if result.two_host_goodput_bps is not None:
+            cells.append("" if m.busbw_vs_goodput is None else f"{m.busbw_vs_goodput:.3f}")
+        cells.append("yes" if m.correct else "[red]NO[/]")
         table.add_row(*cells)
         last_size = m.size_bytes
     return table

@@ -36,6 +36,7 @@ the one place that maps the cluster to a rank's environment (channels, ``MLFABRI
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import secrets
@@ -50,7 +51,7 @@ from mlfabric.units import parse_rate
 
 __all__ = [
     "ClusterPlan", "HostPlan", "NicPlan", "UplinkPlan", "Cluster", "plan_cluster", "new_prefix",
-    "cleanup", "list_runs", "PREFIX_RE", "STATE_DIR", "DIRECTIONS",
+    "cleanup", "list_runs", "pipeline_chunk_bytes", "PREFIX_RE", "STATE_DIR", "DIRECTIONS",
 ]
 
 #: Per-run prefixes look like ``mf1a2b``.
@@ -63,6 +64,22 @@ DIRECTIONS = ("egress", "ingress")
 IFNAMSIZ = 15
 _QUEUE_S = 0.05  # bytes of buffer per shaped queue, in seconds at the base rate
 _MIN_QUEUE_BYTES = 256 * 1024  # at least four 64 KiB GSO packets
+# The ring's pipelining chunk on a shaped NIC: about this much NIC time per chunk, a power of
+# two between the bounds. Measured on 8 emulated hosts at 1 Gbit/s (docs/results.md): 2 MiB
+# chunks (16 ms) gave 0.97-0.99 of the two-host goodput, one 8 MB chunk per segment 0.88-0.90
+# (each step's reduction and hand-off idle the NIC), 1 MiB chunks 0.86 (per-message cost).
+_CHUNK_S = 0.016
+_CHUNK_BOUNDS = (256 * 1024, 16 * 1024 * 1024)
+
+
+def pipeline_chunk_bytes(rate_bps: float) -> int:
+    """The ring pipelining chunk for NICs of ``rate_bps``: ~16 ms of transfer, a power of two
+    from 256 KiB to 16 MiB (2 MiB at 1 Gbit/s, 1 MiB at 500 Mbit/s)."""
+    if not rate_bps > 0:
+        raise ValueError(f"rate must be positive, got {rate_bps}")
+    target = rate_bps / 8 * _CHUNK_S
+    power = 1 << max(0, round(math.log2(target)))
+    return min(max(power, _CHUNK_BOUNDS[0]), _CHUNK_BOUNDS[1])
 
 
 # --------------------------------------------------------------------------- plan (pure)
@@ -153,17 +170,19 @@ class ClusterPlan:
         binds), ``MLFABRIC_TOPOLOGY`` (the spec: ``mlfabric.init`` reads it, BML needs it),
         ``MLFABRIC_EMU_PREFIX``, ``MLFABRIC_EMU_NETNS``, ``GLOO_SOCKET_IFNAME`` (gloo picks
         its interface from the hostname, which a namespace cannot resolve) and, when given,
-        ``MLFABRIC_EMU_CLUSTER`` (the path of the :meth:`describe` JSON). Every launcher of
+        ``MLFABRIC_EMU_CLUSTER`` (the path of the :meth:`describe` JSON), and
+        ``MLFABRIC_CHUNK_BYTES`` (the ring's pipelining chunk for this NIC rate,
+        :func:`pipeline_chunk_bytes`). Every launcher of
         ranks on a cluster (``mlfabric launch``, the emulated benchmarks) uses this.
         """
-        from mlfabric import TOPOLOGY_ENV
+        from mlfabric import CHUNK_ENV, TOPOLOGY_ENV
 
         if not 0 <= rank < self.n_hosts:
             raise ValueError(f"rank {rank} has no host: the cluster {self.spec} has {self.n_hosts} hosts")
         host = self.hosts[rank]
         env = {"MLFABRIC_CHANNEL_ADDRS": host.channel_addrs(), TOPOLOGY_ENV: str(self.spec),
                "MLFABRIC_EMU_PREFIX": self.prefix, "MLFABRIC_EMU_NETNS": host.netns,
-               "GLOO_SOCKET_IFNAME": host.nics[0].host_dev}
+               "GLOO_SOCKET_IFNAME": host.nics[0].host_dev, CHUNK_ENV: str(pipeline_chunk_bytes(self.rate_bps))}
         if cluster_json is not None:
             env["MLFABRIC_EMU_CLUSTER"] = cluster_json
         return env

@@ -7,7 +7,11 @@ The receiver prints ``READY`` once it listens, then one JSON line when the sende
 ``{"bytes": ..., "samples": [[unix_time, cumulative_bytes], ...]}`` with a sample every
 ``--interval`` seconds (and at the first and last byte). :func:`goodput_bps` turns samples
 into a rate over a time window, so warm-up (queue filling, HTB burst) can be left out.
-The tests in ``tests/emu`` use it to check the shapers; it is no benchmark tool.
+
+:func:`run_flows` starts such pairs inside the namespaces of a built cluster, all at once;
+:func:`two_host_goodput_bps` is the reference of the emulated benchmarks (what one TCP flow
+gets between two hosts of the same cluster, measured in the same run). The tests in
+``tests/emu`` use both to check the shapers.
 """
 
 from __future__ import annotations
@@ -15,11 +19,19 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-__all__ = ["goodput_bps", "receive", "send"]
+if TYPE_CHECKING:
+    from mlfabric.emu.cluster import ClusterPlan
+
+__all__ = ["WARMUP_S", "goodput_bps", "receive", "run_flows", "send", "two_host_goodput_bps"]
+
+#: Seconds left out at the start of a flow (queue filling, the shaper's burst).
+WARMUP_S = 0.5
 
 _CHUNK = 256 * 1024
 
@@ -89,6 +101,55 @@ def goodput_bps(samples: Sequence[Sequence[float]], start: float | None = None, 
     if t1 <= t0:
         raise ValueError("samples span no time")
     return (b1 - b0) * 8 / (t1 - t0)
+
+
+def run_flows(plan: ClusterPlan, pairs: Sequence[tuple[int, int]], *, seconds: float = 2.5,
+              port: int = 5201, during: Callable[[], None] | None = None) -> list[dict]:
+    """One TCP flow per ``(src, dst)`` host pair of a built cluster, all at once; the
+    receivers' JSON (see :func:`receive`), in order. ``during`` (optional) is called once all
+    senders have started. Flow ``i`` uses port ``port + i`` on its receiver."""
+    # Run this file as a script: ``-m mlfabric...`` would import the package (and torch) per flow.
+    command = [sys.executable, __file__]
+    receivers: list[subprocess.Popen[str]] = []
+    senders: list[subprocess.Popen[bytes]] = []
+    try:
+        for i, (_, dst) in enumerate(pairs):
+            host = plan.hosts[dst]
+            proc = subprocess.Popen(["ip", "netns", "exec", host.netns, *command, "recv", "--bind", host.address,
+                                     "--port", str(port + i), "--timeout", str(seconds + 30)],
+                                    stdout=subprocess.PIPE, text=True)
+            receivers.append(proc)
+            assert proc.stdout is not None
+            ready = proc.stdout.readline().strip()
+            if ready != "READY":
+                raise RuntimeError(f"goodput receiver on host {dst} did not start (said {ready!r})")
+        for i, (src, dst) in enumerate(pairs):
+            senders.append(subprocess.Popen(["ip", "netns", "exec", plan.hosts[src].netns, *command, "send",
+                                             "--to", plan.hosts[dst].address, "--port", str(port + i),
+                                             "--seconds", str(seconds)], stdout=subprocess.DEVNULL))
+        if during is not None:
+            during()
+        for (src, dst), sender in zip(pairs, senders):
+            if sender.wait(timeout=seconds + 30) != 0:
+                raise RuntimeError(f"goodput sender {src} -> {dst} failed (exit {sender.returncode})")
+        results = []
+        for proc in receivers:
+            out, _ = proc.communicate(timeout=30)
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        return results
+    finally:
+        for proc in [*receivers, *senders]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def two_host_goodput_bps(plan: ClusterPlan, *, src: int = 0, dst: int = 1, seconds: float = 2.5,
+                         port: int = 5201) -> float:
+    """Goodput (bit/s) of one TCP flow from host ``src`` to host ``dst``, warm-up left out."""
+    [result] = run_flows(plan, [(src, dst)], seconds=seconds, port=port)
+    samples = result["samples"]
+    return goodput_bps(samples, start=samples[0][0] + WARMUP_S)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

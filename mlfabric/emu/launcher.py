@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, TYPE_CHECKING, Any, Callable
 
-from mlfabric import TOPOLOGY_ENV
+from mlfabric import CHUNK_ENV, TOPOLOGY_ENV
 from mlfabric.emu.churn import ChurnRunner, churn_model
-from mlfabric.emu.cluster import Cluster, ClusterPlan, new_prefix, plan_cluster
+from mlfabric.emu.cluster import Cluster, ClusterPlan, new_prefix, pipeline_chunk_bytes, plan_cluster
 from mlfabric.emu.cmd import EmuUnavailableError, have_root
 from mlfabric.topo.spec import TOPOLOGY_KINDS, TopologySpec
 from mlfabric.transport.pacing import PACE_ENV
@@ -125,9 +125,10 @@ def resolve_topology(topology: str, hosts: int | None) -> TopologySpec:
 def fallback_env(topology: TopologySpec, rate_bps: float) -> dict[str, str]:
     """What a rank gets without an emulated network: the topology (BML stays correct), one
     loopback channel per NIC, and ``MLFABRIC_PACE`` so the zmq transport shapes each of them
-    to ``rate_bps`` in user space (transport/pacing.py)."""
+    to ``rate_bps`` in user space (transport/pacing.py), with the ring's pipelining chunk
+    for that rate as on a built cluster."""
     nics = topology.int_param("k") if topology.kind == "bcube" else 1
-    return {TOPOLOGY_ENV: str(topology), PACE_ENV: f"{rate_bps:.0f}bit",
+    return {TOPOLOGY_ENV: str(topology), PACE_ENV: f"{rate_bps:.0f}bit", CHUNK_ENV: str(pipeline_chunk_bytes(rate_bps)),
             "MLFABRIC_CHANNEL_ADDRS": ",".join(f"{nic}=127.0.0.1" for nic in range(nics))}
 
 
@@ -144,16 +145,21 @@ def cluster_launch_config(plan: ClusterPlan, *, master_port: int = 29500, **opti
 
 
 @contextlib.contextmanager
-def emulated_launch(topology: str | TopologySpec, rate_bps: float, **options: Any) -> Iterator[LaunchConfig]:
+def emulated_launch(topology: str | TopologySpec, rate_bps: float, *,
+                    on_built: Callable[[ClusterPlan], None] | None = None, **options: Any) -> Iterator[LaunchConfig]:
     """Build an emulated cluster, yield the :func:`cluster_launch_config` of its ranks (for
     :func:`mlfabric.bench.procs.run_ranks`), tear it down on the way out (root needed).
 
-    Several launches may run one after the other in one cluster; give each its own
-    ``master_port`` (``dataclasses.replace``) so that no socket of the previous one is in the way.
+    ``on_built(plan)`` runs once the cluster is up, before any rank (benchmarks measure their
+    reference goodput there). Several launches may run one after the other in one cluster;
+    give each its own ``master_port`` (``dataclasses.replace``) so that no socket of the
+    previous one is in the way.
     """
     spec = resolve_topology(str(topology), None)
     plan = plan_cluster(spec, rate_bps, prefix=new_prefix())
     with Cluster.create(plan):
+        if on_built is not None:
+            on_built(plan)
         yield cluster_launch_config(plan, **options)
 
 

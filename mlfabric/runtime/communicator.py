@@ -27,6 +27,8 @@ import torch
 
 from mlfabric import collectives
 from mlfabric.collectives.bcube import hierarchy_of
+from mlfabric.collectives.partition import chunks_for
+from mlfabric.collectives.ring import MAX_CHUNKS
 from mlfabric.schedule import REDUCE_OPS
 from mlfabric.topo.spec import TopologySpec
 from mlfabric.transport.base import Transport
@@ -48,9 +50,13 @@ class Communicator:
 
     def __init__(self, transport: Transport, *, timeout: float = DEFAULT_TIMEOUT_S,
                  on_close: Sequence[Callable[[], None]] = (),
-                 topology: TopologySpec | str | None = None) -> None:
+                 topology: TopologySpec | str | None = None, chunk_bytes: int | None = None) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
+        if chunk_bytes is not None and chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be a positive byte count, got {chunk_bytes}")
+        #: Ring pipelining chunk (bytes); None: the builders' default (ring.default_chunks).
+        self.chunk_bytes = chunk_bytes
         self.topology = _check_topology(topology, transport.world_size)
         self.transport = transport
         self.timeout = float(timeout)
@@ -90,7 +96,17 @@ class Communicator:
             return tensor
 
         return self._run(f"allreduce:{name}", flat, f"allreduce({name}, {op})", finish,
-                         timeout, op=reduce_op, **options)
+                         timeout, op=reduce_op, **options, **self._chunk_options(name, flat))
+
+    def _chunk_options(self, ring_kind: str, flat: torch.Tensor) -> dict[str, object]:
+        """``chunks`` for a ring builder when ``chunk_bytes`` is set: the segments (count /
+        world size elements) are cut into chunks of about ``chunk_bytes``. Every rank computes
+        the same value from global quantities, so schedules agree as long as every rank was
+        given the same ``chunk_bytes`` (the launchers set one value for all)."""
+        if self.chunk_bytes is None or ring_kind not in ("ring", "allgather", "reduce_scatter"):
+            return {}
+        chunk_elements = max(1, self.chunk_bytes // flat.element_size())
+        return {"chunks": chunks_for(flat.numel() // self.world_size, chunk_elements, MAX_CHUNKS)}
 
     def _allreduce_options(self, name: str) -> dict[str, object]:
         """The shape an algorithm needs from the topology (BCube digits, switch hierarchy)."""
@@ -146,7 +162,8 @@ class Communicator:
         def finish() -> torch.Tensor:
             return gathered.view(shape).to(tensor.device)
 
-        return self._run("allgather", gathered, "allgather", finish, timeout)
+        return self._run("allgather", gathered, "allgather", finish, timeout,
+                         **self._chunk_options("allgather", gathered))
 
     def allgather(self, tensor: torch.Tensor, *, timeout: float | None = None) -> torch.Tensor:
         """Every rank's ``tensor`` stacked: shape ``(world_size, *tensor.shape)``."""
@@ -166,7 +183,7 @@ class Communicator:
             return out.clone().to(tensor.device)
 
         return self._run("reduce_scatter", work, f"reduce_scatter({op})", finish, timeout,
-                         op="sum" if op == "avg" else op)
+                         op="sum" if op == "avg" else op, **self._chunk_options("reduce_scatter", work))
 
     def reduce_scatter(self, tensor: torch.Tensor, op: str = "sum", *,
                        timeout: float | None = None) -> torch.Tensor:

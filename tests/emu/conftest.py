@@ -1,24 +1,19 @@
-"""Shared helpers of the emulator tests: root detection, leak checks, TCP flows between hosts.
+"""Shared helpers of the emulator tests: root detection and leak checks (TCP flows between
+hosts: :func:`mlfabric.emu.goodput.run_flows`).
 
     sudo .venv/bin/python -m pytest tests/emu -q
 """
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
-from collections.abc import Sequence
 
 import pytest
 
-from mlfabric.emu import goodput
-from mlfabric.emu.cluster import ClusterPlan
 from mlfabric.emu.cmd import have_root
 
-#: Run the meter as a script: ``-m mlfabric...`` would import the package (and torch) in every flow.
-GOODPUT = goodput.__file__
 _OURS = re.compile(r"^mf[0-9a-f]{4}")
 
 
@@ -61,39 +56,3 @@ def no_leaks():
 
         cleanup(force=True)
         pytest.fail(f"the test left these behind (now removed): {left}")
-
-
-def run_flows(plan: ClusterPlan, pairs: Sequence[tuple[int, int]], *, seconds: float = 2.5,
-              port: int = 5201, during=None) -> list[dict]:
-    """One TCP flow per ``(src, dst)`` host pair, all at once; the receivers' JSON, in order.
-
-    ``during`` (optional) is called once all senders have started.
-    """
-    py = sys.executable
-    receivers = []
-    try:
-        for i, (src, dst) in enumerate(pairs):
-            host = plan.hosts[dst]
-            proc = subprocess.Popen(["ip", "netns", "exec", host.netns, py, GOODPUT, "recv",
-                                     "--bind", host.address, "--port", str(port + i), "--timeout", "30"],
-                                    stdout=subprocess.PIPE, text=True)
-            receivers.append(proc)
-            assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
-        senders = [subprocess.Popen(["ip", "netns", "exec", plan.hosts[src].netns, py, GOODPUT,
-                                     "send", "--to", plan.hosts[dst].address, "--port", str(port + i),
-                                     "--seconds", str(seconds)], stdout=subprocess.DEVNULL)
-                   for i, (src, dst) in enumerate(pairs)]
-        if during is not None:
-            during()
-        for sender in senders:
-            assert sender.wait(timeout=seconds + 30) == 0
-        results = []
-        for proc in receivers:
-            out, _ = proc.communicate(timeout=30)
-            results.append(json.loads(out.strip().splitlines()[-1]))
-        return results
-    finally:
-        for proc in receivers:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()

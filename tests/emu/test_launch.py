@@ -49,7 +49,7 @@ def test_fallback_env_paces_every_nic():
 
     env = fallback_env(TopologySpec.parse("bcube:n=3,k=2"), 500e6)
     assert env == {"MLFABRIC_TOPOLOGY": "bcube:n=3,k=2", "MLFABRIC_PACE": "500000000bit",
-                   "MLFABRIC_CHANNEL_ADDRS": "0=127.0.0.1,1=127.0.0.1"}
+                   "MLFABRIC_CHUNK_BYTES": str(1 << 20), "MLFABRIC_CHANNEL_ADDRS": "0=127.0.0.1,1=127.0.0.1"}
     assert fallback_env(TopologySpec.parse("star:n=4"), 1e9)["MLFABRIC_CHANNEL_ADDRS"] == "0=127.0.0.1"
 
 
@@ -180,4 +180,9 @@ def test_allreduce_benchmark_on_an_emulated_star() -> None:
     # Each rank sends 4 MB (2(N-1)/N of it) at 100 Mbit/s: at least 0.32 s once the shaper's
     # burst allowance is spent, against a few ms on loopback. 0.2 s leaves room for the burst.
     assert ring.median_s > 0.2 and gloo.median_s > 0.2
+    # The reference goodput is measured on the same cluster, and busbw is compared with it.
+    assert result.two_host_goodput_bps is not None and 0.85e8 <= result.two_host_goodput_bps <= 1.02e8
+    expected = ring.busbw * 8 / result.two_host_goodput_bps
+    assert ring.busbw_vs_goodput == pytest.approx(expected) and 0.2 < ring.busbw_vs_goodput < 1.1
+    assert result.to_dict()["two_host_goodput_bps"] == result.two_host_goodput_bps
     assert our_leftovers() == []

@@ -22,6 +22,7 @@ def test_rank_env_of_a_bcube_host():
         "MLFABRIC_EMU_PREFIX": "mfabcd",
         "MLFABRIC_EMU_NETNS": "mfabcd-h4",
         "GLOO_SOCKET_IFNAME": "eth0",
+        "MLFABRIC_CHUNK_BYTES": str(1 << 20),  # ~16 ms at 500 Mbit/s (pipeline_chunk_bytes)
     }
     assert plan.rank_env(0, cluster_json="/tmp/c.json")["MLFABRIC_EMU_CLUSTER"] == "/tmp/c.json"
     envs = plan.rank_envs()
@@ -31,6 +32,17 @@ def test_rank_env_of_a_bcube_host():
     assert prefixes[4][-3:] == ["netns", "exec", "mfabcd-h4"] and prefixes[4][0].endswith("ip")
     with pytest.raises(ValueError, match="rank 9 has no host"):
         plan.rank_env(9)
+
+
+def test_pipeline_chunk_follows_the_nic_rate():
+    from mlfabric.emu.cluster import pipeline_chunk_bytes
+
+    assert pipeline_chunk_bytes(1e9) == 2 << 20          # 125 MB/s x 16 ms = 2 MB -> 2 MiB
+    assert pipeline_chunk_bytes(500e6) == 1 << 20
+    assert pipeline_chunk_bytes(1e6) == 256 << 10        # bounded below: per-message cost
+    assert pipeline_chunk_bytes(100e9) == 16 << 20       # bounded above: the builders' default
+    with pytest.raises(ValueError, match="positive"):
+        pipeline_chunk_bytes(0)
 
 
 def test_rank_env_of_a_star_host():
