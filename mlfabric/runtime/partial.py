@@ -354,20 +354,22 @@ class PartialAllreduce:
             return progressed
         resume = max([self.round, *self.agreeing.values()])
         self.agreeing = None
-        fresh_calls = [c for c in self.calls if c.fresh]
-        if resume > self.round:
+        if resume > self.round and self.latest is not None:
             # This rank had not finished the abandoned round: it skips it; its calls get the
             # latest result it has and their data stays in the send buffer.
-            for call in list(self.calls):
-                if self.latest is not None:
-                    self.calls.remove(call)
-                    self._resolve(call, contributed=False)
-                else:
-                    call.fresh = False
-            fresh_calls = []
+            calls, self.calls = self.calls, []
+            for call in calls:
+                self._resolve(call, contributed=False)
+        # Every call still waiting is answered by the resumed round, which contributes its data
+        # (in the send buffer, with the abandoned snapshot): it is fresh there. Calls that were
+        # waiting on the abandoned execution count too — else, with majority, an initiator
+        # whose application is blocked in such a call would never activate the resumed round
+        # and every survivor would time out (regression: test_partial.py, re-formation tests).
+        for call in self.calls:
+            call.fresh = True
         self._arm(resume)
-        self.fresh = bool(fresh_calls)
-        if fresh_calls and (self.quorum != "majority" or self._initiator(resume) == self.rank):
+        self.fresh = bool(self.calls)
+        if self.calls and (self.quorum != "majority" or self._initiator(resume) == self.rank):
             assert self.execution is not None
             self.execution.trigger()
         return True

@@ -261,6 +261,43 @@ def test_lost_rank_does_not_block_the_others(quorum: str) -> None:
         c.close()
 
 
+def test_reformation_activates_a_round_an_initiator_was_already_waiting_in() -> None:
+    """Regression (majority, zmq, ~1 run in 4 timed out): a survivor whose application is
+    blocked in a call answered by the execution in flight (it arrived after the activation)
+    is the initiator of the round the group resumes at. That call must count as fresh there,
+    so the survivor activates the resumed round; before the fix nobody did and every
+    survivor timed out waiting for it."""
+    seed = 10  # majority's initiators: round 1 -> rank 0 in epoch 0, rank 1 in epoch 1 (checked)
+    fabric = LocalFabric(3)
+    comms = [Communicator(t, timeout=10) for t in fabric.transports()]
+    part = lambda rank, value: comms[rank].partial_allreduce_async(  # noqa: E731
+        torch.full((3,), value, dtype=torch.int64), quorum="majority", seed=seed)
+    try:
+        first = [part(rank, 1) for rank in range(3)]  # round 0: everyone, rank 0 initiates
+        assert [int(f.wait().tensor[0]) for f in first] == [3, 3, 3]
+        handle = comms[0]._partials[("majority", 3, torch.int64, "ring", seed)]
+        assert handle._initiator(1) == 0
+        comms[2].transport._deliver = lambda message: None  # rank 2 hangs: round 1 cannot finish
+        fresh = part(0, 10)                                 # the initiator starts round 1
+        other = comms[1]._partials[("majority", 3, torch.int64, "ring", seed)]
+        deadline = time.monotonic() + 5
+        while not (other.execution is not None and other.execution.activated) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert other.execution.activated and other.round == 1
+        late = part(1, 100)  # arrives after the activation: waits on the stuck execution
+        time.sleep(0.1)
+        assert not late.done() and not fresh.done()
+        fabric.kill(2)
+        a, b = fresh.wait(), late.wait()
+        assert handle._initiator(1) == 1 and handle.members == (0, 1)  # the new epoch's draw
+        assert a.round == b.round == 1 and a.lost == b.lost == frozenset({2})
+        assert a.contributed and b.contributed and a.active == b.active == 2
+        assert torch.equal(a.tensor, b.tensor) and int(a.tensor[0]) == 110
+    finally:
+        for comm in comms[:2]:
+            comm.close()
+
+
 def test_bad_arguments_give_clear_errors() -> None:
     comms = mlfabric.local_world(2)
     try:
