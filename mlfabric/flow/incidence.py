@@ -116,6 +116,19 @@ class Incidence:
         return cls(indptr=indptr, links=links, weights=weight_array, n_links=n_links)
 
     @classmethod
+    def trusted(cls, indptr: np.ndarray, links: np.ndarray, weights: np.ndarray | None, n_links: int) -> Incidence:
+        """Wrap arrays that are already valid (int64 ``indptr``/``links`` in range, float64
+        finite non-negative ``weights`` or None) without the O(entries) checks of the normal
+        constructor: for internal callers that build them from validated storage on every
+        event (``FlowNetwork.update``)."""
+        incidence = object.__new__(cls)
+        object.__setattr__(incidence, "indptr", indptr)
+        object.__setattr__(incidence, "links", links)
+        object.__setattr__(incidence, "weights", weights)
+        object.__setattr__(incidence, "n_links", int(n_links))
+        return incidence
+
+    @classmethod
     def empty(cls, n_links: int) -> Incidence:
         return cls(indptr=np.zeros(1, dtype=np.int64), links=np.zeros(0, dtype=np.int64), weights=None, n_links=n_links)
 

@@ -216,8 +216,8 @@ def _local_min_round(
     for bucket in buckets:
         tightest_link = level.take(bucket.links).min(axis=0)
         tightest = tightest_link if bucket.caps is None else np.minimum(tightest_link, bucket.caps)
-        for row in bucket.links:
-            np.minimum.at(link_min, row, tightest)
+        # One scatter per bucket (not one per row): numpy call overhead dominates small solves.
+        np.minimum.at(link_min, bucket.links.ravel(), np.broadcast_to(tightest, bucket.links.shape).ravel())
         tightest_links.append(tightest_link)
         tightest_all.append(tightest)
 

@@ -92,8 +92,13 @@ class FlowNetwork:
         # Solved flows sorted by rate at their last solve (may hold ids of since-removed or
         # reused flows; they are filtered when read): the flows at or above a divergence
         # level are a suffix, found by binary search instead of a pass over all flows.
+        # They live in the first ``_order_n`` slots of preallocated buffers, so a partial
+        # update rewrites only the suffix it re-solved (no O(all flows) copy per update).
         self._order = np.zeros(0, dtype=np.int64)
         self._order_rates = np.zeros(0)
+        self._order_n = 0
+        # Reusable per-slot scratch for de-duplicating id arrays (see _distinct).
+        self._scratch = np.zeros(0, dtype=np.int64)
         #: Ids re-solved by the last update (their rates may have changed): an event engine
         #: only needs to recompute finish times for these.
         self.last_resolved = np.zeros(0, dtype=np.int64)
@@ -168,7 +173,7 @@ class FlowNetwork:
         if distinct:
             # O(n) repeat test (np.unique would sort): the last write of each id wins.
             order = np.arange(array.size)
-            scratch = np.empty(self._slots, dtype=np.int64)
+            scratch = self._scratch_for_slots()
             scratch[array] = order
             if not np.array_equal(scratch[array], order):
                 raise ValueError(f"{what}: flow ids must not repeat")
@@ -310,13 +315,42 @@ class FlowNetwork:
 
     # ------------------------------------------------------------------ public: solving
 
+    def _scratch_for_slots(self) -> np.ndarray:
+        # Kept between calls: allocating a slots-sized array per event costs more than the
+        # work on the few ids it is used for. Contents are garbage; callers write before reading.
+        if self._scratch.size < self._slots:
+            self._scratch = np.empty(max(self._slots, 2 * self._scratch.size), dtype=np.int64)
+        return self._scratch
+
     def _distinct(self, ids: np.ndarray) -> np.ndarray:
+        """``ids`` without repeats, in order (O(n), no sort: the last write of each id wins)."""
         if ids.size < 2:
             return ids
         order = np.arange(ids.size)
-        scratch = np.empty(self._slots, dtype=np.int64)
+        scratch = self._scratch_for_slots()
         scratch[ids] = order
         return ids[scratch[ids] == order]
+
+    def _set_order(self, ids: np.ndarray, rates: np.ndarray, start: int) -> None:
+        """Replace the rate order from position ``start`` on by ``ids`` (already sorted by ``rates``)."""
+        end = start + ids.size
+        if end > self._order.size:
+            size = max(end, 2 * self._order.size, 256)
+            order, order_rates = np.empty(size, dtype=np.int64), np.empty(size)
+            order[:start], order_rates[:start] = self._order[:start], self._order_rates[:start]
+            self._order, self._order_rates = order, order_rates
+        self._order[start:end] = ids
+        self._order_rates[start:end] = rates
+        self._order_n = end
+
+    def _entry_load(self, links: np.ndarray, weights: np.ndarray, lengths: np.ndarray, rates: np.ndarray) -> np.ndarray:
+        """Per-link load of flows with the given entries (rows of ``lengths`` entries) at ``rates``;
+        flows at rate inf (unconstrained) carry no accounted load."""
+        entry_rates = np.repeat(rates, lengths)
+        finite = np.isfinite(entry_rates)
+        if not finite.all():
+            links, weights, entry_rates = links[finite], weights[finite], entry_rates[finite]
+        return np.bincount(links, weights=weights * entry_rates, minlength=self.n_links)
 
     def update(self) -> UpdateStats:
         """Re-solve if anything changed since the last call; returns what was done."""
@@ -325,71 +359,82 @@ class FlowNetwork:
             self.last_update = UpdateStats(kind="none", flows_total=self._n_alive, flows_resolved=0, divergence_level=np.inf)
             return self.last_update
         divergence = self._divergence
-        new_ids = np.concatenate(self._pending_new) if self._pending_new else np.zeros(0, dtype=np.int64)
+        pending = self._pending_new
+        new_ids = pending[0] if len(pending) == 1 else np.concatenate(pending) if pending else np.zeros(0, dtype=np.int64)
         new_ids = self._distinct(new_ids[self._alive[new_ids] & ~self._solved[new_ids]])
         if new_ids.size:
-            touched = np.unique(self._incidence_of(new_ids).links)
-            touched = touched[self._weight_sum[touched] > 0]  # zero-weight entries constrain nothing
-            if touched.size:
+            positions, _ = self._entry_positions(new_ids)
+            touched = self._links[positions]
+            weight = self._weight_sum[touched]
+            used = weight > 0  # zero-weight entries constrain nothing
+            if used.any():
                 # Below c_l / W_l no link of a new flow can fill, so nothing else changes there.
-                bound = self._capacity[touched] / self._weight_sum[touched]
-                divergence = min(divergence, float(bound.min()))
+                divergence = min(divergence, float((self._capacity[touched[used]] / weight[used]).min()))
 
         # Solved flows at or above the divergence level: a suffix of the rate order.
+        n_order = self._order_n
         keep_below = divergence * (1.0 - _KEEP_MARGIN)
-        split = int(np.searchsorted(self._order_rates, keep_below, side="left")) if divergence < np.inf else self._order.size
-        suffix = self._order[split:]
+        split = int(np.searchsorted(self._order_rates[:n_order], keep_below, side="left")) if divergence < np.inf else n_order
+        suffix = self._order[split:n_order]
         suffix = suffix[self._alive[suffix] & self._solved[suffix]]
-        resolve = self._distinct(np.concatenate([suffix, new_ids]))
+        resolve = self._distinct(np.concatenate([suffix, new_ids]) if new_ids.size else suffix)
 
         full = (not self.incremental) or resolve.size > _FULL_SOLVE_FRACTION * self._n_alive
         if full:
             ids = self.flow_ids()
-            incidence = self._incidence_of(ids)
+            positions, indptr = self._entry_positions(ids)
+            links, lengths = self._links[positions], np.diff(indptr)
+            incidence = Incidence.trusted(indptr, links, None if self._unit_weights else self._weights[positions], self.n_links)
             rates = solve_max_min(incidence, self._capacity, self._cap[ids], tie_rtol=self.tie_rtol)
             self._rate[ids] = rates
             self._solved[ids] = True
-            finite = np.isfinite(rates)
-            self._load = incidence.subset(np.flatnonzero(finite)).link_load(rates[finite])
+            self._load = self._entry_load(links, self._weights[positions], lengths, rates)
             sort = np.argsort(rates, kind="stable")
-            self._order, self._order_rates = ids[sort], rates[sort]
+            self._set_order(ids[sort], rates[sort], 0)
             self.last_resolved = ids
             stats = UpdateStats(kind="full", flows_total=ids.size, flows_resolved=ids.size, divergence_level=divergence)
         elif resolve.size:
-            incidence = self._incidence_of(resolve)
+            positions, indptr = self._entry_positions(resolve)
+            links, weights, lengths = self._links[positions], self._weights[positions], np.diff(indptr)
+            incidence = Incidence.trusted(indptr, links, None if self._unit_weights else weights, self.n_links)
             old = self._rate[resolve]
-            was_solved = self._solved[resolve] & np.isfinite(old)
-            load_kept = self._load - incidence.subset(np.flatnonzero(was_solved)).link_load(old[was_solved])
+            # Unsolved (new) flows carry no accounted load: count them at rate 0.
+            old = np.where(self._solved[resolve], old, 0.0)
+            load_kept = self._load - self._entry_load(links, weights, lengths, old)
             residual = np.maximum(self._capacity - load_kept, 0.0)
             rates = solve_max_min(incidence, residual, self._cap[resolve], tie_rtol=self.tie_rtol)
             self._rate[resolve] = rates
             self._solved[resolve] = True
-            finite = np.isfinite(rates)
-            self._load = load_kept + incidence.subset(np.flatnonzero(finite)).link_load(rates[finite])
+            self._load = load_kept + self._entry_load(links, weights, lengths, rates)
             sort = np.argsort(rates, kind="stable")
-            self._order = np.concatenate([self._order[:split], resolve[sort]])
-            self._order_rates = np.concatenate([self._order_rates[:split], rates[sort]])
+            self._set_order(resolve[sort], rates[sort], split)
             if split and rates.size and rates[sort[0]] < self._order_rates[split - 1]:
                 # Re-solved rates lie at or above the divergence level up to rounding; if
                 # rounding put one below a kept rate, restore the order outright.
-                resort = np.argsort(self._order_rates, kind="stable")
-                self._order, self._order_rates = self._order[resort], self._order_rates[resort]
+                n = self._order_n
+                resort = np.argsort(self._order_rates[:n], kind="stable")
+                self._set_order(self._order[:n][resort], self._order_rates[:n][resort], 0)
             self.last_resolved = resolve
             stats = UpdateStats(kind="partial", flows_total=self._n_alive, flows_resolved=resolve.size, divergence_level=divergence)
         else:
             self.last_resolved = np.zeros(0, dtype=np.int64)
             stats = UpdateStats(kind="none", flows_total=self._n_alive, flows_resolved=0, divergence_level=divergence)
-        if self._order.size > 2 * self._n_alive + 1024:
+        if self._order_n > 2 * self._n_alive + 1024:
             # Mostly stale entries: rebuild from the live flows' current rates.
             ids = self.flow_ids()
             ids = ids[self._solved[ids]]
             sort = np.argsort(self._rate[ids], kind="stable")
-            self._order, self._order_rates = ids[sort], self._rate[ids][sort]
+            self._set_order(ids[sort], self._rate[ids][sort], 0)
         self._divergence = np.inf
         self._pending_new = []
         self._dirty = False
         self.last_update = stats
         return stats
+
+    def last_resolved_rates(self) -> np.ndarray:
+        """Current rates of :attr:`last_resolved`, without re-solving or checking ids (the
+        per-event read of an event engine; call right after :meth:`update`)."""
+        return self._rate[self.last_resolved]
 
     def rates(self, ids: np.ndarray | list[int] | None = None) -> np.ndarray:
         """Max-min rates of the given live flows (default: all, in :meth:`flow_ids` order)."""

@@ -241,6 +241,9 @@ class NaiveNetwork:
         self.update()
         return np.array([self._rate[f] for f in np.asarray(ids).tolist()], dtype=np.float64)
 
+    def last_resolved_rates(self) -> np.ndarray:
+        return np.array([self._rate[f] for f in self.last_resolved.tolist()], dtype=np.float64)
+
     def link_load(self) -> np.ndarray:
         self.update()
         load = np.zeros(self.n_links)
@@ -316,7 +319,7 @@ class _FlowClass:
         np.maximum(remaining, 0.0, out=remaining)
         self.remaining[changed] = remaining
         self.stamp[changed] = now
-        rate = self.network.rates(changed)
+        rate = self.network.last_resolved_rates()
         self.rate[changed] = rate
         with np.errstate(divide="ignore", invalid="ignore"):
             finish = remaining / rate  # inf at rate 0 (remaining > 0), nan at 0/0, 0 at rate inf

@@ -345,6 +345,45 @@ def test_flow_network_last_resolved_covers_every_changed_rate() -> None:
         previous = current
 
 
+def test_flow_network_rate_order_and_resolved_rates_stay_consistent_over_many_events() -> None:
+    # Many small partial updates (the event engine's pattern) exercise the in-place rate-order
+    # buffer: its live part must stay sorted, hold every live flow once, and the rates must
+    # equal a from-scratch solve after every step.
+    topology = fat_tree(4, 1.0, oversub=2)
+    rng = np.random.default_rng(11)
+    network = FlowNetwork(topology.capacity())
+    network.add_flows(topology.route_ecmp(rng.integers(0, 16, (400, 2)), seed=3))
+    kinds = set()
+    for step in range(120):
+        ids = network.flow_ids()
+        if step % 4 == 0:
+            network.add_flows(topology.route_ecmp(rng.integers(0, 16, (int(rng.integers(1, 30)), 2)), seed=step))
+        if ids.size > 50:
+            network.remove_flows(rng.choice(ids, size=int(rng.integers(1, 8)), replace=False))
+        stats = network.update()
+        kinds.add(stats.kind)
+        np.testing.assert_array_equal(network.last_resolved_rates(), network.rates(network.last_resolved))
+        live = network.flow_ids()
+        reference = solve_max_min(network.incidence(live), network.capacity())
+        np.testing.assert_allclose(network.rates(live), reference, rtol=1e-9, atol=0)
+        order = network._order[: network._order_n]
+        order_rates = network._order_rates[: network._order_n]
+        assert np.all(order_rates[1:] >= order_rates[:-1])  # sorted (inf: flows with no links)
+        current = order[network._alive[order]]
+        current = current[network._rate[current] == order_rates[network._alive[order]]]
+        assert sorted(set(current.tolist())) == live.tolist()  # every live flow, at its current rate
+    assert {"full", "partial"} <= kinds
+
+
+def test_incidence_trusted_matches_the_validated_constructor() -> None:
+    paths, weights = [[0, 2], [], [1]], [[0.5, 1.0], [], [0.25]]
+    checked = Incidence.from_paths(paths, 3, weights)
+    trusted = Incidence.trusted(checked.indptr, checked.links, checked.weights, 3)
+    assert trusted.to_lists() == checked.to_lists()
+    np.testing.assert_array_equal(trusted.link_load(np.array([2.0, 1.0, 4.0])), [1.0, 1.0, 2.0])
+    np.testing.assert_array_equal(solve_max_min(trusted, [1.0, 1.0, 1.0]), solve_max_min(checked, [1.0, 1.0, 1.0]))
+
+
 def test_flow_network_id_reuse_and_errors() -> None:
     network = FlowNetwork([1.0, 1.0])
     first = network.add_flows(Incidence.from_paths([[0], [0, 1]], 2))
