@@ -37,7 +37,6 @@ from .base import (
     decode_header,
     encode_header,
 )
-from .malloc import tune_malloc
 from .pacing import Pacer
 
 log = logging.getLogger("mlfabric.transport.zmq")
@@ -142,7 +141,6 @@ class ZmqTransport(Transport):
                pace_bps: Mapping[str, float] | None = None) -> "ZmqTransport":
         """Bind, publish our endpoints in ``store`` (a torch.distributed Store), learn
         everyone else's and connect to all peers."""
-        tune_malloc()  # large received messages: heap blocks, not an mmap per message
         if rank == 0:
             store.set("token", secrets.token_hex(TOKEN_BYTES))
         token = bytes.fromhex(store.get("token").decode())
