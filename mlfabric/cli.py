@@ -12,6 +12,7 @@
     mlfabric simulate collective --topology bcube:n=4,k=2 --link 10Gbps --algorithm ring --size 100MB [--json]
     mlfabric simulate ps --topology fat-tree:k=16,oversub=4 --workers 800 --servers 50 --strategy rack [--json]
     mlfabric simulate bml [--servers 16,1024] [--json out.json]
+    mlfabric simulate mlnet [--servers 50,100,200,300,400] [--oversub 1,4] [--seeds 0] [--quick] [--json out.json]
 
 Each command is a thin shell: it parses options into the frozen config dataclass of the
 module that does the work (``mlfabric.bench.allreduce``, ``mlfabric.demo``), runs it, prints
@@ -641,6 +642,111 @@ def simulate_bml_cmd(
     if not ok:
         console.print("[bold red]error:[/] a GST check failed", markup=True, highlight=False)
         raise typer.Exit(1)
+
+
+def _fmt_change(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:+.1%}"
+
+
+@simulate_app.command("mlnet")
+def simulate_mlnet_cmd(
+    servers: Annotated[Optional[str], typer.Option(help="Parameter-server counts of the sweep (default "
+                                                        "50,100,200,300,400; with --quick 6,12,25,38,50).")] = None,
+    oversub: Annotated[str, typer.Option(help="ToR-uplink oversubscription ratios: 1 (full bisection), 4 (1:4).")]
+        = "1,4",
+    seeds: Annotated[str, typer.Option(help="Seeds of placement, ECMP and priorities (ratios are averaged).")] = "0",
+    strategies: Annotated[str, typer.Option(help="Sweep strategies: baseline (required), binary, rack.")]
+        = "baseline,binary,rack",
+    sweep: Annotated[bool, typer.Option("--sweep/--no-sweep", help="Run the strategy sweep (Fig. 1).")] = True,
+    jobs_experiment: Annotated[bool, typer.Option("--jobs-experiment/--no-jobs-experiment", help="Run 20 concurrent "
+                                                  "jobs, fair vs random priorities (Fig. 3).")] = True,
+    update_size: Annotated[str, typer.Option("--update-size", help="Bytes each worker pushes (and pulls) per "
+                                                                   "iteration (default: 65e9 float32 = 260GB).")]
+        = "260GB",
+    compute: Annotated[str, typer.Option(help="Compute before each push (MLNET: every 30 s).")] = "30s",
+    batch_rtol: Annotated[float, typer.Option("--batch-rtol", help="Flows finishing within this relative time "
+                                                                   "finish together (1e-3: < 0.5% on makespans, "
+                                                                   "5-25x faster than the exact 1e-9).")] = 1e-3,
+    quick: Annotated[bool, typer.Option("--quick", help="Scaled down ~8x: k=8 fat-tree, 100 workers; 20 jobs of "
+                                                        "25 x 6 (~1 min; the paper's figures do not apply).")]
+        = False,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures and metadata here.")] = None,
+) -> None:
+    """MLNET §4: BINARY/RACK makespan vs BASELINE on the 1,024-host fat-tree, and flow priorities across 20 jobs."""
+    import dataclasses
+
+    from rich import box
+    from rich.table import Table
+
+    from mlfabric.sim.mlnet import JobsConfig, SweepConfig, quick_configs, run_mlnet
+    from mlfabric.units import format_size, parse_duration, parse_size
+
+    if not sweep and not jobs_experiment:
+        raise typer.BadParameter("nothing to run: give --sweep or --jobs-experiment")
+    sweep_base, jobs_base = quick_configs() if quick else (SweepConfig(), JobsConfig())
+    server_list = (tuple(_parse_or_usage(int, s) for s in split_list(servers, "server counts"))
+                   if servers is not None else sweep_base.servers)
+    oversub_list = tuple(_parse_or_usage(float, o) for o in split_list(oversub, "oversubscription ratios"))
+    seed_list = tuple(_parse_or_usage(int, s) for s in split_list(seeds, "seeds"))
+    common = {"update_bytes": float(_parse_or_usage(parse_size, update_size)),
+              "compute_s": _parse_or_usage(parse_duration, compute), "seeds": seed_list, "batch_rtol": batch_rtol}
+    sweep_config = make_config(lambda **kw: dataclasses.replace(sweep_base, **kw), servers=server_list, oversub=oversub_list,
+                               strategies=tuple(split_list(strategies, "strategies")), **common)
+    jobs_config = make_config(lambda **kw: dataclasses.replace(jobs_base, **kw), **common)
+    command = ["mlfabric", "simulate", "mlnet", *(["--quick"] if quick else []),
+               "--servers", ",".join(map(str, server_list)), "--oversub", oversub.replace(" ", ""),
+               "--seeds", ",".join(map(str, seed_list)), "--strategies", ",".join(sweep_config.strategies),
+               *([] if sweep else ["--no-sweep"]), *([] if jobs_experiment else ["--no-jobs-experiment"]),
+               "--update-size", update_size, "--compute", compute, "--batch-rtol", f"{batch_rtol:g}"]
+    if json_path is not None:
+        command += ["--json", str(json_path)]
+    with console.status("simulating") as status:
+        result = _run_sim(lambda: run_mlnet(sweep_config if sweep else None, jobs_config if jobs_experiment else None,
+                                            argv=command, on_run=lambda label: status.update(label)))
+    paper_note = " (--quick: scaled down, the paper's column is for the full setup)" if quick else ""
+    if result["sweep"] is not None:
+        cfg = sweep_config
+        rows = {(row["oversub"], row["servers"], row["strategy"]): row for row in result["sweep"]["summary"]}
+        others = [s for s in cfg.strategies if s != "baseline"]
+        for ratio in cfg.oversub:
+            table = Table(title=f"MLNET Fig. 1{'a' if ratio == 1 else 'b'}: makespan / BASELINE's, 1:{ratio:g}, "
+                                f"{cfg.workers} workers on fat-tree:k={cfg.k}, {format_size(cfg.update_bytes)} update, "
+                                f"{cfg.compute_s:g} s compute",
+                          caption="comm: the same without the compute phase (independent of the update size)"
+                                  + paper_note, box=box.SIMPLE_HEAD)
+            table.add_column("servers", justify="right")
+            table.add_column("BASELINE s", justify="right")
+            for name in others:
+                for column in (name.upper(), "comm", "paper"):
+                    table.add_column(column, justify="right", no_wrap=True)
+            for count in cfg.servers:
+                cells = [str(count), f"{rows[(ratio, count, 'baseline')]['makespan_s']:.1f}"]
+                for name in others:
+                    row = rows[(ratio, count, name)]
+                    spread = (f" ({row['ratio_min']:.2f}-{row['ratio_max']:.2f})" if len(row["seeds"]) > 1 else "")
+                    cells += [f"{row['ratio']:.3f}{spread}", f"{row['comm_ratio']:.3f}", row["paper"]]
+                table.add_row(*cells)
+            console.print(table)
+    if result["jobs"] is not None:
+        cfg_j = jobs_config
+        stats = Table(title=f"MLNET Fig. 3: makespans of {cfg_j.jobs} concurrent jobs of {cfg_j.workers} x "
+                            f"{cfg_j.servers} on fat-tree:k={cfg_j.k} (oversub 1:{cfg_j.oversub:g})",
+                      box=box.SIMPLE_HEAD)
+        for name in ("condition", "median s", "p95 s", "max s", "mean s"):
+            stats.add_column(name, justify="left" if name == "condition" else "right")
+        for key, row in result["jobs"]["summary"]["conditions"].items():
+            stats.add_row(key, f"{row['median_s']:.1f}", f"{row['p95_s']:.1f}", f"{row['max_s']:.1f}",
+                          f"{row['mean_s']:.1f}")
+        console.print(stats)
+        changes = Table(title="Relative changes (negative = shorter)" + paper_note, box=box.SIMPLE_HEAD)
+        for name in ("comparison", "ours", "paper"):
+            changes.add_column(name, justify="left" if name == "comparison" else "right")
+        for change in result["jobs"]["summary"]["changes"]:
+            changes.add_row(change["what"], _fmt_change(change["ours"]), _fmt_change(change["paper"]))
+        console.print(changes)
+    console.print(f"wall time {result['wall_s']:.1f} s", highlight=False)
+    if json_path is not None:
+        write_json(json_path, result)
 
 
 # --------------------------------------------------------------------------- train

@@ -9,6 +9,8 @@
   aggregation/multicast trees, concurrent jobs;
 * :mod:`mlfabric.sim.bench` -- the engine benchmark behind ``mlfabric bench sim``;
 * :mod:`mlfabric.sim.bml` -- BML Fig. 5 and GST checks behind ``mlfabric simulate bml``.
+* :mod:`mlfabric.sim.mlnet` -- MLNET §4 (trees vs BASELINE, flow priorities) behind
+  ``mlfabric simulate mlnet``.
 
 See ``docs/simulator.md``. Exercise it with::
 
