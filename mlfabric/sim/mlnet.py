@@ -143,17 +143,12 @@ def _check_common(k: int, routing: str, barrier: str, seeds: Sequence[int], upda
 
 
 @dataclass(frozen=True, kw_only=True)
-class SweepConfig:
-    """The strategy sweep of MLNET Fig. 1 (defaults: the paper's setup)."""
+class _ExperimentConfig:
+    """What both experiments share: the fat-tree, the workload and the engine settings."""
 
     #: Radix of the fat-tree (k=16: 1,024 hosts, 320 switches of 16 ports, 8 hosts per ToR).
     k: int = 16
     link_rate: str | float = "10Gbps"
-    workers: int = 800
-    servers: tuple[int, ...] = (50, 100, 200, 300, 400)
-    #: Oversubscription of the ToR uplinks (1 = full bisection; 4 = the paper's 1:4).
-    oversub: tuple[float, ...] = (1.0, 4.0)
-    strategies: tuple[str, ...] = STRATEGIES
     seeds: tuple[int, ...] = (0,)
     update_bytes: float = UPDATE_BYTES
     compute_s: float = COMPUTE_S
@@ -161,17 +156,32 @@ class SweepConfig:
     routing: str = "ecmp"
     #: Flows finishing within this relative time of an event finish with it (the engine's
     #: ``batch_rtol``). 1e-3 (not the engine's exact 1e-9) makes the 800-worker tree runs
-    #: 5-25x faster; it moves makespans by < 0.5% (measured, see docs/mlnet_results.md).
+    #: 5-25x faster; it moves makespans by < 0.5% (measured, see docs/results.md).
     batch_rtol: float = BATCH_RTOL
     #: Engine watchdog per run (None: no limit).
     max_wall_s: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("servers", "oversub", "strategies", "seeds"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
-        object.__setattr__(self, "oversub", tuple(float(o) for o in self.oversub))
+        object.__setattr__(self, "seeds", tuple(self.seeds))
         _check_common(self.k, self.routing, self.barrier, self.seeds, self.update_bytes, self.compute_s,
                       self.batch_rtol)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SweepConfig(_ExperimentConfig):
+    """The strategy sweep of MLNET Fig. 1 (defaults: the paper's setup)."""
+
+    workers: int = 800
+    servers: tuple[int, ...] = (50, 100, 200, 300, 400)
+    #: Oversubscription of the ToR uplinks (1 = full bisection; 4 = the paper's 1:4).
+    oversub: tuple[float, ...] = (1.0, 4.0)
+    strategies: tuple[str, ...] = STRATEGIES
+
+    def __post_init__(self) -> None:
+        for name in ("servers", "strategies"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "oversub", tuple(float(o) for o in self.oversub))
+        super().__post_init__()
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         hosts = self.k**3 // 4
@@ -191,30 +201,19 @@ class SweepConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class JobsConfig:
+class JobsConfig(_ExperimentConfig):
     """The prioritization experiment of MLNET Fig. 3 (defaults: the paper's setup)."""
 
-    k: int = 16
-    link_rate: str | float = "10Gbps"
     oversub: float = 1.0
     jobs: int = 20
     workers: int = 200
     servers: int = 50
     #: Run fair sharing and random priorities for each: baseline = "TCP", rack = traffic reduction.
     strategies: tuple[str, ...] = ("baseline", "rack")
-    seeds: tuple[int, ...] = (0,)
-    update_bytes: float = UPDATE_BYTES
-    compute_s: float = COMPUTE_S
-    barrier: str = "server"
-    routing: str = "ecmp"
-    batch_rtol: float = BATCH_RTOL
-    max_wall_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "strategies", tuple(self.strategies))
-        object.__setattr__(self, "seeds", tuple(self.seeds))
-        _check_common(self.k, self.routing, self.barrier, self.seeds, self.update_bytes, self.compute_s,
-                      self.batch_rtol)
+        super().__post_init__()
         if self.jobs < 2:
             raise ValueError(f"the prioritization experiment needs >= 2 jobs, got {self.jobs}")
         hosts = self.k**3 // 4
