@@ -382,6 +382,13 @@ def _run_sim(fn: Callable[[], T]) -> T:
         raise typer.Exit(1) from None
 
 
+def _check_sim_output(plot: Optional[Path], routing: str, links: str) -> None:
+    """The output and routing options every ``simulate`` command shares."""
+    _check_plot(plot)
+    _check_choice(routing, ("ecmp", "spray"), "--routing")
+    _check_choice(links, ("nonzero", "all", "none"), "--links")
+
+
 def _check_plot(plot: Optional[Path]) -> None:
     if plot is None:
         return
@@ -442,10 +449,8 @@ def simulate_collective_cmd(
     from mlfabric.sim import EngineConfig, collective_kind, ring_closed_form_s, simulate_collective
     from mlfabric.units import format_size, parse_duration, parse_size
 
-    _check_plot(plot)
-    _check_choice(routing, ("ecmp", "spray"), "--routing")
+    _check_sim_output(plot, routing, links)
     _check_choice(placement, ("sequential", "random"), "--placement")
-    _check_choice(links, ("nonzero", "all", "none"), "--links")
     topo = _sim_topology(topology, link)
     size_bytes = _parse_or_usage(parse_size, size)
     config = make_config(EngineConfig, routing=routing, seed=seed, latency_s=_parse_or_usage(parse_duration, latency))
@@ -519,10 +524,8 @@ def simulate_ps_cmd(
     from mlfabric.sim import EngineConfig, PSConfig, iteration_times, simulate_ps
     from mlfabric.units import format_size, parse_duration, parse_size
 
-    _check_plot(plot)
-    _check_choice(routing, ("ecmp", "spray"), "--routing")
+    _check_sim_output(plot, routing, links)
     _check_choice(priorities, ("none", "random"), "--priorities")
-    _check_choice(links, ("nonzero", "all", "none"), "--links")
     if jobs < 1:
         raise typer.BadParameter(f"--jobs must be >= 1, got {jobs}")
     topo = _sim_topology(topology, link)
