@@ -281,7 +281,9 @@ def test_reformation_activates_a_round_an_initiator_was_already_waiting_in() -> 
         fresh = part(0, 10)                                 # the initiator starts round 1
         other = comms[1]._partials[("majority", 3, torch.int64, "ring", seed)]
         deadline = time.monotonic() + 5
-        while not (other.execution is not None and other.execution.activated) and time.monotonic() < deadline:
+        # (A call returns before its progress thread arms the next round: wait for round 1.)
+        while not (other.round == 1 and other.execution is not None and other.execution.activated) \
+                and time.monotonic() < deadline:
             time.sleep(0.01)
         assert other.execution.activated and other.round == 1
         late = part(1, 100)  # arrives after the activation: waits on the stuck execution
