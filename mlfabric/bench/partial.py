@@ -43,7 +43,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from mlfabric.bench.procs import LaunchConfig, rank_env, report, run_ranks
+from mlfabric.bench.procs import LaunchConfig, check_choices, rank_env, report, run_ranks
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -112,11 +112,7 @@ class PartialBenchConfig:
             raise ValueError(f"need iterations >= 1 and warmup >= 0, got {self.iterations}, {self.warmup}")
         if self.size_bytes < ELEMENT_BYTES:
             raise ValueError(f"size {self.size_bytes} B is smaller than one float32 element")
-        if not self.variants or len(set(self.variants)) != len(self.variants):
-            raise ValueError(f"variants must be distinct and non-empty, got {self.variants}")
-        for name in self.variants:
-            if name not in VARIANTS:
-                raise ValueError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+        check_choices(self.variants, VARIANTS, "variants", "variant")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
         if self.timeout_s <= 0:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from mlfabric.emu.cluster import ClusterPlan
 
-__all__ = ["WARMUP_S", "goodput_bps", "receive", "run_flows", "send", "two_host_goodput_bps"]
+__all__ = ["WARMUP_S", "goodput_bps", "receive", "run_flows", "send", "steady_goodput_bps", "two_host_goodput_bps"]
 
 #: Seconds left out at the start of a flow (queue filling, the shaper's burst).
 WARMUP_S = 0.5
@@ -148,6 +148,11 @@ def two_host_goodput_bps(plan: ClusterPlan, *, src: int = 0, dst: int = 1, secon
                          port: int = 5201) -> float:
     """Goodput (bit/s) of one TCP flow from host ``src`` to host ``dst``, warm-up left out."""
     [result] = run_flows(plan, [(src, dst)], seconds=seconds, port=port)
+    return steady_goodput_bps(result)
+
+
+def steady_goodput_bps(result: dict) -> float:
+    """Goodput (bit/s) of one flow's receiver JSON (:func:`run_flows`), warm-up left out."""
     samples = result["samples"]
     return goodput_bps(samples, start=samples[0][0] + WARMUP_S)
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from mlfabric.bench.procs import LaunchConfig, rank_env, report, run_ranks
+from mlfabric.bench.procs import LaunchConfig, check_choices, rank_env, report, run_ranks
 
 from .workloads import Hyperplane, HyperplaneSpec, LstmSpec, SequenceTask
 
@@ -117,11 +117,7 @@ class EagerTrainConfig:
             raise ValueError(f"unknown workload {self.workload!r}; choose one of {', '.join(WORKLOADS)}")
         if self.workers < 1:
             raise ValueError(f"need at least one worker, got {self.workers}")
-        if not self.modes or len(set(self.modes)) != len(self.modes):
-            raise ValueError(f"modes must be distinct and non-empty, got {self.modes}")
-        for mode in self.modes:
-            if mode not in MODES:
-                raise ValueError(f"unknown sync mode {mode!r}; choose from {', '.join(MODES)}")
+        check_choices(self.modes, MODES, "modes", "sync mode")
         if not self.injects or len(set(self.injects)) != len(self.injects):
             raise ValueError(f"injections must be distinct and non-empty, got {self.injects}")
         for inject in self.injects:
@@ -143,27 +139,29 @@ class EagerTrainConfig:
                              f"one batch of {self.batch_size_} per worker; raise the training set")
 
     # Resolved settings (the workload's defaults where None).
+    def _setting(self, name: str) -> Any:
+        value = getattr(self, name)
+        return value if value is not None else _DEFAULTS[self.workload][name]
+
     @property
     def epochs_(self) -> int:
-        return self.epochs if self.epochs is not None else int(_DEFAULTS[self.workload]["epochs"])
+        return int(self._setting("epochs"))
 
     @property
     def batch_size_(self) -> int:
-        return self.batch_size if self.batch_size is not None else int(_DEFAULTS[self.workload]["batch_size"])
+        return int(self._setting("batch_size"))
 
     @property
     def lr_(self) -> float:
-        return self.lr if self.lr is not None else float(_DEFAULTS[self.workload]["lr"])
+        return float(self._setting("lr"))
 
     @property
     def momentum_(self) -> float:
-        return self.momentum if self.momentum is not None else float(_DEFAULTS[self.workload]["momentum"])
+        return float(self._setting("momentum"))
 
     @property
     def sync_every_epochs_(self) -> int:
-        if self.sync_every_epochs is not None:
-            return self.sync_every_epochs
-        return int(_DEFAULTS[self.workload]["sync_every_epochs"])
+        return int(self._setting("sync_every_epochs"))
 
     @property
     def train_samples(self) -> int:

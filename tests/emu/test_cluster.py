@@ -13,7 +13,7 @@ import pytest
 
 from mlfabric.emu.cluster import Cluster, cleanup, new_prefix, plan_cluster
 from mlfabric.emu.cmd import EmuCommandError
-from mlfabric.emu.goodput import WARMUP_S, goodput_bps, run_flows, two_host_goodput_bps
+from mlfabric.emu.goodput import WARMUP_S, goodput_bps, run_flows, steady_goodput_bps, two_host_goodput_bps
 from tests.emu.conftest import needs_root, our_leftovers
 
 
@@ -65,11 +65,6 @@ def test_plan_rejects_bad_input():
 # --------------------------------------------------------------------------- built clusters (root)
 
 
-def _goodput(result: dict) -> float:
-    samples = result["samples"]
-    return goodput_bps(samples, start=samples[0][0] + WARMUP_S)
-
-
 @needs_root
 @pytest.mark.parametrize("rate", [100e6, 1e9], ids=["100mbit", "1gbit"])
 def test_goodput_matches_rate(rate, no_leaks, record_property):
@@ -93,8 +88,8 @@ def test_racks_oversubscription_shares_uplink(no_leaks):
         cross = run_flows(cluster.plan, [(0, 4), (1, 5), (2, 6), (3, 7)], seconds=2.5)
         local = run_flows(cluster.plan, [(0, 1), (2, 3)], seconds=2.0, port=5301)
     uplink = rate * 4 / 4
-    shares = [_goodput(r) / (uplink / 4) for r in cross]
-    local_ratio = [_goodput(r) / rate for r in local]
+    shares = [steady_goodput_bps(r) / (uplink / 4) for r in cross]
+    local_ratio = [steady_goodput_bps(r) / rate for r in local]
     print(f"cross-rack flows, fraction of a quarter uplink: {[round(s, 3) for s in shares]}; "
           f"same-rack flows, fraction of the NIC rate: {[round(s, 3) for s in local_ratio]}")
     # Goodput carries TCP/IP/Ethernet overhead (~4.4%): a share of 0.956 is a perfect quarter.

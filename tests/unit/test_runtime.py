@@ -242,3 +242,24 @@ def test_chunk_bytes_pipelines_the_ring_collectives() -> None:
     assert messages[8_000] == world * per_rank_chunked
     with pytest.raises(ValueError, match="chunk_bytes must be a positive"):
         mlfabric.Communicator(LocalFabric(2).transports()[0], chunk_bytes=0)
+
+
+def test_list_options_are_checked_alike() -> None:
+    """bench partial's variants and train's sync modes share one check (bench.procs.check_choices)."""
+    from mlfabric.bench.partial import PartialBenchConfig
+    from mlfabric.bench.procs import check_choices
+    from mlfabric.train.eager import EagerTrainConfig
+
+    check_choices(("a", "b"), ("a", "b", "c"), "letters", "letter")  # fine
+    with pytest.raises(ValueError, match=r"letters must be distinct and non-empty, got \('a', 'a'\)"):
+        check_choices(("a", "a"), ("a",), "letters", "letter")
+    with pytest.raises(ValueError, match="letters must be distinct and non-empty"):
+        check_choices((), ("a",), "letters", "letter")
+    with pytest.raises(ValueError, match="unknown letter 'z'; choose from a, b"):
+        check_choices(("z",), ("a", "b"), "letters", "letter")
+    with pytest.raises(ValueError, match="unknown variant 'fast'"):
+        PartialBenchConfig(variants=("solo", "fast"))
+    with pytest.raises(ValueError, match="modes must be distinct"):
+        EagerTrainConfig(modes=("sync", "sync"))
+    config = EagerTrainConfig(workload="lstm", lr=0.2)
+    assert (config.lr_, config.batch_size_, config.epochs_, config.sync_every_epochs_) == (0.2, 16, 16, 10)
