@@ -88,19 +88,23 @@ def make_config(factory: Callable[..., T], **fields: Any) -> T:
         raise typer.BadParameter(str(exc)) from None
 
 
-def write_json(path: Path, data: dict[str, Any]) -> None:
+def write_json(path: Path, data: dict[str, Any], *, quiet: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
-    console.print(f"wrote {path}")
+    if not quiet:
+        console.print(f"wrote {path}")
 
 
-def run_or_exit(fn: Callable[[], T]) -> T:
-    """Run a workload; print a failure (a rank's traceback included) and exit 1."""
-    from mlfabric.bench.procs import RankFailedError, RankTimeoutError
+def run_or_exit(fn: Callable[[], T], errors: tuple[type[BaseException], ...] | None = None) -> T:
+    """Run a workload; print an expected failure (default: a rank failing or timing out, its
+    traceback included) as one error line and exit 1."""
+    if errors is None:
+        from mlfabric.bench.procs import RankFailedError, RankTimeoutError
 
+        errors = (RankFailedError, RankTimeoutError)
     try:
         return fn()
-    except (RankFailedError, RankTimeoutError) as exc:
+    except errors as exc:
         console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
         raise typer.Exit(1) from None
 
@@ -365,21 +369,15 @@ def _sim_output(kind: str, result: Any, extra: dict[str, Any], *, json_flag: boo
         if plot is not None:
             console.print(f"wrote {plot}")
     if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(data, indent=2) + "\n")
-        if not json_flag:
-            console.print(f"wrote {output}")
+        write_json(output, data, quiet=json_flag)
 
 
 def _run_sim(fn: Callable[[], T]) -> T:
+    """Run a simulation; a stalled run or an invalid schedule is one error line and exit 1."""
     from mlfabric.schedule import ScheduleError
     from mlfabric.sim import SimulationStalled
 
-    try:
-        return fn()
-    except (SimulationStalled, ScheduleError) as exc:
-        console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
-        raise typer.Exit(1) from None
+    return run_or_exit(fn, (SimulationStalled, ScheduleError))
 
 
 def _check_sim_output(plot: Optional[Path], routing: str, links: str) -> None:
@@ -410,6 +408,8 @@ OutputOption = Annotated[Optional[Path], typer.Option("--output", "-o", help="Al
 PlotOption = Annotated[Optional[Path], typer.Option("--plot", help="Draw link-load CDF and makespans here "
                                                                   "(needs matplotlib).")]
 LinksOption = Annotated[str, typer.Option("--links", help="Per-link byte counts in the JSON: nonzero, all or none.")]
+LatencyOption = Annotated[str, typer.Option(help="Latency added to every network message.")]
+StragglerOption = Annotated[str, typer.Option(help="Straggler model: none, C1, C2, C3 or probability,slowdown.")]
 
 
 def _check_choice(value: str, choices: tuple[str, ...], option: str) -> str:
@@ -436,10 +436,9 @@ def simulate_collective_cmd(
     channel: Annotated[Optional[str], typer.Option(help="Channel of every message; on BCube channel 'l' = NIC l.")]
         = None,
     chunks: Annotated[Optional[int], typer.Option(help="Pipelining chunks per segment (builder default).")] = None,
-    latency: Annotated[str, typer.Option(help="Latency added to every network message.")] = "0s",
+    latency: LatencyOption = "0s",
     compute: Annotated[str, typer.Option(help="Compute time of each rank before the collective.")] = "0s",
-    straggler: Annotated[str, typer.Option(help="Straggler model: none, C1, C2, C3 or probability,slowdown.")]
-        = "none",
+    straggler: StragglerOption = "none",
     json_flag: JsonFlag = False,
     output: OutputOption = None,
     plot: PlotOption = None,
@@ -472,10 +471,13 @@ def simulate_collective_cmd(
     rows = [("collective", f"{kind} of {format_size(size_bytes)} on {world} ranks ({placement} placement)")]
     if kind.startswith("allreduce:"):
         closed = ring_closed_form_s(world, size_bytes, topo.link_rate_bps)
+        label = "2(N-1)/N x T_F (BML §2)"
+        if kind == "allreduce:bcube" and topo.spec.kind == "bcube" and world == topo.n_hosts:
+            levels = topo.spec.int_param("k")
+            closed, label = closed / levels, "2(N-1)/(kN) x T_F (BML §3.2)"
         extra["closed_form_s"] = closed
         extra["time_vs_closed_form"] = result.time_s / closed if closed else None
-        rows.append(("2(N-1)/N x T_F (BML §2)", f"{closed:.6g} s (simulated / closed form = "
-                                                f"{result.time_s / closed:.4f})" if closed else "0"))
+        rows.append((label, f"{closed:.6g} s (simulated / closed form = {result.time_s / closed:.4f})" if closed else "0"))
     command = ["mlfabric", "simulate", "collective", "--topology", topology, "--link", link, "--algorithm", algorithm,
                "--size", size, "--routing", routing, "--seed", str(seed)]
     _sim_output("collective", result, extra, json_flag=json_flag, output=output, plot=plot, links=links,
@@ -504,12 +506,11 @@ def simulate_ps_cmd(
     speed_range: Annotated[Optional[str], typer.Option("--speed-range", help="Relative worker speeds drawn "
                                                                              "uniformly from low,high (e.g. 1,2).")]
         = None,
-    straggler: Annotated[str, typer.Option(help="Straggler model: none, C1, C2, C3 or probability,slowdown.")]
-        = "none",
+    straggler: StragglerOption = "none",
     jobs: Annotated[int, typer.Option(help="Concurrent copies of the job, placed independently.")] = 1,
     priorities: Annotated[str, typer.Option(help="With --jobs: none (fair sharing) or random (distinct "
                                                  "strict priorities, MLNET §3).")] = "none",
-    latency: Annotated[str, typer.Option(help="Latency added to every network message.")] = "0s",
+    latency: LatencyOption = "0s",
     batch_rtol: Annotated[float, typer.Option("--batch-rtol", help="Flows finishing within this relative time "
                                                                    "of each other finish together (speed vs "
                                                                    "accuracy; default exact to ~1e-9).")] = 1e-9,

@@ -230,19 +230,14 @@ def simulated_allreduce_s(algorithm: str, topology: str, rate_bps: float, nbytes
     if algorithm == GLOO:
         return None
     from mlfabric.collectives import choose_allreduce
-    from mlfabric.collectives.bcube import hierarchy_of
+    from mlfabric.collectives.bcube import hierarchy_of, shape_options
     from mlfabric.sim.workloads import simulate_collective
     from mlfabric.topo.spec import TopologySpec
 
     spec = TopologySpec.parse(topology)
     name = choose_allreduce(algorithm, nbytes, math.prod(hierarchy_of(spec)), str(spec))
-    options: dict[str, Any] = {}
-    if name == "bcube":
-        options = {"n": spec.int_param("n"), "k": spec.int_param("k")}
-    elif name == "hierarchical":
-        options = {"radices": hierarchy_of(spec)}
     return simulate_collective(name, str(spec), rate_bps, size_bytes=nbytes, itemsize=ELEMENT_BYTES,
-                               **options).time_s
+                               **shape_options(name, spec)).time_s
 
 
 def run_allreduce_bench(config: AllreduceBenchConfig, *, argv: Sequence[str] | None = None,

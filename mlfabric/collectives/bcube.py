@@ -242,3 +242,18 @@ def hierarchy_of(spec: "TopologySpec") -> tuple[int, ...]:
     if spec.kind == "star":
         return (int(p["n"]),)
     raise ValueError(f"no switch hierarchy for topology {spec}")
+
+
+def shape_options(algorithm: str, spec: "TopologySpec") -> dict[str, object]:
+    """Builder options an allreduce takes from the topology it runs on: BML's ``n`` and ``k``
+    on BCube(n,k), hierarchical allreduce's ``radices`` (:func:`hierarchy_of`); none for the
+    others. The runtime, the simulator and the benchmarks all derive them here, so they run
+    the same schedule on the same cluster."""
+    if algorithm == "bcube":
+        if spec.kind != "bcube":
+            raise ValueError(f"BML (algorithm 'bcube') runs on a BCube topology (bcube:n=..,k=..), not {spec}; "
+                             "give n= and k= explicitly to run its schedule on another cluster")
+        return {"n": int(spec.params["n"]), "k": int(spec.params["k"])}
+    if algorithm == "hierarchical":
+        return {"radices": hierarchy_of(spec)}
+    return {}

@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import torch
 
 from mlfabric import collectives
-from mlfabric.collectives.bcube import hierarchy_of
+from mlfabric.collectives.bcube import hierarchy_of, shape_options
 from mlfabric.collectives.partition import chunks_for
 from mlfabric.collectives.ring import MAX_CHUNKS
 from mlfabric.schedule import REDUCE_OPS
@@ -118,14 +118,13 @@ class Communicator:
                 f"algorithm={name!r} needs the cluster's shape: pass "
                 "mlfabric.init(..., topology='bcube:n=3,k=2') or set MLFABRIC_TOPOLOGY (the "
                 f"emulator's launcher does); this communicator's topology is {spec}")
-        if name == "hierarchical":
-            return {"radices": hierarchy_of(spec)}
-        levels = int(spec.params["k"])
-        # Level l rides channel "l" (NIC l) when the transport has it, else the first NIC:
-        # BML stays correct on a one-NIC cluster, it just loses its bandwidth advantage.
-        channels = tuple(str(level) if str(level) in self.transport.channels else self.transport.channels[0]
-                         for level in range(levels))
-        return {"n": int(spec.params["n"]), "k": levels, "channels": channels}
+        options = shape_options(name, spec)
+        if name == "bcube":
+            # Level l rides channel "l" (NIC l) when the transport has it, else the first NIC:
+            # BML stays correct on a one-NIC cluster, it just loses its bandwidth advantage.
+            options["channels"] = tuple(str(level) if str(level) in self.transport.channels
+                                        else self.transport.channels[0] for level in range(int(options["k"])))
+        return options
 
     def allreduce(self, tensor: torch.Tensor, algorithm: str = "ring", op: str = "sum", *,
                   timeout: float | None = None) -> torch.Tensor:

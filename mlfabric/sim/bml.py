@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any
 
-from mlfabric.collectives.bcube import closed_form_gst, hierarchy_of
+from mlfabric.collectives.bcube import closed_form_gst, shape_options
 from mlfabric.topo import parse_topology
 from mlfabric.topo.spec import TopologySpec
 from mlfabric.units import parse_rate
@@ -164,17 +164,6 @@ def gradient_bytes(topologies: Sequence[str | TopologySpec], *, itemsize: int = 
     return max(target // unit, 1) * unit
 
 
-def _options(algorithm: str, spec: TopologySpec) -> dict[str, Any]:
-    """Builder options an algorithm needs from the topology (BML's n, k; hierarchy radices)."""
-    if algorithm == "bcube":
-        if spec.kind != "bcube":
-            raise ValueError(f"BML ('bcube') runs on a BCube topology, not {spec}")
-        return {"n": int(spec.params["n"]), "k": int(spec.params["k"])}
-    if algorithm == "hierarchical":
-        return {"radices": hierarchy_of(spec)}
-    return {}
-
-
 @lru_cache(maxsize=32)
 def _simulate(algorithm: str, spec: TopologySpec, rate_bps: float, size_bytes: int, itemsize: int,
               routing: str) -> GSTResult:
@@ -182,7 +171,7 @@ def _simulate(algorithm: str, spec: TopologySpec, rate_bps: float, size_bytes: i
     # ones; only this small record is kept, not the task graph.
     wall0 = time.perf_counter()
     result = simulate_collective(algorithm, str(spec), rate_bps, size_bytes=size_bytes, itemsize=itemsize,
-                                 config=EngineConfig(routing=routing), **_options(algorithm, spec))
+                                 config=EngineConfig(routing=routing), **shape_options(algorithm, spec))
     full_transfer_s = size_bytes * 8.0 / rate_bps
     return GSTResult(algorithm=algorithm, topology=str(spec), servers=result.topology.n_hosts, size_bytes=size_bytes,
                      link_rate_bps=rate_bps, routing=routing, gst_s=result.time_s,

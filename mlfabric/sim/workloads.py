@@ -59,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from mlfabric.collectives import build
+from mlfabric.collectives.bcube import shape_options
 from mlfabric.collectives.partition import piece_sizes
 from mlfabric.topo import Topology, parse_topology
 
@@ -126,7 +127,8 @@ def simulate_collective(kind: str, topology: Topology | str, link_rate: float | 
                         config: EngineConfig | None = None, **options: Any) -> SimResult:
     """Simulate one collective of ``size_bytes`` (``size_bytes // itemsize`` elements) over
     ``ranks`` ranks (default: every host), rank ``r`` on host ``r`` or as ``placement`` says
-    (``"sequential"``, ``"random"`` with the config's seed, or one host per rank)."""
+    (``"sequential"``, ``"random"`` with the config's seed, or one host per rank). BML's
+    ``n``/``k`` and hierarchical allreduce's ``radices`` default to the topology's shape."""
     topo = _topology(topology, link_rate)
     config = config or EngineConfig()
     world = topo.n_hosts if ranks is None else int(ranks)
@@ -143,7 +145,13 @@ def simulate_collective(kind: str, topology: Topology | str, link_rate: float | 
     else:
         hosts = np.asarray(placement, dtype=np.int64)
     count = int(size_bytes) // itemsize
-    graph = collective_graph(collective_kind(kind), world, count, itemsize=itemsize, placement=hosts,
+    kind = collective_kind(kind)
+    if kind.startswith("allreduce:"):
+        # BML's n, k and hierarchical's radices come from the topology unless given.
+        algorithm = kind.split(":", 1)[1]
+        if not (algorithm == "bcube" and {"n", "k"} <= options.keys()) and "radices" not in options:
+            options = {**shape_options(algorithm, topo.spec), **options}
+    graph = collective_graph(kind, world, count, itemsize=itemsize, placement=hosts,
                              compute=compute, seed=config.seed, **options)
     return run_graph(graph, topo, config)
 

@@ -196,3 +196,57 @@ def test_vectorized_nic_routing_equals_per_pair_enumeration(routing: str, seed: 
     assert np.array_equal(got.indptr, want.indptr)
     assert np.array_equal(got.links, want.links)
     assert np.array_equal(got.weight_array(), want.weight_array())
+
+
+# ---------------------------------------------------------------------------- shape options
+
+
+def test_shape_options_come_from_the_topology() -> None:
+    from mlfabric.collectives.bcube import shape_options
+    from mlfabric.topo.spec import TopologySpec
+
+    assert shape_options("bcube", TopologySpec.parse("bcube:n=3,k=2")) == {"n": 3, "k": 2}
+    assert shape_options("hierarchical", TopologySpec.parse("fat-tree:k=4")) == {"radices": (2, 2, 4)}
+    assert shape_options("ring", TopologySpec.parse("bcube:n=3,k=2")) == {}
+    with pytest.raises(ValueError, match="BCube topology"):
+        shape_options("bcube", TopologySpec.parse("star:n=9"))
+
+
+def test_simulate_collective_takes_bml_shape_from_the_topology() -> None:
+    # Regression: `simulate collective --algorithm bcube` failed with "bcube_allreduce()
+    # missing 2 required keyword-only arguments" because n and k were never derived.
+    from mlfabric.sim import simulate_collective
+
+    size = 9 * 2 * 4 * 1000  # 2 k N float32 pieces of 1,000 elements
+    result = simulate_collective("bcube", "bcube:n=3,k=2", "1Gbps", size_bytes=size)
+    assert result.time_s == pytest.approx(2 * 8 / (2 * 9) * size * 8 / 1e9, rel=1e-9)
+    # Explicit n, k still run the schedule on a one-NIC star (half BML's speed there).
+    star = simulate_collective("bcube", "star:n=9", "1Gbps", size_bytes=size, n=3, k=2)
+    assert star.time_s > 1.5 * result.time_s
+    with pytest.raises(ValueError, match="BCube topology"):
+        simulate_collective("bcube", "star:n=9", "1Gbps", size_bytes=size)
+
+
+def test_cli_simulates_bml_against_its_closed_form() -> None:
+    from mlfabric.cli import app
+
+    ok = CliRunner().invoke(app, ["simulate", "collective", "--topology", "bcube:n=3,k=2", "--link", "1Gbps",
+                                  "--algorithm", "bcube", "--size", "72KB", "--json", "--links", "none"])
+    assert ok.exit_code == 0, ok.output
+    data = json.loads(ok.output)
+    assert data["algorithm"] == "allreduce:bcube"
+    assert data["time_vs_closed_form"] == pytest.approx(1.0, rel=1e-9)
+    assert data["closed_form_s"] == pytest.approx(2 * 8 / (2 * 9) * 72e3 * 8 / 1e9, rel=1e-12)
+    bad = CliRunner().invoke(app, ["simulate", "collective", "--topology", "star:n=4", "--link", "1Gbps",
+                                   "--algorithm", "bcube", "--size", "1MB"])
+    assert bad.exit_code == 2 and "BCube topology" in bad.output
+
+
+def test_benchmark_prediction_runs_the_communicators_schedule() -> None:
+    from mlfabric.bench.allreduce import simulated_allreduce_s
+
+    size = 9 * 2 * 4 * 1000
+    full = size * 8 / 500e6
+    assert simulated_allreduce_s("bcube", "bcube:n=3,k=2", 500e6, size) == pytest.approx(16 / 18 * full, rel=1e-9)
+    assert simulated_allreduce_s("ring", "star:n=9", 500e6, size) == pytest.approx(16 / 9 * full, rel=1e-9)
+    assert simulated_allreduce_s("gloo", "star:n=9", 500e6, size) is None
