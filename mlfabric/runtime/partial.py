@@ -321,9 +321,15 @@ class PartialAllreduce:
 
     def _reform(self) -> None:
         """Drop the lost members, abandon the execution in flight, start agreeing on a round."""
+        leaving = sorted(self._gone() & set(self.members))
         self.lost = frozenset(self._gone())
         self.members = tuple(m for m in self.members if m not in self.lost)
-        log.warning("rank %d: partial allreduce continues without rank(s) %s", self.rank, sorted(self.lost))
+        crashed = [peer for peer in leaving if peer in self.transport.lost_peers]
+        # A crash is worth a warning; a rank that closed its communicator (the normal end of
+        # a job, ranks finishing at different times) is not.
+        log.log(logging.WARNING if crashed else logging.INFO,
+                "rank %d: %s continues without rank(s) %s (%s)", self.rank, self.description, sorted(self.lost),
+                f"lost: {crashed}" if crashed else "they closed their communicators")
         if self.snapshot is not None:
             self.send_buffer.add_(self.snapshot)  # the abandoned contribution is not lost
             self.snapshot = None

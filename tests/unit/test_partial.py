@@ -7,6 +7,7 @@ conservation, a lost rank, bad arguments.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -330,3 +331,31 @@ def test_avg_divides_by_live_ranks() -> None:
 
     for out in _threads(4, body):
         torch.testing.assert_close(out, torch.full((3,), 4.0))
+
+
+@pytest.mark.parametrize("leave", ["close", "crash"])
+def test_a_departure_is_logged_as_info_and_a_crash_as_a_warning(leave: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Regression: ranks that finish a job at different times closed their communicators and
+    every survivor warned "partial allreduce continues without rank(s) ..." (once per
+    partial collective), as if they had crashed."""
+    fabric = LocalFabric(3)
+    comms = [Communicator(t, timeout=10) for t in fabric.transports()]
+    try:
+        first = [comms[rank].partial_allreduce_async(torch.ones(2, dtype=torch.int64), quorum="solo") for rank in range(3)]
+        for future in first:
+            future.wait()
+        with caplog.at_level(logging.INFO, logger="mlfabric.runtime.partial"):
+            if leave == "close":
+                comms[2].close()
+            else:
+                fabric.kill(2)
+            results = [comms[rank].partial_allreduce(torch.ones(2, dtype=torch.int64), quorum="solo") for rank in (0, 1)]
+        assert all(res.lost == frozenset({2}) for res in results)
+        records = [r for r in caplog.records if "continues without rank(s) [2]" in r.getMessage()]
+        assert records, caplog.text
+        expected = logging.INFO if leave == "close" else logging.WARNING
+        assert {r.levelno for r in records} == {expected}, caplog.text
+        assert ("closed their communicators" if leave == "close" else "lost: [2]") in records[0].getMessage()
+    finally:
+        for comm in comms[:2]:
+            comm.close()
