@@ -50,6 +50,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -416,6 +417,9 @@ class Engine:
         self.start_s = np.full(n, math.nan)
         self.finish_s = np.full(n, math.nan)
         self.link_bytes = np.zeros(topology.n_links)
+        # FIFO connections: whether one has a flow on the wire, and the transfers queued behind it.
+        self._connection_busy = np.zeros(int(graph.connection.max(initial=-1)) + 1, dtype=bool)
+        self._connection_queue: dict[int, deque[int]] = defaultdict(deque)
         self.flows = 0
         self.events = 0
         self.done = 0
@@ -528,12 +532,46 @@ class Engine:
                     self._timer(np.full(int(empty.sum()), now + self.config.latency_s), transfers[empty])
                 else:
                     immediate.append(transfers[empty])
-            network = transfers[~local & ~empty]
+            network = self._admit(transfers[~local & ~empty])
             if network.size:
                 self._start_flows(network)
         if not immediate:
             return np.zeros(0, dtype=np.int64)
         return np.concatenate(immediate) if len(immediate) > 1 else immediate[0]
+
+    def _admit(self, tasks: np.ndarray) -> np.ndarray:
+        """The ready transfers that may start now: those on no connection, and the first one
+        (lowest task id, i.e. op order) of each idle connection; the others queue behind it."""
+        connection = self.graph.connection[tasks]
+        fifo = connection >= 0
+        if not fifo.any():
+            return tasks
+        queued, keys = tasks[fifo], connection[fifo]
+        order = np.lexsort((queued, keys))
+        queued, keys = queued[order], keys[order]
+        first = np.ones(keys.size, dtype=bool)
+        first[1:] = keys[1:] != keys[:-1]
+        start = first & ~self._connection_busy[keys]
+        for task, key in zip(queued[~start].tolist(), keys[~start].tolist()):
+            self._connection_queue[key].append(task)
+        self._connection_busy[keys[start]] = True
+        return np.concatenate([tasks[~fifo], queued[start]])
+
+    def _release(self, tasks: np.ndarray) -> None:
+        """Transfers whose flows finished free their connections: start what queued behind them."""
+        keys = self.graph.connection[tasks]
+        keys = keys[keys >= 0]
+        if not keys.size:
+            return
+        following = []
+        for key in keys.tolist():
+            queue = self._connection_queue.get(key)
+            if queue:
+                following.append(queue.popleft())
+            else:
+                self._connection_busy[key] = False
+        if following:
+            self._start_flows(np.array(following, dtype=np.int64))
 
     def _start_flows(self, tasks: np.ndarray) -> None:
         g = self.graph
@@ -635,6 +673,8 @@ class Engine:
             self.now = max(self.now, t_next)
             threshold = self.now + cfg.batch_rtol * abs(self.now)
             finished = [c.pop_finished(threshold) for c in self._classes]
+            for tasks in finished:
+                self._release(tasks)
             completed = [self._finished_flows(t) for t in finished if t.size]
             while self._timers and self._timers[0][0] <= threshold:
                 completed.append(heapq.heappop(self._timers)[2])

@@ -22,7 +22,10 @@ has any-of edges, at least one of those.
   dependencies plus an all-of edge from the matching Send. Sends are *eager*: the flow starts
   as soon as the Send is ready, whether or not the receiver posted its Recv; the data waits
   at the receiver. Sends and Recvs match by ``(src rank, dst rank, channel, tag)``, in op
-  order when a key repeats, as the runtime matches them;
+  order when a key repeats, as the runtime matches them. The Sends from one rank to one peer
+  on one channel share a FIFO *connection*: they move one at a time, in the order they became
+  ready (the runtime's transports keep one TCP stream per peer and channel, so a message
+  queued behind another does not take half of the bandwidth from it);
 * ``Reduce`` / ``Copy`` -> delay tasks timed by the compute model; ``Nop`` -> zero delay;
 * with a compute model, one extra delay task per rank (its compute time before the
   collective) precedes every op of that rank without dependencies.
@@ -75,6 +78,10 @@ class TaskGraph:
     #: What per-flow ECMP hashes besides the hosts (the role of a 5-tuple's ports): the
     #: task's index in its own job, so a job takes the same paths alone or among others.
     flow_key: np.ndarray
+    #: int64 FIFO connection of a transfer, -1 = none. Transfers of one connection move one
+    #: at a time, in the order they became ready (a TCP connection per (sender, receiver,
+    #: channel), as the runtime's transports have); the others share links max-min fairly.
+    connection: np.ndarray
     # Edges in CSR form by source task: task u enables dep_dst[dep_ptr[u]:dep_ptr[u+1]].
     dep_ptr: np.ndarray
     dep_dst: np.ndarray
@@ -124,7 +131,8 @@ def _column(value: object, n: int, dtype: type) -> np.ndarray:
 class GraphBuilder:
     """Accumulates tasks and edges in vectorized batches; ``add_*`` return the new task ids."""
 
-    _FIELDS = ("kind", "src", "dst", "size_bytes", "duration_s", "nic", "priority", "job", "rank", "peer", "op", "label")
+    _FIELDS = ("kind", "src", "dst", "size_bytes", "duration_s", "nic", "priority", "job", "rank", "peer", "op", "label",
+               "connection")
 
     def __init__(self, job_name: str = "job") -> None:
         self.n = 0
@@ -149,14 +157,16 @@ class GraphBuilder:
     def add_transfers(self, src: np.ndarray | int, dst: np.ndarray | int, size_bytes: np.ndarray | float, *,
                       n: int | None = None, nic: np.ndarray | int = -1, priority: np.ndarray | int = 0,
                       rank: np.ndarray | int = -1, peer: np.ndarray | int = -1, op: np.ndarray | int = -1,
-                      label: str = "transfer") -> np.ndarray:
-        """Transfers ``src[i] -> dst[i]`` of ``size_bytes[i]`` bytes (scalars broadcast)."""
+                      connection: np.ndarray | int = -1, label: str = "transfer") -> np.ndarray:
+        """Transfers ``src[i] -> dst[i]`` of ``size_bytes[i]`` bytes (scalars broadcast);
+        ``connection[i] >= 0`` puts a transfer on a FIFO connection (see :class:`TaskGraph`)."""
         n = _count(n, src, dst, size_bytes)
         sizes = _column(size_bytes, n, np.float64)
         if (sizes < 0).any() or not np.isfinite(sizes).all():
             raise ValueError("transfer sizes must be finite and >= 0 bytes")
         return self._add(n, kind=TRANSFER, src=src, dst=dst, size_bytes=sizes, duration_s=0.0, nic=nic,
-                         priority=priority, job=0, rank=rank, peer=peer, op=op, label=self._label(label))
+                         priority=priority, job=0, rank=rank, peer=peer, op=op, label=self._label(label),
+                         connection=connection)
 
     def add_delays(self, duration_s: np.ndarray | float, *, n: int | None = None, rank: np.ndarray | int = -1,
                    peer: np.ndarray | int = -1, op: np.ndarray | int = -1, label: str = "delay") -> np.ndarray:
@@ -166,7 +176,7 @@ class GraphBuilder:
         if (durations < 0).any() or not np.isfinite(durations).all():
             raise ValueError("delays must be finite and >= 0 s")
         return self._add(n, kind=DELAY, src=-1, dst=-1, size_bytes=0.0, duration_s=durations, nic=-1,
-                         priority=0, job=0, rank=rank, peer=peer, op=op, label=self._label(label))
+                         priority=0, job=0, rank=rank, peer=peer, op=op, label=self._label(label), connection=-1)
 
     def add_edges(self, before: np.ndarray | int, after: np.ndarray | int, *, any_of: bool = False) -> None:
         """Edges ``before[i] -> after[i]`` (scalars broadcast); ``any_of`` marks any-of edges."""
@@ -200,7 +210,7 @@ class GraphBuilder:
             nic=columns["nic"], priority=columns["priority"], job=columns["job"], rank=columns["rank"],
             peer=columns["peer"], op=columns["op"], label=columns["label"].astype(np.int16),
             label_names=labels, job_names=(self.job_name,), flow_key=np.arange(n, dtype=np.int64),
-            dep_ptr=dep_ptr, dep_dst=after[order], dep_any=any_of[order], need_all=need_all, has_any=has_any,
+            connection=columns["connection"], dep_ptr=dep_ptr, dep_dst=after[order], dep_any=any_of[order], need_all=need_all, has_any=has_any,
         )
 
 
@@ -231,8 +241,12 @@ def merge_graphs(graphs: Sequence[TaskGraph], *, names: Sequence[str] | None = N
     cols: dict[str, list[np.ndarray]] = defaultdict(list)
     ptr_parts = [np.zeros(1, dtype=np.int64)]
     edge_base = 0
+    connection_base = 0
     job_names: list[str] = []
     for index, (graph, offset) in enumerate(zip(graphs, offsets)):
+        # Connections are per job: renumber them past the previous jobs'.
+        cols["connection"].append(np.where(graph.connection >= 0, graph.connection + connection_base, -1))
+        connection_base += int(graph.connection.max(initial=-1)) + 1
         for name in ("kind", "src", "dst", "size_bytes", "duration_s", "nic", "rank", "peer", "op", "need_all", "has_any",
                      "flow_key"):
             cols[name].append(getattr(graph, name))
@@ -252,7 +266,7 @@ def merge_graphs(graphs: Sequence[TaskGraph], *, names: Sequence[str] | None = N
         duration_s=joined["duration_s"], nic=joined["nic"], priority=joined["priority"], job=joined["job"],
         rank=joined["rank"], peer=joined["peer"], op=joined["op"], label=joined["label"],
         label_names=tuple(sorted(labels, key=labels.__getitem__)), job_names=tuple(job_names), flow_key=joined["flow_key"],
-        dep_ptr=np.concatenate(ptr_parts), dep_dst=joined["dep_dst"], dep_any=joined["dep_any"],
+        connection=joined["connection"], dep_ptr=np.concatenate(ptr_parts), dep_dst=joined["dep_dst"], dep_any=joined["dep_any"],
         need_all=joined["need_all"], has_any=joined["has_any"],
     )
 
@@ -292,6 +306,8 @@ def compile_schedules(schedules: Sequence[Schedule], *, placement: Sequence[int]
     duration = np.zeros(total)
     nic = np.full(total, -1, dtype=np.int64)
     peer = np.full(total, -1, dtype=np.int64)
+    connection = np.full(total, -1, dtype=np.int64)
+    connections: dict[tuple[int, int, str], int] = {}  # (rank, peer, channel) -> FIFO connection
     owner = np.empty(total, dtype=np.int64)
     op_index = np.empty(total, dtype=np.int64)
     label = np.empty(total, dtype=np.int16)
@@ -316,6 +332,7 @@ def compile_schedules(schedules: Sequence[Schedule], *, placement: Sequence[int]
                 size[task] = op.src.length * itemsize
                 nic[task] = _nic_of(op.channel)
                 peer[task] = op.peer
+                connection[task] = connections.setdefault((r, op.peer, op.channel), len(connections))
                 sends[(r, op.peer, op.channel, op.tag)].append(task)
                 label[task] = label_ids["Send"]
             else:
@@ -349,7 +366,8 @@ def compile_schedules(schedules: Sequence[Schedule], *, placement: Sequence[int]
                 roots.append((r, task))
             task += 1
     b._add(total, kind=kinds, src=src, dst=dst, size_bytes=size, duration_s=duration, nic=nic,
-           priority=np.where(kinds == TRANSFER, priority, 0), job=0, rank=owner, peer=peer, op=op_index, label=label)
+           priority=np.where(kinds == TRANSFER, priority, 0), job=0, rank=owner, peer=peer, op=op_index, label=label,
+           connection=connection)
     for task, key, r, i in recvs:
         queue = sends.get(key)
         if not queue:
