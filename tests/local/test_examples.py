@@ -1,0 +1,57 @@
+"""The scripts in examples/ run as documented (torchrun for the distributed ones).
+
+Run: python -m pytest tests/local/test_examples.py
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlfabric.bench.procs import free_port
+
+pytestmark = pytest.mark.local
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _torchrun(script: str, *args: str, procs: int = 2) -> str:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([str(torchrun), f"--nproc-per-node={procs}", f"--master-port={free_port()}",
+                          str(EXAMPLES / script), *args], capture_output=True, text=True, timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_ddp_example_trains_identical_replicas_through_the_hook() -> None:
+    stdout = _torchrun("ddp_train.py", "--epochs", "3", "--algorithm", "halving_doubling")
+    match = re.search(r"loss per epoch ([\d.]+), ([\d.]+), ([\d.]+); (\d+) buckets", stdout)
+    assert match, stdout
+    first, _, last, buckets = float(match[1]), float(match[2]), float(match[3]), int(match[4])
+    assert last < first / 4  # it learns
+    assert buckets > 0 and "replicas identical: True" in stdout
+
+
+@pytest.mark.parametrize("quorum", ["all", "solo"])
+def test_eager_sgd_example_ends_with_one_model(quorum: str) -> None:
+    stdout = _torchrun("eager_sgd.py", "--quorum", quorum, "--epochs", "2", "--steps", "8", "--straggler-ms", "5")
+    match = re.search(r"mean active ranks per round ([\d.]+)", stdout)
+    assert match and "replicas identical: True" in stdout, stdout
+    if quorum == "all":
+        assert float(match[1]) == 2.0  # synchronous: every round has both ranks
+    else:
+        assert 1.0 <= float(match[1]) <= 2.0
+
+
+def test_simulate_example_reproduces_bml_halving_the_ring() -> None:
+    out = subprocess.run([sys.executable, str(EXAMPLES / "simulate.py")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "BML on BCube(4,2) 75.0 ms, ring on fat-tree(4) 150.0 ms (ring / BML = 2.00" in out.stdout
+    assert re.search(r"RACK [\d.]+ s \(\d+% less\)", out.stdout)
+    assert "5 seeds: " in out.stdout and "(no stragglers: 200.0 ms)" in out.stdout
