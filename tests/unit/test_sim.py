@@ -543,3 +543,16 @@ def test_a_late_rank_delays_the_ring_by_its_lateness_only() -> None:
     wide = simulate_collective("ring", "fat-tree:k=4", "10Gbps", size_bytes=100e6,
                                compute=ComputeModel(compute_s=0.05, speeds=sixteen), config=EngineConfig(routing="spray"))
     assert wide.time_s == pytest.approx(0.100 + 2 * 15 / 16 * 100e6 * 8 / 10e9, rel=1e-12)
+
+
+def test_cli_closed_form_counts_the_slowest_ranks_compute() -> None:
+    from mlfabric.cli import app
+
+    out = CliRunner().invoke(app, ["simulate", "collective", "--topology", "star:n=4", "--link", "10Gbps",
+                                   "--algorithm", "ring", "--size", "100MB", "--compute", "50ms",
+                                   "--straggler", "1,2", "--json", "--links", "none"])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.output)
+    assert data["slowest_compute_s"] == pytest.approx(0.1, rel=1e-12)  # every rank 2x slower
+    assert data["closed_form_s"] == pytest.approx(0.1 + 2 * 3 / 4 * 100e6 * 8 / 10e9, rel=1e-12)
+    assert data["time_vs_closed_form"] == pytest.approx(1.0, rel=1e-9)
