@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -76,7 +76,8 @@ class TaskGraph:
     label_names: tuple[str, ...]
     job_names: tuple[str, ...]
     #: What per-flow ECMP hashes besides the hosts (the role of a 5-tuple's ports): the
-    #: task's index in its own job, so a job takes the same paths alone or among others.
+    #: task's index in its own job, so a job takes the same paths alone or among others; for a
+    #: transfer on a connection, ``-1 - connection``, so a connection's messages share a path.
     flow_key: np.ndarray
     #: int64 FIFO connection of a transfer, -1 = none. Transfers of one connection move one
     #: at a time, in the order they became ready (a TCP connection per (sender, receiver,
@@ -392,4 +393,7 @@ def compile_schedules(schedules: Sequence[Schedule], *, placement: Sequence[int]
         b.add_edges(np.array(dep_before, dtype=np.int64), np.array(dep_after, dtype=np.int64))
     if any_before:
         b.add_edges(np.array(any_before, dtype=np.int64), np.array(any_after, dtype=np.int64), any_of=True)
-    return b.build()
+    graph = b.build()
+    # Per-flow ECMP hashes a TCP connection, not a message: every message of a connection
+    # takes its path (negative keys never equal a task index of the job's other transfers).
+    return replace(graph, flow_key=np.where(graph.connection >= 0, -1 - graph.connection, graph.flow_key))

@@ -556,3 +556,14 @@ def test_cli_closed_form_counts_the_slowest_ranks_compute() -> None:
     assert data["slowest_compute_s"] == pytest.approx(0.1, rel=1e-12)  # every rank 2x slower
     assert data["closed_form_s"] == pytest.approx(0.1 + 2 * 3 / 4 * 100e6 * 8 / 10e9, rel=1e-12)
     assert data["time_vs_closed_form"] == pytest.approx(1.0, rel=1e-9)
+
+
+def test_per_flow_ecmp_puts_a_connections_messages_on_one_path() -> None:
+    topo = fat_tree(4, RATE)  # hosts 0 and 15 are in different pods: 4 shortest paths
+    for seed in range(4):
+        result = simulate_collective("ring", topo, size_bytes=8_000_000, ranks=2, placement=[0, 15],
+                                     chunks=4, config=EngineConfig(seed=seed))
+        sends = result.graph.kind == TRANSFER
+        assert len(set(result.graph.flow_key[sends].tolist())) == 2  # one key per direction
+        # Each direction's 4 x 2 messages crossed one 6-link path: 12 links carry bytes.
+        assert np.count_nonzero(result.link_bytes) == 12
