@@ -12,7 +12,9 @@ The engine repeats:
 
 1. run every task that is ready *now*: zero-time tasks complete at once (and may make more
    tasks ready), delays set a timer, transfers start flows (all flows started at one instant
-   are routed and added in one batch);
+   are routed and added in one batch) — except that a transfer on a FIFO connection
+   (``TaskGraph.connection``: a rank's messages to one peer on one channel) waits until the
+   connection's previous message has arrived, as over one TCP stream;
 2. re-solve the rates (only flows whose rate can change get new finish times);
 3. advance the clock to the earliest flow finish or timer; every flow finishing within
    ``batch_rtol`` (relative) of that instant completes in the same batch, so flows that
