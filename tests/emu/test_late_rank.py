@@ -30,7 +30,8 @@ def test_a_late_rank_delays_the_emulated_ring_as_simulated() -> None:
     for rank in (0, 1, 2):
         emulated, simulated = rows[rank]
         assert 0.95 <= emulated / simulated <= 1.3, (rank, rows)
-    assert rows[0][0] > rows[1][0] > rows[2][0]
+    # Rank 0 (right after the late rank) ends ~85 ms after rank 2 (right before it).
+    assert rows[0][0] - rows[2][0] > 0.5 * (rows[0][1] - rows[2][1]), rows
     makespan = re.search(r"makespan: emulated ([\d.]+) ms, simulated ([\d.]+) ms", out.stdout)
     assert makespan and 0.95 <= float(makespan[1]) / float(makespan[2]) <= 1.3
     assert not our_leftovers()
