@@ -410,6 +410,8 @@ PlotOption = Annotated[Optional[Path], typer.Option("--plot", help="Draw link-lo
 LinksOption = Annotated[str, typer.Option("--links", help="Per-link byte counts in the JSON: nonzero, all or none.")]
 LatencyOption = Annotated[str, typer.Option(help="Latency added to every network message.")]
 StragglerOption = Annotated[str, typer.Option(help="Straggler model: none, C1, C2, C3 or probability,slowdown.")]
+SpeedRangeOption = Annotated[Optional[str], typer.Option("--speed-range", help="Relative speeds drawn uniformly "
+                                                                              "from low,high (e.g. 1,2).")]
 
 
 def _check_choice(value: str, choices: tuple[str, ...], option: str) -> str:
@@ -438,6 +440,7 @@ def simulate_collective_cmd(
     chunks: Annotated[Optional[int], typer.Option(help="Pipelining chunks per segment (builder default).")] = None,
     latency: LatencyOption = "0s",
     compute: Annotated[str, typer.Option(help="Compute time of each rank before the collective.")] = "0s",
+    speed_range: SpeedRangeOption = None,
     straggler: StragglerOption = "none",
     json_flag: JsonFlag = False,
     output: OutputOption = None,
@@ -453,7 +456,7 @@ def simulate_collective_cmd(
     topo = _sim_topology(topology, link)
     size_bytes = _parse_or_usage(parse_size, size)
     config = make_config(EngineConfig, routing=routing, seed=seed, latency_s=_parse_or_usage(parse_duration, latency))
-    model = _compute_model(compute, straggler, None)
+    model = _compute_model(compute, straggler, speed_range)
     kind = collective_kind(algorithm)
     options: dict[str, Any] = {}
     if channel is not None:
@@ -509,9 +512,7 @@ def simulate_ps_cmd(
     barrier: Annotated[str, typer.Option(help="server (a server pulls once its pushes arrived) or global "
                                               "(pull phase after the whole push phase).")] = "server",
     compute: Annotated[str, typer.Option(help="Compute time of one iteration at nominal speed.")] = "0s",
-    speed_range: Annotated[Optional[str], typer.Option("--speed-range", help="Relative worker speeds drawn "
-                                                                             "uniformly from low,high (e.g. 1,2).")]
-        = None,
+    speed_range: SpeedRangeOption = None,
     straggler: StragglerOption = "none",
     jobs: Annotated[int, typer.Option(help="Concurrent copies of the job, placed independently.")] = 1,
     priorities: Annotated[str, typer.Option(help="With --jobs: none (fair sharing) or random (distinct "

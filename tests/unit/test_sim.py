@@ -567,3 +567,19 @@ def test_per_flow_ecmp_puts_a_connections_messages_on_one_path() -> None:
         assert len(set(result.graph.flow_key[sends].tolist())) == 2  # one key per direction
         # Each direction's 4 x 2 messages crossed one 6-link path: 12 links carry bytes.
         assert np.count_nonzero(result.link_bytes) == 12
+
+
+def test_cli_collective_takes_worker_speeds() -> None:
+    from mlfabric.cli import app
+
+    out = CliRunner().invoke(app, ["simulate", "collective", "--topology", "star:n=4", "--link", "10Gbps",
+                                   "--algorithm", "ring", "--size", "100MB", "--compute", "50ms",
+                                   "--speed-range", "0.5,1", "--json", "--links", "none"])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.output)
+    assert 0.05 < data["slowest_compute_s"] <= 0.1  # 50 ms at relative speeds in [0.5, 1]
+    # With FIFO connections the ring ends exactly when the slowest rank's share has gone round.
+    assert data["time_vs_closed_form"] == pytest.approx(1.0, rel=1e-9)
+    bad = CliRunner().invoke(app, ["simulate", "collective", "--topology", "star:n=4", "--link", "10Gbps",
+                                   "--speed-range", "2"])
+    assert bad.exit_code == 2 and "low,high" in bad.output
