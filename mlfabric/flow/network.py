@@ -381,28 +381,20 @@ class FlowNetwork:
 
         full = (not self.incremental) or resolve.size > _FULL_SOLVE_FRACTION * self._n_alive
         if full:
-            ids = self.flow_ids()
-            positions, indptr = self._entry_positions(ids)
-            links, lengths = self._links[positions], np.diff(indptr)
-            incidence = Incidence.trusted(indptr, links, None if self._unit_weights else self._weights[positions], self.n_links)
-            rates = solve_max_min(incidence, self._capacity, self._cap[ids], tie_rtol=self.tie_rtol)
-            self._rate[ids] = rates
-            self._solved[ids] = True
-            self._load = self._entry_load(links, self._weights[positions], lengths, rates)
-            sort = np.argsort(rates, kind="stable")
-            self._set_order(ids[sort], rates[sort], 0)
-            self.last_resolved = ids
-            stats = UpdateStats(kind="full", flows_total=ids.size, flows_resolved=ids.size, divergence_level=divergence)
-        elif resolve.size:
+            resolve, split = self.flow_ids(), 0
+        if full or resolve.size:
             positions, indptr = self._entry_positions(resolve)
             links, weights, lengths = self._links[positions], self._weights[positions], np.diff(indptr)
             incidence = Incidence.trusted(indptr, links, None if self._unit_weights else weights, self.n_links)
-            old = self._rate[resolve]
-            # Unsolved (new) flows carry no accounted load: count them at rate 0.
-            old = np.where(self._solved[resolve], old, 0.0)
-            load_kept = self._load - self._entry_load(links, weights, lengths, old)
-            residual = np.maximum(self._capacity - load_kept, 0.0)
-            rates = solve_max_min(incidence, residual, self._cap[resolve], tie_rtol=self.tie_rtol)
+            if full:
+                # Loads rebuilt from scratch: no rounding accumulated over partial updates.
+                capacity, load_kept = self._capacity, np.zeros(self.n_links)
+            else:
+                # The kept flows' load stays; unsolved (new) flows carry none yet (rate 0).
+                old = np.where(self._solved[resolve], self._rate[resolve], 0.0)
+                load_kept = self._load - self._entry_load(links, weights, lengths, old)
+                capacity = np.maximum(self._capacity - load_kept, 0.0)
+            rates = solve_max_min(incidence, capacity, self._cap[resolve], tie_rtol=self.tie_rtol)
             self._rate[resolve] = rates
             self._solved[resolve] = True
             self._load = load_kept + self._entry_load(links, weights, lengths, rates)
@@ -414,11 +406,9 @@ class FlowNetwork:
                 n = self._order_n
                 resort = np.argsort(self._order_rates[:n], kind="stable")
                 self._set_order(self._order[:n][resort], self._order_rates[:n][resort], 0)
-            self.last_resolved = resolve
-            stats = UpdateStats(kind="partial", flows_total=self._n_alive, flows_resolved=resolve.size, divergence_level=divergence)
-        else:
-            self.last_resolved = np.zeros(0, dtype=np.int64)
-            stats = UpdateStats(kind="none", flows_total=self._n_alive, flows_resolved=0, divergence_level=divergence)
+        self.last_resolved = resolve
+        stats = UpdateStats(kind="full" if full else "partial" if resolve.size else "none", flows_total=self._n_alive,
+                            flows_resolved=resolve.size, divergence_level=divergence)
         if self._order_n > 2 * self._n_alive + 1024:
             # Mostly stale entries: rebuild from the live flows' current rates.
             ids = self.flow_ids()
