@@ -44,15 +44,20 @@ from typing import Any, Callable, Collection, Mapping, Sequence
 
 __all__ = [
     "LaunchConfig", "RankEnv", "RankFailedError", "RankFailure", "RankTimeoutError", "check_choices",
-    "free_port", "rank_env", "report", "run_module", "run_ranks",
+    "check_distinct", "free_port", "rank_env", "report", "run_module", "run_ranks",
 ]
+
+
+def check_distinct(values: Sequence[str], what: str) -> None:
+    """A benchmark's or job's list option is non-empty and has no repeats (ValueError naming ``what``)."""
+    if not values or len(set(values)) != len(values):
+        raise ValueError(f"{what} must be distinct and non-empty, got {values}")
 
 
 def check_choices(values: Sequence[str], allowed: Sequence[str], what: str, item: str) -> None:
     """A benchmark's or job's list option: non-empty, no repeats, each one of ``allowed``
     (ValueError naming ``what``, the list, or ``item``, one entry)."""
-    if not values or len(set(values)) != len(values):
-        raise ValueError(f"{what} must be distinct and non-empty, got {values}")
+    check_distinct(values, what)
     for value in values:
         if value not in allowed:
             raise ValueError(f"unknown {item} {value!r}; choose from {', '.join(allowed)}")

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from mlfabric.bench.procs import LaunchConfig, check_choices, rank_env, report, run_ranks
+from mlfabric.bench.procs import LaunchConfig, check_choices, check_distinct, rank_env, report, run_ranks
 
 from .workloads import Hyperplane, HyperplaneSpec, LstmSpec, SequenceTask
 
@@ -118,8 +118,7 @@ class EagerTrainConfig:
         if self.workers < 1:
             raise ValueError(f"need at least one worker, got {self.workers}")
         check_choices(self.modes, MODES, "modes", "sync mode")
-        if not self.injects or len(set(self.injects)) != len(self.injects):
-            raise ValueError(f"injections must be distinct and non-empty, got {self.injects}")
+        check_distinct(self.injects, "injections")
         for inject in self.injects:
             model = parse_injection(inject)
             if model is not None and hasattr(model, "count") and model.count > self.workers:

@@ -162,6 +162,9 @@ def test_skew_and_injection_spellings() -> None:
     assert ((delays > 0).sum(axis=1) == 1).all() and delays.max() == pytest.approx(0.3)
     with pytest.raises(ValueError):
         EagerTrainConfig(workers=2, injects=("random:10ms,3",))
+    for injects in ((), ("none", "none")):
+        with pytest.raises(ValueError, match="injections must be distinct and non-empty"):
+            EagerTrainConfig(workers=2, injects=injects)
 
 
 def test_partial_bench_tiny_run_has_sane_figures() -> None:
