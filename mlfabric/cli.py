@@ -448,6 +448,7 @@ def simulate_collective_cmd(
     links: LinksOption = "nonzero",
 ) -> None:
     """Simulate one collective built by mlfabric.collectives (the runtime's schedules) on a topology."""
+    from mlfabric.collectives.bcube import closed_form_gst
     from mlfabric.sim import EngineConfig, collective_kind, ring_closed_form_s, simulate_collective
     from mlfabric.units import format_size, parse_duration, parse_size
 
@@ -476,8 +477,9 @@ def simulate_collective_cmd(
         closed = ring_closed_form_s(world, size_bytes, topo.link_rate_bps)
         label = "2(N-1)/N x T_F (BML §2)"
         if kind == "allreduce:bcube" and topo.spec.kind == "bcube" and world == topo.n_hosts:
-            levels = topo.spec.int_param("k")
-            closed, label = closed / levels, "2(N-1)/(kN) x T_F (BML §3.2)"
+            closed = closed_form_gst(topo.spec.int_param("n"), topo.spec.int_param("k"),
+                                     size_bytes * 8.0 / topo.link_rate_bps)
+            label = "2(N-1)/(kN) x T_F (BML §3.2)"
         if model is not None:
             # Ranks start when their compute ends: the collective cannot end before the
             # slowest rank's compute plus its own time.

@@ -321,10 +321,10 @@ class PartialAllreduce:
 
     def _reform(self) -> None:
         """Drop the lost members, abandon the execution in flight, start agreeing on a round."""
-        leaving = sorted(self._gone() & set(self.members))
-        self.lost = frozenset(self._gone())
+        gone = self._gone()
+        crashed = sorted(peer for peer in gone & set(self.members) if peer in self.transport.lost_peers)
+        self.lost = frozenset(gone)
         self.members = tuple(m for m in self.members if m not in self.lost)
-        crashed = [peer for peer in leaving if peer in self.transport.lost_peers]
         # A crash is worth a warning; a rank that closed its communicator (the normal end of
         # a job, ranks finishing at different times) is not.
         log.log(logging.WARNING if crashed else logging.INFO,
