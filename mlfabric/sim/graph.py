@@ -211,7 +211,8 @@ class GraphBuilder:
             nic=columns["nic"], priority=columns["priority"], job=columns["job"], rank=columns["rank"],
             peer=columns["peer"], op=columns["op"], label=columns["label"].astype(np.int16),
             label_names=labels, job_names=(self.job_name,), flow_key=np.arange(n, dtype=np.int64),
-            connection=columns["connection"], dep_ptr=dep_ptr, dep_dst=after[order], dep_any=any_of[order], need_all=need_all, has_any=has_any,
+            connection=columns["connection"], dep_ptr=dep_ptr, dep_dst=after[order], dep_any=any_of[order],
+            need_all=need_all, has_any=has_any,
         )
 
 
@@ -267,8 +268,8 @@ def merge_graphs(graphs: Sequence[TaskGraph], *, names: Sequence[str] | None = N
         duration_s=joined["duration_s"], nic=joined["nic"], priority=joined["priority"], job=joined["job"],
         rank=joined["rank"], peer=joined["peer"], op=joined["op"], label=joined["label"],
         label_names=tuple(sorted(labels, key=labels.__getitem__)), job_names=tuple(job_names), flow_key=joined["flow_key"],
-        connection=joined["connection"], dep_ptr=np.concatenate(ptr_parts), dep_dst=joined["dep_dst"], dep_any=joined["dep_any"],
-        need_all=joined["need_all"], has_any=joined["has_any"],
+        connection=joined["connection"], dep_ptr=np.concatenate(ptr_parts), dep_dst=joined["dep_dst"],
+        dep_any=joined["dep_any"], need_all=joined["need_all"], has_any=joined["has_any"],
     )
 
 

@@ -545,14 +545,19 @@ def test_a_late_rank_delays_the_ring_by_its_lateness_only() -> None:
     assert wide.time_s == pytest.approx(0.100 + 2 * 15 / 16 * 100e6 * 8 / 10e9, rel=1e-12)
 
 
-def test_cli_closed_form_counts_the_slowest_ranks_compute() -> None:
+def _ring_with_compute_json(*options: str) -> dict:
+    """``simulate collective`` of a 100 MB ring on star:n=4 at 10 Gbps after 50 ms of compute."""
     from mlfabric.cli import app
 
     out = CliRunner().invoke(app, ["simulate", "collective", "--topology", "star:n=4", "--link", "10Gbps",
-                                   "--algorithm", "ring", "--size", "100MB", "--compute", "50ms",
-                                   "--straggler", "1,2", "--json", "--links", "none"])
+                                   "--algorithm", "ring", "--size", "100MB", "--compute", "50ms", *options,
+                                   "--json", "--links", "none"])
     assert out.exit_code == 0, out.output
-    data = json.loads(out.output)
+    return json.loads(out.output)
+
+
+def test_cli_closed_form_counts_the_slowest_ranks_compute() -> None:
+    data = _ring_with_compute_json("--straggler", "1,2")
     assert data["slowest_compute_s"] == pytest.approx(0.1, rel=1e-12)  # every rank 2x slower
     assert data["closed_form_s"] == pytest.approx(0.1 + 2 * 3 / 4 * 100e6 * 8 / 10e9, rel=1e-12)
     assert data["time_vs_closed_form"] == pytest.approx(1.0, rel=1e-9)
@@ -572,11 +577,7 @@ def test_per_flow_ecmp_puts_a_connections_messages_on_one_path() -> None:
 def test_cli_collective_takes_worker_speeds() -> None:
     from mlfabric.cli import app
 
-    out = CliRunner().invoke(app, ["simulate", "collective", "--topology", "star:n=4", "--link", "10Gbps",
-                                   "--algorithm", "ring", "--size", "100MB", "--compute", "50ms",
-                                   "--speed-range", "0.5,1", "--json", "--links", "none"])
-    assert out.exit_code == 0, out.output
-    data = json.loads(out.output)
+    data = _ring_with_compute_json("--speed-range", "0.5,1")
     assert 0.05 < data["slowest_compute_s"] <= 0.1  # 50 ms at relative speeds in [0.5, 1]
     # With FIFO connections the ring ends exactly when the slowest rank's share has gone round.
     assert data["time_vs_closed_form"] == pytest.approx(1.0, rel=1e-9)
