@@ -21,8 +21,6 @@ import time
 import torch
 
 import mlfabric
-from mlfabric.collectives.partition import chunks_for
-from mlfabric.collectives.ring import MAX_CHUNKS
 from mlfabric.sim import ComputeModel, simulate_collective
 from mlfabric.units import parse_duration, parse_rate, parse_size
 
@@ -51,9 +49,7 @@ def main() -> None:
     medians = comm.allgather(torch.tensor([statistics.median(times)], dtype=torch.float64)).flatten()
 
     if comm.rank == 0:
-        options = {}
-        if comm.chunk_bytes is not None:  # the pipelining the communicator used
-            options["chunks"] = chunks_for(count // world, max(1, comm.chunk_bytes // 4), MAX_CHUNKS)
+        options = comm.ring_options("ring", data)  # the pipelining the communicator used
         speeds = (1e12,) * (world - 1) + (1.0,)  # only the last rank "computes" (waits)
         compute = ComputeModel(compute_s=late, speeds=speeds) if late > 0 else None
         sim = simulate_collective("ring", f"star:n={world}", rate, size_bytes=count * 4, compute=compute, **options)

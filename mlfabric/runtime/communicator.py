@@ -96,11 +96,13 @@ class Communicator:
             return tensor
 
         return self._run(f"allreduce:{name}", flat, f"allreduce({name}, {op})", finish,
-                         timeout, op=reduce_op, **options, **self._chunk_options(name, flat))
+                         timeout, op=reduce_op, **options, **self.ring_options(name, flat))
 
-    def _chunk_options(self, ring_kind: str, flat: torch.Tensor) -> dict[str, object]:
-        """``chunks`` for a ring builder when ``chunk_bytes`` is set: the segments (count /
-        world size elements) are cut into chunks of about ``chunk_bytes``. Every rank computes
+    def ring_options(self, ring_kind: str, flat: torch.Tensor) -> dict[str, object]:
+        """The pipelining options this communicator gives ring builder ``ring_kind`` ("ring",
+        "allgather", "reduce_scatter") for ``flat`` (e.g. to simulate the same schedule):
+        ``chunks`` when ``chunk_bytes`` is set, the segments (count / world size elements) cut
+        into chunks of about ``chunk_bytes``; none otherwise. Every rank computes
         the same value from global quantities, so schedules agree as long as every rank was
         given the same ``chunk_bytes`` (the launchers set one value for all)."""
         if self.chunk_bytes is None or ring_kind not in ("ring", "allgather", "reduce_scatter"):
@@ -162,7 +164,7 @@ class Communicator:
             return gathered.view(shape).to(tensor.device)
 
         return self._run("allgather", gathered, "allgather", finish, timeout,
-                         **self._chunk_options("allgather", gathered))
+                         **self.ring_options("allgather", gathered))
 
     def allgather(self, tensor: torch.Tensor, *, timeout: float | None = None) -> torch.Tensor:
         """Every rank's ``tensor`` stacked: shape ``(world_size, *tensor.shape)``."""
@@ -182,7 +184,7 @@ class Communicator:
             return out.clone().to(tensor.device)
 
         return self._run("reduce_scatter", work, f"reduce_scatter({op})", finish, timeout,
-                         op="sum" if op == "avg" else op, **self._chunk_options("reduce_scatter", work))
+                         op="sum" if op == "avg" else op, **self.ring_options("reduce_scatter", work))
 
     def reduce_scatter(self, tensor: torch.Tensor, op: str = "sum", *,
                        timeout: float | None = None) -> torch.Tensor:
