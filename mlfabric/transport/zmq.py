@@ -37,6 +37,7 @@ from .base import (
     decode_header,
     encode_header,
 )
+from .memory import keep_freed_memory
 from .pacing import Pacer
 
 log = logging.getLogger("mlfabric.transport.zmq")
@@ -90,6 +91,7 @@ class ZmqTransport(Transport):
         super().__init__(rank, world_size, channels)
         if len(token) != TOKEN_BYTES:
             raise ValueError(f"job token must be {TOKEN_BYTES} bytes")
+        keep_freed_memory()  # libzmq's receive buffers: reuse them, do not fault in fresh pages
         self.token = token
         self._ctx = zmq.Context(io_threads=1)
         self._channel_index = {name: i for i, name in enumerate(self.channels)}
