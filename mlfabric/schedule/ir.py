@@ -15,7 +15,7 @@ Exercise it with ``python -m pytest tests/unit/test_schedule.py``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import Enum
 from functools import cached_property
 from typing import Iterable, Sequence

@@ -23,7 +23,6 @@ from mlfabric.topo import (
     fat_tree,
     load_capacity_trace,
     parse_topology,
-    racks,
     star,
     write_capacity_trace,
 )
