@@ -24,6 +24,12 @@ mixed-radix number ``(v_{j_0}, v_{j_1}, .., v_{j_{k-1}})`` (``v_{j_0}`` most sig
 every ``CalcGset`` is one contiguous slice and every transfer one message. The buffer is cut
 into ``k*N`` pieces per call, i.e. per DDP bucket, which is BML §4.1's per-layer split.
 
+**Step order on a connection.** The threads share each neighbour's connection (one per
+level). BML's analysis has the threads step together; left to timing, a thread that ran ahead
+could queue its step-``w+1`` message in front of another thread's step-``w`` message to the
+same neighbour, and on a FIFO connection the earlier step then waits for the later, bigger
+transfer. So every send also waits for the previous step's send on its connection.
+
 **Hierarchical synchronization** (``hierarchical_allreduce``) is the same exchange with one
 thread on one NIC over mixed radices, e.g. a Fat-Tree(k) grouped by edge switch (``k/2``
 hosts), then by pod (``k/2`` edges), then across the ``k`` pods: BML §3.3's baseline, whose
@@ -170,47 +176,60 @@ def _digit_exchange(name: str, ex: DigitExchange, rank: int, op: str,
     mine = ex.digits(rank)
     sent: dict[str, int] = {}
 
+    # The last send to each (peer, level): one connection. Every send waits for it, so the
+    # messages to a neighbour leave in step order. Without this, a thread that ran ahead could
+    # queue its big last-step message in front of the other thread's small earlier-step one on
+    # the same connection; that message, and the thread waiting for it, then took a whole big
+    # transfer longer (BML calls of ~1.5 s instead of ~1.1 s on the emulator, docs/results.md).
+    last_send: dict[tuple[int, int], int] = {}
+
     def send(peer: int, sl: Slice, tag: int, deps: list[int], level: int) -> int:
         sent[channels[level]] = sent.get(channels[level], 0) + sl.length
-        return b.send(peer, sl, tag, deps, channel=channels[level])
+        before = last_send.get((peer, level))
+        index = b.send(peer, sl, tag, deps + ([before] if before is not None else []), channel=channels[level])
+        last_send[(peer, level)] = index
+        return index
 
-    for t in range(ex.threads):
-        order = ex.order(t)
-        # Aggregation: after step w this rank holds the reduction over the hosts that share
-        # its digits outside j_0..j_w, for the pieces matching its digits j_0..j_w.
-        previous_recvs: list[int] = []
-        agg_send: dict[tuple[int, int], int] = {}  # (step, peer) -> send op
-        for w in range(levels):
+    # Built step by step (all threads' step w before any thread's step w+1), so that
+    # ``last_send`` always holds the previous step's message on a connection.
+    orders = [ex.order(t) for t in range(ex.threads)]
+    # Aggregation: after step w this rank holds the reduction over the hosts that share
+    # its digits outside j_0..j_w, for the pieces matching its digits j_0..j_w.
+    previous_recvs: list[list[int]] = [[] for _ in range(ex.threads)]
+    agg_send: list[dict[tuple[int, int], int]] = [{} for _ in range(ex.threads)]  # (step, peer) -> send op
+    for w in range(levels):
+        for t in range(ex.threads):
             level = ex.aggregation_level(t, w)
-            fixed = [mine[j] for j in order[:w]]
+            fixed = [mine[j] for j in orders[t][:w]]
             tag = tag_of(t, AGGREGATION, w, levels)
             recvs: list[int] = []
             for digit, peer in ex.neighbours(rank, level):
-                agg_send[(w, peer)] = send(peer, ex.block(t, fixed + [digit]), tag, previous_recvs, level)
+                agg_send[t][(w, peer)] = send(peer, ex.block(t, fixed + [digit]), tag, previous_recvs[t], level)
             own = ex.block(t, fixed + [mine[level]])
             for _, peer in ex.neighbours(rank, level):
                 # Reductions into the same block are chained (they would race otherwise);
                 # the messages themselves still arrive concurrently.
-                chain = recvs[-1:] or previous_recvs
+                chain = recvs[-1:] or previous_recvs[t]
                 recvs.append(b.recv(peer, own, tag, chain, channel=channels[level], reduce=op))
-            previous_recvs = recvs or previous_recvs
-        # Broadcast: step w spreads the complete pieces matching digits j_0..j_{L-1-w}: the
-        # piece completed by the last aggregation plus what the previous broadcast brought.
-        complete = previous_recvs[-1:]  # every op that wrote a complete piece so far
-        for w in range(levels):
+            previous_recvs[t] = recvs or previous_recvs[t]
+    # Broadcast: step w spreads the complete pieces matching digits j_0..j_{L-1-w}: the
+    # piece completed by the last aggregation plus what the previous broadcast brought.
+    complete = [previous_recvs[t][-1:] for t in range(ex.threads)]  # ops that wrote a complete piece
+    for w in range(levels):
+        for t in range(ex.threads):
             level = ex.broadcast_level(t, w)
             agg_step = levels - 1 - w  # the aggregation step that used this level
-            fixed = [mine[j] for j in order[:agg_step]]
+            fixed = [mine[j] for j in orders[t][:agg_step]]
             own = ex.block(t, fixed + [mine[level]])
             tag = tag_of(t, BROADCAST, w, levels)
             recvs = []
             for _, peer in ex.neighbours(rank, level):
-                send(peer, own, tag, complete, level)
+                send(peer, own, tag, complete[t], level)
             for digit, peer in ex.neighbours(rank, level):
                 # Overwrites exactly what the aggregation send to this peer read.
                 recvs.append(b.recv(peer, ex.block(t, fixed + [digit]), tag,
-                                    [agg_send[(agg_step, peer)]], channel=channels[level]))
-            complete += recvs
+                                    [agg_send[t][(agg_step, peer)]], channel=channels[level]))
+            complete[t] = complete[t] + recvs
     return b.build(Cost(steps=2 * levels, elements_sent=sent))
 
 

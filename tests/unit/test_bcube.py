@@ -80,6 +80,30 @@ def test_threads_of_a_host_use_distinct_levels_in_every_step(n: int, k: int) -> 
             assert len({lvl for _, lvl in used}) == k, f"rank {rank} {stage}/{step}: levels collide: {used}"
 
 
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_messages_to_a_neighbour_leave_in_step_order(n: int, k: int) -> None:
+    """Regression: on one connection (peer, level) the threads' messages were ordered only by
+    timing, so a thread that ran ahead could put its last, big message in front of the other
+    thread's earlier, small one (BML calls of ~1.5 s instead of ~1.1 s on the emulator). Now
+    every send waits for the previous step's send on the same connection."""
+    world = n**k
+    for rank in range(world):
+        sched = bcube_allreduce(world, rank, 10 * k * world, n=n, k=k)
+        by_connection: dict[tuple[int, str], list[tuple[int, int]]] = {}
+        for index, op in enumerate(sched.ops):
+            if isinstance(op, Send):
+                _, stage, step = decode_tag(op.tag, k)
+                global_step = step if stage == AGGREGATION else k + step
+                by_connection.setdefault((op.peer, op.channel), []).append((global_step, index))
+        for connection, sends in by_connection.items():
+            sends.sort()
+            steps = [step for step, _ in sends]
+            # Every step uses every level once, so each connection carries one message per step.
+            assert steps == list(range(2 * k)), (rank, connection, steps)
+            for (_, earlier), (_, later) in zip(sends, sends[1:]):
+                assert earlier in sched.ops[later].deps, (rank, connection, earlier, later)
+
+
 def test_bml_paper_example_bcube_3_2() -> None:
     """BML §3.2's walk-through: thread 0 of server [0,0] sends 3 pieces to [0,1] and 3 to
     [0,2] on level 0, then 1 piece to each of [1,0] and [2,0] on level 1."""
