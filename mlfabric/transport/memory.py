@@ -61,10 +61,12 @@ def _apply() -> bool:
         return False
     try:
         libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-        libc.gnu_get_libc_version  # only glibc has this (and these mallopt parameters)
-    except (OSError, AttributeError):
+    except OSError:
         return False
+    # Only glibc has gnu_get_libc_version (and these mallopt parameter numbers).
+    if not (hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallopt")):
+        return False
+    mallopt = libc.mallopt
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     # mallopt returns 1 on success. Setting either threshold also turns off glibc's dynamic
