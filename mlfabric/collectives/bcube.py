@@ -176,19 +176,17 @@ def _digit_exchange(name: str, ex: DigitExchange, rank: int, op: str,
     mine = ex.digits(rank)
     sent: dict[str, int] = {}
 
-    # The last send to each (peer, level): one connection. Every send waits for it, so the
-    # messages to a neighbour leave in step order. Without this, a thread that ran ahead could
-    # queue its big last-step message in front of the other thread's small earlier-step one on
-    # the same connection; that message, and the thread waiting for it, then took a whole big
-    # transfer longer (BML calls of ~1.5 s instead of ~1.1 s on the emulator, docs/results.md).
+    # The last send on each connection (peer, level); every send waits for it ("Step order
+    # on a connection" above: without it BML calls on the emulator took ~1.5 s instead of
+    # ~1.1 s whenever one thread ran ahead, docs/results.md).
     last_send: dict[tuple[int, int], int] = {}
 
     def send(peer: int, sl: Slice, tag: int, deps: list[int], level: int) -> int:
         sent[channels[level]] = sent.get(channels[level], 0) + sl.length
         before = last_send.get((peer, level))
-        index = b.send(peer, sl, tag, deps + ([before] if before is not None else []), channel=channels[level])
-        last_send[(peer, level)] = index
-        return index
+        after = deps + ([before] if before is not None else [])
+        last_send[(peer, level)] = b.send(peer, sl, tag, after, channel=channels[level])
+        return last_send[(peer, level)]
 
     # Built step by step (all threads' step w before any thread's step w+1), so that
     # ``last_send`` always holds the previous step's message on a connection.
@@ -196,7 +194,8 @@ def _digit_exchange(name: str, ex: DigitExchange, rank: int, op: str,
     # Aggregation: after step w this rank holds the reduction over the hosts that share
     # its digits outside j_0..j_w, for the pieces matching its digits j_0..j_w.
     previous_recvs: list[list[int]] = [[] for _ in range(ex.threads)]
-    agg_send: list[dict[tuple[int, int], int]] = [{} for _ in range(ex.threads)]  # (step, peer) -> send op
+    # agg_send[t][(step, peer)]: thread t's aggregation send of that step to that peer.
+    agg_send: list[dict[tuple[int, int], int]] = [{} for _ in range(ex.threads)]
     for w in range(levels):
         for t in range(ex.threads):
             level = ex.aggregation_level(t, w)
@@ -204,7 +203,8 @@ def _digit_exchange(name: str, ex: DigitExchange, rank: int, op: str,
             tag = tag_of(t, AGGREGATION, w, levels)
             recvs: list[int] = []
             for digit, peer in ex.neighbours(rank, level):
-                agg_send[t][(w, peer)] = send(peer, ex.block(t, fixed + [digit]), tag, previous_recvs[t], level)
+                block = ex.block(t, fixed + [digit])
+                agg_send[t][(w, peer)] = send(peer, block, tag, previous_recvs[t], level)
             own = ex.block(t, fixed + [mine[level]])
             for _, peer in ex.neighbours(rank, level):
                 # Reductions into the same block are chained (they would race otherwise);
