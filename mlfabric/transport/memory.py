@@ -15,7 +15,7 @@ set of messages in flight at once). The zmq transport calls it when it is create
 library is not glibc or when the process already chose its own thresholds through
 ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` / ``GLIBC_TUNABLES``.
 
-Exercise it with ``python -m pytest tests/local/test_zmq.py -k freed_memory``.
+Exercise it with ``python -m pytest tests/local/test_freed_memory.py``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ TRIM_THRESHOLD_BYTES = 512 << 20
 # mallopt parameter numbers from glibc's <malloc.h>.
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-_USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+#: Environment variables through which a process chooses its own malloc settings.
+USER_MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
 
 _lock = threading.Lock()
 _applied: bool | None = None
@@ -55,7 +56,7 @@ def keep_freed_memory() -> bool:
 def _apply() -> bool:
     if os.environ.get(KEEP_FREED_MEMORY_ENV, "1").strip() == "0":
         return False
-    chosen = [name for name in _USER_SETTINGS if os.environ.get(name)]
+    chosen = [name for name in USER_MALLOC_SETTINGS if os.environ.get(name)]
     if chosen:
         log.debug("malloc left alone: the process sets %s", ", ".join(chosen))
         return False

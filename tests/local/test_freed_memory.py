@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from mlfabric.transport.memory import KEEP_FREED_MEMORY_ENV, USER_MALLOC_SETTINGS
+
 pytestmark = pytest.mark.local
 
 # Receive batches of multi-megabyte messages of varying sizes, several held at once, as a
@@ -43,9 +45,7 @@ a.close(0); b.close(0); ctx.term()
 
 
 def _receive(**env: str) -> tuple[bool, int]:
-    clean = {k: v for k, v in os.environ.items()
-             if k not in ("MLFABRIC_KEEP_FREED_MEMORY", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
-                          "GLIBC_TUNABLES")}
+    clean = {k: v for k, v in os.environ.items() if k not in (KEEP_FREED_MEMORY_ENV, *USER_MALLOC_SETTINGS)}
     out = subprocess.run([sys.executable, "-c", _RECEIVER], env={**clean, **env}, capture_output=True,
                          text=True, timeout=120, check=True).stdout.split()
     return out[0] == "True", int(out[1])
@@ -54,7 +54,7 @@ def _receive(**env: str) -> tuple[bool, int]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning")
 def test_received_messages_reuse_memory_instead_of_faulting_in_pages() -> None:
     applied, tuned_faults = _receive()
-    off, default_faults = _receive(MLFABRIC_KEEP_FREED_MEMORY="0")
+    off, default_faults = _receive(**{KEEP_FREED_MEMORY_ENV: "0"})
     assert applied and not off
     # 20 batches of 48 MB: glibc's defaults fault in most of those pages again every time
     # (~155,000 faults measured), the tuned allocator hands the same memory back.
