@@ -39,7 +39,7 @@ def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | N
          timeout: float = DEFAULT_TIMEOUT_S, channels: Sequence[str] | None = None,
          channel_addrs: dict[str, str] | None = None, backend: str = "gloo",
          topology: str | None = None, pace: str | None = None,
-         chunk_bytes: int | str | None = None) -> Communicator:
+         chunk_bytes: int | str | None = None, nic_rate: str | float | None = None) -> Communicator:
     """Join the job and return a :class:`Communicator`.
 
     ``transport``: ``"zmq"`` (TCP via ZeroMQ, the default) or ``"torch"`` (torch.distributed
@@ -57,6 +57,10 @@ def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | N
     CPU is the bottleneck each message's fixed cost dominates); on a bandwidth-limited network
     a chunk of ~16 ms of NIC time overlaps each step's reduction with the transfer (the
     emulator sets it from its NIC rate: :func:`mlfabric.emu.cluster.pipeline_chunk_bytes`).
+    ``nic_rate`` (or ``MLFABRIC_NIC_RATE``, e.g. ``"500mbit"`` or ``"0=1gbit,1=500mbit"``): the
+    line rate of each channel's NIC. When given, BML and the P2P parameter server pace each
+    connection at its share of the NIC (zmq on Linux), so that their concurrent flows end
+    together (``mlfabric/runtime/fair_share.py``); the emulator sets it.
     """
     from .runtime.rendezvous import connect_store, job_info, store_barrier
 
@@ -104,7 +108,11 @@ def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | N
                                        channels=tuple(channels or ("0",)), timeout=timeout)
     # Rank 0 serves the store: keep it until everyone has finished reading from it.
     store_barrier(store, "init", job.world_size, timeout)
-    comm = Communicator(tr, timeout=timeout, topology=topology, chunk_bytes=chunk)
+    try:
+        comm = Communicator(tr, timeout=timeout, topology=topology, chunk_bytes=chunk, nic_rate=nic_rate)
+    except ValueError:
+        tr.close()
+        raise
     comm.store = store  # rank 0 serves the store: it must live as long as the communicator
     return comm
 

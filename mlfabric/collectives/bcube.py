@@ -188,6 +188,10 @@ def _digit_exchange(name: str, ex: DigitExchange, rank: int, op: str,
         last_send[(peer, level)] = b.send(peer, sl, tag, after, channel=channels[level])
         return last_send[(peer, level)]
 
+    # The connections each step sends on, for the NIC shares of the cost (every connection of
+    # a step gets an equal part of its channel's NIC, as in the closed form).
+    step_connections: list[set[tuple[int, str]]] = []
+
     # Built step by step (all threads' step w before any thread's step w+1), so that
     # ``last_send`` always holds the previous step's message on a connection.
     orders = [ex.order(t) for t in range(ex.threads)]
@@ -197,6 +201,8 @@ def _digit_exchange(name: str, ex: DigitExchange, rank: int, op: str,
     # agg_send[t][(step, peer)]: thread t's aggregation send of that step to that peer.
     agg_send: list[dict[tuple[int, int], int]] = [{} for _ in range(ex.threads)]
     for w in range(levels):
+        step_connections.append({(peer, channels[ex.aggregation_level(t, w)]) for t in range(ex.threads)
+                                 for _, peer in ex.neighbours(rank, ex.aggregation_level(t, w))})
         for t in range(ex.threads):
             level = ex.aggregation_level(t, w)
             fixed = [mine[j] for j in orders[t][:w]]
@@ -216,6 +222,8 @@ def _digit_exchange(name: str, ex: DigitExchange, rank: int, op: str,
     # piece completed by the last aggregation plus what the previous broadcast brought.
     complete = [previous_recvs[t][-1:] for t in range(ex.threads)]  # ops that wrote a complete piece
     for w in range(levels):
+        step_connections.append({(peer, channels[ex.broadcast_level(t, w)]) for t in range(ex.threads)
+                                 for _, peer in ex.neighbours(rank, ex.broadcast_level(t, w))})
         for t in range(ex.threads):
             level = ex.broadcast_level(t, w)
             agg_step = levels - 1 - w  # the aggregation step that used this level
@@ -230,7 +238,21 @@ def _digit_exchange(name: str, ex: DigitExchange, rank: int, op: str,
                 recvs.append(b.recv(peer, ex.block(t, fixed + [digit]), tag,
                                     [agg_send[t][(agg_step, peer)]], channel=channels[level]))
             complete[t] = complete[t] + recvs
-    return b.build(Cost(steps=2 * levels, elements_sent=sent))
+    return b.build(Cost(steps=2 * levels, elements_sent=sent, link_shares=equal_shares(step_connections)))
+
+
+def equal_shares(steps: list[set[tuple[int, str]]]) -> dict[tuple[int, str], float]:
+    """Each step's connections share their channel's NIC equally; a connection used in several
+    steps keeps its smallest share. Connections alone on their NIC are left out (whole NIC)."""
+    shares: dict[tuple[int, str], float] = {}
+    for connections in steps:
+        per_channel: dict[str, int] = {}
+        for _, channel in connections:
+            per_channel[channel] = per_channel.get(channel, 0) + 1
+        for peer, channel in connections:
+            share = 1 / per_channel[channel]
+            shares[(peer, channel)] = min(share, shares.get((peer, channel), 1.0))
+    return {connection: share for connection, share in shares.items() if share < 1}
 
 
 def closed_form_elements_per_level(count: int, n: int, k: int) -> float:

@@ -44,4 +44,6 @@ def p2p_ps_allreduce(world_size: int, rank: int, count: int, *, op: str = "sum",
         b.recv(peer, shards[peer], PULL_TAG, [pushes[peer]], channel=channel)
     # Push everything but the own shard, pull the own shard to N-1 ranks.
     sent = count + (world_size - 2) * shards[rank].length if world_size > 1 else 0
-    return b.build(Cost(steps=2 if world_size > 1 else 0, elements_sent={channel: sent}))
+    # Push and pull each send to all N-1 peers at once: each gets 1/(N-1) of the NIC.
+    shares = {(peer, channel): 1 / len(peers) for peer in peers} if len(peers) > 1 else {}
+    return b.build(Cost(steps=2 if world_size > 1 else 0, elements_sent={channel: sent}, link_shares=shares))

@@ -172,17 +172,21 @@ class ClusterPlan:
         its interface from the hostname, which a namespace cannot resolve) and, when given,
         ``MLFABRIC_EMU_CLUSTER`` (the path of the :meth:`describe` JSON), and
         ``MLFABRIC_CHUNK_BYTES`` (the ring's pipelining chunk for this NIC rate,
-        :func:`pipeline_chunk_bytes`). Every launcher of
+        :func:`pipeline_chunk_bytes`) and ``MLFABRIC_NIC_RATE`` (so that BML and the P2P
+        parameter server pace each connection at its share of the NIC; a launcher that
+        changes rates at run time removes it). Every launcher of
         ranks on a cluster (``mlfabric launch``, the emulated benchmarks) uses this.
         """
         from mlfabric import CHUNK_ENV, TOPOLOGY_ENV
+        from mlfabric.runtime.fair_share import NIC_RATE_ENV
 
         if not 0 <= rank < self.n_hosts:
             raise ValueError(f"rank {rank} has no host: the cluster {self.spec} has {self.n_hosts} hosts")
         host = self.hosts[rank]
         env = {"MLFABRIC_CHANNEL_ADDRS": host.channel_addrs(), TOPOLOGY_ENV: str(self.spec),
                "MLFABRIC_EMU_PREFIX": self.prefix, "MLFABRIC_EMU_NETNS": host.netns,
-               "GLOO_SOCKET_IFNAME": host.nics[0].host_dev, CHUNK_ENV: str(pipeline_chunk_bytes(self.rate_bps))}
+               "GLOO_SOCKET_IFNAME": host.nics[0].host_dev, CHUNK_ENV: str(pipeline_chunk_bytes(self.rate_bps)),
+               NIC_RATE_ENV: str(self.rate_bps)}
         if cluster_json is not None:
             env["MLFABRIC_EMU_CLUSTER"] = cluster_json
         return env

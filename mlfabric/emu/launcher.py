@@ -46,6 +46,7 @@ from typing import IO, TYPE_CHECKING, Any, Callable
 
 from mlfabric import CHUNK_ENV, TOPOLOGY_ENV
 from mlfabric.emu.churn import ChurnRunner, churn_model
+from mlfabric.runtime.fair_share import NIC_RATE_ENV
 from mlfabric.emu.cluster import Cluster, ClusterPlan, new_prefix, pipeline_chunk_bytes, plan_cluster
 from mlfabric.emu.cmd import EmuUnavailableError, have_root
 from mlfabric.topo.spec import TOPOLOGY_KINDS, TopologySpec
@@ -263,6 +264,10 @@ def launch(spec: LaunchSpec, *, out: IO[str] | None = None, err: IO[str] | None 
                 master_addr = plan.master_addr
                 prefixes = plan.command_prefixes()
                 extra = plan.rank_envs(cluster_json=cluster_json)
+                if churn is not None:
+                    # Rates change under the ranks: a fixed fair share would be wrong.
+                    for env in extra:
+                        env.pop(NIC_RATE_ENV, None)
                 port = spec.master_port
             else:
                 from mlfabric.bench.procs import free_port

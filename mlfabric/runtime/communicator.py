@@ -12,6 +12,11 @@ order (as with torch.distributed); each call gets the next sequence number, whic
 messages, and a description (sizes, dtype, op) that every message carries so a mismatch
 between ranks is an error on every rank rather than a hang or a wrong tensor.
 
+When the NIC's rate is known (``nic_rate=`` or ``MLFABRIC_NIC_RATE``; the emulator sets it),
+algorithms that send to several peers at once through one NIC (BML, the P2P parameter
+server) have each of those connections paced at its fair share of the NIC
+(``runtime/fair_share.py``), so their flows end together as the closed form assumes.
+
 Exercise it with ``python -m pytest tests/unit/test_runtime.py tests/local``.
 """
 
@@ -29,11 +34,12 @@ from mlfabric import collectives
 from mlfabric.collectives.bcube import hierarchy_of, shape_options
 from mlfabric.collectives.partition import chunks_for
 from mlfabric.collectives.ring import MAX_CHUNKS
-from mlfabric.schedule import REDUCE_OPS
+from mlfabric.schedule import REDUCE_OPS, Schedule
 from mlfabric.topo.spec import TopologySpec
 from mlfabric.transport.base import Transport
 
 from .executor import Executor, RunInfo
+from .fair_share import connection_rates, nic_rates_from
 from .partial import QUORUM_CHOICES, PartialAllreduce, PartialResult
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -46,11 +52,16 @@ class Communicator:
     ``topology`` (a spec such as ``"bcube:n=3,k=2"``) describes the cluster the ranks run on,
     rank ``r`` on host ``r``: it gives BML (``algorithm="bcube"``) and ``"hierarchical"``
     their shape and lets ``"auto"`` pick BML on a BCube.
+
+    ``nic_rate`` (bit/s, ``"500mbit"``, ``"0=1gbit,1=500mbit"`` or a per-channel mapping;
+    default ``MLFABRIC_NIC_RATE``, else unknown): the rate of the NIC behind each channel.
+    When known, connections that share a NIC in a step are paced at their fair share.
     """
 
     def __init__(self, transport: Transport, *, timeout: float = DEFAULT_TIMEOUT_S,
                  on_close: Sequence[Callable[[], None]] = (),
-                 topology: TopologySpec | str | None = None, chunk_bytes: int | None = None) -> None:
+                 topology: TopologySpec | str | None = None, chunk_bytes: int | None = None,
+                 nic_rate: str | float | dict[str, float] | None = None) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         if chunk_bytes is not None and chunk_bytes < 1:
@@ -59,6 +70,9 @@ class Communicator:
         self.chunk_bytes = chunk_bytes
         self.topology = _check_topology(topology, transport.world_size)
         self.transport = transport
+        #: NIC rate per channel (bit/s); empty when unknown, and then nothing is paced.
+        self.nic_rates = nic_rates_from(nic_rate, transport.channels)
+        self._paced: dict[tuple[int, str], float | None] = {}  # what each connection is paced at now
         self.timeout = float(timeout)
         self.executor = Executor(transport, name=f"mlfabric-progress-{transport.rank}")
         self._seq = itertools.count(1)
@@ -268,10 +282,20 @@ class Communicator:
                 future.set_result(finish())
                 return future
             schedule = collectives.build(kind, self.world_size, self.rank, flat.numel(), **options)
+            if self.nic_rates:
+                self._pace(schedule)
             return self.executor.submit(
                 schedule, {"data": flat}, RunInfo(seq=seq, description=description),
                 timeout=self.timeout if timeout is None else timeout, result=finish,
             )
+
+    def _pace(self, schedule: Schedule) -> None:
+        """Pace the connections ``schedule`` sends on at their fair share (or lift the cap),
+        telling the transport only what changed since the previous collective."""
+        for connection, rate in connection_rates(schedule, self.nic_rates).items():
+            if self._paced.get(connection) != rate:
+                self.transport.pace_connection(*connection, rate)
+                self._paced[connection] = rate
 
     def close(self) -> None:
         """Stop the progress thread and the transport; idempotent."""

@@ -15,7 +15,7 @@ Exercise it with ``python -m pytest tests/unit/test_schedule.py``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from functools import cached_property
 from typing import Iterable, Sequence
@@ -149,10 +149,23 @@ class Cost:
 
     ``elements_sent`` per channel; multiply by the dtype's item size for bytes.
     ``steps`` is the number of communication rounds on the critical path.
+
+    ``link_shares`` maps a connection ``(peer, channel)`` to the fraction of this rank's NIC
+    the closed form gives it while it carries data, for algorithms whose steps send to several
+    peers at once on one NIC (BML: ``1/(n-1)`` to each neighbour of a level; the P2P parameter
+    server: ``1/(N-1)`` to every peer). The runtime paces such connections at their share when
+    it knows the NIC's rate, so that TCP's flows end together as the closed form assumes
+    (``runtime/fair_share.py``). Connections not listed send one at a time: the whole NIC.
     """
 
     steps: int
     elements_sent: dict[str, int]
+    link_shares: dict[tuple[int, str], float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for connection, share in self.link_shares.items():
+            if not 0 < share <= 1:
+                raise ValueError(f"link share of connection {connection} must be in (0, 1], got {share}")
 
     @property
     def total_elements_sent(self) -> int:

@@ -236,6 +236,15 @@ class Transport(ABC):
         on the caller's thread override this to poll their sockets."""
         return self.mailbox.wait(seen_version, timeout)
 
+    # -- pacing ----------------------------------------------------------------------------
+
+    def pace_connection(self, peer: int, channel: str, rate_bps: float | None) -> bool:
+        """Cap the rate at which this rank sends to ``peer`` on ``channel`` (bit/s of payload;
+        None lifts the cap). The runtime calls it with each connection's fair share of the
+        NIC (``runtime/fair_share.py``). Returns whether the transport can pace; the default
+        cannot, and the call changes nothing."""
+        return False
+
     # -- liveness --------------------------------------------------------------------------
 
     def on_peer_lost(self, callback: Callable[[int, str], None]) -> None:

@@ -30,8 +30,9 @@ PACE_ENV = "MLFABRIC_PACE"
 log = logging.getLogger("mlfabric.transport.pacing")
 
 
-def parse_pace(text: str, channels: tuple[str, ...]) -> dict[str, float]:
-    """``"100mbit"`` (every channel) or ``"0=1gbit,1=500mbit"`` -> bits/s per channel."""
+def parse_pace(text: str, channels: tuple[str, ...], *, what: str = PACE_ENV) -> dict[str, float]:
+    """``"100mbit"`` (every channel) or ``"0=1gbit,1=500mbit"`` -> bits/s per channel.
+    ``what`` names the setting in error messages."""
     text = text.strip()
     if not text:
         return {}
@@ -42,9 +43,9 @@ def parse_pace(text: str, channels: tuple[str, ...]) -> dict[str, float]:
     for item in text.split(","):
         name, sep, rate = item.strip().partition("=")
         if not sep or not name or not rate:
-            raise ValueError(f"{PACE_ENV} item {item!r} is not CHANNEL=RATE (e.g. 0=1gbit)")
+            raise ValueError(f"{what} item {item!r} is not CHANNEL=RATE (e.g. 0=1gbit)")
         if name not in channels:
-            raise ValueError(f"{PACE_ENV} names channel {name!r}, but the channels are {channels}")
+            raise ValueError(f"{what} names channel {name!r}, but the channels are {channels}")
         out[name] = parse_rate(rate)
     return out
 

@@ -9,17 +9,25 @@ executor's progress thread), so an arriving chunk is reduced without a thread ha
 polls the sockets, checks every message's job token (junk and foreign jobs are logged and
 dropped) and watches connections so that a dead peer is reported within a second.
 
+:meth:`ZmqTransport.pace_connection` caps a connection's rate in the kernel (Linux's
+``SO_MAX_PACING_RATE``, which turns on TCP's own pacing): libzmq reports the descriptor of
+each connection it makes (the monitor's ``EVENT_CONNECTED``), and the cap is set on it, and
+again on every reconnection, after checking that the descriptor still leads to that peer.
+
 Exercise it with ``python -m pytest tests/local/test_zmq.py``.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import queue
 import secrets
 import socket
+import struct
+import sys
 import threading
 import time
 from typing import Mapping
@@ -52,6 +60,13 @@ GOODBYE_GRACE_S = 0.5
 
 
 _DONE = SendHandle(done=True)
+
+# Linux's SO_MAX_PACING_RATE (bytes per second; ~0 lifts the cap). Python's socket module
+# does not export it.
+SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
+_UNLIMITED_PACING = 0xFFFF_FFFF
+# What setting a cap on a descriptor libzmq has just closed or reused can raise.
+_GONE_ERRNOS = (errno.EBADF, errno.ENOTSOCK, errno.ENOTCONN)
 
 
 def channel_addrs_from_env() -> dict[str, str]:
@@ -114,7 +129,13 @@ class ZmqTransport(Transport):
             self._router_channel[router] = name
             self.endpoints[name] = f"tcp://{host}:{port}"
         self._dealers: dict[tuple[int, str], zmq.Socket] = {}
-        self._monitors: dict[zmq.Socket, tuple[str, int | None]] = {}
+        self._monitors: dict[zmq.Socket, tuple[str, int | None, str | None]] = {}
+        # Pacing (pace_connection): per (peer, channel) the peer's address, the descriptor of
+        # libzmq's connection to it once known, and the cap asked for (bytes/s; None: none).
+        self._pacing_lock = threading.Lock()
+        self._remote_addr: dict[tuple[int, str], tuple[str, int]] = {}
+        self._connection_fd: dict[tuple[int, str], int] = {}
+        self._pacing: dict[tuple[int, str], int | None] = {}
         self._disconnected_at: dict[int, float] = {}
         self._stop = threading.Event()
         # One thread at a time polls the sockets (zmq sockets are not thread-safe); others
@@ -173,15 +194,17 @@ class ZmqTransport(Transport):
                 dealer.setsockopt(zmq.SNDBUF, SOCKET_BUFFER_BYTES)
                 dealer.setsockopt(zmq.LINGER, 2000)
                 dealer.setsockopt(zmq.IMMEDIATE, 0)
-                monitor = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-                self._monitors[monitor] = ("dealer", peer)
+                monitor = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+                self._monitors[monitor] = ("dealer", peer, name)
+                host, _, port = endpoints[name].removeprefix("tcp://").rpartition(":")
+                self._remote_addr[(peer, name)] = (host, int(port))
                 dealer.connect(endpoints[name])
                 self._dealers[(peer, name)] = dealer
         for name, router in self._routers.items():
             monitor = router.get_monitor_socket(
                 zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
             )
-            self._monitors[monitor] = ("router", None)
+            self._monitors[monitor] = ("router", None, None)
         poller = zmq.Poller()
         for router in self._routers.values():
             poller.register(router, zmq.POLLIN)
@@ -245,6 +268,68 @@ class ZmqTransport(Transport):
             handle.set_done()
             self.mailbox.notify()
 
+    # -- pacing ----------------------------------------------------------------------------
+
+    def pace_connection(self, peer: int, channel: str, rate_bps: float | None) -> bool:
+        if not sys.platform.startswith("linux"):
+            return False  # SO_MAX_PACING_RATE is Linux's
+        connection = (peer, channel)
+        if connection not in self._remote_addr:
+            raise TransportError(f"rank {self.rank}: no connection to peer {peer} on channel {channel!r} to pace")
+        if rate_bps is not None and rate_bps <= 0:
+            raise ValueError(f"pacing rate must be positive or None, got {rate_bps}")
+        cap = None if rate_bps is None else max(1, int(rate_bps / 8))
+        with self._pacing_lock:
+            self._pacing[connection] = cap
+            fd = self._connection_fd.get(connection)
+        # Not connected yet: _connected() applies the cap when libzmq reports the connection.
+        return fd is None or self._set_pacing(connection, fd, cap)
+
+    def _connected(self, peer: int, channel: str, fd: int) -> None:
+        connection = (peer, channel)
+        with self._pacing_lock:
+            self._connection_fd[connection] = fd
+            cap = self._pacing.get(connection)
+        if cap is not None:
+            self._set_pacing(connection, fd, cap)
+
+    def _set_pacing(self, connection: tuple[int, str], fd: int, cap: int | None) -> bool:
+        """Set the kernel's pacing cap of libzmq's socket ``fd`` (through a duplicate of the
+        descriptor) if it still leads to ``connection``'s peer: libzmq may have closed it and
+        the number may name another socket by now."""
+        try:
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                if sock.type != socket.SOCK_STREAM or sock.getpeername()[:2] != self._remote_addr[connection]:
+                    return False
+                value = _UNLIMITED_PACING if cap is None else cap
+                option = struct.pack("=I", value) if value <= _UNLIMITED_PACING else struct.pack("=Q", value)
+                sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, option)
+            return True
+        except OSError as exc:
+            # A descriptor libzmq closed a moment ago (the peer left, a reconnection) is
+            # expected; anything else means the kernel refused the cap.
+            level = logging.DEBUG if exc.errno in _GONE_ERRNOS else logging.WARNING
+            log.log(level, "rank %d: could not pace the connection to peer %d on channel %r: %s",
+                    self.rank, connection[0], connection[1], exc)
+            return False
+
+    def pacing_of(self, peer: int, channel: str) -> int | None:
+        """The kernel's pacing cap (bytes/s) of the connection to ``peer`` on ``channel``, read
+        back from its socket; None when it is unknown (not connected) or uncapped."""
+        with self._pacing_lock:
+            fd = self._connection_fd.get((peer, channel))
+        if fd is None:
+            return None
+        try:
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                if sock.getpeername()[:2] != self._remote_addr[(peer, channel)]:
+                    return None
+                raw = sock.getsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, 8)
+        except OSError:
+            return None  # closed or replaced since libzmq reported it
+        value = struct.unpack("=Q", raw.ljust(8, b"\0"))[0]
+        return None if value >= _UNLIMITED_PACING else value
+
     # -- receiving -------------------------------------------------------------------------
 
     def _wake(self) -> None:
@@ -304,7 +389,7 @@ class ZmqTransport(Transport):
     def _handle_monitor(self, monitor: zmq.Socket) -> None:
         from zmq.utils.monitor import recv_monitor_message
 
-        kind, peer = self._monitors[monitor]
+        kind, peer, channel = self._monitors[monitor]
         while True:
             try:
                 event = recv_monitor_message(monitor, zmq.NOBLOCK)
@@ -314,8 +399,13 @@ class ZmqTransport(Transport):
             if kind == "router" and code in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
                                               zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
                 self._reject(f"connection failed the protocol handshake ({event['endpoint']!r})")
-            elif kind == "dealer" and code == zmq.EVENT_DISCONNECTED and peer is not None:
-                self._disconnected_at.setdefault(peer, time.monotonic())
+            elif kind == "dealer" and peer is not None and channel is not None:
+                if code == zmq.EVENT_CONNECTED:
+                    self._connected(peer, channel, int(event["value"]))
+                elif code == zmq.EVENT_DISCONNECTED:
+                    with self._pacing_lock:
+                        self._connection_fd.pop((peer, channel), None)
+                    self._disconnected_at.setdefault(peer, time.monotonic())
 
     def _expire_disconnects(self) -> None:
         now = time.monotonic()

@@ -23,6 +23,7 @@ def test_rank_env_of_a_bcube_host():
         "MLFABRIC_EMU_NETNS": "mfabcd-h4",
         "GLOO_SOCKET_IFNAME": "eth0",
         "MLFABRIC_CHUNK_BYTES": str(1 << 20),  # ~16 ms at 500 Mbit/s (pipeline_chunk_bytes)
+        "MLFABRIC_NIC_RATE": "500000000",  # fair-share pacing of BML's connections
     }
     assert plan.rank_env(0, cluster_json="/tmp/c.json")["MLFABRIC_EMU_CLUSTER"] == "/tmp/c.json"
     envs = plan.rank_envs()
