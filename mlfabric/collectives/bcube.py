@@ -30,6 +30,15 @@ could queue its step-``w+1`` message in front of another thread's step-``w`` mes
 same neighbour, and on a FIFO connection the earlier step then waits for the later, bigger
 transfer. So every send also waits for the previous step's send on its connection.
 
+**Parts.** A step's messages leave only when the previous step's have arrived and been
+reduced, so a NIC idles between steps (reductions, hand-offs, and the slowest neighbour of
+each step; ~30 ms per step on the emulator). With ``parts=P`` the buffer is cut into P
+consecutive exchanges built step by step: a connection carries step ``w`` of every part
+before step ``w+1`` of any, so part 0's next step is ready while part 1's current one is on
+the wire. The simulated GST does not change (910.22 ms for 64 MB on BCube(3,2) at 500 Mbit/s
+with 1-4 parts); on the emulator, with fair-share pacing, 3 parts took 1000 ms against 1087 ms
+for one (docs/results.md). :func:`bml_parts` picks P from the pipelining chunk.
+
 **Hierarchical synchronization** (``hierarchical_allreduce``) is the same exchange with one
 thread on one NIC over mixed radices, e.g. a Fat-Tree(k) grouped by edge switch (``k/2``
 hosts), then by pod (``k/2`` edges), then across the ``k`` pods: BML §3.3's baseline, whose
@@ -65,6 +74,7 @@ class DigitExchange:
     radices: tuple[int, ...]  # radix of digit i (least significant first)
     threads: int
     count: int
+    base: int = 0  # where this exchange's elements start in "data" (one part of a parted call)
 
     @property
     def levels(self) -> int:
@@ -114,7 +124,7 @@ class DigitExchange:
             span //= self.radices[level]
             position += digit * span
         first = thread * self.world_size + position
-        return Slice("data", self._offsets[first], self._offsets[first + span] - self._offsets[first])
+        return Slice("data", self.base + self._offsets[first], self._offsets[first + span] - self._offsets[first])
 
     def neighbours(self, host: int, level: int) -> list[tuple[int, int]]:
         """``(digit, host)`` of the other hosts that differ from ``host`` only in ``level``.
@@ -140,10 +150,19 @@ def decode_tag(tag: int, levels: int) -> tuple[int, int, int]:
     return thread, stage, step
 
 
+def decode_part_tag(tag: int, levels: int, threads: int) -> tuple[int, int, int, int]:
+    """``(part, thread, stage, step)`` of a message tag of a parted exchange (part ``p``'s tags
+    are :func:`tag_of`'s moved up by ``p * 2 * threads * levels``)."""
+    part, tag = divmod(tag, 2 * threads * levels)
+    return (part, *decode_tag(tag, levels))
+
+
 def bcube_allreduce(world_size: int, rank: int, count: int, *, n: int, k: int, op: str = "sum",
-                    channels: tuple[str, ...] | None = None) -> Schedule:
+                    channels: tuple[str, ...] | None = None, parts: int = 1) -> Schedule:
     """BML Algorithm 1 on BCube(n, k). ``channels[l]`` carries level-``l`` traffic (default
-    ``"0" .. "k-1"``: one channel per NIC); pass fewer distinct names to share NICs."""
+    ``"0" .. "k-1"``: one channel per NIC); pass fewer distinct names to share NICs.
+    ``parts``: cut the buffer into that many consecutive exchanges, pipelined step by step
+    ("Parts" in the module docstring)."""
     if n < 2 or k < 1:
         raise ValueError(f"BCube needs n >= 2 and k >= 1, got n={n}, k={k}")
     if world_size != n**k:
@@ -152,7 +171,7 @@ def bcube_allreduce(world_size: int, rank: int, count: int, *, n: int, k: int, o
     channels = channels or tuple(str(level) for level in range(k))
     if len(channels) != k:
         raise ValueError(f"BCube(n={n}, k={k}) needs {k} channels (one per level), got {channels}")
-    return _digit_exchange("bcube_allreduce", DigitExchange((n,) * k, k, count), rank, op, channels)
+    return _digit_exchange("bcube_allreduce", exchange_parts((n,) * k, k, count, parts), rank, op, channels)
 
 
 def hierarchical_allreduce(world_size: int, rank: int, count: int, *, radices: tuple[int, ...],
@@ -162,19 +181,24 @@ def hierarchical_allreduce(world_size: int, rank: int, count: int, *, radices: t
         raise ValueError(f"radices must be positive, got {radices}")
     if math.prod(radices) != world_size:
         raise ValueError(f"radices {radices} describe {math.prod(radices)} ranks, not {world_size}")
-    exchange = DigitExchange(tuple(radices), 1, count)
-    return _digit_exchange("hierarchical_allreduce", exchange, rank, op, (channel,) * len(radices))
+    return _digit_exchange("hierarchical_allreduce", exchange_parts(tuple(radices), 1, count, 1), rank, op,
+                           (channel,) * len(radices))
 
 
-def _digit_exchange(name: str, ex: DigitExchange, rank: int, op: str,
+def _digit_exchange(name: str, parts: list[DigitExchange], rank: int, op: str,
                     channels: tuple[str, ...]) -> Schedule:
-    if not 0 <= rank < ex.world_size:
-        raise ValueError(f"rank {rank} is outside world size {ex.world_size}")
-    b = ScheduleBuilder(name, rank, ex.world_size)
-    b.buffer("data", ex.count)
-    levels = ex.levels
-    mine = ex.digits(rank)
+    """The schedule of one rank for ``parts`` (consecutive slices of ``data``, each its own
+    exchange), built step-major: every connection carries step ``w`` of every part before
+    step ``w+1`` of any, so a part's next step is ready while another part's is on the wire."""
+    first = parts[0]
+    if not 0 <= rank < first.world_size:
+        raise ValueError(f"rank {rank} is outside world size {first.world_size}")
+    b = ScheduleBuilder(name, rank, first.world_size)
+    b.buffer("data", sum(part.count for part in parts))
+    levels, threads = first.levels, first.threads
+    mine = first.digits(rank)
     sent: dict[str, int] = {}
+    tags_per_part = 2 * threads * levels
 
     # The last send on each connection (peer, level); every send waits for it ("Step order
     # on a connection" above: without it BML calls on the emulator took ~1.5 s instead of
@@ -194,51 +218,79 @@ def _digit_exchange(name: str, ex: DigitExchange, rank: int, op: str,
 
     # Built step by step (all threads' step w before any thread's step w+1), so that
     # ``last_send`` always holds the previous step's message on a connection.
-    orders = [ex.order(t) for t in range(ex.threads)]
+    orders = [first.order(t) for t in range(threads)]
     # Aggregation: after step w this rank holds the reduction over the hosts that share
     # its digits outside j_0..j_w, for the pieces matching its digits j_0..j_w.
-    previous_recvs: list[list[int]] = [[] for _ in range(ex.threads)]
-    # agg_send[t][(step, peer)]: thread t's aggregation send of that step to that peer.
-    agg_send: list[dict[tuple[int, int], int]] = [{} for _ in range(ex.threads)]
+    previous_recvs: list[list[list[int]]] = [[[] for _ in range(threads)] for _ in parts]
+    # agg_send[p][t][(step, peer)]: thread t's aggregation send of that step to that peer in part p.
+    agg_send: list[list[dict[tuple[int, int], int]]] = [[{} for _ in range(threads)] for _ in parts]
     for w in range(levels):
-        step_connections.append({(peer, channels[ex.aggregation_level(t, w)]) for t in range(ex.threads)
-                                 for _, peer in ex.neighbours(rank, ex.aggregation_level(t, w))})
-        for t in range(ex.threads):
-            level = ex.aggregation_level(t, w)
-            fixed = [mine[j] for j in orders[t][:w]]
-            tag = tag_of(t, AGGREGATION, w, levels)
-            recvs: list[int] = []
-            for digit, peer in ex.neighbours(rank, level):
-                block = ex.block(t, fixed + [digit])
-                agg_send[t][(w, peer)] = send(peer, block, tag, previous_recvs[t], level)
-            own = ex.block(t, fixed + [mine[level]])
-            for _, peer in ex.neighbours(rank, level):
-                # Reductions into the same block are chained (they would race otherwise);
-                # the messages themselves still arrive concurrently.
-                chain = recvs[-1:] or previous_recvs[t]
-                recvs.append(b.recv(peer, own, tag, chain, channel=channels[level], reduce=op))
-            previous_recvs[t] = recvs or previous_recvs[t]
+        step_connections.append({(peer, channels[first.aggregation_level(t, w)]) for t in range(threads)
+                                 for _, peer in first.neighbours(rank, first.aggregation_level(t, w))})
+        for p, ex in enumerate(parts):
+            for t in range(threads):
+                level = ex.aggregation_level(t, w)
+                fixed = [mine[j] for j in orders[t][:w]]
+                tag = p * tags_per_part + tag_of(t, AGGREGATION, w, levels)  # decode_part_tag
+                recvs: list[int] = []
+                for digit, peer in ex.neighbours(rank, level):
+                    block = ex.block(t, fixed + [digit])
+                    agg_send[p][t][(w, peer)] = send(peer, block, tag, previous_recvs[p][t], level)
+                own = ex.block(t, fixed + [mine[level]])
+                for _, peer in ex.neighbours(rank, level):
+                    # Reductions into the same block are chained (they would race otherwise);
+                    # the messages themselves still arrive concurrently.
+                    chain = recvs[-1:] or previous_recvs[p][t]
+                    recvs.append(b.recv(peer, own, tag, chain, channel=channels[level], reduce=op))
+                previous_recvs[p][t] = recvs or previous_recvs[p][t]
     # Broadcast: step w spreads the complete pieces matching digits j_0..j_{L-1-w}: the
     # piece completed by the last aggregation plus what the previous broadcast brought.
-    complete = [previous_recvs[t][-1:] for t in range(ex.threads)]  # ops that wrote a complete piece
+    complete = [[previous_recvs[p][t][-1:] for t in range(threads)] for p in range(len(parts))]
     for w in range(levels):
-        step_connections.append({(peer, channels[ex.broadcast_level(t, w)]) for t in range(ex.threads)
-                                 for _, peer in ex.neighbours(rank, ex.broadcast_level(t, w))})
-        for t in range(ex.threads):
-            level = ex.broadcast_level(t, w)
-            agg_step = levels - 1 - w  # the aggregation step that used this level
-            fixed = [mine[j] for j in orders[t][:agg_step]]
-            own = ex.block(t, fixed + [mine[level]])
-            tag = tag_of(t, BROADCAST, w, levels)
-            recvs = []
-            for _, peer in ex.neighbours(rank, level):
-                send(peer, own, tag, complete[t], level)
-            for digit, peer in ex.neighbours(rank, level):
-                # Overwrites exactly what the aggregation send to this peer read.
-                recvs.append(b.recv(peer, ex.block(t, fixed + [digit]), tag,
-                                    [agg_send[t][(agg_step, peer)]], channel=channels[level]))
-            complete[t] = complete[t] + recvs
+        step_connections.append({(peer, channels[first.broadcast_level(t, w)]) for t in range(threads)
+                                 for _, peer in first.neighbours(rank, first.broadcast_level(t, w))})
+        for p, ex in enumerate(parts):
+            for t in range(threads):
+                level = ex.broadcast_level(t, w)
+                agg_step = levels - 1 - w  # the aggregation step that used this level
+                fixed = [mine[j] for j in orders[t][:agg_step]]
+                own = ex.block(t, fixed + [mine[level]])
+                tag = p * tags_per_part + tag_of(t, BROADCAST, w, levels)
+                recvs = []
+                for _, peer in ex.neighbours(rank, level):
+                    send(peer, own, tag, complete[p][t], level)
+                for digit, peer in ex.neighbours(rank, level):
+                    # Overwrites exactly what the aggregation send to this peer read.
+                    recvs.append(b.recv(peer, ex.block(t, fixed + [digit]), tag,
+                                        [agg_send[p][t][(agg_step, peer)]], channel=channels[level]))
+                complete[p][t] = complete[p][t] + recvs
     return b.build(Cost(steps=2 * levels, elements_sent=sent, link_shares=equal_shares(step_connections)))
+
+
+#: At most this many parts per BML call: each adds ``2k(n-1)`` messages per rank.
+MAX_PARTS = 4
+
+
+def bml_parts(count: int, n: int, k: int, chunk_elements: int | None) -> int:
+    """How many parts to cut a BML call of ``count`` elements into: as many as keep its
+    smallest message (one of the ``k n^k`` pieces) at least ``chunk_elements`` long, at most
+    :data:`MAX_PARTS`; one when no pipelining chunk is set (CPU-bound hosts, where every
+    message's fixed cost counts more than an idle NIC between steps)."""
+    if chunk_elements is None:
+        return 1
+    if chunk_elements < 1:
+        raise ValueError(f"chunk_elements must be positive, got {chunk_elements}")
+    piece = count // (k * n**k)
+    return max(1, min(MAX_PARTS, piece // chunk_elements))
+
+
+def exchange_parts(radices: tuple[int, ...], threads: int, count: int, parts: int) -> list[DigitExchange]:
+    """``count`` elements cut into ``parts`` consecutive exchanges (sizes differ by at most one)."""
+    if parts < 1:
+        raise ValueError(f"parts must be at least 1, got {parts}")
+    sizes = piece_sizes(count, parts)
+    offsets = piece_offsets(count, parts)
+    return [DigitExchange(radices, threads, size, base=offset) for size, offset in zip(sizes, offsets)]
 
 
 def equal_shares(steps: list[set[tuple[int, str]]]) -> dict[tuple[int, str], float]:

@@ -7,6 +7,8 @@ per-level bytes) and the communicator's topology handling.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -16,9 +18,12 @@ from mlfabric.collectives import build, choose_allreduce
 from mlfabric.collectives.bcube import (
     AGGREGATION,
     BROADCAST,
+    MAX_PARTS,
     DigitExchange,
     bcube_allreduce,
+    bml_parts,
     closed_form_elements_per_level,
+    decode_part_tag,
     decode_tag,
     hierarchical_allreduce,
     hierarchy_of,
@@ -38,9 +43,10 @@ def _inputs(world: int, count: int, dtype: type = np.int64) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("count", [0, 1, 7, 1001, 4 * 3 * 27])
-def test_bml_matches_reference(n: int, k: int, count: int) -> None:
+@pytest.mark.parametrize("parts", [1, 3])
+def test_bml_matches_reference(n: int, k: int, count: int, parts: int) -> None:
     world = n**k
-    schedules = [bcube_allreduce(world, r, count, n=n, k=k) for r in range(world)]
+    schedules = [bcube_allreduce(world, r, count, n=n, k=k, parts=parts) for r in range(world)]
     validate(schedules)
     data = _inputs(world, count)
     expected = np.sum(np.stack(data), axis=0) if count else np.zeros(0, np.int64)
@@ -81,26 +87,29 @@ def test_threads_of_a_host_use_distinct_levels_in_every_step(n: int, k: int) -> 
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_messages_to_a_neighbour_leave_in_step_order(n: int, k: int) -> None:
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_messages_to_a_neighbour_leave_in_step_order(n: int, k: int, parts: int) -> None:
     """Regression: on one connection (peer, level) the threads' messages were ordered only by
     timing, so a thread that ran ahead could put its last, big message in front of the other
     thread's earlier, small one (BML calls of ~1.5 s instead of ~1.1 s on the emulator). Now
-    every send waits for the previous step's send on the same connection."""
+    every send waits for the previous one on the same connection, in step-major order: step w
+    of every part before step w+1 of any (what lets parts pipeline)."""
     world = n**k
     for rank in range(world):
-        sched = bcube_allreduce(world, rank, 10 * k * world, n=n, k=k)
-        by_connection: dict[tuple[int, str], list[tuple[int, int]]] = {}
+        sched = bcube_allreduce(world, rank, 10 * k * world * parts, n=n, k=k, parts=parts)
+        by_connection: dict[tuple[int, str], list[tuple[int, int, int]]] = {}
         for index, op in enumerate(sched.ops):
             if isinstance(op, Send):
-                _, stage, step = decode_tag(op.tag, k)
+                part, _, stage, step = decode_part_tag(op.tag, k, k)
                 global_step = step if stage == AGGREGATION else k + step
-                by_connection.setdefault((op.peer, op.channel), []).append((global_step, index))
+                by_connection.setdefault((op.peer, op.channel), []).append((global_step, part, index))
         for connection, sends in by_connection.items():
             sends.sort()
-            steps = [step for step, _ in sends]
-            # Every step uses every level once, so each connection carries one message per step.
-            assert steps == list(range(2 * k)), (rank, connection, steps)
-            for (_, earlier), (_, later) in zip(sends, sends[1:]):
+            # Every step uses every level once, so each connection carries one message per
+            # step and part.
+            assert [(step, part) for step, part, _ in sends] == [
+                (step, part) for step in range(2 * k) for part in range(parts)], (rank, connection)
+            for (_, _, earlier), (_, _, later) in zip(sends, sends[1:]):
                 assert earlier in sched.ops[later].deps, (rank, connection, earlier, later)
 
 
@@ -117,11 +126,12 @@ def test_bml_paper_example_bcube_3_2() -> None:
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-def test_per_level_elements_equal_closed_form(n: int, k: int) -> None:
+@pytest.mark.parametrize("parts", [1, 2])
+def test_per_level_elements_equal_closed_form(n: int, k: int, parts: int) -> None:
     world = n**k
-    count = 3 * k * world
+    count = 3 * k * world * parts
     for rank in range(world):
-        sched = bcube_allreduce(world, rank, count, n=n, k=k)
+        sched = bcube_allreduce(world, rank, count, n=n, k=k, parts=parts)
         per_level = sched.elements_sent_by_channel()
         assert per_level == sched.cost.elements_sent
         for level in range(k):
@@ -267,3 +277,37 @@ def test_communicator_topology_errors() -> None:
     finally:
         for comm in comms:
             comm.close()
+
+
+def test_parts_keep_the_smallest_message_at_least_one_chunk() -> None:
+    # 64 MB of float32 on BCube(3,2): 18 pieces of ~3.56 MB; 1 MiB chunks give 3 parts.
+    assert bml_parts(16_000_000, 3, 2, (1 << 20) // 4) == 3
+    assert bml_parts(16_000_000, 3, 2, (2 << 20) // 4) == 1  # a piece is 1.7 chunks
+    assert bml_parts(16_000_000, 3, 2, 1) == MAX_PARTS
+    assert bml_parts(3_274_634, 3, 2, (1 << 20) // 4) == 1  # LeNet-5's gradient: pieces < 1 MiB
+    assert bml_parts(16_000_000, 3, 2, None) == 1  # no pipelining chunk: one exchange
+    with pytest.raises(ValueError, match="positive"):
+        bml_parts(100, 3, 2, 0)
+    with pytest.raises(ValueError, match="at least 1"):
+        bcube_allreduce(9, 0, 100, n=3, k=2, parts=0)
+
+
+def test_communicator_pipelines_bml_from_its_chunk_size() -> None:
+    def run(comm: mlfabric.Communicator) -> tuple[int, bool]:
+        t = torch.arange(18 * 4000, dtype=torch.float32) + comm.rank
+        parts = comm._allreduce_options("bcube", t)["parts"]
+        comm.allreduce(t, algorithm="bcube")
+        return parts, bool(torch.equal(t, 9 * torch.arange(18 * 4000, dtype=torch.float32) + 36))
+
+    comms = mlfabric.local_world(9, topology="bcube:n=3,k=2", channels=("0", "1"))
+    for comm in comms:
+        comm.chunk_bytes = 4000  # 1,000 float32: pieces of 4,000 elements -> 4 parts
+    results = []
+    threads = [threading.Thread(target=lambda c=c: results.append(run(c))) for c in comms]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for comm in comms:
+        comm.close()
+    assert results == [(MAX_PARTS, True)] * 9
