@@ -226,22 +226,22 @@ def _launch_config(config: AllreduceBenchConfig, capture_output: bool,
 def simulated_allreduce_s(algorithm: str, topology: str, rate_bps: float, nbytes: int) -> float | None:
     """The simulator's time (s) for mlfabric's ``algorithm`` on ``nbytes`` of float32 on
     ``topology`` (rank r on host r) with every NIC at ``rate_bps``: the same schedule, with
-    the same options, as the communicator runs there (BML's parts from the emulator's
-    pipelining chunk). None for gloo, which has no schedule."""
+    the same options, as the communicator runs there (BML's and the PS's parts from the
+    emulator's pipelining chunk). None for gloo, which has no schedule."""
     if algorithm == GLOO:
         return None
-    from mlfabric.collectives import choose_allreduce
-    from mlfabric.collectives.bcube import bml_parts, hierarchy_of, shape_options
+    from mlfabric.collectives import choose_allreduce, pipeline_parts
+    from mlfabric.collectives.bcube import hierarchy_of, shape_options
     from mlfabric.emu.cluster import pipeline_chunk_bytes
     from mlfabric.sim.workloads import simulate_collective
     from mlfabric.topo.spec import TopologySpec
 
     spec = TopologySpec.parse(topology)
-    name = choose_allreduce(algorithm, nbytes, math.prod(hierarchy_of(spec)), str(spec))
+    world_size = math.prod(hierarchy_of(spec))
+    name = choose_allreduce(algorithm, nbytes, world_size, str(spec))
     options = shape_options(name, spec)
-    if name == "bcube":
-        chunk = pipeline_chunk_bytes(rate_bps) // ELEMENT_BYTES
-        options["parts"] = bml_parts(nbytes // ELEMENT_BYTES, int(options["n"]), int(options["k"]), chunk)
+    options.update(pipeline_parts(name, nbytes // ELEMENT_BYTES, world_size,
+                                  pipeline_chunk_bytes(rate_bps) // ELEMENT_BYTES, **options))
     return simulate_collective(name, str(spec), rate_bps, size_bytes=nbytes, itemsize=ELEMENT_BYTES,
                                **options).time_s
 

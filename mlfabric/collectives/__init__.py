@@ -17,6 +17,7 @@ from mlfabric.schedule import Schedule
 from .bcube import bcube_allreduce, hierarchical_allreduce
 from .halving_doubling import halving_doubling_allreduce
 from .p2p_ps import p2p_ps_allreduce
+from .partition import chunks_for
 from .ring import ring_allgather, ring_allreduce, ring_reduce_scatter
 from .tree import binomial_broadcast, binomial_reduce, tree_allreduce
 
@@ -50,6 +51,30 @@ def choose_allreduce(algorithm: str, nbytes: int, world_size: int, topology: str
     return algorithm
 
 
+#: At most this many parts per call of an algorithm that pipelines in parts: each part adds
+#: a full set of the algorithm's messages.
+MAX_PARTS = 4
+
+
+def pipeline_parts(algorithm: str, count: int, world_size: int, chunk_elements: int | None,
+                   **shape: object) -> dict[str, int]:
+    """The ``parts`` option for the algorithms that pipeline a call in parts (``bcube``: BML,
+    ``ps``: the P2P parameter server), empty for the others: as many parts as keep the
+    smallest message (one of BML's ``k n^k`` pieces, one of the PS's N shards) at least
+    ``chunk_elements`` long, at most :data:`MAX_PARTS`. Without a pipelining chunk (hosts
+    whose CPU is the bottleneck, where each message's fixed cost counts more than a NIC idle
+    between steps) one part. ``shape``: BML's ``n`` and ``k``. The runtime, the simulator and
+    the benchmarks all call this, so they run the same schedule."""
+    if algorithm not in ("bcube", "ps"):
+        return {}
+    if chunk_elements is None:
+        return {"parts": 1}
+    if chunk_elements < 1:
+        raise ValueError(f"chunk_elements must be positive, got {chunk_elements}")
+    pieces_per_part = int(shape["k"]) * world_size if algorithm == "bcube" else world_size
+    return {"parts": chunks_for(count // pieces_per_part, chunk_elements, MAX_PARTS)}
+
+
 @lru_cache(maxsize=256)
 def build(kind: str, world_size: int, rank: int, count: int, **options: object) -> Schedule:
     """The schedule of collective ``kind`` ("allreduce:<algorithm>", "broadcast",
@@ -68,8 +93,8 @@ def build(kind: str, world_size: int, rank: int, count: int, **options: object) 
 
 
 __all__ = [
-    "ALLREDUCE_ALGORITHMS", "AUTO_RING_MIN_BYTES", "bcube_allreduce", "binomial_broadcast",
+    "ALLREDUCE_ALGORITHMS", "AUTO_RING_MIN_BYTES", "MAX_PARTS", "bcube_allreduce", "binomial_broadcast",
     "binomial_reduce", "build", "choose_allreduce", "halving_doubling_allreduce",
-    "hierarchical_allreduce", "p2p_ps_allreduce", "ring_allgather", "ring_allreduce",
+    "hierarchical_allreduce", "p2p_ps_allreduce", "pipeline_parts", "ring_allgather", "ring_allreduce",
     "ring_reduce_scatter", "tree_allreduce",
 ]

@@ -37,7 +37,7 @@ consecutive exchanges built step by step: a connection carries step ``w`` of eve
 before step ``w+1`` of any, so part 0's next step is ready while part 1's current one is on
 the wire. The simulated GST does not change (910.22 ms for 64 MB on BCube(3,2) at 500 Mbit/s
 with 1-4 parts); on the emulator, with fair-share pacing, 3 parts took 1000 ms against 1087 ms
-for one (docs/results.md). :func:`bml_parts` picks P from the pipelining chunk.
+for one (docs/results.md). ``collectives.pipeline_parts`` picks P from the pipelining chunk.
 
 **Hierarchical synchronization** (``hierarchical_allreduce``) is the same exchange with one
 thread on one NIC over mixed radices, e.g. a Fat-Tree(k) grouped by edge switch (``k/2``
@@ -265,23 +265,6 @@ def _digit_exchange(name: str, parts: list[DigitExchange], rank: int, op: str,
                                         [agg_send[p][t][(agg_step, peer)]], channel=channels[level]))
                 complete[p][t] = complete[p][t] + recvs
     return b.build(Cost(steps=2 * levels, elements_sent=sent, link_shares=equal_shares(step_connections)))
-
-
-#: At most this many parts per BML call: each adds ``2k(n-1)`` messages per rank.
-MAX_PARTS = 4
-
-
-def bml_parts(count: int, n: int, k: int, chunk_elements: int | None) -> int:
-    """How many parts to cut a BML call of ``count`` elements into: as many as keep its
-    smallest message (one of the ``k n^k`` pieces) at least ``chunk_elements`` long, at most
-    :data:`MAX_PARTS`; one when no pipelining chunk is set (CPU-bound hosts, where every
-    message's fixed cost counts more than an idle NIC between steps)."""
-    if chunk_elements is None:
-        return 1
-    if chunk_elements < 1:
-        raise ValueError(f"chunk_elements must be positive, got {chunk_elements}")
-    piece = count // (k * n**k)
-    return max(1, min(MAX_PARTS, piece // chunk_elements))
 
 
 def exchange_parts(radices: tuple[int, ...], threads: int, count: int, parts: int) -> list[DigitExchange]:

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import torch
 
 from mlfabric import collectives
-from mlfabric.collectives.bcube import bml_parts, hierarchy_of, shape_options
+from mlfabric.collectives.bcube import hierarchy_of, shape_options
 from mlfabric.collectives.partition import chunks_for
 from mlfabric.collectives.ring import MAX_CHUNKS
 from mlfabric.schedule import REDUCE_OPS, Schedule
@@ -100,7 +100,7 @@ class Communicator:
         flat, write_back = _flat_work_buffer(tensor)
         name = collectives.choose_allreduce(algorithm, flat.numel() * flat.element_size(), self.world_size,
                                             None if self.topology is None else str(self.topology))
-        options = self._allreduce_options(name, flat)
+        options = {**self._allreduce_options(name), **self.pipeline_options(name, flat)}
         reduce_op = "sum" if op == "avg" else op
 
         def finish() -> torch.Tensor:
@@ -124,9 +124,16 @@ class Communicator:
         chunk_elements = max(1, self.chunk_bytes // flat.element_size())
         return {"chunks": chunks_for(flat.numel() // self.world_size, chunk_elements, MAX_CHUNKS)}
 
-    def _allreduce_options(self, name: str, flat: torch.Tensor) -> dict[str, object]:
-        """The shape an algorithm needs from the topology (BCube digits, switch hierarchy),
-        and BML's pipelining parts (:func:`~mlfabric.collectives.bcube.bml_parts`)."""
+    def pipeline_options(self, name: str, flat: torch.Tensor) -> dict[str, object]:
+        """The ``parts`` this communicator cuts allreduce ``name`` of ``flat`` into (BML and
+        the P2P parameter server; :func:`mlfabric.collectives.pipeline_parts`), from its
+        ``chunk_bytes``; empty for the other algorithms."""
+        chunk = None if self.chunk_bytes is None else max(1, self.chunk_bytes // flat.element_size())
+        shape = shape_options(name, self.topology) if name == "bcube" and self.topology is not None else {}
+        return collectives.pipeline_parts(name, flat.numel(), self.world_size, chunk, **shape)
+
+    def _allreduce_options(self, name: str) -> dict[str, object]:
+        """The shape an algorithm needs from the topology (BCube digits, switch hierarchy)."""
         if name not in ("bcube", "hierarchical"):
             return {}
         spec = self.topology
@@ -141,8 +148,6 @@ class Communicator:
             # BML stays correct on a one-NIC cluster, it just loses its bandwidth advantage.
             options["channels"] = tuple(str(level) if str(level) in self.transport.channels
                                         else self.transport.channels[0] for level in range(int(options["k"])))
-            chunk = None if self.chunk_bytes is None else max(1, self.chunk_bytes // flat.element_size())
-            options["parts"] = bml_parts(flat.numel(), int(options["n"]), int(options["k"]), chunk)
         return options
 
     def allreduce(self, tensor: torch.Tensor, algorithm: str = "ring", op: str = "sum", *,

@@ -14,14 +14,12 @@ import pytest
 import torch
 
 import mlfabric
-from mlfabric.collectives import build, choose_allreduce
+from mlfabric.collectives import MAX_PARTS, build, choose_allreduce, pipeline_parts
 from mlfabric.collectives.bcube import (
     AGGREGATION,
     BROADCAST,
-    MAX_PARTS,
     DigitExchange,
     bcube_allreduce,
-    bml_parts,
     closed_form_elements_per_level,
     decode_part_tag,
     decode_tag,
@@ -280,22 +278,56 @@ def test_communicator_topology_errors() -> None:
 
 
 def test_parts_keep_the_smallest_message_at_least_one_chunk() -> None:
+    mib = (1 << 20) // 4  # float32 elements
     # 64 MB of float32 on BCube(3,2): 18 pieces of ~3.56 MB; 1 MiB chunks give 3 parts.
-    assert bml_parts(16_000_000, 3, 2, (1 << 20) // 4) == 3
-    assert bml_parts(16_000_000, 3, 2, (2 << 20) // 4) == 1  # a piece is 1.7 chunks
-    assert bml_parts(16_000_000, 3, 2, 1) == MAX_PARTS
-    assert bml_parts(3_274_634, 3, 2, (1 << 20) // 4) == 1  # LeNet-5's gradient: pieces < 1 MiB
-    assert bml_parts(16_000_000, 3, 2, None) == 1  # no pipelining chunk: one exchange
+    assert pipeline_parts("bcube", 16_000_000, 9, mib, n=3, k=2) == {"parts": 3}
+    assert pipeline_parts("bcube", 16_000_000, 9, 2 * mib, n=3, k=2) == {"parts": 1}  # 1.7 chunks
+    assert pipeline_parts("bcube", 16_000_000, 9, 1, n=3, k=2) == {"parts": MAX_PARTS}
+    assert pipeline_parts("bcube", 3_274_634, 9, mib, n=3, k=2) == {"parts": 1}  # LeNet-5: < 1 MiB pieces
+    # The P2P PS's smallest message is a shard: 64 MB / 9 = 7.1 MB -> capped at MAX_PARTS.
+    assert pipeline_parts("ps", 16_000_000, 9, mib) == {"parts": MAX_PARTS}
+    assert pipeline_parts("ps", 16_000_000, 9, None) == {"parts": 1}  # no pipelining chunk
+    assert pipeline_parts("ring", 16_000_000, 9, mib) == {}  # the ring pipelines in chunks instead
     with pytest.raises(ValueError, match="positive"):
-        bml_parts(100, 3, 2, 0)
+        pipeline_parts("ps", 100, 3, 0)
     with pytest.raises(ValueError, match="at least 1"):
         bcube_allreduce(9, 0, 100, n=3, k=2, parts=0)
+    with pytest.raises(ValueError, match="at least 1"):
+        p2p_ps_allreduce(3, 0, 100, parts=0)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("count", [0, 1, 7, 1001])
+@pytest.mark.parametrize("parts", [1, 3])
+def test_p2p_ps_in_parts_matches_reference_and_costs_the_same(world: int, count: int, parts: int) -> None:
+    schedules = [p2p_ps_allreduce(world, r, count, parts=parts) for r in range(world)]
+    validate(schedules)
+    data = _inputs(world, count)
+    expected = np.sum(np.stack(data), axis=0) if count else np.zeros(0, np.int64)
+    for rank, out in enumerate(interpret(schedules, data)):
+        np.testing.assert_array_equal(out, expected, err_msg=f"world {world} rank {rank}")
+    if world > 1 and count >= world * parts:
+        one = [p2p_ps_allreduce(world, r, count).cost for r in range(world)]
+        assert sum(s.cost.total_elements_sent for s in schedules) == sum(c.total_elements_sent for c in one)
+        for sched in schedules:
+            assert sched.elements_sent_by_channel() == sched.cost.elements_sent
+
+
+def test_p2p_ps_connections_carry_every_push_before_any_pull() -> None:
+    for rank in range(4):
+        sched = p2p_ps_allreduce(4, rank, 4000, parts=3)
+        for peer in range(4):
+            if peer == rank:
+                continue
+            tags = [op.tag for op in sched.ops if isinstance(op, Send) and op.peer == peer]
+            # Tags 2p (push of part p) and 2p + 1 (pull): all pushes, then the pulls, in part order.
+            assert tags == [0, 2, 4, 1, 3, 5], (rank, peer, tags)
 
 
 def test_communicator_pipelines_bml_from_its_chunk_size() -> None:
     def run(comm: mlfabric.Communicator) -> tuple[int, bool]:
         t = torch.arange(18 * 4000, dtype=torch.float32) + comm.rank
-        parts = comm._allreduce_options("bcube", t)["parts"]
+        parts = comm.pipeline_options("bcube", t)["parts"]
         comm.allreduce(t, algorithm="bcube")
         return parts, bool(torch.equal(t, 9 * torch.arange(18 * 4000, dtype=torch.float32) + 36))
 
