@@ -128,6 +128,9 @@ def bench_allreduce(
         help="Comma-separated message sizes: KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024.")]
         = "4KB,1MB,64MB",
     iters: Annotated[int, typer.Option(help="Timed repetitions per size.")] = 10,
+    start: Annotated[str, typer.Option(help="aligned: every call starts at one instant on all ranks and "
+                                            "is timed from it (as simulated); barrier: from each rank's "
+                                            "exit of a gloo barrier (its exit skew counts).")] = "aligned",
     warmup: Annotated[int, typer.Option(help="Untimed repetitions per size, before the timed ones.")] = 2,
     transport: Annotated[str, typer.Option(help="mlfabric transport: zmq or torch.")] = "zmq",
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures and metadata here.")]
@@ -170,10 +173,11 @@ def bench_allreduce(
                          emulate_topology=emulate_topology, emulate_rate_bps=emulate_rate,
                          algorithms=tuple(split_list(algorithms, "algorithms")),
                          sizes=tuple(parse_sizes(sizes)), iters=iters, warmup=warmup,
-                         transport=transport, timeout_s=timeout, seed=seed, measure_goodput=goodput)
+                         transport=transport, timeout_s=timeout, seed=seed, measure_goodput=goodput,
+                         start=start)
     command = ["mlfabric", "bench", "allreduce", "--world-size", str(world_size), "--algorithms",
                ",".join(config.algorithms), "--sizes", sizes.replace(" ", ""), "--iters", str(iters),
-               "--warmup", str(warmup), "--transport", transport, "--seed", str(seed)]
+               "--warmup", str(warmup), "--transport", transport, "--seed", str(seed), "--start", start]
     if emulate:
         command += ["--emulate", "--topology", str(emulate_topology), "--rate", rate]
         command += [] if goodput else ["--no-goodput"]

@@ -6,8 +6,12 @@
 Spawns ``world_size`` ranks (:mod:`mlfabric.bench.procs`); each joins a gloo process group
 (the reference allreduce, and the barriers) and an mlfabric communicator. For every size,
 each repetition runs every algorithm once, in the order given (rep 1: ring, hd, tree, gloo;
-rep 2: ...), so drift on a shared machine hits all of them alike. Every call is preceded by
-a gloo barrier and timed on every rank; an iteration's time is the slowest rank's. The
+rep 2: ...), so drift on a shared machine hits all of them alike. Every call starts on all
+ranks at one instant (``start="aligned"``: a margin after the last rank is ready; ranks on
+one machine share its clock), as in the simulator where every rank starts at 0; each rank's
+time counts from that instant and an iteration's time is the slowest rank's. (With
+``start="barrier"`` each rank starts when it leaves a gloo barrier, whose exit reaches the
+ranks up to ~30 ms apart on 2 cores, and that skew counts in the slowest rank's time.) The
 first call of each algorithm is checked against gloo's result on the same input (integer
 valued float32, so sums are exact in any order) and the benchmark fails on any mismatch.
 
@@ -41,7 +45,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from mlfabric.bench.procs import LaunchConfig, rank_env, report, run_ranks
+from mlfabric.bench.procs import ALIGN_MARGIN_S, LaunchConfig, aligned_start, rank_env, report, run_ranks, sleep_until
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -84,6 +88,13 @@ class AllreduceBenchConfig:
     # Emulated runs: first measure one TCP flow's goodput between hosts 0 and 1 of the same
     # cluster (the emulator issue's reference: busbw is compared with it in the same run).
     measure_goodput: bool = True
+    # When a timed call starts: "aligned" (default): on every rank at one instant,
+    # align_margin_s after the last rank got there (ranks share the machine's clock), and
+    # each rank's time counts from that instant, as in the simulator, where all ranks start
+    # at 0; "barrier": when the rank leaves a gloo barrier, whose exit reaches the ranks up to
+    # ~30 ms apart on 2 cores (that skew then counts in the slowest rank's time).
+    start: str = "aligned"
+    align_margin_s: float = ALIGN_MARGIN_S
 
     def __post_init__(self) -> None:
         from mlfabric import TRANSPORTS
@@ -117,6 +128,9 @@ class AllreduceBenchConfig:
             raise ValueError(f"unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.start not in ("aligned", "barrier") or not self.align_margin_s >= 0:
+            raise ValueError(f"start must be aligned or barrier and align_margin_s >= 0, got {self.start!r}, "
+                             f"{self.align_margin_s}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,6 +206,7 @@ def collect_metadata(config: AllreduceBenchConfig, argv: Sequence[str] | None = 
         "world_size": config.world_size,
         "transport": config.transport,
         "dtype": "float32",
+        "start": config.start,
     }
 
 
@@ -291,8 +306,11 @@ def run_allreduce_bench(config: AllreduceBenchConfig, *, argv: Sequence[str] | N
                 busbw=algbw * factor, busbw_vs_gloo=ratio, correct=correct, simulated_s=simulated,
                 emulated_vs_simulated=None if not simulated else median / simulated,
                 busbw_vs_goodput=None if reference_bps is None else algbw * factor * 8 / reference_bps))
+    metadata = collect_metadata(config, argv)
+    if config.start == "aligned":
+        metadata["late_starts"] = sum(r.late for r in per_rank)
     return AllreduceBenchResult(config=config, measurements=tuple(measurements),
-                                metadata=collect_metadata(config, argv), two_host_goodput_bps=reference_bps)
+                                metadata=metadata, two_host_goodput_bps=reference_bps)
 
 
 # --------------------------------------------------------------------------- BML vs star
@@ -391,6 +409,7 @@ def run_bml_comparison(config: AllreduceBenchConfig, *, argv: Sequence[str] | No
 class _RankTimes:
     times: dict[tuple[int, str], list[float]]  # (size, algorithm) -> this rank's timed iterations
     verified: frozenset[tuple[int, str]]       # cells whose result matched gloo's on every rank
+    late: int = 0                              # aligned starts reached after the instant
 
 
 def _rank_main(config: AllreduceBenchConfig) -> _RankTimes:
@@ -411,6 +430,7 @@ def _rank_main(config: AllreduceBenchConfig) -> _RankTimes:
     times: dict[tuple[int, str], list[float]] = {}
     verified: set[tuple[int, str]] = set()
     done = 0
+    late = 0  # aligned starts this rank reached only after the instant (its time counts from it)
     try:
         for size in config.sizes:
             count = size // ELEMENT_BYTES
@@ -425,13 +445,17 @@ def _rank_main(config: AllreduceBenchConfig) -> _RankTimes:
             for rep in range(config.warmup + config.iters):
                 for algorithm in config.algorithms:
                     work.copy_(source)
-                    dist.barrier()
-                    start = time.perf_counter()
+                    if config.start == "aligned":
+                        start = aligned_start(_latest_over_ranks, config.align_margin_s)
+                        late += not sleep_until(start)
+                    else:
+                        dist.barrier()
+                        start = time.monotonic()
                     if algorithm == GLOO:
                         dist.all_reduce(work)
                     else:
                         comm.allreduce(work, algorithm=algorithm)
-                    elapsed = time.perf_counter() - start
+                    elapsed = time.monotonic() - start
                     if rep >= config.warmup:
                         times[(size, algorithm)].append(elapsed)
                     if rep == 0:
@@ -444,7 +468,17 @@ def _rank_main(config: AllreduceBenchConfig) -> _RankTimes:
     finally:
         comm.close()
         dist.destroy_process_group()
-    return _RankTimes(times=times, verified=frozenset(verified))
+    return _RankTimes(times=times, verified=frozenset(verified), late=late)
+
+
+def _latest_over_ranks(t: float) -> float:
+    """The largest ``t`` over the ranks (gloo allreduce, float64: monotonic seconds)."""
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([t], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value[0])
 
 
 def _verify(result: Any, reference: Any, algorithm: str, size: int, rank: int) -> None:

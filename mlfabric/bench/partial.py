@@ -43,7 +43,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from mlfabric.bench.procs import LaunchConfig, check_choices, rank_env, report, run_ranks
+from mlfabric.bench.procs import (ALIGN_MARGIN_S, LaunchConfig, aligned_start, check_choices, rank_env, report,
+                                  run_ranks, sleep_until)
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -100,7 +101,7 @@ class PartialBenchConfig:
     # rank entered a barrier; "barrier": when it leaves the barrier, like the reference code
     # (on an oversubscribed machine the barrier's exit wave then blurs the skew).
     start: str = "aligned"
-    align_margin_s: float = 0.1
+    align_margin_s: float = ALIGN_MARGIN_S
 
     def __post_init__(self) -> None:
         from mlfabric import TRANSPORTS
@@ -240,9 +241,13 @@ def _rank_main(config: PartialBenchConfig, launched_at: float) -> _RankRecord:
         if config.start == "barrier":
             barrier()
             return time.monotonic()
-        entered = torch.tensor([time.monotonic()], dtype=torch.float64)
-        comm.allreduce(entered, algorithm="tree", op="max")
-        return float(entered[0]) + config.align_margin_s
+
+        def latest(t: float) -> float:
+            entered = torch.tensor([t], dtype=torch.float64)
+            comm.allreduce(entered, algorithm="tree", op="max")
+            return float(entered[0])
+
+        return aligned_start(latest, config.align_margin_s)
 
     try:
         barrier()
@@ -250,10 +255,7 @@ def _rank_main(config: PartialBenchConfig, launched_at: float) -> _RankRecord:
         for it in range(total):
             timed = it >= config.warmup
             for variant in config.variants:
-                wait = start_time() + delay - time.monotonic()
-                if wait > 0:
-                    time.sleep(wait)
-                elif config.start == "aligned":
+                if not sleep_until(start_time() + delay) and config.start == "aligned":
                     late += 1
                 if variant == SYNCHRONOUS:
                     work.copy_(fresh)

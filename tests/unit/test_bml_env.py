@@ -120,3 +120,34 @@ def test_bml_job_config():
         BmlJobConfig(train_samples=900).train_config(128, bml)
     with pytest.raises(ValueError, match="BCube"):
         BmlJobConfig(bcube="star:n=9")
+
+
+def test_bench_config_checks_its_start_mode():
+    from mlfabric.bench.allreduce import AllreduceBenchConfig
+
+    assert AllreduceBenchConfig(world_size=2).start == "aligned"
+    assert AllreduceBenchConfig(world_size=2, start="barrier").start == "barrier"
+    with pytest.raises(ValueError, match="aligned or barrier"):
+        AllreduceBenchConfig(world_size=2, start="now")
+    with pytest.raises(ValueError, match="align_margin_s"):
+        AllreduceBenchConfig(world_size=2, align_margin_s=-1)
+
+
+def test_aligned_start_is_a_margin_after_the_latest_rank():
+    import time
+
+    from mlfabric.bench.procs import aligned_start, sleep_until
+
+    seen = []
+
+    def latest(t: float) -> float:  # as if another rank got there 0.2 s after this one
+        seen.append(t)
+        return t + 0.2
+
+    before = time.monotonic()
+    start = aligned_start(latest, 0.05)
+    assert len(seen) == 1 and before <= seen[0] <= time.monotonic()
+    assert start == pytest.approx(seen[0] + 0.25)
+    assert sleep_until(time.monotonic() + 0.02) is True
+    assert sleep_until(time.monotonic() - 0.01) is False
+    assert time.monotonic() >= before + 0.02
