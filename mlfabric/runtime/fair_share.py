@@ -34,6 +34,8 @@ NIC_RATE_ENV = "MLFABRIC_NIC_RATE"
 #: are 4.4% of a full frame (1448 payload bytes of 1514), so a share's payload rate is at most
 #: 0.956 of it. 0.95 leaves the shaper ~0.6% of slack so that no queue builds (0.90 was 5%
 #: slower in the plain-socket experiment; without pacing, the step's last flow ended 8-15% late).
+#: 0.96 (paced TCP delivers ~0.99 of its cap) tied on plain sockets but gave BML calls a tail
+#: in the full benchmark (1009-1018 ms for half the calls vs 987-1008 ms at 0.95).
 PAYLOAD_FRACTION = 0.95
 
 

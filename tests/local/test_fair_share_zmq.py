@@ -49,7 +49,7 @@ def _paced_ps() -> tuple[float, dict[int, int | None], dict[int, int | None], di
 
 def test_ps_connections_are_paced_at_their_share_then_released() -> None:
     results = run_ranks(_paced_ps, 3, timeout=120)
-    # Two peers share the NIC: each connection is capped at 0.95 x 80 Mbit/s / 2 (bytes/s).
+    # Two peers share the NIC: each connection is capped at PAYLOAD_FRACTION x 80 Mbit/s / 2 (bytes/s).
     cap = int(PAYLOAD_FRACTION * NIC_RATE / 2 / 8)
     for rank, (elapsed, paced, released, paced_buffers, released_buffers) in enumerate(results):
         assert set(paced.values()) == {cap}, (rank, paced)
