@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import math
 import threading
 from typing import Callable, Sequence
@@ -39,8 +40,10 @@ from mlfabric.topo.spec import TopologySpec
 from mlfabric.transport.base import Transport
 
 from .executor import Executor, RunInfo
-from .fair_share import connection_rates, nic_rates_from
+from .fair_share import NIC_RATE_ENV, connection_rates, nic_rates_from
 from .partial import QUORUM_CHOICES, PartialAllreduce, PartialResult
+
+log = logging.getLogger("mlfabric.runtime")
 
 DEFAULT_TIMEOUT_S = 60.0
 REDUCE_OP_NAMES = ("sum", "avg", "max", "min", "prod")
@@ -299,10 +302,16 @@ class Communicator:
 
     def _pace(self, schedule: Schedule) -> None:
         """Pace the connections ``schedule`` sends on at their fair share (or lift the cap),
-        telling the transport only what changed since the previous collective."""
+        telling the transport only what changed since the previous collective. A transport
+        that cannot pace is told once (logged) and not asked again."""
         for connection, rate in connection_rates(schedule, self.nic_rates).items():
             if self._paced.get(connection) != rate:
-                self.transport.pace_connection(*connection, rate)
+                if not self.transport.pace_connection(*connection, rate) and rate is not None:
+                    log.info("rank %d: %s cannot pace connections: the NIC rate is known (%s) but "
+                             "fair-share pacing is off", self.rank, type(self.transport).__name__,
+                             NIC_RATE_ENV)
+                    self.nic_rates = {}
+                    return
                 self._paced[connection] = rate
 
     def close(self) -> None:

@@ -114,3 +114,24 @@ def test_communicator_tells_the_transport_only_what_changes() -> None:
     finally:
         for comm in comms:
             comm.close()
+
+
+def test_a_transport_that_cannot_pace_is_told_once(caplog) -> None:
+    transports = LocalFabric(3, ("0",)).transports()  # the in-process transport cannot pace
+    asked = []
+    for transport in transports:
+        original = transport.pace_connection
+        transport.pace_connection = lambda *a, original=original: asked.append(a) or original(*a)
+    comms = [Communicator(t, nic_rate="1gbit", timeout=20) for t in transports]
+    try:
+        with caplog.at_level("INFO", logger="mlfabric.runtime"):
+            for _ in range(2):
+                futures = [c.allreduce_async(torch.ones(30), algorithm="ps") for c in comms]
+                for future in futures:
+                    assert torch.equal(future.wait(), torch.full((30,), 3.0))
+        assert len(asked) == 3  # one refused request per rank, then never again
+        assert all(c.nic_rates == {} for c in comms)
+        assert sum("cannot pace connections" in r.getMessage() for r in caplog.records) == 3
+    finally:
+        for comm in comms:
+            comm.close()
