@@ -83,6 +83,19 @@ def paced_buffer_bytes(cap: int | None) -> int:
     return min(SOCKET_BUFFER_BYTES, max(MIN_PACED_BUFFER_BYTES, int(cap * PACED_BUFFER_S)))
 
 
+def peer_address(endpoint: str) -> tuple[str, int]:
+    """``("10.0.0.2", 5555)`` for ``"tcp://10.0.0.2:5555"`` (a host name resolved, IPv6
+    brackets removed): what ``getpeername`` of a connection to the endpoint reports."""
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    host = host.strip("[]")
+    if ":" not in host:
+        try:
+            host = socket.gethostbyname(host)
+        except OSError:
+            pass  # unresolvable: the connection will fail and say so
+    return host, int(port)
+
+
 def channel_addrs_from_env() -> dict[str, str]:
     """Parse ``MLFABRIC_CHANNEL_ADDRS="0=10.0.0.2,1=10.1.0.2"`` (channel=bind address)."""
     raw = os.environ.get("MLFABRIC_CHANNEL_ADDRS", "").strip()
@@ -210,8 +223,7 @@ class ZmqTransport(Transport):
                 dealer.setsockopt(zmq.IMMEDIATE, 0)
                 monitor = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
                 self._monitors[monitor] = ("dealer", peer, name)
-                host, _, port = endpoints[name].removeprefix("tcp://").rpartition(":")
-                self._remote_addr[(peer, name)] = (host, int(port))
+                self._remote_addr[(peer, name)] = peer_address(endpoints[name])
                 dealer.connect(endpoints[name])
                 self._dealers[(peer, name)] = dealer
         for name, router in self._routers.items():
@@ -310,11 +322,12 @@ class ZmqTransport(Transport):
     def _set_pacing(self, connection: tuple[int, str], fd: int, cap: int | None) -> bool:
         """Set the kernel's pacing cap of libzmq's socket ``fd`` (through a duplicate of the
         descriptor) if it still leads to ``connection``'s peer: libzmq may have closed it and
-        the number may name another socket by now."""
+        the number may name another socket by now (then the next ``EVENT_CONNECTED`` applies
+        the cap). False only when the kernel refuses the cap: pacing is unavailable."""
         try:
             with socket.socket(fileno=os.dup(fd)) as sock:
                 if sock.type != socket.SOCK_STREAM or sock.getpeername()[:2] != self._remote_addr[connection]:
-                    return False
+                    return True  # a stale descriptor: the reconnection will be paced
                 value = _UNLIMITED_PACING if cap is None else cap
                 option = struct.pack("=I", value) if value <= _UNLIMITED_PACING else struct.pack("=Q", value)
                 sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, option)
@@ -323,10 +336,11 @@ class ZmqTransport(Transport):
         except OSError as exc:
             # A descriptor libzmq closed a moment ago (the peer left, a reconnection) is
             # expected; anything else means the kernel refused the cap.
-            level = logging.DEBUG if exc.errno in _GONE_ERRNOS else logging.WARNING
-            log.log(level, "rank %d: could not pace the connection to peer %d on channel %r: %s",
+            gone = exc.errno in _GONE_ERRNOS
+            log.log(logging.DEBUG if gone else logging.WARNING,
+                    "rank %d: could not pace the connection to peer %d on channel %r: %s",
                     self.rank, connection[0], connection[1], exc)
-            return False
+            return gone
 
     def pacing_of(self, peer: int, channel: str) -> int | None:
         """The kernel's pacing cap (bytes/s) of the connection to ``peer`` on ``channel``, read

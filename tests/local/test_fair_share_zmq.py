@@ -70,3 +70,40 @@ def _kernel_buffer(requested: int) -> int:
     """What SO_SNDBUF reads back after setting ``requested``: capped at wmem_max, doubled."""
     with open("/proc/sys/net/core/wmem_max") as f:
         return 2 * min(requested, int(f.read()))
+
+
+def test_a_stale_descriptor_is_left_alone_and_pacing_stays_on() -> None:
+    """Regression: a descriptor libzmq had closed and the kernel had reused for another socket
+    made pace_connection answer False, which the communicator takes for "cannot pace" and so
+    switched fair-share pacing off for the whole job."""
+    import socket
+    import struct
+
+    from mlfabric.transport.zmq import SO_MAX_PACING_RATE, ZmqTransport
+
+    token = b"t" * 16
+    ranks = [ZmqTransport(r, 2, token) for r in range(2)]
+    with socket.socket() as listener, socket.socket() as other:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        other.connect(listener.getsockname())
+        try:
+            ranks[0].connect({1: ranks[1].endpoints})
+            ranks[1].connect({0: ranks[0].endpoints})
+            # As if libzmq had reported `other`'s number for its connection to rank 1.
+            ranks[0]._connected(1, "0", other.fileno())
+            assert ranks[0].pace_connection(1, "0", 8e6) is True
+            unlimited = struct.unpack("=Q", other.getsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, 8))[0]
+            assert unlimited >= 0xFFFF_FFFF  # the unrelated socket was not capped
+            assert ranks[0].pacing_of(1, "0") is None  # nor reported as rank 1's connection
+        finally:
+            for transport in ranks:
+                transport.close()
+
+
+def test_peer_address_is_what_getpeername_reports() -> None:
+    from mlfabric.transport.zmq import peer_address
+
+    assert peer_address("tcp://10.1.0.5:5555") == ("10.1.0.5", 5555)
+    assert peer_address("tcp://localhost:6000") == ("127.0.0.1", 6000)
+    assert peer_address("tcp://[::1]:7000") == ("::1", 7000)
