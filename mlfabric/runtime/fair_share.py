@@ -12,7 +12,10 @@ flow loses packets, and they end together (362-364 ms in the same experiment).
 A builder states each connection's share of the NIC in ``Cost.link_shares``; this module
 turns shares and the NIC rate into pacing rates (pure logic), and the communicator hands the
 changes to the transport (``Transport.pace_connection``; the zmq transport sets the kernel
-socket's ``SO_MAX_PACING_RATE``). Without a known NIC rate nothing is paced.
+socket's ``SO_MAX_PACING_RATE``). Without a known NIC rate nothing is paced. Caps follow the
+most recently submitted collective: one that sends a single flow at a time lifts the caps on
+its connections, also while an earlier asynchronous collective still uses them (that costs
+the earlier one its fairness, never its correctness).
 
 Exercise it with ``python -m pytest tests/unit/test_fair_share.py``.
 """
