@@ -29,8 +29,7 @@ def test_bench_allreduce_writes_consistent_json(tmp_path: Path) -> None:
     assert meta["world_size"] == 2 and meta["transport"] == "zmq" and meta["cpu_count"] >= 1
     assert meta["torch"] and meta["hostname"] and meta["date"]
     assert meta["command"].startswith("mlfabric bench allreduce --world-size 2")
-    # Aligned starts by default: every call starts at one instant, timed from it (the margin
-    # before it is not timed: a 4 KB call on loopback takes milliseconds, not 0.1 s).
+    # Aligned starts by default: every call starts at one instant and is timed from it.
     assert "--start aligned" in meta["command"] and meta["start"] == "aligned"
     assert isinstance(meta["late_starts"], int) and meta["late_starts"] >= 0
     cells = {(r["size_bytes"], r["algorithm"]): r for r in data["results"]}
@@ -39,7 +38,10 @@ def test_bench_allreduce_writes_consistent_json(tmp_path: Path) -> None:
     for (size, algorithm), r in cells.items():
         assert r["correct"] is True
         assert r["nbytes"] == size and r["count"] == size // 4
-        assert len(r["times_s"]) == 2 and all(0 < t < 0.1 for t in r["times_s"])
+        assert len(r["times_s"]) == 2 and all(t > 0 for t in r["times_s"])
+        # Timed from the aligned instant, not before it: were the 0.1 s margin timed, every
+        # call would take longer (a late rank may legitimately make one call slow).
+        assert min(r["times_s"]) < 0.1
         assert r["median_s"] > 0 and r["min_s"] <= r["median_s"] <= r["max_s"]
         assert r["algbw"] == pytest.approx(size / r["median_s"], rel=1e-9)
         assert r["busbw"] == pytest.approx(r["algbw"] * 2 * (n - 1) / n, rel=1e-9)
