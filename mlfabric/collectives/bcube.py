@@ -205,16 +205,18 @@ def _digit_exchange(name: str, parts: list[DigitExchange], rank: int, op: str,
     # ~1.1 s whenever one thread ran ahead, docs/results.md).
     last_send: dict[tuple[int, int], int] = {}
 
+    # The connections each step sends on, for the NIC shares of the cost (every connection of
+    # a step gets an equal part of its channel's NIC, as in the closed form); send() adds to
+    # the last set, one set per step.
+    step_connections: list[set[tuple[int, str]]] = []
+
     def send(peer: int, sl: Slice, tag: int, deps: list[int], level: int) -> int:
         sent[channels[level]] = sent.get(channels[level], 0) + sl.length
+        step_connections[-1].add((peer, channels[level]))
         before = last_send.get((peer, level))
         after = deps + ([before] if before is not None else [])
         last_send[(peer, level)] = b.send(peer, sl, tag, after, channel=channels[level])
         return last_send[(peer, level)]
-
-    # The connections each step sends on, for the NIC shares of the cost (every connection of
-    # a step gets an equal part of its channel's NIC, as in the closed form).
-    step_connections: list[set[tuple[int, str]]] = []
 
     # Built step by step (all threads' step w before any thread's step w+1), so that
     # ``last_send`` always holds the previous step's message on a connection.
@@ -225,13 +227,12 @@ def _digit_exchange(name: str, parts: list[DigitExchange], rank: int, op: str,
     # agg_send[p][t][(step, peer)]: thread t's aggregation send of that step to that peer in part p.
     agg_send: list[list[dict[tuple[int, int], int]]] = [[{} for _ in range(threads)] for _ in parts]
     for w in range(levels):
-        step_connections.append({(peer, channels[first.aggregation_level(t, w)]) for t in range(threads)
-                                 for _, peer in first.neighbours(rank, first.aggregation_level(t, w))})
+        step_connections.append(set())
         for p, ex in enumerate(parts):
             for t in range(threads):
                 level = ex.aggregation_level(t, w)
                 fixed = [mine[j] for j in orders[t][:w]]
-                tag = p * tags_per_part + tag_of(t, AGGREGATION, w, levels)  # decode_part_tag
+                tag = p * tags_per_part + tag_of(t, AGGREGATION, w, levels)
                 recvs: list[int] = []
                 for digit, peer in ex.neighbours(rank, level):
                     block = ex.block(t, fixed + [digit])
@@ -247,8 +248,7 @@ def _digit_exchange(name: str, parts: list[DigitExchange], rank: int, op: str,
     # piece completed by the last aggregation plus what the previous broadcast brought.
     complete = [[previous_recvs[p][t][-1:] for t in range(threads)] for p in range(len(parts))]
     for w in range(levels):
-        step_connections.append({(peer, channels[first.broadcast_level(t, w)]) for t in range(threads)
-                                 for _, peer in first.neighbours(rank, first.broadcast_level(t, w))})
+        step_connections.append(set())
         for p, ex in enumerate(parts):
             for t in range(threads):
                 level = ex.broadcast_level(t, w)

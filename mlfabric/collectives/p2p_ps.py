@@ -41,10 +41,9 @@ def p2p_ps_allreduce(world_size: int, rank: int, count: int, *, op: str = "sum",
         raise ValueError(f"parts must be at least 1, got {parts}")
     b = ScheduleBuilder("p2p_ps_allreduce", rank, world_size)
     b.buffer("data", count)
-    slices = [pieces(part.length, world_size) for part in pieces(count, parts)]
-    bases = [part.offset for part in pieces(count, parts)]
-    shard_slices = [[Slice("data", base + shard.offset, shard.length) for shard in shards]
-                    for base, shards in zip(bases, slices)]
+    # Per part, the N shards of that part (rank j serves shard j of every part).
+    shard_slices = [[Slice("data", part.offset + shard.offset, shard.length)
+                     for shard in pieces(part.length, world_size)] for part in pieces(count, parts)]
     # Start with the next rank so that not every rank pushes to rank 0 first.
     peers = [(rank + shift) % world_size for shift in range(1, world_size)]
     pushes = [{peer: b.send(peer, shards[peer], PUSH_TAG + 2 * p, channel=channel) for peer in peers}
