@@ -20,6 +20,7 @@ Exercise it with ``python -m pytest tests/local/test_zmq.py``.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -31,7 +32,7 @@ import struct
 import sys
 import threading
 import time
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import zmq
 
@@ -325,8 +326,8 @@ class ZmqTransport(Transport):
         the number may name another socket by now (then the next ``EVENT_CONNECTED`` applies
         the cap). False only when the kernel refuses the cap: pacing is unavailable."""
         try:
-            with socket.socket(fileno=os.dup(fd)) as sock:
-                if sock.type != socket.SOCK_STREAM or sock.getpeername()[:2] != self._remote_addr[connection]:
+            with self._libzmq_socket(connection, fd) as sock:
+                if sock is None:
                     return True  # a stale descriptor: the reconnection will be paced
                 value = _UNLIMITED_PACING if cap is None else cap
                 option = struct.pack("=I", value) if value <= _UNLIMITED_PACING else struct.pack("=Q", value)
@@ -363,12 +364,21 @@ class ZmqTransport(Transport):
         if fd is None:
             return None
         try:
-            with socket.socket(fileno=os.dup(fd)) as sock:
-                if sock.getpeername()[:2] != self._remote_addr[(peer, channel)]:
-                    return None
-                return sock.getsockopt(socket.SOL_SOCKET, option, size)
+            with self._libzmq_socket((peer, channel), fd) as sock:
+                return None if sock is None else sock.getsockopt(socket.SOL_SOCKET, option, size)
         except OSError:
-            return None  # closed or replaced since libzmq reported it
+            return None  # closed since libzmq reported it
+
+    @contextlib.contextmanager
+    def _libzmq_socket(self, connection: tuple[int, str], fd: int) -> Iterator[socket.socket | None]:
+        """A duplicate of libzmq's descriptor ``fd`` for ``connection``, or None when the number
+        no longer leads to that peer (libzmq closed it and the kernel gave it to another
+        socket): the one place that decides which kernel socket pacing may touch. OSError
+        from a closed descriptor propagates."""
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            leads_there = (sock.type == socket.SOCK_STREAM
+                           and sock.getpeername()[:2] == self._remote_addr[connection])
+            yield sock if leads_there else None
 
     # -- receiving -------------------------------------------------------------------------
 
