@@ -29,7 +29,7 @@ __version__ = "0.1.0"
 
 log = logging.getLogger("mlfabric")
 
-TRANSPORTS = ("zmq", "torch")
+TRANSPORTS = ("zmq", "tcp", "torch")
 TOPOLOGY_ENV = "MLFABRIC_TOPOLOGY"
 CHUNK_ENV = "MLFABRIC_CHUNK_BYTES"
 
@@ -42,15 +42,17 @@ def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | N
          chunk_bytes: int | str | None = None, nic_rate: str | float | None = None) -> Communicator:
     """Join the job and return a :class:`Communicator`.
 
-    ``transport``: ``"zmq"`` (TCP via ZeroMQ, the default) or ``"torch"`` (torch.distributed
-    point-to-point on ``backend``, "gloo" or "nccl"). Rank, world size and the rendezvous
+    ``transport``: ``"zmq"`` (TCP via ZeroMQ, the default), ``"tcp"`` (plain TCP sockets that
+    receive payloads straight into the tensor: fewer copies and thread hand-offs, see
+    ``mlfabric/transport/tcp.py``) or ``"torch"`` (torch.distributed point-to-point on
+    ``backend``, "gloo" or "nccl"). Rank, world size and the rendezvous
     address come from the arguments or from the torchrun variables RANK, WORLD_SIZE,
     MASTER_ADDR and MASTER_PORT. ``timeout`` (seconds) bounds every wait.
     ``channels`` names the NICs (one listening address each, from ``channel_addrs`` or the
     ``MLFABRIC_CHANNEL_ADDRS`` variable); by default a single channel ``"0"``.
     ``topology`` (or ``MLFABRIC_TOPOLOGY``) is the cluster's topology spec, rank r on host r,
     e.g. ``"bcube:n=3,k=2"``: BML (``algorithm="bcube"``, and ``"auto"`` on a BCube) needs it.
-    ``pace`` (or ``MLFABRIC_PACE``), zmq only: shape sends in user space, ``"100mbit"`` for
+    ``pace`` (or ``MLFABRIC_PACE``), zmq and tcp: shape sends in user space, ``"100mbit"`` for
     every channel or ``"0=1gbit,1=500mbit"`` — what ``mlfabric launch`` does without root.
     ``chunk_bytes`` (or ``MLFABRIC_CHUNK_BYTES``, e.g. ``"2MiB"``; the same on every rank):
     the ring collectives' pipelining chunk. By default chunks are large (16 MB: on hosts whose
@@ -59,7 +61,7 @@ def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | N
     emulator sets it from its NIC rate: :func:`mlfabric.emu.cluster.pipeline_chunk_bytes`).
     ``nic_rate`` (or ``MLFABRIC_NIC_RATE``, e.g. ``"500mbit"`` or ``"0=1gbit,1=500mbit"``): the
     line rate of each channel's NIC. When given, BML and the P2P parameter server pace each
-    connection at its share of the NIC (zmq on Linux), so that their concurrent flows end
+    connection at its share of the NIC (zmq and tcp on Linux), so that their concurrent flows end
     together (``mlfabric/runtime/fair_share.py``); the emulator sets it.
     """
     from .runtime.rendezvous import connect_store, job_info, store_barrier
@@ -68,8 +70,8 @@ def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | N
         raise ValueError(f"unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
-    if pace and transport != "zmq":
-        raise ValueError("user-space pacing needs the zmq transport (transport='zmq')")
+    if pace and transport == "torch":
+        raise ValueError("user-space pacing needs the zmq or tcp transport")
     topology = topology if topology is not None else (os.environ.get(TOPOLOGY_ENV) or None)
     chunk = chunk_bytes if chunk_bytes is not None else (os.environ.get(CHUNK_ENV) or None)
     if chunk is not None:
@@ -81,10 +83,15 @@ def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | N
             raise ValueError(f"chunk_bytes / {CHUNK_ENV}: {exc}") from None
     job = job_info(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port)
     store = connect_store(job, timeout)
-    if transport == "zmq":
+    if transport in ("zmq", "tcp"):
         from .transport.pacing import PACE_ENV, parse_pace
-        from .transport.zmq import ZmqTransport, channel_addrs_from_env, local_address_towards
+        from .transport.sockets import channel_addrs_from_env, local_address_towards
         from .units import format_rate
+
+        if transport == "zmq":
+            from .transport.zmq import ZmqTransport as socket_transport
+        else:
+            from .transport.tcp import TcpTransport as socket_transport
 
         addrs = channel_addrs if channel_addrs is not None else channel_addrs_from_env()
         names = tuple(channels) if channels else (tuple(addrs) or ("0",))
@@ -94,8 +101,8 @@ def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | N
         if pace_bps:
             log.warning("rank %d: user-space shaping (no kernel shaper): pacing channels %s",
                         job.rank, ", ".join(f"{n} at {format_rate(r)}" for n, r in pace_bps.items()))
-        tr = ZmqTransport.create(store, job.rank, job.world_size, channels=names,
-                                 bind_addrs=bind, timeout=timeout, pace_bps=pace_bps)
+        tr = socket_transport.create(store, job.rank, job.world_size, channels=names,
+                                     bind_addrs=bind, timeout=timeout, pace_bps=pace_bps)
     else:
         from .transport.pacing import PACE_ENV
         from .transport.torchdist import TorchDistTransport

@@ -38,6 +38,10 @@ TAG_BITS = 24
 # The progress thread sleeps until the mailbox changes (an arrival, a send completion, a lost
 # peer); this bound only paces deadline checks.
 _IDLE_POLL_S = 0.05
+# A receive into a buffer slice (no reduction) of at least this many bytes offers the slice to
+# the transport, which may receive the payload straight into it (Transport.take_or_offer);
+# below it a copy costs less than the bookkeeping.
+OFFER_MIN_BYTES = 64 * 1024
 
 
 def message_tag(seq: int, op_tag: int) -> int:
@@ -77,6 +81,10 @@ class _Run:
 
     # A run that handles lost peers itself (partial collectives re-form their group).
     tolerates_lost_peers = False
+    # Whether receives may offer their destination to the transport. A run that can finish
+    # with receives still pending (partial collectives) must not: a late message would land
+    # in a buffer that is no longer waiting for it.
+    offers_destinations = True
 
     def __init__(self, executor: "Executor", schedule: Schedule, buffers: dict[str, torch.Tensor],
                  info: RunInfo, deadline: float, future: torch.futures.Future,
@@ -98,6 +106,7 @@ class _Run:
             self.fired[i] = True
         self.pending_recvs: list[int] = []
         self.pending_sends: list[tuple[int, SendHandle]] = []
+        self.offered: set[int] = set()  # receives whose destination the transport holds
         self.seen_version = -1  # mailbox version when pending receives were last matched
 
     @property
@@ -162,12 +171,25 @@ class _Run:
 
     def _try_recv(self, index: int) -> bool:
         op: Recv = self.schedule.ops[index]  # type: ignore[assignment]
-        msg = self.executor.transport.mailbox.take(op.channel, message_tag(self.info.seq, op.tag), op.peer)
+        transport = self.executor.transport
+        tag = message_tag(self.info.seq, op.tag)
+        dst = self.view(op.dst)
+        if index in self.offered:
+            msg = transport.mailbox.take(op.channel, tag, op.peer)
+            if msg is not None:
+                self.offered.discard(index)
+                transport.withdraw_offer(op.channel, tag, op.peer)  # it may have come the other way
+        elif (self.offers_destinations and not op.reduce
+              and dst.numel() * dst.element_size() >= OFFER_MIN_BYTES):
+            msg = transport.take_or_offer(op.channel, tag, op.peer, tensor_bytes(dst), self.meta)
+            if msg is None:
+                self.offered.add(index)
+        else:
+            msg = transport.mailbox.take(op.channel, tag, op.peer)
         if msg is None:
             return False
         self._check_message(op, msg)
-        dst = self.view(op.dst)
-        if dst.numel():
+        if dst.numel() and not msg.in_place:
             incoming = torch.frombuffer(msg.payload, dtype=dst.dtype)
             if op.reduce:
                 _REDUCERS[op.reduce](dst, incoming)
@@ -209,8 +231,17 @@ class _Run:
                     self.ready.append(j)
 
     def fail(self, error: CollectiveError) -> None:
+        self.withdraw_offers()
         if not self.future.done():
             self.future.set_exception(error)
+
+    def withdraw_offers(self) -> None:
+        """Take back every destination still offered to the transport."""
+        transport = self.executor.transport
+        for index in self.offered:
+            op = self.schedule.ops[index]
+            transport.withdraw_offer(op.channel, message_tag(self.info.seq, op.tag), op.peer)
+        self.offered.clear()
 
     def waiting_on(self) -> str:
         """Human summary of what is still outstanding, for timeout messages."""

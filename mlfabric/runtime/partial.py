@@ -105,6 +105,9 @@ class _Execution(_Run):
     when the reduction is (activation ops may stay unmatched), and the start of the reduction
     fills ``data`` from the send buffer."""
 
+    # Activation receives may still be pending when the round is done (see _Run).
+    offers_destinations = False
+
     def __init__(self, owner: "PartialAllreduce", schedule: Schedule, reduction_start: int,
                  work: torch.Tensor, info: RunInfo) -> None:
         super().__init__(owner.executor, schedule, {"data": work}, info, math.inf,

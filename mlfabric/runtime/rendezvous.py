@@ -6,7 +6,7 @@ agent already serves a store on MASTER_PORT and workers join it as clients; othe
 serves it (multi-tenant, so ``torch.distributed.init_process_group`` can share the port).
 Each communicator gets its own key prefix so several can coexist in one job.
 
-Exercise it with ``python -m pytest tests/local/test_zmq.py``.
+Exercise it with ``python -m pytest tests/local/test_socket_transports.py``.
 """
 
 from __future__ import annotations

@@ -201,7 +201,7 @@ class PSConfig:
         if self.strategy == "tree" and (self.degree is None or self.degree < 1):
             raise ValueError("strategy 'tree' needs degree >= 1 (the in-degree d of MLNET's trees)")
         if self.strategy != "tree" and self.degree is not None:
-            raise ValueError(f"degree applies to strategy 'tree' only (binary is d=2, rack is one aggregator per rack)")
+            raise ValueError("degree applies to strategy 'tree' only (binary is d=2, rack is one aggregator per rack)")
         if self.staleness < 0:
             raise ValueError(f"staleness must be >= 0 (0 = BSP), got {self.staleness}")
         if self.barrier not in ("server", "global"):

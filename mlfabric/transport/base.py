@@ -40,6 +40,9 @@ class Message:
     channel: str
     meta: bytes
     payload: memoryview
+    # The payload was received straight into the destination offered for it
+    # (Transport.take_or_offer): nothing is left to copy.
+    in_place: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -205,6 +208,19 @@ class Transport(ABC):
 
     def try_recv(self, tag: int, *, src: int | None = None, channel: str = "0") -> Message | None:
         return self.mailbox.take(channel, tag, src)
+
+    def take_or_offer(self, channel: str, tag: int, src: int, destination: memoryview,
+                      meta: bytes) -> Message | None:
+        """Take the message from ``src`` if it has arrived; if not, a transport that can
+        receive into place keeps ``destination`` for its payload (used when size and meta
+        match, and the message then arrives with ``in_place`` set). Until the message is taken
+        or :meth:`withdraw_offer` is called, ``destination`` may be written at any time. The
+        default only takes."""
+        return self.mailbox.take(channel, tag, src)
+
+    def withdraw_offer(self, channel: str, tag: int, src: int) -> None:
+        """Take back a destination offered by :meth:`take_or_offer` (a message whose header
+        was already read may still land in it)."""
 
     def recv(self, tag: int, *, src: int | None = None, channel: str = "0",
              timeout: float = 60.0) -> Message:

@@ -10,7 +10,7 @@ kernel shaper (the emulator) is the real thing; for throughput it is within a fe
 
 ``MLFABRIC_PACE="100mbit"`` paces every channel, ``"0=1gbit,1=500mbit"`` per channel.
 
-Exercise it with ``python -m pytest tests/unit/test_pacing.py tests/local/test_pacing_zmq.py``.
+Exercise it with ``python -m pytest tests/unit/test_pacing.py tests/local/test_pacing_transports.py``.
 """
 
 from __future__ import annotations

@@ -15,20 +15,17 @@ each connection it makes (the monitor's ``EVENT_CONNECTED``), and the cap is set
 again on every reconnection, after checking that the descriptor still leads to that peer.
 A paced connection's send buffer shrinks to ~20 ms at its cap (:func:`paced_buffer_bytes`).
 
-Exercise it with ``python -m pytest tests/local/test_zmq.py``.
+Exercise it with ``python -m pytest tests/local/test_socket_transports.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import os
 import queue
-import secrets
 import socket
-import struct
 import sys
 import threading
 import time
@@ -49,80 +46,25 @@ from .base import (
 )
 from .memory import keep_freed_memory
 from .pacing import Pacer
+from .sockets import (
+    GOODBYE_GRACE_S,
+    SOCKET_BUFFER_BYTES,
+    pacing_cap,
+    peer_address,
+    rendezvous,
+    send_buffer,
+    set_pacing,
+)
 
 log = logging.getLogger("mlfabric.transport.zmq")
 
-# A paced connection's send buffer: this much time at its cap (at least the minimum). Paced,
-# a larger buffer sends nothing sooner; it only makes libzmq copy more into the kernel at
-# once, and when all ranks start a collective together those copies compete for the CPU
-# (BML on emulated BCube(3,2): 982-983 ms with 512 KiB buffers vs 990-991 ms with 4 MiB).
-PACED_BUFFER_S = 0.02
-MIN_PACED_BUFFER_BYTES = 256 << 10
 # Below this size a copy costs less than tracking a zero-copy frame.
 ZERO_COPY_MIN_BYTES = 64 * 1024
-# Kernel socket buffers: large enough that a multi-megabyte chunk moves in few syscalls.
-SOCKET_BUFFER_BYTES = 4 << 20
-# After a connection drops, wait this long for the peer's goodbye before declaring it lost
-# (the goodbye and the disconnect travel on different sockets and may arrive in any order).
-GOODBYE_GRACE_S = 0.5
-
 
 _DONE = SendHandle(done=True)
 
-# Linux's SO_MAX_PACING_RATE (bytes per second; ~0 lifts the cap). Python's socket module
-# does not export it.
-SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
-_UNLIMITED_PACING = 0xFFFF_FFFF
 # What setting a cap on a descriptor libzmq has just closed or reused can raise.
 _GONE_ERRNOS = (errno.EBADF, errno.ENOTSOCK, errno.ENOTCONN)
-
-
-def paced_buffer_bytes(cap: int | None) -> int:
-    """The send buffer of a connection capped at ``cap`` bytes/s (None: uncapped)."""
-    if cap is None:
-        return SOCKET_BUFFER_BYTES
-    return min(SOCKET_BUFFER_BYTES, max(MIN_PACED_BUFFER_BYTES, int(cap * PACED_BUFFER_S)))
-
-
-def peer_address(endpoint: str) -> tuple[str, int]:
-    """``("10.0.0.2", 5555)`` for ``"tcp://10.0.0.2:5555"`` (a host name resolved, IPv6
-    brackets removed): what ``getpeername`` of a connection to the endpoint reports."""
-    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
-    host = host.strip("[]")
-    if ":" not in host:
-        try:
-            host = socket.gethostbyname(host)
-        except OSError:
-            pass  # unresolvable: the connection will fail and say so
-    return host, int(port)
-
-
-def channel_addrs_from_env() -> dict[str, str]:
-    """Parse ``MLFABRIC_CHANNEL_ADDRS="0=10.0.0.2,1=10.1.0.2"`` (channel=bind address)."""
-    raw = os.environ.get("MLFABRIC_CHANNEL_ADDRS", "").strip()
-    out: dict[str, str] = {}
-    for item in filter(None, (p.strip() for p in raw.split(","))):
-        name, sep, addr = item.partition("=")
-        if not sep or not name or not addr:
-            raise ValueError(f"MLFABRIC_CHANNEL_ADDRS item {item!r} is not CHANNEL=ADDRESS")
-        out[name] = addr
-    return out
-
-
-def local_address_towards(host: str) -> str:
-    """The local IP the kernel would use to reach ``host`` (a UDP connect sends nothing)."""
-    try:
-        ip = socket.gethostbyname(host)
-    except OSError:
-        return "127.0.0.1"
-    if ip.startswith("127."):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((ip, 9))
-            return probe.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
 
 
 class ZmqTransport(Transport):
@@ -192,21 +134,8 @@ class ZmqTransport(Transport):
                pace_bps: Mapping[str, float] | None = None) -> "ZmqTransport":
         """Bind, publish our endpoints in ``store`` (a torch.distributed Store), learn
         everyone else's and connect to all peers."""
-        if rank == 0:
-            store.set("token", secrets.token_hex(TOKEN_BYTES))
-        token = bytes.fromhex(store.get("token").decode())
-        transport = cls(rank, world_size, token, channels=channels, bind_addrs=bind_addrs, pace_bps=pace_bps)
-        try:
-            store.set(f"endpoints/{rank}", json.dumps(transport.endpoints))
-            peers: dict[int, dict[str, str]] = {}
-            for peer in range(world_size):
-                if peer != rank:
-                    peers[peer] = json.loads(store.get(f"endpoints/{peer}").decode())
-            transport.connect(peers)
-        except Exception:
-            transport._shutdown()
-            raise
-        return transport
+        return rendezvous(store, rank, world_size, lambda token: cls(
+            rank, world_size, token, channels=channels, bind_addrs=bind_addrs, pace_bps=pace_bps))
 
     def connect(self, peers: Mapping[int, Mapping[str, str]]) -> None:
         for peer, endpoints in peers.items():
@@ -329,10 +258,7 @@ class ZmqTransport(Transport):
             with self._libzmq_socket(connection, fd) as sock:
                 if sock is None:
                     return True  # a stale descriptor: the reconnection will be paced
-                value = _UNLIMITED_PACING if cap is None else cap
-                option = struct.pack("=I", value) if value <= _UNLIMITED_PACING else struct.pack("=Q", value)
-                sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, option)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, paced_buffer_bytes(cap))
+                set_pacing(sock, cap)
             return True
         except OSError as exc:
             # A descriptor libzmq closed a moment ago (the peer left, a reconnection) is
@@ -346,26 +272,21 @@ class ZmqTransport(Transport):
     def pacing_of(self, peer: int, channel: str) -> int | None:
         """The kernel's pacing cap (bytes/s) of the connection to ``peer`` on ``channel``, read
         back from its socket; None when it is unknown (not connected) or uncapped."""
-        raw = self._connection_option(peer, channel, SO_MAX_PACING_RATE, 8)
-        if raw is None:
-            return None
-        value = struct.unpack("=Q", raw.ljust(8, b"\0"))[0]
-        return None if value >= _UNLIMITED_PACING else value
+        return self._read_connection(peer, channel, pacing_cap)
 
     def send_buffer_of(self, peer: int, channel: str) -> int | None:
         """The kernel's send buffer (bytes, as the kernel reports it: twice what was set) of
         the connection to ``peer`` on ``channel``; None when it is unknown."""
-        raw = self._connection_option(peer, channel, socket.SO_SNDBUF, 4)
-        return None if raw is None else struct.unpack("=i", raw[:4])[0]
+        return self._read_connection(peer, channel, send_buffer)
 
-    def _connection_option(self, peer: int, channel: str, option: int, size: int) -> bytes | None:
+    def _read_connection(self, peer: int, channel: str, read):
         with self._pacing_lock:
             fd = self._connection_fd.get((peer, channel))
         if fd is None:
             return None
         try:
             with self._libzmq_socket((peer, channel), fd) as sock:
-                return None if sock is None else sock.getsockopt(socket.SOL_SOCKET, option, size)
+                return None if sock is None else read(sock)
         except OSError:
             return None  # closed since libzmq reported it
 
@@ -480,7 +401,7 @@ class ZmqTransport(Transport):
         os.close(self._wake_w)
         # Close the watched sockets first and the monitor sockets last, and never call
         # disable_monitor(): with its reader already closed it can block forever (seen in
-        # about 1 of 15 shutdowns; regression test in tests/local/test_zmq.py).
+        # about 1 of 15 shutdowns; regression test in tests/local/test_socket_transports.py).
         for (peer, _), dealer in self._dealers.items():
             # Linger only towards peers still there, so a goodbye or abort notice is
             # delivered; messages to a departed peer would only hold up context.term().

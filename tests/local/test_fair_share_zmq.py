@@ -16,7 +16,7 @@ import torch
 import mlfabric
 from mlfabric.bench.procs import run_ranks
 from mlfabric.runtime.fair_share import PAYLOAD_FRACTION
-from mlfabric.transport.zmq import SOCKET_BUFFER_BYTES, paced_buffer_bytes
+from mlfabric.transport.sockets import SOCKET_BUFFER_BYTES, paced_buffer_bytes
 
 pytestmark = [pytest.mark.local,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_MAX_PACING_RATE is Linux's")]
@@ -79,7 +79,8 @@ def test_a_stale_descriptor_is_left_alone_and_pacing_stays_on() -> None:
     import socket
     import struct
 
-    from mlfabric.transport.zmq import SO_MAX_PACING_RATE, ZmqTransport
+    from mlfabric.transport.sockets import SO_MAX_PACING_RATE
+    from mlfabric.transport.zmq import ZmqTransport
 
     token = b"t" * 16
     ranks = [ZmqTransport(r, 2, token) for r in range(2)]
@@ -102,7 +103,7 @@ def test_a_stale_descriptor_is_left_alone_and_pacing_stays_on() -> None:
 
 
 def test_peer_address_is_what_getpeername_reports() -> None:
-    from mlfabric.transport.zmq import peer_address
+    from mlfabric.transport.sockets import peer_address
 
     assert peer_address("tcp://10.1.0.5:5555") == ("10.1.0.5", 5555)
     assert peer_address("tcp://localhost:6000") == ("127.0.0.1", 6000)

@@ -1,6 +1,8 @@
-"""The zmq transport with real processes on loopback: correctness, traffic, faults, intruders.
+"""The TCP transports (zmq and plain tcp) with real processes on loopback: correctness,
+traffic, faults, intruders. Each test runs once per transport; the ranks read which one
+from ``MLFABRIC_TEST_TRANSPORT``, which the ``transport`` fixture sets before they start.
 
-Run: python -m pytest tests/local/test_zmq.py
+Run: python -m pytest tests/local/test_socket_transports.py
 """
 
 from __future__ import annotations
@@ -22,10 +24,18 @@ from mlfabric.transport.base import encode_header
 
 pytestmark = pytest.mark.local
 
+TRANSPORT_ENV = "MLFABRIC_TEST_TRANSPORT"
+
+
+@pytest.fixture(params=["zmq", "tcp"])
+def transport(request, monkeypatch) -> str:
+    monkeypatch.setenv(TRANSPORT_ENV, request.param)
+    return request.param
+
 
 def _init(timeout: float = 30.0) -> mlfabric.Communicator:
     """Rank, world size and rendezvous come from the torchrun variables run_ranks sets."""
-    return mlfabric.init("zmq", timeout=timeout)
+    return mlfabric.init(os.environ[TRANSPORT_ENV], timeout=timeout)
 
 
 def _rank_input(rank: int, count: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -68,7 +78,7 @@ def _correctness() -> int:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_zmq_allreduce_correct(world: int) -> None:
+def test_allreduce_correct(transport: str, world: int) -> None:
     results = run_ranks(_correctness, world, timeout=240)
     assert len(set(results)) == 1 and results[0] > 100
 
@@ -85,7 +95,7 @@ def _traffic(count: int) -> dict[str, tuple[int, int]]:
     return out
 
 
-def test_zmq_bytes_equal_stated_cost() -> None:
+def test_bytes_equal_stated_cost(transport: str) -> None:
     for per_rank in run_ranks(_traffic, 3, args=(300_001,), timeout=120):
         for alg, (counted, stated) in per_rank.items():
             assert counted == stated, alg
@@ -104,7 +114,7 @@ def _mismatch() -> str:
     return "no error"
 
 
-def test_zmq_size_mismatch_errors_on_every_rank() -> None:
+def test_size_mismatch_errors_on_every_rank(transport: str) -> None:
     start = time.monotonic()
     messages = run_ranks(_mismatch, 4, timeout=60)
     assert time.monotonic() - start < 20  # well before the 20 s collective timeout
@@ -132,7 +142,7 @@ def _killed_mid_collective() -> str:
     return "completed"
 
 
-def test_zmq_killed_rank_is_reported_by_every_other_rank() -> None:
+def test_killed_rank_is_reported_by_every_other_rank(transport: str) -> None:
     results = run_ranks(_killed_mid_collective, 4, timeout=60,
                         expect_failures={2})
     survivors = [r for rank, r in enumerate(results) if rank != 2]
@@ -163,7 +173,7 @@ def _intruders(endpoint_file: str) -> list[int]:
     return [rejected]
 
 
-def test_zmq_rejects_junk_and_wrong_token(tmp_path) -> None:
+def test_rejects_junk_and_wrong_token(transport: str, tmp_path) -> None:
     import threading
 
     endpoint_file = tmp_path / "endpoint"
@@ -177,19 +187,28 @@ def test_zmq_rejects_junk_and_wrong_token(tmp_path) -> None:
         time.sleep(0.05)
     endpoint = endpoint_file.read_text()
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
-    # 1. A plain socket writing junk: fails zmq's handshake, never reaches the job.
+    # 1. A plain socket writing junk: fails the handshake, never reaches the job.
     with socket.create_connection((host, int(port))) as plain:
         plain.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + os.urandom(256))
         time.sleep(0.3)
-    # 2. A well-formed zmq peer with the wrong job token, aiming at the tag of the next allreduce.
-    ctx = zmq.Context()
-    intruder = ctx.socket(zmq.DEALER)
-    intruder.connect(endpoint)
+    # 2. A well-formed peer with the wrong job token, aiming at the tag of the next allreduce.
     header = encode_header(b"\x00" * 16, 1, 0, 0)
-    intruder.send_multipart([header, b"allreduce", torch.full((1000,), 1e9).numpy().tobytes()])
-    time.sleep(0.3)
-    intruder.close(linger=500)
-    ctx.term()
+    payload = torch.full((1000,), 1e9).numpy().tobytes()
+    if transport == "zmq":
+        ctx = zmq.Context()
+        intruder = ctx.socket(zmq.DEALER)
+        intruder.connect(endpoint)
+        intruder.send_multipart([header, b"allreduce", payload])
+        time.sleep(0.3)
+        intruder.close(linger=500)
+        ctx.term()
+    else:
+        from mlfabric.transport.tcp import FRAME, FRAME_MAGIC
+
+        with socket.create_connection((host, int(port))) as intruder:
+            intruder.sendall(header + FRAME.pack(FRAME_MAGIC, 1 << 24, 9, len(payload), 0)
+                             + b"allreduce" + payload)
+            time.sleep(0.3)
     runner.join(timeout=120)
     assert results, "the ranks did not finish"
     rejected_on_rank0 = results[0][0][0]
@@ -204,7 +223,7 @@ def _short_job() -> float:
     return time.monotonic() - start
 
 
-def test_zmq_close_never_hangs() -> None:
+def test_close_never_hangs(transport: str) -> None:
     """Regression: closing called disable_monitor() after the monitor socket was closed,
     which blocked forever in about 1 of 15 four-rank jobs (a rank's close hung while its
     peers had already left)."""

@@ -1,7 +1,7 @@
-"""The zmq transport's user-space pacing between two processes: goodput within 10% of the
-configured rate (the emulator's check for its no-root fallback).
+"""User-space pacing of the zmq and tcp transports between two processes: goodput within
+10% of the configured rate (the emulator's check for its no-root fallback).
 
-Run: python -m pytest tests/local/test_pacing_zmq.py
+Run: python -m pytest tests/local/test_pacing_transports.py
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ pytestmark = pytest.mark.local
 MESSAGES, MESSAGE_BYTES = 12, 250_000
 
 
-def _stream(pace: str) -> float:
-    comm = mlfabric.init("zmq", timeout=30, pace=pace)
+def _stream(transport: str, pace: str) -> float:
+    comm = mlfabric.init(transport, timeout=30, pace=pace)
     payload = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
     try:
         comm.barrier()
@@ -40,12 +40,13 @@ def _stream(pace: str) -> float:
         comm.close()
 
 
+@pytest.mark.parametrize("transport", ["zmq", "tcp"])
 @pytest.mark.parametrize("rate", [20e6, 100e6])
-def test_paced_goodput_is_within_ten_percent(rate: float) -> None:
-    goodput = run_ranks(_stream, 2, args=(f"{rate / 1e6:g}mbit",), timeout=60)[1]
+def test_paced_goodput_is_within_ten_percent(transport: str, rate: float) -> None:
+    goodput = run_ranks(_stream, 2, args=(transport, f"{rate / 1e6:g}mbit"), timeout=60)[1]
     assert 0.9 * rate <= goodput <= 1.1 * rate, f"{goodput / 1e6:.1f} Mbit/s at {rate / 1e6:g} Mbit/s"
 
 
 def test_pacing_is_refused_on_the_torch_transport() -> None:
-    with pytest.raises(ValueError, match="zmq"):
+    with pytest.raises(ValueError, match="zmq or tcp"):
         mlfabric.init("torch", rank=0, world_size=1, master_addr="127.0.0.1", master_port=1, pace="1gbit")

@@ -1,0 +1,505 @@
+"""Plain TCP transport: one kernel socket per (peer, channel) each way, payloads received
+straight into the tensor that waits for them.
+
+Why a second TCP transport beside ``zmq.py``: ZeroMQ receives every message into a buffer of
+its own (so a received slice is copied once more into the tensor) and moves every message
+through its I/O thread (two more thread wake-ups per message). Here the kernel copies a
+payload directly into its destination: the runtime offers the destination of a receive it is
+waiting for (:meth:`TcpTransport.take_or_offer`), and the connection's reader thread, having
+read the message's header, receives the payload into that memory. A small message is written
+to the socket by the sending thread itself, without a hand-off.
+
+Layout. Each channel has a listening socket (``channel_addrs`` / ``MLFABRIC_CHANNEL_ADDRS``,
+so that a host with k NICs binds k addresses). Every rank connects to every peer on every
+channel; a connection carries one direction only. It opens with a handshake (magic, job
+token, source rank, channel index: :func:`mlfabric.transport.base.encode_header`); anything
+else, or a wrong token, is logged, counted and closed before a byte can reach a tensor. Then
+each message is a frame header (:data:`FRAME`: tag, meta length, payload length, channel
+index), the meta bytes and the payload. Control messages ride the first channel.
+
+Threads: per listening socket one acceptor; per incoming connection one reader (blocking
+``recv_into``, which releases the GIL, so reading overlaps the progress thread's
+reductions); per outgoing connection a sender, started on its first large message, that
+finishes what the calling thread could not hand to the kernel without blocking. A connection
+that ends without the peer's goodbye reports the peer lost (within :data:`GOODBYE_GRACE_S`).
+
+Pacing: :meth:`TcpTransport.pace_connection` sets Linux's ``SO_MAX_PACING_RATE`` on the
+outgoing socket (the runtime's fair shares, ``runtime/fair_share.py``); ``pace_bps`` paces
+channels in user space like the zmq transport (``transport/pacing.py``).
+
+Exercise it with ``python -m pytest tests/local/test_socket_transports.py tests/local/test_tcp.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import sys
+import threading
+import time
+from collections import deque
+from typing import Mapping
+
+import numpy as np
+
+from mlfabric.errors import TransportError
+
+from .base import CONTROL_CHANNEL, TOKEN_BYTES, Message, SendHandle, Transport, decode_header, encode_header
+from .pacing import Pacer
+from .sockets import (
+    GOODBYE_GRACE_S,
+    SOCKET_BUFFER_BYTES,
+    pacing_cap,
+    peer_address,
+    rendezvous,
+    send_buffer,
+    set_pacing,
+)
+
+log = logging.getLogger("mlfabric.transport.tcp")
+
+# Every message: magic, tag, meta length, payload length, channel index.
+FRAME = struct.Struct("<4sQIQH")
+FRAME_MAGIC = b"MLFm"
+HANDSHAKE_BYTES = len(encode_header(bytes(TOKEN_BYTES), 0, 0, 0))
+# A connection must present its handshake within this time or it is dropped.
+HANDSHAKE_TIMEOUT_S = 5.0
+# Meta is a short description of the collective; anything longer is not ours.
+MAX_META_BYTES = 1 << 16
+CONNECT_RETRY_S = 0.05
+
+_DONE = SendHandle(done=True)
+
+
+def _without_sent(parts: list[memoryview], sent: int) -> list[memoryview]:
+    """``parts`` minus their first ``sent`` bytes."""
+    rest = []
+    for part in parts:
+        if sent >= part.nbytes:
+            sent -= part.nbytes
+            continue
+        rest.append(part[sent:] if sent else part)
+        sent = 0
+    return rest
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> bool:
+    """Fill ``view`` from ``sock``; False if the connection ended first (at a message
+    boundary or not: the caller treats both as the end)."""
+    filled, size = 0, view.nbytes
+    while filled < size:
+        n = sock.recv_into(view[filled:], size - filled)
+        if n == 0:
+            return False
+        filled += n
+    return True
+
+
+class _Offer:
+    """A destination the runtime offers for one expected message (see ``take_or_offer``)."""
+
+    __slots__ = ("destination", "meta")
+
+    def __init__(self, destination: memoryview, meta: bytes) -> None:
+        self.destination = destination
+        self.meta = meta
+
+
+class _Outgoing:
+    """One outgoing connection: messages leave in the order they were sent."""
+
+    def __init__(self, transport: "TcpTransport", peer: int, channel: str, sock: socket.socket) -> None:
+        self.transport = transport
+        self.peer = peer
+        self.channel = channel
+        self.sock = sock
+        self.lock = threading.Condition()
+        # Messages the sender thread still has to write; the head one is being written.
+        self.queue: deque[tuple[list[memoryview], SendHandle]] = deque()
+        self.error: str | None = None
+        self.closing = False
+        self.thread: threading.Thread | None = None
+
+    def send(self, parts: list[memoryview]) -> SendHandle:
+        with self.lock:
+            if self.error is not None:
+                raise TransportError(f"rank {self.transport.rank}: connection to peer {self.peer} on "
+                                     f"channel {self.channel!r} is broken: {self.error}")
+            if not self.queue:
+                # Nothing ahead of it: hand the kernel what fits without blocking.
+                try:
+                    sent = self.sock.sendmsg(parts, (), socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                except OSError as exc:
+                    # The peer's end is gone: it is reported lost, and the runtime fails what
+                    # waits on it with that reason (this send never completes).
+                    self._broken(exc)
+                    return SendHandle(done=False)
+                parts = _without_sent(parts, sent)
+                if not parts:
+                    return _DONE
+            handle = SendHandle(done=False)
+            self.queue.append((parts, handle))
+            if self.thread is None:
+                self.thread = threading.Thread(
+                    target=self._drain, daemon=True,
+                    name=f"mlfabric-tcp-send-{self.transport.rank}-{self.peer}-{self.channel}")
+                self.thread.start()
+            self.lock.notify()
+            return handle
+
+    def _drain(self) -> None:
+        mailbox = self.transport.mailbox
+        while True:
+            with self.lock:
+                while not self.queue and not self.closing:
+                    self.lock.wait()
+                if not self.queue:
+                    return
+                parts, handle = self.queue[0]
+            try:
+                while parts:  # blocking: releases the GIL while the kernel takes the bytes
+                    parts = _without_sent(parts, self.sock.sendmsg(parts))
+            except OSError as exc:
+                with self.lock:
+                    self._broken(exc)
+                    self.queue.clear()
+                mailbox.notify()
+                return
+            with self.lock:
+                self.queue.popleft()
+                self.lock.notify_all()
+            handle.set_done()
+            mailbox.notify()
+
+    def _broken(self, exc: OSError) -> None:
+        if self.error is None:
+            self.error = str(exc)
+            if not self.closing:
+                self.transport._peer_lost(self.peer, f"its connection on channel {self.channel!r} "
+                                                     f"failed ({exc}; process died?)")
+
+    def flush(self, deadline: float) -> None:
+        """Wait (until ``deadline``) for queued messages to reach the kernel."""
+        with self.lock:
+            while self.queue and self.error is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                self.lock.wait(remaining)
+
+    def close(self) -> None:
+        with self.lock:
+            self.closing = True
+            self.lock.notify_all()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class TcpTransport(Transport):
+    """See the module docstring. Build it with :meth:`create` (rendezvous through a store)."""
+
+    def __init__(self, rank: int, world_size: int, token: bytes, *,
+                 channels: tuple[str, ...] = ("0",), bind_addrs: Mapping[str, str] | None = None,
+                 pace_bps: Mapping[str, float] | None = None, connect_timeout: float = 60.0) -> None:
+        super().__init__(rank, world_size, channels)
+        if len(token) != TOKEN_BYTES:
+            raise ValueError(f"job token must be {TOKEN_BYTES} bytes")
+        self.token = token
+        self.connect_timeout = connect_timeout
+        self._channel_index = {name: i for i, name in enumerate(self.channels)}
+        self._channel_index[CONTROL_CHANNEL] = len(self.channels)
+        self._index_channel = {i: name for name, i in self._channel_index.items()}
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._incoming: set[socket.socket] = set()
+        self._incoming_lock = threading.Lock()
+        self._outgoing: dict[tuple[int, str], _Outgoing] = {}
+        # Destinations offered for expected messages, by (channel, tag, source).
+        self._offers: dict[tuple[str, int, int], _Offer] = {}
+        self._offer_lock = threading.Lock()
+        # Payload bytes received straight into an offered destination (the rest were copied).
+        self.bytes_in_place = 0
+        self._listeners: dict[str, socket.socket] = {}
+        self.endpoints: dict[str, str] = {}
+        bind_addrs = dict(bind_addrs or {})
+        try:
+            for name in self.channels:
+                host = bind_addrs.get(name, "127.0.0.1")
+                listener = socket.create_server((host, 0), backlog=max(128, 4 * world_size))
+                self._listeners[name] = listener
+                self.endpoints[name] = f"tcp://{host}:{listener.getsockname()[1]}"
+        except OSError:
+            for listener in self._listeners.values():
+                listener.close()
+            raise
+        for name, listener in self._listeners.items():
+            self._start(self._accept, listener, name=f"mlfabric-tcp-accept-{rank}-{name}")
+        self._pacer = Pacer(pace_bps, name=f"mlfabric-pacer-{rank}") if pace_bps else None
+
+    def _start(self, target, *args, name: str) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True, name=name)
+        self._threads.append(thread)
+        thread.start()
+
+    # -- setup -----------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, store, rank: int, world_size: int, *, channels: tuple[str, ...] = ("0",),
+               bind_addrs: Mapping[str, str] | None = None, timeout: float = 60.0,
+               pace_bps: Mapping[str, float] | None = None) -> "TcpTransport":
+        """Bind, publish our endpoints in ``store`` (a torch.distributed Store), learn
+        everyone else's and connect to all peers."""
+        return rendezvous(store, rank, world_size, lambda token: cls(
+            rank, world_size, token, channels=channels, bind_addrs=bind_addrs,
+            pace_bps=pace_bps, connect_timeout=timeout))
+
+    def connect(self, peers: Mapping[int, Mapping[str, str]]) -> None:
+        """Open a connection to every peer on every channel (their listeners are up: the
+        endpoints were published after binding)."""
+        for peer, endpoints in peers.items():
+            missing = set(self.channels) - set(endpoints)
+            if missing:
+                raise TransportError(
+                    f"rank {self.rank}: peer {peer} has no endpoint for channels {sorted(missing)}; "
+                    "all ranks must use the same channels")
+            for name in self.channels:
+                sock = self._dial(peer, endpoints[name])
+                sock.sendall(encode_header(self.token, self.rank, 0, self._channel_index[name]))
+                self._outgoing[(peer, name)] = _Outgoing(self, peer, name, sock)
+
+    def _dial(self, peer: int, endpoint: str) -> socket.socket:
+        address = peer_address(endpoint)
+        deadline = time.monotonic() + self.connect_timeout
+        while True:
+            try:
+                sock = socket.create_connection(address, timeout=max(0.1, deadline - time.monotonic()))
+                break
+            except OSError as exc:
+                if time.monotonic() >= deadline:
+                    raise TransportError(f"rank {self.rank}: cannot connect to peer {peer} at "
+                                         f"{endpoint}: {exc}") from exc
+                time.sleep(CONNECT_RETRY_S)
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+        return sock
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def _send(self, peer: int, tag: int, payload: memoryview, channel: str, meta: bytes) -> SendHandle:
+        socket_channel = self.channels[0] if channel == CONTROL_CHANNEL else channel
+        connection = self._outgoing.get((peer, socket_channel))
+        if connection is None:
+            raise TransportError(f"rank {self.rank}: no connection to peer {peer} on channel {channel!r}")
+        frame = FRAME.pack(FRAME_MAGIC, tag, len(meta), payload.nbytes, self._channel_index[channel])
+        parts = [memoryview(frame), memoryview(meta), payload] if meta else [memoryview(frame), payload]
+        if self._pacer is not None and self._pacer.clock.paced(channel):
+            return self._send_paced(connection, parts, channel, payload.nbytes)
+        return connection.send(parts)
+
+    def _send_paced(self, connection: _Outgoing, parts: list[memoryview], channel: str,
+                    nbytes: int) -> SendHandle:
+        """Hand the message to the connection when the channel's virtual link is done with it."""
+        handle = SendHandle(done=False)
+
+        def send_now() -> None:
+            if self._stop.is_set():
+                return
+            inner = connection.send(parts)
+            # The payload may be reused once the kernel holds it; until then the sender
+            # thread owns it, and its completion wakes the mailbox too.
+            while not inner.done() and connection.error is None and not self._stop.is_set():
+                connection.flush(time.monotonic() + 0.5)
+            handle.set_done()
+            self.mailbox.notify()
+
+        self._pacer.submit(channel, nbytes, send_now)
+        return handle
+
+    # -- receiving -------------------------------------------------------------------------
+
+    def take_or_offer(self, channel: str, tag: int, src: int, destination: memoryview,
+                      meta: bytes) -> Message | None:
+        """The message if it is here; otherwise leave ``destination`` for its payload, which
+        the reader then receives in place (if its size and meta match; the message is then
+        delivered with ``in_place`` set). Call :meth:`withdraw_offer` if the message is no
+        longer wanted."""
+        key = (channel, tag, src)
+        with self._offer_lock:
+            msg = self.mailbox.take(channel, tag, src)
+            if msg is None:
+                self._offers[key] = _Offer(destination, meta)
+            else:
+                # Its header may have been read before the offer was made: drop the offer.
+                self._offers.pop(key, None)
+            return msg
+
+    def withdraw_offer(self, channel: str, tag: int, src: int) -> None:
+        with self._offer_lock:
+            self._offers.pop((channel, tag, src), None)
+
+    def _accept(self, listener: socket.socket) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, address = listener.accept()
+            except OSError:
+                return  # the listener was closed: shutting down
+            with self._incoming_lock:
+                if self._stop.is_set():
+                    sock.close()
+                    return
+                self._incoming.add(sock)
+            self._start(self._read, sock, address, name=f"mlfabric-tcp-recv-{self.rank}")
+
+    def _read(self, sock: socket.socket, address: tuple) -> None:
+        src = None
+        try:
+            src = self._handshake(sock, address)
+            if src is not None:
+                self._read_messages(sock, src)
+        except OSError as exc:
+            if not self._stop.is_set() and src is not None:
+                log.debug("rank %d: connection from peer %d failed: %s", self.rank, src, exc)
+        finally:
+            with self._incoming_lock:
+                self._incoming.discard(sock)
+            sock.close()
+        if src is not None and not self._stop.is_set():
+            self._connection_ended(src)
+
+    def _handshake(self, sock: socket.socket, address: tuple) -> int | None:
+        """The source rank of a connection that proves it belongs to the job; None (after
+        logging the rejection) for anything else."""
+        sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        raw = bytearray(HANDSHAKE_BYTES)
+        try:
+            complete = _recv_exactly(sock, memoryview(raw))
+        except OSError as exc:
+            complete = False
+            reason = f"no handshake ({exc})"
+        else:
+            reason = "connection closed during the handshake"
+        if not complete:
+            if not self._stop.is_set():
+                self._reject(f"{reason} from {address}")
+            return None
+        try:
+            src, _, channel_index = decode_header(raw, self.token)
+        except ValueError as exc:
+            self._reject(f"{exc} from {address}")
+            return None
+        if not 0 <= src < self.world_size or src == self.rank or channel_index not in self._index_channel:
+            self._reject(f"bad source {src} or channel index {channel_index} from {address}")
+            return None
+        sock.settimeout(None)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+        return src
+
+    def _read_messages(self, sock: socket.socket, src: int) -> None:
+        header = bytearray(FRAME.size)
+        header_view = memoryview(header)
+        while _recv_exactly(sock, header_view):
+            magic, tag, meta_len, nbytes, channel_index = FRAME.unpack(header)
+            channel = self._index_channel.get(channel_index)
+            if magic != FRAME_MAGIC or channel is None or meta_len > MAX_META_BYTES:
+                # The stream is out of step: nothing after this point can be trusted.
+                self._reject(f"corrupt frame from peer {src} (magic {magic!r}, channel index "
+                             f"{channel_index}); closing its connection")
+                return
+            meta = bytearray(meta_len)
+            if meta_len and not _recv_exactly(sock, memoryview(meta)):
+                return
+            with self._offer_lock:
+                offer = self._offers.pop((channel, tag, src), None)
+            in_place = (offer is not None and offer.destination.nbytes == nbytes
+                        and offer.meta == meta)
+            if in_place:
+                payload = offer.destination
+            elif nbytes:
+                # np.empty: no zero-filling of memory the kernel is about to overwrite.
+                payload = memoryview(np.empty(nbytes, dtype=np.uint8))
+            else:
+                payload = memoryview(b"")
+            if nbytes and not _recv_exactly(sock, payload):
+                return
+            if in_place:
+                with self._offer_lock:  # readers of several connections count here
+                    self.bytes_in_place += nbytes
+            self._deliver(Message(src, tag, channel, bytes(meta), payload, in_place=in_place))
+
+    def _connection_ended(self, src: int) -> None:
+        """A peer's connection closed: a peer that said goodbye left; one that did not died.
+        The goodbye rides the first channel and may still be in flight on it."""
+        deadline = time.monotonic() + GOODBYE_GRACE_S
+        while time.monotonic() < deadline and src not in self.departed_peers and not self._stop.is_set():
+            time.sleep(0.01)
+        if src not in self.departed_peers and not self._stop.is_set():
+            self._peer_lost(src, "its connection closed without a goodbye (process died?)")
+
+    # -- pacing ----------------------------------------------------------------------------
+
+    def pace_connection(self, peer: int, channel: str, rate_bps: float | None) -> bool:
+        if not sys.platform.startswith("linux"):
+            return False  # SO_MAX_PACING_RATE is Linux's
+        connection = self._outgoing.get((peer, channel))
+        if connection is None:
+            raise TransportError(f"rank {self.rank}: no connection to peer {peer} on channel {channel!r} to pace")
+        if rate_bps is not None and rate_bps <= 0:
+            raise ValueError(f"pacing rate must be positive or None, got {rate_bps}")
+        try:
+            set_pacing(connection.sock, None if rate_bps is None else max(1, int(rate_bps / 8)))
+        except OSError as exc:
+            log.warning("rank %d: could not pace the connection to peer %d on channel %r: %s",
+                        self.rank, peer, channel, exc)
+            return False
+        return True
+
+    def pacing_of(self, peer: int, channel: str) -> int | None:
+        """The kernel's pacing cap (bytes/s) of the connection to ``peer`` on ``channel``;
+        None when uncapped or not connected."""
+        connection = self._outgoing.get((peer, channel))
+        return None if connection is None else pacing_cap(connection.sock)
+
+    def send_buffer_of(self, peer: int, channel: str) -> int | None:
+        """The kernel's send buffer of the connection to ``peer`` on ``channel`` (as the
+        kernel reports it: twice what was set); None when not connected."""
+        connection = self._outgoing.get((peer, channel))
+        return None if connection is None else send_buffer(connection.sock)
+
+    # -- shutdown --------------------------------------------------------------------------
+
+    def _shutdown(self) -> None:
+        # Let queued messages (the goodbye, an abort notice) reach the kernel first; the
+        # kernel still delivers what it holds after close.
+        deadline = time.monotonic() + 2.0
+        for (peer, _), connection in self._outgoing.items():
+            if peer not in self.departed_peers and peer not in self.lost_peers:
+                connection.flush(deadline)
+        self._stop.set()
+        if self._pacer is not None:
+            self._pacer.close()
+        for listener in self._listeners.values():
+            try:
+                listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            listener.close()
+        for connection in self._outgoing.values():
+            connection.close()
+        with self._incoming_lock:
+            incoming = list(self._incoming)
+        for sock in incoming:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        current = threading.current_thread()
+        for thread in self._threads:
+            if thread is not current:
+                thread.join(timeout=1.0)

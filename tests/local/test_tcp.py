@@ -1,0 +1,156 @@
+"""The plain TCP transport's own mechanisms: payloads received straight into an offered
+destination (and only when size and meta match), the handshake and frame checks, kernel
+pacing of a connection. Behaviour shared with the zmq transport (correctness, faults,
+intruders) is tested for both in test_socket_transports.py.
+
+Run: python -m pytest tests/local/test_tcp.py
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+
+import pytest
+import torch
+
+import mlfabric
+from mlfabric.bench.procs import run_ranks
+from mlfabric.transport.base import encode_header
+from mlfabric.transport.tcp import FRAME, TcpTransport
+
+pytestmark = pytest.mark.local
+
+TOKEN = bytes(range(16))
+
+
+@pytest.fixture
+def pair():
+    """Two connected tcp transports in this process (rank 0 and rank 1)."""
+    a = TcpTransport(0, 2, TOKEN)
+    b = TcpTransport(1, 2, TOKEN)
+    a.connect({1: b.endpoints})
+    b.connect({0: a.endpoints})
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _wait_for(transport: TcpTransport, tag: int, src: int, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        msg = transport.mailbox.take("0", tag, src)
+        if msg is not None:
+            return msg
+        transport.progress(transport.mailbox.version, 0.05)
+    raise AssertionError(f"tag {tag} never arrived")
+
+
+def test_an_offered_destination_receives_the_payload_in_place(pair) -> None:
+    a, b = pair
+    destination = torch.zeros(100_000, dtype=torch.float32)
+    assert b.take_or_offer("0", 7, 0, memoryview(destination.numpy()).cast("B"), b"job") is None
+    a.send(1, 7, memoryview(torch.arange(100_000, dtype=torch.float32).numpy()).cast("B"), meta=b"job")
+    msg = _wait_for(b, 7, 0)
+    assert msg.in_place
+    assert torch.equal(destination, torch.arange(100_000, dtype=torch.float32))
+    assert b.bytes_in_place == 400_000
+
+
+@pytest.mark.parametrize("case", ["other meta", "other size", "withdrawn"])
+def test_a_message_that_does_not_fit_the_offer_is_delivered_apart(pair, case: str) -> None:
+    a, b = pair
+    destination = torch.zeros(1000, dtype=torch.float32)
+    assert b.take_or_offer("0", 9, 0, memoryview(destination.numpy()).cast("B"), b"job") is None
+    if case == "withdrawn":
+        b.withdraw_offer("0", 9, 0)
+    count = 999 if case == "other size" else 1000
+    meta = b"other job" if case == "other meta" else b"job"
+    a.send(1, 9, memoryview(torch.ones(count).numpy()).cast("B"), meta=meta)
+    msg = _wait_for(b, 9, 0)
+    assert not msg.in_place
+    assert msg.nbytes == 4 * count and msg.meta == meta
+    assert torch.count_nonzero(destination) == 0  # the offered memory was never written
+    assert b.bytes_in_place == 0
+
+
+def test_a_message_that_arrived_first_is_taken_not_offered(pair) -> None:
+    a, b = pair
+    a.send(1, 11, b"early bird", meta=b"m")
+    deadline = time.monotonic() + 10
+    while b.mailbox.pending() == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    msg = b.take_or_offer("0", 11, 0, memoryview(bytearray(10)), b"m")
+    assert msg is not None and bytes(msg.payload) == b"early bird" and not msg.in_place
+
+
+def test_large_messages_keep_their_order_and_complete(pair) -> None:
+    a, b = pair
+    payloads = [torch.full((2_000_000,), float(i)) for i in range(5)]  # 8 MB each: > socket buffer
+    handles = [a.send(1, 100 + i, memoryview(p.numpy()).cast("B")) for i, p in enumerate(payloads)]
+    for i in range(5):
+        msg = _wait_for(b, 100 + i, 0)
+        assert torch.equal(torch.frombuffer(msg.payload, dtype=torch.float32), payloads[i])
+    deadline = time.monotonic() + 10
+    while not all(h.done() for h in handles):
+        assert time.monotonic() < deadline, "sends never completed"
+        time.sleep(0.01)
+
+
+def test_a_corrupt_frame_after_a_valid_handshake_is_rejected(pair) -> None:
+    a, b = pair
+    host, port = b.endpoints["0"].removeprefix("tcp://").rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as intruder:
+        intruder.sendall(encode_header(TOKEN, 0, 0, 0) + FRAME.pack(b"JUNK", 1, 0, 4, 0) + b"abcd")
+        deadline = time.monotonic() + 10
+        while b.rejected_messages == 0:
+            assert time.monotonic() < deadline, "the corrupt frame was not rejected"
+            time.sleep(0.01)
+    assert b.mailbox.pending() == 0
+
+
+def test_a_silent_connection_is_dropped_after_the_handshake_timeout(pair, monkeypatch) -> None:
+    import mlfabric.transport.tcp as tcp
+
+    monkeypatch.setattr(tcp, "HANDSHAKE_TIMEOUT_S", 0.2)
+    _, b = pair
+    host, port = b.endpoints["0"].removeprefix("tcp://").rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as silent:
+        silent.settimeout(5)
+        assert silent.recv(1) == b""  # closed by the transport, not by us
+    assert b.rejected_messages == 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_MAX_PACING_RATE is Linux's")
+def test_pace_connection_sets_and_lifts_the_kernel_cap(pair) -> None:
+    a, _ = pair
+    assert a.pacing_of(1, "0") is None
+    unpaced_buffer = a.send_buffer_of(1, "0")
+    assert a.pace_connection(1, "0", 80e6)
+    assert a.pacing_of(1, "0") == 10_000_000  # bytes/s
+    assert a.send_buffer_of(1, "0") < unpaced_buffer
+    assert a.pace_connection(1, "0", None)
+    assert a.pacing_of(1, "0") is None
+    with pytest.raises(mlfabric.TransportError, match="peer 0"):
+        a.pace_connection(0, "0", 1e6)
+
+
+def _ring_in_place() -> tuple[int, int]:
+    comm = mlfabric.init("tcp", timeout=30)
+    t = torch.ones(1_000_000)
+    for _ in range(5):
+        comm.allreduce(t, algorithm="ring")
+    received = sum(c.bytes_recv for (_, ch), c in comm.transport.counters().items() if ch == "0")
+    in_place = comm.transport.bytes_in_place
+    assert torch.equal(t, torch.full((1_000_000,), 4.0 ** 5))
+    comm.close()
+    return in_place, received
+
+
+def test_ring_allgather_receives_in_place() -> None:
+    for in_place, received in run_ranks(_ring_in_place, 4, timeout=120):
+        # Half of a ring's bytes are the allgather's, which need no reduction: those (and
+        # only those) may land in place, when the receive was posted before the data came.
+        assert 0 < in_place <= received // 2, (in_place, received)
