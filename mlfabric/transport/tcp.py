@@ -46,6 +46,7 @@ import numpy as np
 from mlfabric.errors import TransportError
 
 from .base import CONTROL_CHANNEL, TOKEN_BYTES, Message, SendHandle, Transport, decode_header, encode_header
+from .memory import keep_freed_memory
 from .pacing import Pacer
 from .sockets import (
     GOODBYE_GRACE_S,
@@ -210,6 +211,9 @@ class TcpTransport(Transport):
         super().__init__(rank, world_size, channels)
         if len(token) != TOKEN_BYTES:
             raise ValueError(f"job token must be {TOKEN_BYTES} bytes")
+        # Payloads that cannot land in place get a fresh buffer each: reuse freed ones
+        # instead of faulting in new pages (see memory.py).
+        keep_freed_memory()
         self.token = token
         self.connect_timeout = connect_timeout
         self._channel_index = {name: i for i, name in enumerate(self.channels)}
