@@ -132,7 +132,7 @@ def bench_allreduce(
                                             "is timed from it (as simulated); barrier: from each rank's "
                                             "exit of a gloo barrier (its exit skew counts).")] = "aligned",
     warmup: Annotated[int, typer.Option(help="Untimed repetitions per size, before the timed ones.")] = 2,
-    transport: Annotated[str, typer.Option(help="mlfabric transport: zmq or torch.")] = "zmq",
+    transport: Annotated[str, typer.Option(help="mlfabric transport: zmq, tcp or torch.")] = "zmq",
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures and metadata here.")]
         = None,
     timeout: Annotated[float, typer.Option(help="Seconds before the whole run is killed.")] = 600.0,
@@ -280,7 +280,7 @@ def bench_partial(
     size: Annotated[str, typer.Option(help="Message size (float32): KB/MB powers of 1000, KiB/MiB of 1024.")] = "1KB",
     algorithm: Annotated[str, typer.Option(help="Reduction schedule of all three variants: tree, halving_doubling, "
                                                "ring, ps or auto.")] = "tree",
-    transport: Annotated[str, typer.Option(help="mlfabric transport: zmq or torch.")] = "zmq",
+    transport: Annotated[str, typer.Option(help="mlfabric transport: zmq, tcp or torch.")] = "zmq",
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures and metadata here.")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds before the whole run is killed.")] = 900.0,
     seed: Annotated[int, typer.Option(help="Seed of majority's initiator draws.")] = 0,
@@ -797,7 +797,7 @@ def train(
                                                      "(default: runs/<workload>).")] = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures and metadata here.")] = None,
     plot: Annotated[bool, typer.Option("--plot/--no-plot", help="Draw curves.png (needs matplotlib).")] = True,
-    transport: Annotated[str, typer.Option(help="mlfabric transport: zmq or torch.")] = "zmq",
+    transport: Annotated[str, typer.Option(help="mlfabric transport: zmq, tcp or torch.")] = "zmq",
     timeout: Annotated[float, typer.Option(help="Seconds before the whole launch is killed.")] = 3600.0,
     seed: Annotated[int, typer.Option(help="Seed of data, models, batches and injections.")] = 0,
 ) -> None:
