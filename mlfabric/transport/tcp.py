@@ -125,8 +125,9 @@ class _Outgoing:
     def send(self, parts: list[memoryview]) -> SendHandle:
         with self.lock:
             if self.error is not None:
-                raise TransportError(f"rank {self.transport.rank}: connection to peer {self.peer} on "
-                                     f"channel {self.channel!r} is broken: {self.error}")
+                # The peer is gone (it is being reported lost, or it left): the message
+                # cannot be delivered and its send never completes.
+                return SendHandle(done=False)
             if not self.queue:
                 # Nothing ahead of it: hand the kernel what fits without blocking.
                 try:
@@ -179,8 +180,12 @@ class _Outgoing:
         if self.error is None:
             self.error = str(exc)
             if not self.closing:
-                self.transport._peer_lost(self.peer, f"its connection on channel {self.channel!r} "
-                                                     f"failed ({exc}; process died?)")
+                # A peer that closed on purpose resets the connection too; its goodbye, on
+                # another connection, may still be on the way.
+                threading.Thread(target=self.transport._connection_ended, daemon=True,
+                                 args=(self.peer, f"sending to it on channel {self.channel!r} "
+                                                  f"failed ({exc}); process died?"),
+                                 name=f"mlfabric-tcp-lost-{self.transport.rank}-{self.peer}").start()
 
     def flush(self, deadline: float) -> None:
         """Wait (until ``deadline``) for queued messages to reach the kernel."""
@@ -375,7 +380,7 @@ class TcpTransport(Transport):
                 self._incoming.discard(sock)
             sock.close()
         if src is not None and not self._stop.is_set():
-            self._connection_ended(src)
+            self._connection_ended(src, "its connection closed without a goodbye (process died?)")
 
     def _handshake(self, sock: socket.socket, address: tuple) -> int | None:
         """The source rank of a connection that proves it belongs to the job; None (after
@@ -437,14 +442,14 @@ class TcpTransport(Transport):
                     self.bytes_in_place += nbytes
             self._deliver(Message(src, tag, channel, bytes(meta), payload, in_place=in_place))
 
-    def _connection_ended(self, src: int) -> None:
-        """A peer's connection closed: a peer that said goodbye left; one that did not died.
-        The goodbye rides the first channel and may still be in flight on it."""
+    def _connection_ended(self, peer: int, reason: str) -> None:
+        """A connection with ``peer`` ended: a peer that said goodbye left; one that did not
+        died. The goodbye rides the first channel and may still be in flight on it."""
         deadline = time.monotonic() + GOODBYE_GRACE_S
-        while time.monotonic() < deadline and src not in self.departed_peers and not self._stop.is_set():
+        while time.monotonic() < deadline and peer not in self.departed_peers and not self._stop.is_set():
             time.sleep(0.01)
-        if src not in self.departed_peers and not self._stop.is_set():
-            self._peer_lost(src, "its connection closed without a goodbye (process died?)")
+        if peer not in self.departed_peers and not self._stop.is_set():
+            self._peer_lost(peer, reason)
 
     # -- pacing ----------------------------------------------------------------------------
 

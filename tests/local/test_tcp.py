@@ -154,3 +154,24 @@ def test_ring_allgather_receives_in_place() -> None:
         # Half of a ring's bytes are the allgather's, which need no reduction: those (and
         # only those) may land in place, when the receive was posted before the data came.
         assert 0 < in_place <= received // 2, (in_place, received)
+
+
+def test_a_peer_gone_without_goodbye_is_reported_lost_and_sends_to_it_do_not_raise() -> None:
+    """Regression: a send on a connection the dead peer had reset raised TransportError, so
+    collectives failed with a generic error instead of PeerLostError naming the peer."""
+    a = TcpTransport(0, 2, TOKEN)
+    b = TcpTransport(1, 2, TOKEN)
+    a.connect({1: b.endpoints})
+    b.connect({0: a.endpoints})
+    try:
+        b._shutdown()  # as if its process died: no goodbye
+        handles = [a.send(1, 5, bytes(100_000)) for _ in range(60)]  # 6 MB: more than fits
+        deadline = time.monotonic() + 10
+        while 1 not in a.lost_peers:
+            assert time.monotonic() < deadline, "the dead peer was never reported lost"
+            time.sleep(0.01)
+        assert "goodbye" in a.lost_peers[1] or "failed" in a.lost_peers[1]
+        assert not all(h.done() for h in handles)  # what the dead peer never took stays pending
+        a.send(1, 6, b"after the loss")  # does not raise either
+    finally:
+        a.close()

@@ -1,7 +1,7 @@
-"""Partial allreduce over the zmq transport with real processes: solo/majority sums agree
-on every rank, and a process that dies does not stop the others' rounds.
+"""Partial allreduce over the zmq and tcp transports with real processes: solo/majority sums
+agree on every rank, and a process that dies does not stop the others' rounds.
 
-Run: python -m pytest tests/local/test_partial_zmq.py
+Run: python -m pytest tests/local/test_partial_transports.py
 """
 
 from __future__ import annotations
@@ -19,8 +19,11 @@ from mlfabric.bench.procs import run_ranks
 pytestmark = pytest.mark.local
 
 
-def _rounds(quorum: str) -> list[tuple[int, bool, int, float]]:
-    comm = mlfabric.init("zmq", timeout=30)
+TRANSPORTS = ["zmq", "tcp"]
+
+
+def _rounds(transport: str, quorum: str) -> list[tuple[int, bool, int, float]]:
+    comm = mlfabric.init(transport, timeout=30)
     out = []
     try:
         for step in range(8):
@@ -33,9 +36,10 @@ def _rounds(quorum: str) -> list[tuple[int, bool, int, float]]:
     return out
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("quorum", ["solo", "majority"])
-def test_zmq_partial_rounds_agree_across_processes(quorum: str) -> None:
-    results = run_ranks(_rounds, 4, args=(quorum,), timeout=90)
+def test_partial_rounds_agree_across_processes(transport: str, quorum: str) -> None:
+    results = run_ranks(_rounds, 4, args=(transport, quorum), timeout=90)
     seen: dict[int, tuple[int, float]] = {}
     for calls in results:
         assert len(calls) == 8
@@ -47,8 +51,8 @@ def test_zmq_partial_rounds_agree_across_processes(quorum: str) -> None:
     assert max(seen) >= 7  # rounds advanced
 
 
-def _one_dies(quorum: str) -> str:
-    comm = mlfabric.init("zmq", timeout=30)
+def _one_dies(transport: str, quorum: str) -> str:
+    comm = mlfabric.init(transport, timeout=30)
     last = None
     for step in range(10):
         if comm.rank == 1 and step == 3:
@@ -62,10 +66,11 @@ def _one_dies(quorum: str) -> str:
 
 # majority timed out about 1 run in 4 until re-formation counted a survivor's waiting call as
 # fresh for the resumed round (deterministic regression: tests/unit/test_partial.py).
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("quorum", ["solo", "majority"])
-def test_zmq_dead_process_does_not_block_partial_rounds(quorum: str) -> None:
+def test_dead_process_does_not_block_partial_rounds(transport: str, quorum: str) -> None:
     start = time.monotonic()
-    results = run_ranks(_one_dies, 3, args=(quorum,), timeout=90, expect_failures={1})
+    results = run_ranks(_one_dies, 3, args=(transport, quorum), timeout=90, expect_failures={1})
     for rank in (0, 2):
         round_, lost, value = results[rank].split("|")
         # rank 1 died; the other survivor may also have left (closed) before this rank's last round
