@@ -5,6 +5,7 @@ Run: python -m pytest tests/unit/test_runtime.py
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 import mlfabric
 from mlfabric import CollectiveMismatchError, CollectiveTimeoutError, PeerLostError
 from mlfabric.collectives import build, choose_allreduce
-from mlfabric.transport.local import LocalFabric
+from mlfabric.transport.local import LocalFabric, LocalTransport
 
 ALGORITHMS = ("ring", "halving_doubling", "tree")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64)
@@ -263,3 +264,111 @@ def test_list_options_are_checked_alike() -> None:
         EagerTrainConfig(modes=("sync", "sync"))
     config = EagerTrainConfig(workload="lstm", lr=0.2)
     assert (config.lr_, config.batch_size_, config.epochs_, config.sync_every_epochs_) == (0.2, 16, 16, 10)
+
+
+class _InPlaceTransport(LocalTransport):
+    """Lands a payload in the destination the runtime offered for it, the way the tcp
+    transport's reader does, and records what was offered."""
+
+    def __init__(self, fabric: LocalFabric, rank: int) -> None:
+        super().__init__(fabric, rank)
+        self.offers: dict[tuple[str, int, int], tuple[memoryview, bytes]] = {}
+        self.offered_bytes: list[int] = []
+        self.landed = 0
+        self.withdrawn = 0
+
+    def take_or_offer(self, channel, tag, src, destination, meta):
+        with self.mailbox._cond:
+            msg = self.mailbox.take(channel, tag, src)
+            if msg is None:
+                self.offers[(channel, tag, src)] = (destination, meta)
+                self.offered_bytes.append(destination.nbytes)
+            return msg
+
+    def withdraw_offer(self, channel, tag, src):
+        with self.mailbox._cond:
+            if self.offers.pop((channel, tag, src), None) is not None:
+                self.withdrawn += 1
+
+    def _deliver(self, msg):
+        with self.mailbox._cond:
+            offer = self.offers.pop((msg.channel, msg.tag, msg.src), None)
+        if offer is not None and offer[0].nbytes == msg.nbytes and offer[1] == msg.meta:
+            offer[0][:] = msg.payload
+            msg = type(msg)(msg.src, msg.tag, msg.channel, msg.meta, offer[0], in_place=True)
+            self.landed += 1
+        super()._deliver(msg)
+
+
+def _run_each(comms: list[mlfabric.Communicator], body) -> list:
+    results: list = [None] * len(comms)
+    errors: list = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = body(comms[i])
+        except BaseException as exc:  # re-raised below, on the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(comms))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _in_place_world(world: int, timeout: float = 30.0) -> list[mlfabric.Communicator]:
+    fabric = LocalFabric(world)
+    transports = [_InPlaceTransport(fabric, rank) for rank in range(world)]
+    with fabric._lock:
+        fabric._endpoints.update(enumerate(transports))
+    return [mlfabric.Communicator(t, timeout=timeout) for t in transports]
+
+
+def test_large_plain_receives_are_offered_and_land_in_place() -> None:
+    from mlfabric.runtime.executor import OFFER_MIN_BYTES
+
+    comms = _in_place_world(4)
+    count = 1_000_000  # ring segments of 1 MB: above the offer threshold
+
+    def body(comm: mlfabric.Communicator) -> torch.Tensor:
+        t = rank_input(comm.rank, count, torch.float32, 5)
+        for _ in range(3):
+            comm.allreduce(t, algorithm="ring")
+        comm.allreduce(torch.ones(1000), algorithm="ring")  # segments far below the threshold
+        return t
+
+    try:
+        results = _run_each(comms, body)
+        expected = reference(4, count, torch.float32, 5, "sum")
+        for _ in range(2):
+            expected = expected * 4
+        for comm, t in zip(comms, results):
+            assert torch.equal(t, expected)
+            tr = comm.transport
+            # Only the allgather's receives (no reduction) are offered: 3 per ring call.
+            assert len(tr.offered_bytes) <= 3 * 3 and all(n >= OFFER_MIN_BYTES for n in tr.offered_bytes)
+            assert tr.landed + tr.withdrawn == len(tr.offered_bytes)  # each offer used or taken back
+            assert not tr.offers
+        assert sum(c.transport.landed for c in comms) > 0
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+def test_a_failed_collective_takes_back_its_offers() -> None:
+    comms = _in_place_world(2, timeout=1.0)
+    try:
+        # Rank 1 (the root) never joins: rank 0's receive of the broadcast stays offered
+        # until the timeout.
+        with pytest.raises(CollectiveTimeoutError):
+            comms[0].broadcast(torch.ones(100_000), root=1)
+        tr = comms[0].transport
+        assert tr.offered_bytes == [400_000]
+        assert tr.withdrawn == 1 and not tr.offers
+    finally:
+        for comm in comms:
+            comm.close()
