@@ -119,8 +119,6 @@ def test_bytes_counted_by_transport_equal_stated_cost() -> None:
         def body(rank: int) -> None:
             comms[rank].allreduce(torch.ones(count, dtype=torch.float64), algorithm=alg)
 
-        import threading
-
         threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
         for th in threads:
             th.start()
