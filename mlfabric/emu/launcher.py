@@ -22,8 +22,8 @@ Namespaces, links and processes are removed on every one of these paths; after a
 cleanup`` removes the namespaces.
 
 Without root (or with ``emulate="never"``) the ranks run as plain local processes on loopback
-with ``MLFABRIC_TOPOLOGY``, one loopback channel per NIC and ``MLFABRIC_PACE`` (the zmq
-transport then paces every channel to the rate in user space, :mod:`mlfabric.transport.pacing`);
+with ``MLFABRIC_TOPOLOGY``, one loopback channel per NIC and ``MLFABRIC_PACE`` (the zmq or
+tcp transport then paces every channel to the rate in user space, :mod:`mlfabric.transport.pacing`);
 a warning says that this is user-space shaping and that churn and topology are not enforced.
 """
 
@@ -125,7 +125,7 @@ def resolve_topology(topology: str, hosts: int | None) -> TopologySpec:
 
 def fallback_env(topology: TopologySpec, rate_bps: float) -> dict[str, str]:
     """What a rank gets without an emulated network: the topology (BML stays correct), one
-    loopback channel per NIC, and ``MLFABRIC_PACE`` so the zmq transport shapes each of them
+    loopback channel per NIC, and ``MLFABRIC_PACE`` so the zmq or tcp transport shapes each of them
     to ``rate_bps`` in user space (transport/pacing.py), with the ring's pipelining chunk
     for that rate as on a built cluster."""
     nics = topology.int_param("k") if topology.kind == "bcube" else 1
@@ -279,7 +279,7 @@ def launch(spec: LaunchSpec, *, out: IO[str] | None = None, err: IO[str] | None 
                 why = "not root" if spec.emulate == "auto" else "--emulate never"
                 what = "churn and topology" if spec.churn else "topology"
                 err.write(f"mlfabric launch: WARNING: {why}, so no emulated network: the ranks run as local "
-                          f"processes on loopback; the zmq transport paces each NIC to {spec.rate_bps / 1e6:g} "
+                          f"processes on loopback; the zmq or tcp transport paces each NIC to {spec.rate_bps / 1e6:g} "
                           f"Mbit/s in user space (egress only, per message) and {what} are NOT enforced\n")
                 master_addr = "127.0.0.1"
                 prefixes = [[] for _ in range(n_hosts)]

@@ -1,7 +1,7 @@
 """User-space rate limiting of a transport's channels: the emulator's fallback without root.
 
 When ``mlfabric launch`` cannot build namespaces and ``tc`` shapers (no root), ranks run as
-plain processes on loopback and the zmq transport paces its sends instead: every channel is
+plain processes on loopback and the zmq or tcp transport paces its sends instead: every channel is
 a virtual NIC of ``rate`` bits per second. A message of ``B`` bytes occupies the channel for
 ``8 B / rate`` seconds after the previous one and is handed to the socket at the *end* of that
 time, like a store-and-forward link, so a stream of messages arrives at exactly ``rate``.
