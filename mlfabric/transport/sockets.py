@@ -16,7 +16,9 @@ import socket
 import struct
 from typing import Callable, Mapping, Protocol, TypeVar
 
-from .base import TOKEN_BYTES
+from mlfabric.errors import TransportError
+
+from .base import CONTROL_CHANNEL, TOKEN_BYTES
 
 # Kernel socket buffers: large enough that a multi-megabyte chunk moves in few syscalls.
 SOCKET_BUFFER_BYTES = 4 << 20
@@ -103,6 +105,22 @@ def local_address_towards(host: str) -> str:
             return probe.getsockname()[0]
         except OSError:
             return "127.0.0.1"
+
+
+def channel_indices(channels: tuple[str, ...]) -> tuple[dict[str, int], dict[int, str]]:
+    """The wire index of each channel (the control channel last) and the way back."""
+    index = {name: i for i, name in enumerate(channels)}
+    index[CONTROL_CHANNEL] = len(channels)
+    return index, {i: name for name, i in index.items()}
+
+
+def check_endpoints(rank: int, peer: int, endpoints: Mapping[str, str], channels: tuple[str, ...]) -> None:
+    """Raise if ``peer`` published no endpoint for one of our channels."""
+    missing = set(channels) - set(endpoints)
+    if missing:
+        raise TransportError(
+            f"rank {rank}: peer {peer} has no endpoint for channels {sorted(missing)}; "
+            "all ranks must use the same channels")
 
 
 class _Store(Protocol):

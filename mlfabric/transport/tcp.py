@@ -51,6 +51,8 @@ from .pacing import Pacer
 from .sockets import (
     GOODBYE_GRACE_S,
     SOCKET_BUFFER_BYTES,
+    channel_indices,
+    check_endpoints,
     pacing_cap,
     peer_address,
     rendezvous,
@@ -221,9 +223,7 @@ class TcpTransport(Transport):
         keep_freed_memory()
         self.token = token
         self.connect_timeout = connect_timeout
-        self._channel_index = {name: i for i, name in enumerate(self.channels)}
-        self._channel_index[CONTROL_CHANNEL] = len(self.channels)
-        self._index_channel = {i: name for name, i in self._channel_index.items()}
+        self._channel_index, self._index_channel = channel_indices(self.channels)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._incoming: set[socket.socket] = set()
@@ -272,11 +272,7 @@ class TcpTransport(Transport):
         """Open a connection to every peer on every channel (their listeners are up: the
         endpoints were published after binding)."""
         for peer, endpoints in peers.items():
-            missing = set(self.channels) - set(endpoints)
-            if missing:
-                raise TransportError(
-                    f"rank {self.rank}: peer {peer} has no endpoint for channels {sorted(missing)}; "
-                    "all ranks must use the same channels")
+            check_endpoints(self.rank, peer, endpoints, self.channels)
             for name in self.channels:
                 sock = self._dial(peer, endpoints[name])
                 sock.sendall(encode_header(self.token, self.rank, 0, self._channel_index[name]))

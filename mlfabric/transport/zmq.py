@@ -49,6 +49,8 @@ from .pacing import Pacer
 from .sockets import (
     GOODBYE_GRACE_S,
     SOCKET_BUFFER_BYTES,
+    channel_indices,
+    check_endpoints,
     pacing_cap,
     peer_address,
     rendezvous,
@@ -79,9 +81,7 @@ class ZmqTransport(Transport):
         keep_freed_memory()  # libzmq's receive buffers: reuse them, do not fault in fresh pages
         self.token = token
         self._ctx = zmq.Context(io_threads=1)
-        self._channel_index = {name: i for i, name in enumerate(self.channels)}
-        self._channel_index[CONTROL_CHANNEL] = len(self.channels)
-        self._index_channel = {i: name for name, i in self._channel_index.items()}
+        self._channel_index, self._index_channel = channel_indices(self.channels)
         self._send_lock = threading.Lock()
         self._routers: dict[str, zmq.Socket] = {}
         self._router_channel: dict[zmq.Socket, str] = {}
@@ -139,12 +139,7 @@ class ZmqTransport(Transport):
 
     def connect(self, peers: Mapping[int, Mapping[str, str]]) -> None:
         for peer, endpoints in peers.items():
-            missing = set(self.channels) - set(endpoints)
-            if missing:
-                raise TransportError(
-                    f"rank {self.rank}: peer {peer} has no endpoint for channels {sorted(missing)}; "
-                    "all ranks must use the same channels"
-                )
+            check_endpoints(self.rank, peer, endpoints, self.channels)
             for name in self.channels:
                 dealer = self._ctx.socket(zmq.DEALER)
                 dealer.setsockopt(zmq.SNDHWM, 0)
