@@ -14,6 +14,7 @@ import os
 import secrets
 import socket
 import struct
+import sys
 from typing import Callable, Mapping, Protocol, TypeVar
 
 from mlfabric.errors import TransportError
@@ -36,6 +37,19 @@ GOODBYE_GRACE_S = 0.5
 # does not export it.
 SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
 UNLIMITED_PACING = 0xFFFF_FFFF
+
+
+#: Whether the kernel can cap a socket's rate (SO_MAX_PACING_RATE is Linux's).
+KERNEL_PACING = sys.platform.startswith("linux")
+
+
+def pacing_cap_for(rate_bps: float | None) -> int | None:
+    """The kernel cap (bytes/s) for a pacing rate in bit/s of payload; None lifts the cap."""
+    if rate_bps is None:
+        return None
+    if rate_bps <= 0:
+        raise ValueError(f"pacing rate must be positive or None, got {rate_bps}")
+    return max(1, int(rate_bps / 8))
 
 
 def paced_buffer_bytes(cap: int | None) -> int:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import socket
 import struct
-import sys
 import threading
 import time
 from collections import deque
@@ -50,10 +49,12 @@ from .memory import keep_freed_memory
 from .pacing import Pacer
 from .sockets import (
     GOODBYE_GRACE_S,
+    KERNEL_PACING,
     SOCKET_BUFFER_BYTES,
     channel_indices,
     check_endpoints,
     pacing_cap,
+    pacing_cap_for,
     peer_address,
     rendezvous,
     send_buffer,
@@ -85,6 +86,14 @@ def _without_sent(parts: list[memoryview], sent: int) -> list[memoryview]:
         rest.append(part[sent:] if sent else part)
         sent = 0
     return rest
+
+
+def _shut(sock: socket.socket) -> None:
+    """Shut both directions (unblocking a thread in recv/send); it may be closed already."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _recv_exactly(sock: socket.socket, view: memoryview) -> bool:
@@ -124,12 +133,15 @@ class _Outgoing:
         self.closing = False
         self.thread: threading.Thread | None = None
 
-    def send(self, parts: list[memoryview]) -> SendHandle:
+    def send(self, parts: list[memoryview], handle: SendHandle | None = None) -> SendHandle:
+        """Queue ``parts`` behind what is already queued; the returned handle (``handle`` when
+        given: it is completed, and the mailbox woken, once the kernel holds every byte)
+        says when the payload may be reused."""
         with self.lock:
             if self.error is not None:
                 # The peer is gone (it is being reported lost, or it left): the message
                 # cannot be delivered and its send never completes.
-                return SendHandle(done=False)
+                return handle or SendHandle(done=False)
             if not self.queue:
                 # Nothing ahead of it: hand the kernel what fits without blocking.
                 try:
@@ -140,11 +152,15 @@ class _Outgoing:
                     # The peer's end is gone: it is reported lost, and the runtime fails what
                     # waits on it with that reason (this send never completes).
                     self._broken(exc)
-                    return SendHandle(done=False)
+                    return handle or SendHandle(done=False)
                 parts = _without_sent(parts, sent)
                 if not parts:
-                    return _DONE
-            handle = SendHandle(done=False)
+                    if handle is None:
+                        return _DONE
+                    handle.set_done()
+                    self.transport.mailbox.notify()
+                    return handle
+            handle = handle or SendHandle(done=False)
             self.queue.append((parts, handle))
             if self.thread is None:
                 self.thread = threading.Thread(
@@ -202,10 +218,7 @@ class _Outgoing:
         with self.lock:
             self.closing = True
             self.lock.notify_all()
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        _shut(self.sock)
         self.sock.close()
 
 
@@ -314,15 +327,8 @@ class TcpTransport(Transport):
         handle = SendHandle(done=False)
 
         def send_now() -> None:
-            if self._stop.is_set():
-                return
-            inner = connection.send(parts)
-            # The payload may be reused once the kernel holds it; until then the sender
-            # thread owns it, and its completion wakes the mailbox too.
-            while not inner.done() and connection.error is None and not self._stop.is_set():
-                connection.flush(time.monotonic() + 0.5)
-            handle.set_done()
-            self.mailbox.notify()
+            if not self._stop.is_set():
+                connection.send(parts, handle)  # completes the handle once the kernel holds it
 
         self._pacer.submit(channel, nbytes, send_now)
         return handle
@@ -450,15 +456,14 @@ class TcpTransport(Transport):
     # -- pacing ----------------------------------------------------------------------------
 
     def pace_connection(self, peer: int, channel: str, rate_bps: float | None) -> bool:
-        if not sys.platform.startswith("linux"):
-            return False  # SO_MAX_PACING_RATE is Linux's
+        if not KERNEL_PACING:
+            return False
         connection = self._outgoing.get((peer, channel))
         if connection is None:
             raise TransportError(f"rank {self.rank}: no connection to peer {peer} on channel {channel!r} to pace")
-        if rate_bps is not None and rate_bps <= 0:
-            raise ValueError(f"pacing rate must be positive or None, got {rate_bps}")
+        cap = pacing_cap_for(rate_bps)
         try:
-            set_pacing(connection.sock, None if rate_bps is None else max(1, int(rate_bps / 8)))
+            set_pacing(connection.sock, cap)
         except OSError as exc:
             log.warning("rank %d: could not pace the connection to peer %d on channel %r: %s",
                         self.rank, peer, channel, exc)
@@ -490,20 +495,14 @@ class TcpTransport(Transport):
         if self._pacer is not None:
             self._pacer.close()
         for listener in self._listeners.values():
-            try:
-                listener.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _shut(listener)
             listener.close()
         for connection in self._outgoing.values():
             connection.close()
         with self._incoming_lock:
             incoming = list(self._incoming)
         for sock in incoming:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _shut(sock)
         current = threading.current_thread()
         for thread in self._threads:
             if thread is not current:

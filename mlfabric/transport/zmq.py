@@ -26,7 +26,6 @@ import logging
 import os
 import queue
 import socket
-import sys
 import threading
 import time
 from typing import Iterator, Mapping
@@ -48,10 +47,12 @@ from .memory import keep_freed_memory
 from .pacing import Pacer
 from .sockets import (
     GOODBYE_GRACE_S,
+    KERNEL_PACING,
     SOCKET_BUFFER_BYTES,
     channel_indices,
     check_endpoints,
     pacing_cap,
+    pacing_cap_for,
     peer_address,
     rendezvous,
     send_buffer,
@@ -222,14 +223,12 @@ class ZmqTransport(Transport):
     # -- pacing ----------------------------------------------------------------------------
 
     def pace_connection(self, peer: int, channel: str, rate_bps: float | None) -> bool:
-        if not sys.platform.startswith("linux"):
-            return False  # SO_MAX_PACING_RATE is Linux's
+        if not KERNEL_PACING:
+            return False
         connection = (peer, channel)
         if connection not in self._remote_addr:
             raise TransportError(f"rank {self.rank}: no connection to peer {peer} on channel {channel!r} to pace")
-        if rate_bps is not None and rate_bps <= 0:
-            raise ValueError(f"pacing rate must be positive or None, got {rate_bps}")
-        cap = None if rate_bps is None else max(1, int(rate_bps / 8))
+        cap = pacing_cap_for(rate_bps)
         with self._pacing_lock:
             self._pacing[connection] = cap
             fd = self._connection_fd.get(connection)
