@@ -105,6 +105,7 @@ class _Run:
         for i in self.ready:
             self.fired[i] = True
         self.pending_recvs: list[int] = []
+        self.recv_keys: dict[int, tuple[str, int]] = {}  # mailbox key of each pending receive
         self.pending_sends: list[tuple[int, SendHandle]] = []
         self.offered: set[int] = set()  # receives whose destination the transport holds
         self.seen_version = -1  # mailbox version when pending receives were last matched
@@ -132,9 +133,11 @@ class _Run:
             self.pending_sends = still
         if self.pending_recvs and version != self.seen_version:
             self.seen_version = version
+            queued, keys = self.executor.transport.mailbox.queued, self.recv_keys
             still_recv = []
             for index in self.pending_recvs:
-                if self._try_recv(index):
+                # Most pending receives have nothing queued: test that without a call.
+                if keys[index] in queued and self._try_recv(index):
                     progressed = True
                 else:
                     still_recv.append(index)
@@ -157,6 +160,7 @@ class _Run:
                 self.pending_sends.append((index, handle))
         elif isinstance(op, Recv):
             if not self._try_recv(index):
+                self.recv_keys[index] = (op.channel, message_tag(self.info.seq, op.tag))
                 self.pending_recvs.append(index)
         elif isinstance(op, Reduce):
             _REDUCERS[op.op](self.view(op.dst), self.view(op.src))
@@ -173,15 +177,14 @@ class _Run:
         op: Recv = self.schedule.ops[index]  # type: ignore[assignment]
         transport = self.executor.transport
         tag = message_tag(self.info.seq, op.tag)
-        dst = self.view(op.dst)
         if index in self.offered:
             msg = transport.mailbox.take(op.channel, tag, op.peer)
             if msg is not None:
                 self.offered.discard(index)
                 transport.withdraw_offer(op.channel, tag, op.peer)  # it may have come the other way
         elif (self.offers_destinations and not op.reduce
-              and dst.numel() * dst.element_size() >= OFFER_MIN_BYTES):
-            msg = transport.take_or_offer(op.channel, tag, op.peer, tensor_bytes(dst), self.meta)
+              and op.dst.length * self.buffers[op.dst.buffer].element_size() >= OFFER_MIN_BYTES):
+            msg = transport.take_or_offer(op.channel, tag, op.peer, tensor_bytes(self.view(op.dst)), self.meta)
             if msg is None:
                 self.offered.add(index)
         else:
@@ -189,6 +192,7 @@ class _Run:
         if msg is None:
             return False
         self._check_message(op, msg)
+        dst = self.view(op.dst)
         if dst.numel() and not msg.in_place:
             incoming = torch.frombuffer(msg.payload, dtype=dst.dtype)
             if op.reduce:
@@ -317,8 +321,8 @@ class Executor:
         version = mailbox.version
         while not self._stop:
             version = mailbox.version
-            with self._lock:
-                if self._incoming:
+            if self._incoming:  # lock-free test first: most wake-ups bring no new run
+                with self._lock:
                     self._active.extend(self._incoming)
                     self._incoming.clear()
             self._handle_control()

@@ -176,8 +176,9 @@ class PartialAllreduce:
         self.agreeing: dict[int, int] | None = None  # peer -> its armed round, while re-forming
         self._commands: deque[tuple[torch.Tensor, int | None, _Call]] = deque()
         self._lock = threading.Lock()
-        self._drain: deque[list[tuple[str, int, int]]] = deque(maxlen=_KEEP_DRAINING)
-        self._drained_at = -1  # mailbox version of the last drain
+        # Keys of the activation messages that finished executions may still receive: the
+        # mailbox drops them on arrival (Mailbox.discard) for _KEEP_DRAINING executions.
+        self._discarding: deque[list[tuple[str, int, int]]] = deque()
         self._broken: CollectiveError | None = None
         self.last_seen = -1  # application side: the last round a call returned
         self._arm(0)
@@ -225,7 +226,7 @@ class PartialAllreduce:
     def advance(self, version: int) -> bool:
         # While the group re-forms the next round is unknown: calls wait in the queue.
         progressed = self._take_commands() if self.agreeing is None else False
-        if self._gone() & set(self.members):
+        if (self.transport.lost_peers or self.transport.departed_peers) and self._gone() & set(self.members):
             self._reform()
             progressed = True
         if self.agreeing is not None:
@@ -236,13 +237,13 @@ class PartialAllreduce:
         if execution.finished:
             self._complete_round(execution)
             progressed = True
-        if version != self._drained_at:  # late messages can only be there if something arrived
-            self._drained_at = version
-            self._drain_late_messages()
-        self._expire_calls()
+        if self.calls:
+            self._expire_calls()
         return progressed
 
     def _take_commands(self) -> bool:
+        if not self._commands:  # lock-free test first: most wake-ups bring no call
+            return False
         with self._lock:
             commands = list(self._commands)
             self._commands.clear()
@@ -291,8 +292,7 @@ class PartialAllreduce:
     def _complete_round(self, execution: _Execution) -> None:
         work = execution.buffers["data"]
         self.latest = (self.round, work[:self.count], int(work[self.count].item()))
-        self._drain.append([(execution.schedule.ops[i].channel, message_tag(execution.info.seq, execution.schedule.ops[i].tag),
-                             execution.schedule.ops[i].peer) for i in execution.pending_recvs])
+        self._discard_late_messages(execution)
         self.fresh = False
         self.snapshot = None
         calls, self.calls = self.calls, []
@@ -301,11 +301,17 @@ class PartialAllreduce:
             self._resolve(call, contributed=call.fresh)
         self._arm(self.round + 1)
 
-    def _drain_late_messages(self) -> None:
-        """Activation messages of finished executions that arrive late are discarded."""
+    def _discard_late_messages(self, execution: _Execution) -> None:
+        """Activation messages a finished execution did not take (several initiators) may
+        still arrive: the mailbox drops them, so no progress-loop wake-up polls for them."""
+        ops = execution.schedule.ops
+        keys = [(ops[i].channel, message_tag(execution.info.seq, ops[i].tag), ops[i].peer)
+                for i in execution.pending_recvs]
         mailbox = self.transport.mailbox
-        for keys in self._drain:
-            keys[:] = [key for key in keys if mailbox.take(key[0], key[1], key[2]) is None]
+        mailbox.discard(keys)
+        self._discarding.append(keys)
+        if len(self._discarding) > _KEEP_DRAINING:
+            mailbox.forget(self._discarding.popleft())
 
     def _expire_calls(self) -> None:
         now = time.monotonic()

@@ -89,6 +89,13 @@ class Mailbox:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._queues: dict[tuple[str, int], deque[Message]] = {}
+        # The (channel, tag) keys with queued messages, for lock-free membership tests by a
+        # progress loop that polls many keys (see take). Read-only outside this class.
+        self.queued = self._queues.keys()
+        # Queued messages per channel, read without the lock by take_channel's fast path.
+        self._per_channel: dict[str, int] = {}
+        # (channel, tag, src) of messages to drop on arrival (see discard).
+        self._discarded: set[tuple[str, int, int]] = set()
         self.version = 0
         # Called by notify(): a transport whose progress blocks in a socket poll uses it to
         # interrupt that poll.
@@ -96,12 +103,24 @@ class Mailbox:
 
     def put(self, msg: Message) -> None:
         with self._cond:
+            if self._discarded:
+                key = (msg.channel, msg.tag, msg.src)
+                if key in self._discarded:
+                    self._discarded.remove(key)
+                    return  # nobody waits for it: no wake-up either
             self._queues.setdefault((msg.channel, msg.tag), deque()).append(msg)
+            self._per_channel[msg.channel] = self._per_channel.get(msg.channel, 0) + 1
             self.version += 1
             self._cond.notify_all()
 
     def take(self, channel: str, tag: int, src: int | None = None) -> Message | None:
         """The oldest message with this channel and tag, from ``src`` or from anyone."""
+        # A progress loop asks for many messages that have not arrived at every wake-up; the
+        # lock-free look (a dict lookup is atomic) makes a miss cheap. It cannot lose a message:
+        # put() inserts before it bumps ``version``, so a message missed here bumps the
+        # version after the caller read it, and the caller looks again.
+        if (channel, tag) not in self.queued:
+            return None
         with self._cond:
             queue = self._queues.get((channel, tag))
             if not queue:
@@ -118,14 +137,32 @@ class Mailbox:
                     return None
             if not queue:
                 del self._queues[(channel, tag)]
+            self._per_channel[channel] -= 1
             return msg
 
     def take_channel(self, channel: str) -> list[Message]:
         """Every queued message of one channel (the control channel is drained this way)."""
+        if not self._per_channel.get(channel):  # lock-free, as in take
+            return []
         with self._cond:
             keys = [k for k in self._queues if k[0] == channel]
             out = [m for k in keys for m in self._queues.pop(k)]
+            self._per_channel[channel] = 0
             return out
+
+    def discard(self, keys: list[tuple[str, int, int]]) -> None:
+        """Drop one message per (channel, tag, src) key: the one queued now, or else the next
+        to arrive, without a wake-up. For messages that may still come but that nobody will
+        take (a partial collective's late activations); :meth:`forget` ends the wait."""
+        with self._cond:  # re-entrant: take() below and a concurrent put() cannot interleave
+            for channel, tag, src in keys:
+                if self.take(channel, tag, src) is None:
+                    self._discarded.add((channel, tag, src))
+
+    def forget(self, keys: list[tuple[str, int, int]]) -> None:
+        """Stop waiting to drop these keys' messages (bounds what :meth:`discard` keeps)."""
+        with self._cond:
+            self._discarded.difference_update(keys)
 
     def notify(self) -> None:
         with self._cond:

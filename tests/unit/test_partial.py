@@ -18,6 +18,7 @@ import torch
 import mlfabric
 from mlfabric.collectives.partial import INTERNAL_ACTIVATION, activation_op_count, partial_allreduce
 from mlfabric.runtime.communicator import Communicator
+from mlfabric.runtime.partial import _KEEP_DRAINING
 from mlfabric.schedule import DepMode, Recv, Send, validate
 from mlfabric.schedule.interpret import interpret
 from mlfabric.schedule.validate import walk
@@ -190,6 +191,33 @@ def test_several_simultaneous_initiators_execute_the_round_once() -> None:
         # everyone initiated round 0 at once: one execution, never a second one
         assert round_ == 0 and armed == 1
         assert 1 <= total <= n
+
+
+def test_activations_a_finished_round_still_awaits_are_dropped_and_then_forgotten() -> None:
+    """A finished round leaves activation receives open (its rank was activated through
+    another tree). Their messages, if they ever come, are dropped by the mailbox on arrival
+    (no progress-loop polling for them, which cost the partial microbenchmark a third of its
+    CPU), so nothing stays queued; and the mailbox stops waiting for them after
+    _KEEP_DRAINING rounds, so what it keeps stays bounded however long the run."""
+    n, rounds = 8, 3 * _KEEP_DRAINING
+    barrier = threading.Barrier(n)
+
+    def body(comm: Communicator) -> tuple[int, int, int]:
+        for _ in range(rounds):
+            barrier.wait()
+            if comm.rank not in (0, n - 1):
+                time.sleep(0.01)  # the round runs without this rank's call
+            comm.partial_allreduce(torch.ones(4, dtype=torch.int64), quorum="solo")
+        barrier.wait()
+        time.sleep(0.3)  # the last activations land
+        mailbox = comm.transport.mailbox
+        return next(iter(comm._partials.values())).round, mailbox.pending(), len(mailbox._discarded)
+
+    bits = n.bit_length() - 1
+    for armed, pending, waiting_to_drop in _threads(n, body, timeout=60):
+        assert armed == rounds
+        assert pending == 0
+        assert waiting_to_drop <= _KEEP_DRAINING * bits
 
 
 def test_a_rank_several_rounds_behind_gets_the_latest_result() -> None:
