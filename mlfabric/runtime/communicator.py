@@ -244,7 +244,7 @@ class Communicator:
                                           count=tensor.numel(), dtype=tensor.dtype, algorithm=algorithm,
                                           op="sum", seed=seed, description=description)
                 self._partials[key] = handle
-                self.executor.attach(handle)
+                self.executor.attach(handle, kick=False)
         future = handle.call(tensor, round, self.timeout if timeout is None else timeout)
         if op == "sum":
             return future
@@ -295,10 +295,12 @@ class Communicator:
             schedule = collectives.build(kind, self.world_size, self.rank, flat.numel(), **options)
             if self.nic_rates:
                 self._pace(schedule)
-            return self.executor.submit(
+            future = self.executor.submit(
                 schedule, {"data": flat}, RunInfo(seq=seq, description=description),
-                timeout=self.timeout if timeout is None else timeout, result=finish,
+                timeout=self.timeout if timeout is None else timeout, result=finish, kick=False,
             )
+        self.executor.kick()  # outside the lock: the run may finish, and its callbacks run, here
+        return future
 
     def _pace(self, schedule: Schedule) -> None:
         """Pace the connections ``schedule`` sends on at their fair share (or lift the cap),

@@ -42,6 +42,8 @@ _IDLE_POLL_S = 0.05
 # the transport, which may receive the payload straight into it (Transport.take_or_offer);
 # below it a copy costs less than the bookkeeping.
 OFFER_MIN_BYTES = 64 * 1024
+# Passes a receiving thread makes at most before it leaves the rest to the progress thread.
+_INLINE_PASSES = 4
 
 
 def message_tag(seq: int, op_tag: int) -> int:
@@ -275,13 +277,18 @@ class Executor:
         self._aborts: dict[int, CollectiveError] = {}
         self._deferred_error: CollectiveError | None = None
         self._stop = False
+        # Serialises passes over the runs: the progress thread's and those a transport runs
+        # on its receiving threads (_inline_pass).
+        self._pass_lock = threading.Lock()
+        transport.set_inline_progress(self._inline_pass)
         transport.on_peer_lost(lambda peer, reason: transport.mailbox.notify())
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, schedule: Schedule, buffers: dict[str, torch.Tensor], info: RunInfo, *,
-               timeout: float, result: Callable[[], object]) -> torch.futures.Future:
-        """Start executing ``schedule``; the future resolves to ``result()`` when done."""
+               timeout: float, result: Callable[[], object], kick: bool = True) -> torch.futures.Future:
+        """Start executing ``schedule``; the future resolves to ``result()`` when done.
+        ``kick=False``: the caller calls :meth:`kick` itself (after releasing its locks)."""
         future: torch.futures.Future = torch.futures.Future()
         if self._stop:
             future.set_exception(CollectiveError(f"rank {self.rank}: communicator is closed", rank=self.rank))
@@ -297,17 +304,26 @@ class Executor:
             if name not in buffers:
                 buffers[name] = torch.empty(size, dtype=dtype)
         run = _Run(self, schedule, buffers, info, time.monotonic() + timeout, future, result)
-        self.attach(run)
+        self.attach(run, kick=kick)
         return future
 
-    def attach(self, run: "_Run") -> None:
+    def attach(self, run: "_Run", *, kick: bool = True) -> None:
         """Hand a run (or anything with its interface) to the progress thread."""
         if self._stop:
             run.fail(CollectiveError(f"rank {self.rank}: communicator is closed", rank=self.rank))
             return
         with self._lock:
             self._incoming.append(run)
-        self.transport.mailbox.notify()
+        if kick:
+            self.kick()
+
+    def kick(self) -> None:
+        """Something new is waiting (a run, a call): look at it on this thread if the
+        transport allows (as its receiving threads do), else wake the progress thread.
+        A pass may complete futures, whose callbacks then run here: never kick while
+        holding a lock that such a callback could take."""
+        if not (self.transport.inline_progress and self._inline_pass()):
+            self.transport.mailbox.notify()
 
     def close(self) -> None:
         self._stop = True
@@ -318,47 +334,70 @@ class Executor:
 
     def _loop(self) -> None:
         mailbox = self.transport.mailbox
-        version = mailbox.version
         while not self._stop:
             version = mailbox.version
-            if self._incoming:  # lock-free test first: most wake-ups bring no new run
-                with self._lock:
-                    self._active.extend(self._incoming)
-                    self._incoming.clear()
-            self._handle_control()
-            progressed = False
-            for run in list(self._active):
-                try:
-                    progressed |= run.advance(version)
-                    if run.finished:
-                        self._finish(run)
-                    elif time.monotonic() > run.deadline:
-                        raise CollectiveTimeoutError(
-                            f"rank {self.rank}: collective #{run.info.seq} "
-                            f"{run.info.description} timed out still waiting for "
-                            f"{run.waiting_on()}; a peer may be slow, hung or dead "
-                            "(raise the timeout with mlfabric.init(timeout=...))",
-                            rank=self.rank,
-                        )
-                except CollectiveError as exc:
-                    self._fail(run, exc, notify_peers=True)
-                except Exception as exc:  # a bug or a torch error: never leave the caller hanging
-                    wrapped = CollectiveError(
-                        f"rank {self.rank}: collective #{run.info.seq} {run.info.description} "
-                        f"failed: {exc!r}", rank=self.rank)
-                    wrapped.__cause__ = exc
-                    self._fail(run, wrapped, notify_peers=True)
-            if self.transport.lost_peers and self._active:
-                for run in list(self._active):
-                    error = None if run.tolerates_lost_peers else self._lost_peer_error(run.info)
-                    if error is not None:
-                        self._fail(run, error, notify_peers=False)
+            with self._pass_lock:
+                progressed = self._pass(version)
             if not progressed:
                 self.transport.progress(version, _IDLE_POLL_S)
-        for run in self._active + self._incoming:
-            self._fail(run, CollectiveError(f"rank {self.rank}: communicator closed during "
-                                            f"collective #{run.info.seq}", rank=self.rank),
-                       notify_peers=False)
+        with self._pass_lock:
+            for run in self._active + self._incoming:
+                self._fail(run, CollectiveError(f"rank {self.rank}: communicator closed during "
+                                                f"collective #{run.info.seq}", rank=self.rank),
+                           notify_peers=False)
+
+    def _inline_pass(self) -> bool:
+        """Progress on the thread that just delivered a message (Transport.set_inline_progress),
+        which saves the progress thread's wake-up per message. False when the progress thread
+        must look instead: it is in a pass itself, or there is still more to do."""
+        if self._stop or not self._pass_lock.acquire(blocking=False):
+            return False
+        try:
+            for _ in range(_INLINE_PASSES):
+                if self._stop:
+                    return False
+                if not self._pass(self.transport.mailbox.version):
+                    return True
+            return False
+        finally:
+            self._pass_lock.release()
+
+    def _pass(self, version: int) -> bool:
+        """One look at everything (``version``: the mailbox's, read before); True if anything
+        happened, so that another pass may find more. Holds ``_pass_lock``."""
+        if self._incoming:  # lock-free test first: most wake-ups bring no new run
+            with self._lock:
+                self._active.extend(self._incoming)
+                self._incoming.clear()
+        self._handle_control()
+        progressed = False
+        for run in list(self._active):
+            try:
+                progressed |= run.advance(version)
+                if run.finished:
+                    self._finish(run)
+                elif time.monotonic() > run.deadline:
+                    raise CollectiveTimeoutError(
+                        f"rank {self.rank}: collective #{run.info.seq} "
+                        f"{run.info.description} timed out still waiting for "
+                        f"{run.waiting_on()}; a peer may be slow, hung or dead "
+                        "(raise the timeout with mlfabric.init(timeout=...))",
+                        rank=self.rank,
+                    )
+            except CollectiveError as exc:
+                self._fail(run, exc, notify_peers=True)
+            except Exception as exc:  # a bug or a torch error: never leave the caller hanging
+                wrapped = CollectiveError(
+                    f"rank {self.rank}: collective #{run.info.seq} {run.info.description} "
+                    f"failed: {exc!r}", rank=self.rank)
+                wrapped.__cause__ = exc
+                self._fail(run, wrapped, notify_peers=True)
+        if self.transport.lost_peers and self._active:
+            for run in list(self._active):
+                error = None if run.tolerates_lost_peers else self._lost_peer_error(run.info)
+                if error is not None:
+                    self._fail(run, error, notify_peers=False)
+        return progressed
 
     def _finish(self, run: _Run) -> None:
         self._active.remove(run)

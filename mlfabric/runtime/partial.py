@@ -194,7 +194,7 @@ class PartialAllreduce:
         call = _Call(future, time.monotonic() + timeout, fresh=False)
         with self._lock:
             self._commands.append((flat, round, call))
-        self.transport.mailbox.notify()
+        self.executor.kick()
         return future
 
     # -- progress thread ---------------------------------------------------------------------

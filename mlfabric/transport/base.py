@@ -101,7 +101,9 @@ class Mailbox:
         # interrupt that poll.
         self.on_notify: Callable[[], None] | None = None
 
-    def put(self, msg: Message) -> None:
+    def put(self, msg: Message, *, wake: bool = True) -> None:
+        """Queue ``msg``; ``wake=False`` leaves waiters asleep (the caller then either takes
+        care of the message or calls :meth:`notify`)."""
         with self._cond:
             if self._discarded:
                 key = (msg.channel, msg.tag, msg.src)
@@ -111,7 +113,8 @@ class Mailbox:
             self._queues.setdefault((msg.channel, msg.tag), deque()).append(msg)
             self._per_channel[msg.channel] = self._per_channel.get(msg.channel, 0) + 1
             self.version += 1
-            self._cond.notify_all()
+            if wake:
+                self._cond.notify_all()
 
     def take(self, channel: str, tag: int, src: int | None = None) -> Message | None:
         """The oldest message with this channel and tag, from ``src`` or from anyone."""
@@ -187,6 +190,9 @@ class Transport(ABC):
     """Abstract transport for one rank. Subclasses implement ``_send`` and deliver incoming
     messages with :meth:`_deliver`."""
 
+    # Whether set_inline_progress takes effect (see there).
+    inline_progress = False
+
     def __init__(self, rank: int, world_size: int, channels: tuple[str, ...]) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
@@ -203,6 +209,7 @@ class Transport(ABC):
         self._counter_lock = threading.Lock()
         self._closed = False
         self._peer_lost_callbacks: list[Callable[[int, str], None]] = []
+        self._inline_progress: Callable[[], bool] | None = None
 
     # -- sending ---------------------------------------------------------------------------
 
@@ -237,7 +244,24 @@ class Transport(ABC):
             self.departed_peers.add(msg.src)
             self.mailbox.notify()
             return
-        self.mailbox.put(msg)
+        inline = self._inline_progress
+        if inline is None:
+            self.mailbox.put(msg)
+            return
+        # Progress right here instead of waking the progress thread; wake it (and anyone
+        # in recv()) only if the pass could not run or left the message queued.
+        self.mailbox.put(msg, wake=False)
+        if not inline() or (msg.channel, msg.tag) in self.mailbox.queued:
+            self.mailbox.notify()
+
+    def set_inline_progress(self, progress: Callable[[], bool]) -> None:
+        """Offered by the executor: ``progress()`` runs one pass over its collectives and
+        returns False if it could not (or did not finish). A transport whose receiving
+        threads are its own calls it after each delivery (``inline_progress = True``),
+        sparing the progress thread a wake-up per message. Others ignore it: on the
+        in-process transport the delivering thread is the *sender's* progress thread."""
+        if self.inline_progress:
+            self._inline_progress = progress
 
     def _reject(self, reason: str) -> None:
         self.rejected_messages += 1

@@ -225,6 +225,9 @@ class _Outgoing:
 class TcpTransport(Transport):
     """See the module docstring. Build it with :meth:`create` (rendezvous through a store)."""
 
+    # The reader threads run the executor's pass after each delivery (set_inline_progress).
+    inline_progress = True
+
     def __init__(self, rank: int, world_size: int, token: bytes, *,
                  channels: tuple[str, ...] = ("0",), bind_addrs: Mapping[str, str] | None = None,
                  pace_bps: Mapping[str, float] | None = None, connect_timeout: float = 60.0) -> None:

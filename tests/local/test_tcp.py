@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import socket
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 import mlfabric
 from mlfabric.bench.procs import run_ranks
+from mlfabric.runtime.communicator import Communicator
 from mlfabric.transport.base import encode_header
 from mlfabric.transport.tcp import FRAME, TcpTransport
 
@@ -175,3 +178,37 @@ def test_a_peer_gone_without_goodbye_is_reported_lost_and_sends_to_it_do_not_rai
         a.send(1, 6, b"after the loss")  # does not raise either
     finally:
         a.close()
+
+
+def test_reader_threads_progress_collectives_and_still_wake_recv_waiters(pair) -> None:
+    """With an executor attached, a reader thread runs the executor's pass right after it
+    delivers (no progress-thread wake-up per message), so futures complete on reader or
+    calling threads; a message no collective takes still wakes a thread blocked in recv()."""
+    a, b = pair
+    comms = [Communicator(a, timeout=30), Communicator(b, timeout=30)]
+    completed_on: list[str] = []
+
+    def allreduces(comm: Communicator) -> list[float]:
+        out = []
+        for step in range(20):
+            t = torch.full((10,), float(comm.rank + step))
+            fut = comm.allreduce_async(t, algorithm="tree")
+            fut.then(lambda _: completed_on.append(threading.current_thread().name))
+            out.append(float(fut.wait()[0]))
+        return out
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(allreduces, comms))
+    assert results[0] == results[1] == [float(1 + 2 * step) for step in range(20)]
+    on_progress = sum(name.startswith("mlfabric-progress") for name in completed_on)
+    assert len(completed_on) == 40 and on_progress <= 10, completed_on
+
+    waits = []
+    for tag in range(100, 105):
+        start = time.monotonic()
+        a.send(1, tag, b"plain message")
+        assert bytes(b.recv(tag, src=0, timeout=5).payload) == b"plain message"
+        waits.append(time.monotonic() - start)
+    assert min(waits) < 0.05, waits  # woken by the delivery, not by recv's 0.1 s poll
+    for comm in comms:
+        comm.executor.close()
