@@ -102,12 +102,19 @@ def test_result_is_the_sum_of_what_active_reports_and_same_everywhere(quorum: st
     n, rounds = 4, 6
 
     def body(comm: Communicator) -> list[tuple[int, bool, int, int]]:
-        out = []
-        for step in range(rounds):
+        # Every rank stops at the same round, not after the same number of calls: with
+        # majority, a rank that stopped early could be the initiator another rank waits for
+        # (regression: this test hung for 30 s now and then on a loaded machine). A call
+        # returns a later round than the previous one, so there are at most ``rounds`` calls.
+        out: list[tuple[int, bool, int, int]] = []
+        step = 0
+        while not out or out[-1][0] < rounds - 1:
             time.sleep(0.01 * ((comm.rank * 3 + step) % n))
             value = 1 << (comm.rank * rounds + step)
             res = comm.partial_allreduce(torch.tensor([value, 1], dtype=torch.int64), quorum=quorum)
             out.append((res.round, res.contributed, res.active, int(res.tensor[0])))
+            step += 1
+        assert step <= rounds
         return out
 
     results = _threads(n, body)
