@@ -119,6 +119,10 @@ class _Run:
     def view(self, sl: Slice) -> torch.Tensor:
         return self.buffers[sl.buffer][sl.offset:sl.end]
 
+    def nbytes(self, sl: Slice) -> int:
+        """Size of ``sl`` in bytes, without building its view."""
+        return sl.length * self.buffers[sl.buffer].element_size()
+
     def advance(self, version: int) -> bool:
         """Do everything that can be done now; True if anything happened. ``version`` is the
         mailbox version read before this call: pending receives are only re-matched when it
@@ -185,7 +189,7 @@ class _Run:
                 self.offered.discard(index)
                 transport.withdraw_offer(op.channel, tag, op.peer)  # it may have come the other way
         elif (self.offers_destinations and not op.reduce
-              and op.dst.length * self.buffers[op.dst.buffer].element_size() >= OFFER_MIN_BYTES):
+              and self.nbytes(op.dst) >= OFFER_MIN_BYTES):
             msg = transport.take_or_offer(op.channel, tag, op.peer, tensor_bytes(self.view(op.dst)), self.meta)
             if msg is None:
                 self.offered.add(index)
@@ -213,7 +217,7 @@ class _Run:
                 "with the same size, dtype and op.",
                 rank=self.executor.rank, peer=msg.src,
             )
-        expected = op.dst.length * self.buffers[op.dst.buffer].element_size()
+        expected = self.nbytes(op.dst)
         if msg.nbytes != expected:
             raise CollectiveMismatchError(
                 f"rank {self.executor.rank}: collective #{self.info.seq} expected {expected} bytes "
