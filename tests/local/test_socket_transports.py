@@ -187,9 +187,13 @@ def test_rejects_junk_and_wrong_token(transport: str, tmp_path) -> None:
         time.sleep(0.05)
     endpoint = endpoint_file.read_text()
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
-    # 1. A plain socket writing junk: fails the handshake, never reaches the job.
+    # 1. A plain socket writing junk: fails the handshake, never reaches the job. The junk is
+    # fixed, not random: libzmq reads bytes that are not a ZMTP 3 greeting as a ZMTP 1.0
+    # peer, and ~2% of random tails declare a frame that never completes, which libzmq drops
+    # at disconnect without a handshake-failure event (nothing to log; regression: this test
+    # failed once in a full run with os.urandom(256) here; docs/architecture.md, Intruders).
     with socket.create_connection((host, int(port))) as plain:
-        plain.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + os.urandom(256))
+        plain.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(range(256)))
         time.sleep(0.3)
     # 2. A well-formed peer with the wrong job token, aiming at the tag of the next allreduce.
     header = encode_header(b"\x00" * 16, 1, 0, 0)
