@@ -14,7 +14,9 @@ gradients (a rank that has not called contributes zeros), no tensors, no DAG.
 Per process: one thread, one ``selectors`` loop (epoll), one TCP connection to each hypercube
 neighbour ``r XOR 2^j`` (all the schedules below need), fixed-size frames. The thread that
 "sleeps" its skew runs the loop meanwhile, as a progress thread would while the application
-computes.
+computes. ``--reader-threads`` instead gives every connection a blocking reader thread that
+runs the protocol under a lock while the calling thread sleeps and then waits on a condition:
+the thread layout of mlfabric's tcp transport, to tell its cost from the rest.
 
 * synchronous: binomial-tree reduce to rank 0, then broadcast (as ``comm.allreduce(t,
   algorithm="tree")``);
@@ -36,6 +38,7 @@ import selectors
 import socket
 import statistics
 import struct
+import threading
 import time
 from dataclasses import dataclass
 
@@ -54,6 +57,7 @@ _FRAME = _HEADER.size + 4 * _ELEMENTS
 class FloorResult:
     world_size: int
     iterations: int
+    reader_threads: bool
     mean_latency_s: dict[str, float]   # per variant, over ranks and timed iterations
     mean_active: dict[str, float]      # ranks whose fresh data made it in (eager-SGD's NAP)
     correct: bool
@@ -69,7 +73,7 @@ def _lowbit(r: int) -> int:
 
 
 class _Rank:
-    def __init__(self, rank: int, n: int, listeners: list[socket.socket], seed: int) -> None:
+    def __init__(self, rank: int, n: int, listeners: list[socket.socket], seed: int, reader_threads: bool) -> None:
         self.rank, self.n, self.seed = rank, n, seed
         self.bits = (n - 1).bit_length()
         self.parent = None if rank == 0 else rank - _lowbit(rank)
@@ -93,6 +97,32 @@ class _Rank:
             self.selector.register(sock, selectors.EVENT_READ, peer)
             self.buffers[peer] = bytearray()
         self.inbox: list[tuple[int, int, int, np.ndarray]] = []
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.handler = None  # the current round's message handler (called under the lock)
+        self.threaded = reader_threads
+        if self.threaded:
+            for peer, sock in self.conns.items():
+                self.selector.unregister(sock)
+                threading.Thread(target=self._reader, args=(sock,), daemon=True).start()
+
+    def _reader(self, sock: socket.socket) -> None:
+        """``reader_threads``: one blocking reader per connection hands each frame to the round
+        under a lock, while the calling thread sleeps and waits on a condition (the thread
+        layout of mlfabric's tcp transport and executor)."""
+        buffer = bytearray()
+        while True:
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                return
+            buffer += chunk
+            while len(buffer) >= _FRAME:
+                kind, bit, round = _HEADER.unpack_from(buffer)
+                data = np.frombuffer(bytes(buffer[_HEADER.size:_FRAME]), dtype=np.float32)
+                del buffer[:_FRAME]
+                with self.lock:
+                    if self.handler is None or not self.handler((kind, bit, round, data)):
+                        self.inbox.append((kind, bit, round, data))
 
     def send(self, peer: int, kind: int, bit: int, round: int, data: np.ndarray) -> None:
         self.conns[peer].sendall(_HEADER.pack(kind, bit, round) + data.tobytes())
@@ -109,7 +139,10 @@ class _Rank:
 
     def wait_until(self, instant: float) -> None:
         while (left := instant - time.monotonic()) > 0:
-            self.pump(left)
+            if self.threaded:
+                time.sleep(left)
+            else:
+                self.pump(left)
 
     def round(self, number: int, variant: str, call_at: float) -> tuple[float, int]:
         """One collective; returns (latency from the call to the result, element 0 of the result)."""
@@ -146,29 +179,55 @@ class _Rank:
             for child in self.children:
                 self.send(child, _RESULT, 0, number, result)
 
+        def handle(message: tuple[int, int, int, np.ndarray]) -> bool:
+            kind, bit, round, data = message
+            if round != number:
+                return round < number  # late: dropped (True); future: keep (False)
+            if kind == _ACTIVATE:
+                spread(bit)
+                activate()
+            elif kind == _REDUCE:
+                state["children"] += 1
+                add(data)
+                reduce_up()
+            else:
+                deliver(data)
+                if self.threaded:
+                    self.cond.notify_all()
+            return True
+
+        def call() -> None:
+            state["called"], state["t_call"] = True, time.monotonic()
+            if variant == "synchronous":
+                activate()
+            elif variant == "solo" or initiator == self.rank:
+                spread(-1)
+                activate()
+            if self.threaded and state["result"] is not None:
+                self.cond.notify_all()
+
+        if self.threaded:
+            with self.lock:
+                self.handler = handle
+                pending, self.inbox = self.inbox, []
+                for message in pending:
+                    if not handle(message):
+                        self.inbox.append(message)
+            time.sleep(max(0.0, call_at - time.monotonic()))
+            with self.cond:
+                call()
+                while state["result"] is None:
+                    self.cond.wait(0.05)
+                self.handler = None
+            return max(0.0, state["t_result"] - state["t_call"]), int(state["result"][0])
+
         while state["result"] is None or not state["called"]:
             if not state["called"] and time.monotonic() >= call_at:
-                state["called"], state["t_call"] = True, time.monotonic()
-                if variant == "synchronous":
-                    activate()
-                elif variant == "solo" or initiator == self.rank:
-                    spread(-1)
-                    activate()
+                call()
             messages, self.inbox = self.inbox, []
-            for kind, bit, round, data in messages:
-                if round != number:
-                    if round > number:
-                        self.inbox.append((kind, bit, round, data))
-                    continue  # a late activation of a finished round
-                if kind == _ACTIVATE:
-                    spread(bit)
-                    activate()
-                elif kind == _REDUCE:
-                    state["children"] += 1
-                    add(data)
-                    reduce_up()
-                else:
-                    deliver(data)
+            for message in messages:
+                if not handle(message):
+                    self.inbox.append(message)
             if state["result"] is None or not state["called"]:
                 self.pump(max(0.0, call_at - time.monotonic()) if not state["called"] else 0.05)
         return max(0.0, state["t_result"] - state["t_call"]), int(state["result"][0])
@@ -180,9 +239,9 @@ _ONES = np.ones(_ELEMENTS, dtype=np.float32)
 
 
 def _rank_main(rank: int, n: int, listeners: list[socket.socket], iterations: int, warmup: int,
-               slot_s: float, seed: int, start: "mp.synchronize.Barrier", base: "mp.sharedctypes.Synchronized",
-               out: "mp.Queue") -> None:
-    me = _Rank(rank, n, listeners, seed)
+               slot_s: float, seed: int, reader_threads: bool, start: "mp.synchronize.Barrier",
+               base: "mp.sharedctypes.Synchronized", out: "mp.Queue") -> None:
+    me = _Rank(rank, n, listeners, seed, reader_threads)
     start.wait()
     if rank == 0:
         base.value = time.monotonic() + 0.5
@@ -208,7 +267,7 @@ def _rank_main(rank: int, n: int, listeners: list[socket.socket], iterations: in
 
 
 def run_floor(world_size: int = 32, iterations: int = 64, *, warmup: int = 2, slot_s: float = 0.2,
-              seed: int = 0) -> FloorResult:
+              seed: int = 0, reader_threads: bool = False) -> FloorResult:
     """Run the floor experiment on ``world_size`` local processes (see the module docstring)."""
     if world_size < 2:
         raise ValueError(f"world_size must be at least 2, got {world_size}")
@@ -221,7 +280,8 @@ def run_floor(world_size: int = 32, iterations: int = 64, *, warmup: int = 2, sl
         listeners.append(sock)
     start, base, out = ctx.Barrier(world_size), ctx.Value("d", 0.0), ctx.Queue()
     procs = [ctx.Process(target=_rank_main, daemon=True,
-                         args=(r, world_size, listeners, iterations, warmup, slot_s, seed, start, base, out))
+                         args=(r, world_size, listeners, iterations, warmup, slot_s, seed, reader_threads,
+                               start, base, out))
              for r in range(world_size)]
     for proc in procs:
         proc.start()
@@ -241,7 +301,8 @@ def run_floor(world_size: int = 32, iterations: int = 64, *, warmup: int = 2, sl
     same_everywhere = all(len(set(column)) == 1 for v in VARIANTS for column in zip(*per_round[v]))
     sync_is_all = all(c == world_size for c in per_round["synchronous"][0])
     active = {v: statistics.fmean(per_round[v][0]) for v in VARIANTS}
-    return FloorResult(world_size=world_size, iterations=iterations, mean_latency_s=mean, mean_active=active,
+    return FloorResult(world_size=world_size, iterations=iterations, reader_threads=reader_threads,
+                       mean_latency_s=mean, mean_active=active,
                        correct=same_everywhere and sync_is_all,
                        cpu_per_rank_round_s=statistics.fmean(record[3] for record in records))
 
@@ -251,10 +312,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world-size", type=int, default=32)
     parser.add_argument("--iterations", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reader-threads", action="store_true",
+                        help="a blocking reader thread per connection instead of one event loop")
     args = parser.parse_args(argv)
-    result = run_floor(args.world_size, args.iterations, seed=args.seed)
-    print(f"floor, {result.world_size} processes, linear skew 1..32 ms, 1 KB, mean of {result.iterations} "
-          f"iterations x ranks (correct: {'yes' if result.correct else 'NO'})")
+    result = run_floor(args.world_size, args.iterations, seed=args.seed, reader_threads=args.reader_threads)
+    layout = "reader thread per connection" if result.reader_threads else "one event loop"
+    print(f"floor ({layout}), {result.world_size} processes, linear skew 1..32 ms, 1 KB, mean of "
+          f"{result.iterations} iterations x ranks (correct: {'yes' if result.correct else 'NO'})")
     for variant in VARIANTS:
         speed = "" if variant == "synchronous" else f"  {result.speedup(variant):.2f}x"
         print(f"  {variant:<12} {result.mean_latency_s[variant] * 1e3:8.2f} ms{speed}  "

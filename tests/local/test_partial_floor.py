@@ -13,8 +13,10 @@ from mlfabric.bench.partial_floor import VARIANTS, run_floor
 pytestmark = pytest.mark.local
 
 
-def test_floor_rounds_are_consistent_and_partial_rounds_start_early() -> None:
-    result = run_floor(4, 3, warmup=1, slot_s=0.1)
+@pytest.mark.parametrize("reader_threads", [False, True], ids=["event-loop", "reader-threads"])
+def test_floor_rounds_are_consistent_and_partial_rounds_start_early(reader_threads: bool) -> None:
+    result = run_floor(4, 3, warmup=1, slot_s=0.1, reader_threads=reader_threads)
+    assert result.reader_threads is reader_threads
     assert result.correct  # every rank saw the same count each round; synchronous counted all 4
     assert result.mean_active["synchronous"] == 4
     # Solo starts with the first caller: the others' calls come later, so few ranks are fresh
