@@ -72,6 +72,16 @@ def _lowbit(r: int) -> int:
     return r & -r
 
 
+def _take_frames(buffer: bytearray) -> list[tuple[int, int, int, np.ndarray]]:
+    """Remove every complete frame from the front of ``buffer``: (kind, bit, round, data)."""
+    frames = []
+    while len(buffer) >= _FRAME:
+        kind, bit, round = _HEADER.unpack_from(buffer)
+        frames.append((kind, bit, round, np.frombuffer(bytes(buffer[_HEADER.size:_FRAME]), dtype=np.float32)))
+        del buffer[:_FRAME]
+    return frames
+
+
 class _Rank:
     def __init__(self, rank: int, n: int, listeners: list[socket.socket], seed: int, reader_threads: bool) -> None:
         self.rank, self.n, self.seed = rank, n, seed
@@ -90,21 +100,20 @@ class _Rank:
             sock, _ = listeners[rank].accept()
             (peer,) = struct.unpack("<i", sock.recv(4, socket.MSG_WAITALL))
             self.conns[peer] = sock
-        self.selector = selectors.DefaultSelector()
-        self.buffers: dict[int, bytearray] = {}
-        for peer, sock in self.conns.items():
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.selector.register(sock, selectors.EVENT_READ, peer)
-            self.buffers[peer] = bytearray()
         self.inbox: list[tuple[int, int, int, np.ndarray]] = []
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self.handler = None  # the current round's message handler (called under the lock)
         self.threaded = reader_threads
-        if self.threaded:
-            for peer, sock in self.conns.items():
-                self.selector.unregister(sock)
+        self.selector = selectors.DefaultSelector()
+        self.buffers: dict[int, bytearray] = {}
+        for peer, sock in self.conns.items():
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.threaded:
                 threading.Thread(target=self._reader, args=(sock,), daemon=True).start()
+            else:
+                self.selector.register(sock, selectors.EVENT_READ, peer)
+                self.buffers[peer] = bytearray()
 
     def _reader(self, sock: socket.socket) -> None:
         """``reader_threads``: one blocking reader per connection hands each frame to the round
@@ -116,13 +125,10 @@ class _Rank:
             if not chunk:
                 return
             buffer += chunk
-            while len(buffer) >= _FRAME:
-                kind, bit, round = _HEADER.unpack_from(buffer)
-                data = np.frombuffer(bytes(buffer[_HEADER.size:_FRAME]), dtype=np.float32)
-                del buffer[:_FRAME]
+            for frame in _take_frames(buffer):
                 with self.lock:
-                    if self.handler is None or not self.handler((kind, bit, round, data)):
-                        self.inbox.append((kind, bit, round, data))
+                    if self.handler is None or not self.handler(frame):
+                        self.inbox.append(frame)
 
     def send(self, peer: int, kind: int, bit: int, round: int, data: np.ndarray) -> None:
         self.conns[peer].sendall(_HEADER.pack(kind, bit, round) + data.tobytes())
@@ -131,11 +137,7 @@ class _Rank:
         for key, _ in self.selector.select(timeout):
             buffer = self.buffers[key.data]
             buffer += key.fileobj.recv(1 << 16)
-            while len(buffer) >= _FRAME:
-                kind, bit, round = _HEADER.unpack_from(buffer)
-                data = np.frombuffer(bytes(buffer[_HEADER.size:_FRAME]), dtype=np.float32)
-                del buffer[:_FRAME]
-                self.inbox.append((kind, bit, round, data))
+            self.inbox.extend(_take_frames(buffer))
 
     def wait_until(self, instant: float) -> None:
         while (left := instant - time.monotonic()) > 0:
@@ -155,7 +157,7 @@ class _Rank:
             for j in range(from_bit + 1, self.bits):
                 if j not in sent_bits and self.rank ^ (1 << j) < self.n:
                     sent_bits.add(j)
-                    self.send(self.rank ^ (1 << j), _ACTIVATE, j, number, _EMPTY)
+                    self.send(self.rank ^ (1 << j), _ACTIVATE, j, number, _ZEROS)
 
         def add(data: np.ndarray) -> None:
             state["sum"] = data.copy() if state["sum"] is None else state["sum"] + data
@@ -206,34 +208,32 @@ class _Rank:
             if self.threaded and state["result"] is not None:
                 self.cond.notify_all()
 
+        def drain() -> None:
+            """Handle what arrived before this round was ready; keep what belongs to later ones."""
+            pending, self.inbox = self.inbox, []
+            for message in pending:
+                if not handle(message):
+                    self.inbox.append(message)
+
         if self.threaded:
             with self.lock:
                 self.handler = handle
-                pending, self.inbox = self.inbox, []
-                for message in pending:
-                    if not handle(message):
-                        self.inbox.append(message)
+                drain()
             time.sleep(max(0.0, call_at - time.monotonic()))
             with self.cond:
                 call()
                 while state["result"] is None:
                     self.cond.wait(0.05)
                 self.handler = None
-            return max(0.0, state["t_result"] - state["t_call"]), int(state["result"][0])
-
-        while state["result"] is None or not state["called"]:
-            if not state["called"] and time.monotonic() >= call_at:
-                call()
-            messages, self.inbox = self.inbox, []
-            for message in messages:
-                if not handle(message):
-                    self.inbox.append(message)
-            if state["result"] is None or not state["called"]:
-                self.pump(max(0.0, call_at - time.monotonic()) if not state["called"] else 0.05)
+        else:
+            while state["result"] is None or not state["called"]:
+                if not state["called"] and time.monotonic() >= call_at:
+                    call()
+                drain()
+                if state["result"] is None or not state["called"]:
+                    self.pump(max(0.0, call_at - time.monotonic()) if not state["called"] else 0.05)
         return max(0.0, state["t_result"] - state["t_call"]), int(state["result"][0])
 
-
-_EMPTY = np.zeros(_ELEMENTS, dtype=np.float32)
 _ZEROS = np.zeros(_ELEMENTS, dtype=np.float32)
 _ONES = np.ones(_ELEMENTS, dtype=np.float32)
 
@@ -250,7 +250,6 @@ def _rank_main(rank: int, n: int, listeners: list[socket.socket], iterations: in
     counts: dict[str, list[int]] = {v: [] for v in VARIANTS}
     skew = 0.001 * (1 + rank * 31 / max(1, n - 1))
     number = 0
-    cpu = 0.0
     for iteration in range(warmup + iterations):
         if iteration == warmup:
             before = time.process_time()
