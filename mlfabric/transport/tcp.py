@@ -72,6 +72,10 @@ HANDSHAKE_TIMEOUT_S = 5.0
 # Meta is a short description of the collective; anything longer is not ours.
 MAX_META_BYTES = 1 << 16
 CONNECT_RETRY_S = 0.05
+# How much a reader takes from the kernel at once, beyond the frame it needs (_FrameReader):
+# enough for a burst of small messages, small enough that a large payload is mostly received
+# in place.
+READ_AHEAD_BYTES = 64 * 1024
 
 _DONE = SendHandle(done=True)
 
@@ -106,6 +110,50 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> bool:
             return False
         filled += n
     return True
+
+
+class _FrameReader:
+    """Buffered reading of one connection's frames.
+
+    Small messages arrive in bursts (a collective's step sends several to the same peer), and
+    each ``recv`` costs a system call and a round trip through the GIL: one read here takes
+    every frame the kernel holds, up to :data:`READ_AHEAD_BYTES`. A large payload still lands
+    in its destination straight from the kernel: only what was read ahead is copied.
+    """
+
+    __slots__ = ("sock", "buffer", "view", "start", "end")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buffer = bytearray(max(READ_AHEAD_BYTES, FRAME.size + MAX_META_BYTES))
+        self.view = memoryview(self.buffer)
+        self.start = self.end = 0  # the unread bytes are buffer[start:end]
+
+    def take(self, size: int) -> memoryview | None:
+        """The next ``size`` bytes (a view valid until the next call); None if the connection
+        ended first. ``size`` must fit the buffer."""
+        while self.end - self.start < size:
+            if self.start:  # make room at the back: move the unread bytes to the front
+                unread = self.end - self.start
+                self.view[:unread] = self.view[self.start:self.end]
+                self.start, self.end = 0, unread
+            received = self.sock.recv_into(self.view[self.end:])
+            if received == 0:
+                return None
+            self.end += received
+        chunk = self.view[self.start:self.start + size]
+        self.start += size
+        return chunk
+
+    def read_into(self, destination: memoryview) -> bool:
+        """Fill ``destination``: what was read ahead first, the rest straight from the
+        socket. False if the connection ended first."""
+        ahead = min(self.end - self.start, destination.nbytes)
+        destination[:ahead] = self.view[self.start:self.start + ahead]
+        self.start += ahead
+        if self.start == self.end:
+            self.start = self.end = 0
+        return _recv_exactly(self.sock, destination[ahead:]) if ahead < destination.nbytes else True
 
 
 class _Offer:
@@ -416,9 +464,11 @@ class TcpTransport(Transport):
         return src
 
     def _read_messages(self, sock: socket.socket, src: int) -> None:
-        header = bytearray(FRAME.size)
-        header_view = memoryview(header)
-        while _recv_exactly(sock, header_view):
+        stream = _FrameReader(sock)
+        while True:
+            header = stream.take(FRAME.size)
+            if header is None:
+                return
             magic, tag, meta_len, nbytes, channel_index = FRAME.unpack(header)
             channel = self._index_channel.get(channel_index)
             if magic != FRAME_MAGIC or channel is None or meta_len > MAX_META_BYTES:
@@ -426,9 +476,10 @@ class TcpTransport(Transport):
                 self._reject(f"corrupt frame from peer {src} (magic {magic!r}, channel index "
                              f"{channel_index}); closing its connection")
                 return
-            meta = bytearray(meta_len)
-            if meta_len and not _recv_exactly(sock, memoryview(meta)):
+            meta = stream.take(meta_len) if meta_len else b""
+            if meta is None:
                 return
+            meta = bytes(meta)
             with self._offer_lock:
                 offer = self._offers.pop((channel, tag, src), None)
             in_place = (offer is not None and offer.destination.nbytes == nbytes
@@ -436,16 +487,16 @@ class TcpTransport(Transport):
             if in_place:
                 payload = offer.destination
             elif nbytes:
-                # np.empty: no zero-filling of memory the kernel is about to overwrite.
+                # np.empty: no zero-filling of memory that is about to be overwritten.
                 payload = memoryview(np.empty(nbytes, dtype=np.uint8))
             else:
                 payload = memoryview(b"")
-            if nbytes and not _recv_exactly(sock, payload):
+            if nbytes and not stream.read_into(payload):
                 return
             if in_place:
                 with self._offer_lock:  # readers of several connections count here
                     self.bytes_in_place += nbytes
-            self._deliver(Message(src, tag, channel, bytes(meta), payload, in_place=in_place))
+            self._deliver(Message(src, tag, channel, meta, payload, in_place=in_place))
 
     def _connection_ended(self, peer: int, reason: str) -> None:
         """A connection with ``peer`` ended: a peer that said goodbye left; one that did not

@@ -21,7 +21,7 @@ import mlfabric
 from mlfabric.bench.procs import run_ranks
 from mlfabric.runtime.communicator import Communicator
 from mlfabric.transport.base import encode_header
-from mlfabric.transport.tcp import FRAME, TcpTransport
+from mlfabric.transport.tcp import FRAME, READ_AHEAD_BYTES, TcpTransport, _FrameReader
 
 pytestmark = pytest.mark.local
 
@@ -87,6 +87,31 @@ def test_a_message_that_arrived_first_is_taken_not_offered(pair) -> None:
         time.sleep(0.01)
     msg = b.take_or_offer("0", 11, 0, memoryview(bytearray(10)), b"m")
     assert msg is not None and bytes(msg.payload) == b"early bird" and not msg.in_place
+
+
+def test_frame_reader_splits_a_burst_and_joins_pieces_across_reads() -> None:
+    """Frames that arrive together are taken one by one; one split over several reads is
+    joined; a payload larger than the read-ahead is part copied, part received in place."""
+    left, right = socket.socketpair()
+    try:
+        big = bytes(i % 251 for i in range(3 * READ_AHEAD_BYTES))
+        left.sendall(b"abc" + b"defgh")
+        reader = _FrameReader(right)
+        assert bytes(reader.take(3)) == b"abc"
+        assert bytes(reader.take(2)) == b"de"
+        sender = threading.Thread(target=lambda: (left.sendall(b"XY"), time.sleep(0.05),
+                                                  left.sendall(b"Z" + big)))
+        sender.start()
+        assert bytes(reader.take(6)) == b"fghXYZ"  # three bytes read ahead, then two reads
+        destination = bytearray(len(big))
+        assert reader.read_into(memoryview(destination))
+        assert bytes(destination) == big
+        sender.join()
+        left.sendall(b"12")
+        left.close()
+        assert reader.take(4) is None  # the connection ended inside the frame
+    finally:
+        right.close()
 
 
 def test_large_messages_keep_their_order_and_complete(pair) -> None:
