@@ -94,18 +94,26 @@ class _Run:
         self.executor = executor
         self.schedule = schedule
         self.buffers = buffers
-        self.info = info
-        self.meta = info.description.encode()
-        self.deadline = deadline
         self.future = future
         self.result = result
         self.dependents = schedule.dependents()
-        self.waiting = [len(op.deps) for op in schedule.ops]
-        self.fired = [False] * len(schedule.ops)
+        # Views of the ops' slices and byte views of what sends send, built on first use:
+        # the buffers live as long as the run (a persistent partial collective re-arms the
+        # same run), and building a view costs more than a small message's own work.
+        self._views: dict[int, torch.Tensor] = {}  # by id() of the Slice
+        self._send_bytes: dict[int, memoryview] = {}  # by op index
+        self.start(info, deadline)
+
+    def start(self, info: RunInfo, deadline: float) -> None:
+        """(Re-)arm: every op unfired, as at the start of an execution."""
+        self.info = info
+        self.meta = info.description.encode()
+        self.deadline = deadline
+        counts = self.schedule.dependency_counts()
+        self.waiting = list(counts)
+        self.fired = [count == 0 for count in counts]
         self.completed = 0
-        self.ready: deque[int] = deque(i for i, op in enumerate(schedule.ops) if not op.deps)
-        for i in self.ready:
-            self.fired[i] = True
+        self.ready: deque[int] = deque(i for i, count in enumerate(counts) if count == 0)
         self.pending_recvs: list[int] = []
         self.recv_keys: dict[int, tuple[str, int]] = {}  # mailbox key of each pending receive
         self.pending_sends: list[tuple[int, SendHandle]] = []
@@ -117,7 +125,10 @@ class _Run:
         return self.completed == len(self.schedule.ops)
 
     def view(self, sl: Slice) -> torch.Tensor:
-        return self.buffers[sl.buffer][sl.offset:sl.end]
+        view = self._views.get(id(sl))  # the schedule keeps its slices alive: ids are stable
+        if view is None:
+            view = self._views[id(sl)] = self.buffers[sl.buffer][sl.offset:sl.end]
+        return view
 
     def nbytes(self, sl: Slice) -> int:
         """Size of ``sl`` in bytes, without building its view."""
@@ -156,9 +167,11 @@ class _Run:
     def _fire(self, index: int) -> None:
         op = self.schedule.ops[index]
         if isinstance(op, Send):
+            payload = self._send_bytes.get(index)
+            if payload is None:
+                payload = self._send_bytes[index] = tensor_bytes(self.view(op.src))
             handle = self.executor.transport.send(
-                op.peer, message_tag(self.info.seq, op.tag), tensor_bytes(self.view(op.src)),
-                channel=op.channel, meta=self.meta,
+                op.peer, message_tag(self.info.seq, op.tag), payload, channel=op.channel, meta=self.meta,
             )
             if handle.done():
                 self._complete(index)

@@ -70,6 +70,7 @@ _HANDLE_SHIFT, _EPOCH_SHIFT = 31, 25
 _MAX_HANDLES, _MAX_EPOCHS, _MAX_ROUNDS = 1 << 8, 1 << 6, 1 << 25
 _AGREE_ROUND = _MAX_ROUNDS - 1  # the round slot of an epoch's agreement messages
 _KEEP_DRAINING = 16  # executions whose late activation messages are still discarded
+_DRAW_BLOCK = 256  # majority's initiators are drawn this many rounds at a time
 
 
 @dataclass(frozen=True)
@@ -115,10 +116,14 @@ class _Execution(_Run):
         self.owner = owner
         self.reduction_start = reduction_start  # the "activate reduction" Nop
         self.required = len(schedule.ops) - self.reduction_start
+
+    def start(self, info: RunInfo, deadline: float) -> None:
+        super().start(info, deadline)
         self.required_done = 0
         self.activated = False
-        self.ready = deque(i for i in self.ready if i not in schedule.triggers)
-        for index in schedule.triggers:
+        triggers = self.schedule.triggers
+        self.ready = deque(i for i in self.ready if i not in triggers)
+        for index in triggers:
             self.fired[index] = False
 
     def trigger(self) -> None:
@@ -181,6 +186,7 @@ class PartialAllreduce:
         self._discarding: deque[list[tuple[str, int, int]]] = deque()
         self._broken: CollectiveError | None = None
         self.last_seen = -1  # application side: the last round a call returned
+        self._drawn: tuple[tuple[int, int] | None, list[int]] = (None, [])  # ((epoch, block), draws)
         self._arm(0)
 
     # -- application side (any thread) -------------------------------------------------------
@@ -203,9 +209,15 @@ class PartialAllreduce:
         return _PARTIAL_SEQ | (self.handle_id << _HANDLE_SHIFT) | (epoch << _EPOCH_SHIFT) | round
 
     def _initiator(self, round: int) -> int:
-        """Majority's designated initiator of ``round``: same seed, same draw on every rank."""
-        rng = np.random.default_rng([self.seed, self.handle_id, self.epoch, round])
-        return self.members[int(rng.integers(len(self.members)))]
+        """Majority's designated initiator of ``round``: same seed, same draw on every rank.
+        Rounds are drawn in blocks of :data:`_DRAW_BLOCK` (a generator costs more than the
+        rest of a call), each block from its own seed, so any round's draw is direct."""
+        block, offset = divmod(round, _DRAW_BLOCK)
+        key = (self.epoch, block)
+        if self._drawn[0] != key:
+            rng = np.random.default_rng([self.seed, self.handle_id, self.epoch, block])
+            self._drawn = (key, rng.integers(len(self.members), size=_DRAW_BLOCK).tolist())
+        return self.members[self._drawn[1][offset]]
 
     def _arm(self, round: int) -> None:
         if round >= _AGREE_ROUND:
@@ -213,9 +225,16 @@ class PartialAllreduce:
         self.round = round
         schedule, start = _schedule(self.transport.world_size, self.rank, self.count + 1, self.algorithm,
                                     self.op, self.members, self.quorum != "all")
-        work = torch.empty(self.count + 1, dtype=self.dtype)
         info = RunInfo(seq=self._seq(self.epoch, round), description=self.description)
-        self.execution = _Execution(self, schedule, start, work, info)
+        execution = self.execution
+        if execution is not None and execution.schedule is schedule and execution.finished:
+            # The next round of the same group re-arms the finished execution: its buffer and
+            # views are reused (the round's result was copied out), which keeps a round's
+            # fixed cost low enough for 32 ranks sharing two cores.
+            execution.start(info, math.inf)
+        else:
+            work = torch.empty(self.count + 1, dtype=self.dtype)
+            self.execution = _Execution(self, schedule, start, work, info)
 
     def _fill(self, work: torch.Tensor) -> None:
         """The reduction starts: contribute the send buffer, flag whether it holds fresh data."""
@@ -291,7 +310,8 @@ class PartialAllreduce:
 
     def _complete_round(self, execution: _Execution) -> None:
         work = execution.buffers["data"]
-        self.latest = (self.round, work[:self.count], int(work[self.count].item()))
+        # A copy: the buffer is the next round's (and the caller may keep the result).
+        self.latest = (self.round, work[:self.count].clone(), int(work[self.count].item()))
         self._discard_late_messages(execution)
         self.fresh = False
         self.snapshot = None

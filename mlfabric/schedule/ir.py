@@ -243,6 +243,14 @@ class Schedule:
                 out[dep].append(index)
         return out
 
+    def dependency_counts(self) -> tuple[int, ...]:
+        """For each op, how many dependencies it lists (computed once, like ``dependents``)."""
+        return self._dependency_counts
+
+    @cached_property
+    def _dependency_counts(self) -> tuple[int, ...]:
+        return tuple(len(op.deps) for op in self.ops)
+
     def sends(self) -> Iterable[Send]:
         return (op for op in self.ops if isinstance(op, Send))
 

@@ -262,6 +262,40 @@ def test_a_rank_several_rounds_behind_gets_the_latest_result() -> None:
     assert late[1][1] is True and late[1][2] >= 1100
 
 
+def test_a_kept_result_is_not_overwritten_by_later_rounds() -> None:
+    """Regression: rounds re-arm one execution and reuse its buffer, so every result handed
+    to a caller must be its own copy."""
+    def body(comm: Communicator) -> list[torch.Tensor]:
+        kept = []
+        for step in range(1, 6):
+            res = comm.partial_allreduce(torch.full((4,), step), quorum="all")
+            kept.append(res.tensor)
+        return kept
+
+    for kept in _threads(2, body):
+        assert [t.tolist() for t in kept] == [[2 * step] * 4 for step in range(1, 6)]
+
+
+def test_majority_initiators_agree_across_ranks_and_draw_blocks() -> None:
+    """Every rank draws the same initiator for every round (also across the blocks in which
+    draws are made), and the draws spread over the ranks."""
+    comms = mlfabric.local_world(4)
+    try:
+        handles = []
+        for comm in comms:
+            comm.partial_allreduce_async(torch.zeros(2), quorum="majority", seed=5)
+            handles.append(next(iter(comm._partials.values())))
+        rounds = range(250, 600)  # crosses the draws' block boundaries at 256 and 512
+        draws = [[h._initiator(r) for r in rounds] for h in handles]
+        assert draws[1] == draws[0] and draws[2] == draws[0] and draws[3] == draws[0]
+        counts = np.bincount(draws[0], minlength=4)
+        assert counts.min() > len(rounds) / 8, counts  # uniform would be ~88 per rank
+        assert handles[0]._initiator(300) == draws[0][50]  # direct, not order-dependent
+    finally:
+        for comm in comms:
+            comm.close()
+
+
 @pytest.mark.parametrize("quorum", ["solo", "majority"])
 def test_lost_rank_does_not_block_the_others(quorum: str) -> None:
     n = 4
@@ -303,16 +337,17 @@ def test_reformation_activates_a_round_an_initiator_was_already_waiting_in() -> 
     is the initiator of the round the group resumes at. That call must count as fresh there,
     so the survivor activates the resumed round; before the fix nobody did and every
     survivor timed out waiting for it."""
-    seed = 10  # majority's initiators: round 1 -> rank 0 in epoch 0, rank 1 in epoch 1 (checked)
+    seed = 3  # majority's initiators: round 0 -> rank 2 (the last caller), round 1 -> rank 0 in
+    # epoch 0 and rank 1 in epoch 1 (checked)
     fabric = LocalFabric(3)
     comms = [Communicator(t, timeout=10) for t in fabric.transports()]
     part = lambda rank, value: comms[rank].partial_allreduce_async(  # noqa: E731
         torch.full((3,), value, dtype=torch.int64), quorum="majority", seed=seed)
     try:
-        first = [part(rank, 1) for rank in range(3)]  # round 0: everyone, rank 0 initiates
+        first = [part(rank, 1) for rank in range(3)]  # round 0: everyone, rank 2 initiates
         assert [int(f.wait().tensor[0]) for f in first] == [3, 3, 3]
         handle = comms[0]._partials[("majority", 3, torch.int64, "ring", seed)]
-        assert handle._initiator(1) == 0
+        assert handle._initiator(0) == 2 and handle._initiator(1) == 0
         comms[2].transport._deliver = lambda message: None  # rank 2 hangs: round 1 cannot finish
         fresh = part(0, 10)                                 # the initiator starts round 1
         other = comms[1]._partials[("majority", 3, torch.int64, "ring", seed)]
