@@ -172,6 +172,7 @@ class PartialAllreduce:
         self.lost: frozenset[int] = frozenset()
         self.epoch = 0
         self.send_buffer = torch.zeros(count, dtype=dtype)
+        self._spare: torch.Tensor | None = torch.zeros(count, dtype=dtype)  # the next send buffer, zeroed
         self.snapshot: torch.Tensor | None = None
         self.fresh = False
         self.calls: list[_Call] = []
@@ -238,9 +239,11 @@ class PartialAllreduce:
 
     def _fill(self, work: torch.Tensor) -> None:
         """The reduction starts: contribute the send buffer, flag whether it holds fresh data."""
-        self.snapshot, self.send_buffer = self.send_buffer, torch.zeros(self.count, dtype=self.dtype)
+        # The spare was zeroed when the previous round completed, off the critical path.
+        spare = self._spare if self._spare is not None else torch.zeros(self.count, dtype=self.dtype)
+        self.snapshot, self.send_buffer, self._spare = self.send_buffer, spare, None
         work[:self.count].copy_(self.snapshot)
-        work[self.count] = 1 if self.fresh else 0
+        work[self.count:].fill_(1 if self.fresh else 0)
 
     def advance(self, version: int) -> bool:
         # While the group re-forms the next round is unknown: calls wait in the queue.
@@ -255,6 +258,10 @@ class PartialAllreduce:
         progressed |= execution.advance(version)
         if execution.finished:
             self._complete_round(execution)
+            # Post the next round's activation receives now, while this rank has nothing
+            # else to do, instead of when its activation arrives (on the critical path).
+            assert self.execution is not None
+            self.execution.advance(version)
             progressed = True
         if self.calls:
             self._expire_calls()
@@ -314,11 +321,12 @@ class PartialAllreduce:
         self.latest = (self.round, work[:self.count].clone(), int(work[self.count].item()))
         self._discard_late_messages(execution)
         self.fresh = False
-        self.snapshot = None
         calls, self.calls = self.calls, []
         for call in calls:
             # A fresh call was accepted before the reduction started, so its data is in.
             self._resolve(call, contributed=call.fresh)
+        if self.snapshot is not None:  # (None if the group re-formed after the fill)
+            self._spare, self.snapshot = self.snapshot.zero_(), None
         self._arm(self.round + 1)
 
     def _discard_late_messages(self, execution: _Execution) -> None:
@@ -361,7 +369,7 @@ class PartialAllreduce:
                 f"lost: {crashed}" if crashed else "they closed their communicators")
         if self.snapshot is not None:
             self.send_buffer.add_(self.snapshot)  # the abandoned contribution is not lost
-            self.snapshot = None
+            self._spare, self.snapshot = self.snapshot.zero_(), None
         self.execution = None
         self.epoch += 1
         if self.epoch >= _MAX_EPOCHS:
