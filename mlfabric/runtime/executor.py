@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from mlfabric.errors import (
@@ -58,11 +59,35 @@ _REDUCERS: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {
 }
 
 
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a contiguous 1-D CPU tensor (any dtype, bfloat16 included)."""
-    if t.numel() == 0:
+# The same reductions on numpy arrays (see host_array).
+_NUMPY_REDUCERS: dict[str, Callable[[np.ndarray, np.ndarray], None]] = {
+    "sum": lambda dst, src: np.add(dst, src, out=dst),
+    "prod": lambda dst, src: np.multiply(dst, src, out=dst),
+    "max": lambda dst, src: np.maximum(dst, src, out=dst),
+    "min": lambda dst, src: np.minimum(dst, src, out=dst),
+}
+
+
+def tensor_bytes(t: torch.Tensor | np.ndarray) -> memoryview:
+    """A zero-copy byte view of a contiguous 1-D CPU tensor (any dtype, bfloat16 included) or
+    of a numpy array."""
+    if len(t) == 0:
         return memoryview(b"")
+    if isinstance(t, np.ndarray):
+        return memoryview(t).cast("B")
     return memoryview(t.view(torch.uint8).numpy())
+
+
+def host_array(t: torch.Tensor) -> torch.Tensor | np.ndarray:
+    """A numpy array sharing ``t``'s memory (a CPU tensor), or ``t`` itself if numpy has no
+    such dtype (bfloat16). Why: with many processes sharing few cores every process runs
+    with cold caches, and there a small torch op (dispatcher, a new tensor object) costs tens
+    of microseconds against a few for numpy: a round's small slices, copies and reductions
+    were most of its CPU time."""
+    try:
+        return t.detach().numpy()
+    except (TypeError, RuntimeError):
+        return t
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,7 +125,13 @@ class _Run:
         # Views of the ops' slices and byte views of what sends send, built on first use:
         # the buffers live as long as the run (a persistent partial collective re-arms the
         # same run), and building a view costs more than a small message's own work.
-        self._views: dict[int, torch.Tensor] = {}  # by id() of the Slice
+        self._views: dict[int, torch.Tensor | np.ndarray] = {}  # by id() of the Slice
+        # Ops touch the buffers through numpy where the dtype allows (host_array); one run's
+        # buffers share a dtype, so they all do or none does.
+        self.arrays = {name: host_array(t) for name, t in buffers.items()}
+        self._numpy = all(isinstance(a, np.ndarray) for a in self.arrays.values())
+        self._reducers = _NUMPY_REDUCERS if self._numpy else _REDUCERS
+        self._itemsize = {name: t.element_size() for name, t in buffers.items()}
         self._send_bytes: dict[int, memoryview] = {}  # by op index
         self.start(info, deadline)
 
@@ -124,15 +155,22 @@ class _Run:
     def finished(self) -> bool:
         return self.completed == len(self.schedule.ops)
 
-    def view(self, sl: Slice) -> torch.Tensor:
+    def view(self, sl: Slice) -> torch.Tensor | np.ndarray:
+        """``sl`` of its buffer: a numpy array, or a tensor for dtypes numpy lacks."""
         view = self._views.get(id(sl))  # the schedule keeps its slices alive: ids are stable
         if view is None:
-            view = self._views[id(sl)] = self.buffers[sl.buffer][sl.offset:sl.end]
+            view = self._views[id(sl)] = self.arrays[sl.buffer][sl.offset:sl.end]
         return view
 
     def nbytes(self, sl: Slice) -> int:
         """Size of ``sl`` in bytes, without building its view."""
-        return sl.length * self.buffers[sl.buffer].element_size()
+        return sl.length * self._itemsize[sl.buffer]
+
+    def _copy(self, dst: torch.Tensor | np.ndarray, src: torch.Tensor | np.ndarray) -> None:
+        if self._numpy:
+            np.copyto(dst, src)
+        else:
+            dst.copy_(src)
 
     def advance(self, version: int) -> bool:
         """Do everything that can be done now; True if anything happened. ``version`` is the
@@ -182,10 +220,10 @@ class _Run:
                 self.recv_keys[index] = (op.channel, message_tag(self.info.seq, op.tag))
                 self.pending_recvs.append(index)
         elif isinstance(op, Reduce):
-            _REDUCERS[op.op](self.view(op.dst), self.view(op.src))
+            self._reducers[op.op](self.view(op.dst), self.view(op.src))
             self._complete(index)
         elif isinstance(op, Copy):
-            self.view(op.dst).copy_(self.view(op.src))
+            self._copy(self.view(op.dst), self.view(op.src))
             self._complete(index)
         elif isinstance(op, Nop):
             self._complete(index)
@@ -212,12 +250,15 @@ class _Run:
             return False
         self._check_message(op, msg)
         dst = self.view(op.dst)
-        if dst.numel() and not msg.in_place:
-            incoming = torch.frombuffer(msg.payload, dtype=dst.dtype)
-            if op.reduce:
-                _REDUCERS[op.reduce](dst, incoming)
+        if len(dst) and not msg.in_place:
+            if self._numpy:
+                incoming = np.frombuffer(msg.payload, dtype=dst.dtype)
             else:
-                dst.copy_(incoming)
+                incoming = torch.frombuffer(msg.payload, dtype=dst.dtype)
+            if op.reduce:
+                self._reducers[op.reduce](dst, incoming)
+            else:
+                self._copy(dst, incoming)
         self._complete(index)
         return True
 

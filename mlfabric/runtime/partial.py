@@ -58,7 +58,7 @@ from mlfabric.collectives.partial import INTERNAL_ACTIVATION, QUORUMS, activatio
 from mlfabric.errors import CollectiveError, CollectiveTimeoutError
 from mlfabric.schedule import Schedule
 
-from .executor import Executor, RunInfo, _Run, message_tag
+from .executor import Executor, RunInfo, _Run, host_array, message_tag
 
 log = logging.getLogger("mlfabric.runtime.partial")
 
@@ -82,6 +82,16 @@ class PartialResult:
     active: int                # ranks whose fresh data is in ``tensor``
     round: int                 # the execution ``tensor`` comes from
     lost: frozenset[int] = frozenset()  # ranks lost so far (the group shrank without them)
+
+
+class _HostBuffer:
+    """A tensor and the view of its memory the progress thread works on (executor.host_array)."""
+
+    __slots__ = ("tensor", "host")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.host = host_array(tensor)
 
 
 @dataclass
@@ -134,7 +144,7 @@ class _Execution(_Run):
     def _fire(self, index: int) -> None:
         if index == self.reduction_start:
             self.activated = True
-            self.owner._fill(self.buffers["data"])
+            self.owner._fill(self.arrays["data"])
         super()._fire(index)
 
     def _complete(self, index: int) -> None:
@@ -171,16 +181,16 @@ class PartialAllreduce:
         self.members = tuple(range(self.transport.world_size))
         self.lost: frozenset[int] = frozenset()
         self.epoch = 0
-        self.send_buffer = torch.zeros(count, dtype=dtype)
-        self._spare: torch.Tensor | None = torch.zeros(count, dtype=dtype)  # the next send buffer, zeroed
-        self.snapshot: torch.Tensor | None = None
+        self._send = _HostBuffer(torch.zeros(count, dtype=dtype))
+        self._spare: _HostBuffer | None = _HostBuffer(torch.zeros(count, dtype=dtype))  # the next send buffer, zeroed
+        self._snapshot: _HostBuffer | None = None
         self.fresh = False
         self.calls: list[_Call] = []
         self.latest: tuple[int, torch.Tensor, int] | None = None  # (round, result, active)
         self.round = 0
         self.execution: _Execution | None = None
         self.agreeing: dict[int, int] | None = None  # peer -> its armed round, while re-forming
-        self._commands: deque[tuple[torch.Tensor, int | None, _Call]] = deque()
+        self._commands: deque[tuple[torch.Tensor | np.ndarray, int | None, _Call]] = deque()
         self._lock = threading.Lock()
         # Keys of the activation messages that finished executions may still receive: the
         # mailbox drops them on arrival (Mailbox.discard) for _KEEP_DRAINING executions.
@@ -197,12 +207,32 @@ class PartialAllreduce:
         if self._broken is not None:
             future.set_exception(self._broken)
             return future
-        flat = tensor.detach().reshape(-1).to("cpu", self.dtype, copy=True)
+        flat = self._host_copy(tensor)
         call = _Call(future, time.monotonic() + timeout, fresh=False)
         with self._lock:
             self._commands.append((flat, round, call))
         self.executor.kick()
         return future
+
+    @property
+    def send_buffer(self) -> torch.Tensor:
+        """What this rank contributes to the next execution (stale data, or fresh waiting)."""
+        return self._send.tensor
+
+    @property
+    def snapshot(self) -> torch.Tensor | None:
+        """The send buffer the execution in flight contributed (None between executions)."""
+        return None if self._snapshot is None else self._snapshot.tensor
+
+    def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor | np.ndarray:
+        """A flat copy of the caller's tensor, as the progress thread works on it (numpy where
+        the dtype allows: see executor.host_array). The copy is what lets the caller reuse its
+        tensor at once."""
+        if tensor.device.type == "cpu" and tensor.dtype == self.dtype and not tensor.requires_grad:
+            host = host_array(tensor)
+            if isinstance(host, np.ndarray):
+                return host.reshape(-1).copy()
+        return host_array(tensor.detach().reshape(-1).to("cpu", self.dtype, copy=True))
 
     # -- progress thread ---------------------------------------------------------------------
 
@@ -237,13 +267,13 @@ class PartialAllreduce:
             work = torch.empty(self.count + 1, dtype=self.dtype)
             self.execution = _Execution(self, schedule, start, work, info)
 
-    def _fill(self, work: torch.Tensor) -> None:
+    def _fill(self, work: torch.Tensor | np.ndarray) -> None:
         """The reduction starts: contribute the send buffer, flag whether it holds fresh data."""
         # The spare was zeroed when the previous round completed, off the critical path.
-        spare = self._spare if self._spare is not None else torch.zeros(self.count, dtype=self.dtype)
-        self.snapshot, self.send_buffer, self._spare = self.send_buffer, spare, None
-        work[:self.count].copy_(self.snapshot)
-        work[self.count:].fill_(1 if self.fresh else 0)
+        spare = self._spare if self._spare is not None else _HostBuffer(torch.zeros(self.count, dtype=self.dtype))
+        self._snapshot, self._send, self._spare = self._send, spare, None
+        work[:self.count] = self._snapshot.host
+        work[self.count] = 1 if self.fresh else 0
 
     def advance(self, version: int) -> bool:
         # While the group re-forms the next round is unknown: calls wait in the queue.
@@ -280,9 +310,9 @@ class PartialAllreduce:
                 call.future.set_exception(exc)
         return bool(commands)
 
-    def _accept(self, flat: torch.Tensor, round: int | None, call: _Call) -> None:
-        if flat.numel() != self.count:
-            raise ValueError(f"partial_allreduce of {flat.numel()} elements on a collective of {self.count}")
+    def _accept(self, flat: torch.Tensor | np.ndarray, round: int | None, call: _Call) -> None:
+        if len(flat) != self.count:
+            raise ValueError(f"partial_allreduce of {len(flat)} elements on a collective of {self.count}")
         wanted = self.last_seen + 1 if round is None else round
         if wanted < 0:
             raise ValueError(f"round must be >= 0, got {round}")
@@ -290,7 +320,7 @@ class PartialAllreduce:
             raise ValueError(f"rank {self.rank}: round {wanted} requested but round {self.round} has not "
                              "executed yet; call rounds in order")
         execution = self.execution
-        self.send_buffer.add_(flat)
+        self._send.host += flat
         if wanted < self.round and self.latest is not None and self.latest[0] >= wanted:
             # Too late for the execution that round named: the latest result answers, the
             # data waits for the next execution.
@@ -316,17 +346,20 @@ class PartialAllreduce:
                                                  round=round, lost=self.lost))
 
     def _complete_round(self, execution: _Execution) -> None:
-        work = execution.buffers["data"]
+        work = execution.arrays["data"]
         # A copy: the buffer is the next round's (and the caller may keep the result).
-        self.latest = (self.round, work[:self.count].clone(), int(work[self.count].item()))
+        result = (torch.from_numpy(work[:self.count].copy()) if isinstance(work, np.ndarray)
+                  else work[:self.count].clone())
+        self.latest = (self.round, result, int(work[self.count]))
         self._discard_late_messages(execution)
         self.fresh = False
         calls, self.calls = self.calls, []
         for call in calls:
             # A fresh call was accepted before the reduction started, so its data is in.
             self._resolve(call, contributed=call.fresh)
-        if self.snapshot is not None:  # (None if the group re-formed after the fill)
-            self._spare, self.snapshot = self.snapshot.zero_(), None
+        if self._snapshot is not None:  # (None if the group re-formed after the fill)
+            self._snapshot.host[:] = 0
+            self._spare, self._snapshot = self._snapshot, None
         self._arm(self.round + 1)
 
     def _discard_late_messages(self, execution: _Execution) -> None:
@@ -367,9 +400,10 @@ class PartialAllreduce:
         log.log(logging.WARNING if crashed else logging.INFO,
                 "rank %d: %s continues without rank(s) %s (%s)", self.rank, self.description, sorted(self.lost),
                 f"lost: {crashed}" if crashed else "they closed their communicators")
-        if self.snapshot is not None:
-            self.send_buffer.add_(self.snapshot)  # the abandoned contribution is not lost
-            self._spare, self.snapshot = self.snapshot.zero_(), None
+        if self._snapshot is not None:
+            self._send.host += self._snapshot.host  # the abandoned contribution is not lost
+            self._snapshot.host[:] = 0
+            self._spare, self._snapshot = self._snapshot, None
         self.execution = None
         self.epoch += 1
         if self.epoch >= _MAX_EPOCHS:

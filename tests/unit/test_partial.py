@@ -276,6 +276,28 @@ def test_a_kept_result_is_not_overwritten_by_later_rounds() -> None:
         assert [t.tolist() for t in kept] == [[2 * step] * 4 for step in range(1, 6)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32])
+def test_every_dtype_reduces_and_keeps_its_type(dtype: torch.dtype) -> None:
+    """The progress thread works on numpy views where numpy has the dtype and on tensors
+    where it has not (bfloat16): both give the caller a tensor of its dtype with the sum,
+    and a tensor that requires grad or is not contiguous is read, not modified."""
+    def body(comm: Communicator) -> list[torch.Tensor]:
+        out = []
+        base = torch.arange(6, dtype=torch.float32).reshape(2, 3).t()  # not contiguous
+        for step in range(1, 4):
+            grad = (base + step + comm.rank).to(dtype)
+            if dtype.is_floating_point:
+                grad.requires_grad_(True)
+            out.append(comm.partial_allreduce(grad, quorum="all").tensor)
+        return out
+
+    results = _threads(2, body)
+    for step, (a, b) in enumerate(zip(*results), start=1):
+        expected = (2 * (torch.arange(6, dtype=torch.float32).reshape(2, 3).t().reshape(-1) + step) + 1).to(dtype)
+        assert a.dtype == dtype and not a.requires_grad
+        assert torch.equal(a, expected) and torch.equal(b, expected)
+
+
 def test_majority_initiators_agree_across_ranks_and_draw_blocks() -> None:
     """Every rank draws the same initiator for every round (also across the blocks in which
     draws are made), and the draws spread over the ranks."""
