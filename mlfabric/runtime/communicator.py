@@ -39,7 +39,7 @@ from mlfabric.schedule import REDUCE_OPS, Schedule
 from mlfabric.topo.spec import TopologySpec
 from mlfabric.transport.base import Transport
 
-from .executor import Executor, RunInfo
+from .executor import Executor, RunInfo, Waiter
 from .fair_share import NIC_RATE_ENV, connection_rates, nic_rates_from
 from .partial import QUORUM_CHOICES, PartialAllreduce, PartialResult
 
@@ -98,6 +98,12 @@ class Communicator:
     def allreduce_async(self, tensor: torch.Tensor, algorithm: str = "ring", op: str = "sum", *,
                         timeout: float | None = None) -> torch.futures.Future:
         """Reduce ``tensor`` across ranks in place; the future resolves to ``tensor``."""
+        future = self._allreduce(tensor, algorithm, op, timeout, blocking=False)
+        assert isinstance(future, torch.futures.Future)
+        return future
+
+    def _allreduce(self, tensor: torch.Tensor, algorithm: str, op: str, timeout: float | None, *,
+                   blocking: bool) -> torch.futures.Future | Waiter:
         _check_tensor(tensor, "allreduce")
         _check_op(op)
         flat, write_back = _flat_work_buffer(tensor)
@@ -113,7 +119,7 @@ class Communicator:
             return tensor
 
         return self._run(f"allreduce:{name}", flat, f"allreduce({name}, {op})", finish,
-                         timeout, op=reduce_op, **options, **self.ring_options(name, flat))
+                         timeout, blocking=blocking, op=reduce_op, **options, **self.ring_options(name, flat))
 
     def ring_options(self, ring_kind: str, flat: torch.Tensor) -> dict[str, object]:
         """The pipelining options this communicator gives ring builder ``ring_kind`` ("ring",
@@ -155,7 +161,9 @@ class Communicator:
 
     def allreduce(self, tensor: torch.Tensor, algorithm: str = "ring", op: str = "sum", *,
                   timeout: float | None = None) -> torch.Tensor:
-        return self.allreduce_async(tensor, algorithm, op, timeout=timeout).wait()
+        result = self._allreduce(tensor, algorithm, op, timeout, blocking=True).wait()
+        assert isinstance(result, torch.Tensor)
+        return result
 
     # -- broadcast -------------------------------------------------------------------------
 
@@ -226,6 +234,18 @@ class Communicator:
                                 algorithm: str = "ring", op: str = "sum", seed: int = 0,
                                 timeout: float | None = None) -> torch.futures.Future:
         """Future of a :class:`~mlfabric.runtime.partial.PartialResult`; see :meth:`partial_allreduce`."""
+        future = self._partial_call(tensor, quorum, round, algorithm, op, seed, timeout, blocking=False)
+        if op == "sum":
+            return future
+        return future.then(lambda fut: self._average(fut.value()))
+
+    def _average(self, res: PartialResult) -> PartialResult:
+        out = res.tensor.clone()
+        _divide(out, self.world_size - len(res.lost))
+        return dataclasses.replace(res, tensor=out)
+
+    def _partial_call(self, tensor: torch.Tensor, quorum: str, round: int | None, algorithm: str, op: str,
+                      seed: int, timeout: float | None, *, blocking: bool) -> torch.futures.Future | Waiter:
         _check_tensor(tensor, "partial_allreduce")
         if op not in ("sum", "avg"):
             raise ValueError(f"partial_allreduce supports op 'sum' and 'avg', got {op!r}: stale "
@@ -245,17 +265,7 @@ class Communicator:
                                           op="sum", seed=seed, description=description)
                 self._partials[key] = handle
                 self.executor.attach(handle, kick=False)
-        future = handle.call(tensor, round, self.timeout if timeout is None else timeout)
-        if op == "sum":
-            return future
-
-        def average(fut: torch.futures.Future) -> PartialResult:
-            res = fut.value()
-            out = res.tensor.clone()
-            _divide(out, self.world_size - len(res.lost))
-            return dataclasses.replace(res, tensor=out)
-
-        return future.then(average)
+        return handle.call(tensor, round, self.timeout if timeout is None else timeout, blocking=blocking)
 
     def partial_allreduce(self, tensor: torch.Tensor, quorum: str = "solo", round: int | None = None, *,
                           algorithm: str = "ring", op: str = "sum", seed: int = 0,
@@ -272,8 +282,9 @@ class Communicator:
         is in it; ``active`` counts the ranks whose fresh data is; ``round`` is the execution
         it comes from. ``op="avg"`` divides by the number of live ranks.
         """
-        return self.partial_allreduce_async(tensor, quorum, round, algorithm=algorithm, op=op,
-                                            seed=seed, timeout=timeout).wait()
+        res = self._partial_call(tensor, quorum, round, algorithm, op, seed, timeout, blocking=True).wait()
+        assert isinstance(res, PartialResult)
+        return res if op == "sum" else self._average(res)
 
     def barrier(self, *, timeout: float | None = None) -> None:
         """Wait until every rank reaches the barrier (a 1-element allreduce)."""
@@ -282,7 +293,10 @@ class Communicator:
     # -- plumbing ----------------------------------------------------------------------------
 
     def _run(self, kind: str, flat: torch.Tensor, what: str, finish: Callable[[], torch.Tensor],
-             timeout: float | None, **options: object) -> torch.futures.Future:
+             timeout: float | None, *, blocking: bool = False,
+             **options: object) -> torch.futures.Future | Waiter:
+        """Submit collective ``kind`` on ``flat``; ``blocking``: the caller waits at once, so a
+        :class:`Waiter` stands in for the torch future."""
         if self._closed:
             raise RuntimeError(f"rank {self.rank}: communicator is closed")
         description = f"{what} of {flat.numel()} x {str(flat.dtype).removeprefix('torch.')}"
@@ -298,6 +312,7 @@ class Communicator:
             future = self.executor.submit(
                 schedule, {"data": flat}, RunInfo(seq=seq, description=description),
                 timeout=self.timeout if timeout is None else timeout, result=finish, kick=False,
+                blocking=blocking,
             )
         self.executor.kick()  # outside the lock: the run may finish, and its callbacks run, here
         return future

@@ -85,9 +85,42 @@ def host_array(t: torch.Tensor) -> torch.Tensor | np.ndarray:
     of microseconds against a few for numpy: a round's small slices, copies and reductions
     were most of its CPU time."""
     try:
-        return t.detach().numpy()
+        return t.detach().numpy() if t.requires_grad else t.numpy()
     except (TypeError, RuntimeError):
         return t
+
+
+class Waiter:
+    """The part of ``torch.futures.Future`` a blocking call needs (``set_result``,
+    ``set_exception``, ``done``, ``wait``), on a plain lock. The blocking collectives use it
+    instead of a torch future, whose creation and completion cost ~50 us each with the cold
+    caches of many processes per core; the ``*_async`` calls still return torch futures."""
+
+    __slots__ = ("_ready", "_value", "_error")
+
+    def __init__(self) -> None:
+        self._ready = threading.Lock()
+        self._ready.acquire()  # released once, when the result is set
+        self._value: object = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return not self._ready.locked()
+
+    def set_result(self, value: object) -> None:
+        self._value = value
+        self._ready.release()
+
+    def set_exception(self, error: BaseException) -> None:
+        self._error = error
+        self._ready.release()
+
+    def wait(self) -> object:
+        with self._ready:
+            pass
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,7 +147,7 @@ class _Run:
     offers_destinations = True
 
     def __init__(self, executor: "Executor", schedule: Schedule, buffers: dict[str, torch.Tensor],
-                 info: RunInfo, deadline: float, future: torch.futures.Future,
+                 info: RunInfo, deadline: float, future: "torch.futures.Future | Waiter",
                  result: Callable[[], object]) -> None:
         self.executor = executor
         self.schedule = schedule
@@ -344,10 +377,12 @@ class Executor:
         self._thread.start()
 
     def submit(self, schedule: Schedule, buffers: dict[str, torch.Tensor], info: RunInfo, *,
-               timeout: float, result: Callable[[], object], kick: bool = True) -> torch.futures.Future:
+               timeout: float, result: Callable[[], object], kick: bool = True,
+               blocking: bool = False) -> torch.futures.Future | Waiter:
         """Start executing ``schedule``; the future resolves to ``result()`` when done.
-        ``kick=False``: the caller calls :meth:`kick` itself (after releasing its locks)."""
-        future: torch.futures.Future = torch.futures.Future()
+        ``kick=False``: the caller calls :meth:`kick` itself (after releasing its locks).
+        ``blocking``: a :class:`Waiter` instead of a torch future (the caller waits at once)."""
+        future: torch.futures.Future | Waiter = Waiter() if blocking else torch.futures.Future()
         if self._stop:
             future.set_exception(CollectiveError(f"rank {self.rank}: communicator is closed", rank=self.rank))
             return future

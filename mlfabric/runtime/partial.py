@@ -58,7 +58,7 @@ from mlfabric.collectives.partial import INTERNAL_ACTIVATION, QUORUMS, activatio
 from mlfabric.errors import CollectiveError, CollectiveTimeoutError
 from mlfabric.schedule import Schedule
 
-from .executor import Executor, RunInfo, _Run, host_array, message_tag
+from .executor import Executor, RunInfo, Waiter, _Run, host_array, message_tag
 
 log = logging.getLogger("mlfabric.runtime.partial")
 
@@ -96,7 +96,7 @@ class _HostBuffer:
 
 @dataclass
 class _Call:
-    future: torch.futures.Future
+    future: torch.futures.Future | Waiter
     deadline: float
     fresh: bool
 
@@ -202,8 +202,12 @@ class PartialAllreduce:
 
     # -- application side (any thread) -------------------------------------------------------
 
-    def call(self, tensor: torch.Tensor, round: int | None, timeout: float) -> torch.futures.Future:
-        future: torch.futures.Future = torch.futures.Future()
+    def call(self, tensor: torch.Tensor, round: int | None, timeout: float, *,
+             blocking: bool = False) -> torch.futures.Future | Waiter:
+        """Hand ``tensor`` in for round ``round``; the returned future resolves to a
+        :class:`PartialResult` (a :class:`~mlfabric.runtime.executor.Waiter` if ``blocking``:
+        the caller waits on it at once)."""
+        future: torch.futures.Future | Waiter = Waiter() if blocking else torch.futures.Future()
         if self._broken is not None:
             future.set_exception(self._broken)
             return future

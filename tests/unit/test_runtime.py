@@ -370,3 +370,18 @@ def test_a_failed_collective_takes_back_its_offers() -> None:
     finally:
         for comm in comms:
             comm.close()
+
+
+def test_waiter_hands_over_a_result_or_an_error_across_threads() -> None:
+    from mlfabric.runtime.executor import Waiter
+
+    ok, bad = Waiter(), Waiter()
+    assert not ok.done() and not bad.done()
+    threading.Timer(0.05, ok.set_result, args=(41,)).start()
+    threading.Timer(0.05, bad.set_exception, args=(ValueError("peer said no"),)).start()
+    assert ok.wait() == 41 and ok.done()
+    assert ok.wait() == 41  # waiting again returns the same value
+    with pytest.raises(ValueError, match="peer said no"):
+        bad.wait()
+    with pytest.raises(RuntimeError):
+        ok.set_result(42)  # a result is set once
