@@ -170,6 +170,8 @@ class _Run:
 
     def start(self, info: RunInfo, deadline: float) -> None:
         """(Re-)arm: every op unfired, as at the start of an execution."""
+        if hasattr(self, "pending_recvs"):
+            self.unpost()
         self.info = info
         self.meta = info.description.encode()
         self.deadline = deadline
@@ -180,6 +182,8 @@ class _Run:
         self.ready: deque[int] = deque(i for i, count in enumerate(counts) if count == 0)
         self.pending_recvs: list[int] = []
         self.recv_keys: dict[int, tuple[str, int]] = {}  # mailbox key of each pending receive
+        # Messages the executor routed straight to pending receives (Executor._route).
+        self.arrived: list[tuple[int, Message]] = []
         self.pending_sends: list[tuple[int, SendHandle]] = []
         self.offered: set[int] = set()  # receives whose destination the transport holds
         self.seen_version = -1  # mailbox version when pending receives were last matched
@@ -210,6 +214,12 @@ class _Run:
         mailbox version read before this call: pending receives are only re-matched when it
         moved, so an idle wake-up costs nothing per pending op."""
         progressed = False
+        if self.arrived:
+            arrived, self.arrived = self.arrived, []
+            for index, msg in arrived:
+                self.pending_recvs.remove(index)
+                self._accept(index, msg)
+            progressed = True
         if self.pending_sends:
             still = []
             for index, handle in self.pending_sends:
@@ -250,8 +260,11 @@ class _Run:
                 self.pending_sends.append((index, handle))
         elif isinstance(op, Recv):
             if not self._try_recv(index):
-                self.recv_keys[index] = (op.channel, message_tag(self.info.seq, op.tag))
+                tag = message_tag(self.info.seq, op.tag)
+                self.recv_keys[index] = (op.channel, tag)
                 self.pending_recvs.append(index)
+                if index not in self.offered:  # an offered one arrives in place instead
+                    self.executor._posted[(op.channel, tag, op.peer)] = (self, index)
         elif isinstance(op, Reduce):
             self._reducers[op.op](self.view(op.dst), self.view(op.src))
             self._complete(index)
@@ -281,6 +294,13 @@ class _Run:
             msg = transport.mailbox.take(op.channel, tag, op.peer)
         if msg is None:
             return False
+        self.executor._posted.pop((op.channel, tag, op.peer), None)
+        self._accept(index, msg)
+        return True
+
+    def _accept(self, index: int, msg: Message) -> None:
+        """Receive ``msg`` for receive op ``index``: check it, land its payload, complete."""
+        op: Recv = self.schedule.ops[index]  # type: ignore[assignment]
         self._check_message(op, msg)
         dst = self.view(op.dst)
         if len(dst) and not msg.in_place:
@@ -293,7 +313,6 @@ class _Run:
             else:
                 self._copy(dst, incoming)
         self._complete(index)
-        return True
 
     def _check_message(self, op: Recv, msg: Message) -> None:
         if msg.meta != self.meta:
@@ -327,7 +346,17 @@ class _Run:
                     self.fired[j] = True
                     self.ready.append(j)
 
+    def unpost(self) -> None:
+        """Take this run's pending receives out of the executor's routing table (it finished,
+        failed, was abandoned or re-arms): a message for them goes to the mailbox."""
+        posted = self.executor._posted
+        for index in self.pending_recvs:
+            key = (*self.recv_keys[index], self.schedule.ops[index].peer)
+            if posted.get(key, (None, -1))[0] is self:
+                del posted[key]
+
     def fail(self, error: CollectiveError) -> None:
+        self.unpost()
         self.withdraw_offers()
         if not self.future.done():
             self.future.set_exception(error)
@@ -371,7 +400,10 @@ class Executor:
         # Serialises passes over the runs: the progress thread's and those a transport runs
         # on its receiving threads (_inline_pass).
         self._pass_lock = threading.Lock()
-        transport.set_inline_progress(self._inline_pass)
+        # Pending receives by (channel, tag, source), for messages routed straight to them
+        # (_route). Changed only under _pass_lock.
+        self._posted: dict[tuple[str, int, int], tuple[_Run, int]] = {}
+        transport.set_inline_progress(self._inline_pass, self._route)
         transport.on_peer_lost(lambda peer, reason: transport.mailbox.notify())
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -446,20 +478,45 @@ class Executor:
         if self._stop or not self._pass_lock.acquire(blocking=False):
             return False
         try:
-            mailbox = self.transport.mailbox
-            for _ in range(_INLINE_PASSES):
-                if self._stop:
-                    return False
-                version = mailbox.version
-                self._pass(version)
-                if mailbox.version == version:
-                    # A pass does everything it can; only an event during it (a delivery, a
-                    # send completed, a new call's notify) can have left more to do. Not
-                    # making a second pass just to find that out halves the passes.
-                    return True
-            return False
+            return self._settle()
         finally:
             self._pass_lock.release()
+
+    def _route(self, msg: Message) -> bool:
+        """Hand ``msg`` straight to the pending receive waiting for it and progress, on the
+        thread that delivered it: no mailbox queue, no search of pending receives. False if
+        no receive waits for it yet (or another thread is in a pass): the mailbox takes it."""
+        key = (msg.channel, msg.tag, msg.src)
+        if key not in self._posted:  # lock-free look first: a dict lookup is atomic
+            return False
+        if self._stop or not self._pass_lock.acquire(blocking=False):
+            return False
+        try:
+            entry = self._posted.pop(key, None)
+            if entry is None or entry[1] not in entry[0].pending_recvs:
+                return False
+            entry[0].arrived.append((entry[1], msg))
+            if not self._settle():
+                self.transport.mailbox.notify()  # the progress thread carries on
+            return True
+        finally:
+            self._pass_lock.release()
+
+    def _settle(self) -> bool:
+        """Passes until nothing is left to do (True) or _INLINE_PASSES were made (False).
+        Holds ``_pass_lock``."""
+        mailbox = self.transport.mailbox
+        for _ in range(_INLINE_PASSES):
+            if self._stop:
+                return False
+            version = mailbox.version
+            self._pass(version)
+            if mailbox.version == version:
+                # A pass does everything it can; only an event during it (a delivery, a send
+                # completed, a new call's notify) can have left more to do. Not making a
+                # second pass just to find that out halves the passes.
+                return True
+        return False
 
     def _pass(self, version: int) -> bool:
         """One look at everything (``version``: the mailbox's, read before); True if anything
@@ -500,6 +557,7 @@ class Executor:
 
     def _finish(self, run: _Run) -> None:
         self._active.remove(run)
+        run.unpost()
         self._finished_seqs.append(run.info.seq)
         try:
             value = run.result()

@@ -408,6 +408,8 @@ class PartialAllreduce:
             self._send.host += self._snapshot.host  # the abandoned contribution is not lost
             self._snapshot.host[:] = 0
             self._spare, self._snapshot = self._snapshot, None
+        if self.execution is not None:
+            self.execution.unpost()
         self.execution = None
         self.epoch += 1
         if self.epoch >= _MAX_EPOCHS:
@@ -459,6 +461,8 @@ class PartialAllreduce:
 
     def fail(self, error: CollectiveError) -> None:
         self._broken = error
+        if self.execution is not None:
+            self.execution.unpost()
         calls, self.calls = self.calls, []
         with self._lock:
             calls += [call for _, _, call in self._commands]

@@ -210,6 +210,7 @@ class Transport(ABC):
         self._closed = False
         self._peer_lost_callbacks: list[Callable[[int, str], None]] = []
         self._inline_progress: Callable[[], bool] | None = None
+        self._inline_route: Callable[[Message], bool] | None = None
 
     # -- sending ---------------------------------------------------------------------------
 
@@ -248,20 +249,27 @@ class Transport(ABC):
         if inline is None:
             self.mailbox.put(msg)
             return
+        route = self._inline_route
+        if route is not None and route(msg):
+            return  # taken by the receive waiting for it, and progressed
         # Progress right here instead of waking the progress thread; wake it (and anyone
         # in recv()) only if the pass could not run or left the message queued.
         self.mailbox.put(msg, wake=False)
         if not inline() or (msg.channel, msg.tag) in self.mailbox.queued:
             self.mailbox.notify()
 
-    def set_inline_progress(self, progress: Callable[[], bool]) -> None:
+    def set_inline_progress(self, progress: Callable[[], bool],
+                            route: Callable[[Message], bool] | None = None) -> None:
         """Offered by the executor: ``progress()`` runs one pass over its collectives and
         returns False if it could not (or did not finish). A transport whose receiving
         threads are its own calls it after each delivery (``inline_progress = True``),
         sparing the progress thread a wake-up per message. Others ignore it: on the
-        in-process transport the delivering thread is the *sender's* progress thread."""
+        in-process transport the delivering thread is the *sender's* progress thread.
+        ``route(msg)``, tried first, hands a message straight to the receive posted for it
+        (and progresses): True if it took the message, which then skips the mailbox."""
         if self.inline_progress:
             self._inline_progress = progress
+            self._inline_route = route
 
     def _reject(self, reason: str) -> None:
         self.rejected_messages += 1
