@@ -13,6 +13,7 @@ Exercise it with ``python -m pytest tests/unit/test_runtime.py``.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -37,8 +38,9 @@ log = logging.getLogger("mlfabric.runtime")
 # messages of consecutive collectives can never be confused.
 TAG_BITS = 24
 # The progress thread sleeps until the mailbox changes (an arrival, a send completion, a lost
-# peer); this bound only paces deadline checks.
-_IDLE_POLL_S = 0.05
+# peer) or the earliest deadline comes; at most this long. Why not a short poll: with many
+# processes per core, the wake-ups of idle progress threads cost a tenth of a round's CPU.
+_MAX_IDLE_S = 1.0
 # A receive into a buffer slice (no reduction) of at least this many bytes offers the slice to
 # the transport, which may receive the payload straight into it (Transport.take_or_offer);
 # below it a copy costs less than the bookkeeping.
@@ -191,6 +193,11 @@ class _Run:
     @property
     def finished(self) -> bool:
         return self.completed == len(self.schedule.ops)
+
+    @property
+    def wake_at(self) -> float:
+        """When the executor must look at this run even if nothing arrives (its deadline)."""
+        return self.deadline
 
     def view(self, sl: Slice) -> torch.Tensor | np.ndarray:
         """``sl`` of its buffer: a numpy array, or a tensor for dtypes numpy lacks."""
@@ -403,6 +410,11 @@ class Executor:
         # Pending receives by (channel, tag, source), for messages routed straight to them
         # (_route). Changed only under _pass_lock.
         self._posted: dict[tuple[str, int, int], tuple[_Run, int]] = {}
+        # The earliest wake_at of the active runs (as of the last pass), and until when the
+        # progress thread sleeps: a pass on another thread that finds an earlier deadline
+        # wakes it.
+        self._wake_at = math.inf
+        self._sleep_until = math.inf
         transport.set_inline_progress(self._inline_pass, self._route)
         transport.on_peer_lost(lambda peer, reason: transport.mailbox.notify())
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -463,8 +475,9 @@ class Executor:
             version = mailbox.version
             with self._pass_lock:
                 self._pass(version)
-            # Returns at once if anything happened since ``version`` was read (see _inline_pass).
-            self.transport.progress(version, _IDLE_POLL_S)
+                self._sleep_until = min(self._wake_at, time.monotonic() + _MAX_IDLE_S)
+            # Returns at once if anything happened since ``version`` was read (see _settle).
+            self.transport.progress(version, max(0.0, self._sleep_until - time.monotonic()) + 0.001)
         with self._pass_lock:
             for run in self._active + self._incoming:
                 self._fail(run, CollectiveError(f"rank {self.rank}: communicator closed during "
@@ -527,12 +540,15 @@ class Executor:
                 self._incoming.clear()
         self._handle_control()
         progressed = False
+        wake_at = math.inf
         for run in list(self._active):
             try:
                 progressed |= run.advance(version)
                 if run.finished:
                     self._finish(run)
-                elif time.monotonic() > run.deadline:
+                    continue
+                wake_at = min(wake_at, run.wake_at)
+                if time.monotonic() > run.deadline:
                     raise CollectiveTimeoutError(
                         f"rank {self.rank}: collective #{run.info.seq} "
                         f"{run.info.description} timed out still waiting for "
@@ -553,6 +569,9 @@ class Executor:
                 error = None if run.tolerates_lost_peers else self._lost_peer_error(run.info)
                 if error is not None:
                     self._fail(run, error, notify_peers=False)
+        self._wake_at = wake_at
+        if wake_at < self._sleep_until and threading.current_thread() is not self._thread:
+            self.transport.mailbox.notify()  # the progress thread sleeps past a new deadline
         return progressed
 
     def _finish(self, run: _Run) -> None:

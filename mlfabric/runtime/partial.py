@@ -162,7 +162,12 @@ class PartialAllreduce:
 
     tolerates_lost_peers = True
     finished = False
-    deadline = math.inf
+    deadline = math.inf  # the persistent collective never times out; its calls do
+
+    @property
+    def wake_at(self) -> float:
+        """The earliest deadline of the calls waiting (Executor._pass sleeps until then)."""
+        return min((call.deadline for call in self.calls), default=math.inf)
 
     def __init__(self, executor: Executor, handle_id: int, *, quorum: str, count: int,
                  dtype: torch.dtype, algorithm: str, op: str, seed: int, description: str) -> None:
