@@ -237,3 +237,45 @@ def test_reader_threads_progress_collectives_and_still_wake_recv_waiters(pair) -
     assert min(waits) < 0.05, waits  # woken by the delivery, not by recv's 0.1 s poll
     for comm in comms:
         comm.executor.close()
+
+
+def test_messages_for_posted_receives_skip_the_mailbox_and_nothing_stays_posted(pair) -> None:
+    """A message whose receive is already posted is routed straight to it (Executor._route):
+    most of a collective's messages never enter the mailbox. Receives leave the routing table
+    when they complete, and a partial round's open activation receives when it re-arms, so
+    nothing is left behind to swallow a later message."""
+    a, b = pair
+    comms = [Communicator(a, timeout=30), Communicator(b, timeout=30)]
+    queued = {0: 0, 1: 0}
+    for rank, transport in enumerate((a, b)):
+        put = transport.mailbox.put
+
+        def counting_put(msg, *, wake=True, _put=put, _rank=rank):
+            queued[_rank] += 1
+            _put(msg, wake=wake)
+
+        transport.mailbox.put = counting_put
+
+    def steps(comm: Communicator) -> list[float]:
+        out = []
+        for step in range(30):
+            t = torch.full((10,), float(comm.rank + step))
+            out.append(float(comm.allreduce(t, algorithm="tree")[0]))
+            out.append(float(comm.partial_allreduce(t, quorum="solo", algorithm="tree").tensor[0]))
+        return out
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(steps, comms))
+        assert [results[0][i] for i in range(0, 60, 2)] == [float(1 + 2 * s) for s in range(30)]
+        # 30 allreduces and 30 partial rounds, each a message each way at least: 120+ messages.
+        assert queued[0] + queued[1] < 60, queued
+        for comm in comms:
+            with comm.executor._pass_lock:
+                posted = dict(comm.executor._posted)
+            # Only the next partial round's activation receive may be posted (re-armed).
+            assert all(run is next(iter(comm._partials.values())).execution for run, _ in posted.values()), posted
+            assert len(posted) <= 1, posted
+    finally:
+        for comm in comms:
+            comm.executor.close()
