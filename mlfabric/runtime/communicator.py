@@ -368,8 +368,9 @@ def _check_topology(topology: TopologySpec | str | None, world_size: int) -> Top
 def _check_tensor(tensor: object, what: str) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.is_complex() or tensor.dtype == torch.bool:
-        raise TypeError(f"{what} does not support dtype {tensor.dtype}")
+    dtype = tensor.dtype
+    if dtype.is_complex or dtype == torch.bool:
+        raise TypeError(f"{what} does not support dtype {dtype}")
 
 
 def _check_op(op: str) -> None:

@@ -480,8 +480,10 @@ class TcpTransport(Transport):
             if meta is None:
                 return
             meta = bytes(meta)
-            with self._offer_lock:
-                offer = self._offers.pop((channel, tag, src), None)
+            offer = None
+            if self._offers:  # lock-free look first: offers are rare (receives of >= 64 KiB)
+                with self._offer_lock:
+                    offer = self._offers.pop((channel, tag, src), None)
             in_place = (offer is not None and offer.destination.nbytes == nbytes
                         and offer.meta == meta)
             if in_place:
