@@ -175,6 +175,7 @@ class _Run:
         if hasattr(self, "pending_recvs"):
             self.unpost()
         self.info = info
+        self.tag_base = message_tag(info.seq, 0)  # | an op's tag: its messages' tag
         self.meta = info.description.encode()
         self.deadline = deadline
         counts = self.schedule.dependency_counts()
@@ -259,7 +260,7 @@ class _Run:
             if payload is None:
                 payload = self._send_bytes[index] = tensor_bytes(self.view(op.src))
             handle = self.executor.transport.send(
-                op.peer, message_tag(self.info.seq, op.tag), payload, channel=op.channel, meta=self.meta,
+                op.peer, self.tag_base | op.tag, payload, channel=op.channel, meta=self.meta,
             )
             if handle.done():
                 self._complete(index)
@@ -267,7 +268,7 @@ class _Run:
                 self.pending_sends.append((index, handle))
         elif isinstance(op, Recv):
             if not self._try_recv(index):
-                tag = message_tag(self.info.seq, op.tag)
+                tag = self.tag_base | op.tag
                 self.recv_keys[index] = (op.channel, tag)
                 self.pending_recvs.append(index)
                 if index not in self.offered:  # an offered one arrives in place instead
@@ -286,7 +287,7 @@ class _Run:
     def _try_recv(self, index: int) -> bool:
         op: Recv = self.schedule.ops[index]  # type: ignore[assignment]
         transport = self.executor.transport
-        tag = message_tag(self.info.seq, op.tag)
+        tag = self.tag_base | op.tag
         if index in self.offered:
             msg = transport.mailbox.take(op.channel, tag, op.peer)
             if msg is not None:
@@ -373,7 +374,7 @@ class _Run:
         transport = self.executor.transport
         for index in self.offered:
             op = self.schedule.ops[index]
-            transport.withdraw_offer(op.channel, message_tag(self.info.seq, op.tag), op.peer)
+            transport.withdraw_offer(op.channel, self.tag_base | op.tag, op.peer)
         self.offered.clear()
 
     def waiting_on(self) -> str:

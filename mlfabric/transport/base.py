@@ -225,7 +225,8 @@ class Transport(ABC):
             raise ValueError(f"rank {self.rank}: unknown channel {channel!r}; this transport has {self.channels}")
         view = memoryview(payload).cast("B")
         with self._counter_lock:
-            counters = self._counters.setdefault((peer, channel), LinkCounters())
+            counters = (self._counters.get((peer, channel))
+                        or self._counters.setdefault((peer, channel), LinkCounters()))
             counters.bytes_sent += view.nbytes
             counters.msgs_sent += 1
         return self._send(peer, tag, view, channel, meta)
@@ -238,7 +239,8 @@ class Transport(ABC):
 
     def _deliver(self, msg: Message) -> None:
         with self._counter_lock:
-            counters = self._counters.setdefault((msg.src, msg.channel), LinkCounters())
+            counters = (self._counters.get((msg.src, msg.channel))
+                        or self._counters.setdefault((msg.src, msg.channel), LinkCounters()))
             counters.bytes_recv += msg.nbytes
             counters.msgs_recv += 1
         if msg.channel == CONTROL_CHANNEL and msg.tag == GOODBYE_TAG:
