@@ -152,7 +152,6 @@ class _Run:
                  info: RunInfo, deadline: float, future: "torch.futures.Future | Waiter",
                  result: Callable[[], object]) -> None:
         self.executor = executor
-        self.top: "_Run | object" = self  # what the executor drives (a partial collective's owner)
         self.schedule = schedule
         self.buffers = buffers
         self.future = future
@@ -510,18 +509,9 @@ class Executor:
             entry = self._posted.pop(key, None)
             if entry is None or entry[1] not in entry[0].pending_recvs:
                 return False
-            run, index = entry
-            run.arrived.append((index, msg))
-            # Only the run the message is for can move: advance it alone, not every run (a
-            # full pass follows if anything else happened meanwhile).
-            mailbox = self.transport.mailbox
-            version = mailbox.version
-            if run.top in self._active:
-                self._advance(run.top, version)
-                if mailbox.version == version:
-                    return True
+            entry[0].arrived.append((entry[1], msg))
             if not self._settle():
-                mailbox.notify()  # the progress thread carries on
+                self.transport.mailbox.notify()  # the progress thread carries on
             return True
         finally:
             self._pass_lock.release()
@@ -551,43 +541,39 @@ class Executor:
                 self._incoming.clear()
         self._handle_control()
         progressed = False
+        wake_at = math.inf
         for run in list(self._active):
-            progressed |= self._advance(run, version)
+            try:
+                progressed |= run.advance(version)
+                if run.finished:
+                    self._finish(run)
+                    continue
+                wake_at = min(wake_at, run.wake_at)
+                if time.monotonic() > run.deadline:
+                    raise CollectiveTimeoutError(
+                        f"rank {self.rank}: collective #{run.info.seq} "
+                        f"{run.info.description} timed out still waiting for "
+                        f"{run.waiting_on()}; a peer may be slow, hung or dead "
+                        "(raise the timeout with mlfabric.init(timeout=...))",
+                        rank=self.rank,
+                    )
+            except CollectiveError as exc:
+                self._fail(run, exc, notify_peers=True)
+            except Exception as exc:  # a bug or a torch error: never leave the caller hanging
+                wrapped = CollectiveError(
+                    f"rank {self.rank}: collective #{run.info.seq} {run.info.description} "
+                    f"failed: {exc!r}", rank=self.rank)
+                wrapped.__cause__ = exc
+                self._fail(run, wrapped, notify_peers=True)
         if self.transport.lost_peers and self._active:
             for run in list(self._active):
                 error = None if run.tolerates_lost_peers else self._lost_peer_error(run.info)
                 if error is not None:
                     self._fail(run, error, notify_peers=False)
-        self._wake_at = wake_at = min((run.wake_at for run in self._active), default=math.inf)
+        self._wake_at = wake_at
         if wake_at < self._sleep_until and threading.current_thread() is not self._thread:
             self.transport.mailbox.notify()  # the progress thread sleeps past a new deadline
         return progressed
-
-    def _advance(self, run: _Run, version: int) -> bool:
-        """Advance one run, and finish, time out or fail it as it comes; True if anything
-        happened. Holds ``_pass_lock``."""
-        try:
-            progressed = run.advance(version)
-            if run.finished:
-                self._finish(run)
-            elif time.monotonic() > run.deadline:
-                raise CollectiveTimeoutError(
-                    f"rank {self.rank}: collective #{run.info.seq} "
-                    f"{run.info.description} timed out still waiting for "
-                    f"{run.waiting_on()}; a peer may be slow, hung or dead "
-                    "(raise the timeout with mlfabric.init(timeout=...))",
-                    rank=self.rank,
-                )
-            return progressed
-        except CollectiveError as exc:
-            self._fail(run, exc, notify_peers=True)
-        except Exception as exc:  # a bug or a torch error: never leave the caller hanging
-            wrapped = CollectiveError(
-                f"rank {self.rank}: collective #{run.info.seq} {run.info.description} "
-                f"failed: {exc!r}", rank=self.rank)
-            wrapped.__cause__ = exc
-            self._fail(run, wrapped, notify_peers=True)
-        return True
 
     def _finish(self, run: _Run) -> None:
         self._active.remove(run)

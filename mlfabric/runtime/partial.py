@@ -124,7 +124,6 @@ class _Execution(_Run):
         super().__init__(owner.executor, schedule, {"data": work}, info, math.inf,
                          torch.futures.Future(), lambda: None)
         self.owner = owner
-        self.top = owner
         self.reduction_start = reduction_start  # the "activate reduction" Nop
         self.required = len(schedule.ops) - self.reduction_start
 
