@@ -168,12 +168,13 @@ class _Run:
         self._reducers = _NUMPY_REDUCERS if self._numpy else _REDUCERS
         self._itemsize = {name: t.element_size() for name, t in buffers.items()}
         self._send_bytes: dict[int, memoryview] = {}  # by op index
+        self.pending_recvs: list[int] = []
+        self.recv_keys: dict[int, tuple[str, int]] = {}  # mailbox key of each pending receive
         self.start(info, deadline)
 
     def start(self, info: RunInfo, deadline: float) -> None:
         """(Re-)arm: every op unfired, as at the start of an execution."""
-        if hasattr(self, "pending_recvs"):
-            self.unpost()
+        self.unpost()  # a re-armed run's receives still open from its last execution
         self.info = info
         self.tag_base = message_tag(info.seq, 0)  # | an op's tag: its messages' tag
         self.meta = info.description.encode()
@@ -532,19 +533,18 @@ class Executor:
                 return True
         return False
 
-    def _pass(self, version: int) -> bool:
-        """One look at everything (``version``: the mailbox's, read before); True if anything
-        happened, so that another pass may find more. Holds ``_pass_lock``."""
+    def _pass(self, version: int) -> None:
+        """One look at everything (``version``: the mailbox's, read before). Whether another
+        pass is due is the mailbox version's to say (see _settle). Holds ``_pass_lock``."""
         if self._incoming:  # lock-free test first: most wake-ups bring no new run
             with self._lock:
                 self._active.extend(self._incoming)
                 self._incoming.clear()
         self._handle_control()
-        progressed = False
         wake_at = math.inf
         for run in list(self._active):
             try:
-                progressed |= run.advance(version)
+                run.advance(version)
                 if run.finished:
                     self._finish(run)
                     continue
@@ -573,7 +573,6 @@ class Executor:
         self._wake_at = wake_at
         if wake_at < self._sleep_until and threading.current_thread() is not self._thread:
             self.transport.mailbox.notify()  # the progress thread sleeps past a new deadline
-        return progressed
 
     def _finish(self, run: _Run) -> None:
         self._active.remove(run)
