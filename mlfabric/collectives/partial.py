@@ -15,8 +15,15 @@ parts (eager-SGD Fig. 6):
   With N not a power of two, the ``N - P`` ranks above the largest power of two ``P`` pair
   with rank ``p - P``: an extra rank that initiates tells its partner, which spreads the
   activation as if it had initiated; every activated partner tells its extra rank.
-* **Reduction.** ``N1``, an any-of Nop over the internal activation and every activation
-  receive, starts the allreduce: the core builders' ops (``ring``, ``halving_doubling``...)
+* **Join.** Op 1, a second trigger, fired when a rank calls *without* initiating (majority's
+  ranks other than the round's initiator). It starts this rank's part of the reduction but
+  sends no activation: the round still needs the initiator. The paper's majority lets such a
+  call wait for the activation instead (§4.2); the result is the same — a rank that called
+  contributes its fresh data either way — but joining at once does the callers' share of the
+  reduction before the initiator arrives rather than after, which shortens the round the
+  callers wait for (docs/architecture.md, "Deviations").
+* **Reduction.** ``N1``, an any-of Nop over the internal activation, the join and every
+  activation receive, starts the allreduce: the core builders' ops (``ring``, ``halving_doubling``...)
   appended after it. The runtime fills the send buffer into ``data`` when ``N1`` fires —
   fresh data if the application already called, else the stale accumulated buffer — so the
   reduction always has every rank, and data, ready.
@@ -34,6 +41,7 @@ from dataclasses import replace
 from mlfabric.schedule import Cost, DepMode, Recv, Schedule, ScheduleBuilder, Send, Slice
 
 INTERNAL_ACTIVATION = 0  # op index of the trigger in every partial schedule
+JOIN = 1  # op index of the join trigger in schedules with an activation broadcast
 QUORUMS = ("solo", "majority")
 
 
@@ -63,7 +71,12 @@ def partial_allreduce(world_size: int, rank: int, count: int, *, algorithm: str 
     b.buffer("data", count)
     trigger = b.trigger("internal activation")
     assert trigger == INTERNAL_ACTIVATION
-    activated = _activation_ops(b, n, v, trigger) if external_activation else [trigger]
+    if external_activation:
+        join = b.trigger("join")
+        assert join == JOIN
+        activated = [trigger, join, *_activation_ops(b, n, v, trigger)[1:]]
+    else:
+        activated = [trigger]
     start = b.nop(activated, mode=DepMode.ANY, label="activate reduction")
     reduction = ALLREDUCE_ALGORITHMS[algorithm](n, v, count, op=op)
     b.append(reduction, after=[start], tag_offset=activation_tags(n))

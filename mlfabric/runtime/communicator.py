@@ -379,11 +379,17 @@ def _check_op(op: str) -> None:
     assert op == "avg" or op in REDUCE_OPS
 
 
+def _nothing() -> None:
+    pass
+
+
 def _flat_work_buffer(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
     """A flat contiguous CPU view of ``tensor`` if one exists, else a copy plus the function
     that writes the result back."""
-    if tensor.device.type == "cpu" and tensor.is_contiguous():
-        return tensor.detach().view(-1), lambda: None
+    if tensor.is_cpu and tensor.is_contiguous():
+        if tensor.dim() == 1 and not tensor.requires_grad:
+            return tensor, _nothing  # already what the run needs: no new tensor objects
+        return tensor.detach().view(-1), _nothing
     work = tensor.detach().reshape(-1).to("cpu", copy=True)
     return work, lambda: tensor.detach().copy_(work.view(tensor.shape))
 

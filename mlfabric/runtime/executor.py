@@ -170,20 +170,32 @@ class _Run:
         self._send_bytes: dict[int, memoryview] = {}  # by op index
         self.pending_recvs: list[int] = []
         self.recv_keys: dict[int, tuple[str, int]] = {}  # mailbox key of each pending receive
+        self._initial: tuple[tuple[bool, ...], tuple[int, ...]] | None = None  # see _initial_state
+        self.info_description: str | None = None  # what ``meta`` encodes
         self.start(info, deadline)
+
+    def _initial_state(self) -> tuple[tuple[bool, ...], tuple[int, ...]]:
+        """Which ops count as fired, and which are ready, when an execution starts: the ops
+        without dependencies. Computed once per run (a persistent run re-arms with a copy)."""
+        counts = self.schedule.dependency_counts()
+        return tuple(count == 0 for count in counts), tuple(i for i, count in enumerate(counts) if count == 0)
 
     def start(self, info: RunInfo, deadline: float) -> None:
         """(Re-)arm: every op unfired, as at the start of an execution."""
         self.unpost()  # a re-armed run's receives still open from its last execution
+        if self._initial is None:
+            self._initial = self._initial_state()
+        fired, ready = self._initial
         self.info = info
-        self.tag_base = message_tag(info.seq, 0)  # | an op's tag: its messages' tag
-        self.meta = info.description.encode()
+        self.tag_base = info.seq << TAG_BITS  # | an op's tag: its messages' tag (message_tag)
+        if info.description != self.info_description:
+            self.info_description = info.description
+            self.meta = info.description.encode()
         self.deadline = deadline
-        counts = self.schedule.dependency_counts()
-        self.waiting = list(counts)
-        self.fired = [count == 0 for count in counts]
+        self.waiting = list(self.schedule.dependency_counts())
+        self.fired = list(fired)
         self.completed = 0
-        self.ready: deque[int] = deque(i for i, count in enumerate(counts) if count == 0)
+        self.ready: deque[int] = deque(ready)
         self.pending_recvs: list[int] = []
         self.recv_keys: dict[int, tuple[str, int]] = {}  # mailbox key of each pending receive
         # Messages the executor routed straight to pending receives (Executor._route).
@@ -542,14 +554,17 @@ class Executor:
                 self._incoming.clear()
         self._handle_control()
         wake_at = math.inf
+        now = time.monotonic()  # one clock read per pass: a deadline is checked a pass late at worst
         for run in list(self._active):
             try:
                 run.advance(version)
                 if run.finished:
                     self._finish(run)
                     continue
-                wake_at = min(wake_at, run.wake_at)
-                if time.monotonic() > run.deadline:
+                run_wake_at = run.wake_at
+                if run_wake_at < wake_at:
+                    wake_at = run_wake_at
+                if now > run.deadline:
                     raise CollectiveTimeoutError(
                         f"rank {self.rank}: collective #{run.info.seq} "
                         f"{run.info.description} timed out still waiting for "

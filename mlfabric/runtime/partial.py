@@ -14,7 +14,9 @@ Rounds. Executions are numbered 0, 1, 2...; a call asks for round ``r`` (default
 the last round this rank saw). If execution ``r`` has not started on this rank, the call's
 tensor joins the send buffer (*fresh*), and the rank activates it — always with ``solo``, only
 if it is round ``r``'s initiator with ``majority`` (drawn from a seed every rank shares,
-eager-SGD §4.2) — and the call returns execution ``r``'s result (``contributed=True``). If
+eager-SGD §4.2; any other majority rank *joins*: its part of the reduction starts with its
+fresh data, and the round completes once the initiator's activation has reached the ranks
+that have not called) — and the call returns execution ``r``'s result (``contributed=True``). If
 execution ``r`` already started, the tensor is kept for the next execution and the call
 returns the latest result (``contributed=False``): a rank several rounds behind catches up
 in one call. ``quorum="all"`` waits for every rank, a synchronous allreduce that survives
@@ -54,7 +56,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mlfabric.collectives.partial import INTERNAL_ACTIVATION, QUORUMS, activation_op_count, partial_allreduce
+from mlfabric.collectives.partial import INTERNAL_ACTIVATION, JOIN, QUORUMS, activation_op_count, partial_allreduce
 from mlfabric.errors import CollectiveError, CollectiveTimeoutError
 from mlfabric.schedule import Schedule
 
@@ -127,19 +129,27 @@ class _Execution(_Run):
         self.reduction_start = reduction_start  # the "activate reduction" Nop
         self.required = len(schedule.ops) - self.reduction_start
 
+    def _initial_state(self) -> tuple[tuple[bool, ...], tuple[int, ...]]:
+        # The triggers wait for the application's call.
+        fired, ready = super()._initial_state()
+        triggers = self.schedule.triggers
+        return (tuple(f and i not in triggers for i, f in enumerate(fired)),
+                tuple(i for i in ready if i not in triggers))
+
     def start(self, info: RunInfo, deadline: float) -> None:
         super().start(info, deadline)
         self.required_done = 0
         self.activated = False
-        triggers = self.schedule.triggers
-        self.ready = deque(i for i in self.ready if i not in triggers)
-        for index in triggers:
-            self.fired[index] = False
 
-    def trigger(self) -> None:
-        if not self.fired[INTERNAL_ACTIVATION]:
-            self.fired[INTERNAL_ACTIVATION] = True
-            self.ready.append(INTERNAL_ACTIVATION)
+    def trigger(self, initiate: bool = True) -> None:
+        """The application called: start the activation broadcast and the reduction
+        (``initiate``), or only this rank's part of the reduction (the join trigger: a
+        majority rank that is not the round's initiator; schedules without an activation
+        broadcast have no join, and their one trigger starts the reduction)."""
+        index = INTERNAL_ACTIVATION if initiate or len(self.schedule.triggers) == 1 else JOIN
+        if not self.fired[index]:
+            self.fired[index] = True
+            self.ready.append(index)
 
     def _fire(self, index: int) -> None:
         if index == self.reduction_start:
@@ -167,7 +177,9 @@ class PartialAllreduce:
     @property
     def wake_at(self) -> float:
         """The earliest deadline of the calls waiting (Executor._pass sleeps until then)."""
-        return min((call.deadline for call in self.calls), default=math.inf)
+        if not self.calls:  # most passes: no call waits
+            return math.inf
+        return min(call.deadline for call in self.calls)
 
     def __init__(self, executor: Executor, handle_id: int, *, quorum: str, count: int,
                  dtype: torch.dtype, algorithm: str, op: str, seed: int, description: str) -> None:
@@ -191,9 +203,12 @@ class PartialAllreduce:
         self._snapshot: _HostBuffer | None = None
         self.fresh = False
         self.calls: list[_Call] = []
-        self.latest: tuple[int, torch.Tensor, int] | None = None  # (round, result, active)
+        # (round, result, active); the result is a numpy copy until a call asks for it.
+        self.latest: tuple[int, torch.Tensor | np.ndarray, int] | None = None
         self.round = 0
         self.execution: _Execution | None = None
+        # (epoch, (schedule, reduction start)) of the group the last round ran in.
+        self._group: tuple[int, tuple[Schedule, int]] | tuple[None, None] = (None, None)
         self.agreeing: dict[int, int] | None = None  # peer -> its armed round, while re-forming
         self._commands: deque[tuple[torch.Tensor | np.ndarray, int | None, _Call]] = deque()
         self._lock = threading.Lock()
@@ -237,16 +252,23 @@ class PartialAllreduce:
         """A flat copy of the caller's tensor, as the progress thread works on it (numpy where
         the dtype allows: see executor.host_array). The copy is what lets the caller reuse its
         tensor at once."""
-        if tensor.device.type == "cpu" and tensor.dtype == self.dtype and not tensor.requires_grad:
-            host = host_array(tensor)
-            if isinstance(host, np.ndarray):
-                return host.reshape(-1).copy()
+        if tensor.dtype == self.dtype:
+            try:  # the common case, a CPU tensor numpy can view; each torch call costs here
+                return tensor.numpy().reshape(-1).copy()
+            except (TypeError, RuntimeError):  # on a GPU, requires grad, or bfloat16
+                pass
         return host_array(tensor.detach().reshape(-1).to("cpu", self.dtype, copy=True))
 
     # -- progress thread ---------------------------------------------------------------------
 
     def _seq(self, epoch: int, round: int) -> int:
         return _PARTIAL_SEQ | (self.handle_id << _HANDLE_SHIFT) | (epoch << _EPOCH_SHIFT) | round
+
+    def _initiates(self, round: int) -> bool:
+        """Whether this rank's call starts the activation broadcast of ``round``: always with
+        solo, only as the round's initiator with majority (else the call joins: see
+        ``collectives/partial.py``)."""
+        return self.quorum != "majority" or self._initiator(round) == self.rank
 
     def _initiator(self, round: int) -> int:
         """Majority's designated initiator of ``round``: same seed, same draw on every rank.
@@ -263,8 +285,10 @@ class PartialAllreduce:
         if round >= _AGREE_ROUND:
             raise CollectiveError(f"rank {self.rank}: partial allreduce ran out of rounds", rank=self.rank)
         self.round = round
-        schedule, start = _schedule(self.transport.world_size, self.rank, self.count + 1, self.algorithm,
-                                    self.op, self.members, self.quorum != "all")
+        if self._group[0] != self.epoch:  # the group changed: its schedule (cached per group)
+            self._group = (self.epoch, _schedule(self.transport.world_size, self.rank, self.count + 1,
+                                                 self.algorithm, self.op, self.members, self.quorum != "all"))
+        schedule, start = self._group[1]
         info = RunInfo(seq=self._seq(self.epoch, round), description=self.description)
         execution = self.execution
         if execution is not None and execution.schedule is schedule and execution.finished:
@@ -342,13 +366,15 @@ class PartialAllreduce:
         call.fresh = True
         self.fresh = True
         self.calls.append(call)
-        if self.quorum != "majority" or self._initiator(self.round) == self.rank:
-            assert execution is not None
-            execution.trigger()
+        assert execution is not None
+        execution.trigger(initiate=self._initiates(self.round))
 
     def _resolve(self, call: _Call, *, contributed: bool) -> None:
         assert self.latest is not None
         round, result, active = self.latest
+        if isinstance(result, np.ndarray):  # made a tensor once, when the first call takes it
+            result = torch.from_numpy(result)
+            self.latest = (round, result, active)
         self.last_seen = max(self.last_seen, round)
         if not call.future.done():
             call.future.set_result(PartialResult(tensor=result, contributed=contributed, active=active,
@@ -356,9 +382,10 @@ class PartialAllreduce:
 
     def _complete_round(self, execution: _Execution) -> None:
         work = execution.arrays["data"]
-        # A copy: the buffer is the next round's (and the caller may keep the result).
-        result = (torch.from_numpy(work[:self.count].copy()) if isinstance(work, np.ndarray)
-                  else work[:self.count].clone())
+        # A copy: the buffer is the next round's (and the caller may keep the result). The
+        # tensor around a numpy copy is made by the call that takes it (_resolve): a rank that
+        # has not called yet spends no torch op on the round's critical path.
+        result = work[:self.count].copy() if isinstance(work, np.ndarray) else work[:self.count].clone()
         self.latest = (self.round, result, int(work[self.count]))
         self._discard_late_messages(execution)
         self.fresh = False
@@ -374,9 +401,10 @@ class PartialAllreduce:
     def _discard_late_messages(self, execution: _Execution) -> None:
         """Activation messages a finished execution did not take (several initiators) may
         still arrive: the mailbox drops them, so no progress-loop wake-up polls for them."""
-        ops = execution.schedule.ops
-        keys = [(ops[i].channel, message_tag(execution.info.seq, ops[i].tag), ops[i].peer)
-                for i in execution.pending_recvs]
+        if not execution.pending_recvs:
+            return
+        ops, base = execution.schedule.ops, execution.tag_base
+        keys = [(ops[i].channel, base | ops[i].tag, ops[i].peer) for i in execution.pending_recvs]
         mailbox = self.transport.mailbox
         mailbox.discard(keys)
         self._discarding.append(keys)
@@ -457,9 +485,9 @@ class PartialAllreduce:
             call.fresh = True
         self._arm(resume)
         self.fresh = bool(self.calls)
-        if self.calls and (self.quorum != "majority" or self._initiator(resume) == self.rank):
+        if self.calls:
             assert self.execution is not None
-            self.execution.trigger()
+            self.execution.trigger(initiate=self._initiates(resume))
         return True
 
     # -- executor protocol -------------------------------------------------------------------

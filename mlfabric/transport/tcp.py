@@ -174,7 +174,9 @@ class _Outgoing:
         self.peer = peer
         self.channel = channel
         self.sock = sock
-        self.lock = threading.Condition()
+        # send() takes the plain lock (a C call); the sender thread waits on the condition.
+        self.mutex = threading.Lock()
+        self.lock = threading.Condition(self.mutex)
         # Messages the sender thread still has to write; the head one is being written.
         self.queue: deque[tuple[list[memoryview], SendHandle]] = deque()
         self.error: str | None = None
@@ -185,7 +187,7 @@ class _Outgoing:
         """Queue ``parts`` behind what is already queued; the returned handle (``handle`` when
         given: it is completed, and the mailbox woken, once the kernel holds every byte)
         says when the payload may be reused."""
-        with self.lock:
+        with self.mutex:
             if self.error is not None:
                 # The peer is gone (it is being reported lost, or it left): the message
                 # cannot be delivered and its send never completes.

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import mlfabric
-from mlfabric.collectives.partial import INTERNAL_ACTIVATION, activation_op_count, partial_allreduce
+from mlfabric.collectives.partial import INTERNAL_ACTIVATION, JOIN, activation_op_count, partial_allreduce
 from mlfabric.runtime.communicator import Communicator
 from mlfabric.runtime.partial import _KEEP_DRAINING
 from mlfabric.schedule import DepMode, Recv, Send, validate
@@ -35,7 +35,7 @@ WORLDS = [1, 2, 3, 4, 5, 6, 8, 11]
 def test_schedule_is_valid_persistent_and_reduces(n: int, algorithm: str) -> None:
     schedules = [partial_allreduce(n, r, 9, algorithm=algorithm) for r in range(n)]
     validate(schedules)  # every rank initiating: all sends match, no deadlock, no race
-    assert all(s.persistent and s.triggers == (INTERNAL_ACTIVATION,) for s in schedules)
+    assert all(s.persistent and s.triggers == (INTERNAL_ACTIVATION, JOIN) for s in schedules)
     data = [np.arange(9) * (r + 1) for r in range(n)]
     for out in interpret(schedules, data):
         np.testing.assert_array_equal(out, np.arange(9) * n * (n + 1) // 2)
@@ -50,6 +50,32 @@ def test_any_single_initiator_activates_everyone(n: int) -> None:
             first = activation_op_count(schedules[rank]) - 1
             assert all(flags[first:]), f"N={n} initiator {initiator}: rank {rank} did not reduce"
             assert flags[INTERNAL_ACTIVATION] == (rank == initiator)
+
+
+@pytest.mark.parametrize("n", [4, 6, 8])
+def test_joins_start_the_reduction_but_only_an_initiator_completes_it(n: int) -> None:
+    """Majority's non-initiators *join* (trigger JOIN): their reduction starts, but they send
+    no activation, so without the initiator the ranks that did not call never reduce; with
+    it every rank does, and the activation still takes N-1 messages."""
+    schedules = [partial_allreduce(n, r, 5) for r in range(n)]
+    joiners = {0, n - 1}
+    activations: list[int] = []
+
+    def on_fire(rank: int, index: int, op: object) -> None:
+        if isinstance(op, Send) and index < activation_op_count(schedules[rank]):
+            activations.append(rank)
+
+    done = walk(schedules, on_fire, triggered=lambda rank, i: i == JOIN and rank in joiners)
+    assert not activations
+    for rank, flags in enumerate(done):
+        start = activation_op_count(schedules[rank]) - 1
+        assert flags[start] == (rank in joiners)
+        assert not all(flags[start:]), f"rank {rank} finished a round nobody initiated"
+    initiator = 2
+    done = walk(schedules, on_fire, triggered=lambda rank, i: (i == JOIN and rank in joiners)
+                or (i == INTERNAL_ACTIVATION and rank == initiator))
+    assert all(all(flags[activation_op_count(schedules[rank]) - 1:]) for rank, flags in enumerate(done))
+    assert len(activations) == n - 1
 
 
 @pytest.mark.parametrize("n", [4, 8, 6])
@@ -296,6 +322,36 @@ def test_every_dtype_reduces_and_keeps_its_type(dtype: torch.dtype) -> None:
         expected = (2 * (torch.arange(6, dtype=torch.float32).reshape(2, 3).t().reshape(-1) + step) + 1).to(dtype)
         assert a.dtype == dtype and not a.requires_grad
         assert torch.equal(a, expected) and torch.equal(b, expected)
+
+
+def test_majority_callers_join_before_the_initiator_and_wait_for_it() -> None:
+    """A majority rank that calls before the round's initiator starts its part of the
+    reduction at once (its fresh data is taken then), yet its call returns only after the
+    initiator's; the round counts exactly the callers and the initiator as active."""
+    n, seed = 4, 11
+
+    def call(rank: int, value: int) -> torch.futures.Future:
+        return comms[rank].partial_allreduce_async(torch.full((1,), value, dtype=torch.int64),
+                                                   quorum="majority", seed=seed)
+
+    comms = mlfabric.local_world(n)
+    try:
+        for future in [call(r, 0) for r in range(n)]:  # round 0: every rank registers
+            assert future.wait().round == 0
+        handles = [next(iter(comm._partials.values())) for comm in comms]
+        initiator = handles[0]._initiator(1)
+        early = (initiator + 1) % n
+        futures = {early: call(early, 10)}
+        time.sleep(0.2)
+        assert not futures[early].done(), "a round completed without its initiator"
+        assert handles[early].execution.activated, "the caller waited for the activation instead of joining"
+        assert not handles[(initiator + 2) % n].execution.activated  # nobody activated the others
+        futures[initiator] = call(initiator, 100)
+        for res in (f.wait() for f in futures.values()):
+            assert res.round == 1 and int(res.tensor[0]) == 110 and res.active == 2
+    finally:
+        for comm in comms:
+            comm.close()
 
 
 def test_majority_initiators_agree_across_ranks_and_draw_blocks() -> None:
