@@ -147,6 +147,16 @@ class _Run:
     # with receives still pending (partial collectives) must not: a late message would land
     # in a buffer that is no longer waiting for it.
     offers_destinations = True
+    # The run is finished when every op from this index on has completed (a partial
+    # collective's activation ops may stay unmatched); 0: every op.
+    required_from = 0
+    # Op whose firing calls on_fire_hook() first (-1: none); a partial collective fills its
+    # buffer from the send buffer when its reduction starts. Hooks instead of overriding
+    # _fire/_complete: those run for every op, and a call level there costs on every message.
+    hook_index = -1
+
+    def on_fire_hook(self) -> None:
+        """Called as op :attr:`hook_index` fires."""
 
     def __init__(self, executor: "Executor", schedule: Schedule, buffers: dict[str, torch.Tensor],
                  info: RunInfo, deadline: float, future: "torch.futures.Future | Waiter",
@@ -157,6 +167,7 @@ class _Run:
         self.future = future
         self.result = result
         self.dependents = schedule.dependents()
+        self.required = len(schedule.ops) - self.required_from  # see finished
         # Views of the ops' slices and byte views of what sends send, built on first use:
         # the buffers live as long as the run (a persistent partial collective re-arms the
         # same run), and building a view costs more than a small message's own work.
@@ -194,7 +205,7 @@ class _Run:
         self.deadline = deadline
         self.waiting = list(self.schedule.dependency_counts())
         self.fired = list(fired)
-        self.completed = 0
+        self.completed = 0  # ops from required_from on that completed
         self.ready: deque[int] = deque(ready)
         self.pending_recvs: list[int] = []
         self.recv_keys: dict[int, tuple[str, int]] = {}  # mailbox key of each pending receive
@@ -206,7 +217,7 @@ class _Run:
 
     @property
     def finished(self) -> bool:
-        return self.completed == len(self.schedule.ops)
+        return self.completed == self.required
 
     @property
     def wake_at(self) -> float:
@@ -267,6 +278,8 @@ class _Run:
         return progressed
 
     def _fire(self, index: int) -> None:
+        if index == self.hook_index:
+            self.on_fire_hook()
         op = self.schedule.ops[index]
         if isinstance(op, Send):
             payload = self._send_bytes.get(index)
@@ -322,7 +335,8 @@ class _Run:
     def _accept(self, index: int, msg: Message) -> None:
         """Receive ``msg`` for receive op ``index``: check it, land its payload, complete."""
         op: Recv = self.schedule.ops[index]  # type: ignore[assignment]
-        self._check_message(op, msg)
+        if msg.meta != self.meta or msg.nbytes != self.nbytes(op.dst):
+            self._check_message(op, msg)  # raises, saying which
         dst = self.view(op.dst)
         if len(dst) and not msg.in_place:
             if self._numpy:
@@ -353,7 +367,8 @@ class _Run:
             )
 
     def _complete(self, index: int) -> None:
-        self.completed += 1
+        if index >= self.required_from:
+            self.completed += 1
         ops = self.schedule.ops
         for j in self.dependents[index]:
             if self.fired[j]:
@@ -400,7 +415,7 @@ class _Run:
             op = self.schedule.ops[index]
             parts.append(f"send to peer {op.peer} (op {index})")
         if not parts:
-            parts.append(f"{len(self.schedule.ops) - self.completed} ops blocked on dependencies")
+            parts.append(f"{self.required - self.completed} ops blocked on dependencies")
         return ", ".join(parts)
 
 

@@ -123,11 +123,13 @@ class _Execution(_Run):
 
     def __init__(self, owner: "PartialAllreduce", schedule: Schedule, reduction_start: int,
                  work: torch.Tensor, info: RunInfo) -> None:
-        super().__init__(owner.executor, schedule, {"data": work}, info, math.inf,
-                         torch.futures.Future(), lambda: None)
         self.owner = owner
         self.reduction_start = reduction_start  # the "activate reduction" Nop
-        self.required = len(schedule.ops) - self.reduction_start
+        # Done when the reduction is (the activation's receives may stay open); the reduction's
+        # start fills the buffer (on_fire_hook).
+        self.required_from = self.hook_index = reduction_start
+        super().__init__(owner.executor, schedule, {"data": work}, info, math.inf,
+                         torch.futures.Future(), lambda: None)
 
     def _initial_state(self) -> tuple[tuple[bool, ...], tuple[int, ...]]:
         # The triggers wait for the application's call.
@@ -138,7 +140,6 @@ class _Execution(_Run):
 
     def start(self, info: RunInfo, deadline: float) -> None:
         super().start(info, deadline)
-        self.required_done = 0
         self.activated = False
 
     def trigger(self, initiate: bool = True) -> None:
@@ -151,20 +152,9 @@ class _Execution(_Run):
             self.fired[index] = True
             self.ready.append(index)
 
-    def _fire(self, index: int) -> None:
-        if index == self.reduction_start:
-            self.activated = True
-            self.owner._fill(self.arrays["data"])
-        super()._fire(index)
-
-    def _complete(self, index: int) -> None:
-        if index >= self.reduction_start:
-            self.required_done += 1
-        super()._complete(index)
-
-    @property
-    def finished(self) -> bool:
-        return self.required_done == self.required
+    def on_fire_hook(self) -> None:
+        self.activated = True
+        self.owner._fill(self.arrays["data"])
 
 
 class PartialAllreduce:

@@ -223,7 +223,10 @@ class Transport(ABC):
             raise ValueError(f"rank {self.rank}: cannot send to peer {peer} (world size {self.world_size})")
         if channel != CONTROL_CHANNEL and channel not in self.channels:
             raise ValueError(f"rank {self.rank}: unknown channel {channel!r}; this transport has {self.channels}")
-        view = memoryview(payload).cast("B")
+        # The runtime's payloads are byte views already (executor.tensor_bytes).
+        view = (payload if type(payload) is memoryview and payload.ndim == 1 and payload.format == "B"
+                and payload.c_contiguous
+                else memoryview(payload).cast("B"))
         with self._counter_lock:
             counters = (self._counters.get((peer, channel))
                         or self._counters.setdefault((peer, channel), LinkCounters()))

@@ -183,10 +183,10 @@ class _Outgoing:
         self.closing = False
         self.thread: threading.Thread | None = None
 
-    def send(self, parts: list[memoryview], handle: SendHandle | None = None) -> SendHandle:
-        """Queue ``parts`` behind what is already queued; the returned handle (``handle`` when
-        given: it is completed, and the mailbox woken, once the kernel holds every byte)
-        says when the payload may be reused."""
+    def send(self, parts: list[memoryview], handle: SendHandle | None = None, nbytes: int = -1) -> SendHandle:
+        """Queue ``parts`` (``nbytes`` in all, if the caller knows) behind what is already
+        queued; the returned handle (``handle`` when given: it is completed, and the mailbox
+        woken, once the kernel holds every byte) says when the payload may be reused."""
         with self.mutex:
             if self.error is not None:
                 # The peer is gone (it is being reported lost, or it left): the message
@@ -203,6 +203,8 @@ class _Outgoing:
                     # waits on it with that reason (this send never completes).
                     self._broken(exc)
                     return handle or SendHandle(done=False)
+                if sent == nbytes and handle is None:  # the common case: the kernel took it all
+                    return _DONE
                 parts = _without_sent(parts, sent)
                 if not parts:
                     if handle is None:
@@ -372,7 +374,7 @@ class TcpTransport(Transport):
         parts = [memoryview(frame), memoryview(meta), payload] if meta else [memoryview(frame), payload]
         if self._pacer is not None and self._pacer.clock.paced(channel):
             return self._send_paced(connection, parts, channel, payload.nbytes)
-        return connection.send(parts)
+        return connection.send(parts, None, FRAME.size + len(meta) + payload.nbytes)
 
     def _send_paced(self, connection: _Outgoing, parts: list[memoryview], channel: str,
                     nbytes: int) -> SendHandle:
