@@ -58,9 +58,9 @@ import torch
 
 from mlfabric.collectives.partial import INTERNAL_ACTIVATION, JOIN, QUORUMS, activation_op_count, partial_allreduce
 from mlfabric.errors import CollectiveError, CollectiveTimeoutError
-from mlfabric.schedule import Schedule
+from mlfabric.schedule import Recv, Schedule
 
-from .executor import Executor, RunInfo, Waiter, _Run, host_array, message_tag
+from .executor import TAG_BITS, Executor, RunInfo, Waiter, _Run, host_array, message_tag
 
 log = logging.getLogger("mlfabric.runtime.partial")
 
@@ -73,6 +73,9 @@ _MAX_HANDLES, _MAX_EPOCHS, _MAX_ROUNDS = 1 << 8, 1 << 6, 1 << 25
 _AGREE_ROUND = _MAX_ROUNDS - 1  # the round slot of an epoch's agreement messages
 _KEEP_DRAINING = 16  # executions whose late activation messages are still discarded
 _DRAW_BLOCK = 256  # majority's initiators are drawn this many rounds at a time
+# A completed round's rank arms the next round in the first pass at least this long after the
+# completion, unless a call or the next round's activation needs it sooner (see _rearm).
+_REARM_DELAY_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -197,8 +200,14 @@ class PartialAllreduce:
         self.latest: tuple[int, torch.Tensor | np.ndarray, int] | None = None
         self.round = 0
         self.execution: _Execution | None = None
-        # (epoch, (schedule, reduction start)) of the group the last round ran in.
+        # (epoch, (schedule, reduction start)) of the group the last round ran in, and the
+        # (channel, tag) of its activation receives.
         self._group: tuple[int, tuple[Schedule, int]] | tuple[None, None] = (None, None)
+        self._activation_keys: list[tuple[str, int]] = []
+        # Set when a round completed and the next one is not armed yet: from when _rearm may
+        # run without being asked. None while a round is armed.
+        self._rearm_after: float | None = None
+        self._used: _HostBuffer | None = None  # the completed round's send buffer, to zero
         self.agreeing: dict[int, int] | None = None  # peer -> its armed round, while re-forming
         self._commands: deque[tuple[torch.Tensor | np.ndarray, int | None, _Call]] = deque()
         self._lock = threading.Lock()
@@ -278,6 +287,8 @@ class PartialAllreduce:
         if self._group[0] != self.epoch:  # the group changed: its schedule (cached per group)
             self._group = (self.epoch, _schedule(self.transport.world_size, self.rank, self.count + 1,
                                                  self.algorithm, self.op, self.members, self.quorum != "all"))
+            schedule, start = self._group[1]
+            self._activation_keys = [(op.channel, op.tag) for op in schedule.ops[:start] if isinstance(op, Recv)]
         schedule, start = self._group[1]
         info = RunInfo(seq=self._seq(self.epoch, round), description=self.description)
         execution = self.execution
@@ -299,6 +310,8 @@ class PartialAllreduce:
         work[self.count] = 1 if self.fresh else 0
 
     def advance(self, version: int) -> bool:
+        if self._rearm_after is not None and (time.monotonic() >= self._rearm_after or self._next_round_arrived()):
+            self._rearm(version)
         # While the group re-forms the next round is unknown: calls wait in the queue.
         progressed = self._take_commands() if self.agreeing is None else False
         if (self.transport.lost_peers or self.transport.departed_peers) and self._gone() & set(self.members):
@@ -308,21 +321,52 @@ class PartialAllreduce:
             return self._agree() or progressed
         execution = self.execution
         assert execution is not None
-        progressed |= execution.advance(version)
-        if execution.finished:
-            self._complete_round(execution)
-            # Post the next round's activation receives now, while this rank has nothing
-            # else to do, instead of when its activation arrives (on the critical path).
-            assert self.execution is not None
-            self.execution.advance(version)
-            progressed = True
+        if self._rearm_after is None:
+            progressed |= execution.advance(version)
+            if execution.finished:
+                self._complete_round(execution)
+                progressed = True
         if self.calls:
             self._expire_calls()
         return progressed
 
+    def _next_round_arrived(self) -> bool:
+        """Whether an activation message of the round after the completed one is queued."""
+        queued = self.transport.mailbox.queued
+        base = self._seq(self.epoch, self.round + 1) << TAG_BITS
+        return any((channel, base | tag) in queued for channel, tag in self._activation_keys)
+
+    def _rearm(self, version: int) -> None:
+        """Arm the round after the completed one and post its activation receives.
+
+        Why not at completion: a round completes on every rank within a few milliseconds, in
+        a wave bound by the CPU the ranks spend (32 processes on 2 cores), and what a rank
+        does there delays the ranks still waiting for the result. So the work that is not
+        urgent — dropping the round's late activations, zeroing its send buffer, arming and
+        posting the next round's receives — is left to the first pass :data:`_REARM_DELAY_S`
+        after the completion (passes come with every message and call; none is added for
+        it), unless a call or the next round's activation needs it sooner."""
+        execution = self.execution
+        assert execution is not None and self._rearm_after is not None
+        self._rearm_after = None
+        self._discard_late_messages(execution)
+        self._recycle_used()
+        self._arm(self.round + 1)
+        # Post the next round's activation receives now, instead of when its activation
+        # arrives (on the critical path).
+        assert self.execution is not None
+        self.execution.advance(version)
+
+    def _recycle_used(self) -> None:
+        if self._used is not None:
+            self._used.host[:] = 0
+            self._spare, self._used = self._used, None
+
     def _take_commands(self) -> bool:
         if not self._commands:  # lock-free test first: most wake-ups bring no call
             return False
+        if self._rearm_after is not None:  # a call is for the next round: arm it now
+            self._rearm(self.transport.mailbox.version)
         with self._lock:
             commands = list(self._commands)
             self._commands.clear()
@@ -377,16 +421,14 @@ class PartialAllreduce:
         # has not called yet spends no torch op on the round's critical path.
         result = work[:self.count].copy() if isinstance(work, np.ndarray) else work[:self.count].clone()
         self.latest = (self.round, result, int(work[self.count]))
-        self._discard_late_messages(execution)
         self.fresh = False
         calls, self.calls = self.calls, []
         for call in calls:
             # A fresh call was accepted before the reduction started, so its data is in.
             self._resolve(call, contributed=call.fresh)
-        if self._snapshot is not None:  # (None if the group re-formed after the fill)
-            self._snapshot.host[:] = 0
-            self._spare, self._snapshot = self._snapshot, None
-        self._arm(self.round + 1)
+        # Zeroing the round's send buffer and arming the next round wait (_rearm).
+        self._used, self._snapshot = self._snapshot, None  # (None if the group re-formed after the fill)
+        self._rearm_after = time.monotonic() + _REARM_DELAY_S
 
     def _discard_late_messages(self, execution: _Execution) -> None:
         """Activation messages a finished execution did not take (several initiators) may
@@ -431,6 +473,14 @@ class PartialAllreduce:
             self._send.host += self._snapshot.host  # the abandoned contribution is not lost
             self._snapshot.host[:] = 0
             self._spare, self._snapshot = self._snapshot, None
+        if self._rearm_after is not None:
+            # The last round completed here and the next is not armed yet: it is the round
+            # this rank reports (the agreement resumes at the largest round armed).
+            self._rearm_after = None
+            if self.execution is not None:
+                self._discard_late_messages(self.execution)
+            self._recycle_used()
+            self.round += 1
         if self.execution is not None:
             self.execution.unpost()
         self.execution = None
