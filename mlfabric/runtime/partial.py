@@ -310,6 +310,16 @@ class PartialAllreduce:
         work[self.count] = 1 if self.fresh else 0
 
     def advance(self, version: int) -> bool:
+        execution = self.execution
+        transport = self.transport
+        if (execution is not None and not self.calls and not self._commands and self._rearm_after is None
+                and self.agreeing is None and not execution.arrived and not execution.ready
+                and not execution.pending_sends and not transport.mailbox.queued
+                and not transport.lost_peers and not transport.departed_peers):
+            # Nothing can have happened to this collective: no call, no message for it (routed
+            # or queued), no send to complete, no peer gone. Most passes are for another
+            # collective, and this test is cheaper than looking.
+            return False
         if self._rearm_after is not None and (time.monotonic() >= self._rearm_after or self._next_round_arrived()):
             self._rearm(version)
         # While the group re-forms the next round is unknown: calls wait in the queue.
