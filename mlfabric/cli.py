@@ -280,7 +280,7 @@ def bench_partial(
     size: Annotated[str, typer.Option(help="Message size (float32): KB/MB powers of 1000, KiB/MiB of 1024.")] = "1KB",
     algorithm: Annotated[str, typer.Option(help="Reduction schedule of all three variants: tree, halving_doubling, "
                                                "ring, ps or auto.")] = "tree",
-    transport: Annotated[str, typer.Option(help="mlfabric transport: zmq, tcp or torch.")] = "zmq",
+    transport: Annotated[str, typer.Option(help="mlfabric transport: tcp, zmq or torch.")] = "tcp",
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures and metadata here.")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds before the whole run is killed.")] = 900.0,
     seed: Annotated[int, typer.Option(help="Seed of majority's initiator draws.")] = 0,

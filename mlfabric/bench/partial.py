@@ -2,7 +2,10 @@
 
     mlfabric bench partial --world-size 32 --skew linear:1ms..32ms --iterations 64 --json out.json
 
-Spawns ``world_size`` local ranks (:mod:`mlfabric.bench.procs`, zmq transport by default).
+Spawns ``world_size`` local ranks (:mod:`mlfabric.bench.procs`), over the tcp transport by
+default: with 32 processes on two cores a round costs what the runtime spends per message, and
+the tcp transport runs the schedule on the thread that received the message where zmq wakes
+a progress thread for each (``--transport zmq`` measures that: docs/results.md).
 Every iteration runs the three variants one after the other (synchronous, solo, majority, then
 the next iteration), so drift on a shared machine hits them alike; each variant's iteration is
 the paper's loop body (Fig. 8; the reference code is fflib2's ``rsgd.c``/``ssgd.c``):
@@ -94,7 +97,7 @@ class PartialBenchConfig:
     # a few cores, per-message CPU is what a round costs.
     algorithm: str = "tree"
     variants: tuple[str, ...] = VARIANTS
-    transport: str = "zmq"
+    transport: str = "tcp"  # see the module docstring
     timeout_s: float = 900.0
     seed: int = 0  # majority's initiator draws
     # "aligned": every rank starts its skew at the same instant, align_margin_s after the last
