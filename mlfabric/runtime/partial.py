@@ -285,9 +285,9 @@ class PartialAllreduce:
             raise CollectiveError(f"rank {self.rank}: partial allreduce ran out of rounds", rank=self.rank)
         self.round = round
         if self._group[0] != self.epoch:  # the group changed: its schedule (cached per group)
-            self._group = (self.epoch, _schedule(self.transport.world_size, self.rank, self.count + 1,
-                                                 self.algorithm, self.op, self.members, self.quorum != "all"))
-            schedule, start = self._group[1]
+            schedule, start = _schedule(self.transport.world_size, self.rank, self.count + 1, self.algorithm,
+                                        self.op, self.members, self.quorum != "all")
+            self._group = (self.epoch, (schedule, start))
             self._activation_keys = [(op.channel, op.tag) for op in schedule.ops[:start] if isinstance(op, Recv)]
         schedule, start = self._group[1]
         info = RunInfo(seq=self._seq(self.epoch, round), description=self.description)
