@@ -181,24 +181,21 @@ class _Run:
         self._send_bytes: dict[int, memoryview] = {}  # by op index
         self.pending_recvs: list[int] = []
         self.recv_keys: dict[int, tuple[str, int]] = {}  # mailbox key of each pending receive
-        self._initial: tuple[tuple[bool, ...], tuple[int, ...]] | None = None  # see _initial_state
+        self._initial = self._initial_state()  # start() copies it at every (re-)arming
         self.info_description: str | None = None  # what ``meta`` encodes
         self.start(info, deadline)
 
     def _initial_state(self) -> tuple[tuple[bool, ...], tuple[int, ...]]:
         """Which ops count as fired, and which are ready, when an execution starts: the ops
-        without dependencies. Computed once per run (a persistent run re-arms with a copy)."""
-        counts = self.schedule.dependency_counts()
-        return tuple(count == 0 for count in counts), tuple(i for i, count in enumerate(counts) if count == 0)
+        without dependencies (cached on the schedule)."""
+        return self.schedule.start_state()
 
     def start(self, info: RunInfo, deadline: float) -> None:
         """(Re-)arm: every op unfired, as at the start of an execution."""
         self.unpost()  # a re-armed run's receives still open from its last execution
-        if self._initial is None:
-            self._initial = self._initial_state()
         fired, ready = self._initial
         self.info = info
-        self.tag_base = info.seq << TAG_BITS  # | an op's tag: its messages' tag (message_tag)
+        self.tag_base = message_tag(info.seq, 0)  # | an op's tag: its messages' tag
         if info.description != self.info_description:
             self.info_description = info.description
             self.meta = info.description.encode()

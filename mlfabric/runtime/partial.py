@@ -60,7 +60,7 @@ from mlfabric.collectives.partial import INTERNAL_ACTIVATION, JOIN, QUORUMS, act
 from mlfabric.errors import CollectiveError, CollectiveTimeoutError
 from mlfabric.schedule import Recv, Schedule
 
-from .executor import TAG_BITS, Executor, RunInfo, Waiter, _Run, host_array, message_tag
+from .executor import Executor, RunInfo, Waiter, _Run, host_array, message_tag
 
 log = logging.getLogger("mlfabric.runtime.partial")
 
@@ -343,7 +343,7 @@ class PartialAllreduce:
     def _next_round_arrived(self) -> bool:
         """Whether an activation message of the round after the completed one is queued."""
         queued = self.transport.mailbox.queued
-        base = self._seq(self.epoch, self.round + 1) << TAG_BITS
+        base = message_tag(self._seq(self.epoch, self.round + 1), 0)
         return any((channel, base | tag) in queued for channel, tag in self._activation_keys)
 
     def _rearm(self, version: int) -> None:

@@ -251,6 +251,16 @@ class Schedule:
     def _dependency_counts(self) -> tuple[int, ...]:
         return tuple(len(op.deps) for op in self.ops)
 
+    def start_state(self) -> tuple[tuple[bool, ...], tuple[int, ...]]:
+        """(for each op whether it starts fired, the ops ready at the start): the ops without
+        dependencies (computed once, like ``dependents``)."""
+        return self._start_state
+
+    @cached_property
+    def _start_state(self) -> tuple[tuple[bool, ...], tuple[int, ...]]:
+        counts = self._dependency_counts
+        return tuple(count == 0 for count in counts), tuple(i for i, count in enumerate(counts) if count == 0)
+
     def sends(self) -> Iterable[Send]:
         return (op for op in self.ops if isinstance(op, Send))
 
