@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-unit test-local test-emu install system-deps clean
+.PHONY: demo test test-unit test-local test-emu install system-deps compiler clean
 
 # The emulator needs iproute2 (ip, tc). As root on Debian, install it when missing; elsewhere
 # the emulation tests skip and `mlfabric emu doctor` says what is missing.
@@ -19,7 +19,17 @@ system-deps:
 	  else echo "note: iproute2 (ip, tc) missing: emulation tests will be skipped"; fi; \
 	fi
 
-$(STAMP): pyproject.toml
+# The flow solver's compiled kernel (mlfabric/flow/_fill.c) needs a C compiler and the
+# Python headers at install time; without them the install still works (numpy fallback),
+# but the simulator is several times slower and test_native_kernel_is_built fails.
+compiler:
+	@if ! command -v cc >/dev/null 2>&1 || ! $(PYTHON) -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc python3-dev; \
+	  else echo "note: no C compiler or Python headers: the flow solver falls back to numpy"; fi; \
+	fi
+
+$(STAMP): pyproject.toml setup.py mlfabric/flow/_fill.c | compiler
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
@@ -44,4 +54,4 @@ test-emu: $(STAMP) system-deps
 	$(PY) -m pytest -q tests/emu
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache mlfabric/flow/_fill*.so

@@ -40,6 +40,11 @@ from mlfabric.flow.certificate import CertificateReport, check_certificate
 from mlfabric.flow.incidence import Incidence
 from mlfabric.flow.maxmin import DEFAULT_TIE_RTOL, solve_max_min, validate_capacity
 
+try:  # the compiled re-solve (setup.py builds it when a C compiler is there)
+    from mlfabric.flow import _fill
+except ImportError:  # pragma: no cover - depends on the install
+    _fill = None
+
 __all__ = ["FlowNetwork", "UpdateStats"]
 
 # Flows whose old rate is within this relative distance of the divergence level are
@@ -72,6 +77,7 @@ class FlowNetwork:
         *,
         tie_rtol: float = DEFAULT_TIE_RTOL,
         incremental: bool = True,
+        native: bool | None = None,
     ) -> None:
         capacity = np.asarray(link_capacity, dtype=np.float64)
         self._capacity = validate_capacity(capacity, capacity.size).copy()
@@ -79,6 +85,13 @@ class FlowNetwork:
         self.tie_rtol = tie_rtol
         #: False: every update is a full solve (for comparisons and debugging).
         self.incremental = incremental
+        if native and _fill is None:
+            raise RuntimeError("native=True but mlfabric.flow._fill is not built (reinstall with a C compiler)")
+        #: Re-solve with the compiled kernel (``_fill.c``; default: when it is built) or with
+        #: numpy (``solve_max_min``): the same allocation up to ``tie_rtol``.
+        self.native = _fill is not None if native is None else native
+        # Scratch of the kernel: -1 for every link between calls.
+        self._link_map = np.full(self.n_links, -1, dtype=np.int32)
         # Per-flow slots (grown by doubling; freed slots are reused).
         self._slots = 0
         self._start = np.zeros(0, dtype=np.int64)
@@ -99,7 +112,8 @@ class FlowNetwork:
         self._order_n = 0
         # Reusable per-slot scratch for de-duplicating id arrays (see _distinct).
         self._scratch = np.zeros(0, dtype=np.int64)
-        #: Ids re-solved by the last update (their rates may have changed): an event engine
+        #: Ids whose rates may have changed in the last update (the re-solved flows; the
+        #: compiled kernel lists only those whose rate is new or differs): an event engine
         #: only needs to recompute finish times for these.
         self.last_resolved = np.zeros(0, dtype=np.int64)
         # Entry storage (append-only, compacted when mostly garbage).
@@ -331,17 +345,31 @@ class FlowNetwork:
         scratch[ids] = order
         return ids[scratch[ids] == order]
 
-    def _set_order(self, ids: np.ndarray, rates: np.ndarray, start: int) -> None:
-        """Replace the rate order from position ``start`` on by ``ids`` (already sorted by ``rates``)."""
-        end = start + ids.size
+    def _reserve_order(self, end: int) -> None:
+        """Room for ``end`` entries in the rate order (the first ``_order_n`` are kept)."""
         if end > self._order.size:
             size = max(end, 2 * self._order.size, 256)
             order, order_rates = np.empty(size, dtype=np.int64), np.empty(size)
-            order[:start], order_rates[:start] = self._order[:start], self._order_rates[:start]
+            kept = self._order_n
+            order[:kept], order_rates[:kept] = self._order[:kept], self._order_rates[:kept]
             self._order, self._order_rates = order, order_rates
+
+    def _set_order(self, ids: np.ndarray, rates: np.ndarray, start: int) -> None:
+        """Replace the rate order from position ``start`` on by ``ids`` (already sorted by ``rates``)."""
+        end = start + ids.size
+        self._order_n = min(self._order_n, start)
+        self._reserve_order(end)
         self._order[start:end] = ids
         self._order_rates[start:end] = rates
         self._order_n = end
+
+    def _restore_order_at(self, split: int) -> None:
+        """Re-solved rates (from ``split`` on) lie at or above the divergence level up to
+        rounding; if rounding put one below a kept rate, restore the whole order outright."""
+        n = self._order_n
+        if 0 < split < n and self._order_rates[split] < self._order_rates[split - 1]:
+            resort = np.argsort(self._order_rates[:n], kind="stable")
+            self._set_order(self._order[:n][resort], self._order_rates[:n][resort], 0)
 
     def _entry_load(self, links: np.ndarray, weights: np.ndarray, lengths: np.ndarray, rates: np.ndarray) -> np.ndarray:
         """Per-link load of flows with the given entries (rows of ``lengths`` entries) at ``rates``;
@@ -382,7 +410,18 @@ class FlowNetwork:
         full = (not self.incremental) or resolve.size > _FULL_SOLVE_FRACTION * self._n_alive
         if full:
             resolve, split = self.flow_ids(), 0
-        if full or resolve.size:
+        if (full or resolve.size) and self.native:
+            self._reserve_order(split + resolve.size)
+            end = split + resolve.size
+            changed = np.empty(resolve.size, dtype=np.int64)
+            _, n_changed = _fill.resolve(
+                resolve, self._start, self._length, self._links, self._weights, self._cap, self._rate, self._solved,
+                self._capacity, self._load, self._link_map, self._order[split:end], self._order_rates[split:end],
+                changed, full, self._unit_weights, 1.0 + self.tie_rtol)
+            self._order_n = end
+            self._restore_order_at(split)
+            self.last_resolved = changed[:n_changed]
+        elif full or resolve.size:
             positions, indptr = self._entry_positions(resolve)
             links, weights, lengths = self._links[positions], self._weights[positions], np.diff(indptr)
             incidence = Incidence.trusted(indptr, links, None if self._unit_weights else weights, self.n_links)
@@ -400,13 +439,10 @@ class FlowNetwork:
             self._load = load_kept + self._entry_load(links, weights, lengths, rates)
             sort = np.argsort(rates, kind="stable")
             self._set_order(resolve[sort], rates[sort], split)
-            if split and rates.size and rates[sort[0]] < self._order_rates[split - 1]:
-                # Re-solved rates lie at or above the divergence level up to rounding; if
-                # rounding put one below a kept rate, restore the order outright.
-                n = self._order_n
-                resort = np.argsort(self._order_rates[:n], kind="stable")
-                self._set_order(self._order[:n][resort], self._order_rates[:n][resort], 0)
-        self.last_resolved = resolve
+            self._restore_order_at(split)
+            self.last_resolved = resolve
+        else:
+            self.last_resolved = resolve
         stats = UpdateStats(kind="full" if full else "partial" if resolve.size else "none", flows_total=self._n_alive,
                             flows_resolved=resolve.size, divergence_level=divergence)
         if self._order_n > 2 * self._n_alive + 1024:

@@ -24,6 +24,7 @@ from mlfabric.flow import (
     solve_max_min,
     solve_max_min_with_stats,
 )
+from mlfabric.flow import network as flow_network_module
 from mlfabric.topo import fat_tree
 
 METHODS = ("auto", "rounds", "events")
@@ -273,11 +274,17 @@ operations = st.lists(
 )
 
 
+# Both re-solve paths: the compiled kernel (mlfabric/flow/_fill.c) and numpy.
+RESOLVE_PATHS = [False, True]
+
+
 @settings(max_examples=120, deadline=None)
-@given(st.integers(1, 9), st.booleans(), operations)
-def test_flow_network_matches_full_solve_after_any_change_sequence(n_links: int, weighted: bool, ops: list[tuple[str, int]]) -> None:
+@given(st.integers(1, 9), st.booleans(), operations, st.sampled_from(RESOLVE_PATHS))
+def test_flow_network_matches_full_solve_after_any_change_sequence(
+    n_links: int, weighted: bool, ops: list[tuple[str, int]], native: bool
+) -> None:
     rng = np.random.default_rng(n_links)
-    network = FlowNetwork(rng.choice([0.0, 1.0, 2.0, 3.0, INF], n_links, p=[0.05, 0.35, 0.3, 0.25, 0.05]))
+    network = FlowNetwork(rng.choice([0.0, 1.0, 2.0, 3.0, INF], n_links, p=[0.05, 0.35, 0.3, 0.25, 0.05]), native=native)
     for op, seed in ops:
         r = np.random.default_rng(seed)
         if op == "add" or network.n_flows == 0:
@@ -325,6 +332,61 @@ def test_flow_network_resolves_only_flows_at_or_above_the_change() -> None:
     # Nothing changed: nothing re-solved.
     network.update()
     assert network.last_update.kind == "none" and network.last_resolved.size == 0
+
+
+def test_native_kernel_is_built() -> None:
+    # `make install` builds mlfabric/flow/_fill.c; without it the simulator's benchmarks
+    # fall back to numpy (same results, several times slower).
+    assert flow_network_module._fill is not None
+    assert FlowNetwork([1.0]).native
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_native_and_numpy_resolves_agree_on_a_fat_tree_event_sequence(weighted: bool) -> None:
+    """Both paths through the same 60 add/remove/capacity events of a k=8 fat-tree: same
+    rates (1e-9), a valid certificate, the same re-solve sets, and a rate order that is sorted."""
+    topology = fat_tree(8, 10.0, oversub=4)
+    networks = [FlowNetwork(topology.capacity(), native=native) for native in (False, True)]
+    rng = np.random.default_rng(3)
+    for step in range(60):
+        seed = int(rng.integers(0, 2**31))
+        pairs = np.random.default_rng(seed).integers(0, topology.n_hosts, (300, 2))
+        incidence = topology.route_spray(pairs) if weighted else topology.route_ecmp(pairs, seed=seed)
+        caps = np.where(np.random.default_rng(seed).random(300) < 0.1, 0.7, INF)
+        for network in networks:
+            if step % 4 == 0:
+                network.add_flows(incidence, caps)
+            elif step % 4 == 3:
+                network.set_capacity(int(seed % topology.n_links), float(seed % 3) * 5.0)
+            else:
+                ids = network.flow_ids()
+                network.remove_flows(np.random.default_rng(seed).choice(ids, size=ids.size // 5, replace=False))
+        numpy_rates, native_rates = (network.rates() for network in networks)
+        numpy_update, native_update = (network.last_update for network in networks)
+        assert (native_update.kind, native_update.flows_resolved) == (numpy_update.kind, numpy_update.flows_resolved)
+        np.testing.assert_allclose(native_rates, numpy_rates, rtol=1e-9, atol=1e-12)
+        assert networks[1].check().ok
+        order = networks[1]._order_rates[: networks[1]._order_n]
+        assert np.all(order[1:] >= order[:-1])
+        np.testing.assert_allclose(networks[1].link_load(), networks[0].link_load(), rtol=1e-9, atol=1e-9)
+
+
+def test_native_kernel_rejects_out_of_range_slots() -> None:
+    network = FlowNetwork([1.0, 2.0], native=True)
+    network.add_flows(Incidence.from_paths([[0], [0, 1]], 2))
+    network.update()
+    bad = np.array([network._start.size], dtype=np.int64)  # past every slot array
+    with pytest.raises(ValueError, match="out of range"):
+        flow_network_module._fill.resolve(
+            bad, network._start, network._length, network._links, network._weights, network._cap, network._rate,
+            network._solved, network._capacity, network._load, network._link_map, np.zeros(1, dtype=np.int64),
+            np.zeros(1), np.zeros(1, dtype=np.int64), False, True, 1.0)
+    with pytest.raises(ValueError, match="link_map"):
+        flow_network_module._fill.resolve(
+            np.array([0], dtype=np.int64), network._start, network._length, network._links, network._weights,
+            network._cap, network._rate, network._solved, network._capacity, network._load,
+            np.full(1, -1, dtype=np.int32), np.zeros(1, dtype=np.int64), np.zeros(1), np.zeros(1, dtype=np.int64), False,
+            True, 1.0)
 
 
 def test_flow_network_last_resolved_covers_every_changed_rate() -> None:
