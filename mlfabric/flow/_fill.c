@@ -27,6 +27,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* How many re-solved flows ahead the gather prefetches their slot data. */
+#define PREFETCH_AHEAD 8
+
 typedef struct {
     double key;
     int32_t link; /* index into the touched-link arrays */
@@ -99,7 +102,7 @@ static int check_buffer(const Py_buffer *buffer, Py_ssize_t itemsize, Py_ssize_t
 }
 
 /* resolve(ids, start, length, links, weights, cap, rate, solved, capacity, load, link_map,
- *         out_ids, out_rates, out_changed, full, unit, grow) -> (filling events, changed).
+ *         out_ids, out_rates, out_changed, full, unit, has_caps, grow) -> (filling events, changed).
  *
  * ids: int64 flow slots to re-solve; start/length: int64 per slot (entry range); links:
  * int64 and weights: float64 per entry (read only when not `unit`: all weights 1); cap,
@@ -108,16 +111,17 @@ static int check_buffer(const Py_buffer *buffer, Py_ssize_t itemsize, Py_ssize_t
  * out: at the new rates); link_map: int32 per link, all -1 on entry and on return (scratch);
  * out_ids/out_rates: len(ids) items, the re-solved flows sorted by new rate; out_changed:
  * len(ids) items, its first `changed` are the flows whose rate is new or differs. full: the
- * load in `load` is discarded and rebuilt. */
+ * load in `load` is discarded and rebuilt. has_caps: false when every cap is inf (`cap` is
+ * then not read). */
 static PyObject *resolve(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer b_ids, b_start, b_length, b_links, b_weights, b_cap, b_rate, b_solved, b_capacity, b_load, b_map,
         b_out_ids, b_out_rates, b_out_changed;
-    int full, unit;
+    int full, unit, has_caps;
     double grow;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*w*w*y*w*w*w*w*w*ppd", &b_ids, &b_start, &b_length, &b_links,
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*w*w*y*w*w*w*w*w*pppd", &b_ids, &b_start, &b_length, &b_links,
                           &b_weights, &b_cap, &b_rate, &b_solved, &b_capacity, &b_load, &b_map, &b_out_ids,
-                          &b_out_rates, &b_out_changed, &full, &unit, &grow))
+                          &b_out_rates, &b_out_changed, &full, &unit, &has_caps, &grow))
         return NULL;
 
     PyObject *result = NULL;
@@ -156,19 +160,19 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
     int64_t *out_ids = b_out_ids.buf, *out_changed = b_out_changed.buf;
     Py_ssize_t n_entries = b_links.len / 8;
 
-    /* Validate ids and entry ranges once, so the loops below can index without checks. */
+    /* Validate slots and entry ranges (link ids are checked in the gather), so the loops
+     * below can index without checks. The slot arrays are large and the ids scattered:
+     * prefetching a few flows ahead hides most of the cache misses. */
     Py_ssize_t nnz = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n && ids[i + PREFETCH_AHEAD] >= 0 && ids[i + PREFETCH_AHEAD] < slots) {
+            __builtin_prefetch(&start[ids[i + PREFETCH_AHEAD]]);
+            __builtin_prefetch(&length[ids[i + PREFETCH_AHEAD]]);
+        }
         int64_t f = ids[i];
         if (f < 0 || f >= slots || start[f] < 0 || length[f] < 0 || start[f] + length[f] > n_entries) {
             PyErr_Format(PyExc_ValueError, "_fill.resolve: flow slot %lld is out of range", (long long)f);
             goto done;
-        }
-        for (int64_t e = start[f]; e < start[f] + length[f]; e++) {
-            if (links[e] < 0 || links[e] >= n_links) {
-                PyErr_Format(PyExc_ValueError, "_fill.resolve: link id %lld out of range", (long long)links[e]);
-                goto done;
-            }
         }
         nnz += length[f];
     }
@@ -200,6 +204,14 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
     Py_ssize_t n_caps = 0, k_entry = 0;
     flow_ptr[0] = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n) {
+            int64_t ahead = ids[i + PREFETCH_AHEAD];
+            __builtin_prefetch(&links[start[ahead]]);
+            __builtin_prefetch(&rate[ahead]);
+            __builtin_prefetch(&solved[ahead]);
+            if (has_caps) __builtin_prefetch(&cap[ahead]);
+            if (!unit) __builtin_prefetch(&weights[start[ahead]]);
+        }
         int64_t f = ids[i];
         double r = rate[f];
         int take_off = !full && solved[f] && isfinite(r);
@@ -208,6 +220,10 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
             double w = unit ? 1.0 : weights[e];
             if (!(w > 0)) continue;
             int64_t l = links[e];
+            if (l < 0 || l >= n_links) {
+                PyErr_Format(PyExc_ValueError, "_fill.resolve: link id %lld out of range", (long long)l);
+                goto done;
+            }
             if (take_off) load[l] -= w * r;
             int32_t t = link_map[l];
             if (t < 0) {
@@ -221,8 +237,7 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
         }
         flow_ptr[i + 1] = k_entry;
         active[i] = 1;
-        double c = cap[f];
-        if (isfinite(c)) caps[n_caps++] = (CapItem){c, (int32_t)i};
+        if (has_caps && isfinite(cap[f])) caps[n_caps++] = (CapItem){cap[f], (int32_t)i};
     }
     qsort(caps, n_caps, sizeof(CapItem), cap_compare);
 
@@ -383,8 +398,83 @@ done:
     return result;
 }
 
+/* progress(ids, new_rate, rate, remaining, stamp, finish, in_candidates, near, now, horizon)
+ *     -> number of ids written to `near`.
+ *
+ * The event engine's bookkeeping after an update, for the flows whose rate changed (`ids`):
+ * each drains `remaining` bits at its old `rate` since `stamp`, then gets its new rate (read
+ * from `new_rate`, indexed by id), `stamp = now` and `finish = now + remaining / rate` (inf at
+ * rate 0 with bits left, `now` when nothing is left). Flows now finishing by `horizon` that
+ * are not `in_candidates` yet are marked and written to `near`. All arrays are indexed by
+ * flow id except `ids` and `near` (int64, len(ids) items). */
+static PyObject *progress(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer b_ids, b_new, b_rate, b_remaining, b_stamp, b_finish, b_in, b_near;
+    double now, horizon;
+    if (!PyArg_ParseTuple(args, "y*y*w*w*w*w*w*w*dd", &b_ids, &b_new, &b_rate, &b_remaining, &b_stamp, &b_finish,
+                          &b_in, &b_near, &now, &horizon))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = b_ids.len / 8, n_near = 0;
+    Py_ssize_t slots = b_rate.len / 8;
+    Py_ssize_t new_slots = b_new.len / 8;
+    if (!check_buffer(&b_new, 8, 0, "new_rate") || !check_buffer(&b_remaining, 8, slots, "remaining") ||
+        !check_buffer(&b_stamp, 8, slots, "stamp") || !check_buffer(&b_finish, 8, slots, "finish") ||
+        !check_buffer(&b_in, 1, slots, "in_candidates") || !check_buffer(&b_near, 8, n, "near"))
+        goto done;
+    const int64_t *ids = b_ids.buf;
+    const double *new_rate = b_new.buf;
+    double *rate = b_rate.buf, *remaining = b_remaining.buf, *stamp = b_stamp.buf, *finish = b_finish.buf;
+    char *in_candidates = b_in.buf;
+    int64_t *near = b_near.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t f = ids[i];
+        if (f < 0 || f >= slots || f >= new_slots) {
+            PyErr_Format(PyExc_ValueError, "_fill.progress: flow id %lld is out of range", (long long)f);
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n) {
+            int64_t ahead = ids[i + PREFETCH_AHEAD];
+            __builtin_prefetch(&rate[ahead]);
+            __builtin_prefetch(&remaining[ahead]);
+            __builtin_prefetch(&stamp[ahead]);
+            __builtin_prefetch(&new_rate[ahead]);
+        }
+        int64_t f = ids[i];
+        double left = remaining[f] - rate[f] * (now - stamp[f]);
+        if (!(left > 0)) left = 0.0;
+        double r = new_rate[f];
+        remaining[f] = left;
+        stamp[f] = now;
+        rate[f] = r;
+        /* as numpy's left / r: inf at rate 0 with bits left, 0 at rate inf, NaN (0/0) -> 0 */
+        double t = left / r;
+        if (isnan(t)) t = 0.0;
+        t += now;
+        finish[f] = t;
+        if (t <= horizon && !in_candidates[f]) {
+            in_candidates[f] = 1;
+            near[n_near++] = f;
+        }
+    }
+    result = PyLong_FromSsize_t(n_near);
+done:
+    PyBuffer_Release(&b_ids);
+    PyBuffer_Release(&b_new);
+    PyBuffer_Release(&b_rate);
+    PyBuffer_Release(&b_remaining);
+    PyBuffer_Release(&b_stamp);
+    PyBuffer_Release(&b_finish);
+    PyBuffer_Release(&b_in);
+    PyBuffer_Release(&b_near);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"resolve", resolve, METH_VARARGS, "Progressive filling of FlowNetwork's re-solved flows (see the file header)."},
+    {"progress", progress, METH_VARARGS, "The event engine's finish times for flows whose rate changed."},
     {NULL, NULL, 0, NULL},
 };
 

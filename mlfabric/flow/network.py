@@ -97,6 +97,7 @@ class FlowNetwork:
         self._start = np.zeros(0, dtype=np.int64)
         self._length = np.zeros(0, dtype=np.int64)
         self._cap = np.zeros(0)
+        self._any_cap = False  # some flow ever had a finite cap (the kernel skips caps otherwise)
         self._rate = np.zeros(0)
         self._alive = np.zeros(0, dtype=bool)
         self._solved = np.zeros(0, dtype=bool)
@@ -247,6 +248,7 @@ class FlowNetwork:
         self._length[ids] = incidence.lengths()
         self._entries += incidence.nnz
         self._cap[ids] = cap_array
+        self._any_cap = self._any_cap or bool(np.isfinite(cap_array).any())
         self._rate[ids] = np.nan
         self._alive[ids] = True
         self._n_alive += n
@@ -318,6 +320,7 @@ class FlowNetwork:
             if new == old:
                 continue
             self._cap[flow] = new
+            self._any_cap = self._any_cap or new < np.inf
             self._dirty = True
             if not self._solved[flow]:
                 continue
@@ -417,7 +420,7 @@ class FlowNetwork:
             _, n_changed = _fill.resolve(
                 resolve, self._start, self._length, self._links, self._weights, self._cap, self._rate, self._solved,
                 self._capacity, self._load, self._link_map, self._order[split:end], self._order_rates[split:end],
-                changed, full, self._unit_weights, 1.0 + self.tie_rtol)
+                changed, full, self._unit_weights, self._any_cap, 1.0 + self.tie_rtol)
             self._order_n = end
             self._restore_order_at(split)
             self.last_resolved = changed[:n_changed]
@@ -461,6 +464,14 @@ class FlowNetwork:
         """Current rates of :attr:`last_resolved`, without re-solving or checking ids (the
         per-event read of an event engine; call right after :meth:`update`)."""
         return self._rate[self.last_resolved]
+
+    def rates_by_id(self) -> np.ndarray:
+        """Read-only view of every slot's rate, indexed by flow id (valid for live ids after
+        :meth:`update`; other entries are garbage): the per-event read of an event engine
+        that keeps its own per-id arrays."""
+        view = self._rate.view()
+        view.flags.writeable = False
+        return view
 
     def rates(self, ids: np.ndarray | list[int] | None = None) -> np.ndarray:
         """Max-min rates of the given live flows (default: all, in :meth:`flow_ids` order)."""

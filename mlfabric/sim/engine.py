@@ -59,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from mlfabric.flow import FlowNetwork, Incidence, UpdateStats, naive_max_min
+from mlfabric.flow.network import _fill
 from mlfabric.topo import Topology, ecmp_hash
 from mlfabric.topo.routing import incidence_from_entries
 
@@ -316,6 +317,14 @@ class _FlowClass:
         self.updates[stats.kind] = self.updates.get(stats.kind, 0) + 1
         changed = self.network.last_resolved
         if not changed.size:
+            return
+        if _fill is not None and isinstance(self.network, FlowNetwork):
+            # The same arithmetic as below, compiled: one call instead of ~15 numpy passes.
+            near = np.empty(changed.size, dtype=np.int64)
+            n_near = _fill.progress(changed, self.network.rates_by_id(), self.rate, self.remaining, self.stamp,
+                                    self.finish, self.in_candidates, near, now, self.horizon)
+            if n_near:
+                self.candidates = np.concatenate([self.candidates, near[:n_near]])
             return
         rate_old = self.rate[changed]
         remaining = self.remaining[changed] - rate_old * (now - self.stamp[changed])

@@ -380,13 +380,13 @@ def test_native_kernel_rejects_out_of_range_slots() -> None:
         flow_network_module._fill.resolve(
             bad, network._start, network._length, network._links, network._weights, network._cap, network._rate,
             network._solved, network._capacity, network._load, network._link_map, np.zeros(1, dtype=np.int64),
-            np.zeros(1), np.zeros(1, dtype=np.int64), False, True, 1.0)
+            np.zeros(1), np.zeros(1, dtype=np.int64), False, True, False, 1.0)
     with pytest.raises(ValueError, match="link_map"):
         flow_network_module._fill.resolve(
             np.array([0], dtype=np.int64), network._start, network._length, network._links, network._weights,
             network._cap, network._rate, network._solved, network._capacity, network._load,
             np.full(1, -1, dtype=np.int32), np.zeros(1, dtype=np.int64), np.zeros(1), np.zeros(1, dtype=np.int64), False,
-            True, 1.0)
+            True, False, 1.0)
 
 
 def test_flow_network_last_resolved_covers_every_changed_rate() -> None:
