@@ -22,6 +22,11 @@ capacity the kept flows leave. When most flows would be re-solved anyway, a full
 done instead. Either way the result is the exact max-min allocation (tests compare with a
 from-scratch solve and check the certificate after random change sequences).
 
+The re-solve runs in a compiled kernel (``_fill.c``: gather, heap-based progressive filling,
+loads and the sorted suffix in one call) when the optional extension is built, else with
+numpy (``solve_max_min``); ``native=`` picks one. Both give the same allocation up to the tie
+tolerance.
+
 Flow ids are small integers handed out by ``add_flows``; the id of a removed flow may be
 reused by a later ``add_flows``.
 
@@ -413,6 +418,7 @@ class FlowNetwork:
         full = (not self.incremental) or resolve.size > _FULL_SOLVE_FRACTION * self._n_alive
         if full:
             resolve, split = self.flow_ids(), 0
+        self.last_resolved = resolve
         if (full or resolve.size) and self.native:
             self._reserve_order(split + resolve.size)
             end = split + resolve.size
@@ -443,9 +449,6 @@ class FlowNetwork:
             sort = np.argsort(rates, kind="stable")
             self._set_order(resolve[sort], rates[sort], split)
             self._restore_order_at(split)
-            self.last_resolved = resolve
-        else:
-            self.last_resolved = resolve
         stats = UpdateStats(kind="full" if full else "partial" if resolve.size else "none", flows_total=self._n_alive,
                             flows_resolved=resolve.size, divergence_level=divergence)
         if self._order_n > 2 * self._n_alive + 1024:
