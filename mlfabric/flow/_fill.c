@@ -28,7 +28,7 @@
 #include <string.h>
 
 /* How many re-solved flows ahead the gather prefetches their slot data. */
-#define PREFETCH_AHEAD 8
+#define PREFETCH_AHEAD 24
 
 typedef struct {
     double key;
