@@ -398,6 +398,90 @@ done:
     return result;
 }
 
+/* remove(ids, start, length, links, weights, rate, solved, alive, weight_sum, load, unit)
+ *     -> (lowest rate among the removed solved flows (inf if none), their link entries).
+ *
+ * FlowNetwork.remove_flows' bookkeeping: the flows' weight and load come off their links,
+ * and they become dead (alive and solved false, rate NaN). Raises ValueError, changing
+ * nothing, when an id is not a live flow or repeats. */
+static PyObject *remove_flows(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer b_ids, b_start, b_length, b_links, b_weights, b_rate, b_solved, b_alive, b_weight_sum, b_load;
+    int unit;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*w*w*w*w*p", &b_ids, &b_start, &b_length, &b_links, &b_weights, &b_rate,
+                          &b_solved, &b_alive, &b_weight_sum, &b_load, &unit))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = b_ids.len / 8, slots = b_start.len / 8, n_links = b_load.len / 8, n_entries = b_links.len / 8;
+    if (!check_buffer(&b_length, 8, slots, "length") || !check_buffer(&b_rate, 8, slots, "rate") ||
+        !check_buffer(&b_solved, 1, slots, "solved") || !check_buffer(&b_alive, 1, slots, "alive") ||
+        !check_buffer(&b_weight_sum, 8, n_links, "weight_sum") || !check_buffer(&b_weights, 8, n_entries, "weights"))
+        goto done;
+    const int64_t *ids = b_ids.buf, *start = b_start.buf, *length = b_length.buf, *links = b_links.buf;
+    const double *weights = b_weights.buf;
+    double *rate = b_rate.buf, *weight_sum = b_weight_sum.buf, *load = b_load.buf;
+    char *solved = b_solved.buf, *alive = b_alive.buf;
+    /* Check every id first (alive is set to 2 while seen, to find repeats), then act. */
+    Py_ssize_t bad = -1;
+    int repeat = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t f = ids[i];
+        if (f < 0 || f >= slots || alive[f] != 1 || start[f] < 0 || start[f] + length[f] > n_entries) {
+            bad = i;
+            repeat = f >= 0 && f < slots && alive[f] == 2;
+            break;
+        }
+        alive[f] = 2;
+    }
+    for (Py_ssize_t i = 0; i < (bad < 0 ? n : bad); i++) alive[ids[i]] = 1;
+    if (bad >= 0) {
+        if (repeat)
+            PyErr_SetString(PyExc_ValueError, "remove_flows: flow ids must not repeat");
+        else
+            PyErr_Format(PyExc_ValueError, "remove_flows: flow id %lld is not a live flow of this FlowNetwork",
+                         (long long)ids[bad]);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        for (int64_t e = start[ids[i]]; e < start[ids[i]] + length[ids[i]]; e++) {
+            if (links[e] < 0 || links[e] >= n_links) {
+                PyErr_Format(PyExc_ValueError, "remove_flows: link id %lld out of range", (long long)links[e]);
+                goto done;
+            }
+        }
+    }
+    double lowest = INFINITY;
+    Py_ssize_t dead = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t f = ids[i];
+        double r = rate[f];
+        int loaded = solved[f] && isfinite(r);
+        if (solved[f] && r < lowest) lowest = r;
+        for (int64_t e = start[f]; e < start[f] + length[f]; e++) {
+            double w = unit ? 1.0 : weights[e];
+            weight_sum[links[e]] -= w;
+            if (loaded) load[links[e]] -= w * r;
+        }
+        dead += length[f];
+        alive[f] = 0;
+        solved[f] = 0;
+        rate[f] = NAN;
+    }
+    result = Py_BuildValue("dn", lowest, dead);
+done:
+    PyBuffer_Release(&b_ids);
+    PyBuffer_Release(&b_start);
+    PyBuffer_Release(&b_length);
+    PyBuffer_Release(&b_links);
+    PyBuffer_Release(&b_weights);
+    PyBuffer_Release(&b_rate);
+    PyBuffer_Release(&b_solved);
+    PyBuffer_Release(&b_alive);
+    PyBuffer_Release(&b_weight_sum);
+    PyBuffer_Release(&b_load);
+    return result;
+}
+
 /* progress(ids, new_rate, rate, remaining, stamp, finish, in_candidates, near, now, horizon)
  *     -> number of ids written to `near`.
  *
@@ -474,6 +558,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"resolve", resolve, METH_VARARGS, "Progressive filling of FlowNetwork's re-solved flows (see the file header)."},
+    {"remove", remove_flows, METH_VARARGS, "FlowNetwork.remove_flows' bookkeeping (see the function's comment)."},
     {"progress", progress, METH_VARARGS, "The event engine's finish times for flows whose rate changed."},
     {NULL, NULL, 0, NULL},
 };

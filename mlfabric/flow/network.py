@@ -265,6 +265,14 @@ class FlowNetwork:
 
     def remove_flows(self, ids: np.ndarray | list[int] | int) -> None:
         """Remove flows (e.g. all that finished at this instant: one batch, one re-solve)."""
+        if self.native:
+            ids = np.ascontiguousarray(np.atleast_1d(np.asarray(ids, dtype=np.int64)))
+            if ids.size == 0:
+                return
+            lowest, dead = _fill.remove(ids, self._start, self._length, self._links, self._weights, self._rate,
+                                        self._solved, self._alive, self._weight_sum, self._load, self._unit_weights)
+            self._forget(ids, lowest, dead)
+            return
         ids = self._check_ids(ids, "remove_flows", distinct=True)
         if ids.size == 0:
             return
@@ -280,11 +288,17 @@ class FlowNetwork:
             self._load -= np.bincount(links[finite], weights=(weights * entry_rates)[finite], minlength=self.n_links)
             self._divergence = min(self._divergence, float(rates[solved].min()))
         self._alive[ids] = False
-        self._n_alive -= ids.size
         self._solved[ids] = False
         self._rate[ids] = np.nan
+        self._forget(ids, np.inf, int(self._length[ids].sum()))
+
+    def _forget(self, ids: np.ndarray, lowest_rate: float, dead_entries: int) -> None:
+        """The rest of removing ``ids`` (already dead, their load off): free their slots, and
+        re-solve from their lowest rate on."""
+        self._divergence = min(self._divergence, lowest_rate)
+        self._n_alive -= ids.size
         self._free.append(ids)
-        self._dead_entries += int(self._length[ids].sum())
+        self._dead_entries += dead_entries
         self._dirty = True
         if self._dead_entries > max(self._entries // 2, 1 << 16):
             self._compact_entries()

@@ -619,10 +619,11 @@ class Engine:
         else:
             all_after = after
         if all_after.size:
-            targets, counts = np.unique(all_after, return_counts=True)
-            self.need[targets] -= counts
-        candidates = np.unique(after)
-        ready = candidates[(self.state[candidates] == _WAITING) & (self.need[candidates] == 0) & ~self.any_wait[candidates]]
+            np.subtract.at(self.need, all_after, 1)
+        # Filter before de-duplicating: most completions only count down a barrier.
+        ready = after[(self.state[after] == _WAITING) & (self.need[after] == 0) & ~self.any_wait[after]]
+        if ready.size > 1:
+            ready = np.unique(ready)
         self.state[ready] = _ACTIVE
         return ready
 

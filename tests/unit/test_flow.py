@@ -446,8 +446,9 @@ def test_incidence_trusted_matches_the_validated_constructor() -> None:
     np.testing.assert_array_equal(solve_max_min(trusted, [1.0, 1.0, 1.0]), solve_max_min(checked, [1.0, 1.0, 1.0]))
 
 
-def test_flow_network_id_reuse_and_errors() -> None:
-    network = FlowNetwork([1.0, 1.0])
+@pytest.mark.parametrize("native", RESOLVE_PATHS)
+def test_flow_network_id_reuse_and_errors(native: bool) -> None:
+    network = FlowNetwork([1.0, 1.0], native=native)
     first = network.add_flows(Incidence.from_paths([[0], [0, 1]], 2))
     network.remove_flows(first[:1])
     second = network.add_flows(Incidence.from_paths([[1]], 2))
@@ -457,6 +458,9 @@ def test_flow_network_id_reuse_and_errors() -> None:
         network.remove_flows([5])
     with pytest.raises(ValueError, match="must not repeat"):
         network.remove_flows([first[1], first[1]])
+    # A refused call changes nothing.
+    np.testing.assert_allclose(network.rates(), [0.5, 0.5])
+    assert network.n_flows == 2 and network.flow_ids().tolist() == sorted([int(first[1]), int(second[0])])
     with pytest.raises(ValueError, match="links"):
         network.add_flows(Incidence.from_paths([[0]], 3))
     with pytest.raises(ValueError, match="capacities"):
