@@ -106,8 +106,8 @@ static int check_buffer(const Py_buffer *buffer, Py_ssize_t itemsize, Py_ssize_t
  *
  * ids: int64 flow slots to re-solve; start/length: int64 per slot (entry range); links:
  * int64 and weights: float64 per entry (read only when not `unit`: all weights 1); cap,
- * rate: float64 per slot (rate in: old rate of solved flows, out: new rate); solved: bool
- * per slot (set to true); capacity, load: float64 per link (load in: of all solved flows,
+ * rate: float64 per slot (rate in: old rate of solved flows, NaN for the others, out: new
+ * rate); solved: bool per slot (set to true); capacity, load: float64 per link (load in: of all solved flows,
  * out: at the new rates); link_map: int32 per link, all -1 on entry and on return (scratch);
  * out_ids/out_rates: len(ids) items, the re-solved flows sorted by new rate; out_changed:
  * len(ids) items, its first `changed` are the flows whose rate is new or differs. full: the
@@ -129,6 +129,7 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
     Py_ssize_t slots = b_start.len / 8;
     /* The re-solved flows' entries, gathered once into contiguous arrays (the slot arrays
      * are scattered over hundreds of MB on large runs; every later pass reads only these). */
+    int64_t *flow_start = NULL, *flow_length = NULL; /* (n) each re-solved flow's slot entry range */
     int64_t *flow_ptr = NULL;      /* (n + 1) entry range of each re-solved flow */
     int32_t *entry_link = NULL;    /* (nnz) touched-link index of each entry with weight > 0 */
     double *entry_weight = NULL;   /* (nnz) its weight */
@@ -164,6 +165,12 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
      * below can index without checks. The slot arrays are large and the ids scattered:
      * prefetching a few flows ahead hides most of the cache misses. */
     Py_ssize_t nnz = 0;
+    flow_start = malloc((n + 1) * sizeof(int64_t));
+    flow_length = malloc((n + 1) * sizeof(int64_t));
+    if (!flow_start || !flow_length) {
+        PyErr_NoMemory();
+        goto done;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + PREFETCH_AHEAD < n && ids[i + PREFETCH_AHEAD] >= 0 && ids[i + PREFETCH_AHEAD] < slots) {
             __builtin_prefetch(&start[ids[i + PREFETCH_AHEAD]]);
@@ -174,12 +181,15 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
             PyErr_Format(PyExc_ValueError, "_fill.resolve: flow slot %lld is out of range", (long long)f);
             goto done;
         }
+        /* Kept: the gather below then reads them without a second cache miss. */
+        flow_start[i] = start[f];
+        flow_length[i] = length[f];
         nnz += length[f];
     }
 
     flow_ptr = malloc((n + 1) * sizeof(int64_t));
     entry_link = malloc((nnz + 1) * sizeof(int32_t));
-    entry_weight = malloc((nnz + 1) * sizeof(double));
+    entry_weight = malloc((unit ? 1 : nnz + 1) * sizeof(double)); /* not used for unit weights */
     old_rate = malloc((n + 1) * sizeof(double));
     touched_link = malloc((nnz + 1) * sizeof(int32_t));
     count = calloc(nnz + 1, sizeof(int64_t));
@@ -206,17 +216,16 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + PREFETCH_AHEAD < n) {
             int64_t ahead = ids[i + PREFETCH_AHEAD];
-            __builtin_prefetch(&links[start[ahead]]);
+            __builtin_prefetch(&links[flow_start[i + PREFETCH_AHEAD]]);
             __builtin_prefetch(&rate[ahead]);
-            __builtin_prefetch(&solved[ahead]);
             if (has_caps) __builtin_prefetch(&cap[ahead]);
-            if (!unit) __builtin_prefetch(&weights[start[ahead]]);
+            if (!unit) __builtin_prefetch(&weights[flow_start[i + PREFETCH_AHEAD]]);
         }
         int64_t f = ids[i];
-        double r = rate[f];
-        int take_off = !full && solved[f] && isfinite(r);
-        old_rate[i] = solved[f] ? r : NAN;
-        for (int64_t e = start[f]; e < start[f] + length[f]; e++) {
+        double r = rate[f]; /* NaN exactly when not solved (FlowNetwork's invariant) */
+        int take_off = !full && isfinite(r);
+        old_rate[i] = r;
+        for (int64_t e = flow_start[i]; e < flow_start[i] + flow_length[i]; e++) {
             double w = unit ? 1.0 : weights[e];
             if (!(w > 0)) continue;
             int64_t l = links[e];
@@ -232,8 +241,8 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
             }
             count[t] += 1;
             weight[t] += w;
-            entry_link[k_entry] = t;
-            entry_weight[k_entry++] = w;
+            if (!unit) entry_weight[k_entry] = w;
+            entry_link[k_entry++] = t;
         }
         flow_ptr[i + 1] = k_entry;
         active[i] = 1;
@@ -312,10 +321,11 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
             int64_t i = out_ids[k];
             for (int64_t e = flow_ptr[i]; e < flow_ptr[i + 1]; e++) {
                 int32_t t = entry_link[e];
-                residual[t] -= entry_weight[e] * current;
-                weight[t] -= entry_weight[e];
+                double w = unit ? 1.0 : entry_weight[e];
+                residual[t] -= w * current;
+                weight[t] -= w;
                 count[t] -= 1;
-                new_load[t] += entry_weight[e] * current;
+                new_load[t] += w * current;
             }
             out_rates[k] = current;
         }
@@ -364,6 +374,8 @@ done:
     /* On an error after the gather, the scratch map must still go back to all -1. */
     if (touched_link)
         for (Py_ssize_t t = 0; t < n_touched; t++) link_map[touched_link[t]] = -1;
+    free(flow_start);
+    free(flow_length);
     free(flow_ptr);
     free(entry_link);
     free(entry_weight);

@@ -103,7 +103,7 @@ class FlowNetwork:
         self._length = np.zeros(0, dtype=np.int64)
         self._cap = np.zeros(0)
         self._any_cap = False  # some flow ever had a finite cap (the kernel skips caps otherwise)
-        self._rate = np.zeros(0)
+        self._rate = np.zeros(0)  # NaN exactly where not solved (the compiled kernel relies on it)
         self._alive = np.zeros(0, dtype=bool)
         self._solved = np.zeros(0, dtype=bool)
         self._free: list[np.ndarray] = []
