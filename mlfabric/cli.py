@@ -235,7 +235,7 @@ def bench_bml_job(
 @bench_app.command("sim")
 def bench_sim(
     quick: Annotated[bool, typer.Option("--quick", help="Skip the naive solver and the 500k-flow instances.")] = False,
-    slow: Annotated[bool, typer.Option("--slow", help="Also run 624 x 400 with the per-server barrier (minutes).")]
+    slow: Annotated[bool, typer.Option("--slow", help="Also run 624 x 400 with the per-server barrier (~25 s).")]
         = False,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures and metadata here.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the placement and of ECMP.")] = 0,
