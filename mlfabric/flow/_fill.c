@@ -107,8 +107,9 @@ static int check_buffer(const Py_buffer *buffer, Py_ssize_t itemsize, Py_ssize_t
  * ids: int64 flow slots to re-solve; start/length: int64 per slot (entry range); links:
  * int64 and weights: float64 per entry (read only when not `unit`: all weights 1); cap,
  * rate: float64 per slot (rate in: old rate of solved flows, NaN for the others, out: new
- * rate); solved: bool per slot (set to true); capacity, load: float64 per link (load in: of all solved flows,
- * out: at the new rates); link_map: int32 per link, all -1 on entry and on return (scratch);
+ * rate); solved: bool per slot (set to true); capacity, load: float64 per link (load in: of
+ * all solved flows, out: at the new rates); link_map: int32 per link, all -1 on entry and on
+ * return (scratch);
  * out_ids/out_rates: len(ids) items, the re-solved flows sorted by new rate; out_changed:
  * len(ids) items, its first `changed` are the flows whose rate is new or differs. full: the
  * load in `load` is discarded and rebuilt. has_caps: false when every cap is inf (`cap` is
@@ -187,19 +188,22 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
         nnz += length[f];
     }
 
+    /* At most min(entries, links) distinct links are touched: the per-link arrays are sized
+     * by that (a large re-solve would otherwise zero megabytes per update for nothing). */
+    Py_ssize_t max_touched = (nnz < n_links ? nnz : n_links) + 1;
     flow_ptr = malloc((n + 1) * sizeof(int64_t));
     entry_link = malloc((nnz + 1) * sizeof(int32_t));
     entry_weight = malloc((unit ? 1 : nnz + 1) * sizeof(double)); /* not used for unit weights */
     old_rate = malloc((n + 1) * sizeof(double));
-    touched_link = malloc((nnz + 1) * sizeof(int32_t));
-    count = calloc(nnz + 1, sizeof(int64_t));
-    weight = calloc(nnz + 1, sizeof(double));
-    residual = malloc((nnz + 1) * sizeof(double));
-    new_load = calloc(nnz + 1, sizeof(double));
-    link_ptr = calloc(nnz + 2, sizeof(int64_t));
-    fill = malloc((nnz + 1) * sizeof(int64_t));
+    touched_link = malloc(max_touched * sizeof(int32_t));
+    count = calloc(max_touched, sizeof(int64_t));
+    weight = calloc(max_touched, sizeof(double));
+    residual = malloc(max_touched * sizeof(double));
+    new_load = calloc(max_touched, sizeof(double));
+    link_ptr = calloc(max_touched + 1, sizeof(int64_t));
+    fill = malloc(max_touched * sizeof(int64_t));
     flows_by_link = malloc((nnz + 1) * sizeof(int32_t));
-    heap = malloc((nnz + 1) * sizeof(HeapItem));
+    heap = malloc(max_touched * sizeof(HeapItem));
     caps = malloc((n + 1) * sizeof(CapItem));
     active = malloc(n + 1);
     if (!flow_ptr || !entry_link || !entry_weight || !old_rate || !touched_link || !count || !weight || !residual ||
