@@ -204,10 +204,11 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
     fill = malloc(max_touched * sizeof(int64_t));
     flows_by_link = malloc((nnz + 1) * sizeof(int32_t));
     heap = malloc(max_touched * sizeof(HeapItem));
+    sat = malloc(max_touched * sizeof(int32_t));
     caps = malloc((n + 1) * sizeof(CapItem));
     active = malloc(n + 1);
     if (!flow_ptr || !entry_link || !entry_weight || !old_rate || !touched_link || !count || !weight || !residual ||
-        !new_load || !link_ptr || !fill || !flows_by_link || !heap || !caps || !active) {
+        !new_load || !link_ptr || !fill || !flows_by_link || !heap || !sat || !caps || !active) {
         PyErr_NoMemory();
         goto done;
     }
@@ -269,11 +270,6 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
 
     /* 2. Progressive filling: one event per distinct level (within grow). */
     Py_ssize_t next_cap = 0, n_out = 0;
-    sat = malloc((n_touched + 1) * sizeof(int32_t));
-    if (!sat) {
-        PyErr_NoMemory();
-        goto done;
-    }
     for (;;) {
         /* The lowest valid heap entry (entries whose level rose are re-keyed lazily). */
         while (heap_size) {
@@ -350,11 +346,7 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
         rate[f] = r;
         solved[f] = 1;
     }
-    for (Py_ssize_t t = 0; t < n_touched; t++) {
-        load[touched_link[t]] += new_load[t];
-        link_map[touched_link[t]] = -1;
-    }
-    n_touched = 0;
+    for (Py_ssize_t t = 0; t < n_touched; t++) load[touched_link[t]] += new_load[t];
     /* Freeze order is by level; rounding can only break it by a hair, but the order must hold. */
     for (Py_ssize_t k = 1; k < n; k++) {
         if (out_rates[k] < out_rates[k - 1]) {
@@ -375,7 +367,7 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
     result = Py_BuildValue("nn", events, n_changed);
 
 done:
-    /* On an error after the gather, the scratch map must still go back to all -1. */
+    /* The scratch map goes back to all -1, after an error too. */
     if (touched_link)
         for (Py_ssize_t t = 0; t < n_touched; t++) link_map[touched_link[t]] = -1;
     free(flow_start);

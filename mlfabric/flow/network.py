@@ -281,16 +281,17 @@ class FlowNetwork:
         weights = self._weights[positions]
         self._weight_sum -= np.bincount(links, weights=weights, minlength=self.n_links)
         solved = self._solved[ids]
+        lowest = np.inf
         if solved.any():
             rates = self._rate[ids]
             entry_rates = np.repeat(np.where(solved, rates, 0.0), np.diff(indptr))
             finite = np.isfinite(entry_rates)
             self._load -= np.bincount(links[finite], weights=(weights * entry_rates)[finite], minlength=self.n_links)
-            self._divergence = min(self._divergence, float(rates[solved].min()))
+            lowest = float(rates[solved].min())
         self._alive[ids] = False
         self._solved[ids] = False
         self._rate[ids] = np.nan
-        self._forget(ids, np.inf, int(self._length[ids].sum()))
+        self._forget(ids, lowest, int(self._length[ids].sum()))
 
     def _forget(self, ids: np.ndarray, lowest_rate: float, dead_entries: int) -> None:
         """The rest of removing ``ids`` (already dead, their load off): free their slots, and
