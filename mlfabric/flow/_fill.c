@@ -29,6 +29,10 @@
 
 /* How many re-solved flows ahead the gather prefetches their slot data. */
 #define PREFETCH_AHEAD 24
+/* With slack links left out (see resolve), a link counts as slack when its load is below this
+ * fraction of its capacity. Most re-solved entries of a fat-tree run are on links far below
+ * it (host and core links of an oversubscribed tree: ~80% of entries under 90% load). */
+#define SLACK_BELOW 0.99
 
 typedef struct {
     double key;
@@ -101,8 +105,9 @@ static int check_buffer(const Py_buffer *buffer, Py_ssize_t itemsize, Py_ssize_t
     return 1;
 }
 
-/* resolve(ids, start, length, links, weights, cap, rate, solved, capacity, load, link_map,
- *         out_ids, out_rates, out_changed, full, unit, has_caps, grow) -> (filling events, changed).
+/* resolve(ids, start, length, links, weights, cap, rate, solved, capacity, load, perturbed, link_map,
+ *         out_ids, out_rates, out_changed, full, unit, has_caps, skip_slack, grow)
+ *     -> (filling events, changed, slack retries).
  *
  * ids: int64 flow slots to re-solve; start/length: int64 per slot (entry range); links:
  * int64 and weights: float64 per entry (read only when not `unit`: all weights 1); cap,
@@ -113,16 +118,26 @@ static int check_buffer(const Py_buffer *buffer, Py_ssize_t itemsize, Py_ssize_t
  * out_ids/out_rates: len(ids) items, the re-solved flows sorted by new rate; out_changed:
  * len(ids) items, its first `changed` are the flows whose rate is new or differs. full: the
  * load in `load` is discarded and rebuilt. has_caps: false when every cap is inf (`cap` is
- * then not read). */
+ * then not read).
+ *
+ * skip_slack (partial re-solves of solved flows only): links whose load is below SLACK_BELOW
+ * of their capacity, and that are not marked in `perturbed` (uint8 per link: a flow left it
+ * or its capacity changed since the last solve, so its load says little), are left out of
+ * the filling, which then handles only the links that can
+ * be bottlenecks. That is exact when it holds up: if every left-out link ends within its
+ * capacity, the allocation is feasible and every flow keeps a saturated bottleneck on which
+ * its rate is the largest, which characterizes the (unique) max-min allocation. A left-out
+ * link that would end over capacity (or under a flow left unconstrained) is put back and the
+ * filling redone; the retries are counted. */
 static PyObject *resolve(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer b_ids, b_start, b_length, b_links, b_weights, b_cap, b_rate, b_solved, b_capacity, b_load, b_map,
-        b_out_ids, b_out_rates, b_out_changed;
-    int full, unit, has_caps;
+    Py_buffer b_ids, b_start, b_length, b_links, b_weights, b_cap, b_rate, b_solved, b_capacity, b_load, b_perturbed,
+        b_map, b_out_ids, b_out_rates, b_out_changed;
+    int full, unit, has_caps, skip_slack;
     double grow;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*w*w*y*w*w*w*w*w*pppd", &b_ids, &b_start, &b_length, &b_links,
-                          &b_weights, &b_cap, &b_rate, &b_solved, &b_capacity, &b_load, &b_map, &b_out_ids,
-                          &b_out_rates, &b_out_changed, &full, &unit, &has_caps, &grow))
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*w*w*y*w*y*w*w*w*w*ppppd", &b_ids, &b_start, &b_length, &b_links,
+                          &b_weights, &b_cap, &b_rate, &b_solved, &b_capacity, &b_load, &b_perturbed, &b_map, &b_out_ids,
+                          &b_out_rates, &b_out_changed, &full, &unit, &has_caps, &skip_slack, &grow))
         return NULL;
 
     PyObject *result = NULL;
@@ -136,7 +151,9 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
     double *entry_weight = NULL;   /* (nnz) its weight */
     double *old_rate = NULL;       /* (n) rate before (NaN: not solved) */
     int32_t *touched_link = NULL;  /* (nnz) link id of each touched index */
-    int64_t *count = NULL, *link_ptr = NULL, *fill = NULL;
+    int64_t *count = NULL, *link_ptr = NULL, *fill = NULL, *count0 = NULL;
+    double *weight0 = NULL;
+    char *tight = NULL; /* per touched link: in the filling (not left out as slack) */
     int32_t *flows_by_link = NULL;
     double *residual = NULL, *weight = NULL, *new_load = NULL;
     HeapItem *heap = NULL;
@@ -144,11 +161,13 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
     char *active = NULL;
     int32_t *sat = NULL; /* the links saturating in one event */
     Ranked *ranked = NULL;
-    Py_ssize_t events = 0, n_changed = 0, n_touched = 0;
+    Py_ssize_t events = 0, n_changed = 0, n_touched = 0, retries = 0;
+    skip_slack = skip_slack && !full;
 
     if (!check_buffer(&b_ids, 8, n, "ids") || !check_buffer(&b_length, 8, slots, "length") ||
         !check_buffer(&b_cap, 8, slots, "cap") || !check_buffer(&b_rate, 8, slots, "rate") ||
         !check_buffer(&b_solved, 1, slots, "solved") || !check_buffer(&b_load, 8, n_links, "load") ||
+        !check_buffer(&b_perturbed, 1, n_links, "perturbed") ||
         !check_buffer(&b_map, 4, n_links, "link_map") || !check_buffer(&b_out_ids, 8, n, "out_ids") ||
         !check_buffer(&b_out_rates, 8, n, "out_rates") || !check_buffer(&b_out_changed, 8, n, "out_changed") ||
         !check_buffer(&b_links, 8, 0, "links") || !check_buffer(&b_weights, 8, b_links.len / 8, "weights"))
@@ -158,6 +177,7 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
     const double *weights = b_weights.buf, *cap = b_cap.buf, *capacity = b_capacity.buf;
     double *rate = b_rate.buf, *load = b_load.buf, *out_rates = b_out_rates.buf;
     char *solved = b_solved.buf;
+    const uint8_t *perturbed = b_perturbed.buf;
     int32_t *link_map = b_map.buf;
     int64_t *out_ids = b_out_ids.buf, *out_changed = b_out_changed.buf;
     Py_ssize_t n_entries = b_links.len / 8;
@@ -198,6 +218,9 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
     touched_link = malloc(max_touched * sizeof(int32_t));
     count = calloc(max_touched, sizeof(int64_t));
     weight = calloc(max_touched, sizeof(double));
+    count0 = malloc(max_touched * sizeof(int64_t));
+    weight0 = malloc(max_touched * sizeof(double));
+    tight = malloc(max_touched);
     residual = malloc(max_touched * sizeof(double));
     new_load = calloc(max_touched, sizeof(double));
     link_ptr = calloc(max_touched + 1, sizeof(int64_t));
@@ -208,7 +231,8 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
     caps = malloc((n + 1) * sizeof(CapItem));
     active = malloc(n + 1);
     if (!flow_ptr || !entry_link || !entry_weight || !old_rate || !touched_link || !count || !weight || !residual ||
-        !new_load || !link_ptr || !fill || !flows_by_link || !heap || !sat || !caps || !active) {
+        !new_load || !link_ptr || !fill || !flows_by_link || !heap || !sat || !caps || !active || !count0 ||
+        !weight0 || !tight) {
         PyErr_NoMemory();
         goto done;
     }
@@ -238,103 +262,144 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
                 PyErr_Format(PyExc_ValueError, "_fill.resolve: link id %lld out of range", (long long)l);
                 goto done;
             }
-            if (take_off) load[l] -= w * r;
             int32_t t = link_map[l];
-            if (t < 0) {
+            if (t < 0) { /* first touch: load[l] is still the old load of every flow */
                 t = link_map[l] = (int32_t)n_touched;
-                touched_link[n_touched++] = (int32_t)l;
+                touched_link[n_touched] = (int32_t)l;
+                tight[n_touched++] = !skip_slack || perturbed[l] || !(load[l] < capacity[l] * SLACK_BELOW);
             }
+            if (take_off) load[l] -= w * r;
             count[t] += 1;
             weight[t] += w;
             if (!unit) entry_weight[k_entry] = w;
             entry_link[k_entry++] = t;
         }
         flow_ptr[i + 1] = k_entry;
-        active[i] = 1;
         if (has_caps && isfinite(cap[f])) caps[n_caps++] = (CapItem){cap[f], (int32_t)i};
     }
     qsort(caps, n_caps, sizeof(CapItem), cap_compare);
 
-    /* Link -> re-solved flows index (counting sort), in re-solved-set order. */
-    for (Py_ssize_t t = 0; t < n_touched; t++) link_ptr[t + 1] = link_ptr[t] + count[t];
-    memcpy(fill, link_ptr, n_touched * sizeof(int64_t));
-    for (Py_ssize_t i = 0; i < n; i++)
-        for (int64_t k = flow_ptr[i]; k < flow_ptr[i + 1]; k++) flows_by_link[fill[entry_link[k]]++] = (int32_t)i;
-    Py_ssize_t heap_size = 0;
-    for (Py_ssize_t t = 0; t < n_touched; t++) {
-        double r = capacity[touched_link[t]] - load[touched_link[t]];
-        residual[t] = r > 0 ? r : 0.0;
-        double level = level_of(residual, weight, count, t);
-        if (isfinite(level)) heap_push(heap, &heap_size, level, (int32_t)t);
-    }
-
-    /* 2. Progressive filling: one event per distinct level (within grow). */
-    Py_ssize_t next_cap = 0, n_out = 0;
+    memcpy(count0, count, n_touched * sizeof(int64_t));
+    memcpy(weight0, weight, n_touched * sizeof(double));
+    Py_ssize_t n_out;
     for (;;) {
-        /* The lowest valid heap entry (entries whose level rose are re-keyed lazily). */
-        while (heap_size) {
-            HeapItem top = heap[0];
-            double level = level_of(residual, weight, count, top.link);
-            if (level == top.key) break;
-            heap_pop(heap, &heap_size);
-            if (isfinite(level)) heap_push(heap, &heap_size, level, top.link);
+        /* Link -> re-solved flows index (counting sort) over the links in the filling. */
+        link_ptr[0] = 0;
+        for (Py_ssize_t t = 0; t < n_touched; t++) link_ptr[t + 1] = link_ptr[t] + (tight[t] ? count0[t] : 0);
+        memcpy(fill, link_ptr, n_touched * sizeof(int64_t));
+        for (Py_ssize_t i = 0; i < n; i++)
+            for (int64_t k = flow_ptr[i]; k < flow_ptr[i + 1]; k++)
+                if (tight[entry_link[k]]) flows_by_link[fill[entry_link[k]]++] = (int32_t)i;
+        Py_ssize_t heap_size = 0;
+        for (Py_ssize_t t = 0; t < n_touched; t++) {
+            new_load[t] = 0.0;
+            if (!tight[t]) continue;
+            count[t] = count0[t];
+            weight[t] = weight0[t];
+            double r = capacity[touched_link[t]] - load[touched_link[t]];
+            residual[t] = r > 0 ? r : 0.0;
+            double level = level_of(residual, weight, count, t);
+            if (isfinite(level)) heap_push(heap, &heap_size, level, (int32_t)t);
         }
-        while (next_cap < n_caps && !active[caps[next_cap].flow]) next_cap++;
-        double link_level = heap_size ? (heap[0].key > 0 ? heap[0].key : 0.0) : INFINITY;
-        double cap_level = next_cap < n_caps ? caps[next_cap].cap : INFINITY;
-        double current = link_level < cap_level ? link_level : cap_level;
-        if (current == INFINITY) break;
-        events++;
-        double threshold = current * grow;
-        /* Every link at or below the threshold saturates now (levels read before freezing). */
-        Py_ssize_t n_sat = 0;
-        while (heap_size) {
-            HeapItem top = heap[0];
-            double level = level_of(residual, weight, count, top.link);
-            if (level != top.key) {
+        memset(active, 1, n);
+
+        /* 2. Progressive filling: one event per distinct level (within grow). */
+        Py_ssize_t next_cap = 0;
+        n_out = 0;
+        events = 0;
+        for (;;) {
+            /* The lowest valid heap entry (entries whose level rose are re-keyed lazily). */
+            while (heap_size) {
+                HeapItem top = heap[0];
+                double level = level_of(residual, weight, count, top.link);
+                if (level == top.key) break;
                 heap_pop(heap, &heap_size);
                 if (isfinite(level)) heap_push(heap, &heap_size, level, top.link);
-                continue;
             }
-            if (top.key > threshold) break;
-            heap_pop(heap, &heap_size);
-            sat[n_sat++] = top.link;
-        }
-        Py_ssize_t first_new = n_out;
-        for (Py_ssize_t s = 0; s < n_sat; s++) {
-            int32_t t = sat[s];
-            for (int64_t k = link_ptr[t]; k < link_ptr[t + 1]; k++) {
-                int32_t i = flows_by_link[k];
+            while (next_cap < n_caps && !active[caps[next_cap].flow]) next_cap++;
+            double link_level = heap_size ? (heap[0].key > 0 ? heap[0].key : 0.0) : INFINITY;
+            double cap_level = next_cap < n_caps ? caps[next_cap].cap : INFINITY;
+            double current = link_level < cap_level ? link_level : cap_level;
+            if (current == INFINITY) break;
+            events++;
+            double threshold = current * grow;
+            /* Every link at or below the threshold saturates now (levels read before freezing). */
+            Py_ssize_t n_sat = 0;
+            while (heap_size) {
+                HeapItem top = heap[0];
+                double level = level_of(residual, weight, count, top.link);
+                if (level != top.key) {
+                    heap_pop(heap, &heap_size);
+                    if (isfinite(level)) heap_push(heap, &heap_size, level, top.link);
+                    continue;
+                }
+                if (top.key > threshold) break;
+                heap_pop(heap, &heap_size);
+                sat[n_sat++] = top.link;
+            }
+            Py_ssize_t first_new = n_out;
+            for (Py_ssize_t s = 0; s < n_sat; s++) {
+                int32_t t = sat[s];
+                for (int64_t k = link_ptr[t]; k < link_ptr[t + 1]; k++) {
+                    int32_t i = flows_by_link[k];
+                    if (!active[i]) continue;
+                    active[i] = 0;
+                    out_ids[n_out++] = i; /* re-solved-set index for now; made a slot id below */
+                }
+            }
+            while (next_cap < n_caps && caps[next_cap].cap <= threshold) {
+                int32_t i = caps[next_cap++].flow;
                 if (!active[i]) continue;
                 active[i] = 0;
-                out_ids[n_out++] = i; /* re-solved-set index for now; made a slot id below */
+                out_ids[n_out++] = i;
+            }
+            /* Everyone frozen now gets the current level: <= every level on its path. */
+            for (Py_ssize_t k = first_new; k < n_out; k++) {
+                int64_t i = out_ids[k];
+                for (int64_t e = flow_ptr[i]; e < flow_ptr[i + 1]; e++) {
+                    int32_t t = entry_link[e];
+                    if (!tight[t]) continue;
+                    double w = unit ? 1.0 : entry_weight[e];
+                    residual[t] -= w * current;
+                    weight[t] -= w;
+                    count[t] -= 1;
+                    new_load[t] += w * current;
+                }
+                out_rates[k] = current;
             }
         }
-        while (next_cap < n_caps && caps[next_cap].cap <= threshold) {
-            int32_t i = caps[next_cap++].flow;
+        /* What is left is unconstrained (no loaded link, no cap): rate inf, no accounted load. */
+        for (Py_ssize_t i = 0; i < n; i++) {
             if (!active[i]) continue;
-            active[i] = 0;
-            out_ids[n_out++] = i;
+            out_ids[n_out] = i;
+            out_rates[n_out++] = INFINITY;
         }
-        /* Everyone frozen now gets the current level: <= every level on its path. */
-        for (Py_ssize_t k = first_new; k < n_out; k++) {
+        if (!skip_slack) break;
+        /* The left-out links' new load; one over capacity, or under an unconstrained flow,
+         * goes into the filling and the filling is redone. */
+        int redo = 0;
+        for (Py_ssize_t k = 0; k < n; k++) {
             int64_t i = out_ids[k];
+            double r = out_rates[k];
             for (int64_t e = flow_ptr[i]; e < flow_ptr[i + 1]; e++) {
                 int32_t t = entry_link[e];
-                double w = unit ? 1.0 : entry_weight[e];
-                residual[t] -= w * current;
-                weight[t] -= w;
-                count[t] -= 1;
-                new_load[t] += w * current;
+                if (tight[t]) continue;
+                if (r == INFINITY) {
+                    tight[t] = 1;
+                    redo = 1;
+                } else {
+                    new_load[t] += (unit ? 1.0 : entry_weight[e]) * r;
+                }
             }
-            out_rates[k] = current;
         }
-    }
-    /* What is left is unconstrained (no loaded link, no cap): rate inf, no accounted load. */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (!active[i]) continue;
-        out_ids[n_out] = i;
-        out_rates[n_out++] = INFINITY;
+        for (Py_ssize_t t = 0; t < n_touched; t++) {
+            if (!tight[t] && load[touched_link[t]] + new_load[t] > capacity[touched_link[t]]) {
+                tight[t] = 1;
+                redo = 1;
+            }
+        }
+        if (!redo) break;
+        retries++;
     }
 
     /* 3. Rates, solved flags, the flows whose rate changed, new load; out_ids become slots. */
@@ -364,7 +429,7 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
             break;
         }
     }
-    result = Py_BuildValue("nn", events, n_changed);
+    result = Py_BuildValue("nnn", events, n_changed, retries);
 
 done:
     /* The scratch map goes back to all -1, after an error too. */
@@ -379,6 +444,9 @@ done:
     free(touched_link);
     free(count);
     free(weight);
+    free(count0);
+    free(weight0);
+    free(tight);
     free(residual);
     free(new_load);
     free(link_ptr);
@@ -399,6 +467,7 @@ done:
     PyBuffer_Release(&b_solved);
     PyBuffer_Release(&b_capacity);
     PyBuffer_Release(&b_load);
+    PyBuffer_Release(&b_perturbed);
     PyBuffer_Release(&b_map);
     PyBuffer_Release(&b_out_ids);
     PyBuffer_Release(&b_out_rates);
@@ -406,29 +475,33 @@ done:
     return result;
 }
 
-/* remove(ids, start, length, links, weights, rate, solved, alive, weight_sum, load, unit)
+/* remove(ids, start, length, links, weights, rate, solved, alive, weight_sum, load, perturbed, unit)
  *     -> (lowest rate among the removed solved flows (inf if none), their link entries).
  *
  * FlowNetwork.remove_flows' bookkeeping: the flows' weight and load come off their links,
- * and they become dead (alive and solved false, rate NaN). Raises ValueError, changing
+ * their links are marked in `perturbed` (uint8 per link), and they become dead (alive and
+ * solved false, rate NaN). Raises ValueError, changing
  * nothing, when an id is not a live flow or repeats. */
 static PyObject *remove_flows(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer b_ids, b_start, b_length, b_links, b_weights, b_rate, b_solved, b_alive, b_weight_sum, b_load;
+    Py_buffer b_ids, b_start, b_length, b_links, b_weights, b_rate, b_solved, b_alive, b_weight_sum, b_load,
+        b_perturbed;
     int unit;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*w*w*w*w*p", &b_ids, &b_start, &b_length, &b_links, &b_weights, &b_rate,
-                          &b_solved, &b_alive, &b_weight_sum, &b_load, &unit))
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*w*w*w*w*w*p", &b_ids, &b_start, &b_length, &b_links, &b_weights, &b_rate,
+                          &b_solved, &b_alive, &b_weight_sum, &b_load, &b_perturbed, &unit))
         return NULL;
     PyObject *result = NULL;
     Py_ssize_t n = b_ids.len / 8, slots = b_start.len / 8, n_links = b_load.len / 8, n_entries = b_links.len / 8;
     if (!check_buffer(&b_length, 8, slots, "length") || !check_buffer(&b_rate, 8, slots, "rate") ||
         !check_buffer(&b_solved, 1, slots, "solved") || !check_buffer(&b_alive, 1, slots, "alive") ||
-        !check_buffer(&b_weight_sum, 8, n_links, "weight_sum") || !check_buffer(&b_weights, 8, n_entries, "weights"))
+        !check_buffer(&b_weight_sum, 8, n_links, "weight_sum") || !check_buffer(&b_weights, 8, n_entries, "weights") ||
+        !check_buffer(&b_perturbed, 1, n_links, "perturbed"))
         goto done;
     const int64_t *ids = b_ids.buf, *start = b_start.buf, *length = b_length.buf, *links = b_links.buf;
     const double *weights = b_weights.buf;
     double *rate = b_rate.buf, *weight_sum = b_weight_sum.buf, *load = b_load.buf;
     char *solved = b_solved.buf, *alive = b_alive.buf;
+    uint8_t *perturbed = b_perturbed.buf;
     /* Check every id first (alive is set to 2 while seen, to find repeats), then act. */
     Py_ssize_t bad = -1;
     int repeat = 0;
@@ -468,6 +541,7 @@ static PyObject *remove_flows(PyObject *self, PyObject *args) {
         for (int64_t e = start[f]; e < start[f] + length[f]; e++) {
             double w = unit ? 1.0 : weights[e];
             weight_sum[links[e]] -= w;
+            perturbed[links[e]] = 1;
             if (loaded) load[links[e]] -= w * r;
         }
         dead += length[f];
@@ -487,6 +561,7 @@ done:
     PyBuffer_Release(&b_alive);
     PyBuffer_Release(&b_weight_sum);
     PyBuffer_Release(&b_load);
+    PyBuffer_Release(&b_perturbed);
     return result;
 }
 

@@ -71,6 +71,8 @@ class UpdateStats:
     flows_total: int
     flows_resolved: int
     divergence_level: float
+    #: Times the compiled re-solve put a left-out slack link back and redid its filling.
+    slack_retries: int = 0
 
 
 class FlowNetwork:
@@ -131,6 +133,9 @@ class FlowNetwork:
         # Per-link aggregates over alive flows.
         self._weight_sum = np.zeros(self.n_links)
         self._load = np.zeros(self.n_links)  # of solved flows at their current rates
+        # Links a flow left, or whose capacity changed, since the last update: their load is
+        # no guide to whether they are saturated (the compiled re-solve keeps them in).
+        self._perturbed = np.zeros(self.n_links, dtype=np.uint8)
         # Pending changes.
         self._divergence = np.inf
         self._pending_new: list[np.ndarray] = []
@@ -270,7 +275,8 @@ class FlowNetwork:
             if ids.size == 0:
                 return
             lowest, dead = _fill.remove(ids, self._start, self._length, self._links, self._weights, self._rate,
-                                        self._solved, self._alive, self._weight_sum, self._load, self._unit_weights)
+                                        self._solved, self._alive, self._weight_sum, self._load, self._perturbed,
+                                        self._unit_weights)
             self._forget(ids, lowest, dead)
             return
         ids = self._check_ids(ids, "remove_flows", distinct=True)
@@ -280,6 +286,7 @@ class FlowNetwork:
         links = self._links[positions]
         weights = self._weights[positions]
         self._weight_sum -= np.bincount(links, weights=weights, minlength=self.n_links)
+        self._perturbed[links] = 1
         solved = self._solved[ids]
         lowest = np.inf
         if solved.any():
@@ -317,6 +324,7 @@ class FlowNetwork:
             if new == old:
                 continue
             self._capacity[link] = new
+            self._perturbed[link] = 1
             self._dirty = True
             weight = self._weight_sum[link]
             load = self._load[link]
@@ -434,14 +442,19 @@ class FlowNetwork:
         if full:
             resolve, split = self.flow_ids(), 0
         self.last_resolved = resolve
+        slack_retries = 0
         if (full or resolve.size) and self.native:
             self._reserve_order(split + resolve.size)
             end = split + resolve.size
             changed = np.empty(resolve.size, dtype=np.int64)
-            _, n_changed = _fill.resolve(
+            # Slack links can be left out of a re-solve of solved flows (the kernel checks
+            # they stay within capacity, else redoes the filling with them).
+            skip_slack = not full and new_ids.size == 0
+            _, n_changed, slack_retries = _fill.resolve(
                 resolve, self._start, self._length, self._links, self._weights, self._cap, self._rate, self._solved,
-                self._capacity, self._load, self._link_map, self._order[split:end], self._order_rates[split:end],
-                changed, full, self._unit_weights, self._any_cap, 1.0 + self.tie_rtol)
+                self._capacity, self._load, self._perturbed, self._link_map, self._order[split:end],
+                self._order_rates[split:end],
+                changed, full, self._unit_weights, self._any_cap, skip_slack, 1.0 + self.tie_rtol)
             self._order_n = end
             self._restore_order_at(split)
             self.last_resolved = changed[:n_changed]
@@ -465,7 +478,7 @@ class FlowNetwork:
             self._set_order(resolve[sort], rates[sort], split)
             self._restore_order_at(split)
         stats = UpdateStats(kind="full" if full else "partial" if resolve.size else "none", flows_total=self._n_alive,
-                            flows_resolved=resolve.size, divergence_level=divergence)
+                            flows_resolved=resolve.size, divergence_level=divergence, slack_retries=slack_retries)
         if self._order_n > 2 * self._n_alive + 1024:
             # Mostly stale entries: rebuild from the live flows' current rates.
             ids = self.flow_ids()
@@ -474,6 +487,7 @@ class FlowNetwork:
             self._set_order(ids[sort], self._rate[ids][sort], 0)
         self._divergence = np.inf
         self._pending_new = []
+        self._perturbed.fill(0)
         self._dirty = False
         self.last_update = stats
         return stats

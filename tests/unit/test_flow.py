@@ -371,6 +371,29 @@ def test_native_and_numpy_resolves_agree_on_a_fat_tree_event_sequence(weighted: 
         np.testing.assert_allclose(networks[1].link_load(), networks[0].link_load(), rtol=1e-9, atol=1e-9)
 
 
+def test_native_resolve_puts_back_a_slack_link_that_would_overflow() -> None:
+    # Link 1 (capacity 0.9) carries b (0.5, bottlenecked on link 0) and c (capped at 0.3): at
+    # 0.8 it is below the slack threshold, so the re-solve after a's removal leaves it out;
+    # b would then get all of link 0 (1.0) and overflow link 1, so the filling is redone with it.
+    network = FlowNetwork([1.0, 0.9], native=True)
+    a, b, c = network.add_flows(Incidence.from_paths([[0], [0, 1], [1]], 2), [INF, INF, 0.3])
+    np.testing.assert_allclose(network.rates(), [0.5, 0.5, 0.3])
+    network.remove_flows([a])
+    np.testing.assert_allclose(network.rates([b, c]), [0.6, 0.3])
+    assert network.last_update.kind == "partial" and network.last_update.slack_retries == 1
+    assert network.check().ok
+    # When the left-out link stays within capacity, no retry (ten slow flows on link 2 keep
+    # the re-solve partial).
+    network = FlowNetwork([1.0, 10.0, 1.0], native=True)
+    a, b = network.add_flows(Incidence.from_paths([[0], [0, 1]], 3))
+    network.add_flows(Incidence.from_paths([[2]] * 10, 3))
+    network.rates()
+    network.remove_flows([a])
+    np.testing.assert_allclose(network.rates([b]), [1.0])
+    assert network.last_update.kind == "partial" and network.last_update.slack_retries == 0
+    assert network.last_update.flows_resolved == 1 and network.check().ok
+
+
 def test_native_kernel_rejects_out_of_range_slots() -> None:
     network = FlowNetwork([1.0, 2.0], native=True)
     network.add_flows(Incidence.from_paths([[0], [0, 1]], 2))
@@ -379,14 +402,14 @@ def test_native_kernel_rejects_out_of_range_slots() -> None:
     with pytest.raises(ValueError, match="out of range"):
         flow_network_module._fill.resolve(
             bad, network._start, network._length, network._links, network._weights, network._cap, network._rate,
-            network._solved, network._capacity, network._load, network._link_map, np.zeros(1, dtype=np.int64),
-            np.zeros(1), np.zeros(1, dtype=np.int64), False, True, False, 1.0)
+            network._solved, network._capacity, network._load, network._perturbed, network._link_map, np.zeros(1, dtype=np.int64),
+            np.zeros(1), np.zeros(1, dtype=np.int64), False, True, False, False, 1.0)
     with pytest.raises(ValueError, match="link_map"):
         flow_network_module._fill.resolve(
             np.array([0], dtype=np.int64), network._start, network._length, network._links, network._weights,
-            network._cap, network._rate, network._solved, network._capacity, network._load,
+            network._cap, network._rate, network._solved, network._capacity, network._load, network._perturbed,
             np.full(1, -1, dtype=np.int32), np.zeros(1, dtype=np.int64), np.zeros(1), np.zeros(1, dtype=np.int64), False,
-            True, False, 1.0)
+            True, False, False, 1.0)
 
 
 def test_flow_network_last_resolved_covers_every_changed_rate() -> None:
