@@ -33,6 +33,8 @@
  * fraction of its capacity. Most re-solved entries of a fat-tree run are on links far below
  * it (host and core links of an oversubscribed tree: ~80% of entries under 90% load). */
 #define SLACK_BELOW 0.99
+/* Row width of the packed per-slot link lists: a count, then up to PACKED - 1 link ids. */
+#define PACKED 8
 
 typedef struct {
     double key;
@@ -105,12 +107,16 @@ static int check_buffer(const Py_buffer *buffer, Py_ssize_t itemsize, Py_ssize_t
     return 1;
 }
 
-/* resolve(ids, start, length, links, weights, cap, rate, solved, capacity, load, perturbed, link_map,
+/* resolve(ids, start, length, links, weights, packed, cap, rate, solved, capacity, load, perturbed, link_map,
  *         out_ids, out_rates, out_changed, full, unit, has_caps, skip_slack, grow)
  *     -> (filling events, changed, slack retries).
  *
  * ids: int64 flow slots to re-solve; start/length: int64 per slot (entry range); links:
- * int64 and weights: float64 per entry (read only when not `unit`: all weights 1); cap,
+ * int64 and weights: float64 per entry (read only when not `unit`: all weights 1); packed:
+ * int32 rows of PACKED per slot, [count, link ids...] or [-1, ...] (read only when `unit`): the
+ * same links in one cache line, used instead of start/length/links where the count is >= 0
+ * (on large runs the entry array is far bigger than the cache, and this read is most of the
+ * gather's cost); cap,
  * rate: float64 per slot (rate in: old rate of solved flows, NaN for the others, out: new
  * rate); solved: bool per slot (set to true); capacity, load: float64 per link (load in: of
  * all solved flows, out: at the new rates); link_map: int32 per link, all -1 on entry and on
@@ -131,12 +137,12 @@ static int check_buffer(const Py_buffer *buffer, Py_ssize_t itemsize, Py_ssize_t
  * filling redone; the retries are counted. */
 static PyObject *resolve(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer b_ids, b_start, b_length, b_links, b_weights, b_cap, b_rate, b_solved, b_capacity, b_load, b_perturbed,
+    Py_buffer b_ids, b_start, b_length, b_links, b_weights, b_packed, b_cap, b_rate, b_solved, b_capacity, b_load, b_perturbed,
         b_map, b_out_ids, b_out_rates, b_out_changed;
     int full, unit, has_caps, skip_slack;
     double grow;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*w*w*y*w*y*w*w*w*w*ppppd", &b_ids, &b_start, &b_length, &b_links,
-                          &b_weights, &b_cap, &b_rate, &b_solved, &b_capacity, &b_load, &b_perturbed, &b_map, &b_out_ids,
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*w*w*y*w*y*w*w*w*w*ppppd", &b_ids, &b_start, &b_length, &b_links,
+                          &b_weights, &b_packed, &b_cap, &b_rate, &b_solved, &b_capacity, &b_load, &b_perturbed, &b_map, &b_out_ids,
                           &b_out_rates, &b_out_changed, &full, &unit, &has_caps, &skip_slack, &grow))
         return NULL;
 
@@ -165,6 +171,7 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
     skip_slack = skip_slack && !full;
 
     if (!check_buffer(&b_ids, 8, n, "ids") || !check_buffer(&b_length, 8, slots, "length") ||
+        !check_buffer(&b_packed, 4, unit ? slots * PACKED : 0, "packed") ||
         !check_buffer(&b_cap, 8, slots, "cap") || !check_buffer(&b_rate, 8, slots, "rate") ||
         !check_buffer(&b_solved, 1, slots, "solved") || !check_buffer(&b_load, 8, n_links, "load") ||
         !check_buffer(&b_perturbed, 1, n_links, "perturbed") ||
@@ -175,6 +182,7 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
 
     const int64_t *ids = b_ids.buf, *start = b_start.buf, *length = b_length.buf, *links = b_links.buf;
     const double *weights = b_weights.buf, *cap = b_cap.buf, *capacity = b_capacity.buf;
+    const int32_t *packed = b_packed.buf;
     double *rate = b_rate.buf, *load = b_load.buf, *out_rates = b_out_rates.buf;
     char *solved = b_solved.buf;
     const uint8_t *perturbed = b_perturbed.buf;
@@ -194,11 +202,29 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + PREFETCH_AHEAD < n && ids[i + PREFETCH_AHEAD] >= 0 && ids[i + PREFETCH_AHEAD] < slots) {
-            __builtin_prefetch(&start[ids[i + PREFETCH_AHEAD]]);
-            __builtin_prefetch(&length[ids[i + PREFETCH_AHEAD]]);
+            if (unit) {
+                __builtin_prefetch(&packed[ids[i + PREFETCH_AHEAD] * PACKED]);
+            } else {
+                __builtin_prefetch(&start[ids[i + PREFETCH_AHEAD]]);
+                __builtin_prefetch(&length[ids[i + PREFETCH_AHEAD]]);
+            }
         }
         int64_t f = ids[i];
-        if (f < 0 || f >= slots || start[f] < 0 || length[f] < 0 || start[f] + length[f] > n_entries) {
+        if (f < 0 || f >= slots) {
+            PyErr_Format(PyExc_ValueError, "_fill.resolve: flow slot %lld is out of range", (long long)f);
+            goto done;
+        }
+        if (unit && packed[f * PACKED] >= 0) { /* flow_start -1: the links are in the packed row */
+            if (packed[f * PACKED] >= PACKED) {
+                PyErr_Format(PyExc_ValueError, "_fill.resolve: packed row of slot %lld is corrupt", (long long)f);
+                goto done;
+            }
+            flow_start[i] = -1;
+            flow_length[i] = packed[f * PACKED];
+            nnz += flow_length[i];
+            continue;
+        }
+        if (start[f] < 0 || length[f] < 0 || start[f] + length[f] > n_entries) {
             PyErr_Format(PyExc_ValueError, "_fill.resolve: flow slot %lld is out of range", (long long)f);
             goto done;
         }
@@ -245,7 +271,10 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i + PREFETCH_AHEAD < n) {
             int64_t ahead = ids[i + PREFETCH_AHEAD];
-            __builtin_prefetch(&links[flow_start[i + PREFETCH_AHEAD]]);
+            if (flow_start[i + PREFETCH_AHEAD] >= 0)
+                __builtin_prefetch(&links[flow_start[i + PREFETCH_AHEAD]]);
+            else
+                __builtin_prefetch(&packed[ahead * PACKED]);
             __builtin_prefetch(&rate[ahead]);
             if (has_caps) __builtin_prefetch(&cap[ahead]);
             if (!unit) __builtin_prefetch(&weights[flow_start[i + PREFETCH_AHEAD]]);
@@ -254,10 +283,12 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
         double r = rate[f]; /* NaN exactly when not solved (FlowNetwork's invariant) */
         int take_off = !full && isfinite(r);
         old_rate[i] = r;
-        for (int64_t e = flow_start[i]; e < flow_start[i] + flow_length[i]; e++) {
+        const int32_t *row = flow_start[i] < 0 ? &packed[f * PACKED + 1] : NULL;
+        for (int64_t j = 0; j < flow_length[i]; j++) {
+            int64_t e = flow_start[i] + j; /* an entry index when not packed */
             double w = unit ? 1.0 : weights[e];
             if (!(w > 0)) continue;
-            int64_t l = links[e];
+            int64_t l = row ? row[j] : links[e];
             if (l < 0 || l >= n_links) {
                 PyErr_Format(PyExc_ValueError, "_fill.resolve: link id %lld out of range", (long long)l);
                 goto done;
@@ -462,6 +493,7 @@ done:
     PyBuffer_Release(&b_length);
     PyBuffer_Release(&b_links);
     PyBuffer_Release(&b_weights);
+    PyBuffer_Release(&b_packed);
     PyBuffer_Release(&b_cap);
     PyBuffer_Release(&b_rate);
     PyBuffer_Release(&b_solved);

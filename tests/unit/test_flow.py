@@ -394,22 +394,48 @@ def test_native_resolve_puts_back_a_slack_link_that_would_overflow() -> None:
     assert network.last_update.flows_resolved == 1 and network.check().ok
 
 
-def test_native_kernel_rejects_out_of_range_slots() -> None:
+def _kernel_resolve(network: FlowNetwork, ids: np.ndarray, **replace: np.ndarray) -> tuple[int, int, int]:
+    """One direct call of the compiled re-solve on ``network``'s arrays (some replaced)."""
+    arrays = {name: getattr(network, f"_{name}") for name in (
+        "start", "length", "links", "weights", "packed", "cap", "rate", "solved", "capacity", "load", "perturbed",
+        "link_map")}
+    arrays.update(replace)
+    n = ids.size
+    return flow_network_module._fill.resolve(
+        ids, *arrays.values(), np.zeros(n, dtype=np.int64), np.zeros(n), np.zeros(n, dtype=np.int64), False, True,
+        False, False, 1.0)
+
+
+def test_native_kernel_rejects_bad_slots_and_rows() -> None:
     network = FlowNetwork([1.0, 2.0], native=True)
     network.add_flows(Incidence.from_paths([[0], [0, 1]], 2))
     network.update()
-    bad = np.array([network._start.size], dtype=np.int64)  # past every slot array
     with pytest.raises(ValueError, match="out of range"):
-        flow_network_module._fill.resolve(
-            bad, network._start, network._length, network._links, network._weights, network._cap, network._rate,
-            network._solved, network._capacity, network._load, network._perturbed, network._link_map, np.zeros(1, dtype=np.int64),
-            np.zeros(1), np.zeros(1, dtype=np.int64), False, True, False, False, 1.0)
+        _kernel_resolve(network, np.array([network._start.size], dtype=np.int64))  # past every slot array
     with pytest.raises(ValueError, match="link_map"):
-        flow_network_module._fill.resolve(
-            np.array([0], dtype=np.int64), network._start, network._length, network._links, network._weights,
-            network._cap, network._rate, network._solved, network._capacity, network._load, network._perturbed,
-            np.full(1, -1, dtype=np.int32), np.zeros(1, dtype=np.int64), np.zeros(1), np.zeros(1, dtype=np.int64), False,
-            True, False, False, 1.0)
+        _kernel_resolve(network, np.array([0], dtype=np.int64), link_map=np.full(1, -1, dtype=np.int32))
+    packed = network._packed.copy()
+    packed[1, 0] = 99  # a count longer than the row
+    with pytest.raises(ValueError, match="packed row of slot 1 is corrupt"):
+        _kernel_resolve(network, np.array([0, 1], dtype=np.int64), packed=packed)
+    packed = network._packed.copy()
+    packed[1, 2] = 7  # a link id past the network's links
+    with pytest.raises(ValueError, match="link id 7 out of range"):
+        _kernel_resolve(network, np.array([0, 1], dtype=np.int64), packed=packed)
+    # Nothing was changed by the refused calls: the scratch map is clean, rates as solved.
+    assert (network._link_map == -1).all()
+    np.testing.assert_allclose(network.rates(), [0.5, 0.5])
+
+
+def test_flow_network_packs_short_link_lists_only() -> None:
+    network = FlowNetwork(np.ones(12))
+    ids = network.add_flows(Incidence.from_paths([[3, 4], list(range(12)), []], 12))
+    assert network._packed[ids[0], :3].tolist() == [2, 3, 4]
+    assert network._packed[ids[1], 0] == -1 and network._packed[ids[2], 0] == 0
+    network.remove_flows(ids[:1])
+    (reused,) = network.add_flows(Incidence.from_paths([[7]], 12))
+    assert reused == ids[0] and network._packed[reused, :2].tolist() == [1, 7]
+    np.testing.assert_allclose(network.rates(network.flow_ids()), [0.5, 0.5, np.inf])  # both on link 7
 
 
 def test_flow_network_last_resolved_covers_every_changed_rate() -> None:
