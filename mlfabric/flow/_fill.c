@@ -107,18 +107,23 @@ static int check_buffer(const Py_buffer *buffer, Py_ssize_t itemsize, Py_ssize_t
     return 1;
 }
 
-/* resolve(ids, start, length, links, weights, packed, cap, rate, solved, capacity, load, perturbed, link_map,
- *         out_ids, out_rates, out_changed, full, unit, has_caps, skip_slack, grow)
- *     -> (filling events, changed, slack retries).
+/* resolve(ids, start, length, links, weights, packed, cap, rate, solved, alive, capacity, load, perturbed,
+ *         link_map, out_ids, out_rates, out_changed, full, unit, has_caps, skip_slack, grow, n_filter)
+ *     -> (filling events, re-solved flows, changed, slack retries).
  *
- * ids: int64 flow slots to re-solve; start/length: int64 per slot (entry range); links:
+ * The first `n_filter` ids are candidates (FlowNetwork's rate order from the divergence level
+ * on, which may hold ids of since-removed flows, of reused slots and repeats): only live,
+ * solved ones are re-solved, each once. The other ids are re-solved as given. out_ids may be
+ * the memory `ids` is read from (the ids are copied first).
+ *
+ * ids: int64 flow slots; start/length: int64 per slot (entry range); links:
  * int64 and weights: float64 per entry (read only when not `unit`: all weights 1); packed:
  * int32 rows of PACKED per slot, [count, link ids...] or [-1, ...] (read only when `unit`): the
  * same links in one cache line, used instead of start/length/links where the count is >= 0
  * (on large runs the entry array is far bigger than the cache, and this read is most of the
  * gather's cost); cap,
  * rate: float64 per slot (rate in: old rate of solved flows, NaN for the others, out: new
- * rate); solved: bool per slot (set to true); capacity, load: float64 per link (load in: of
+ * rate); solved: bool per slot (set to true); alive: bool per slot; capacity, load: float64 per link (load in: of
  * all solved flows, out: at the new rates); link_map: int32 per link, all -1 on entry and on
  * return (scratch);
  * out_ids/out_rates: len(ids) items, the re-solved flows sorted by new rate; out_changed:
@@ -137,13 +142,15 @@ static int check_buffer(const Py_buffer *buffer, Py_ssize_t itemsize, Py_ssize_t
  * filling redone; the retries are counted. */
 static PyObject *resolve(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer b_ids, b_start, b_length, b_links, b_weights, b_packed, b_cap, b_rate, b_solved, b_capacity, b_load, b_perturbed,
+    Py_buffer b_ids, b_start, b_length, b_links, b_weights, b_packed, b_cap, b_rate, b_solved, b_alive, b_capacity, b_load, b_perturbed,
         b_map, b_out_ids, b_out_rates, b_out_changed;
     int full, unit, has_caps, skip_slack;
     double grow;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*w*w*y*w*y*w*w*w*w*ppppd", &b_ids, &b_start, &b_length, &b_links,
-                          &b_weights, &b_packed, &b_cap, &b_rate, &b_solved, &b_capacity, &b_load, &b_perturbed, &b_map, &b_out_ids,
-                          &b_out_rates, &b_out_changed, &full, &unit, &has_caps, &skip_slack, &grow))
+    Py_ssize_t n_filter;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*w*w*y*y*w*y*w*w*w*w*ppppdn", &b_ids, &b_start, &b_length, &b_links,
+                          &b_weights, &b_packed, &b_cap, &b_rate, &b_solved, &b_alive, &b_capacity, &b_load,
+                          &b_perturbed, &b_map, &b_out_ids, &b_out_rates, &b_out_changed, &full, &unit, &has_caps,
+                          &skip_slack, &grow, &n_filter))
         return NULL;
 
     PyObject *result = NULL;
@@ -151,6 +158,9 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
     Py_ssize_t slots = b_start.len / 8;
     /* The re-solved flows' entries, gathered once into contiguous arrays (the slot arrays
      * are scattered over hundreds of MB on large runs; every later pass reads only these). */
+    int64_t *sel = NULL;            /* (n) the flows to re-solve */
+    Py_ssize_t n_marked = 0;        /* sel[:n_marked] holds every candidate marked solved = 2 */
+    char *solved = NULL;
     int64_t *flow_start = NULL, *flow_length = NULL; /* (n) each re-solved flow's slot entry range */
     int64_t *flow_ptr = NULL;      /* (n + 1) entry range of each re-solved flow */
     int32_t *entry_link = NULL;    /* (nnz) touched-link index of each entry with weight > 0 */
@@ -173,18 +183,20 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
     if (!check_buffer(&b_ids, 8, n, "ids") || !check_buffer(&b_length, 8, slots, "length") ||
         !check_buffer(&b_packed, 4, unit ? slots * PACKED : 0, "packed") ||
         !check_buffer(&b_cap, 8, slots, "cap") || !check_buffer(&b_rate, 8, slots, "rate") ||
-        !check_buffer(&b_solved, 1, slots, "solved") || !check_buffer(&b_load, 8, n_links, "load") ||
+        !check_buffer(&b_solved, 1, slots, "solved") || !check_buffer(&b_alive, 1, slots, "alive") ||
+        !check_buffer(&b_load, 8, n_links, "load") ||
         !check_buffer(&b_perturbed, 1, n_links, "perturbed") ||
         !check_buffer(&b_map, 4, n_links, "link_map") || !check_buffer(&b_out_ids, 8, n, "out_ids") ||
         !check_buffer(&b_out_rates, 8, n, "out_rates") || !check_buffer(&b_out_changed, 8, n, "out_changed") ||
         !check_buffer(&b_links, 8, 0, "links") || !check_buffer(&b_weights, 8, b_links.len / 8, "weights"))
         goto done;
 
-    const int64_t *ids = b_ids.buf, *start = b_start.buf, *length = b_length.buf, *links = b_links.buf;
+    const int64_t *start = b_start.buf, *length = b_length.buf, *links = b_links.buf;
     const double *weights = b_weights.buf, *cap = b_cap.buf, *capacity = b_capacity.buf;
     const int32_t *packed = b_packed.buf;
     double *rate = b_rate.buf, *load = b_load.buf, *out_rates = b_out_rates.buf;
-    char *solved = b_solved.buf;
+    solved = b_solved.buf;
+    const char *alive = b_alive.buf;
     const uint8_t *perturbed = b_perturbed.buf;
     int32_t *link_map = b_map.buf;
     int64_t *out_ids = b_out_ids.buf, *out_changed = b_out_changed.buf;
@@ -193,6 +205,37 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
     /* Validate slots and entry ranges (link ids are checked in the gather), so the loops
      * below can index without checks. The slot arrays are large and the ids scattered:
      * prefetching a few flows ahead hides most of the cache misses. */
+    /* The ids to re-solve, copied (out_ids may alias the input); candidates are filtered and
+     * marked solved = 2 while taken (reset to 1 with the new rates, or on an error). */
+    sel = malloc((n + 1) * sizeof(int64_t));
+    if (!sel) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    {
+        const int64_t *given = b_ids.buf;
+        Py_ssize_t n_given = n;
+        if (n_filter > n_given) n_filter = n_given;
+        n = 0;
+        for (Py_ssize_t i = 0; i < n_given; i++) {
+            if (i + PREFETCH_AHEAD < n_filter && given[i + PREFETCH_AHEAD] >= 0 && given[i + PREFETCH_AHEAD] < slots) {
+                __builtin_prefetch(&alive[given[i + PREFETCH_AHEAD]]);
+                __builtin_prefetch(&solved[given[i + PREFETCH_AHEAD]]);
+            }
+            int64_t f = given[i];
+            if (f < 0 || f >= slots) {
+                PyErr_Format(PyExc_ValueError, "_fill.resolve: flow slot %lld is out of range", (long long)f);
+                goto done;
+            }
+            if (i < n_filter) {
+                if (alive[f] != 1 || solved[f] != 1) continue;
+                solved[f] = 2;
+                n_marked = n + 1;
+            }
+            sel[n++] = f;
+        }
+    }
+    const int64_t *ids = sel;
     Py_ssize_t nnz = 0;
     flow_start = malloc((n + 1) * sizeof(int64_t));
     flow_length = malloc((n + 1) * sizeof(int64_t));
@@ -201,7 +244,7 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + PREFETCH_AHEAD < n && ids[i + PREFETCH_AHEAD] >= 0 && ids[i + PREFETCH_AHEAD] < slots) {
+        if (i + PREFETCH_AHEAD < n) {
             if (unit) {
                 __builtin_prefetch(&packed[ids[i + PREFETCH_AHEAD] * PACKED]);
             } else {
@@ -209,11 +252,7 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
                 __builtin_prefetch(&length[ids[i + PREFETCH_AHEAD]]);
             }
         }
-        int64_t f = ids[i];
-        if (f < 0 || f >= slots) {
-            PyErr_Format(PyExc_ValueError, "_fill.resolve: flow slot %lld is out of range", (long long)f);
-            goto done;
-        }
+        int64_t f = ids[i]; /* in range: checked in the selection */
         if (unit && packed[f * PACKED] >= 0) { /* flow_start -1: the links are in the packed row */
             if (packed[f * PACKED] >= PACKED) {
                 PyErr_Format(PyExc_ValueError, "_fill.resolve: packed row of slot %lld is corrupt", (long long)f);
@@ -460,9 +499,13 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
             break;
         }
     }
-    result = Py_BuildValue("nnn", events, n_changed, retries);
+    n_marked = 0;
+    result = Py_BuildValue("nnnn", events, n, n_changed, retries);
 
 done:
+    for (Py_ssize_t k = 0; k < n_marked; k++)
+        if (solved[sel[k]] == 2) solved[sel[k]] = 1;
+    free(sel);
     /* The scratch map goes back to all -1, after an error too. */
     if (touched_link)
         for (Py_ssize_t t = 0; t < n_touched; t++) link_map[touched_link[t]] = -1;
@@ -497,6 +540,7 @@ done:
     PyBuffer_Release(&b_cap);
     PyBuffer_Release(&b_rate);
     PyBuffer_Release(&b_solved);
+    PyBuffer_Release(&b_alive);
     PyBuffer_Release(&b_capacity);
     PyBuffer_Release(&b_load);
     PyBuffer_Release(&b_perturbed);

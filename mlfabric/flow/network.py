@@ -454,29 +454,34 @@ class FlowNetwork:
         n_order = self._order_n
         keep_below = divergence * (1.0 - _KEEP_MARGIN)
         split = int(np.searchsorted(self._order_rates[:n_order], keep_below, side="left")) if divergence < np.inf else n_order
-        suffix = self._order[split:n_order]
-        suffix = suffix[self._alive[suffix] & self._solved[suffix]]
-        resolve = self._distinct(np.concatenate([suffix, new_ids]) if new_ids.size else suffix)
-
-        full = (not self.incremental) or resolve.size > _FULL_SOLVE_FRACTION * self._n_alive
-        if full:
-            resolve, split = self.flow_ids(), 0
+        candidates = self._order[split:n_order]
+        n_filter = 0
+        if self.native and self.incremental and candidates.size + new_ids.size <= _FULL_SOLVE_FRACTION * self._n_alive:
+            # A partial re-solve for sure: the kernel drops the suffix's stale ids and repeats
+            # itself (three numpy passes less per update).
+            resolve = np.concatenate([candidates, new_ids]) if new_ids.size else candidates
+            full, n_filter = False, candidates.size
+        else:
+            suffix = candidates[self._alive[candidates] & self._solved[candidates]]
+            resolve = self._distinct(np.concatenate([suffix, new_ids]) if new_ids.size else suffix)
+            full = (not self.incremental) or resolve.size > _FULL_SOLVE_FRACTION * self._n_alive
+            if full:
+                resolve, split = self.flow_ids(), 0
         self.last_resolved = resolve
+        n_resolved = resolve.size
         slack_retries = 0
         if (full or resolve.size) and self.native:
             self._reserve_order(split + resolve.size)
-            end = split + resolve.size
             changed = np.empty(resolve.size, dtype=np.int64)
             # Slack links can be left out of a re-solve of solved flows (the kernel checks
             # they stay within capacity, else redoes the filling with them).
             skip_slack = not full and new_ids.size == 0
-            _, n_changed, slack_retries = _fill.resolve(
+            _, n_resolved, n_changed, slack_retries = _fill.resolve(
                 resolve, self._start, self._length, self._links, self._weights, self._packed, self._cap, self._rate,
-                self._solved,
-                self._capacity, self._load, self._perturbed, self._link_map, self._order[split:end],
-                self._order_rates[split:end],
-                changed, full, self._unit_weights, self._any_cap, skip_slack, 1.0 + self.tie_rtol)
-            self._order_n = end
+                self._solved, self._alive, self._capacity, self._load, self._perturbed, self._link_map,
+                self._order[split : split + resolve.size], self._order_rates[split : split + resolve.size], changed,
+                full, self._unit_weights, self._any_cap, skip_slack, 1.0 + self.tie_rtol, n_filter)
+            self._order_n = split + n_resolved
             self._restore_order_at(split)
             self.last_resolved = changed[:n_changed]
         elif full or resolve.size:
@@ -498,8 +503,8 @@ class FlowNetwork:
             sort = np.argsort(rates, kind="stable")
             self._set_order(resolve[sort], rates[sort], split)
             self._restore_order_at(split)
-        stats = UpdateStats(kind="full" if full else "partial" if resolve.size else "none", flows_total=self._n_alive,
-                            flows_resolved=resolve.size, divergence_level=divergence, slack_retries=slack_retries)
+        stats = UpdateStats(kind="full" if full else "partial" if n_resolved else "none", flows_total=self._n_alive,
+                            flows_resolved=n_resolved, divergence_level=divergence, slack_retries=slack_retries)
         if self._order_n > 2 * self._n_alive + 1024:
             # Mostly stale entries: rebuild from the live flows' current rates.
             ids = self.flow_ids()

@@ -394,16 +394,18 @@ def test_native_resolve_puts_back_a_slack_link_that_would_overflow() -> None:
     assert network.last_update.flows_resolved == 1 and network.check().ok
 
 
-def _kernel_resolve(network: FlowNetwork, ids: np.ndarray, **replace: np.ndarray) -> tuple[int, int, int]:
+def _kernel_resolve(
+    network: FlowNetwork, ids: np.ndarray, n_filter: int = 0, **replace: np.ndarray
+) -> tuple[int, int, int, int]:
     """One direct call of the compiled re-solve on ``network``'s arrays (some replaced)."""
     arrays = {name: getattr(network, f"_{name}") for name in (
-        "start", "length", "links", "weights", "packed", "cap", "rate", "solved", "capacity", "load", "perturbed",
-        "link_map")}
+        "start", "length", "links", "weights", "packed", "cap", "rate", "solved", "alive", "capacity", "load",
+        "perturbed", "link_map")}
     arrays.update(replace)
     n = ids.size
     return flow_network_module._fill.resolve(
         ids, *arrays.values(), np.zeros(n, dtype=np.int64), np.zeros(n), np.zeros(n, dtype=np.int64), False, True,
-        False, False, 1.0)
+        False, False, 1.0, n_filter)
 
 
 def test_native_kernel_rejects_bad_slots_and_rows() -> None:
@@ -422,9 +424,29 @@ def test_native_kernel_rejects_bad_slots_and_rows() -> None:
     packed[1, 2] = 7  # a link id past the network's links
     with pytest.raises(ValueError, match="link id 7 out of range"):
         _kernel_resolve(network, np.array([0, 1], dtype=np.int64), packed=packed)
+    # A refused call with candidates taken before the bad id leaves them marked solved (1).
+    with pytest.raises(ValueError, match="out of range"):
+        _kernel_resolve(network, np.array([0, 1, network._start.size], dtype=np.int64), n_filter=3)
+    assert network._solved[:2].tolist() == [True, True] and network._solved.view(np.uint8)[:2].tolist() == [1, 1]
     # Nothing was changed by the refused calls: the scratch map is clean, rates as solved.
     assert (network._link_map == -1).all()
     np.testing.assert_allclose(network.rates(), [0.5, 0.5])
+
+
+def test_native_kernel_filters_stale_and_repeated_candidates() -> None:
+    network = FlowNetwork([1.0, 2.0], native=True)
+    a, b, c = network.add_flows(Incidence.from_paths([[0], [0, 1], [1]], 2))
+    network.update()
+    network.remove_flows([c])  # c is dead now: a stale candidate
+    candidates = np.array([a, c, b, a, b], dtype=np.int64)
+    _, n_resolved, _, _ = _kernel_resolve(network, candidates, n_filter=candidates.size)
+    assert n_resolved == 2
+    np.testing.assert_allclose(network._rate[[a, b]], [0.5, 0.5])
+    assert network._solved.view(np.uint8)[[a, b]].tolist() == [1, 1]
+    # Ids after the first n_filter are taken as given (new flows, unsolved).
+    (d,) = network.add_flows(Incidence.from_paths([[1]], 2))
+    _, n_resolved, _, _ = _kernel_resolve(network, np.array([c, d], dtype=np.int64), n_filter=1)
+    assert n_resolved == 1 and network._rate[d] == 2.0 - 0.5
 
 
 def test_flow_network_packs_short_link_lists_only() -> None:
