@@ -175,6 +175,8 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
     HeapItem *heap = NULL;
     CapItem *caps = NULL;
     char *active = NULL;
+    int32_t *in_filling = NULL; /* (n) per flow: its entries on links in the filling */
+    int32_t *multi = NULL;      /* (n) the flows frozen in one event that need a pass over their entries */
     int32_t *sat = NULL; /* the links saturating in one event */
     Ranked *ranked = NULL;
     Py_ssize_t events = 0, n_changed = 0, n_touched = 0, retries = 0;
@@ -295,9 +297,11 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
     sat = malloc(max_touched * sizeof(int32_t));
     caps = malloc((n + 1) * sizeof(CapItem));
     active = malloc(n + 1);
+    in_filling = malloc((n + 1) * sizeof(int32_t));
+    multi = malloc((n + 1) * sizeof(int32_t));
     if (!flow_ptr || !entry_link || !entry_weight || !old_rate || !touched_link || !count || !weight || !residual ||
         !new_load || !link_ptr || !fill || !flows_by_link || !heap || !sat || !caps || !active || !count0 ||
-        !weight0 || !tight) {
+        !weight0 || !tight || !in_filling || !multi) {
         PyErr_NoMemory();
         goto done;
     }
@@ -357,9 +361,15 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
         link_ptr[0] = 0;
         for (Py_ssize_t t = 0; t < n_touched; t++) link_ptr[t + 1] = link_ptr[t] + (tight[t] ? count0[t] : 0);
         memcpy(fill, link_ptr, n_touched * sizeof(int64_t));
-        for (Py_ssize_t i = 0; i < n; i++)
-            for (int64_t k = flow_ptr[i]; k < flow_ptr[i + 1]; k++)
-                if (tight[entry_link[k]]) flows_by_link[fill[entry_link[k]]++] = (int32_t)i;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int32_t n_in = 0;
+            for (int64_t k = flow_ptr[i]; k < flow_ptr[i + 1]; k++) {
+                if (!tight[entry_link[k]]) continue;
+                flows_by_link[fill[entry_link[k]]++] = (int32_t)i;
+                n_in++;
+            }
+            in_filling[i] = n_in;
+        }
         Py_ssize_t heap_size = 0;
         for (Py_ssize_t t = 0; t < n_touched; t++) {
             new_load[t] = 0.0;
@@ -407,25 +417,39 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
                 heap_pop(heap, &heap_size);
                 sat[n_sat++] = top.link;
             }
-            Py_ssize_t first_new = n_out;
+            Py_ssize_t first_new = n_out, n_multi = 0;
             for (Py_ssize_t s = 0; s < n_sat; s++) {
                 int32_t t = sat[s];
+                int64_t alone = 0; /* unit-weight flows whose only link in the filling is t */
                 for (int64_t k = link_ptr[t]; k < link_ptr[t + 1]; k++) {
                     int32_t i = flows_by_link[k];
                     if (!active[i]) continue;
                     active[i] = 0;
                     out_ids[n_out++] = i; /* re-solved-set index for now; made a slot id below */
+                    if (unit && in_filling[i] == 1)
+                        alone++;
+                    else
+                        multi[n_multi++] = i;
                 }
+                /* Most flows cross one link that can fill: their share of t is accounted in
+                 * one step, with no pass over their entries. */
+                residual[t] -= alone * current;
+                weight[t] -= alone;
+                count[t] -= alone;
+                new_load[t] += alone * current;
             }
             while (next_cap < n_caps && caps[next_cap].cap <= threshold) {
                 int32_t i = caps[next_cap++].flow;
                 if (!active[i]) continue;
                 active[i] = 0;
                 out_ids[n_out++] = i;
+                multi[n_multi++] = i;
             }
-            /* Everyone frozen now gets the current level: <= every level on its path. */
-            for (Py_ssize_t k = first_new; k < n_out; k++) {
-                int64_t i = out_ids[k];
+            for (Py_ssize_t k = first_new; k < n_out; k++) out_rates[k] = current;
+            /* The others' load goes on every link of theirs in the filling (the current level
+             * is <= every level on their path). */
+            for (Py_ssize_t m = 0; m < n_multi; m++) {
+                int32_t i = multi[m];
                 for (int64_t e = flow_ptr[i]; e < flow_ptr[i + 1]; e++) {
                     int32_t t = entry_link[e];
                     if (!tight[t]) continue;
@@ -435,7 +459,6 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
                     count[t] -= 1;
                     new_load[t] += w * current;
                 }
-                out_rates[k] = current;
             }
         }
         /* What is left is unconstrained (no loaded link, no cap): rate inf, no accounted load. */
@@ -529,6 +552,8 @@ done:
     free(heap);
     free(caps);
     free(active);
+    free(in_filling);
+    free(multi);
     free(sat);
     free(ranked);
     PyBuffer_Release(&b_ids);
