@@ -108,7 +108,8 @@ static int check_buffer(const Py_buffer *buffer, Py_ssize_t itemsize, Py_ssize_t
 }
 
 /* resolve(ids, start, length, links, weights, packed, cap, rate, solved, alive, capacity, load, perturbed,
- *         link_map, out_ids, out_rates, out_changed, full, unit, has_caps, skip_slack, grow, n_filter)
+ *         link_map, out_ids, out_rates, out_changed, out_changed_rates, full, unit, has_caps, skip_slack, grow,
+ *         n_filter)
  *     -> (filling events, re-solved flows, changed, slack retries).
  *
  * The first `n_filter` ids are candidates (FlowNetwork's rate order from the divergence level
@@ -127,7 +128,8 @@ static int check_buffer(const Py_buffer *buffer, Py_ssize_t itemsize, Py_ssize_t
  * all solved flows, out: at the new rates); link_map: int32 per link, all -1 on entry and on
  * return (scratch);
  * out_ids/out_rates: len(ids) items, the re-solved flows sorted by new rate; out_changed:
- * len(ids) items, its first `changed` are the flows whose rate is new or differs. full: the
+ * len(ids) items, its first `changed` are the flows whose rate is new or differs, and
+ * out_changed_rates (float64, len(ids) items) their new rates. full: the
  * load in `load` is discarded and rebuilt. has_caps: false when every cap is inf (`cap` is
  * then not read).
  *
@@ -143,14 +145,14 @@ static int check_buffer(const Py_buffer *buffer, Py_ssize_t itemsize, Py_ssize_t
 static PyObject *resolve(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer b_ids, b_start, b_length, b_links, b_weights, b_packed, b_cap, b_rate, b_solved, b_alive, b_capacity, b_load, b_perturbed,
-        b_map, b_out_ids, b_out_rates, b_out_changed;
+        b_map, b_out_ids, b_out_rates, b_out_changed, b_out_changed_rates;
     int full, unit, has_caps, skip_slack;
     double grow;
     Py_ssize_t n_filter;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*w*w*y*y*w*y*w*w*w*w*ppppdn", &b_ids, &b_start, &b_length, &b_links,
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*w*w*y*y*w*y*w*w*w*w*w*ppppdn", &b_ids, &b_start, &b_length, &b_links,
                           &b_weights, &b_packed, &b_cap, &b_rate, &b_solved, &b_alive, &b_capacity, &b_load,
-                          &b_perturbed, &b_map, &b_out_ids, &b_out_rates, &b_out_changed, &full, &unit, &has_caps,
-                          &skip_slack, &grow, &n_filter))
+                          &b_perturbed, &b_map, &b_out_ids, &b_out_rates, &b_out_changed, &b_out_changed_rates, &full,
+                          &unit, &has_caps, &skip_slack, &grow, &n_filter))
         return NULL;
 
     PyObject *result = NULL;
@@ -190,6 +192,7 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
         !check_buffer(&b_perturbed, 1, n_links, "perturbed") ||
         !check_buffer(&b_map, 4, n_links, "link_map") || !check_buffer(&b_out_ids, 8, n, "out_ids") ||
         !check_buffer(&b_out_rates, 8, n, "out_rates") || !check_buffer(&b_out_changed, 8, n, "out_changed") ||
+        !check_buffer(&b_out_changed_rates, 8, n, "out_changed_rates") ||
         !check_buffer(&b_links, 8, 0, "links") || !check_buffer(&b_weights, 8, b_links.len / 8, "weights"))
         goto done;
 
@@ -202,6 +205,7 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
     const uint8_t *perturbed = b_perturbed.buf;
     int32_t *link_map = b_map.buf;
     int64_t *out_ids = b_out_ids.buf, *out_changed = b_out_changed.buf;
+    double *out_changed_rates = b_out_changed_rates.buf;
     Py_ssize_t n_entries = b_links.len / 8;
 
     /* Validate slots and entry ranges (link ids are checked in the gather), so the loops
@@ -499,7 +503,10 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
     for (Py_ssize_t k = 0; k < n; k++) {
         int64_t i = out_ids[k], f = ids[i];
         double r = out_rates[k];
-        if (!(old_rate[i] == r)) out_changed[n_changed++] = f; /* NaN (new flow) never equals */
+        if (!(old_rate[i] == r)) { /* NaN (new flow) never equals */
+            out_changed_rates[n_changed] = r;
+            out_changed[n_changed++] = f;
+        }
         out_ids[k] = f;
         rate[f] = r;
         solved[f] = 1;
@@ -573,6 +580,7 @@ done:
     PyBuffer_Release(&b_out_ids);
     PyBuffer_Release(&b_out_rates);
     PyBuffer_Release(&b_out_changed);
+    PyBuffer_Release(&b_out_changed_rates);
     return result;
 }
 
@@ -666,62 +674,56 @@ done:
     return result;
 }
 
-/* progress(ids, new_rate, rate, remaining, stamp, finish, in_candidates, near, now, horizon)
- *     -> number of ids written to `near`.
+/* Columns of the event engine's per-flow record (engine._FlowClass.record). */
+enum { REC_REMAINING, REC_RATE, REC_STAMP, REC_FINISH, REC_WIDTH };
+
+/* progress(ids, new_rates, record, in_candidates, near, now, horizon) -> number of ids written to `near`.
  *
- * The event engine's bookkeeping after an update, for the flows whose rate changed (`ids`):
- * each drains `remaining` bits at its old `rate` since `stamp`, then gets its new rate (read
- * from `new_rate`, indexed by id), `stamp = now` and `finish = now + remaining / rate` (inf at
- * rate 0 with bits left, `now` when nothing is left). Flows now finishing by `horizon` that
- * are not `in_candidates` yet are marked and written to `near`. All arrays are indexed by
- * flow id except `ids` and `near` (int64, len(ids) items). */
+ * The event engine's bookkeeping after an update, for the flows whose rate changed (`ids`,
+ * int64, with their new rates in `new_rates`, float64, same order). `record` is float64 with
+ * REC_WIDTH columns per flow id (one cache line holds a flow's remaining bits, rate, stamp and
+ * finish time): each flow drains its remaining bits at its old rate since its stamp, then
+ * gets the new rate, `stamp = now` and `finish = now + remaining / rate` (inf at rate 0 with
+ * bits left, `now` when nothing is left). Flows now finishing by `horizon` that are not
+ * `in_candidates` (bool per flow id) yet are marked and written to `near` (int64, len(ids)). */
 static PyObject *progress(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer b_ids, b_new, b_rate, b_remaining, b_stamp, b_finish, b_in, b_near;
+    Py_buffer b_ids, b_new, b_record, b_in, b_near;
     double now, horizon;
-    if (!PyArg_ParseTuple(args, "y*y*w*w*w*w*w*w*dd", &b_ids, &b_new, &b_rate, &b_remaining, &b_stamp, &b_finish,
-                          &b_in, &b_near, &now, &horizon))
+    if (!PyArg_ParseTuple(args, "y*y*w*w*w*dd", &b_ids, &b_new, &b_record, &b_in, &b_near, &now, &horizon))
         return NULL;
     PyObject *result = NULL;
     Py_ssize_t n = b_ids.len / 8, n_near = 0;
-    Py_ssize_t slots = b_rate.len / 8;
-    Py_ssize_t new_slots = b_new.len / 8;
-    if (!check_buffer(&b_new, 8, 0, "new_rate") || !check_buffer(&b_remaining, 8, slots, "remaining") ||
-        !check_buffer(&b_stamp, 8, slots, "stamp") || !check_buffer(&b_finish, 8, slots, "finish") ||
+    Py_ssize_t slots = b_record.len / (8 * REC_WIDTH);
+    if (!check_buffer(&b_new, 8, n, "new_rates") || !check_buffer(&b_record, 8, 0, "record") ||
         !check_buffer(&b_in, 1, slots, "in_candidates") || !check_buffer(&b_near, 8, n, "near"))
         goto done;
     const int64_t *ids = b_ids.buf;
-    const double *new_rate = b_new.buf;
-    double *rate = b_rate.buf, *remaining = b_remaining.buf, *stamp = b_stamp.buf, *finish = b_finish.buf;
+    const double *new_rates = b_new.buf;
+    double *record = b_record.buf;
     char *in_candidates = b_in.buf;
     int64_t *near = b_near.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t f = ids[i];
-        if (f < 0 || f >= slots || f >= new_slots) {
-            PyErr_Format(PyExc_ValueError, "_fill.progress: flow id %lld is out of range", (long long)f);
+        if (ids[i] < 0 || ids[i] >= slots) {
+            PyErr_Format(PyExc_ValueError, "_fill.progress: flow id %lld is out of range", (long long)ids[i]);
             goto done;
         }
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + PREFETCH_AHEAD < n) {
-            int64_t ahead = ids[i + PREFETCH_AHEAD];
-            __builtin_prefetch(&rate[ahead]);
-            __builtin_prefetch(&remaining[ahead]);
-            __builtin_prefetch(&stamp[ahead]);
-            __builtin_prefetch(&new_rate[ahead]);
-        }
+        if (i + PREFETCH_AHEAD < n) __builtin_prefetch(&record[ids[i + PREFETCH_AHEAD] * REC_WIDTH]);
         int64_t f = ids[i];
-        double left = remaining[f] - rate[f] * (now - stamp[f]);
+        double *row = &record[f * REC_WIDTH];
+        double left = row[REC_REMAINING] - row[REC_RATE] * (now - row[REC_STAMP]);
         if (!(left > 0)) left = 0.0;
-        double r = new_rate[f];
-        remaining[f] = left;
-        stamp[f] = now;
-        rate[f] = r;
+        double r = new_rates[i];
+        row[REC_REMAINING] = left;
+        row[REC_STAMP] = now;
+        row[REC_RATE] = r;
         /* as numpy's left / r: inf at rate 0 with bits left, 0 at rate inf, NaN (0/0) -> 0 */
         double t = left / r;
         if (isnan(t)) t = 0.0;
         t += now;
-        finish[f] = t;
+        row[REC_FINISH] = t;
         if (t <= horizon && !in_candidates[f]) {
             in_candidates[f] = 1;
             near[n_near++] = f;
@@ -731,10 +733,7 @@ static PyObject *progress(PyObject *self, PyObject *args) {
 done:
     PyBuffer_Release(&b_ids);
     PyBuffer_Release(&b_new);
-    PyBuffer_Release(&b_rate);
-    PyBuffer_Release(&b_remaining);
-    PyBuffer_Release(&b_stamp);
-    PyBuffer_Release(&b_finish);
+    PyBuffer_Release(&b_record);
     PyBuffer_Release(&b_in);
     PyBuffer_Release(&b_near);
     return result;

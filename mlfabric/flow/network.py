@@ -130,6 +130,7 @@ class FlowNetwork:
         #: compiled kernel lists only those whose rate is new or differs): an event engine
         #: only needs to recompute finish times for these.
         self.last_resolved = np.zeros(0, dtype=np.int64)
+        self._last_rates: np.ndarray | None = None  # their rates, when the compiled kernel listed them
         # Entry storage (append-only, compacted when mostly garbage).
         self._entries = 0
         self._dead_entries = 0
@@ -435,6 +436,7 @@ class FlowNetwork:
         """Re-solve if anything changed since the last call; returns what was done."""
         if not self._dirty:
             self.last_resolved = np.zeros(0, dtype=np.int64)
+            self._last_rates = None
             self.last_update = UpdateStats(kind="none", flows_total=self._n_alive, flows_resolved=0, divergence_level=np.inf)
             return self.last_update
         divergence = self._divergence
@@ -468,11 +470,13 @@ class FlowNetwork:
             if full:
                 resolve, split = self.flow_ids(), 0
         self.last_resolved = resolve
+        self._last_rates = None
         n_resolved = resolve.size
         slack_retries = 0
         if (full or resolve.size) and self.native:
             self._reserve_order(split + resolve.size)
             changed = np.empty(resolve.size, dtype=np.int64)
+            changed_rates = np.empty(resolve.size)
             # Slack links can be left out of a re-solve of solved flows (the kernel checks
             # they stay within capacity, else redoes the filling with them).
             skip_slack = not full and new_ids.size == 0
@@ -480,10 +484,11 @@ class FlowNetwork:
                 resolve, self._start, self._length, self._links, self._weights, self._packed, self._cap, self._rate,
                 self._solved, self._alive, self._capacity, self._load, self._perturbed, self._link_map,
                 self._order[split : split + resolve.size], self._order_rates[split : split + resolve.size], changed,
-                full, self._unit_weights, self._any_cap, skip_slack, 1.0 + self.tie_rtol, n_filter)
+                changed_rates, full, self._unit_weights, self._any_cap, skip_slack, 1.0 + self.tie_rtol, n_filter)
             self._order_n = split + n_resolved
             self._restore_order_at(split)
             self.last_resolved = changed[:n_changed]
+            self._last_rates = changed_rates[:n_changed]
         elif full or resolve.size:
             positions, indptr = self._entry_positions(resolve)
             links, weights, lengths = self._links[positions], self._weights[positions], np.diff(indptr)
@@ -521,15 +526,7 @@ class FlowNetwork:
     def last_resolved_rates(self) -> np.ndarray:
         """Current rates of :attr:`last_resolved`, without re-solving or checking ids (the
         per-event read of an event engine; call right after :meth:`update`)."""
-        return self._rate[self.last_resolved]
-
-    def rates_by_id(self) -> np.ndarray:
-        """Read-only view of every slot's rate, indexed by flow id (valid for live ids after
-        :meth:`update`; other entries are garbage): the per-event read of an event engine
-        that keeps its own per-id arrays."""
-        view = self._rate.view()
-        view.flags.writeable = False
-        return view
+        return self._rate[self.last_resolved] if self._last_rates is None else self._last_rates
 
     def rates(self, ids: np.ndarray | list[int] | None = None) -> np.ndarray:
         """Max-min rates of the given live flows (default: all, in :meth:`flow_ids` order)."""

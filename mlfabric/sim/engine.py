@@ -279,25 +279,33 @@ class _FlowClass:
         self.network: FlowNetwork | NaiveNetwork = (
             FlowNetwork(self.capacity) if solver == "flow" else NaiveNetwork(self.capacity))
         self.task = np.zeros(0, dtype=np.int64)
-        self.remaining = np.zeros(0)  # bits
-        self.rate = np.zeros(0)
-        self.stamp = np.zeros(0)
-        self.finish = np.zeros(0)
+        # Per flow id: remaining bits, rate, stamp (when remaining was last drained), finish
+        # time, side by side in one row (the columns of _fill.progress): an event's update of
+        # a changed flow touches one cache line, not four scattered arrays.
+        self.record = np.zeros((0, 4))
+        self._views()
         self.in_candidates = np.zeros(0, dtype=bool)
         self.horizon = -math.inf
         self.candidates = np.zeros(0, dtype=np.int64)
         self.updates: dict[str, int] = {}
 
+    def _views(self) -> None:
+        self.remaining, self.rate, self.stamp, self.finish = (self.record[:, column] for column in range(4))
+
     def _grow(self, needed: int) -> None:
         if needed <= self.finish.size:
             return
         size = max(needed, 2 * self.finish.size, 64)
-        for name, fill in (("task", -1), ("remaining", 0.0), ("rate", 0.0), ("stamp", 0.0), ("finish", math.inf),
-                           ("in_candidates", False)):
+        for name, fill in (("task", -1), ("in_candidates", False)):
             old = getattr(self, name)
             new = np.full(size, fill, dtype=old.dtype)
             new[: old.size] = old
             setattr(self, name, new)
+        record = np.zeros((size, 4))
+        record[:, 3] = math.inf  # finish
+        record[: self.record.shape[0]] = self.record
+        self.record = record
+        self._views()
 
     def add(self, tasks: np.ndarray, incidence: Incidence, bits: np.ndarray, now: float) -> None:
         ids = self.network.add_flows(incidence)
@@ -323,8 +331,8 @@ class _FlowClass:
         if _fill is not None and isinstance(self.network, FlowNetwork):
             # The same arithmetic as below, compiled: one call instead of ~15 numpy passes.
             near = np.empty(changed.size, dtype=np.int64)
-            n_near = _fill.progress(changed, self.network.rates_by_id(), self.rate, self.remaining, self.stamp,
-                                    self.finish, self.in_candidates, near, now, self.horizon)
+            n_near = _fill.progress(changed, self.network.last_resolved_rates(), self.record, self.in_candidates, near,
+                                    now, self.horizon)
             if n_near:
                 self.candidates = np.concatenate([self.candidates, near[:n_near]])
             return

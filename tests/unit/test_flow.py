@@ -404,8 +404,8 @@ def _kernel_resolve(
     arrays.update(replace)
     n = ids.size
     return flow_network_module._fill.resolve(
-        ids, *arrays.values(), np.zeros(n, dtype=np.int64), np.zeros(n), np.zeros(n, dtype=np.int64), False, True,
-        False, False, 1.0, n_filter)
+        ids, *arrays.values(), np.zeros(n, dtype=np.int64), np.zeros(n), np.zeros(n, dtype=np.int64), np.zeros(n),
+        False, True, False, False, 1.0, n_filter)
 
 
 def test_native_kernel_rejects_bad_slots_and_rows() -> None:

@@ -308,26 +308,25 @@ def test_dependents_released_in_a_loop_or_vectorized_alike(barrier: str, monkeyp
 def test_compiled_progress_drains_at_the_old_rate_and_sets_finish_times() -> None:
     from mlfabric.flow.network import _fill
 
-    ids = np.array([0, 1, 2, 3], dtype=np.int64)
-    new_rate = np.array([2.0, 0.0, np.inf, 0.0])
-    rate = np.array([1.0, 1.0, 1.0, 1.0])
-    remaining = np.array([10.0, 10.0, 10.0, 1.0])
-    stamp = np.array([0.0, 0.0, 0.0, 0.0])
-    finish = np.zeros(4)
+    ids = np.array([3, 0, 1, 2], dtype=np.int64)
+    new_rates = np.array([0.0, 2.0, 0.0, np.inf])  # in the order of ids
+    # Columns: remaining bits, rate, stamp, finish (engine._FlowClass.record).
+    record = np.array([[10.0, 1.0, 0.0, 0.0], [10.0, 1.0, 0.0, 0.0], [10.0, 1.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
     in_candidates = np.array([False, False, False, True])
     near = np.zeros(4, dtype=np.int64)
-    n_near = _fill.progress(ids, new_rate, rate, remaining, stamp, finish, in_candidates, near, 4.0, 10.0)
+    n_near = _fill.progress(ids, new_rates, record, in_candidates, near, 4.0, 10.0)
     # 4 s at rate 1: 6 bits left (the last flow had 1: none left, finishes now).
-    np.testing.assert_array_equal(remaining, [6.0, 6.0, 6.0, 0.0])
-    np.testing.assert_array_equal(finish, [7.0, np.inf, 4.0, 4.0])
-    np.testing.assert_array_equal(rate, new_rate)
-    np.testing.assert_array_equal(stamp, [4.0] * 4)
-    # Finishing by the horizon (10) and not yet a candidate: flows 0 and 2.
+    np.testing.assert_array_equal(record[:, 0], [6.0, 6.0, 6.0, 0.0])
+    np.testing.assert_array_equal(record[:, 3], [7.0, np.inf, 4.0, 4.0])
+    np.testing.assert_array_equal(record[:, 1], [2.0, 0.0, np.inf, 0.0])
+    np.testing.assert_array_equal(record[:, 2], [4.0] * 4)
+    # Finishing by the horizon (10) and not yet a candidate: flows 0 and 2, in the order of ids.
     assert near[:n_near].tolist() == [0, 2]
     assert in_candidates.tolist() == [True, False, True, True]
     with pytest.raises(ValueError, match="out of range"):
-        _fill.progress(np.array([9], dtype=np.int64), new_rate, rate, remaining, stamp, finish, in_candidates, near,
-                       5.0, 10.0)
+        _fill.progress(np.array([9], dtype=np.int64), new_rates[:1], record, in_candidates, near, 5.0, 10.0)
+    with pytest.raises(ValueError, match="new_rates"):
+        _fill.progress(ids, new_rates[:2], record, in_candidates, near, 5.0, 10.0)
 
 
 # ---------------------------------------------------------------------------- priorities
