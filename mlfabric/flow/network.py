@@ -55,8 +55,11 @@ __all__ = ["FlowNetwork", "UpdateStats"]
 # Flows whose old rate is within this relative distance of the divergence level are
 # re-solved rather than kept: keeps rounding on a tie from splitting a batch.
 _KEEP_MARGIN = 1e-9
-# Above this fraction of flows to re-solve, a full solve is cheaper than the bookkeeping.
+# Above this fraction of flows to re-solve, a full solve is cheaper than the bookkeeping (numpy
+# path). The compiled kernel's bookkeeping is cheap, and a partial re-solve can leave slack
+# links out, which a full one cannot: it solves in full only when (nearly) everything moves.
 _FULL_SOLVE_FRACTION = 0.6
+_FULL_SOLVE_FRACTION_NATIVE = 0.95
 # Row width of the packed link lists the compiled kernel reads (must match PACKED in _fill.c):
 # a count, then up to _PACKED - 1 link ids, one cache line per flow.
 _PACKED = 8
@@ -458,7 +461,8 @@ class FlowNetwork:
         split = int(np.searchsorted(self._order_rates[:n_order], keep_below, side="left")) if divergence < np.inf else n_order
         candidates = self._order[split:n_order]
         n_filter = 0
-        if self.native and self.incremental and candidates.size + new_ids.size <= _FULL_SOLVE_FRACTION * self._n_alive:
+        full_above = (_FULL_SOLVE_FRACTION_NATIVE if self.native else _FULL_SOLVE_FRACTION) * self._n_alive
+        if self.native and self.incremental and candidates.size + new_ids.size <= full_above:
             # A partial re-solve for sure: the kernel drops the suffix's stale ids and repeats
             # itself (three numpy passes less per update).
             resolve = np.concatenate([candidates, new_ids]) if new_ids.size else candidates
@@ -466,7 +470,7 @@ class FlowNetwork:
         else:
             suffix = candidates[self._alive[candidates] & self._solved[candidates]]
             resolve = self._distinct(np.concatenate([suffix, new_ids]) if new_ids.size else suffix)
-            full = (not self.incremental) or resolve.size > _FULL_SOLVE_FRACTION * self._n_alive
+            full = (not self.incremental) or resolve.size > full_above
             if full:
                 resolve, split = self.flow_ids(), 0
         self.last_resolved = resolve
