@@ -158,11 +158,11 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     Py_ssize_t n = b_ids.len / 8, n_links = b_capacity.len / 8;
     Py_ssize_t slots = b_start.len / 8;
-    /* The re-solved flows' entries, gathered once into contiguous arrays (the slot arrays
-     * are scattered over hundreds of MB on large runs; every later pass reads only these). */
     int64_t *sel = NULL;            /* (n) the flows to re-solve */
     Py_ssize_t n_marked = 0;        /* sel[:n_marked] holds every candidate marked solved = 2 */
-    char *solved = NULL;
+    char *solved = NULL;            /* set before the first mark (the exit path reads it) */
+    /* The re-solved flows' entries, gathered once into contiguous arrays (the slot arrays
+     * are scattered over hundreds of MB on large runs; every later pass reads only these). */
     int64_t *flow_start = NULL, *flow_length = NULL; /* (n) each re-solved flow's slot entry range */
     int64_t *flow_ptr = NULL;      /* (n + 1) entry range of each re-solved flow */
     int32_t *entry_link = NULL;    /* (nnz) touched-link index of each entry with weight > 0 */
@@ -208,9 +208,6 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
     double *out_changed_rates = b_out_changed_rates.buf;
     Py_ssize_t n_entries = b_links.len / 8;
 
-    /* Validate slots and entry ranges (link ids are checked in the gather), so the loops
-     * below can index without checks. The slot arrays are large and the ids scattered:
-     * prefetching a few flows ahead hides most of the cache misses. */
     /* The ids to re-solve, copied (out_ids may alias the input); candidates are filtered and
      * marked solved = 2 while taken (reset to 1 with the new rates, or on an error). */
     sel = malloc((n + 1) * sizeof(int64_t));
@@ -242,6 +239,9 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
         }
     }
     const int64_t *ids = sel;
+    /* Validate entry ranges (link ids are checked in the gather), so the loops below can
+     * index without checks. The slot arrays are large and the ids scattered: prefetching a
+     * few flows ahead hides most of the cache misses. */
     Py_ssize_t nnz = 0;
     flow_start = malloc((n + 1) * sizeof(int64_t));
     flow_length = malloc((n + 1) * sizeof(int64_t));
