@@ -343,11 +343,14 @@ def test_native_kernel_is_built() -> None:
 
 @pytest.mark.parametrize("weighted", [False, True])
 def test_native_and_numpy_resolves_agree_on_a_fat_tree_event_sequence(weighted: bool) -> None:
-    """Both paths through the same 60 add/remove/capacity events of a k=8 fat-tree: same
-    rates (1e-9), a valid certificate, the same re-solve sets, and a rate order that is sorted."""
+    """Three paths through the same 60 add/remove/capacity events of a k=8 fat-tree: numpy, the
+    compiled kernel re-solving the whole suffix, and the kernel re-solving only what the change
+    reaches. Same rates (1e-9), valid certificates, the same suffixes, a sorted rate order."""
     topology = fat_tree(8, 10.0, oversub=4)
-    networks = [FlowNetwork(topology.capacity(), native=native) for native in (False, True)]
+    networks = [FlowNetwork(topology.capacity(), native=native, reach=reach)
+                for native, reach in ((False, False), (True, False), (True, True))]
     rng = np.random.default_rng(3)
+    reached = suffixes = 0
     for step in range(60):
         seed = int(rng.integers(0, 2**31))
         pairs = np.random.default_rng(seed).integers(0, topology.n_hosts, (300, 2))
@@ -361,14 +364,24 @@ def test_native_and_numpy_resolves_agree_on_a_fat_tree_event_sequence(weighted: 
             else:
                 ids = network.flow_ids()
                 network.remove_flows(np.random.default_rng(seed).choice(ids, size=ids.size // 5, replace=False))
-        numpy_rates, native_rates = (network.rates() for network in networks)
-        numpy_update, native_update = (network.last_update for network in networks)
-        assert (native_update.kind, native_update.flows_resolved) == (numpy_update.kind, numpy_update.flows_resolved)
-        np.testing.assert_allclose(native_rates, numpy_rates, rtol=1e-9, atol=1e-12)
-        assert networks[1].check().ok
-        order = networks[1]._order_rates[: networks[1]._order_n]
-        assert np.all(order[1:] >= order[:-1])
-        np.testing.assert_allclose(networks[1].link_load(), networks[0].link_load(), rtol=1e-9, atol=1e-9)
+        numpy_rates, suffix_rates, reach_rates = (network.rates() for network in networks)
+        numpy_update, suffix_update, reach_update = (network.last_update for network in networks)
+        assert (suffix_update.kind, suffix_update.flows_resolved) == (numpy_update.kind, numpy_update.flows_resolved)
+        assert reach_update.kind == numpy_update.kind
+        assert reach_update.flows_resolved <= numpy_update.flows_resolved
+        if reach_update.kind == "partial":
+            reached += reach_update.flows_resolved
+            suffixes += numpy_update.flows_resolved
+        np.testing.assert_allclose(suffix_rates, numpy_rates, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(reach_rates, numpy_rates, rtol=1e-9, atol=1e-12)
+        for network in networks[1:]:
+            assert network.check().ok
+            order = network._order_rates[: network._order_n]
+            assert np.all(order[1:] >= order[:-1])
+            np.testing.assert_allclose(network.link_load(), networks[0].link_load(), rtol=1e-9, atol=1e-9)
+    if not weighted:  # (sprayed flows fill the tree evenly: every update is a full solve there)
+        # The reach re-solves markedly fewer flows than the suffix on this traffic.
+        assert 0 < reached < 0.7 * suffixes, (reached, suffixes)
 
 
 def test_native_resolve_puts_back_a_slack_link_that_would_overflow() -> None:
@@ -394,36 +407,86 @@ def test_native_resolve_puts_back_a_slack_link_that_would_overflow() -> None:
     assert network.last_update.flows_resolved == 1 and network.check().ok
 
 
+def test_native_reach_falls_back_when_a_kept_flow_would_outrun_a_bottleneck() -> None:
+    # g (rate 1, bottlenecked on A) and h (rate 2) share X. Three new flows on X reach h (tight
+    # on X) but not g (1 < X's share 2): re-solved alone, h and the new flows would get 0.5
+    # each on what g leaves, below g's 1, so g must slow down too: the check sees it and every
+    # flow at or above the divergence level is re-solved. All five end at 3 / 5. (Twenty slow
+    # flows on link 2 keep the re-solves partial.)
+    network = FlowNetwork([1.0, 3.0, 0.1], native=True)
+    g, h = network.add_flows(Incidence.from_paths([[0, 1], [1]], 3))
+    network.add_flows(Incidence.from_paths([[2]] * 20, 3))
+    np.testing.assert_allclose(network.rates([g, h]), [1.0, 2.0])
+    new = network.add_flows(Incidence.from_paths([[1]] * 3, 3))
+    np.testing.assert_allclose(network.rates([g, h, *new]), [0.6] * 5)
+    assert network.last_update.kind == "partial" and network.last_update.reach_fallbacks == 1
+    assert network.last_update.flows_resolved == 5 and network.check().ok
+    # The same change without g on X: no fallback, and g is left alone.
+    network = FlowNetwork([1.0, 3.0, 0.1], native=True)
+    g, h = network.add_flows(Incidence.from_paths([[0], [1]], 3))
+    network.add_flows(Incidence.from_paths([[2]] * 20, 3))
+    network.rates()
+    new = network.add_flows(Incidence.from_paths([[1]] * 3, 3))
+    np.testing.assert_allclose(network.rates([g, h, *new]), [1.0] + [0.75] * 4)
+    assert network.last_update.kind == "partial"
+    assert network.last_update.reach_fallbacks == 0 and network.last_update.flows_resolved == 4
+
+
+def test_native_reach_goes_back_for_an_earlier_flow_at_the_same_rate() -> None:
+    # p [M] and q [P, M] both run at 1 (M: capacity 2; P: capacity 1, q alone). Lowering P to
+    # 0.5 reaches q (on P); q makes M hot, on which p is tight at q's own rate. When p comes
+    # first in the rate order, the pass has to go back for it, or p would keep 1 instead of 1.5
+    # (a wrong result the kernel's check cannot see: M would just end below capacity).
+    went_back = False
+    for flows in ([[1], [0, 1]], [[0, 1], [1]]):
+        network = FlowNetwork([1.0, 2.0, 0.1], native=True)
+        ids = network.add_flows(Incidence.from_paths(flows, 3))
+        network.add_flows(Incidence.from_paths([[2]] * 20, 3))  # slow: keep the re-solve partial
+        p, q = ids if flows[0] == [1] else ids[::-1]
+        np.testing.assert_allclose(network.rates([p, q]), [1.0, 1.0])
+        went_back |= network._order[: network._order_n].tolist().index(p) < network._order[: network._order_n].tolist().index(q)
+        network.set_capacity(0, 0.5)
+        np.testing.assert_allclose(network.rates([p, q]), [1.5, 0.5])
+        assert network.last_update.kind == "partial" and network.last_update.reach_fallbacks == 0
+        assert network.check().ok
+    assert went_back  # one of the two insertion orders put p first
+
+
 def _kernel_resolve(
     network: FlowNetwork, ids: np.ndarray, n_filter: int = 0, **replace: np.ndarray
 ) -> tuple[int, int, int, int]:
     """One direct call of the compiled re-solve on ``network``'s arrays (some replaced)."""
     arrays = {name: getattr(network, f"_{name}") for name in (
         "start", "length", "links", "weights", "packed", "cap", "rate", "solved", "alive", "capacity", "load",
-        "perturbed", "link_map")}
+        "perturbed", "share", "link_map")}
     arrays.update(replace)
     n = ids.size
     return flow_network_module._fill.resolve(
         ids, *arrays.values(), np.zeros(n, dtype=np.int64), np.zeros(n), np.zeros(n, dtype=np.int64), np.zeros(n),
-        False, True, False, False, 1.0, n_filter)
+        False, True, False, False, False, 1.0, n_filter)
 
 
 def test_native_path_stays_partial_where_numpy_solves_in_full() -> None:
-    # Removing a (rate 0.5) re-solves 9 of the 12 flows left: above the numpy path's full-solve
-    # fraction (0.6), below the compiled kernel's (0.95). Same rates either way.
+    # Removing a (rate 0.5) leaves 9 of the 12 flows at or above its rate: above the numpy path's
+    # full-solve fraction (0.6), below the compiled kernel's (0.95). The reach re-solves only b,
+    # the flow tight on a's link: the 8 flows on link 1 are tight there, and it did not change.
     paths = [[0], [0]] + [[1]] * 8 + [[2]] * 3
     results = {}
-    for native in (False, True):
-        network = FlowNetwork([1.0, 10.0, 0.3], native=native)
+    for native, reach in ((False, False), (True, False), (True, True)):
+        network = FlowNetwork([1.0, 10.0, 0.3], native=native, reach=reach)
         ids = network.add_flows(Incidence.from_paths(paths, 3))
         network.update()
         network.remove_flows(ids[:1])
-        results[native] = (network.rates(), network.last_update)
+        results[native, reach] = (network.rates(), network.last_update)
+        if reach:
+            assert network.last_resolved.tolist() == [ids[1]]
         assert network.check().ok
-    assert results[False][1].kind == "full" and results[True][1].kind == "partial"
-    assert results[True][1].flows_resolved == 9
-    np.testing.assert_allclose(results[True][0], results[False][0], rtol=1e-12)
-    np.testing.assert_allclose(results[True][0], [1.0] + [1.25] * 8 + [0.1] * 3)
+    assert results[False, False][1].kind == "full"
+    assert results[True, False][1].kind == results[True, True][1].kind == "partial"
+    assert results[True, False][1].flows_resolved == 9 and results[True, True][1].flows_resolved == 1
+    for key in ((True, False), (True, True)):
+        np.testing.assert_allclose(results[key][0], results[False, False][0], rtol=1e-12)
+    np.testing.assert_allclose(results[True, True][0], [1.0] + [1.25] * 8 + [0.1] * 3)
 
 
 def test_native_kernel_rejects_bad_slots_and_rows() -> None:
@@ -457,13 +520,13 @@ def test_native_kernel_filters_stale_and_repeated_candidates() -> None:
     network.update()
     network.remove_flows([c])  # c is dead now: a stale candidate
     candidates = np.array([a, c, b, a, b], dtype=np.int64)
-    _, n_resolved, _, _ = _kernel_resolve(network, candidates, n_filter=candidates.size)
+    _, n_resolved, *_ = _kernel_resolve(network, candidates, n_filter=candidates.size)
     assert n_resolved == 2
     np.testing.assert_allclose(network._rate[[a, b]], [0.5, 0.5])
     assert network._solved.view(np.uint8)[[a, b]].tolist() == [1, 1]
     # Ids after the first n_filter are taken as given (new flows, unsolved).
     (d,) = network.add_flows(Incidence.from_paths([[1]], 2))
-    _, n_resolved, _, _ = _kernel_resolve(network, np.array([c, d], dtype=np.int64), n_filter=1)
+    _, n_resolved, *_ = _kernel_resolve(network, np.array([c, d], dtype=np.int64), n_filter=1)
     assert n_resolved == 1 and network._rate[d] == 2.0 - 0.5
 
 
