@@ -113,53 +113,44 @@ static int check_buffer(const Py_buffer *buffer, Py_ssize_t itemsize, Py_ssize_t
 
 /* A flow counts as tight on a saturated link when its rate is within this relative distance
  * of the link's share (the largest rate on it): generous, since a flow wrongly counted tight
- * only costs a re-solve, while one wrongly left out costs a fallback. */
+ * only costs a re-solve, while one wrongly left out would cost exactness. */
 #define TIGHT_RTOL 1e-9
-/* When more than this fraction of the candidates is reached, all of them are re-solved:
+/* When the reach takes more than this fraction of the candidates, all of them are re-solved:
  * the reach saves little there and a failed check would cost a second filling. */
 #define REACH_MAX_FRACTION 0.8
 
-/* One re-solve: the selected flows, the subset being re-solved, and the filling's scratch.
- * The scratch is sized for every selected flow, so a fallback from the reached subset to all
- * of them reuses it. Indices: `i` into the selection (sel), `k` into the re-solved subset,
- * `t` into the touched links (those of the subset's entries, in first-touch order). */
+/* One filling: the flows re-solved and its scratch. Indices: `k` into the re-solved flows
+ * (sel), `t` into the touched links (those of their entries, in first-touch order). */
 typedef struct {
     /* The network (FlowNetwork's arrays; see resolve's comment). */
-    const int64_t *links;
-    const double *weights, *cap, *capacity, *rate, *load;
-    const int32_t *packed;
+    const double *cap, *capacity, *load;
     const uint8_t *perturbed;
     int32_t *link_map;
-    Py_ssize_t n_links;
     int unit, has_caps, skip_slack, full;
     double grow;
-    /* The selection: flow slots, rates, and entries with weight > 0 (rows: selected flow i's
-     * are row_link[row_ptr[i]:row_ptr[i + 1]], weights in row_weight unless unit), copied
-     * once: the slot arrays are scattered over hundreds of MB on large runs, and every later
-     * pass reads only these. */
+    /* The re-solved flows: slots, old rates (NaN: not solved), and entries with weight > 0
+     * (flow k's are rows.link[row_start[k]:row_end[k]], weights in rows.weight unless unit),
+     * copied once: the slot arrays are scattered over hundreds of MB on large runs, and
+     * every later pass reads only these. */
+    Py_ssize_t n;
     const int64_t *sel;
-    const double *sel_rate;
-    const int64_t *row_ptr;
+    const double *old_rate;
+    const int64_t *row_start, *row_end;
     const int32_t *row_link;
     const double *row_weight;
-    /* The subset re-solved now. */
-    Py_ssize_t n;
-    int32_t *subset;
-    /* Its entries, as touched-link indices. */
-    int64_t *flow_ptr;     /* (n + 1) entry range of each re-solved flow */
-    int32_t *entry_link;   /* touched-link index of each entry */
-    double *entry_weight;  /* its weight (not used for unit weights) */
-    double *old_rate;      /* rate before (NaN: not solved) */
+    /* Their entries, as touched-link indices. */
+    int64_t *flow_ptr;    /* (n + 1) entry range of each re-solved flow */
+    int32_t *entry_link;  /* touched-link index of each entry */
+    double *entry_weight; /* its weight (not used for unit weights) */
     /* Per touched link. */
     Py_ssize_t n_touched;
     int32_t *touched_link; /* link id */
     int64_t *count, *count0;
     double *weight, *weight0;
-    double *kept;     /* load of the flows not re-solved */
-    char *tight;      /* in the filling (not left out as slack) */
+    double *kept; /* load of the flows not re-solved */
+    char *tight;  /* in the filling (not left out as slack) */
     double *residual, *new_load;
     double *level_at; /* the level at which it saturated in the filling (inf: it did not) */
-    double *maxnr;    /* the largest rate of a candidate kept outside the subset (reach only) */
     int64_t *link_ptr, *fill;
     int32_t *flows_by_link, *sat;
     HeapItem *heap;
@@ -169,26 +160,101 @@ typedef struct {
     char *active;
     int32_t *in_filling; /* its entries on links in the filling */
     int32_t *multi;      /* the flows frozen in one event that need a pass over their entries */
-    /* Output: the subset in freeze order (by level) with its rates. */
+    /* Output: the re-solved flows in freeze order (by level) with their rates. */
     int32_t *out_k;
     double *out_rate;
     Py_ssize_t events, retries;
 } Fill;
 
-/* 1. Gather the subset's entries as touched-link indices (map, counts, weights, the load the
- * subset carried); build the caps queue. */
+static void fill_free(Fill *c) {
+    free(c->flow_ptr);
+    free(c->entry_link);
+    free(c->entry_weight);
+    free(c->touched_link);
+    free(c->count);
+    free(c->count0);
+    free(c->weight);
+    free(c->weight0);
+    free(c->kept);
+    free(c->tight);
+    free(c->residual);
+    free(c->new_load);
+    free(c->level_at);
+    free(c->link_ptr);
+    free(c->fill);
+    free(c->flows_by_link);
+    free(c->sat);
+    free(c->heap);
+    free(c->caps);
+    free(c->active);
+    free(c->in_filling);
+    free(c->multi);
+    free(c->out_k);
+    free(c->out_rate);
+    c->flow_ptr = NULL;
+    c->entry_link = NULL;
+    c->entry_weight = NULL;
+    c->touched_link = NULL;
+    c->count = c->count0 = NULL;
+    c->weight = c->weight0 = c->kept = c->residual = c->new_load = c->level_at = NULL;
+    c->tight = c->active = NULL;
+    c->link_ptr = c->fill = NULL;
+    c->flows_by_link = c->sat = c->in_filling = c->multi = c->out_k = NULL;
+    c->heap = NULL;
+    c->caps = NULL;
+    c->out_rate = NULL;
+}
+
+/* Scratch for c->n flows with nnz entries over at most n_links links; 0, or -1 (no memory). */
+static int fill_alloc(Fill *c, Py_ssize_t nnz, Py_ssize_t n_links) {
+    Py_ssize_t n = c->n;
+    /* At most min(entries, links) distinct links are touched: the per-link arrays are sized
+     * by that (a large re-solve would otherwise zero megabytes per update for nothing). */
+    Py_ssize_t max_touched = (nnz < n_links ? nnz : n_links) + 1;
+    c->flow_ptr = malloc((n + 1) * sizeof(int64_t));
+    c->entry_link = malloc((nnz + 1) * sizeof(int32_t));
+    c->entry_weight = malloc((c->unit ? 1 : nnz + 1) * sizeof(double)); /* not used for unit weights */
+    c->touched_link = malloc(max_touched * sizeof(int32_t));
+    c->count = malloc(max_touched * sizeof(int64_t));
+    c->count0 = malloc(max_touched * sizeof(int64_t));
+    c->weight = malloc(max_touched * sizeof(double));
+    c->weight0 = malloc(max_touched * sizeof(double));
+    c->kept = malloc(max_touched * sizeof(double));
+    c->tight = malloc(max_touched);
+    c->residual = malloc(max_touched * sizeof(double));
+    c->new_load = malloc(max_touched * sizeof(double));
+    c->level_at = malloc(max_touched * sizeof(double));
+    c->link_ptr = malloc((max_touched + 1) * sizeof(int64_t));
+    c->fill = malloc(max_touched * sizeof(int64_t));
+    c->flows_by_link = malloc((nnz + 1) * sizeof(int32_t));
+    c->sat = malloc(max_touched * sizeof(int32_t));
+    c->heap = malloc(max_touched * sizeof(HeapItem));
+    c->caps = malloc((n + 1) * sizeof(CapItem));
+    c->active = malloc(n + 1);
+    c->in_filling = malloc((n + 1) * sizeof(int32_t));
+    c->multi = malloc((n + 1) * sizeof(int32_t));
+    c->out_k = malloc((n + 1) * sizeof(int32_t));
+    c->out_rate = malloc((n + 1) * sizeof(double));
+    if (!c->flow_ptr || !c->entry_link || !c->entry_weight || !c->touched_link || !c->count || !c->count0 ||
+        !c->weight || !c->weight0 || !c->kept || !c->tight || !c->residual || !c->new_load || !c->level_at ||
+        !c->link_ptr || !c->fill || !c->flows_by_link || !c->sat || !c->heap || !c->caps || !c->active ||
+        !c->in_filling || !c->multi || !c->out_k || !c->out_rate)
+        return -1;
+    return 0;
+}
+
+/* 1. Gather the re-solved flows' entries as touched-link indices (map, counts, weights, the
+ * load they carried); build the caps queue. */
 static void gather(Fill *c) {
     Py_ssize_t k_entry = 0;
     c->n_caps = 0;
+    c->n_touched = 0;
     c->flow_ptr[0] = 0;
     for (Py_ssize_t k = 0; k < c->n; k++) {
-        if (c->has_caps && k + PREFETCH_AHEAD < c->n) __builtin_prefetch(&c->cap[c->sel[c->subset[k + PREFETCH_AHEAD]]]);
-        Py_ssize_t i = c->subset[k];
-        int64_t f = c->sel[i];
-        double r = c->sel_rate[i]; /* NaN exactly when not solved (FlowNetwork's invariant) */
+        if (c->has_caps && k + PREFETCH_AHEAD < c->n) __builtin_prefetch(&c->cap[c->sel[k + PREFETCH_AHEAD]]);
+        double r = c->old_rate[k];
         int carried = !c->full && isfinite(r);
-        c->old_rate[k] = r;
-        for (int64_t e = c->row_ptr[i]; e < c->row_ptr[i + 1]; e++) {
+        for (int64_t e = c->row_start[k]; e < c->row_end[k]; e++) {
             int32_t l = c->row_link[e];
             double w = c->unit ? 1.0 : c->row_weight[e];
             int32_t t = c->link_map[l];
@@ -199,7 +265,6 @@ static void gather(Fill *c) {
                 c->tight[t] = !c->skip_slack || c->perturbed[l] || !(c->load[l] < c->capacity[l] * SLACK_BELOW);
                 c->count[t] = 0;
                 c->weight[t] = 0.0;
-                c->maxnr[t] = -INFINITY;
                 c->n_touched++;
             }
             if (carried) c->kept[t] -= w * r;
@@ -209,7 +274,7 @@ static void gather(Fill *c) {
             c->entry_link[k_entry++] = t;
         }
         c->flow_ptr[k + 1] = k_entry;
-        if (c->has_caps && isfinite(c->cap[f])) c->caps[c->n_caps++] = (CapItem){c->cap[f], (int32_t)k};
+        if (c->has_caps && isfinite(c->cap[c->sel[k]])) c->caps[c->n_caps++] = (CapItem){c->cap[c->sel[k]], (int32_t)k};
     }
     qsort(c->caps, c->n_caps, sizeof(CapItem), cap_compare);
     memcpy(c->count0, c->count, c->n_touched * sizeof(int64_t));
@@ -218,7 +283,8 @@ static void gather(Fill *c) {
 
 /* Forget the touched links (the scratch map back to all -1), e.g. before a fallback. */
 static void untouch(Fill *c) {
-    for (Py_ssize_t t = 0; t < c->n_touched; t++) c->link_map[c->touched_link[t]] = -1;
+    if (c->touched_link)
+        for (Py_ssize_t t = 0; t < c->n_touched; t++) c->link_map[c->touched_link[t]] = -1;
     c->n_touched = 0;
 }
 
@@ -370,68 +436,270 @@ static void progressive_fill(Fill *c) {
     }
 }
 
-/* Which candidates a change can reach (sel[:n_cand], sorted by rate; the flows after them are
- * new). Max-min rates propagate along the bottleneck structure only: a changed link changes
- * the flows *tight* on it (rate within TIGHT_RTOL of its share, the largest rate on it), and
- * a flow whose rate changes changes every saturated link it crosses (share < inf; 0 where
- * unknown: every flow counts as tight there). The changed links start as those in `hot`
- * (FlowNetwork's perturbed links, plus every link of a new flow) and grow in `hot`. A flow
- * is only tight on links whose share is at least its rate, so one pass in rate order finds
- * almost everything; a link turning hot with a share at or below the current rate can make
- * earlier flows tight, and the pass goes back over them once it is past that level.
- * Marks `reached`; returns how many. */
-static Py_ssize_t reach(const Fill *c, Py_ssize_t n_cand, Py_ssize_t n_sel, const double *share, uint8_t *hot,
-                        char *reached) {
-    for (int64_t e = c->row_ptr[n_cand]; e < c->row_ptr[n_sel]; e++) hot[c->row_link[e]] = 1;
-    Py_ssize_t n_reached = 0, back = -1, i = 0;
-    double back_until = -INFINITY; /* go back once the pass is above this rate */
-    while (i < n_cand || back >= 0) {
-        if (back >= 0 && (i >= n_cand || c->sel_rate[i] > back_until)) {
-            i = back;
+
+/* The network's per-slot link lists, where the flows' rows are read from. */
+typedef struct {
+    const int64_t *start, *length, *links;
+    const double *weights;
+    const int32_t *packed;
+    Py_ssize_t n_links, n_entries;
+    int unit;
+} Slots;
+
+/* Rows of entries with weight > 0, appended one flow at a time. */
+typedef struct {
+    int32_t *link;
+    double *weight; /* NULL for unit weights */
+    Py_ssize_t n, room;
+} Rows;
+
+/* Append slot f's entries with weight > 0 to `rows` (checked: a corrupt packed row, an entry
+ * range or link id out of range raise ValueError); 0, or -1 with a Python error set. */
+static int rows_add(Rows *rows, const Slots *s, int64_t f) {
+    const int32_t *row = NULL;
+    int64_t first = 0, count;
+    if (s->unit && s->packed[f * PACKED] >= 0) {
+        count = s->packed[f * PACKED];
+        row = &s->packed[f * PACKED + 1];
+        if (count >= PACKED) {
+            PyErr_Format(PyExc_ValueError, "_fill.resolve: packed row of slot %lld is corrupt", (long long)f);
+            return -1;
+        }
+    } else {
+        first = s->start[f];
+        count = s->length[f];
+        if (first < 0 || count < 0 || first + count > s->n_entries) {
+            PyErr_Format(PyExc_ValueError, "_fill.resolve: flow slot %lld is out of range", (long long)f);
+            return -1;
+        }
+    }
+    if (rows->n + count > rows->room) {
+        Py_ssize_t room = 2 * (rows->n + count) + 64;
+        int32_t *link = realloc(rows->link, room * sizeof(int32_t));
+        if (link) rows->link = link;
+        double *weight = s->unit ? NULL : realloc(rows->weight, room * sizeof(double));
+        if (weight) rows->weight = weight;
+        if (!link || (!s->unit && !weight)) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        rows->room = room;
+    }
+    for (int64_t j = 0; j < count; j++) {
+        double w = row || s->unit ? 1.0 : s->weights[first + j];
+        if (!(w > 0)) continue; /* neither loads nor constrains a link */
+        int64_t l = row ? row[j] : s->links[first + j];
+        if (l < 0 || l >= s->n_links) {
+            PyErr_Format(PyExc_ValueError, "_fill.resolve: link id %lld out of range", (long long)l);
+            return -1;
+        }
+        if (!s->unit) rows->weight[rows->n] = w;
+        rows->link[rows->n++] = (int32_t)l;
+    }
+    return 0;
+}
+
+/* First index in rates[lo:hi] (ascending) whose rate is >= value. */
+static Py_ssize_t lower_bound(const double *rates, Py_ssize_t lo, Py_ssize_t hi, double value) {
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (rates[mid] < value)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* The candidates (FlowNetwork's rate order from the divergence level on: ids and the rates
+ * they were sorted by, possibly with stale ids) as the reach sees them, read lazily. */
+enum { CAND_UNSEEN, CAND_KEPT, CAND_TAKEN, CAND_DROPPED };
+typedef struct {
+    Py_ssize_t n;
+    const int64_t *id;
+    const double *rate;
+    char *state;             /* CAND_*: a valid candidate left alone, taken, or a stale entry */
+    int64_t *row_start, *row_end; /* its entries in the rows (once read) */
+    Py_ssize_t scanned;
+} Candidates;
+
+/* Read candidate i once: valid (live, solved, at the rate it is sorted by, not taken yet) or
+ * dropped; its row is appended to `rows`. 0, or -1 with a Python error set. */
+static int candidate_read(Candidates *cand, Py_ssize_t i, Rows *rows, const Slots *s, const char *alive,
+                          const char *solved, const double *rate, Py_ssize_t slots) {
+    if (cand->state[i] != CAND_UNSEEN) return 0;
+    int64_t f = cand->id[i];
+    if (f < 0 || f >= slots) {
+        PyErr_Format(PyExc_ValueError, "_fill.resolve: flow slot %lld is out of range", (long long)f);
+        return -1;
+    }
+    cand->scanned++;
+    if (alive[f] != 1 || solved[f] != 1 || !(rate[f] == cand->rate[i])) {
+        cand->state[i] = CAND_DROPPED;
+        return 0;
+    }
+    cand->row_start[i] = rows->n;
+    if (rows_add(rows, s, f) < 0) return -1;
+    cand->row_end[i] = rows->n;
+    cand->state[i] = CAND_KEPT;
+    return 0;
+}
+
+/* The reach: which candidates a change can reach. Max-min rates propagate along the
+ * bottleneck structure only: a changed link changes the flows *tight* on it (rate within
+ * TIGHT_RTOL of its share, the largest rate on it), and a flow whose rate changes changes every
+ * saturated link it crosses (share < inf; share 0 is unknown: every flow counts as tight).
+ * The changed links start as those marked in `hot` (FlowNetwork's perturbed links, and every
+ * link of a new flow) and grow in it.
+ *
+ * A flow tight on link l has a rate within TIGHT_RTOL of l's share, so only the candidates in
+ * the rate bands of hot links are read: a sweep in rate order jumps from band to band (a heap
+ * of bands by their lower end). A link turning hot with a band below the current rate sends
+ * the sweep back over that band once it is past it. Reached candidates are taken (marked
+ * solved = 2, appended to `sel` with their old rate and row). Returns how many, or -1 with a
+ * Python error set. */
+static Py_ssize_t reach(Candidates *cand, Rows *rows, const Slots *s, const char *alive, char *solved,
+                        const double *rate, Py_ssize_t slots, const double *share, uint8_t *hot, int64_t *sel,
+                        double *sel_rate, int64_t *sel_row_start, int64_t *sel_row_end, Py_ssize_t n_sel) {
+    Py_ssize_t n_links = s->n_links, n = cand->n, taken = 0;
+    HeapItem *bands = malloc((n_links + 1) * sizeof(HeapItem));
+    if (!bands) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t n_bands = 0;
+    for (Py_ssize_t l = 0; l < n_links; l++)
+        if (hot[l] && share[l] < INFINITY)
+            heap_push(bands, &n_bands, share[l] > 0 ? share[l] * (1.0 - TIGHT_RTOL) : -INFINITY, (int32_t)l);
+    Py_ssize_t pos = 0, back = -1;
+    double scan_to = -INFINITY, back_until = -INFINITY;
+    for (;;) {
+        if (back >= 0 && (pos >= n || cand->rate[pos] > back_until)) {
+            pos = back;
             back = -1;
             continue;
         }
-        double r = c->sel_rate[i];
-        if (!reached[i]) {
+        if (pos >= n) break;
+        /* Bands starting at or below the current rate: the sweep is inside them. */
+        while (n_bands && bands[0].key <= cand->rate[pos]) {
+            double band_share = share[bands[0].link];
+            double top = band_share > 0 ? band_share * (1.0 + TIGHT_RTOL) : INFINITY;
+            if (top > scan_to) scan_to = top;
+            heap_pop(bands, &n_bands);
+        }
+        if (cand->rate[pos] > scan_to) { /* between bands: jump to the next one */
+            if (back >= 0) {
+                pos = back;
+                back = -1;
+                continue;
+            }
+            if (!n_bands) break;
+            pos = lower_bound(cand->rate, pos, n, bands[0].key);
+            continue;
+        }
+        if (candidate_read(cand, pos, rows, s, alive, solved, rate, slots) < 0) {
+            free(bands);
+            return -1;
+        }
+        if (cand->state[pos] == CAND_KEPT) {
+            double r = cand->rate[pos];
             int hit = 0;
-            for (int64_t e = c->row_ptr[i]; e < c->row_ptr[i + 1] && !hit; e++) {
-                int32_t l = c->row_link[e];
+            for (int64_t e = cand->row_start[pos]; e < cand->row_end[pos] && !hit; e++) {
+                int32_t l = rows->link[e];
                 hit = hot[l] && r >= share[l] * (1.0 - TIGHT_RTOL);
             }
             if (hit) {
-                reached[i] = 1;
-                n_reached++;
-                for (int64_t e = c->row_ptr[i]; e < c->row_ptr[i + 1]; e++) {
-                    int32_t l = c->row_link[e];
+                int64_t f = cand->id[pos];
+                cand->state[pos] = CAND_TAKEN;
+                solved[f] = 2;
+                sel[n_sel] = f;
+                sel_rate[n_sel] = r;
+                sel_row_start[n_sel] = cand->row_start[pos];
+                sel_row_end[n_sel++] = cand->row_end[pos];
+                taken++;
+                for (int64_t e = cand->row_start[pos]; e < cand->row_end[pos]; e++) {
+                    int32_t l = rows->link[e];
                     if (hot[l] || !(share[l] < INFINITY)) continue;
                     hot[l] = 1;
-                    double lowest = share[l] * (1.0 - TIGHT_RTOL);
-                    if (lowest > r) continue; /* its tight flows lie ahead */
-                    /* Earlier flows at or above `lowest` may be tight on l: binary search. */
-                    Py_ssize_t lo = 0, hi = i;
-                    while (lo < hi) {
-                        Py_ssize_t mid = lo + (hi - lo) / 2;
-                        if (c->sel_rate[mid] < lowest) lo = mid + 1; else hi = mid;
+                    double lowest = share[l] > 0 ? share[l] * (1.0 - TIGHT_RTOL) : -INFINITY;
+                    if (lowest > r) {
+                        heap_push(bands, &n_bands, lowest, l);
+                        continue;
                     }
-                    if (lo < i && (back < 0 || lo < back)) back = lo;
+                    /* Its band reaches below here: earlier flows in it may be tight on l. */
+                    Py_ssize_t from = lower_bound(cand->rate, 0, pos, lowest);
+                    if (from < pos && (back < 0 || from < back)) back = from;
                     if (r * (1.0 + TIGHT_RTOL) > back_until) back_until = r * (1.0 + TIGHT_RTOL);
+                    double top = share[l] > 0 ? share[l] * (1.0 + TIGHT_RTOL) : INFINITY;
+                    if (top > scan_to) scan_to = top;
                 }
             }
         }
-        i++;
+        pos++;
     }
-    return n_reached;
+    free(bands);
+    return taken;
 }
 
-/* resolve(ids, start, length, links, weights, packed, cap, rate, solved, alive, capacity, load, perturbed,
- *         share, link_map, out_ids, out_rates, out_changed, out_changed_rates, full, unit, has_caps,
+/* After a filling of the reached flows: may a kept candidate be faster than a bottleneck the
+ * filling saturated (then it would have to slow down, and the reach does not hold)? On a link
+ * that was hot, every candidate kept is below its old share (else it was tight, hence taken):
+ * only a link whose new level is lower than that, or that was not saturated before, can have
+ * one; the candidates in the union of those rate ranges are read and checked. 1: it holds; 0: it does not;
+ * -1: a Python error. */
+typedef struct {
+    double from, to;
+} Range;
+
+static int range_compare(const void *a, const void *b) {
+    const Range *x = a, *y = b;
+    return (x->from > y->from) - (x->from < y->from);
+}
+
+static int reach_holds(const Fill *c, Candidates *cand, Rows *rows, const Slots *s, const char *alive,
+                       const char *solved, const double *rate, Py_ssize_t slots, const double *share,
+                       double *suspect, Range *ranges) {
+    Py_ssize_t n_ranges = 0;
+    for (Py_ssize_t t = 0; t < c->n_touched; t++) {
+        suspect[t] = INFINITY;
+        if (!c->tight[t] || c->level_at[t] == INFINITY) continue;
+        double old = share[c->touched_link[t]];
+        if (old == 0.0) continue; /* unknown: every candidate on it was taken */
+        double from = c->level_at[t] * c->grow;
+        double to = old < INFINITY ? old * (1.0 - TIGHT_RTOL) : INFINITY;
+        if (!(from < to)) continue;
+        suspect[t] = from;
+        ranges[n_ranges++] = (Range){from, to};
+    }
+    /* The candidates in the union of the suspect links' ranges. */
+    qsort(ranges, n_ranges, sizeof(Range), range_compare);
+    for (Py_ssize_t j = 0; j < n_ranges;) {
+        double from = ranges[j].from, to = ranges[j].to;
+        for (j++; j < n_ranges && ranges[j].from <= to; j++)
+            if (ranges[j].to > to) to = ranges[j].to;
+        for (Py_ssize_t i = lower_bound(cand->rate, 0, cand->n, from); i < cand->n && cand->rate[i] <= to; i++) {
+            if (candidate_read(cand, i, rows, s, alive, solved, rate, slots) < 0) return -1;
+            if (cand->state[i] != CAND_KEPT) continue;
+            double r = cand->rate[i];
+            for (int64_t e = cand->row_start[i]; e < cand->row_end[i]; e++) {
+                int32_t t = c->link_map[rows->link[e]];
+                if (t >= 0 && r > suspect[t]) return 0;
+            }
+        }
+    }
+    return 1;
+}
+
+/* resolve(ids, id_rates, start, length, links, weights, packed, cap, rate, solved, alive, capacity, load,
+ *         perturbed, share, link_map, out_ids, out_rates, out_changed, out_changed_rates, full, unit, has_caps,
  *         skip_slack, use_reach, grow, n_filter)
- *     -> (filling events, flows out, changed, slack retries, re-solved flows, reach fallbacks).
+ *     -> (filling events, flows out, changed, slack retries, re-solved flows, reach fallbacks, candidates read).
  *
- * The first `n_filter` ids are candidates (FlowNetwork's rate order from the divergence level
- * on, which may hold ids of since-removed flows, of reused slots and repeats): only live,
- * solved ones are taken, each once. The other ids are new flows, taken as given. out_ids may
- * be the memory `ids` is read from (the ids are copied first).
+ * The first `n_filter` ids are candidates: FlowNetwork's rate order from the divergence level
+ * on, sorted by `id_rates` (float64, n_filter items), which may hold ids of since-removed
+ * flows, of reused slots and repeats; only live, solved ones at the rate they are sorted by
+ * count, each once. The other ids are new flows, taken as given. out_ids/out_rates may be the
+ * memory ids/id_rates are read from (both are copied first).
  *
  * ids: int64 flow slots; start/length: int64 per slot (entry range); links:
  * int64 and weights: float64 per entry (read only when not `unit`: all weights 1); packed:
@@ -444,18 +712,21 @@ static Py_ssize_t reach(const Fill *c, Py_ssize_t n_cand, Py_ssize_t n_sel, cons
  * uint8 per link (in: a flow left it or its capacity changed since the last solve; the reach
  * marks more); share: float64 per link, the largest rate on a saturated link, inf on an
  * unsaturated one, 0 where unknown (kept up to date for the links in the filling); link_map:
- * int32 per link, all -1 on entry and on return (scratch);
- * out_ids/out_rates: len(ids) items, the taken flows sorted by rate; out_changed: len(ids)
- * items, its first `changed` are the flows whose rate is new or differs, and
- * out_changed_rates (float64, len(ids) items) their new rates. full: the
+ * int32 per link, all -1 on entry and on return (scratch).
+ *
+ * Output: out_ids/out_rates (len(ids) items): the new suffix of the rate order, its first
+ * `flows out` items; out_changed: len(ids) items, its first `changed` are the flows whose rate
+ * is new or differs, and out_changed_rates (float64, len(ids) items) their new rates. full: the
  * load in `load` is discarded and rebuilt. has_caps: false when every cap is inf (`cap` is
  * then not read).
  *
- * use_reach (partial re-solves): only the candidates a change can reach (see `reach`) and the
- * new flows are re-solved; the others keep their rates and load. That is exact when it holds
- * up: the filling then checks, on every link where it saturates, that no kept candidate has
- * a higher rate there (else the kept flow would have to slow down); when one does, all the
- * candidates are re-solved instead (a fallback, counted).
+ * use_reach (partial re-solves): only the candidates the change can reach (see `reach`) and
+ * the new flows are re-solved; the other candidates keep their rates, load and place in the
+ * order (stale entries the sweep did not read stay too). That is exact when it holds up:
+ * `reach_holds` checks that no kept candidate is faster than a bottleneck the filling
+ * saturated (else it would have to slow down); when one is, every candidate is re-solved
+ * instead (a fallback, counted). Without use_reach, every live candidate is re-solved and
+ * the suffix is rewritten without stale entries.
  *
  * skip_slack (partial re-solves of solved flows only): links whose load is below SLACK_BELOW
  * of their capacity, and that are not marked in `perturbed`, are left out of the filling,
@@ -466,263 +737,207 @@ static Py_ssize_t reach(const Fill *c, Py_ssize_t n_cand, Py_ssize_t n_sel, cons
  * left unconstrained) is put back and the filling redone; the retries are counted. */
 static PyObject *resolve(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer b_ids, b_start, b_length, b_links, b_weights, b_packed, b_cap, b_rate, b_solved, b_alive, b_capacity, b_load,
-        b_perturbed, b_share, b_map, b_out_ids, b_out_rates, b_out_changed, b_out_changed_rates;
+    Py_buffer b_ids, b_id_rates, b_start, b_length, b_links, b_weights, b_packed, b_cap, b_rate, b_solved, b_alive,
+        b_capacity, b_load, b_perturbed, b_share, b_map, b_out_ids, b_out_rates, b_out_changed, b_out_changed_rates;
     int full, unit, has_caps, skip_slack, use_reach;
     double grow;
     Py_ssize_t n_filter;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*w*w*y*y*w*w*w*w*w*w*w*w*pppppdn", &b_ids, &b_start, &b_length, &b_links,
-                          &b_weights, &b_packed, &b_cap, &b_rate, &b_solved, &b_alive, &b_capacity, &b_load,
-                          &b_perturbed, &b_share, &b_map, &b_out_ids, &b_out_rates, &b_out_changed,
-                          &b_out_changed_rates, &full, &unit, &has_caps, &skip_slack, &use_reach, &grow, &n_filter))
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*y*w*w*y*y*w*w*w*w*w*w*w*w*pppppdn", &b_ids, &b_id_rates, &b_start,
+                          &b_length, &b_links, &b_weights, &b_packed, &b_cap, &b_rate, &b_solved, &b_alive,
+                          &b_capacity, &b_load, &b_perturbed, &b_share, &b_map, &b_out_ids,
+                          &b_out_rates,
+                          &b_out_changed, &b_out_changed_rates, &full, &unit, &has_caps, &skip_slack, &use_reach,
+                          &grow, &n_filter))
         return NULL;
 
     PyObject *result = NULL;
-    Py_ssize_t n = b_ids.len / 8, n_links = b_capacity.len / 8;
-    Py_ssize_t slots = b_start.len / 8;
+    Py_ssize_t n_given = b_ids.len / 8, n_links = b_capacity.len / 8, slots = b_start.len / 8;
+    if (n_filter > n_given) n_filter = n_given;
+    if (n_filter < 0) n_filter = 0;
     Fill c;
     memset(&c, 0, sizeof c);
-    int64_t *sel = NULL;     /* (n) the taken flows: candidates first, then new ones */
-    Py_ssize_t n_marked = 0; /* sel[:n_marked] holds every candidate marked solved = 2 */
-    char *solved = NULL;     /* set before the first mark (the exit path reads it) */
-    double *sel_rate = NULL, *row_weight = NULL;
-    int64_t *row_ptr = NULL;
-    int32_t *row_link = NULL;
-    char *reached = NULL;
+    Rows rows = {NULL, NULL, 0, 0};
+    Candidates cand;
+    memset(&cand, 0, sizeof cand);
+    int64_t *given = NULL;   /* copies of ids and id_rates (the output may overwrite them) */
+    double *given_rates = NULL;
+    int64_t *sel = NULL;     /* the re-solved flows */
+    double *sel_rate = NULL; /* their old rates */
+    int64_t *row_start = NULL, *row_end = NULL;
+    double *suspect = NULL;
+    Range *ranges = NULL;
+    Py_ssize_t n_sel = 0, n_marked = 0; /* sel[:n_marked] holds every candidate marked solved = 2 */
+    char *solved = NULL;                /* set before the first mark (the exit path reads it) */
     Ranked *ranked = NULL;
-    Py_ssize_t n_changed = 0, n_cand = 0, fallbacks = 0;
+    Py_ssize_t n_changed = 0, fallbacks = 0, events = 0, retries = 0;
     skip_slack = skip_slack && !full;
-    use_reach = use_reach && !full;
+    use_reach = use_reach && !full && n_filter > 0;
 
-    if (!check_buffer(&b_ids, 8, n, "ids") || !check_buffer(&b_length, 8, slots, "length") ||
+    if (!check_buffer(&b_ids, 8, n_given, "ids") || !check_buffer(&b_id_rates, 8, n_filter, "id_rates") ||
+        !check_buffer(&b_length, 8, slots, "length") ||
         !check_buffer(&b_packed, 4, unit ? slots * PACKED : 0, "packed") ||
         !check_buffer(&b_cap, 8, slots, "cap") || !check_buffer(&b_rate, 8, slots, "rate") ||
         !check_buffer(&b_solved, 1, slots, "solved") || !check_buffer(&b_alive, 1, slots, "alive") ||
         !check_buffer(&b_load, 8, n_links, "load") || !check_buffer(&b_perturbed, 1, n_links, "perturbed") ||
         !check_buffer(&b_share, 8, n_links, "share") ||
-        !check_buffer(&b_map, 4, n_links, "link_map") || !check_buffer(&b_out_ids, 8, n, "out_ids") ||
-        !check_buffer(&b_out_rates, 8, n, "out_rates") || !check_buffer(&b_out_changed, 8, n, "out_changed") ||
-        !check_buffer(&b_out_changed_rates, 8, n, "out_changed_rates") ||
+        !check_buffer(&b_map, 4, n_links, "link_map") || !check_buffer(&b_out_ids, 8, n_given, "out_ids") ||
+        !check_buffer(&b_out_rates, 8, n_given, "out_rates") || !check_buffer(&b_out_changed, 8, n_given, "out_changed") ||
+        !check_buffer(&b_out_changed_rates, 8, n_given, "out_changed_rates") ||
         !check_buffer(&b_links, 8, 0, "links") || !check_buffer(&b_weights, 8, b_links.len / 8, "weights"))
         goto done;
 
-    const int64_t *start = b_start.buf, *length = b_length.buf;
     double *rate = b_rate.buf, *load = b_load.buf, *share = b_share.buf, *out_rates = b_out_rates.buf;
     solved = b_solved.buf;
     const char *alive = b_alive.buf;
     uint8_t *perturbed = b_perturbed.buf;
     int64_t *out_ids = b_out_ids.buf, *out_changed = b_out_changed.buf;
     double *out_changed_rates = b_out_changed_rates.buf;
-    Py_ssize_t n_entries = b_links.len / 8;
-    c.links = b_links.buf;
-    c.weights = b_weights.buf;
+    const Slots s = {b_start.buf, b_length.buf, b_links.buf, b_weights.buf, b_packed.buf,
+                     n_links, b_links.len / 8, unit};
     c.cap = b_cap.buf;
     c.capacity = b_capacity.buf;
-    c.rate = rate;
     c.load = load;
-    c.packed = b_packed.buf;
     c.perturbed = perturbed;
     c.link_map = b_map.buf;
-    c.n_links = n_links;
     c.unit = unit;
     c.has_caps = has_caps;
     c.skip_slack = skip_slack;
     c.full = full;
     c.grow = grow;
 
-    /* The ids to take, copied (out_ids may alias the input); candidates are filtered and
-     * marked solved = 2 while taken (reset to 1 at the end, or on an error). */
-    sel = malloc((n + 1) * sizeof(int64_t));
-    if (!sel) {
+    given = malloc((n_given + 1) * sizeof(int64_t));
+    given_rates = malloc((n_filter + 1) * sizeof(double));
+    sel = malloc((n_given + 1) * sizeof(int64_t));
+    sel_rate = malloc((n_given + 1) * sizeof(double));
+    row_start = malloc((n_given + 1) * sizeof(int64_t));
+    row_end = malloc((n_given + 1) * sizeof(int64_t));
+    if (!given || !given_rates || !sel || !sel_rate || !row_start || !row_end) {
         PyErr_NoMemory();
         goto done;
     }
-    {
-        const int64_t *given = b_ids.buf;
-        Py_ssize_t n_given = n;
-        if (n_filter > n_given) n_filter = n_given;
-        n = 0;
-        for (Py_ssize_t i = 0; i < n_given; i++) {
-            if (i + PREFETCH_AHEAD < n_filter && given[i + PREFETCH_AHEAD] >= 0 && given[i + PREFETCH_AHEAD] < slots) {
-                __builtin_prefetch(&alive[given[i + PREFETCH_AHEAD]]);
-                __builtin_prefetch(&solved[given[i + PREFETCH_AHEAD]]);
-            }
+    memcpy(given, b_ids.buf, n_given * sizeof(int64_t));
+    memcpy(given_rates, b_id_rates.buf, n_filter * sizeof(double));
+    for (Py_ssize_t i = n_filter; i < n_given; i++) {
+        if (given[i] < 0 || given[i] >= slots) {
+            PyErr_Format(PyExc_ValueError, "_fill.resolve: flow slot %lld is out of range", (long long)given[i]);
+            goto done;
+        }
+    }
+
+    for (;;) {
+        /* Select the flows to re-solve: the new ones, then the reached (or all live) candidates. */
+        n_sel = n_marked = 0;
+        rows.n = 0;
+        for (Py_ssize_t i = n_filter; i < n_given; i++) {
             int64_t f = given[i];
-            if (f < 0 || f >= slots) {
-                PyErr_Format(PyExc_ValueError, "_fill.resolve: flow slot %lld is out of range", (long long)f);
-                goto done;
-            }
-            if (i < n_filter) {
-                if (alive[f] != 1 || solved[f] != 1) continue;
-                solved[f] = 2;
-                n_marked = n + 1;
-                n_cand = n + 1;
-            }
-            sel[n++] = f;
+            sel[n_sel] = f;
+            sel_rate[n_sel] = rate[f];
+            row_start[n_sel] = rows.n;
+            if (rows_add(&rows, &s, f) < 0) goto done;
+            row_end[n_sel++] = rows.n;
+            if (use_reach)
+                for (int64_t e = row_start[n_sel - 1]; e < rows.n; e++) perturbed[rows.link[e]] = 1;
         }
-    }
-    c.sel = sel;
-    /* Copy each taken flow's rate and entries with weight > 0 (validated: the loops below
-     * index without checks). The slot arrays are large and the ids scattered: prefetching a
-     * few flows ahead hides most of the cache misses. */
-    Py_ssize_t nnz = 0, room = (PACKED - 1) * (n + 1);
-    sel_rate = malloc((n + 1) * sizeof(double));
-    row_ptr = malloc((n + 1) * sizeof(int64_t));
-    row_link = malloc(room * sizeof(int32_t));
-    row_weight = unit ? NULL : malloc(room * sizeof(double));
-    if (!sel_rate || !row_ptr || !row_link || (!unit && !row_weight)) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    row_ptr[0] = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + PREFETCH_AHEAD < n) {
-            int64_t ahead = sel[i + PREFETCH_AHEAD];
-            if (unit) {
-                __builtin_prefetch(&c.packed[ahead * PACKED]);
-            } else {
-                __builtin_prefetch(&start[ahead]);
-                __builtin_prefetch(&length[ahead]);
-            }
-            __builtin_prefetch(&rate[ahead]);
-        }
-        int64_t f = sel[i]; /* in range: checked in the selection */
-        sel_rate[i] = rate[f];
-        const int32_t *row = NULL;
-        int64_t first = 0, count = 0;
-        if (unit && c.packed[f * PACKED] >= 0) {
-            row = &c.packed[f * PACKED + 1];
-            count = c.packed[f * PACKED];
-            if (count >= PACKED) {
-                PyErr_Format(PyExc_ValueError, "_fill.resolve: packed row of slot %lld is corrupt", (long long)f);
-                goto done;
-            }
-        } else {
-            first = start[f];
-            count = length[f];
-            if (first < 0 || count < 0 || first + count > n_entries) {
-                PyErr_Format(PyExc_ValueError, "_fill.resolve: flow slot %lld is out of range", (long long)f);
-                goto done;
-            }
-        }
-        if (nnz + count > room) {
-            room = 2 * (nnz + count);
-            int32_t *more_links = realloc(row_link, room * sizeof(int32_t));
-            if (more_links) row_link = more_links;
-            double *more_weights = unit ? NULL : realloc(row_weight, room * sizeof(double));
-            if (more_weights) row_weight = more_weights;
-            if (!more_links || (!unit && !more_weights)) {
+        if (use_reach) {
+            cand.n = n_filter;
+            cand.id = given;
+            cand.rate = given_rates;
+            cand.state = calloc(n_filter + 1, 1);
+            cand.row_start = malloc((n_filter + 1) * sizeof(int64_t));
+            cand.row_end = malloc((n_filter + 1) * sizeof(int64_t));
+            if (!cand.state || !cand.row_start || !cand.row_end) {
                 PyErr_NoMemory();
                 goto done;
             }
-        }
-        for (int64_t j = 0; j < count; j++) {
-            double w = row || unit ? 1.0 : c.weights[first + j];
-            if (!(w > 0)) continue; /* neither loads nor constrains a link */
-            int64_t l = row ? row[j] : c.links[first + j];
-            if (l < 0 || l >= n_links) {
-                PyErr_Format(PyExc_ValueError, "_fill.resolve: link id %lld out of range", (long long)l);
-                goto done;
+            n_marked = n_sel;
+            Py_ssize_t taken = reach(&cand, &rows, &s, alive, solved, rate, slots, share, perturbed, sel, sel_rate,
+                                     row_start, row_end, n_sel);
+            if (taken < 0) goto done;
+            n_sel += taken;
+            n_marked = n_sel;
+            if (taken > REACH_MAX_FRACTION * n_filter) { /* little to gain: take them all */
+                for (Py_ssize_t k = 0; k < n_marked; k++)
+                    if (solved[sel[k]] == 2) solved[sel[k]] = 1;
+                use_reach = 0;
+                continue;
             }
-            if (!unit) row_weight[nnz] = w;
-            row_link[nnz++] = (int32_t)l;
-        }
-        row_ptr[i + 1] = nnz;
-    }
-    c.sel_rate = sel_rate;
-    c.row_ptr = row_ptr;
-    c.row_link = row_link;
-    c.row_weight = row_weight;
-
-    /* At most min(entries, links) distinct links are touched: the per-link arrays are sized
-     * by that (a large re-solve would otherwise zero megabytes per update for nothing). */
-    Py_ssize_t max_touched = (nnz < n_links ? nnz : n_links) + 1;
-    c.subset = malloc((n + 1) * sizeof(int32_t));
-    c.flow_ptr = malloc((n + 1) * sizeof(int64_t));
-    c.entry_link = malloc((nnz + 1) * sizeof(int32_t));
-    c.entry_weight = malloc((unit ? 1 : nnz + 1) * sizeof(double)); /* not used for unit weights */
-    c.old_rate = malloc((n + 1) * sizeof(double));
-    c.touched_link = malloc(max_touched * sizeof(int32_t));
-    c.count = malloc(max_touched * sizeof(int64_t));
-    c.count0 = malloc(max_touched * sizeof(int64_t));
-    c.weight = malloc(max_touched * sizeof(double));
-    c.weight0 = malloc(max_touched * sizeof(double));
-    c.kept = malloc(max_touched * sizeof(double));
-    c.tight = malloc(max_touched);
-    c.residual = malloc(max_touched * sizeof(double));
-    c.new_load = malloc(max_touched * sizeof(double));
-    c.level_at = malloc(max_touched * sizeof(double));
-    c.maxnr = malloc(max_touched * sizeof(double));
-    c.link_ptr = malloc((max_touched + 1) * sizeof(int64_t));
-    c.fill = malloc(max_touched * sizeof(int64_t));
-    c.flows_by_link = malloc((nnz + 1) * sizeof(int32_t));
-    c.sat = malloc(max_touched * sizeof(int32_t));
-    c.heap = malloc(max_touched * sizeof(HeapItem));
-    c.caps = malloc((n + 1) * sizeof(CapItem));
-    c.active = malloc(n + 1);
-    c.in_filling = malloc((n + 1) * sizeof(int32_t));
-    c.multi = malloc((n + 1) * sizeof(int32_t));
-    c.out_k = malloc((n + 1) * sizeof(int32_t));
-    c.out_rate = malloc((n + 1) * sizeof(double));
-    reached = calloc(n + 1, 1);
-    if (!c.subset || !c.flow_ptr || !c.entry_link || !c.entry_weight || !c.old_rate || !c.touched_link || !c.count ||
-        !c.count0 || !c.weight || !c.weight0 || !c.kept || !c.tight || !c.residual || !c.new_load || !c.level_at ||
-        !c.maxnr || !c.link_ptr || !c.fill || !c.flows_by_link || !c.sat || !c.heap || !c.caps || !c.active ||
-        !c.in_filling || !c.multi || !c.out_k || !c.out_rate || !reached) {
-        PyErr_NoMemory();
-        goto done;
-    }
-
-    /* The subset: the reached candidates and the new flows, or everything. */
-    c.n = 0;
-    if (use_reach && n_cand > 0) {
-        Py_ssize_t n_reached = reach(&c, n_cand, n, share, perturbed, reached);
-        if (n_reached > REACH_MAX_FRACTION * n_cand) use_reach = 0;
-    } else {
-        use_reach = 0;
-    }
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (!use_reach || i >= n_cand || reached[i]) c.subset[c.n++] = (int32_t)i;
-
-    for (;;) {
-        gather(&c);
-        if (use_reach) {
-            /* The largest rate of a kept candidate on each touched link. */
-            for (Py_ssize_t i = 0; i < n_cand; i++) {
-                if (reached[i]) continue;
-                double r = sel_rate[i];
-                for (int64_t e = row_ptr[i]; e < row_ptr[i + 1]; e++) {
-                    int32_t t = c.link_map[row_link[e]];
-                    if (t >= 0 && r > c.maxnr[t]) c.maxnr[t] = r;
+        } else {
+            for (Py_ssize_t i = 0; i < n_filter; i++) {
+                if (i + PREFETCH_AHEAD < n_filter) {
+                    int64_t ahead = given[i + PREFETCH_AHEAD];
+                    if (ahead >= 0 && ahead < slots) {
+                        __builtin_prefetch(&alive[ahead]);
+                        __builtin_prefetch(&solved[ahead]);
+                        __builtin_prefetch(&rate[ahead]);
+                        if (unit) __builtin_prefetch(&s.packed[ahead * PACKED]);
+                    }
                 }
+                int64_t f = given[i];
+                if (f < 0 || f >= slots) {
+                    PyErr_Format(PyExc_ValueError, "_fill.resolve: flow slot %lld is out of range", (long long)f);
+                    goto done;
+                }
+                if (alive[f] != 1 || solved[f] != 1) continue;
+                solved[f] = 2;
+                sel[n_sel] = f;
+                sel_rate[n_sel] = rate[f];
+                n_marked = n_sel + 1;
+                row_start[n_sel] = rows.n;
+                if (rows_add(&rows, &s, f) < 0) goto done;
+                row_end[n_sel++] = rows.n;
             }
         }
+
+        /* Fill them. */
+        c.n = n_sel;
+        c.sel = sel;
+        c.old_rate = sel_rate;
+        c.row_start = row_start;
+        c.row_end = row_end;
+        c.row_link = rows.link;
+        c.row_weight = rows.weight;
+        Py_ssize_t nnz = 0;
+        for (Py_ssize_t k = 0; k < n_sel; k++) nnz += row_end[k] - row_start[k];
+        if (fill_alloc(&c, nnz, n_links) < 0) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        gather(&c);
         progressive_fill(&c);
+        events += c.events;
+        retries += c.retries;
         if (!use_reach) break;
-        int holds = 1;
-        for (Py_ssize_t t = 0; t < c.n_touched && holds; t++)
-            holds = !(c.maxnr[t] > c.level_at[t] * grow);
+        free(suspect);
+        free(ranges);
+        suspect = malloc((c.n_touched + 1) * sizeof(double));
+        ranges = malloc((c.n_touched + 1) * sizeof(Range));
+        if (!suspect || !ranges) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        int holds = reach_holds(&c, &cand, &rows, &s, alive, solved, rate, slots, share, suspect, ranges);
+        if (holds < 0) goto done;
         if (holds) break;
         /* A kept candidate is faster than a re-solved flow's bottleneck: re-solve all of them. */
         fallbacks++;
         untouch(&c);
+        fill_free(&c);
+        for (Py_ssize_t k = 0; k < n_marked; k++)
+            if (solved[sel[k]] == 2) solved[sel[k]] = 1;
         use_reach = 0;
-        c.n = 0;
-        for (Py_ssize_t i = 0; i < n; i++) c.subset[c.n++] = (int32_t)i;
     }
 
     /* 3. Rates, the flows whose rate changed, new load, link shares. */
-    for (Py_ssize_t o = 0; o < c.n; o++) {
+    for (Py_ssize_t o = 0; o < n_sel; o++) {
         int32_t k = c.out_k[o];
-        int64_t f = sel[c.subset[k]];
         double r = c.out_rate[o];
-        if (!(c.old_rate[k] == r)) { /* NaN (new flow) never equals */
+        if (!(sel_rate[k] == r)) { /* NaN (new flow) never equals */
             out_changed_rates[n_changed] = r;
-            out_changed[n_changed++] = f;
+            out_changed[n_changed++] = sel[k];
         }
-        rate[f] = r;
+        rate[sel[k]] = r;
     }
-    for (Py_ssize_t i = 0; i < n; i++) solved[sel[i]] = 1;
+    for (Py_ssize_t k = 0; k < n_sel; k++) solved[sel[k]] = 1;
     n_marked = 0;
     if (full) memset(load, 0, n_links * sizeof(double));
     for (Py_ssize_t t = 0; t < c.n_touched; t++) {
@@ -734,80 +949,63 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
             share[l] = load[l] < c.capacity[l] * (1.0 - TIGHT_RTOL) ? INFINITY : 0.0;
     }
     /* Freeze order is by level; rounding can only break it by a hair, but the order must hold. */
-    for (Py_ssize_t o = 1; o < c.n; o++) {
+    for (Py_ssize_t o = 1; o < n_sel; o++) {
         if (c.out_rate[o] < c.out_rate[o - 1]) {
-            ranked = malloc(c.n * sizeof(Ranked));
+            ranked = malloc(n_sel * sizeof(Ranked));
             if (!ranked) {
                 PyErr_NoMemory();
                 goto done;
             }
-            for (Py_ssize_t j = 0; j < c.n; j++) ranked[j] = (Ranked){c.out_rate[j], c.out_k[j]};
-            qsort(ranked, c.n, sizeof(Ranked), ranked_compare);
-            for (Py_ssize_t j = 0; j < c.n; j++) {
+            for (Py_ssize_t j = 0; j < n_sel; j++) ranked[j] = (Ranked){c.out_rate[j], c.out_k[j]};
+            qsort(ranked, n_sel, sizeof(Ranked), ranked_compare);
+            for (Py_ssize_t j = 0; j < n_sel; j++) {
                 c.out_rate[j] = ranked[j].rate;
                 c.out_k[j] = (int32_t)ranked[j].id;
             }
             break;
         }
     }
-    /* The taken flows by rate: the re-solved ones merged with the kept candidates (in rate order already). */
+    /* The new suffix: the re-solved flows merged with the candidates kept (the reach only). */
+    Py_ssize_t n_out = 0;
     {
-        Py_ssize_t o = 0, i = use_reach ? 0 : n_cand, w = 0;
+        Py_ssize_t o = 0, i = use_reach ? 0 : n_filter;
         for (;;) {
-            while (i < n_cand && reached[i]) i++;
-            int has_kept = i < n_cand, has_solved = o < c.n;
+            while (i < n_filter && (cand.state[i] == CAND_TAKEN || cand.state[i] == CAND_DROPPED)) i++;
+            int has_kept = i < n_filter, has_solved = o < n_sel;
             if (!has_kept && !has_solved) break;
-            if (has_solved && (!has_kept || c.out_rate[o] <= sel_rate[i])) {
-                out_ids[w] = sel[c.subset[c.out_k[o]]];
-                out_rates[w++] = c.out_rate[o++];
+            if (has_solved && (!has_kept || c.out_rate[o] <= given_rates[i])) {
+                out_ids[n_out] = sel[c.out_k[o]];
+                out_rates[n_out++] = c.out_rate[o++];
             } else {
-                out_ids[w] = sel[i];
-                out_rates[w++] = sel_rate[i++];
+                out_ids[n_out] = given[i];
+                out_rates[n_out++] = given_rates[i++];
             }
         }
     }
-    result = Py_BuildValue("nnnnnn", c.events, n, n_changed, c.retries, c.n, fallbacks);
+    result = Py_BuildValue("nnnnnnn", events, n_out, n_changed, retries, n_sel, fallbacks, cand.scanned);
 
 done:
     for (Py_ssize_t k = 0; k < n_marked; k++)
         if (solved[sel[k]] == 2) solved[sel[k]] = 1;
     /* The scratch map goes back to all -1, after an error too. */
-    if (c.touched_link) untouch(&c);
+    untouch(&c);
+    fill_free(&c);
+    free(given);
+    free(given_rates);
     free(sel);
     free(sel_rate);
-    free(row_ptr);
-    free(row_link);
-    free(row_weight);
-    free(reached);
+    free(row_start);
+    free(row_end);
+    free(suspect);
+    free(ranges);
+    free(rows.link);
+    free(rows.weight);
+    free(cand.state);
+    free(cand.row_start);
+    free(cand.row_end);
     free(ranked);
-    free(c.subset);
-    free(c.flow_ptr);
-    free(c.entry_link);
-    free(c.entry_weight);
-    free(c.old_rate);
-    free(c.touched_link);
-    free(c.count);
-    free(c.count0);
-    free(c.weight);
-    free(c.weight0);
-    free(c.kept);
-    free(c.tight);
-    free(c.residual);
-    free(c.new_load);
-    free(c.level_at);
-    free(c.maxnr);
-    free(c.link_ptr);
-    free(c.fill);
-    free(c.flows_by_link);
-    free(c.sat);
-    free(c.heap);
-    free(c.caps);
-    free(c.active);
-    free(c.in_filling);
-    free(c.multi);
-    free(c.out_k);
-    free(c.out_rate);
     PyBuffer_Release(&b_ids);
+    PyBuffer_Release(&b_id_rates);
     PyBuffer_Release(&b_start);
     PyBuffer_Release(&b_length);
     PyBuffer_Release(&b_links);

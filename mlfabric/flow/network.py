@@ -89,6 +89,9 @@ class UpdateStats:
     #: Times the compiled re-solve's reach (only the flows a change can reach) failed its
     #: check, so every flow at or above the divergence level was re-solved.
     reach_fallbacks: int = 0
+    #: Candidates (flows at or above the divergence level) the compiled reach read: those in
+    #: the rate bands of changed links (all of them without the reach).
+    candidates_read: int = 0
 
 
 class FlowNetwork:
@@ -497,6 +500,7 @@ class FlowNetwork:
         self._last_rates = None
         n_resolved = resolve.size
         slack_retries = reach_fallbacks = 0
+        candidates_read = n_filter
         if (full or resolve.size) and self.native:
             self._reserve_order(split + resolve.size)
             changed = np.empty(resolve.size, dtype=np.int64)
@@ -506,13 +510,15 @@ class FlowNetwork:
             skip_slack = not full and new_ids.size == 0
             # The reach needs the caps unchanged (a flow whose cap changed is on no changed link).
             use_reach = self.reach and not full and not self._caps_changed
-            _, n_taken, n_changed, slack_retries, n_resolved, reach_fallbacks = _fill.resolve(
-                resolve, self._start, self._length, self._links, self._weights, self._packed, self._cap, self._rate,
+            _, n_taken, n_changed, slack_retries, n_resolved, reach_fallbacks, n_read = _fill.resolve(
+                resolve, self._order_rates[split : split + n_filter], self._start, self._length, self._links, self._weights, self._packed, self._cap, self._rate,
                 self._solved, self._alive, self._capacity, self._load, self._perturbed, self._share, self._link_map,
                 self._order[split : split + resolve.size], self._order_rates[split : split + resolve.size], changed,
                 changed_rates, full, self._unit_weights, self._any_cap, skip_slack, use_reach, 1.0 + self.tie_rtol,
                 n_filter)
             self._order_n = split + n_taken
+            if use_reach:
+                candidates_read = n_read
             self._restore_order_at(split)
             self.last_resolved = changed[:n_changed]
             self._last_rates = changed_rates[:n_changed]
@@ -537,7 +543,7 @@ class FlowNetwork:
             self._restore_order_at(split)
         stats = UpdateStats(kind="full" if full else "partial" if resolve.size else "none", flows_total=self._n_alive,
                             flows_resolved=n_resolved, divergence_level=divergence, slack_retries=slack_retries,
-                            reach_fallbacks=reach_fallbacks)
+                            reach_fallbacks=reach_fallbacks, candidates_read=candidates_read)
         if self._order_n > 2 * self._n_alive + 1024:
             # Mostly stale entries: rebuild from the live flows' current rates.
             ids = self.flow_ids()

@@ -462,7 +462,7 @@ def _kernel_resolve(
     arrays.update(replace)
     n = ids.size
     return flow_network_module._fill.resolve(
-        ids, *arrays.values(), np.zeros(n, dtype=np.int64), np.zeros(n), np.zeros(n, dtype=np.int64), np.zeros(n),
+        ids, np.zeros(n_filter), *arrays.values(), np.zeros(n, dtype=np.int64), np.zeros(n), np.zeros(n, dtype=np.int64), np.zeros(n),
         False, True, False, False, False, 1.0, n_filter)
 
 
