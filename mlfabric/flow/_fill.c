@@ -1182,10 +1182,94 @@ done:
     return result;
 }
 
+/* earliest(cand, record, in_candidates, horizon) -> (kept, earliest finish).
+ *
+ * The event engine's look at its candidate flows (int64 ids, see engine._FlowClass): those
+ * whose finish time (column REC_FINISH of `record`) is past `horizon` are dropped and
+ * unmarked in `in_candidates`; the others are compacted to the front of `cand` in order.
+ * Returns how many are kept and their earliest finish time (inf when none). */
+static PyObject *earliest(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer b_cand, b_record, b_in;
+    double horizon;
+    if (!PyArg_ParseTuple(args, "w*y*w*d", &b_cand, &b_record, &b_in, &horizon)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = b_cand.len / 8, slots = b_record.len / (8 * REC_WIDTH), kept = 0;
+    if (!check_buffer(&b_in, 1, slots, "in_candidates")) goto done;
+    int64_t *cand = b_cand.buf;
+    const double *record = b_record.buf;
+    char *in_candidates = b_in.buf;
+    double first = INFINITY;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t f = cand[i];
+        if (f < 0 || f >= slots) {
+            PyErr_Format(PyExc_ValueError, "_fill.earliest: flow id %lld is out of range", (long long)f);
+            goto done;
+        }
+        double t = record[f * REC_WIDTH + REC_FINISH];
+        if (t <= horizon) {
+            cand[kept++] = f;
+            if (t < first) first = t;
+        } else {
+            in_candidates[f] = 0;
+        }
+    }
+    result = Py_BuildValue("nd", kept, first);
+done:
+    PyBuffer_Release(&b_cand);
+    PyBuffer_Release(&b_record);
+    PyBuffer_Release(&b_in);
+    return result;
+}
+
+/* take(cand, record, in_candidates, threshold, out) -> (kept, taken).
+ *
+ * The candidates finishing by `threshold` go to `out` (int64, len(cand) items, in order),
+ * with their finish time set to inf and their mark in `in_candidates` cleared; the others
+ * are compacted to the front of `cand` in order. */
+static PyObject *take(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer b_cand, b_record, b_in, b_out;
+    double threshold;
+    if (!PyArg_ParseTuple(args, "w*w*w*dw*", &b_cand, &b_record, &b_in, &threshold, &b_out)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = b_cand.len / 8, slots = b_record.len / (8 * REC_WIDTH), kept = 0, taken = 0;
+    if (!check_buffer(&b_in, 1, slots, "in_candidates") || !check_buffer(&b_out, 8, n, "out")) goto done;
+    int64_t *cand = b_cand.buf, *out = b_out.buf;
+    double *record = b_record.buf;
+    char *in_candidates = b_in.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (cand[i] < 0 || cand[i] >= slots) {
+            PyErr_Format(PyExc_ValueError, "_fill.take: flow id %lld is out of range", (long long)cand[i]);
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t f = cand[i];
+        double *finish = &record[f * REC_WIDTH + REC_FINISH];
+        if (*finish <= threshold) {
+            out[taken++] = f;
+            *finish = INFINITY;
+            in_candidates[f] = 0;
+        } else {
+            cand[kept++] = f;
+        }
+    }
+    result = Py_BuildValue("nn", kept, taken);
+done:
+    PyBuffer_Release(&b_cand);
+    PyBuffer_Release(&b_record);
+    PyBuffer_Release(&b_in);
+    PyBuffer_Release(&b_out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"resolve", resolve, METH_VARARGS, "Progressive filling of FlowNetwork's re-solved flows (see the file header)."},
     {"remove", remove_flows, METH_VARARGS, "FlowNetwork.remove_flows' bookkeeping (see the function's comment)."},
     {"progress", progress, METH_VARARGS, "The event engine's finish times for flows whose rate changed."},
+    {"earliest", earliest, METH_VARARGS, "The event engine's earliest candidate finish (see the function's comment)."},
+    {"take", take, METH_VARARGS, "The event engine's finished candidates (see the function's comment)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -329,6 +329,35 @@ def test_compiled_progress_drains_at_the_old_rate_and_sets_finish_times() -> Non
         _fill.progress(ids, new_rates[:2], record, in_candidates, near, 5.0, 10.0)
 
 
+def test_compiled_candidate_scans_keep_order_and_reset_what_they_drop() -> None:
+    from mlfabric.flow.network import _fill
+
+    # Finish times (column 3 of engine._FlowClass.record) of flows 0-5.
+    record = np.zeros((6, 4))
+    record[:, 3] = [5.0, 1.0, np.inf, 3.0, 9.0, 2.0]
+    in_candidates = np.array([True, True, True, True, True, False])
+    cand = np.array([4, 0, 3, 1, 2], dtype=np.int64)
+    # earliest: past the horizon (6) go (unmarked), the rest keep their order.
+    kept, first = _fill.earliest(cand, record, in_candidates, 6.0)
+    assert (kept, first) == (3, 1.0) and cand[:kept].tolist() == [0, 3, 1]
+    assert in_candidates.tolist() == [True, True, False, True, False, False]
+    # take: finishing by 3 go to out in order, with finish inf and unmarked.
+    cand = cand[:kept]
+    out = np.zeros(cand.size, dtype=np.int64)
+    kept, taken = _fill.take(cand, record, in_candidates, 3.0, out)
+    assert (kept, taken) == (1, 2) and cand[:kept].tolist() == [0] and out[:taken].tolist() == [3, 1]
+    assert record[[3, 1], 3].tolist() == [np.inf, np.inf] and record[0, 3] == 5.0
+    assert in_candidates.tolist() == [True, False, False, False, False, False]
+    # Nothing by the horizon: none kept, earliest inf.
+    assert _fill.earliest(np.array([0], dtype=np.int64), record, in_candidates, 4.0) == (0, np.inf)
+    with pytest.raises(ValueError, match="out of range"):
+        _fill.earliest(np.array([6], dtype=np.int64), record, in_candidates, 4.0)
+    with pytest.raises(ValueError, match="out of range"):
+        _fill.take(np.array([-1], dtype=np.int64), record, in_candidates, 4.0, out)
+    with pytest.raises(ValueError, match="out"):
+        _fill.take(np.array([0, 4], dtype=np.int64), record, in_candidates, 4.0, np.zeros(1, dtype=np.int64))
+
+
 # ---------------------------------------------------------------------------- priorities
 
 
