@@ -33,6 +33,8 @@
 
 /* How many re-solved flows ahead the gather prefetches their slot data. */
 #define PREFETCH_AHEAD 24
+/* How many frozen flows ahead the filling prefetches their entries (twice that: their range). */
+#define PREFETCH_STEP 6
 /* With slack links left out (see resolve), a link counts as slack when its load is below this
  * fraction of its capacity. Most re-solved entries of a fat-tree run are on links far below
  * it (host and core links of an oversubscribed tree: ~80% of entries under 90% load). */
@@ -295,49 +297,66 @@ static void untouch(Fill *c) {
  * a left-out link that would end over capacity (or under a flow left unconstrained) is put
  * back and the filling redone (counted in `retries`). */
 static void progressive_fill(Fill *c) {
+    /* Locals, not c->: the loops below store through these, and the compiler keeps them in
+     * registers only when it can tell the stores do not move the pointers themselves. */
     const Py_ssize_t n = c->n, n_touched = c->n_touched;
+    const int unit = c->unit;
+    const int64_t *restrict flow_ptr = c->flow_ptr;
+    const int32_t *restrict entry_link = c->entry_link;
+    const double *restrict entry_weight = c->entry_weight;
+    const int64_t *restrict count0 = c->count0;
+    const double *restrict weight0 = c->weight0, *restrict kept = c->kept, *restrict capacity = c->capacity;
+    const int32_t *restrict touched_link = c->touched_link;
+    char *restrict tight = c->tight, *restrict active = c->active;
+    double *restrict residual = c->residual, *restrict weight = c->weight, *restrict new_load = c->new_load;
+    double *restrict level_at = c->level_at, *restrict out_rate = c->out_rate;
+    int64_t *restrict count = c->count, *restrict link_ptr = c->link_ptr, *restrict fill = c->fill;
+    int32_t *restrict flows_by_link = c->flows_by_link, *restrict sat = c->sat, *restrict in_filling = c->in_filling;
+    int32_t *restrict multi = c->multi, *restrict out_k = c->out_k;
+    HeapItem *heap = c->heap;
+    const CapItem *caps = c->caps;
     for (;;) {
         /* Link -> re-solved flows index (counting sort) over the links in the filling. */
-        c->link_ptr[0] = 0;
-        for (Py_ssize_t t = 0; t < n_touched; t++) c->link_ptr[t + 1] = c->link_ptr[t] + (c->tight[t] ? c->count0[t] : 0);
-        memcpy(c->fill, c->link_ptr, n_touched * sizeof(int64_t));
+        link_ptr[0] = 0;
+        for (Py_ssize_t t = 0; t < n_touched; t++) link_ptr[t + 1] = link_ptr[t] + (tight[t] ? count0[t] : 0);
+        memcpy(fill, link_ptr, n_touched * sizeof(int64_t));
         for (Py_ssize_t k = 0; k < n; k++) {
             int32_t n_in = 0;
-            for (int64_t e = c->flow_ptr[k]; e < c->flow_ptr[k + 1]; e++) {
-                if (!c->tight[c->entry_link[e]]) continue;
-                c->flows_by_link[c->fill[c->entry_link[e]]++] = (int32_t)k;
+            for (int64_t e = flow_ptr[k]; e < flow_ptr[k + 1]; e++) {
+                if (!tight[entry_link[e]]) continue;
+                flows_by_link[fill[entry_link[e]]++] = (int32_t)k;
                 n_in++;
             }
-            c->in_filling[k] = n_in;
+            in_filling[k] = n_in;
         }
         Py_ssize_t heap_size = 0;
         for (Py_ssize_t t = 0; t < n_touched; t++) {
-            c->new_load[t] = 0.0;
-            c->level_at[t] = INFINITY;
-            if (!c->tight[t]) continue;
-            c->count[t] = c->count0[t];
-            c->weight[t] = c->weight0[t];
-            double r = c->capacity[c->touched_link[t]] - c->kept[t];
-            c->residual[t] = r > 0 ? r : 0.0;
-            double level = level_of(c->residual, c->weight, c->count, t);
-            if (isfinite(level)) heap_push(c->heap, &heap_size, level, (int32_t)t);
+            new_load[t] = 0.0;
+            level_at[t] = INFINITY;
+            if (!tight[t]) continue;
+            count[t] = count0[t];
+            weight[t] = weight0[t];
+            double r = capacity[touched_link[t]] - kept[t];
+            residual[t] = r > 0 ? r : 0.0;
+            double level = level_of(residual, weight, count, t);
+            if (isfinite(level)) heap_push(heap, &heap_size, level, (int32_t)t);
         }
-        memset(c->active, 1, n);
+        memset(active, 1, n);
 
         Py_ssize_t next_cap = 0, n_out = 0;
         c->events = 0;
         for (;;) {
             /* The lowest valid heap entry (entries whose level rose are re-keyed lazily). */
             while (heap_size) {
-                HeapItem top = c->heap[0];
-                double level = level_of(c->residual, c->weight, c->count, top.link);
+                HeapItem top = heap[0];
+                double level = level_of(residual, weight, count, top.link);
                 if (level == top.key) break;
-                heap_pop(c->heap, &heap_size);
-                if (isfinite(level)) heap_push(c->heap, &heap_size, level, top.link);
+                heap_pop(heap, &heap_size);
+                if (isfinite(level)) heap_push(heap, &heap_size, level, top.link);
             }
-            while (next_cap < c->n_caps && !c->active[c->caps[next_cap].flow]) next_cap++;
-            double link_level = heap_size ? (c->heap[0].key > 0 ? c->heap[0].key : 0.0) : INFINITY;
-            double cap_level = next_cap < c->n_caps ? c->caps[next_cap].cap : INFINITY;
+            while (next_cap < c->n_caps && !active[caps[next_cap].flow]) next_cap++;
+            double link_level = heap_size ? (heap[0].key > 0 ? heap[0].key : 0.0) : INFINITY;
+            double cap_level = next_cap < c->n_caps ? caps[next_cap].cap : INFINITY;
             double current = link_level < cap_level ? link_level : cap_level;
             if (current == INFINITY) break;
             c->events++;
@@ -345,89 +364,93 @@ static void progressive_fill(Fill *c) {
             /* Every link at or below the threshold saturates now (levels read before freezing). */
             Py_ssize_t n_sat = 0;
             while (heap_size) {
-                HeapItem top = c->heap[0];
-                double level = level_of(c->residual, c->weight, c->count, top.link);
+                HeapItem top = heap[0];
+                double level = level_of(residual, weight, count, top.link);
                 if (level != top.key) {
-                    heap_pop(c->heap, &heap_size);
-                    if (isfinite(level)) heap_push(c->heap, &heap_size, level, top.link);
+                    heap_pop(heap, &heap_size);
+                    if (isfinite(level)) heap_push(heap, &heap_size, level, top.link);
                     continue;
                 }
                 if (top.key > threshold) break;
-                heap_pop(c->heap, &heap_size);
-                c->sat[n_sat++] = top.link;
+                heap_pop(heap, &heap_size);
+                sat[n_sat++] = top.link;
             }
             Py_ssize_t first_new = n_out, n_multi = 0;
             for (Py_ssize_t s = 0; s < n_sat; s++) {
-                int32_t t = c->sat[s];
+                int32_t t = sat[s];
                 int64_t alone = 0; /* unit-weight flows whose only link in the filling is t */
-                c->level_at[t] = current;
-                for (int64_t e = c->link_ptr[t]; e < c->link_ptr[t + 1]; e++) {
-                    int32_t k = c->flows_by_link[e];
-                    if (!c->active[k]) continue;
-                    c->active[k] = 0;
-                    c->out_k[n_out++] = k;
-                    if (c->unit && c->in_filling[k] == 1)
+                level_at[t] = current;
+                for (int64_t e = link_ptr[t]; e < link_ptr[t + 1]; e++) {
+                    int32_t k = flows_by_link[e];
+                    if (!active[k]) continue;
+                    active[k] = 0;
+                    out_k[n_out++] = k;
+                    if (unit && in_filling[k] == 1)
                         alone++;
                     else
-                        c->multi[n_multi++] = k;
+                        multi[n_multi++] = k;
                 }
                 /* Most flows cross one link that can fill: their share of t is accounted in
                  * one step, with no pass over their entries. */
-                c->residual[t] -= alone * current;
-                c->weight[t] -= alone;
-                c->count[t] -= alone;
-                c->new_load[t] += alone * current;
+                residual[t] -= alone * current;
+                weight[t] -= alone;
+                count[t] -= alone;
+                new_load[t] += alone * current;
             }
-            while (next_cap < c->n_caps && c->caps[next_cap].cap <= threshold) {
-                int32_t k = c->caps[next_cap++].flow;
-                if (!c->active[k]) continue;
-                c->active[k] = 0;
-                c->out_k[n_out++] = k;
-                c->multi[n_multi++] = k;
+            while (next_cap < c->n_caps && caps[next_cap].cap <= threshold) {
+                int32_t k = caps[next_cap++].flow;
+                if (!active[k]) continue;
+                active[k] = 0;
+                out_k[n_out++] = k;
+                multi[n_multi++] = k;
             }
-            for (Py_ssize_t o = first_new; o < n_out; o++) c->out_rate[o] = current;
+            for (Py_ssize_t o = first_new; o < n_out; o++) out_rate[o] = current;
             /* The others' load goes on every link of theirs in the filling (the current level
              * is <= every level on their path). */
             for (Py_ssize_t m = 0; m < n_multi; m++) {
-                int32_t k = c->multi[m];
-                for (int64_t e = c->flow_ptr[k]; e < c->flow_ptr[k + 1]; e++) {
-                    int32_t t = c->entry_link[e];
-                    if (!c->tight[t]) continue;
-                    double w = c->unit ? 1.0 : c->entry_weight[e];
-                    c->residual[t] -= w * current;
-                    c->weight[t] -= w;
-                    c->count[t] -= 1;
-                    c->new_load[t] += w * current;
+                /* Frozen flows come in freeze order, scattered over the entry arrays: fetch a
+                 * few flows ahead (their range, then their entries). */
+                if (m + 2 * PREFETCH_STEP < n_multi) __builtin_prefetch(&flow_ptr[multi[m + 2 * PREFETCH_STEP]]);
+                if (m + PREFETCH_STEP < n_multi) __builtin_prefetch(&entry_link[flow_ptr[multi[m + PREFETCH_STEP]]]);
+                int32_t k = multi[m];
+                for (int64_t e = flow_ptr[k]; e < flow_ptr[k + 1]; e++) {
+                    int32_t t = entry_link[e];
+                    if (!tight[t]) continue;
+                    double w = unit ? 1.0 : entry_weight[e];
+                    residual[t] -= w * current;
+                    weight[t] -= w;
+                    count[t] -= 1;
+                    new_load[t] += w * current;
                 }
             }
         }
         /* What is left is unconstrained (no loaded link, no cap): rate inf, no accounted load. */
         for (Py_ssize_t k = 0; k < n; k++) {
-            if (!c->active[k]) continue;
-            c->out_k[n_out] = (int32_t)k;
-            c->out_rate[n_out++] = INFINITY;
+            if (!active[k]) continue;
+            out_k[n_out] = (int32_t)k;
+            out_rate[n_out++] = INFINITY;
         }
         if (!c->skip_slack) return;
         /* The left-out links' new load; one over capacity, or under an unconstrained flow,
          * goes into the filling and the filling is redone. */
         int redo = 0;
         for (Py_ssize_t o = 0; o < n; o++) {
-            int32_t k = c->out_k[o];
-            double r = c->out_rate[o];
-            for (int64_t e = c->flow_ptr[k]; e < c->flow_ptr[k + 1]; e++) {
-                int32_t t = c->entry_link[e];
-                if (c->tight[t]) continue;
+            int32_t k = out_k[o];
+            double r = out_rate[o];
+            for (int64_t e = flow_ptr[k]; e < flow_ptr[k + 1]; e++) {
+                int32_t t = entry_link[e];
+                if (tight[t]) continue;
                 if (r == INFINITY) {
-                    c->tight[t] = 1;
+                    tight[t] = 1;
                     redo = 1;
                 } else {
-                    c->new_load[t] += (c->unit ? 1.0 : c->entry_weight[e]) * r;
+                    new_load[t] += (unit ? 1.0 : entry_weight[e]) * r;
                 }
             }
         }
         for (Py_ssize_t t = 0; t < n_touched; t++) {
-            if (!c->tight[t] && c->kept[t] + c->new_load[t] > c->capacity[c->touched_link[t]]) {
-                c->tight[t] = 1;
+            if (!tight[t] && kept[t] + new_load[t] > capacity[touched_link[t]]) {
+                tight[t] = 1;
                 redo = 1;
             }
         }
