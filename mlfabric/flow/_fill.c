@@ -568,6 +568,19 @@ static int candidate_read(Candidates *cand, Py_ssize_t i, Rows *rows, const Slot
     return 0;
 }
 
+/* Start fetching what candidate_read(cand, i) will read (the sweeps read candidates in
+ * order, but their slots are scattered). */
+static inline void candidate_prefetch(const Candidates *cand, Py_ssize_t i, const Slots *s, const char *alive,
+                                      const char *solved, const double *rate, Py_ssize_t slots) {
+    if (i >= cand->n || cand->state[i] != CAND_UNSEEN) return;
+    int64_t f = cand->id[i];
+    if (f < 0 || f >= slots) return;
+    __builtin_prefetch(&alive[f]);
+    __builtin_prefetch(&solved[f]);
+    __builtin_prefetch(&rate[f]);
+    if (s->unit) __builtin_prefetch(&s->packed[f * PACKED]);
+}
+
 /* The reach: which candidates a change can reach. Max-min rates propagate along the
  * bottleneck structure only: a changed link changes the flows *tight* on it (rate within
  * TIGHT_RTOL of its share, the largest rate on it), and a flow whose rate changes changes every
@@ -620,6 +633,7 @@ static Py_ssize_t reach(Candidates *cand, Rows *rows, const Slots *s, const char
             pos = lower_bound(cand->rate, pos, n, bands[0].key);
             continue;
         }
+        candidate_prefetch(cand, pos + PREFETCH_AHEAD, s, alive, solved, rate, slots);
         if (candidate_read(cand, pos, rows, s, alive, solved, rate, slots) < 0) {
             free(bands);
             return -1;
@@ -701,6 +715,7 @@ static int reach_holds(const Fill *c, Candidates *cand, Rows *rows, const Slots 
         for (j++; j < n_ranges && ranges[j].from <= to; j++)
             if (ranges[j].to > to) to = ranges[j].to;
         for (Py_ssize_t i = lower_bound(cand->rate, 0, cand->n, from); i < cand->n && cand->rate[i] <= to; i++) {
+            candidate_prefetch(cand, i + PREFETCH_AHEAD, s, alive, solved, rate, slots);
             if (candidate_read(cand, i, rows, s, alive, solved, rate, slots) < 0) return -1;
             if (cand->state[i] != CAND_KEPT) continue;
             double r = cand->rate[i];
