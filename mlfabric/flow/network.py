@@ -79,7 +79,7 @@ _SATURATION_SLACK = 1e-7
 class UpdateStats:
     """What the last :meth:`FlowNetwork.update` did."""
 
-    #: "none" (nothing changed), "partial" (only flows at or above the divergence level) or "full".
+    #: "none" (nothing re-solved), "partial" (only flows at or above the divergence level) or "full".
     kind: str
     flows_total: int
     flows_resolved: int
@@ -541,7 +541,7 @@ class FlowNetwork:
             sort = np.argsort(rates, kind="stable")
             self._set_order(resolve[sort], rates[sort], split)
             self._restore_order_at(split)
-        stats = UpdateStats(kind="full" if full else "partial" if resolve.size else "none", flows_total=self._n_alive,
+        stats = UpdateStats(kind="full" if full else "partial" if n_resolved else "none", flows_total=self._n_alive,
                             flows_resolved=n_resolved, divergence_level=divergence, slack_retries=slack_retries,
                             reach_fallbacks=reach_fallbacks, candidates_read=candidates_read)
         if self._order_n > 2 * self._n_alive + 1024:
