@@ -9,7 +9,7 @@ workers and servers placed at random, one push+pull iteration (BSP, no compute) 
 * with the per-server barrier (server j pulls once all pushes to j arrived: the default) and
   with a global barrier (a push phase, then a pull phase). The per-server barrier staggers
   the pulls, so flows start and finish at many more distinct instants, and each instant is a
-  re-solve: the 624 x 400 per-server run takes ~25 s (with the compiled kernel; minutes
+  re-solve: the 624 x 400 per-server run takes ~20 s (with the compiled kernel; minutes
   without) and runs only with ``slow=True``;
 * side by side, a smaller iteration run by the same engine with the vectorized incremental
   ``FlowNetwork`` and with a from-scratch pure-Python solve per event (``solver="naive"``):
@@ -47,7 +47,7 @@ class EngineBenchConfig:
     #: (workers, servers) of the timed iterations.
     sizes: tuple[tuple[int, int], ...] = ((800, 50), (624, 400))
     barriers: tuple[str, ...] = ("server", "global")
-    #: Also run the per-server barrier on iterations of more than ``slow_flows`` flows (~25 s for 624 x 400).
+    #: Also run the per-server barrier on iterations of more than ``slow_flows`` flows (~20 s for 624 x 400).
     slow: bool = False
     slow_flows: int = 200_000
     #: The side-by-side run with the naive solver (0 workers: skip it).
