@@ -484,6 +484,9 @@ def test_native_path_stays_partial_where_numpy_solves_in_full() -> None:
     assert results[False, False][1].kind == "full"
     assert results[True, False][1].kind == results[True, True][1].kind == "partial"
     assert results[True, False][1].flows_resolved == 9 and results[True, True][1].flows_resolved == 1
+    # The reach reads only the entries in the rate band of a's link (share 0.5): b, and a's own
+    # stale entry (dropped); the 8 flows at 1.25 are not read.
+    assert results[True, True][1].candidates_read == 2
     for key in ((True, False), (True, True)):
         np.testing.assert_allclose(results[key][0], results[False, False][0], rtol=1e-12)
     np.testing.assert_allclose(results[True, True][0], [1.0] + [1.25] * 8 + [0.1] * 3)
