@@ -26,8 +26,10 @@ structure only. A changed link changes the flows *tight* on it (at its share, th
 rate on it); a flow whose rate changes changes the saturated links it crosses; nothing else
 moves. On the 624 x 400 parameter-server run that is a fifth of the flows at or above ``T``.
 The kept flows are checked, on every link where a re-solved flow saturates, not to be faster
-than it; where one is, every flow at or above ``T`` is re-solved (``reach_fallbacks``). Either way the result is the exact max-min allocation (tests compare with a
-from-scratch solve and check the certificate after random change sequences).
+than it; where one is, every flow at or above ``T`` is re-solved (``reach_fallbacks``).
+
+Either way the result is the exact max-min allocation (tests compare with a from-scratch
+solve and check the certificate after random change sequences).
 
 The re-solve runs in a compiled kernel (``_fill.c``: gather, heap-based progressive filling,
 loads and the sorted suffix in one call) when the optional extension is built, else with
@@ -511,8 +513,8 @@ class FlowNetwork:
             # The reach needs the caps unchanged (a flow whose cap changed is on no changed link).
             use_reach = self.reach and not full and not self._caps_changed
             _, n_taken, n_changed, slack_retries, n_resolved, reach_fallbacks, n_read = _fill.resolve(
-                resolve, self._order_rates[split : split + n_filter], self._start, self._length, self._links, self._weights, self._packed, self._cap, self._rate,
-                self._solved, self._alive, self._capacity, self._load, self._perturbed, self._share, self._link_map,
+                resolve, self._order_rates[split : split + n_filter], self._start, self._length, self._links,
+                self._weights, self._packed, self._cap, self._rate, self._solved, self._alive, self._capacity, self._load, self._perturbed, self._share, self._link_map,
                 self._order[split : split + resolve.size], self._order_rates[split : split + resolve.size], changed,
                 changed_rates, full, self._unit_weights, self._any_cap, skip_slack, use_reach, 1.0 + self.tie_rtol,
                 n_filter)
