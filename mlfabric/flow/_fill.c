@@ -535,6 +535,27 @@ static Py_ssize_t lower_bound(const double *rates, Py_ssize_t lo, Py_ssize_t hi,
     return lo;
 }
 
+/* The flows to re-solve: slots, old rates (NaN: new) and where their entries are in the rows. */
+typedef struct {
+    int64_t *id;
+    double *rate;
+    int64_t *row_start, *row_end;
+    Py_ssize_t n;
+} Selection;
+
+static inline void select_flow(Selection *sel, int64_t f, double rate, int64_t row_start, int64_t row_end) {
+    sel->id[sel->n] = f;
+    sel->rate[sel->n] = rate;
+    sel->row_start[sel->n] = row_start;
+    sel->row_end[sel->n++] = row_end;
+}
+
+/* Clear the "taken" mark (solved = 2) of the given flows, where set. */
+static void unmark(const int64_t *ids, Py_ssize_t n, char *solved) {
+    for (Py_ssize_t k = 0; k < n; k++)
+        if (solved[ids[k]] == 2) solved[ids[k]] = 1;
+}
+
 /* The candidates (FlowNetwork's rate order from the divergence level on: ids and the rates
  * they were sorted by, possibly with stale ids) as the reach sees them, read lazily. */
 enum { CAND_UNSEEN, CAND_KEPT, CAND_TAKEN, CAND_DROPPED };
@@ -593,11 +614,9 @@ static inline void candidate_prefetch(const Candidates *cand, Py_ssize_t i, cons
  * the rate bands of hot links are read: a sweep in rate order jumps from band to band (a heap
  * of bands by their lower end). A link turning hot with a band below the current rate sends
  * the sweep back over that band once it is past it. Reached candidates are taken (marked
- * solved = 2, appended to `sel` with their old rate and row). Returns how many, or -1 with a
- * Python error set. */
+ * solved = 2, appended to `sel`). Returns how many, or -1 with a Python error set. */
 static Py_ssize_t reach(Candidates *cand, Rows *rows, const Slots *s, const char *alive, char *solved,
-                        const double *rate, Py_ssize_t slots, const double *share, uint8_t *hot, int64_t *sel,
-                        double *sel_rate, int64_t *sel_row_start, int64_t *sel_row_end, Py_ssize_t n_sel) {
+                        const double *rate, Py_ssize_t slots, const double *share, uint8_t *hot, Selection *sel) {
     Py_ssize_t n_links = s->n_links, n = cand->n, taken = 0;
     HeapItem *bands = malloc((n_links + 1) * sizeof(HeapItem));
     if (!bands) {
@@ -650,10 +669,7 @@ static Py_ssize_t reach(Candidates *cand, Rows *rows, const Slots *s, const char
                 int64_t f = cand->id[pos];
                 cand->state[pos] = CAND_TAKEN;
                 solved[f] = 2;
-                sel[n_sel] = f;
-                sel_rate[n_sel] = r;
-                sel_row_start[n_sel] = cand->row_start[pos];
-                sel_row_end[n_sel++] = cand->row_end[pos];
+                select_flow(sel, f, r, cand->row_start[pos], cand->row_end[pos]);
                 taken++;
                 for (int64_t e = cand->row_start[pos]; e < cand->row_end[pos]; e++) {
                     int32_t l = rows->link[e];
@@ -800,12 +816,10 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
     memset(&cand, 0, sizeof cand);
     int64_t *given = NULL;   /* copies of ids and id_rates (the output may overwrite them) */
     double *given_rates = NULL;
-    int64_t *sel = NULL;     /* the re-solved flows */
-    double *sel_rate = NULL; /* their old rates */
-    int64_t *row_start = NULL, *row_end = NULL;
+    Selection sel = {NULL, NULL, NULL, NULL, 0}; /* the re-solved flows */
     double *suspect = NULL;
     Range *ranges = NULL;
-    Py_ssize_t n_sel = 0, n_marked = 0; /* sel[:n_marked] holds every candidate marked solved = 2 */
+    Py_ssize_t n_marked = 0; /* sel.id[:n_marked] holds every candidate marked solved = 2 */
     char *solved = NULL;                /* set before the first mark (the exit path reads it) */
     Ranked *ranked = NULL;
     Py_ssize_t n_changed = 0, fallbacks = 0, events = 0, retries = 0;
@@ -846,11 +860,11 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
 
     given = malloc((n_given + 1) * sizeof(int64_t));
     given_rates = malloc((n_filter + 1) * sizeof(double));
-    sel = malloc((n_given + 1) * sizeof(int64_t));
-    sel_rate = malloc((n_given + 1) * sizeof(double));
-    row_start = malloc((n_given + 1) * sizeof(int64_t));
-    row_end = malloc((n_given + 1) * sizeof(int64_t));
-    if (!given || !given_rates || !sel || !sel_rate || !row_start || !row_end) {
+    sel.id = malloc((n_given + 1) * sizeof(int64_t));
+    sel.rate = malloc((n_given + 1) * sizeof(double));
+    sel.row_start = malloc((n_given + 1) * sizeof(int64_t));
+    sel.row_end = malloc((n_given + 1) * sizeof(int64_t));
+    if (!given || !given_rates || !sel.id || !sel.rate || !sel.row_start || !sel.row_end) {
         PyErr_NoMemory();
         goto done;
     }
@@ -865,17 +879,14 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
 
     for (;;) {
         /* Select the flows to re-solve: the new ones, then the reached (or all live) candidates. */
-        n_sel = n_marked = 0;
+        sel.n = n_marked = 0;
         rows.n = 0;
         for (Py_ssize_t i = n_filter; i < n_given; i++) {
-            int64_t f = given[i];
-            sel[n_sel] = f;
-            sel_rate[n_sel] = rate[f];
-            row_start[n_sel] = rows.n;
+            int64_t f = given[i], first = rows.n;
             if (rows_add(&rows, &s, f) < 0) goto done;
-            row_end[n_sel++] = rows.n;
+            select_flow(&sel, f, rate[f], first, rows.n);
             if (use_reach)
-                for (int64_t e = row_start[n_sel - 1]; e < rows.n; e++) perturbed[rows.link[e]] = 1;
+                for (int64_t e = first; e < rows.n; e++) perturbed[rows.link[e]] = 1;
         }
         if (use_reach) {
             cand.n = n_filter;
@@ -888,15 +899,11 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
                 PyErr_NoMemory();
                 goto done;
             }
-            n_marked = n_sel;
-            Py_ssize_t taken = reach(&cand, &rows, &s, alive, solved, rate, slots, share, perturbed, sel, sel_rate,
-                                     row_start, row_end, n_sel);
+            Py_ssize_t taken = reach(&cand, &rows, &s, alive, solved, rate, slots, share, perturbed, &sel);
+            n_marked = sel.n;
             if (taken < 0) goto done;
-            n_sel += taken;
-            n_marked = n_sel;
             if (taken > REACH_MAX_FRACTION * n_filter) { /* little to gain: take them all */
-                for (Py_ssize_t k = 0; k < n_marked; k++)
-                    if (solved[sel[k]] == 2) solved[sel[k]] = 1;
+                unmark(sel.id, n_marked, solved);
                 use_reach = 0;
                 continue;
             }
@@ -918,25 +925,27 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
                 }
                 if (alive[f] != 1 || solved[f] != 1) continue;
                 solved[f] = 2;
-                sel[n_sel] = f;
-                sel_rate[n_sel] = rate[f];
-                n_marked = n_sel + 1;
-                row_start[n_sel] = rows.n;
-                if (rows_add(&rows, &s, f) < 0) goto done;
-                row_end[n_sel++] = rows.n;
+                int64_t first = rows.n;
+                if (rows_add(&rows, &s, f) < 0) {
+                    n_marked = sel.n;
+                    solved[f] = 1;
+                    goto done;
+                }
+                select_flow(&sel, f, rate[f], first, rows.n);
+                n_marked = sel.n;
             }
         }
 
         /* Fill them. */
-        c.n = n_sel;
-        c.sel = sel;
-        c.old_rate = sel_rate;
-        c.row_start = row_start;
-        c.row_end = row_end;
+        c.n = sel.n;
+        c.sel = sel.id;
+        c.old_rate = sel.rate;
+        c.row_start = sel.row_start;
+        c.row_end = sel.row_end;
         c.row_link = rows.link;
         c.row_weight = rows.weight;
         Py_ssize_t nnz = 0;
-        for (Py_ssize_t k = 0; k < n_sel; k++) nnz += row_end[k] - row_start[k];
+        for (Py_ssize_t k = 0; k < sel.n; k++) nnz += sel.row_end[k] - sel.row_start[k];
         if (fill_alloc(&c, nnz, n_links) < 0) {
             PyErr_NoMemory();
             goto done;
@@ -961,22 +970,21 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
         fallbacks++;
         untouch(&c);
         fill_free(&c);
-        for (Py_ssize_t k = 0; k < n_marked; k++)
-            if (solved[sel[k]] == 2) solved[sel[k]] = 1;
+        unmark(sel.id, n_marked, solved);
         use_reach = 0;
     }
 
     /* 3. Rates, the flows whose rate changed, new load, link shares. */
-    for (Py_ssize_t o = 0; o < n_sel; o++) {
+    for (Py_ssize_t o = 0; o < sel.n; o++) {
         int32_t k = c.out_k[o];
         double r = c.out_rate[o];
-        if (!(sel_rate[k] == r)) { /* NaN (new flow) never equals */
+        if (!(sel.rate[k] == r)) { /* NaN (new flow) never equals */
             out_changed_rates[n_changed] = r;
-            out_changed[n_changed++] = sel[k];
+            out_changed[n_changed++] = sel.id[k];
         }
-        rate[sel[k]] = r;
+        rate[sel.id[k]] = r;
     }
-    for (Py_ssize_t k = 0; k < n_sel; k++) solved[sel[k]] = 1;
+    for (Py_ssize_t k = 0; k < sel.n; k++) solved[sel.id[k]] = 1;
     n_marked = 0;
     if (full) memset(load, 0, n_links * sizeof(double));
     for (Py_ssize_t t = 0; t < c.n_touched; t++) {
@@ -988,16 +996,16 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
             share[l] = load[l] < c.capacity[l] * (1.0 - TIGHT_RTOL) ? INFINITY : 0.0;
     }
     /* Freeze order is by level; rounding can only break it by a hair, but the order must hold. */
-    for (Py_ssize_t o = 1; o < n_sel; o++) {
+    for (Py_ssize_t o = 1; o < sel.n; o++) {
         if (c.out_rate[o] < c.out_rate[o - 1]) {
-            ranked = malloc(n_sel * sizeof(Ranked));
+            ranked = malloc(sel.n * sizeof(Ranked));
             if (!ranked) {
                 PyErr_NoMemory();
                 goto done;
             }
-            for (Py_ssize_t j = 0; j < n_sel; j++) ranked[j] = (Ranked){c.out_rate[j], c.out_k[j]};
-            qsort(ranked, n_sel, sizeof(Ranked), ranked_compare);
-            for (Py_ssize_t j = 0; j < n_sel; j++) {
+            for (Py_ssize_t j = 0; j < sel.n; j++) ranked[j] = (Ranked){c.out_rate[j], c.out_k[j]};
+            qsort(ranked, sel.n, sizeof(Ranked), ranked_compare);
+            for (Py_ssize_t j = 0; j < sel.n; j++) {
                 c.out_rate[j] = ranked[j].rate;
                 c.out_k[j] = (int32_t)ranked[j].id;
             }
@@ -1010,10 +1018,10 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
         Py_ssize_t o = 0, i = use_reach ? 0 : n_filter;
         for (;;) {
             while (i < n_filter && (cand.state[i] == CAND_TAKEN || cand.state[i] == CAND_DROPPED)) i++;
-            int has_kept = i < n_filter, has_solved = o < n_sel;
+            int has_kept = i < n_filter, has_solved = o < sel.n;
             if (!has_kept && !has_solved) break;
             if (has_solved && (!has_kept || c.out_rate[o] <= given_rates[i])) {
-                out_ids[n_out] = sel[c.out_k[o]];
+                out_ids[n_out] = sel.id[c.out_k[o]];
                 out_rates[n_out++] = c.out_rate[o++];
             } else {
                 out_ids[n_out] = given[i];
@@ -1021,20 +1029,19 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
             }
         }
     }
-    result = Py_BuildValue("nnnnnnn", events, n_out, n_changed, retries, n_sel, fallbacks, cand.scanned);
+    result = Py_BuildValue("nnnnnnn", events, n_out, n_changed, retries, sel.n, fallbacks, cand.scanned);
 
 done:
-    for (Py_ssize_t k = 0; k < n_marked; k++)
-        if (solved[sel[k]] == 2) solved[sel[k]] = 1;
+    if (solved) unmark(sel.id, n_marked, solved);
     /* The scratch map goes back to all -1, after an error too. */
     untouch(&c);
     fill_free(&c);
     free(given);
     free(given_rates);
-    free(sel);
-    free(sel_rate);
-    free(row_start);
-    free(row_end);
+    free(sel.id);
+    free(sel.rate);
+    free(sel.row_start);
+    free(sel.row_end);
     free(suspect);
     free(ranges);
     free(rows.link);

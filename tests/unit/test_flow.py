@@ -490,17 +490,20 @@ def test_native_reach_goes_back_for_an_earlier_flow_at_the_same_rate() -> None:
 
 
 def _kernel_resolve(
-    network: FlowNetwork, ids: np.ndarray, n_filter: int = 0, **replace: np.ndarray
-) -> tuple[int, int, int, int]:
-    """One direct call of the compiled re-solve on ``network``'s arrays (some replaced)."""
+    network: FlowNetwork, ids: np.ndarray, n_filter: int = 0, id_rates: np.ndarray | None = None,
+    **replace: np.ndarray
+) -> tuple[int, ...]:
+    """One direct call of the compiled re-solve on ``network``'s arrays (some replaced); with
+    ``id_rates`` (the rates the candidates are sorted by) it uses the reach."""
     arrays = {name: getattr(network, f"_{name}") for name in (
         "start", "length", "links", "weights", "packed", "cap", "rate", "solved", "alive", "capacity", "load",
         "perturbed", "share", "link_map")}
     arrays.update(replace)
     n = ids.size
     return flow_network_module._fill.resolve(
-        ids, np.zeros(n_filter), *arrays.values(), np.zeros(n, dtype=np.int64), np.zeros(n), np.zeros(n, dtype=np.int64), np.zeros(n),
-        False, True, False, False, False, 1.0, n_filter)
+        ids, np.zeros(n_filter) if id_rates is None else id_rates, *arrays.values(),
+        np.zeros(n, dtype=np.int64), np.zeros(n), np.zeros(n, dtype=np.int64), np.zeros(n),
+        False, True, False, False, id_rates is not None, 1.0, n_filter)
 
 
 def test_native_path_stays_partial_where_numpy_solves_in_full() -> None:
@@ -551,6 +554,22 @@ def test_native_kernel_rejects_bad_slots_and_rows() -> None:
     assert network._solved[:2].tolist() == [True, True] and network._solved.view(np.uint8)[:2].tolist() == [1, 1]
     # Nothing was changed by the refused calls: the scratch map is clean, rates as solved.
     assert (network._link_map == -1).all()
+    np.testing.assert_allclose(network.rates(), [0.5, 0.5])
+
+
+def test_native_reach_refused_midway_leaves_the_taken_candidates_marked_solved() -> None:
+    # Regression: the reach takes a and b (tight on the changed link 0), then meets a bad slot;
+    # the refused call must give a and b back their solved mark (1), not leave them "taken" (2).
+    network = FlowNetwork([1.0, 2.0], native=True)
+    a, b = network.add_flows(Incidence.from_paths([[0], [0]], 2))
+    network.update()
+    network._perturbed[0] = 1
+    bad = np.array([a, b, network._start.size], dtype=np.int64)  # all three are candidates at 0.5
+    with pytest.raises(ValueError, match="flow slot .* is out of range"):
+        _kernel_resolve(network, bad, n_filter=3, id_rates=np.full(3, 0.5))
+    assert network._solved.view(np.uint8)[[a, b]].tolist() == [1, 1]
+    assert (network._link_map == -1).all()
+    network._perturbed[0] = 0
     np.testing.assert_allclose(network.rates(), [0.5, 0.5])
 
 
