@@ -8,6 +8,7 @@ from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension("mlfabric.flow._fill", ["mlfabric/flow/_fill.c"], optional=True, extra_compile_args=["-O2"]),
+        Extension("mlfabric.flow._fill", ["mlfabric/flow/_fill.c", "mlfabric/flow/_events.c"], depends=["mlfabric/flow/_fill.h"],
+                  optional=True, extra_compile_args=["-O2"]),
     ]
 )

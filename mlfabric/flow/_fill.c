@@ -32,6 +32,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_fill.h"
+
 /* How many re-solved flows ahead the gather prefetches their slot data. */
 #define PREFETCH_AHEAD 24
 /* How many frozen flows ahead the filling prefetches their entries (twice that: their range). */
@@ -40,8 +42,6 @@
  * fraction of its capacity. Most re-solved entries of a fat-tree run are on links far below
  * it (host and core links of an oversubscribed tree: ~80% of entries under 90% load). */
 #define SLACK_BELOW 0.99
-/* Row width of the packed per-slot link lists: a count, then up to PACKED - 1 link ids. */
-#define PACKED 8
 
 typedef struct {
     double key;
@@ -461,15 +461,6 @@ static void progressive_fill(Fill *c) {
 }
 
 
-/* The network's per-slot link lists, where the flows' rows are read from. */
-typedef struct {
-    const int64_t *start, *length, *links;
-    const double *weights;
-    const int32_t *packed;
-    Py_ssize_t n_links, n_entries;
-    int unit;
-} Slots;
-
 /* Rows of entries with weight > 0, appended one flow at a time. */
 typedef struct {
     int32_t *link;
@@ -745,70 +736,12 @@ static int reach_holds(const Fill *c, Candidates *cand, Rows *rows, const Slots 
     return 1;
 }
 
-/* resolve(ids, id_rates, start, length, links, weights, packed, cap, rate, solved, alive, capacity, load,
- *         perturbed, share, link_map, out_ids, out_rates, out_changed, out_changed_rates, full, unit, has_caps,
- *         skip_slack, use_reach, grow, n_filter)
- *     -> (filling events, flows out, changed, slack retries, re-solved flows, reach fallbacks, candidates read).
- *
- * The first `n_filter` ids are candidates: FlowNetwork's rate order from the divergence level
- * on, sorted by `id_rates` (float64, n_filter items), which may hold ids of since-removed
- * flows, of reused slots and repeats; only live, solved ones at the rate they are sorted by
- * count, each once. The other ids are new flows, taken as given. out_ids/out_rates may be the
- * memory ids/id_rates are read from (both are copied first).
- *
- * ids: int64 flow slots; start/length: int64 per slot (entry range); links:
- * int64 and weights: float64 per entry (read only when not `unit`: all weights 1); packed:
- * int32 rows of PACKED per slot, [count, link ids...] or [-1, ...] (read only when `unit`): the
- * same links in one cache line, used instead of start/length/links where the count is >= 0
- * (on large runs the entry array is far bigger than the cache, and this read is most of the
- * gather's cost); cap, rate: float64 per slot (rate in: old rate of solved flows, NaN for the
- * others, out: new rate); solved: bool per slot (set to true); alive: bool per slot; capacity,
- * load: float64 per link (load in: of all solved flows, out: at the new rates); perturbed:
- * uint8 per link (in: a flow left it or its capacity changed since the last solve; the reach
- * marks more); share: float64 per link, the largest rate on a saturated link, inf on an
- * unsaturated one, 0 where unknown (kept up to date for the links in the filling); link_map:
- * int32 per link, all -1 on entry and on return (scratch).
- *
- * Output: out_ids/out_rates (len(ids) items): the new suffix of the rate order, its first
- * `flows out` items; out_changed: len(ids) items, its first `changed` are the flows whose rate
- * is new or differs, and out_changed_rates (float64, len(ids) items) their new rates. full: the
- * load in `load` is discarded and rebuilt. has_caps: false when every cap is inf (`cap` is
- * then not read).
- *
- * use_reach (partial re-solves): only the candidates the change can reach (see `reach`) and
- * the new flows are re-solved; the other candidates keep their rates, load and place in the
- * order (stale entries the sweep did not read stay too). That is exact when it holds up:
- * `reach_holds` checks that no kept candidate is faster than a bottleneck the filling
- * saturated (else it would have to slow down); when one is, every candidate is re-solved
- * instead (a fallback, counted). Without use_reach, every live candidate is re-solved and
- * the suffix is rewritten without stale entries.
- *
- * skip_slack (partial re-solves of solved flows only): links whose load is below SLACK_BELOW
- * of their capacity, and that are not marked in `perturbed`, are left out of the filling,
- * which then handles only the links that can be bottlenecks. That is exact when it holds up:
- * if every left-out link ends within its capacity, the allocation is feasible and every flow
- * keeps a saturated bottleneck on which its rate is the largest, which characterizes the
- * (unique) max-min allocation. A left-out link that would end over capacity (or under a flow
- * left unconstrained) is put back and the filling redone; the retries are counted. */
-static PyObject *resolve(PyObject *self, PyObject *args) {
-    (void)self;
-    Py_buffer b_ids, b_id_rates, b_start, b_length, b_links, b_weights, b_packed, b_cap, b_rate, b_solved, b_alive,
-        b_capacity, b_load, b_perturbed, b_share, b_map, b_out_ids, b_out_rates, b_out_changed, b_out_changed_rates;
-    int full, unit, has_caps, skip_slack, use_reach;
-    double grow;
-    Py_ssize_t n_filter;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*y*w*w*y*y*w*w*w*w*w*w*w*w*pppppdn", &b_ids, &b_id_rates, &b_start,
-                          &b_length, &b_links, &b_weights, &b_packed, &b_cap, &b_rate, &b_solved, &b_alive,
-                          &b_capacity, &b_load, &b_perturbed, &b_share, &b_map, &b_out_ids,
-                          &b_out_rates,
-                          &b_out_changed, &b_out_changed_rates, &full, &unit, &has_caps, &skip_slack, &use_reach,
-                          &grow, &n_filter))
-        return NULL;
-
-    PyObject *result = NULL;
-    Py_ssize_t n_given = b_ids.len / 8, n_links = b_capacity.len / 8, slots = b_start.len / 8;
-    if (n_filter > n_given) n_filter = n_given;
-    if (n_filter < 0) n_filter = 0;
+/* One re-solve (see the wrapper below for the arguments' meaning): 0, or -1 with a Python error set. */
+int fill_resolve(const Net *net, Resolve *r) {
+    int status = -1;
+    const Py_ssize_t n_given = r->n_given, n_links = net->s.n_links, slots = net->slots;
+    const Py_ssize_t n_filter = r->n_filter < 0 ? 0 : r->n_filter > n_given ? n_given : r->n_filter;
+    int full = r->full, skip_slack = r->skip_slack, use_reach = r->use_reach;
     Fill c;
     memset(&c, 0, sizeof c);
     Rows rows = {NULL, NULL, 0, 0};
@@ -826,37 +759,24 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
     skip_slack = skip_slack && !full;
     use_reach = use_reach && !full && n_filter > 0;
 
-    if (!check_buffer(&b_ids, 8, n_given, "ids") || !check_buffer(&b_id_rates, 8, n_filter, "id_rates") ||
-        !check_buffer(&b_length, 8, slots, "length") ||
-        !check_buffer(&b_packed, 4, unit ? slots * PACKED : 0, "packed") ||
-        !check_buffer(&b_cap, 8, slots, "cap") || !check_buffer(&b_rate, 8, slots, "rate") ||
-        !check_buffer(&b_solved, 1, slots, "solved") || !check_buffer(&b_alive, 1, slots, "alive") ||
-        !check_buffer(&b_load, 8, n_links, "load") || !check_buffer(&b_perturbed, 1, n_links, "perturbed") ||
-        !check_buffer(&b_share, 8, n_links, "share") ||
-        !check_buffer(&b_map, 4, n_links, "link_map") || !check_buffer(&b_out_ids, 8, n_given, "out_ids") ||
-        !check_buffer(&b_out_rates, 8, n_given, "out_rates") || !check_buffer(&b_out_changed, 8, n_given, "out_changed") ||
-        !check_buffer(&b_out_changed_rates, 8, n_given, "out_changed_rates") ||
-        !check_buffer(&b_links, 8, 0, "links") || !check_buffer(&b_weights, 8, b_links.len / 8, "weights"))
-        goto done;
-
-    double *rate = b_rate.buf, *load = b_load.buf, *share = b_share.buf, *out_rates = b_out_rates.buf;
-    solved = b_solved.buf;
-    const char *alive = b_alive.buf;
-    uint8_t *perturbed = b_perturbed.buf;
-    int64_t *out_ids = b_out_ids.buf, *out_changed = b_out_changed.buf;
-    double *out_changed_rates = b_out_changed_rates.buf;
-    const Slots s = {b_start.buf, b_length.buf, b_links.buf, b_weights.buf, b_packed.buf,
-                     n_links, b_links.len / 8, unit};
-    c.cap = b_cap.buf;
-    c.capacity = b_capacity.buf;
+    double *rate = net->rate, *load = net->load, *share = net->share;
+    double *out_rates = r->out_rates, *out_changed_rates = r->out_changed_rates;
+    solved = net->solved;
+    const char *alive = net->alive;
+    uint8_t *perturbed = net->perturbed;
+    int64_t *out_ids = r->out_ids, *out_changed = r->out_changed;
+    const Slots s = net->s;
+    const int unit = s.unit;
+    c.cap = net->cap;
+    c.capacity = net->capacity;
     c.load = load;
     c.perturbed = perturbed;
-    c.link_map = b_map.buf;
+    c.link_map = net->link_map;
     c.unit = unit;
-    c.has_caps = has_caps;
+    c.has_caps = net->has_caps;
     c.skip_slack = skip_slack;
     c.full = full;
-    c.grow = grow;
+    c.grow = r->grow;
 
     given = malloc((n_given + 1) * sizeof(int64_t));
     given_rates = malloc((n_filter + 1) * sizeof(double));
@@ -868,8 +788,8 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    memcpy(given, b_ids.buf, n_given * sizeof(int64_t));
-    memcpy(given_rates, b_id_rates.buf, n_filter * sizeof(double));
+    memcpy(given, r->ids, n_given * sizeof(int64_t));
+    memcpy(given_rates, r->id_rates, n_filter * sizeof(double));
     for (Py_ssize_t i = n_filter; i < n_given; i++) {
         if (given[i] < 0 || given[i] >= slots) {
             PyErr_Format(PyExc_ValueError, "_fill.resolve: flow slot %lld is out of range", (long long)given[i]);
@@ -1029,7 +949,14 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
             }
         }
     }
-    result = Py_BuildValue("nnnnnnn", events, n_out, n_changed, retries, sel.n, fallbacks, cand.scanned);
+    r->events = events;
+    r->n_out = n_out;
+    r->n_changed = n_changed;
+    r->retries = retries;
+    r->n_resolved = sel.n;
+    r->fallbacks = fallbacks;
+    r->read = cand.scanned;
+    status = 0;
 
 done:
     if (solved) unmark(sel.id, n_marked, solved);
@@ -1050,6 +977,95 @@ done:
     free(cand.row_start);
     free(cand.row_end);
     free(ranked);
+    return status;
+}
+
+/* resolve(ids, id_rates, start, length, links, weights, packed, cap, rate, solved, alive, capacity, load,
+ *         perturbed, share, link_map, out_ids, out_rates, out_changed, out_changed_rates, full, unit, has_caps,
+ *         skip_slack, use_reach, grow, n_filter)
+ *     -> (filling events, flows out, changed, slack retries, re-solved flows, reach fallbacks, candidates read).
+ *
+ * The first `n_filter` ids are candidates: FlowNetwork's rate order from the divergence level
+ * on, sorted by `id_rates` (float64, n_filter items), which may hold ids of since-removed
+ * flows, of reused slots and repeats; only live, solved ones at the rate they are sorted by
+ * count, each once. The other ids are new flows, taken as given. out_ids/out_rates may be the
+ * memory ids/id_rates are read from (both are copied first).
+ *
+ * ids: int64 flow slots; start/length: int64 per slot (entry range); links:
+ * int64 and weights: float64 per entry (read only when not `unit`: all weights 1); packed:
+ * int32 rows of PACKED per slot, [count, link ids...] or [-1, ...] (read only when `unit`): the
+ * same links in one cache line, used instead of start/length/links where the count is >= 0
+ * (on large runs the entry array is far bigger than the cache, and this read is most of the
+ * gather's cost); cap, rate: float64 per slot (rate in: old rate of solved flows, NaN for the
+ * others, out: new rate); solved: bool per slot (set to true); alive: bool per slot; capacity,
+ * load: float64 per link (load in: of all solved flows, out: at the new rates); perturbed:
+ * uint8 per link (in: a flow left it or its capacity changed since the last solve; the reach
+ * marks more); share: float64 per link, the largest rate on a saturated link, inf on an
+ * unsaturated one, 0 where unknown (kept up to date for the links in the filling); link_map:
+ * int32 per link, all -1 on entry and on return (scratch).
+ *
+ * Output: out_ids/out_rates (len(ids) items): the new suffix of the rate order, its first
+ * `flows out` items; out_changed: len(ids) items, its first `changed` are the flows whose rate
+ * is new or differs, and out_changed_rates (float64, len(ids) items) their new rates. full: the
+ * load in `load` is discarded and rebuilt. has_caps: false when every cap is inf (`cap` is
+ * then not read).
+ *
+ * use_reach (partial re-solves): only the candidates the change can reach (see `reach`) and
+ * the new flows are re-solved; the other candidates keep their rates, load and place in the
+ * order (stale entries the sweep did not read stay too). That is exact when it holds up:
+ * `reach_holds` checks that no kept candidate is faster than a bottleneck the filling
+ * saturated (else it would have to slow down); when one is, every candidate is re-solved
+ * instead (a fallback, counted). Without use_reach, every live candidate is re-solved and
+ * the suffix is rewritten without stale entries.
+ *
+ * skip_slack (partial re-solves of solved flows only): links whose load is below SLACK_BELOW
+ * of their capacity, and that are not marked in `perturbed`, are left out of the filling,
+ * which then handles only the links that can be bottlenecks. That is exact when it holds up:
+ * if every left-out link ends within its capacity, the allocation is feasible and every flow
+ * keeps a saturated bottleneck on which its rate is the largest, which characterizes the
+ * (unique) max-min allocation. A left-out link that would end over capacity (or under a flow
+ * left unconstrained) is put back and the filling redone; the retries are counted. */
+static PyObject *resolve(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer b_ids, b_id_rates, b_start, b_length, b_links, b_weights, b_packed, b_cap, b_rate, b_solved, b_alive,
+        b_capacity, b_load, b_perturbed, b_share, b_map, b_out_ids, b_out_rates, b_out_changed, b_out_changed_rates;
+    int full, unit, has_caps, skip_slack, use_reach;
+    double grow;
+    Py_ssize_t n_filter;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*y*w*w*y*y*w*w*w*w*w*w*w*w*pppppdn", &b_ids, &b_id_rates, &b_start,
+                          &b_length, &b_links, &b_weights, &b_packed, &b_cap, &b_rate, &b_solved, &b_alive,
+                          &b_capacity, &b_load, &b_perturbed, &b_share, &b_map, &b_out_ids, &b_out_rates,
+                          &b_out_changed, &b_out_changed_rates, &full, &unit, &has_caps, &skip_slack, &use_reach,
+                          &grow, &n_filter))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n_given = b_ids.len / 8, n_links = b_capacity.len / 8, slots = b_start.len / 8;
+    if (n_filter > n_given) n_filter = n_given;
+    if (n_filter < 0) n_filter = 0;
+    if (!check_buffer(&b_ids, 8, n_given, "ids") || !check_buffer(&b_id_rates, 8, n_filter, "id_rates") ||
+        !check_buffer(&b_length, 8, slots, "length") ||
+        !check_buffer(&b_packed, 4, unit ? slots * PACKED : 0, "packed") ||
+        !check_buffer(&b_cap, 8, slots, "cap") || !check_buffer(&b_rate, 8, slots, "rate") ||
+        !check_buffer(&b_solved, 1, slots, "solved") || !check_buffer(&b_alive, 1, slots, "alive") ||
+        !check_buffer(&b_load, 8, n_links, "load") || !check_buffer(&b_perturbed, 1, n_links, "perturbed") ||
+        !check_buffer(&b_share, 8, n_links, "share") ||
+        !check_buffer(&b_map, 4, n_links, "link_map") || !check_buffer(&b_out_ids, 8, n_given, "out_ids") ||
+        !check_buffer(&b_out_rates, 8, n_given, "out_rates") || !check_buffer(&b_out_changed, 8, n_given, "out_changed") ||
+        !check_buffer(&b_out_changed_rates, 8, n_given, "out_changed_rates") ||
+        !check_buffer(&b_links, 8, 0, "links") || !check_buffer(&b_weights, 8, b_links.len / 8, "weights"))
+        goto done;
+    {
+        const Net net = {{b_start.buf, b_length.buf, b_links.buf, b_weights.buf, b_packed.buf, n_links,
+                          b_links.len / 8, unit},
+                         slots, b_cap.buf, b_rate.buf, b_solved.buf, b_alive.buf, b_capacity.buf, b_load.buf,
+                         b_perturbed.buf, b_share.buf, b_map.buf, has_caps};
+        Resolve r = {b_ids.buf, n_given, b_id_rates.buf, n_filter, b_out_ids.buf, b_out_rates.buf, b_out_changed.buf,
+                     b_out_changed_rates.buf, full, skip_slack, use_reach, grow};
+        if (fill_resolve(&net, &r) < 0) goto done;
+        result = Py_BuildValue("nnnnnnn", r.events, r.n_out, r.n_changed, r.retries, r.n_resolved, r.fallbacks,
+                               r.read);
+    }
+done:
     PyBuffer_Release(&b_ids);
     PyBuffer_Release(&b_id_rates);
     PyBuffer_Release(&b_start);
@@ -1080,26 +1096,15 @@ done:
  * their links are marked in `perturbed` (uint8 per link), and they become dead (alive and
  * solved false, rate NaN). Raises ValueError, changing
  * nothing, when an id is not a live flow or repeats. */
-static PyObject *remove_flows(PyObject *self, PyObject *args) {
-    (void)self;
-    Py_buffer b_ids, b_start, b_length, b_links, b_weights, b_rate, b_solved, b_alive, b_weight_sum, b_load,
-        b_perturbed;
-    int unit;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*w*w*w*w*w*p", &b_ids, &b_start, &b_length, &b_links, &b_weights, &b_rate,
-                          &b_solved, &b_alive, &b_weight_sum, &b_load, &b_perturbed, &unit))
-        return NULL;
-    PyObject *result = NULL;
-    Py_ssize_t n = b_ids.len / 8, slots = b_start.len / 8, n_links = b_load.len / 8, n_entries = b_links.len / 8;
-    if (!check_buffer(&b_length, 8, slots, "length") || !check_buffer(&b_rate, 8, slots, "rate") ||
-        !check_buffer(&b_solved, 1, slots, "solved") || !check_buffer(&b_alive, 1, slots, "alive") ||
-        !check_buffer(&b_weight_sum, 8, n_links, "weight_sum") || !check_buffer(&b_weights, 8, n_entries, "weights") ||
-        !check_buffer(&b_perturbed, 1, n_links, "perturbed"))
-        goto done;
-    const int64_t *ids = b_ids.buf, *start = b_start.buf, *length = b_length.buf, *links = b_links.buf;
-    const double *weights = b_weights.buf;
-    double *rate = b_rate.buf, *weight_sum = b_weight_sum.buf, *load = b_load.buf;
-    char *solved = b_solved.buf, *alive = b_alive.buf;
-    uint8_t *perturbed = b_perturbed.buf;
+int fill_remove(const Net *net, double *weight_sum, const int64_t *ids, Py_ssize_t n, double *lowest_out,
+                Py_ssize_t *dead_out) {
+    const Py_ssize_t slots = net->slots, n_links = net->s.n_links, n_entries = net->s.n_entries;
+    const int64_t *start = net->s.start, *length = net->s.length, *links = net->s.links;
+    const double *weights = net->s.weights;
+    const int unit = net->s.unit;
+    double *rate = net->rate, *load = net->load;
+    char *solved = net->solved, *alive = (char *)net->alive;
+    uint8_t *perturbed = net->perturbed;
     /* Check every id first (alive is set to 2 while seen, to find repeats), then act. */
     Py_ssize_t bad = -1;
     int repeat = 0;
@@ -1119,13 +1124,13 @@ static PyObject *remove_flows(PyObject *self, PyObject *args) {
         else
             PyErr_Format(PyExc_ValueError, "remove_flows: flow id %lld is not a live flow of this FlowNetwork",
                          (long long)ids[bad]);
-        goto done;
+        return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         for (int64_t e = start[ids[i]]; e < start[ids[i]] + length[ids[i]]; e++) {
             if (links[e] < 0 || links[e] >= n_links) {
                 PyErr_Format(PyExc_ValueError, "remove_flows: link id %lld out of range", (long long)links[e]);
-                goto done;
+                return -1;
             }
         }
     }
@@ -1147,7 +1152,35 @@ static PyObject *remove_flows(PyObject *self, PyObject *args) {
         solved[f] = 0;
         rate[f] = NAN;
     }
-    result = Py_BuildValue("dn", lowest, dead);
+    *lowest_out = lowest;
+    *dead_out = dead;
+    return 0;
+}
+
+static PyObject *remove_flows(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer b_ids, b_start, b_length, b_links, b_weights, b_rate, b_solved, b_alive, b_weight_sum, b_load,
+        b_perturbed;
+    int unit;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*w*w*w*w*w*p", &b_ids, &b_start, &b_length, &b_links, &b_weights, &b_rate,
+                          &b_solved, &b_alive, &b_weight_sum, &b_load, &b_perturbed, &unit))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = b_ids.len / 8, slots = b_start.len / 8, n_links = b_load.len / 8, n_entries = b_links.len / 8;
+    if (!check_buffer(&b_length, 8, slots, "length") || !check_buffer(&b_rate, 8, slots, "rate") ||
+        !check_buffer(&b_solved, 1, slots, "solved") || !check_buffer(&b_alive, 1, slots, "alive") ||
+        !check_buffer(&b_weight_sum, 8, n_links, "weight_sum") || !check_buffer(&b_weights, 8, n_entries, "weights") ||
+        !check_buffer(&b_perturbed, 1, n_links, "perturbed"))
+        goto done;
+    {
+        const Net net = {{b_start.buf, b_length.buf, b_links.buf, b_weights.buf, NULL, n_links, n_entries, unit},
+                         slots, NULL, b_rate.buf, b_solved.buf, b_alive.buf, NULL, b_load.buf, b_perturbed.buf,
+                         NULL, NULL, 0};
+        double lowest;
+        Py_ssize_t dead;
+        if (fill_remove(&net, b_weight_sum.buf, b_ids.buf, n, &lowest, &dead) == 0)
+            result = Py_BuildValue("dn", lowest, dead);
+    }
 done:
     PyBuffer_Release(&b_ids);
     PyBuffer_Release(&b_start);
@@ -1163,8 +1196,32 @@ done:
     return result;
 }
 
-/* Columns of the event engine's per-flow record (engine._FlowClass.record). */
-enum { REC_REMAINING, REC_RATE, REC_STAMP, REC_FINISH, REC_WIDTH };
+
+Py_ssize_t fill_progress(const int64_t *ids, const double *new_rates, Py_ssize_t n, double *record,
+                         char *in_candidates, int64_t *near, double now, double horizon) {
+    Py_ssize_t n_near = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i + PREFETCH_AHEAD < n) __builtin_prefetch(&record[ids[i + PREFETCH_AHEAD] * REC_WIDTH]);
+        int64_t f = ids[i];
+        double *row = &record[f * REC_WIDTH];
+        double left = row[REC_REMAINING] - row[REC_RATE] * (now - row[REC_STAMP]);
+        if (!(left > 0)) left = 0.0;
+        double r = new_rates[i];
+        row[REC_REMAINING] = left;
+        row[REC_STAMP] = now;
+        row[REC_RATE] = r;
+        /* as numpy's left / r: inf at rate 0 with bits left, 0 at rate inf, NaN (0/0) -> 0 */
+        double t = left / r;
+        if (isnan(t)) t = 0.0;
+        t += now;
+        row[REC_FINISH] = t;
+        if (t <= horizon && !in_candidates[f]) {
+            in_candidates[f] = 1;
+            near[n_near++] = f;
+        }
+    }
+    return n_near;
+}
 
 /* progress(ids, new_rates, record, in_candidates, near, now, horizon) -> number of ids written to `near`.
  *
@@ -1198,26 +1255,7 @@ static PyObject *progress(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (i + PREFETCH_AHEAD < n) __builtin_prefetch(&record[ids[i + PREFETCH_AHEAD] * REC_WIDTH]);
-        int64_t f = ids[i];
-        double *row = &record[f * REC_WIDTH];
-        double left = row[REC_REMAINING] - row[REC_RATE] * (now - row[REC_STAMP]);
-        if (!(left > 0)) left = 0.0;
-        double r = new_rates[i];
-        row[REC_REMAINING] = left;
-        row[REC_STAMP] = now;
-        row[REC_RATE] = r;
-        /* as numpy's left / r: inf at rate 0 with bits left, 0 at rate inf, NaN (0/0) -> 0 */
-        double t = left / r;
-        if (isnan(t)) t = 0.0;
-        t += now;
-        row[REC_FINISH] = t;
-        if (t <= horizon && !in_candidates[f]) {
-            in_candidates[f] = 1;
-            near[n_near++] = f;
-        }
-    }
+    n_near = fill_progress(ids, new_rates, n, record, in_candidates, near, now, horizon);
     result = PyLong_FromSsize_t(n_near);
 done:
     PyBuffer_Release(&b_ids);
@@ -1316,6 +1354,7 @@ static PyMethodDef methods[] = {
     {"progress", progress, METH_VARARGS, "The event engine's finish times for flows whose rate changed."},
     {"earliest", earliest, METH_VARARGS, "The event engine's earliest candidate finish (see the function's comment)."},
     {"take", take, METH_VARARGS, "The event engine's finished candidates (see the function's comment)."},
+    {"run_events", run_events, METH_VARARGS, "The event engine's compiled loop (see _events.c)."},
     {NULL, NULL, 0, NULL},
 };
 

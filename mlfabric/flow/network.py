@@ -99,6 +99,10 @@ class UpdateStats:
 class FlowNetwork:
     """Flows over links with capacities; ``rates()`` returns their max-min fair rates."""
 
+    #: The entry array is compacted once more than half of it, and more than this many
+    #: entries, belong to removed flows (also read by the engine's compiled loop).
+    _compact_min_dead = 1 << 16
+
     def __init__(
         self,
         link_capacity: np.ndarray | list[float],
@@ -352,11 +356,24 @@ class FlowNetwork:
         re-solve from their lowest rate on."""
         self._divergence = min(self._divergence, lowest_rate)
         self._n_alive -= ids.size
-        self._free.append(ids)
         self._dead_entries += dead_entries
         self._dirty = True
-        if self._dead_entries > max(self._entries // 2, 1 << 16):
+        self.adopt_removed(ids)
+
+    def adopt_removed(self, ids: np.ndarray) -> None:
+        """Free the slots of flows removed by compiled code (the event engine's loop,
+        ``_fill.run_events``, which did the rest of :meth:`remove_flows` and the updates
+        after it, so :attr:`last_update` and :attr:`last_resolved` describe the last update
+        made from Python); compact the entry array when it is mostly dead."""
+        if ids.size:
+            self._free.append(ids.copy())
+        if self._dead_entries > max(self._entries // 2, self._compact_min_dead):
             self._compact_entries()
+
+    @property
+    def slot_capacity(self) -> int:
+        """Room for flow slots (the per-slot arrays' length): every flow id is below it."""
+        return int(self._start.size)
 
     def set_capacity(self, links: np.ndarray | list[int] | int, capacity: np.ndarray | list[float] | float) -> None:
         """Change link capacities (bit/s); e.g. one change point of a capacity trace."""

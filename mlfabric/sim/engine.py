@@ -75,6 +75,12 @@ _WAITING, _ACTIVE, _DONE = 0, 1, 2
 _CANDIDATES = 2048
 # Up to this many dependency edges, Engine._complete releases dependents in a Python loop.
 _FEW_EDGES = 24
+# Where the compiled loop (_fill.run_events, mlfabric/flow/_events.c) hands back to Python:
+# between events, after the re-solve, after taking finished flows, with tasks made ready.
+_STOP_TOP, _STOP_REFRESHED, _STOP_POPPED, _STOP_READY = range(4)
+# At most this many events per call of the compiled loop (between calls the engine checks
+# its wall-time limit).
+_COMPILED_BUDGET = 4096
 
 
 class SimulationStalled(RuntimeError):
@@ -106,6 +112,11 @@ class EngineConfig:
     #: ``"naive"``: :class:`NaiveNetwork`, a from-scratch pure-Python solve at every event
     #: (the baseline of ``mlfabric bench sim`` and a cross-check in tests).
     solver: str = "flow"
+    #: Run the common events (flows finish, dependents count down, nothing new starts) in
+    #: the compiled loop (``mlfabric/flow/_events.c``): the same results, without Python's
+    #: per-event overhead. Used when the kernel is built, with one priority class and
+    #: ``latency_s == 0``; False runs every event in Python (tests compare the two).
+    compiled_loop: bool = True
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
@@ -460,6 +471,11 @@ class Engine:
         self.flows = 0
         self.events = 0
         self.done = 0
+        self._compiled = (self.config.compiled_loop and self.config.latency_s == 0 and len(self._classes) == 1
+                          and self._classes[0]._native and hasattr(_fill, "run_events"))
+        self._freed_buffer = np.zeros(0, dtype=np.int64)
+        self._candidate_buffer = np.zeros(0, dtype=np.int64)
+        self._task_buffer = np.empty(n, dtype=np.int64)
 
     # ------------------------------------------------------------------ routing
 
@@ -715,22 +731,37 @@ class Engine:
         self._settle(initial)
         idle_events = 0
         while self.done < n:
-            self._refresh_rates()
-            t_flow = min((c.next_finish() for c in self._classes), default=math.inf)
-            t_timer = self._timers[0][0] if self._timers else math.inf
-            t_next = min(t_flow, t_timer)
-            if math.isnan(t_next):
-                raise self._stalled("a flow's finish time is NaN (a rate or size is not finite)")
-            if math.isinf(t_next):
-                raise self._stalled("no flow can progress and no timer is pending")
-            self.events += 1
-            if self.events > max_events:
-                raise self._stalled(f"more than {max_events} events: time has stopped advancing")
-            if cfg.max_wall_s is not None and time.perf_counter() - wall0 > cfg.max_wall_s:
-                raise self._stalled(f"wall-time limit of {cfg.max_wall_s} s exceeded")
-            self.now = max(self.now, t_next)
+            refreshed = False
+            finished: list[np.ndarray] | None = None
+            if self._compiled:
+                if cfg.max_wall_s is not None and time.perf_counter() - wall0 > cfg.max_wall_s:
+                    raise self._stalled(f"wall-time limit of {cfg.max_wall_s} s exceeded")
+                stop, tasks = self._run_compiled(max_events)
+                if stop == _STOP_READY:
+                    idle_events = 0
+                    self._settle(tasks)
+                    continue
+                if stop == _STOP_POPPED:
+                    finished = [tasks]
+                refreshed = stop == _STOP_REFRESHED
+            if finished is None:
+                if not refreshed:
+                    self._refresh_rates()
+                t_flow = min((c.next_finish() for c in self._classes), default=math.inf)
+                t_timer = self._timers[0][0] if self._timers else math.inf
+                t_next = min(t_flow, t_timer)
+                if math.isnan(t_next):
+                    raise self._stalled("a flow's finish time is NaN (a rate or size is not finite)")
+                if math.isinf(t_next):
+                    raise self._stalled("no flow can progress and no timer is pending")
+                self.events += 1
+                if self.events > max_events:
+                    raise self._stalled(f"more than {max_events} events: time has stopped advancing")
+                if cfg.max_wall_s is not None and time.perf_counter() - wall0 > cfg.max_wall_s:
+                    raise self._stalled(f"wall-time limit of {cfg.max_wall_s} s exceeded")
+                self.now = max(self.now, t_next)
+                finished = [c.pop_finished(self.now + cfg.batch_rtol * abs(self.now)) for c in self._classes]
             threshold = self.now + cfg.batch_rtol * abs(self.now)
-            finished = [c.pop_finished(threshold) for c in self._classes]
             for tasks in finished:
                 self._release(tasks)
             completed = [self._finished_flows(t) for t in finished if t.size]
@@ -758,6 +789,30 @@ class Engine:
             task_start_s=self.start_s, task_finish_s=self.finish_s, link_bytes=self.link_bytes, flows=self.flows,
             events=self.events, solver_updates=updates, wall_s=time.perf_counter() - wall0,
         )
+
+    def _run_compiled(self, max_events: int) -> tuple[int, np.ndarray]:
+        """Run events in the compiled loop until it stops (see ``_STOP_*``); returns where it
+        stopped and the tasks it hands over (popped, or made ready)."""
+        flow_class = self._classes[0]
+        network = flow_class.network
+        assert isinstance(network, FlowNetwork)
+        rows = flow_class.record.shape[0]
+        if self._candidate_buffer.size < rows:
+            self._candidate_buffer = np.empty(max(rows, 2 * self._candidate_buffer.size), dtype=np.int64)
+        if self._freed_buffer.size < network.slot_capacity:
+            self._freed_buffer = np.empty(max(network.slot_capacity, 2 * self._freed_buffer.size), dtype=np.int64)
+        candidates = flow_class.candidates
+        self._candidate_buffer[: candidates.size] = candidates
+        t_timer = self._timers[0][0] if self._timers else math.inf
+        stop, _, partial, none, n_freed, n_tasks, n_candidates = _fill.run_events(
+            network, flow_class, self, self._candidate_buffer, self._freed_buffer, self._task_buffer, t_timer,
+            max_events, _COMPILED_BUDGET)
+        flow_class.candidates = self._candidate_buffer[:n_candidates].copy()
+        network.adopt_removed(self._freed_buffer[:n_freed])
+        for kind, count in (("partial", partial), ("none", none)):
+            if count:
+                flow_class.updates[kind] = flow_class.updates.get(kind, 0) + count
+        return stop, self._task_buffer[:n_tasks].copy()
 
     # ------------------------------------------------------------------ diagnostics
 

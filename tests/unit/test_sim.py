@@ -358,6 +358,115 @@ def test_compiled_candidate_scans_keep_order_and_reset_what_they_drop() -> None:
         _fill.take(np.array([0, 4], dtype=np.int64), record, in_candidates, 4.0, np.zeros(1, dtype=np.int64))
 
 
+def _compiled_loop_scenarios() -> dict[str, object]:
+    """Runs that reach every place the compiled loop stops: tasks made ready (per-server
+    barrier), FIFO connections, timers due (compute delays), horizon rebuilds."""
+    ps_topo = fat_tree(8, RATE, oversub=4)
+    ps = PSConfig(workers=40, servers=12, model_bytes=7_000_000)
+    compute = ComputeModel(compute_s=2e-3, speed_range=(1.0, 3.0))
+    ssp = PSConfig(workers=24, servers=6, model_bytes=3_000_000, iterations=3, staleness=1, compute=compute)
+    return {
+        "ps-server": lambda **o: run_graph(ps_graph(ps_topo, ps, seed=1), ps_topo, EngineConfig(seed=1, **o)),
+        "ps-ssp-compute": lambda **o: simulate_ps(ps_topo, ps=ssp, config=EngineConfig(seed=3, **o)),
+        "connections": lambda **o: run_graph(_connection_mix(), ps_topo, EngineConfig(seed=2, **o)),
+    }
+
+
+def _connection_mix() -> object:
+    """300 transfers queued on 60 FIFO connections and 300 free ones, random pairs and sizes."""
+    rng = np.random.default_rng(5)
+    src = rng.integers(0, 128, 600)
+    dst = (src + rng.integers(1, 128, 600)) % 128
+    connection = np.where(np.arange(600) < 300, np.arange(600) % 60, -1)
+    src[:300], dst[:300] = src[connection[:300]], dst[connection[:300]]  # a connection is one pair
+    b = GraphBuilder()
+    b.add_transfers(src, dst, rng.uniform(1e5, 3e6, 600), connection=connection)
+    return b.build()
+
+
+@pytest.mark.parametrize("scenario", ["ps-server", "ps-ssp-compute", "connections"])
+def test_compiled_loop_is_bit_identical_to_the_python_loop(scenario: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engine.run with the compiled event loop (_fill.run_events) and without it: the same
+    events, task times, link bytes and solver update counts, bit for bit; and the compiled
+    loop really ran most events."""
+    from mlfabric.flow.network import _fill
+
+    stops: list[tuple[int, int]] = []
+    real = _fill.run_events
+
+    def counting(*args: object) -> tuple:
+        out = real(*args)
+        stops.append((out[0], out[1]))
+        return out
+
+    monkeypatch.setattr(_fill, "run_events", counting)
+    run = _compiled_loop_scenarios()[scenario]
+    compiled = run()
+    python = run(compiled_loop=False)
+    assert compiled.events == python.events > 20
+    assert compiled.time_s == python.time_s
+    for field in ("task_start_s", "task_finish_s", "link_bytes"):
+        assert np.array_equal(getattr(compiled, field), getattr(python, field), equal_nan=True), field
+    assert compiled.solver_updates == python.solver_updates
+    events_compiled = sum(run for _, run in stops)
+    assert events_compiled >= 0.5 * compiled.events
+    kinds = {stop for stop, _ in stops}
+    expected = {"ps-server": sim_engine_stop("READY"), "ps-ssp-compute": sim_engine_stop("REFRESHED"),
+                "connections": sim_engine_stop("POPPED")}[scenario]
+    assert expected in kinds
+
+
+def sim_engine_stop(name: str) -> int:
+    from mlfabric.sim import engine as sim_engine
+
+    return getattr(sim_engine, f"_STOP_{name}")
+
+
+def test_compiled_loop_compacts_entries_and_hands_back_watchdog_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlfabric.flow.network import FlowNetwork
+
+    compactions = []
+    real = FlowNetwork._compact_entries
+
+    def counting(self: FlowNetwork) -> None:
+        compactions.append(self._dead_entries)
+        real(self)
+
+    monkeypatch.setattr(FlowNetwork, "_compact_entries", counting)
+    monkeypatch.setattr(FlowNetwork, "_compact_min_dead", 64)
+    run = _compiled_loop_scenarios()["ps-server"]
+    compiled = run()
+    assert len(compactions) >= 3 and min(compactions) > 64
+    compactions.clear()
+    python = run(compiled_loop=False)
+    assert len(compactions) >= 3
+    assert np.array_equal(compiled.task_finish_s, python.task_finish_s)
+    # The event limit and the wall-time limit hold inside the compiled loop too.
+    with pytest.raises(SimulationStalled, match="more than 30 events"):
+        run(max_events=30)
+    with pytest.raises(SimulationStalled, match="wall-time limit"):
+        run(max_wall_s=1e-9)
+
+
+def test_compiled_loop_checks_its_buffers() -> None:
+    from mlfabric.flow.network import _fill
+    from mlfabric.sim.engine import Engine
+
+    topo = fat_tree(4, RATE)
+    engine = Engine(ps_graph(topo, PSConfig(workers=4, servers=2, model_bytes=1e6), seed=0), topo)
+    assert engine._compiled
+    flow_class = engine._classes[0]
+    tiny = np.zeros(1, dtype=np.int64)
+    with pytest.raises(ValueError, match="output buffer is too small"):
+        _fill.run_events(flow_class.network, flow_class, engine, tiny, tiny, tiny, np.inf, 100, 10)
+    big = np.zeros(engine.graph.n_tasks + 64, dtype=np.int64)
+    with pytest.raises(AttributeError, match="record"):
+        _fill.run_events(flow_class.network, engine, engine, big, big, big, np.inf, 100, 10)
+    flow_class.record = flow_class.record.astype(np.float32)
+    with pytest.raises(ValueError, match="record must hold >= 0 items of 8 bytes"):
+        _fill.run_events(flow_class.network, flow_class, engine, big, big, big, np.inf, 100, 10)
+
+
 # ---------------------------------------------------------------------------- priorities
 
 
