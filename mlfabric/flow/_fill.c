@@ -169,31 +169,37 @@ typedef struct {
     Py_ssize_t events, retries;
 } Fill;
 
+/* Scratch memory kept between calls (calls are serialized by the GIL). A re-solve needs ~40
+ * arrays; allocated per update, the large ones came back from the kernel as fresh zeroed
+ * pages every time (page faults and clearing: ~5% of a 40k-update run). Each array has its
+ * slot, grown as needed and never given back (the largest re-solve's size stays). */
+enum {
+    S_FLOW_PTR, S_ENTRY_LINK, S_ENTRY_WEIGHT, S_TOUCHED_LINK, S_COUNT, S_COUNT0, S_WEIGHT, S_WEIGHT0, S_KEPT,
+    S_TIGHT, S_RESIDUAL, S_NEW_LOAD, S_LEVEL_AT, S_LINK_PTR, S_FILL, S_FLOWS_BY_LINK, S_SAT, S_HEAP, S_CAPS,
+    S_ACTIVE, S_IN_FILLING, S_MULTI, S_OUT_K, S_OUT_RATE, S_BANDS, S_GIVEN, S_GIVEN_RATES, S_SEL_ID, S_SEL_RATE,
+    S_SEL_START, S_SEL_END, S_CAND_STATE, S_CAND_START, S_CAND_END, S_SUSPECT, S_RANGES, S_RANKED, S_ROWS_LINK,
+    S_ROWS_WEIGHT, N_SCRATCH
+};
+static struct {
+    void *p;
+    size_t size;
+} scratch_pool[N_SCRATCH];
+
+/* Slot `which` with room for `bytes` (its content kept when `keep`); NULL when out of memory. */
+static void *scratch(int which, size_t bytes, int keep) {
+    if (bytes > scratch_pool[which].size) {
+        size_t size = bytes + bytes / 2 + 64;
+        void *p = keep ? realloc(scratch_pool[which].p, size) : malloc(size);
+        if (!p) return NULL;
+        if (!keep) free(scratch_pool[which].p);
+        scratch_pool[which].p = p;
+        scratch_pool[which].size = size;
+    }
+    return scratch_pool[which].p;
+}
+
+/* Forget the scratch (it stays in the pool). */
 static void fill_free(Fill *c) {
-    free(c->flow_ptr);
-    free(c->entry_link);
-    free(c->entry_weight);
-    free(c->touched_link);
-    free(c->count);
-    free(c->count0);
-    free(c->weight);
-    free(c->weight0);
-    free(c->kept);
-    free(c->tight);
-    free(c->residual);
-    free(c->new_load);
-    free(c->level_at);
-    free(c->link_ptr);
-    free(c->fill);
-    free(c->flows_by_link);
-    free(c->sat);
-    free(c->heap);
-    free(c->caps);
-    free(c->active);
-    free(c->in_filling);
-    free(c->multi);
-    free(c->out_k);
-    free(c->out_rate);
     c->flow_ptr = NULL;
     c->entry_link = NULL;
     c->entry_weight = NULL;
@@ -214,30 +220,30 @@ static int fill_alloc(Fill *c, Py_ssize_t nnz, Py_ssize_t n_links) {
     /* At most min(entries, links) distinct links are touched: the per-link arrays are sized
      * by that (a large re-solve would otherwise zero megabytes per update for nothing). */
     Py_ssize_t max_touched = (nnz < n_links ? nnz : n_links) + 1;
-    c->flow_ptr = malloc((n + 1) * sizeof(int64_t));
-    c->entry_link = malloc((nnz + 1) * sizeof(int32_t));
-    c->entry_weight = malloc((c->unit ? 1 : nnz + 1) * sizeof(double)); /* not used for unit weights */
-    c->touched_link = malloc(max_touched * sizeof(int32_t));
-    c->count = malloc(max_touched * sizeof(int64_t));
-    c->count0 = malloc(max_touched * sizeof(int64_t));
-    c->weight = malloc(max_touched * sizeof(double));
-    c->weight0 = malloc(max_touched * sizeof(double));
-    c->kept = malloc(max_touched * sizeof(double));
-    c->tight = malloc(max_touched);
-    c->residual = malloc(max_touched * sizeof(double));
-    c->new_load = malloc(max_touched * sizeof(double));
-    c->level_at = malloc(max_touched * sizeof(double));
-    c->link_ptr = malloc((max_touched + 1) * sizeof(int64_t));
-    c->fill = malloc(max_touched * sizeof(int64_t));
-    c->flows_by_link = malloc((nnz + 1) * sizeof(int32_t));
-    c->sat = malloc(max_touched * sizeof(int32_t));
-    c->heap = malloc(max_touched * sizeof(HeapItem));
-    c->caps = malloc((n + 1) * sizeof(CapItem));
-    c->active = malloc(n + 1);
-    c->in_filling = malloc((n + 1) * sizeof(int32_t));
-    c->multi = malloc((n + 1) * sizeof(int32_t));
-    c->out_k = malloc((n + 1) * sizeof(int32_t));
-    c->out_rate = malloc((n + 1) * sizeof(double));
+    c->flow_ptr = scratch(S_FLOW_PTR, (n + 1) * sizeof(int64_t), 0);
+    c->entry_link = scratch(S_ENTRY_LINK, (nnz + 1) * sizeof(int32_t), 0);
+    c->entry_weight = scratch(S_ENTRY_WEIGHT, (c->unit ? 1 : nnz + 1) * sizeof(double), 0); /* not used for unit weights */
+    c->touched_link = scratch(S_TOUCHED_LINK, max_touched * sizeof(int32_t), 0);
+    c->count = scratch(S_COUNT, max_touched * sizeof(int64_t), 0);
+    c->count0 = scratch(S_COUNT0, max_touched * sizeof(int64_t), 0);
+    c->weight = scratch(S_WEIGHT, max_touched * sizeof(double), 0);
+    c->weight0 = scratch(S_WEIGHT0, max_touched * sizeof(double), 0);
+    c->kept = scratch(S_KEPT, max_touched * sizeof(double), 0);
+    c->tight = scratch(S_TIGHT, max_touched, 0);
+    c->residual = scratch(S_RESIDUAL, max_touched * sizeof(double), 0);
+    c->new_load = scratch(S_NEW_LOAD, max_touched * sizeof(double), 0);
+    c->level_at = scratch(S_LEVEL_AT, max_touched * sizeof(double), 0);
+    c->link_ptr = scratch(S_LINK_PTR, (max_touched + 1) * sizeof(int64_t), 0);
+    c->fill = scratch(S_FILL, max_touched * sizeof(int64_t), 0);
+    c->flows_by_link = scratch(S_FLOWS_BY_LINK, (nnz + 1) * sizeof(int32_t), 0);
+    c->sat = scratch(S_SAT, max_touched * sizeof(int32_t), 0);
+    c->heap = scratch(S_HEAP, max_touched * sizeof(HeapItem), 0);
+    c->caps = scratch(S_CAPS, (n + 1) * sizeof(CapItem), 0);
+    c->active = scratch(S_ACTIVE, n + 1, 0);
+    c->in_filling = scratch(S_IN_FILLING, (n + 1) * sizeof(int32_t), 0);
+    c->multi = scratch(S_MULTI, (n + 1) * sizeof(int32_t), 0);
+    c->out_k = scratch(S_OUT_K, (n + 1) * sizeof(int32_t), 0);
+    c->out_rate = scratch(S_OUT_RATE, (n + 1) * sizeof(double), 0);
     if (!c->flow_ptr || !c->entry_link || !c->entry_weight || !c->touched_link || !c->count || !c->count0 ||
         !c->weight || !c->weight0 || !c->kept || !c->tight || !c->residual || !c->new_load || !c->level_at ||
         !c->link_ptr || !c->fill || !c->flows_by_link || !c->sat || !c->heap || !c->caps || !c->active ||
@@ -490,9 +496,9 @@ static int rows_add(Rows *rows, const Slots *s, int64_t f) {
     }
     if (rows->n + count > rows->room) {
         Py_ssize_t room = 2 * (rows->n + count) + 64;
-        int32_t *link = realloc(rows->link, room * sizeof(int32_t));
+        int32_t *link = scratch(S_ROWS_LINK, room * sizeof(int32_t), 1);
         if (link) rows->link = link;
-        double *weight = s->unit ? NULL : realloc(rows->weight, room * sizeof(double));
+        double *weight = s->unit ? NULL : scratch(S_ROWS_WEIGHT, room * sizeof(double), 1);
         if (weight) rows->weight = weight;
         if (!link || (!s->unit && !weight)) {
             PyErr_NoMemory();
@@ -609,15 +615,21 @@ static inline void candidate_prefetch(const Candidates *cand, Py_ssize_t i, cons
 static Py_ssize_t reach(Candidates *cand, Rows *rows, const Slots *s, const char *alive, char *solved,
                         const double *rate, Py_ssize_t slots, const double *share, uint8_t *hot, Selection *sel) {
     Py_ssize_t n_links = s->n_links, n = cand->n, taken = 0;
-    HeapItem *bands = malloc((n_links + 1) * sizeof(HeapItem));
+    HeapItem *bands = scratch(S_BANDS, (n_links + 1) * sizeof(HeapItem), 0);
     if (!bands) {
         PyErr_NoMemory();
         return -1;
     }
     Py_ssize_t n_bands = 0;
-    for (Py_ssize_t l = 0; l < n_links; l++)
+    for (Py_ssize_t l = 0; l < n_links; l++) {
+        uint64_t word; /* few links are hot: skip them eight at a time */
+        if ((l & 7) == 0 && l + 8 <= n_links && (memcpy(&word, &hot[l], 8), word == 0)) {
+            l += 7;
+            continue;
+        }
         if (hot[l] && share[l] < INFINITY)
             heap_push(bands, &n_bands, share[l] > 0 ? share[l] * (1.0 - TIGHT_RTOL) : -INFINITY, (int32_t)l);
+    }
     Py_ssize_t pos = 0, back = -1;
     double scan_to = -INFINITY, back_until = -INFINITY;
     for (;;) {
@@ -646,7 +658,6 @@ static Py_ssize_t reach(Candidates *cand, Rows *rows, const Slots *s, const char
         }
         candidate_prefetch(cand, pos + PREFETCH_AHEAD, s, alive, solved, rate, slots);
         if (candidate_read(cand, pos, rows, s, alive, solved, rate, slots) < 0) {
-            free(bands);
             return -1;
         }
         if (cand->state[pos] == CAND_KEPT) {
@@ -682,7 +693,6 @@ static Py_ssize_t reach(Candidates *cand, Rows *rows, const Slots *s, const char
         }
         pos++;
     }
-    free(bands);
     return taken;
 }
 
@@ -778,12 +788,12 @@ int fill_resolve(const Net *net, Resolve *r) {
     c.full = full;
     c.grow = r->grow;
 
-    given = malloc((n_given + 1) * sizeof(int64_t));
-    given_rates = malloc((n_filter + 1) * sizeof(double));
-    sel.id = malloc((n_given + 1) * sizeof(int64_t));
-    sel.rate = malloc((n_given + 1) * sizeof(double));
-    sel.row_start = malloc((n_given + 1) * sizeof(int64_t));
-    sel.row_end = malloc((n_given + 1) * sizeof(int64_t));
+    given = scratch(S_GIVEN, (n_given + 1) * sizeof(int64_t), 0);
+    given_rates = scratch(S_GIVEN_RATES, (n_filter + 1) * sizeof(double), 0);
+    sel.id = scratch(S_SEL_ID, (n_given + 1) * sizeof(int64_t), 0);
+    sel.rate = scratch(S_SEL_RATE, (n_given + 1) * sizeof(double), 0);
+    sel.row_start = scratch(S_SEL_START, (n_given + 1) * sizeof(int64_t), 0);
+    sel.row_end = scratch(S_SEL_END, (n_given + 1) * sizeof(int64_t), 0);
     if (!given || !given_rates || !sel.id || !sel.rate || !sel.row_start || !sel.row_end) {
         PyErr_NoMemory();
         goto done;
@@ -812,9 +822,10 @@ int fill_resolve(const Net *net, Resolve *r) {
             cand.n = n_filter;
             cand.id = given;
             cand.rate = given_rates;
-            cand.state = calloc(n_filter + 1, 1);
-            cand.row_start = malloc((n_filter + 1) * sizeof(int64_t));
-            cand.row_end = malloc((n_filter + 1) * sizeof(int64_t));
+            cand.state = scratch(S_CAND_STATE, n_filter + 1, 0);
+            if (cand.state) memset(cand.state, CAND_UNSEEN, n_filter + 1);
+            cand.row_start = scratch(S_CAND_START, (n_filter + 1) * sizeof(int64_t), 0);
+            cand.row_end = scratch(S_CAND_END, (n_filter + 1) * sizeof(int64_t), 0);
             if (!cand.state || !cand.row_start || !cand.row_end) {
                 PyErr_NoMemory();
                 goto done;
@@ -875,10 +886,8 @@ int fill_resolve(const Net *net, Resolve *r) {
         events += c.events;
         retries += c.retries;
         if (!use_reach) break;
-        free(suspect);
-        free(ranges);
-        suspect = malloc((c.n_touched + 1) * sizeof(double));
-        ranges = malloc((c.n_touched + 1) * sizeof(Range));
+        suspect = scratch(S_SUSPECT, (c.n_touched + 1) * sizeof(double), 0);
+        ranges = scratch(S_RANGES, (c.n_touched + 1) * sizeof(Range), 0);
         if (!suspect || !ranges) {
             PyErr_NoMemory();
             goto done;
@@ -918,7 +927,7 @@ int fill_resolve(const Net *net, Resolve *r) {
     /* Freeze order is by level; rounding can only break it by a hair, but the order must hold. */
     for (Py_ssize_t o = 1; o < sel.n; o++) {
         if (c.out_rate[o] < c.out_rate[o - 1]) {
-            ranked = malloc(sel.n * sizeof(Ranked));
+            ranked = scratch(S_RANKED, (sel.n + 1) * sizeof(Ranked), 0);
             if (!ranked) {
                 PyErr_NoMemory();
                 goto done;
@@ -963,20 +972,6 @@ done:
     /* The scratch map goes back to all -1, after an error too. */
     untouch(&c);
     fill_free(&c);
-    free(given);
-    free(given_rates);
-    free(sel.id);
-    free(sel.rate);
-    free(sel.row_start);
-    free(sel.row_end);
-    free(suspect);
-    free(ranges);
-    free(rows.link);
-    free(rows.weight);
-    free(cand.state);
-    free(cand.row_start);
-    free(cand.row_end);
-    free(ranked);
     return status;
 }
 
