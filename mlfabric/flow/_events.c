@@ -133,7 +133,8 @@ static Py_ssize_t search_left(const double *rates, Py_ssize_t n, double value) {
  * return. freed (int64, >= the network's slots): the ids removed, in order (Python puts them
  * on the network's free list). out_tasks (int64, >= the graph's tasks): the tasks popped
  * (STOP_POPPED) or made ready (STOP_READY, sorted). Scalars written back: the network's
- * _order_n, _n_alive, _divergence, _dirty, _dead_entries; the engine's now, events, done. */
+ * _order_n, _n_alive, _divergence, _dirty, _dead_entries; the flow class's horizon (lowered
+ * when too many flows are due by it); the engine's now, events, done. */
 PyObject *run_events(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *network, *flow_class, *engine, *graph = NULL, *config = NULL;
@@ -313,19 +314,8 @@ PyObject *run_events(PyObject *self, PyObject *args) {
         /* The next finish (_FlowClass.next_finish, candidates only) and the event's checks. */
         stop = STOP_REFRESHED;
         if (n_alive == 0 || n_cand == 0) break;
-        Py_ssize_t kept = 0;
-        double first = INFINITY;
-        for (Py_ssize_t i = 0; i < n_cand; i++) {
-            int64_t f = cand[i];
-            double t = record[f * REC_WIDTH + REC_FINISH];
-            if (t <= horizon) {
-                cand[kept++] = f;
-                if (t < first) first = t;
-            } else {
-                in_candidates[f] = 0;
-            }
-        }
-        n_cand = kept;
+        double first;
+        Py_ssize_t kept = n_cand = fill_earliest(cand, n_cand, record, in_candidates, &horizon, &first);
         if (!kept || !isfinite(first) || events + 1 > max_events) break;
         double at = now > first ? now : first;
         double threshold = at + rtol * fabs(at);
@@ -428,7 +418,8 @@ PyObject *run_events(PyObject *self, PyObject *args) {
         set_attr(network, "_dirty", PyBool_FromLong(dirty)) ||
         set_attr(network, "_dead_entries", PyLong_FromSsize_t(dead_entries)) ||
         set_attr(engine, "now", PyFloat_FromDouble(now)) || set_attr(engine, "events", PyLong_FromSsize_t(events)) ||
-        set_attr(engine, "done", PyLong_FromSsize_t(n_done_tasks)))
+        set_attr(engine, "done", PyLong_FromSsize_t(n_done_tasks)) ||
+        set_attr(flow_class, "horizon", PyFloat_FromDouble(horizon)))
         goto done;
     result = Py_BuildValue("innnnnn", stop, run, n_partial, n_none, n_freed, n_out, n_cand);
 

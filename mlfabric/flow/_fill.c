@@ -178,7 +178,7 @@ enum {
     S_TIGHT, S_RESIDUAL, S_NEW_LOAD, S_LEVEL_AT, S_LINK_PTR, S_FILL, S_FLOWS_BY_LINK, S_SAT, S_HEAP, S_CAPS,
     S_ACTIVE, S_IN_FILLING, S_MULTI, S_OUT_K, S_OUT_RATE, S_BANDS, S_GIVEN, S_GIVEN_RATES, S_SEL_ID, S_SEL_RATE,
     S_SEL_START, S_SEL_END, S_CAND_STATE, S_CAND_START, S_CAND_END, S_SUSPECT, S_RANGES, S_RANKED, S_ROWS_LINK,
-    S_ROWS_WEIGHT, N_SCRATCH
+    S_ROWS_WEIGHT, S_TIMES, N_SCRATCH
 };
 static struct {
     void *p;
@@ -600,6 +600,14 @@ static inline void candidate_prefetch(const Candidates *cand, Py_ssize_t i, cons
     if (s->unit) __builtin_prefetch(&s->packed[f * PACKED]);
 }
 
+/* Start fetching candidates i .. i + PREFETCH_AHEAD - 1: where a sweep lands after a jump,
+ * the one-ahead prefetch of candidate_prefetch has not run for them yet. */
+static inline void candidate_prefetch_burst(const Candidates *cand, Py_ssize_t i, const Slots *s, const char *alive,
+                                            const char *solved, const double *rate, Py_ssize_t slots) {
+    for (Py_ssize_t j = i; j < i + PREFETCH_AHEAD && j < cand->n; j++)
+        candidate_prefetch(cand, j, s, alive, solved, rate, slots);
+}
+
 /* The reach: which candidates a change can reach. Max-min rates propagate along the
  * bottleneck structure only: a changed link changes the flows *tight* on it (rate within
  * TIGHT_RTOL of its share, the largest rate on it), and a flow whose rate changes changes every
@@ -636,6 +644,7 @@ static Py_ssize_t reach(Candidates *cand, Rows *rows, const Slots *s, const char
         if (back >= 0 && (pos >= n || cand->rate[pos] > back_until)) {
             pos = back;
             back = -1;
+            candidate_prefetch_burst(cand, pos, s, alive, solved, rate, slots);
             continue;
         }
         if (pos >= n) break;
@@ -650,10 +659,12 @@ static Py_ssize_t reach(Candidates *cand, Rows *rows, const Slots *s, const char
             if (back >= 0) {
                 pos = back;
                 back = -1;
+                candidate_prefetch_burst(cand, pos, s, alive, solved, rate, slots);
                 continue;
             }
             if (!n_bands) break;
             pos = lower_bound(cand->rate, pos, n, bands[0].key);
+            candidate_prefetch_burst(cand, pos, s, alive, solved, rate, slots);
             continue;
         }
         candidate_prefetch(cand, pos + PREFETCH_AHEAD, s, alive, solved, rate, slots);
@@ -732,7 +743,9 @@ static int reach_holds(const Fill *c, Candidates *cand, Rows *rows, const Slots 
         double from = ranges[j].from, to = ranges[j].to;
         for (j++; j < n_ranges && ranges[j].from <= to; j++)
             if (ranges[j].to > to) to = ranges[j].to;
-        for (Py_ssize_t i = lower_bound(cand->rate, 0, cand->n, from); i < cand->n && cand->rate[i] <= to; i++) {
+        Py_ssize_t first = lower_bound(cand->rate, 0, cand->n, from);
+        candidate_prefetch_burst(cand, first, s, alive, solved, rate, slots);
+        for (Py_ssize_t i = first; i < cand->n && cand->rate[i] <= to; i++) {
             candidate_prefetch(cand, i + PREFETCH_AHEAD, s, alive, solved, rate, slots);
             if (candidate_read(cand, i, rows, s, alive, solved, rate, slots) < 0) return -1;
             if (cand->state[i] != CAND_KEPT) continue;
@@ -945,6 +958,15 @@ int fill_resolve(const Net *net, Resolve *r) {
     Py_ssize_t n_out = 0;
     {
         Py_ssize_t o = 0, i = use_reach ? 0 : n_filter;
+        if (use_reach) {
+            /* The kept candidates before the first one taken or dropped, and below the first
+             * re-solved rate, stay where they are: written only if the output is elsewhere. */
+            Py_ssize_t before = sel.n ? lower_bound(given_rates, 0, n_filter, c.out_rate[0]) : n_filter;
+            while (i < before && (cand.state[i] == CAND_UNSEEN || cand.state[i] == CAND_KEPT)) i++;
+            if (out_ids != r->ids) memcpy(out_ids, given, i * sizeof(int64_t));
+            if (out_rates != r->id_rates) memcpy(out_rates, given_rates, i * sizeof(double));
+            n_out = i;
+        }
         for (;;) {
             while (i < n_filter && (cand.state[i] == CAND_TAKEN || cand.state[i] == CAND_DROPPED)) i++;
             int has_kept = i < n_filter, has_solved = o < sel.n;
@@ -1261,39 +1283,95 @@ done:
     return result;
 }
 
-/* earliest(cand, record, in_candidates, horizon) -> (kept, earliest finish).
- *
- * The event engine's look at its candidate flows (int64 ids, see engine._FlowClass): those
- * whose finish time (column REC_FINISH of `record`) is past `horizon` are dropped and
- * unmarked in `in_candidates`; the others are compacted to the front of `cand` in order.
- * Returns how many are kept and their earliest finish time (inf when none). */
-static PyObject *earliest(PyObject *self, PyObject *args) {
-    (void)self;
-    Py_buffer b_cand, b_record, b_in;
-    double horizon;
-    if (!PyArg_ParseTuple(args, "w*y*w*d", &b_cand, &b_record, &b_in, &horizon)) return NULL;
-    PyObject *result = NULL;
-    Py_ssize_t n = b_cand.len / 8, slots = b_record.len / (8 * REC_WIDTH), kept = 0;
-    if (!check_buffer(&b_in, 1, slots, "in_candidates")) goto done;
-    int64_t *cand = b_cand.buf;
-    const double *record = b_record.buf;
-    char *in_candidates = b_in.buf;
-    double first = INFINITY;
+/* The k-th smallest (0-based) of values[0:n], which it reorders (quickselect). */
+static double select_kth(double *values, Py_ssize_t n, Py_ssize_t k) {
+    Py_ssize_t lo = 0, hi = n - 1;
+    while (lo < hi) {
+        double a = values[lo], b = values[lo + (hi - lo) / 2], c = values[hi];
+        double pivot = a < b ? (b < c ? b : (a < c ? c : a)) : (a < c ? a : (b < c ? c : b)); /* median of 3 */
+        Py_ssize_t i = lo, j = hi;
+        while (i <= j) {
+            while (values[i] < pivot) i++;
+            while (values[j] > pivot) j--;
+            if (i <= j) {
+                double t = values[i];
+                values[i++] = values[j];
+                values[j--] = t;
+            }
+        }
+        if (k <= j)
+            hi = j;
+        else if (k >= i)
+            lo = i;
+        else
+            return values[k];
+    }
+    return values[k];
+}
+
+Py_ssize_t fill_earliest(int64_t *cand, Py_ssize_t n, const double *record, char *in_candidates, double *horizon,
+                         double *first_out) {
+    Py_ssize_t kept = 0;
+    double first = INFINITY, limit = *horizon;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t f = cand[i];
-        if (f < 0 || f >= slots) {
-            PyErr_Format(PyExc_ValueError, "_fill.earliest: flow id %lld is out of range", (long long)f);
-            goto done;
-        }
         double t = record[f * REC_WIDTH + REC_FINISH];
-        if (t <= horizon) {
+        if (t <= limit) {
             cand[kept++] = f;
             if (t < first) first = t;
         } else {
             in_candidates[f] = 0;
         }
     }
-    result = Py_BuildValue("nd", kept, first);
+    if (kept > CANDIDATES_MAX) {
+        /* Most flows are due by the horizon (finish times bunched below it): every event would
+         * scan them all. Lower the horizon to the CANDIDATES-th earliest finish. */
+        double *times = scratch(S_TIMES, kept * sizeof(double), 0);
+        if (times) {
+            for (Py_ssize_t i = 0; i < kept; i++) times[i] = record[cand[i] * REC_WIDTH + REC_FINISH];
+            limit = select_kth(times, kept, CANDIDATES - 1);
+            n = kept;
+            kept = 0;
+            for (Py_ssize_t i = 0; i < n; i++) {
+                int64_t f = cand[i];
+                if (record[f * REC_WIDTH + REC_FINISH] <= limit)
+                    cand[kept++] = f;
+                else
+                    in_candidates[f] = 0;
+            }
+            *horizon = limit;
+        } /* out of memory: keep them all (slower, not wrong) */
+    }
+    *first_out = first;
+    return kept;
+}
+
+/* earliest(cand, record, in_candidates, horizon) -> (kept, earliest finish, horizon).
+ *
+ * The event engine's look at its candidate flows (int64 ids, see engine._FlowClass): those
+ * whose finish time (column REC_FINISH of `record`) is past `horizon` are dropped and
+ * unmarked in `in_candidates`; the others are compacted to the front of `cand` in order.
+ * When more than CANDIDATES_MAX are left, the horizon is lowered to the CANDIDATES-th
+ * earliest finish time and those past it are dropped too. Returns how many are kept, their
+ * earliest finish time (inf when none) and the horizon. */
+static PyObject *earliest(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer b_cand, b_record, b_in;
+    double horizon;
+    if (!PyArg_ParseTuple(args, "w*y*w*d", &b_cand, &b_record, &b_in, &horizon)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = b_cand.len / 8, slots = b_record.len / (8 * REC_WIDTH);
+    if (!check_buffer(&b_in, 1, slots, "in_candidates")) goto done;
+    int64_t *cand = b_cand.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (cand[i] < 0 || cand[i] >= slots) {
+            PyErr_Format(PyExc_ValueError, "_fill.earliest: flow id %lld is out of range", (long long)cand[i]);
+            goto done;
+        }
+    }
+    double first;
+    Py_ssize_t kept = fill_earliest(cand, n, b_record.buf, b_in.buf, &horizon, &first);
+    result = Py_BuildValue("ndd", kept, first, horizon);
 done:
     PyBuffer_Release(&b_cand);
     PyBuffer_Release(&b_record);
@@ -1356,4 +1434,12 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fill", "Compiled progressive filling for FlowNetwork.", -1,
                                     methods};
 
-PyMODINIT_FUNC PyInit__fill(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__fill(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m && (PyModule_AddIntConstant(m, "CANDIDATES", CANDIDATES) < 0 ||
+              PyModule_AddIntConstant(m, "CANDIDATES_MAX", CANDIDATES_MAX) < 0)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -66,6 +66,18 @@ enum { REC_REMAINING, REC_RATE, REC_STAMP, REC_FINISH, REC_WIDTH };
 Py_ssize_t fill_progress(const int64_t *ids, const double *new_rates, Py_ssize_t n, double *record,
                          char *in_candidates, int64_t *near, double now, double horizon);
 
+/* How many flows the event engine's finish-time candidate set holds after a rebuild (its
+ * horizon: the CANDIDATES-th earliest finish), and past how many its horizon is lowered
+ * (engine._FlowClass reads both from the module). */
+#define CANDIDATES 2048
+#define CANDIDATES_MAX (4 * CANDIDATES)
+
+/* The event engine's look at its candidates (see earliest in _fill.c): keeps those due by
+ * *horizon (lowering it past CANDIDATES_MAX), sets *first to their earliest finish; returns
+ * how many are kept. Ids must be in range. */
+Py_ssize_t fill_earliest(int64_t *cand, Py_ssize_t n, const double *record, char *in_candidates, double *horizon,
+                         double *first);
+
 /* The event engine's compiled loop (_events.c). */
 PyObject *run_events(PyObject *self, PyObject *args);
 

@@ -338,8 +338,8 @@ def test_compiled_candidate_scans_keep_order_and_reset_what_they_drop() -> None:
     in_candidates = np.array([True, True, True, True, True, False])
     cand = np.array([4, 0, 3, 1, 2], dtype=np.int64)
     # earliest: past the horizon (6) go (unmarked), the rest keep their order.
-    kept, first = _fill.earliest(cand, record, in_candidates, 6.0)
-    assert (kept, first) == (3, 1.0) and cand[:kept].tolist() == [0, 3, 1]
+    kept, first, horizon = _fill.earliest(cand, record, in_candidates, 6.0)
+    assert (kept, first, horizon) == (3, 1.0, 6.0) and cand[:kept].tolist() == [0, 3, 1]
     assert in_candidates.tolist() == [True, True, False, True, False, False]
     # take: finishing by 3 go to out in order, with finish inf and unmarked.
     cand = cand[:kept]
@@ -349,13 +349,67 @@ def test_compiled_candidate_scans_keep_order_and_reset_what_they_drop() -> None:
     assert record[[3, 1], 3].tolist() == [np.inf, np.inf] and record[0, 3] == 5.0
     assert in_candidates.tolist() == [True, False, False, False, False, False]
     # Nothing by the horizon: none kept, earliest inf.
-    assert _fill.earliest(np.array([0], dtype=np.int64), record, in_candidates, 4.0) == (0, np.inf)
+    assert _fill.earliest(np.array([0], dtype=np.int64), record, in_candidates, 4.0) == (0, np.inf, 4.0)
     with pytest.raises(ValueError, match="out of range"):
         _fill.earliest(np.array([6], dtype=np.int64), record, in_candidates, 4.0)
     with pytest.raises(ValueError, match="out of range"):
         _fill.take(np.array([-1], dtype=np.int64), record, in_candidates, 4.0, out)
     with pytest.raises(ValueError, match="out"):
         _fill.take(np.array([0, 4], dtype=np.int64), record, in_candidates, 4.0, np.zeros(1, dtype=np.int64))
+
+
+def test_candidate_horizon_is_lowered_when_most_flows_are_due() -> None:
+    """More than CANDIDATES_MAX candidates due by the horizon: it drops to the CANDIDATES-th
+    earliest finish, and exactly the flows due by that stay (marked, in order)."""
+    from mlfabric.flow.network import _fill
+
+    n = _fill.CANDIDATES_MAX + 1
+    rng = np.random.default_rng(0)
+    record = np.zeros((n + 1, 4))
+    record[:n, 3] = rng.permutation(n) + 1.0  # finish times 1 .. n, shuffled
+    record[n, 3] = 1e9  # past the horizon
+    cand = np.arange(n + 1, dtype=np.int64)[::-1].copy()
+    in_candidates = np.ones(n + 1, dtype=bool)
+    kept, first, horizon = _fill.earliest(cand, record, in_candidates, 1e6)
+    assert (kept, first, horizon) == (_fill.CANDIDATES, 1.0, float(_fill.CANDIDATES))
+    expected = [f for f in range(n, -1, -1) if record[f, 3] <= _fill.CANDIDATES]
+    assert cand[:kept].tolist() == expected
+    assert np.flatnonzero(in_candidates).tolist() == sorted(expected)
+    # At the limit (CANDIDATES_MAX due) nothing changes.
+    record[n - 1, 3] = 1e9
+    cand = np.arange(n, dtype=np.int64)
+    in_candidates[:] = True
+    kept, _, horizon = _fill.earliest(cand, record[:n].copy(), in_candidates[:n].copy(), 1e6)
+    assert (kept, horizon) == (_fill.CANDIDATES_MAX, 1e6)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_flow_class_lowers_a_crowded_horizon(native: bool) -> None:
+    """_FlowClass.next_finish, compiled and numpy alike: a candidate set grown past
+    _CANDIDATES_MAX (flows that became due by the horizon as rates rose) is cut back to the
+    _CANDIDATES earliest, with the horizon at the last of them; a set at the limit is kept."""
+    from mlfabric.flow import Incidence
+    from mlfabric.sim import engine as sim_engine
+
+    limit, keep = sim_engine._CANDIDATES_MAX, sim_engine._CANDIDATES
+    n = limit + 50
+    flow_class = sim_engine._FlowClass(0, np.full(4, RATE))
+    flow_class.add(np.arange(n), Incidence.from_paths([[i % 4] for i in range(n)], 4), np.full(n, 1e6), 0.0)
+    flow_class._native = native
+    finish = np.random.default_rng(1).permutation(n) + 1.0
+    flow_class.finish[:n] = finish
+    flow_class.candidates = np.arange(n, dtype=np.int64)
+    flow_class.in_candidates[:n] = True
+    flow_class.horizon = 1e9
+    assert flow_class.next_finish() == 1.0
+    assert flow_class.horizon == float(keep)
+    assert sorted(flow_class.candidates.tolist()) == np.flatnonzero(finish <= keep).tolist()
+    assert np.flatnonzero(flow_class.in_candidates).tolist() == np.flatnonzero(finish <= keep).tolist()
+    flow_class.candidates = np.arange(limit, dtype=np.int64)
+    flow_class.in_candidates[:limit] = True
+    flow_class.horizon = 1e9
+    flow_class.next_finish()
+    assert flow_class.horizon == 1e9 and flow_class.candidates.size == limit
 
 
 def _compiled_loop_scenarios() -> dict[str, object]:
