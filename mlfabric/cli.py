@@ -6,7 +6,7 @@
     mlfabric bench allreduce --emulate --topology bcube:n=3,k=2 --rate 500mbit --algorithms bcube,ring,gloo \\
         --sizes 64MB --compare-star --json out.json          # root: BML vs ring and PS on a star
     mlfabric bench bml-job --iterations 100 --batches 32,128 --rate 500mbit --json out.json   # root: BML Fig. 6
-    mlfabric bench sim [--quick] [--slow] [--json out.json]
+    mlfabric bench sim [--quick] [--json out.json]
     mlfabric bench partial --world-size 32 --skew linear:1ms..32ms --iterations 64 --json out.json  # eager-SGD Fig. 9
     mlfabric train --workload hyperplane --workers 8 --sync allreduce,eager-solo --inject one-random:300ms
     mlfabric simulate collective --topology bcube:n=4,k=2 --link 10Gbps --algorithm ring --size 100MB [--json]
@@ -235,8 +235,6 @@ def bench_bml_job(
 @bench_app.command("sim")
 def bench_sim(
     quick: Annotated[bool, typer.Option("--quick", help="Skip the naive solver and the 500k-flow instances.")] = False,
-    slow: Annotated[bool, typer.Option("--slow", help="Also run 624 x 400 with the per-server barrier (~25 s).")]
-        = False,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures and metadata here.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the placement and of ECMP.")] = 0,
 ) -> None:
@@ -246,7 +244,7 @@ def bench_sim(
 
     solver_config = BenchmarkConfig(seed=seed, include_naive=not quick, include_large=not quick,
                                     include_drain=not quick, repeats=1 if quick else 3)
-    engine_config = EngineBenchConfig(seed=seed, slow=slow, sizes=((800, 50),) if quick else ((800, 50), (624, 400)),
+    engine_config = EngineBenchConfig(seed=seed, sizes=((800, 50),) if quick else ((800, 50), (624, 400)),
                                       naive_workers=0 if quick else 300)
     with console.status("max-min solver benchmark"):
         solver = benchmark_solver(solver_config)
@@ -265,7 +263,7 @@ def bench_sim(
                           f"= {first['wall_vs_one_naive_40k_solve']:.2f} x one naive solve of its 40k push flows "
                           f"({naive_40k:.2f}s)", highlight=False, soft_wrap=True)
     if json_path is not None:
-        command = ["mlfabric", "bench", "sim", *(["--quick"] if quick else []), *(["--slow"] if slow else []),
+        command = ["mlfabric", "bench", "sim", *(["--quick"] if quick else []),
                    "--seed", str(seed), "--json", str(json_path)]
         write_json(json_path, {"command": " ".join(command), "solver": solver, "engine": engine})
 

@@ -741,15 +741,18 @@ def test_cli_plot_needs_matplotlib(tmp_path: Path) -> None:
 
 def test_engine_benchmark_small() -> None:
     figures = benchmark_engine(EngineBenchConfig(topology="fat-tree:k=8,oversub=4", sizes=((40, 8), (60, 40)),
-                                                 slow_flows=1000, naive_workers=12, naive_servers=4))
+                                                 targets=((40, 8, 60.0), (60, 40, 1e-9)), naive_workers=12,
+                                                 naive_servers=4))
     runs = figures["runs"]
     assert [(r["workers"], r["servers"], r["barrier"]) for r in runs] == [
         (40, 8, "server"), (40, 8, "global"), (60, 40, "server"), (60, 40, "global")]
     assert runs[0]["flows"] == 2 * 40 * 8 and runs[0]["time_s"] > 0
-    assert "skipped" in runs[2] and runs[3]["flows"] == 2 * 60 * 40
+    assert runs[2]["flows"] == runs[3]["flows"] == 2 * 60 * 40 and runs[2]["events"] > runs[3]["events"]
+    assert [(r["target_wall_s"], r["target_met"]) for r in runs] == [(60.0, True)] * 2 + [(1e-9, False)] * 2
     side = figures["naive_side_by_side"]
     assert side["same_time"] and side["speedup_wall"] > 0
-    assert "naive solver" in format_engine_benchmark(figures)
+    text = format_engine_benchmark(figures)
+    assert "naive solver" in text and "(target <= 60s: met)" in text and "(target <= 1e-09s: MISSED)" in text
 
 
 # ---------------------------------------------------------------------------- FIFO connections
