@@ -8,11 +8,11 @@
  * thing it does not do itself:
  *
  *   STOP_TOP       between events: the next re-solve is not a partial one without new flows
- *                  (new flows, changed caps, a full solve), the entry array needs compacting,
- *                  or `budget` events were run (Python checks its wall-time limit);
- *   STOP_REFRESHED the re-solve is done but the next finish is not simple: no candidates (the
- *                  horizon is rebuilt), past the horizon, a timer due, no finite finish, or
- *                  the event limit reached (Python raises);
+ *                  (new flows, changed caps, a full solve);
+ *   STOP_PAUSE     between events: `budget` events were run (Python checks its wall-time
+ *                  limit) or the entry array needs compacting; the loop can go on after;
+ *   STOP_REFRESHED the re-solve is done but the next finish is not simple: past the horizon,
+ *                  a timer due, no finite finish, or the event limit reached (Python raises);
  *   STOP_POPPED    the finished flows are taken and removed; one of their transfers is on a
  *                  FIFO connection (Python releases the connection and completes them);
  *   STOP_READY     tasks became ready (Python activates them: routing, new flows, timers).
@@ -30,7 +30,7 @@
 
 #include "_fill.h"
 
-enum { STOP_TOP, STOP_REFRESHED, STOP_POPPED, STOP_READY };
+enum { STOP_TOP, STOP_REFRESHED, STOP_POPPED, STOP_READY, STOP_PAUSE };
 
 /* Must match FlowNetwork's _KEEP_MARGIN and _FULL_SOLVE_FRACTION_NATIVE (network.py). */
 #define KEEP_MARGIN 1e-9
@@ -257,7 +257,11 @@ PyObject *run_events(PyObject *self, PyObject *args) {
     for (;;) {
         /* The re-solve (FlowNetwork.update, partial path with no new flows) and the new finish
          * times (_FlowClass.refresh). */
-        if (run >= budget || !can_refresh) break;
+        if (!can_refresh) break;
+        if (run >= budget) {
+            stop = STOP_PAUSE;
+            break;
+        }
         Py_ssize_t n_changed = 0;
         if (dirty) {
             Py_ssize_t split =
@@ -311,12 +315,13 @@ PyObject *run_events(PyObject *self, PyObject *args) {
             n_cand += n_near;
         }
 
-        /* The next finish (_FlowClass.next_finish, candidates only) and the event's checks. */
+        /* The next finish (_FlowClass.next_finish) and the event's checks. */
         stop = STOP_REFRESHED;
-        if (n_alive == 0 || n_cand == 0) break;
-        double first;
-        Py_ssize_t kept = n_cand = fill_earliest(cand, n_cand, record, in_candidates, &horizon, &first);
-        if (!kept || !isfinite(first) || events + 1 > max_events) break;
+        if (n_alive == 0) break;
+        double first = INFINITY;
+        if (n_cand) n_cand = fill_earliest(cand, n_cand, record, in_candidates, &horizon, &first);
+        if (!n_cand && (n_cand = fill_rebuild(record, rows, in_candidates, cand, &horizon, &first)) < 0) goto done;
+        if (!n_cand || !isfinite(first) || events + 1 > max_events) break;
         double at = now > first ? now : first;
         double threshold = at + rtol * fabs(at);
         if (threshold > horizon || t_timer <= threshold) break;
@@ -326,7 +331,7 @@ PyObject *run_events(PyObject *self, PyObject *args) {
         now = at;
         Py_ssize_t taken = 0;
         int64_t *finished = freed + n_freed;
-        kept = 0;
+        Py_ssize_t kept = 0;
         for (Py_ssize_t i = 0; i < n_cand; i++) {
             int64_t f = cand[i];
             double *finish = &record[f * REC_WIDTH + REC_FINISH];
@@ -409,7 +414,10 @@ PyObject *run_events(PyObject *self, PyObject *args) {
         }
         n_out = 0;
         /* FlowNetwork.adopt_removed compacts the entry array (the layout only: results do not change). */
-        if ((double)dead_entries > fmax((double)(entries / 2), compact_min_dead)) break;
+        if ((double)dead_entries > fmax((double)(entries / 2), compact_min_dead)) {
+            stop = STOP_PAUSE;
+            break;
+        }
     }
 
     if (set_attr(network, "_order_n", PyLong_FromSsize_t(order_n)) ||

@@ -1346,6 +1346,68 @@ Py_ssize_t fill_earliest(int64_t *cand, Py_ssize_t n, const double *record, char
     return kept;
 }
 
+Py_ssize_t fill_rebuild(const double *record, Py_ssize_t rows, char *in_candidates, int64_t *cand, double *horizon,
+                        double *first_out) {
+    double *times = scratch(S_TIMES, (rows + 1) * sizeof(double), 0);
+    if (!times) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t n_finite = 0;
+    double largest = -INFINITY;
+    for (Py_ssize_t f = 0; f < rows; f++) {
+        double t = record[f * REC_WIDTH + REC_FINISH];
+        if (isfinite(t)) {
+            times[n_finite++] = t;
+            if (t > largest) largest = t;
+        }
+    }
+    *first_out = INFINITY;
+    if (!n_finite) {
+        *horizon = -INFINITY;
+        return 0;
+    }
+    double limit = n_finite > CANDIDATES ? select_kth(times, n_finite, CANDIDATES - 1) : largest;
+    Py_ssize_t n = 0;
+    double first = INFINITY;
+    for (Py_ssize_t f = 0; f < rows; f++) {
+        double t = record[f * REC_WIDTH + REC_FINISH];
+        if (t <= limit) {
+            cand[n++] = f;
+            in_candidates[f] = 1;
+            if (t < first) first = t;
+        }
+    }
+    *horizon = limit;
+    *first_out = first;
+    return n;
+}
+
+/* rebuild(record, in_candidates, out) -> (candidates, horizon, earliest finish).
+ *
+ * The event engine's new candidate set (see engine._FlowClass): the horizon is the
+ * CANDIDATES-th earliest finish time of `record` (the largest when there are fewer; -inf
+ * when none is finite), and every flow due by it is written to `out` (int64, >= the records'
+ * rows, ascending) and marked in `in_candidates`. */
+static PyObject *rebuild(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer b_record, b_in, b_out;
+    if (!PyArg_ParseTuple(args, "y*w*w*", &b_record, &b_in, &b_out)) return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t rows = b_record.len / (8 * REC_WIDTH);
+    if (!check_buffer(&b_record, 8, 0, "record") || !check_buffer(&b_in, 1, rows, "in_candidates") ||
+        !check_buffer(&b_out, 8, rows, "out"))
+        goto done;
+    double horizon, first;
+    Py_ssize_t n = fill_rebuild(b_record.buf, rows, b_in.buf, b_out.buf, &horizon, &first);
+    if (n >= 0) result = Py_BuildValue("ndd", n, horizon, first);
+done:
+    PyBuffer_Release(&b_record);
+    PyBuffer_Release(&b_in);
+    PyBuffer_Release(&b_out);
+    return result;
+}
+
 /* earliest(cand, record, in_candidates, horizon) -> (kept, earliest finish, horizon).
  *
  * The event engine's look at its candidate flows (int64 ids, see engine._FlowClass): those
@@ -1427,6 +1489,7 @@ static PyMethodDef methods[] = {
     {"progress", progress, METH_VARARGS, "The event engine's finish times for flows whose rate changed."},
     {"earliest", earliest, METH_VARARGS, "The event engine's earliest candidate finish (see the function's comment)."},
     {"take", take, METH_VARARGS, "The event engine's finished candidates (see the function's comment)."},
+    {"rebuild", rebuild, METH_VARARGS, "The event engine's new candidate set (see the function's comment)."},
     {"run_events", run_events, METH_VARARGS, "The event engine's compiled loop (see _events.c)."},
     {NULL, NULL, 0, NULL},
 };

@@ -78,6 +78,11 @@ Py_ssize_t fill_progress(const int64_t *ids, const double *new_rates, Py_ssize_t
 Py_ssize_t fill_earliest(int64_t *cand, Py_ssize_t n, const double *record, char *in_candidates, double *horizon,
                          double *first);
 
+/* The event engine's new candidate set (see rebuild in _fill.c): writes the flows due by the
+ * new *horizon to cand (ascending) and marks them; returns how many, or -1 with MemoryError. */
+Py_ssize_t fill_rebuild(const double *record, Py_ssize_t rows, char *in_candidates, int64_t *cand, double *horizon,
+                        double *first);
+
 /* The event engine's compiled loop (_events.c). */
 PyObject *run_events(PyObject *self, PyObject *args);
 

@@ -78,8 +78,9 @@ _CANDIDATES_MAX = _fill.CANDIDATES_MAX if _fill is not None else 4 * _CANDIDATES
 # Up to this many dependency edges, Engine._complete releases dependents in a Python loop.
 _FEW_EDGES = 24
 # Where the compiled loop (_fill.run_events, mlfabric/flow/_events.c) hands back to Python:
-# between events, after the re-solve, after taking finished flows, with tasks made ready.
-_STOP_TOP, _STOP_REFRESHED, _STOP_POPPED, _STOP_READY = range(4)
+# between events (for a re-solve it does not do; or to pause), after the re-solve, after
+# taking finished flows, with tasks made ready.
+_STOP_TOP, _STOP_REFRESHED, _STOP_POPPED, _STOP_READY, _STOP_PAUSE = range(5)
 # At most this many events per call of the compiled loop (between calls the engine checks
 # its wall-time limit).
 _COMPILED_BUDGET = 4096
@@ -394,6 +395,11 @@ class _FlowClass:
                 self.candidates = cand
             if cand.size:
                 return float(times.min())
+        if self._native:
+            out = np.empty(self.record.shape[0], dtype=np.int64)
+            n_cand, self.horizon, first = _fill.rebuild(self.record, self.in_candidates, out)
+            self.candidates = out[:n_cand].copy()
+            return first
         finish = self.finish
         finite = finish[np.isfinite(finish)]
         if not finite.size:
@@ -674,7 +680,12 @@ class Engine:
             np.subtract.at(self.need, all_after, 1)
         # Filter before de-duplicating: most completions only count down a barrier.
         ready = after[(self.state[after] == _WAITING) & (self.need[after] == 0) & ~self.any_wait[after]]
-        if ready.size > 1:
+        if ready.size > max(self.state.size >> 6, 1):
+            # Many (e.g. every push of a PS iteration at once): a mark per task beats hashing.
+            mark = np.zeros(self.state.size, dtype=bool)
+            mark[ready] = True
+            ready = np.flatnonzero(mark)
+        elif ready.size > 1:
             ready = np.unique(ready)
         self.state[ready] = _ACTIVE
         return ready
@@ -745,6 +756,8 @@ class Engine:
                 if cfg.max_wall_s is not None and time.perf_counter() - wall0 > cfg.max_wall_s:
                     raise self._stalled(f"wall-time limit of {cfg.max_wall_s} s exceeded")
                 stop, tasks = self._run_compiled(max_events)
+                if stop == _STOP_PAUSE:
+                    continue
                 if stop == _STOP_READY:
                     idle_events = 0
                     self._settle(tasks)

@@ -383,6 +383,31 @@ def test_candidate_horizon_is_lowered_when_most_flows_are_due() -> None:
     assert (kept, horizon) == (_fill.CANDIDATES_MAX, 1e6)
 
 
+def test_compiled_rebuild_takes_the_earliest_finish_times() -> None:
+    from mlfabric.flow.network import _fill
+
+    k = _fill.CANDIDATES
+    finish = np.random.default_rng(2).permutation(k + 10) + 1.0
+    record = np.zeros((k + 12, 4))
+    record[: k + 10, 3] = finish
+    record[k + 10 :, 3] = np.inf  # free slots
+    in_candidates = np.zeros(k + 12, dtype=bool)
+    out = np.zeros(k + 12, dtype=np.int64)
+    n, horizon, first = _fill.rebuild(record, in_candidates, out)
+    due = np.flatnonzero(record[:, 3] <= k)
+    assert (n, horizon, first) == (k, float(k), 1.0) and out[:n].tolist() == due.tolist()
+    assert np.flatnonzero(in_candidates).tolist() == due.tolist()
+    # Fewer finite finish times than CANDIDATES: all of them, up to the largest.
+    record[5:, 3] = np.inf
+    in_candidates[:] = False
+    n, horizon, first = _fill.rebuild(record, in_candidates, out)
+    assert n == 5 and horizon == record[:5, 3].max() and first == record[:5, 3].min()
+    record[:, 3] = np.inf
+    assert _fill.rebuild(record, in_candidates, out) == (0, -np.inf, np.inf)
+    with pytest.raises(ValueError, match="out"):
+        _fill.rebuild(record, in_candidates, out[:3])
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_flow_class_lowers_a_crowded_horizon(native: bool) -> None:
     """_FlowClass.next_finish, compiled and numpy alike: a candidate set grown past
@@ -477,8 +502,18 @@ def sim_engine_stop(name: str) -> int:
 
 
 def test_compiled_loop_compacts_entries_and_hands_back_watchdog_limits(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mlfabric.flow.network import FlowNetwork
+    from mlfabric.flow.network import FlowNetwork, _fill
+    from mlfabric.sim import engine as sim_engine
 
+    stops: list[int] = []
+    real_run = _fill.run_events
+
+    def counting_run(*args: object) -> tuple:
+        out = real_run(*args)
+        stops.append(out[0])
+        return out
+
+    monkeypatch.setattr(_fill, "run_events", counting_run)
     compactions = []
     real = FlowNetwork._compact_entries
 
@@ -491,10 +526,17 @@ def test_compiled_loop_compacts_entries_and_hands_back_watchdog_limits(monkeypat
     run = _compiled_loop_scenarios()["ps-server"]
     compiled = run()
     assert len(compactions) >= 3 and min(compactions) > 64
+    assert sim_engine._STOP_PAUSE in stops  # the loop pauses for each compaction
     compactions.clear()
     python = run(compiled_loop=False)
     assert len(compactions) >= 3
     assert np.array_equal(compiled.task_finish_s, python.task_finish_s)
+    # Pausing every 5 events (the wall-time check between calls) changes nothing.
+    monkeypatch.setattr(sim_engine, "_COMPILED_BUDGET", 5)
+    stops.clear()
+    paused = run()
+    assert stops.count(sim_engine._STOP_PAUSE) >= paused.events // 10
+    assert np.array_equal(paused.task_finish_s, python.task_finish_s) and paused.events == python.events
     # The event limit and the wall-time limit hold inside the compiled loop too.
     with pytest.raises(SimulationStalled, match="more than 30 events"):
         run(max_events=30)
