@@ -178,7 +178,7 @@ enum {
     S_TIGHT, S_RESIDUAL, S_NEW_LOAD, S_LEVEL_AT, S_LINK_PTR, S_FILL, S_FLOWS_BY_LINK, S_SAT, S_HEAP, S_CAPS,
     S_ACTIVE, S_IN_FILLING, S_MULTI, S_OUT_K, S_OUT_RATE, S_BANDS, S_GIVEN, S_GIVEN_RATES, S_SEL_ID, S_SEL_RATE,
     S_SEL_START, S_SEL_END, S_CAND_STATE, S_CAND_START, S_CAND_END, S_SUSPECT, S_RANGES, S_RANKED, S_ROWS_LINK,
-    S_ROWS_WEIGHT, S_TIMES, N_SCRATCH
+    S_ROWS_WEIGHT, S_TIMES, S_KEPT_IDS, S_KEPT_RATES, N_SCRATCH
 };
 static struct {
     void *p;
@@ -563,7 +563,15 @@ typedef struct {
     char *state;             /* CAND_*: a valid candidate left alone, taken, or a stale entry */
     int64_t *row_start, *row_end; /* its entries in the rows (once read) */
     Py_ssize_t scanned;
+    Py_ssize_t first_removed, last_removed; /* the first and last index taken or dropped (n, -1: none) */
 } Candidates;
+
+/* Candidate i leaves its place in the rate order (taken or dropped). */
+static inline void candidate_remove(Candidates *cand, Py_ssize_t i, char state) {
+    cand->state[i] = state;
+    if (i < cand->first_removed) cand->first_removed = i;
+    if (i > cand->last_removed) cand->last_removed = i;
+}
 
 /* Read candidate i once: valid (live, solved, at the rate it is sorted by, not taken yet) or
  * dropped; its row is appended to `rows`. 0, or -1 with a Python error set. */
@@ -577,7 +585,7 @@ static int candidate_read(Candidates *cand, Py_ssize_t i, Rows *rows, const Slot
     }
     cand->scanned++;
     if (alive[f] != 1 || solved[f] != 1 || !(rate[f] == cand->rate[i])) {
-        cand->state[i] = CAND_DROPPED;
+        candidate_remove(cand, i, CAND_DROPPED);
         return 0;
     }
     cand->row_start[i] = rows->n;
@@ -680,7 +688,7 @@ static Py_ssize_t reach(Candidates *cand, Rows *rows, const Slots *s, const char
             }
             if (hit) {
                 int64_t f = cand->id[pos];
-                cand->state[pos] = CAND_TAKEN;
+                candidate_remove(cand, pos, CAND_TAKEN);
                 solved[f] = 2;
                 select_flow(sel, f, r, cand->row_start[pos], cand->row_end[pos]);
                 taken++;
@@ -759,6 +767,23 @@ static int reach_holds(const Fill *c, Candidates *cand, Rows *rows, const Slots 
     return 1;
 }
 
+/* The unchanged ends of the rate-order suffix, 8-byte items in[0:from] and in[to:n], to
+ * out[0:from] and out[tail_at:]. The output may be the input itself (FlowNetwork's case),
+ * elsewhere, or overlap it: the block that moves toward the other one goes first (a prefix
+ * moving right could run over the tail, a tail moving left over the prefix). */
+static void move_ends(void *out, const void *in, Py_ssize_t from, Py_ssize_t to, Py_ssize_t n, Py_ssize_t tail_at) {
+    char *o = out;
+    const char *i = in;
+    int prefix_first = (uintptr_t)o <= (uintptr_t)i;
+    for (int pass = 0; pass < 2; pass++) {
+        if ((pass == 0) == prefix_first) {
+            if (o != i) memmove(o, i, from * 8);
+        } else if (tail_at != to || o != i) {
+            memmove(o + tail_at * 8, i + to * 8, (n - to) * 8);
+        }
+    }
+}
+
 /* One re-solve (see the wrapper below for the arguments' meaning): 0, or -1 with a Python error set. */
 int fill_resolve(const Net *net, Resolve *r) {
     int status = -1;
@@ -770,8 +795,9 @@ int fill_resolve(const Net *net, Resolve *r) {
     Rows rows = {NULL, NULL, 0, 0};
     Candidates cand;
     memset(&cand, 0, sizeof cand);
-    int64_t *given = NULL;   /* copies of ids and id_rates (the output may overwrite them) */
-    double *given_rates = NULL;
+    /* Read until the merge at the end, which may write over them (see there). */
+    const int64_t *given = r->ids;
+    const double *given_rates = r->id_rates;
     Selection sel = {NULL, NULL, NULL, NULL, 0}; /* the re-solved flows */
     double *suspect = NULL;
     Range *ranges = NULL;
@@ -801,18 +827,14 @@ int fill_resolve(const Net *net, Resolve *r) {
     c.full = full;
     c.grow = r->grow;
 
-    given = scratch(S_GIVEN, (n_given + 1) * sizeof(int64_t), 0);
-    given_rates = scratch(S_GIVEN_RATES, (n_filter + 1) * sizeof(double), 0);
     sel.id = scratch(S_SEL_ID, (n_given + 1) * sizeof(int64_t), 0);
     sel.rate = scratch(S_SEL_RATE, (n_given + 1) * sizeof(double), 0);
     sel.row_start = scratch(S_SEL_START, (n_given + 1) * sizeof(int64_t), 0);
     sel.row_end = scratch(S_SEL_END, (n_given + 1) * sizeof(int64_t), 0);
-    if (!given || !given_rates || !sel.id || !sel.rate || !sel.row_start || !sel.row_end) {
+    if (!sel.id || !sel.rate || !sel.row_start || !sel.row_end) {
         PyErr_NoMemory();
         goto done;
     }
-    memcpy(given, r->ids, n_given * sizeof(int64_t));
-    memcpy(given_rates, r->id_rates, n_filter * sizeof(double));
     for (Py_ssize_t i = n_filter; i < n_given; i++) {
         if (given[i] < 0 || given[i] >= slots) {
             PyErr_Format(PyExc_ValueError, "_fill.resolve: flow slot %lld is out of range", (long long)given[i]);
@@ -835,6 +857,8 @@ int fill_resolve(const Net *net, Resolve *r) {
             cand.n = n_filter;
             cand.id = given;
             cand.rate = given_rates;
+            cand.first_removed = n_filter;
+            cand.last_removed = -1;
             cand.state = scratch(S_CAND_STATE, n_filter + 1, 0);
             if (cand.state) memset(cand.state, CAND_UNSEEN, n_filter + 1);
             cand.row_start = scratch(S_CAND_START, (n_filter + 1) * sizeof(int64_t), 0);
@@ -954,31 +978,56 @@ int fill_resolve(const Net *net, Resolve *r) {
             break;
         }
     }
-    /* The new suffix: the re-solved flows merged with the candidates kept (the reach only). */
+    /* The new suffix: the re-solved flows merged with the candidates kept (the reach only).
+     * Only a region changes: from the first candidate taken or dropped (or the first
+     * re-solved rate) to the last one taken or dropped (or past the last re-solved rate).
+     * Before it nothing moves; after it the candidates move as one block. */
     Py_ssize_t n_out = 0;
-    {
-        Py_ssize_t o = 0, i = use_reach ? 0 : n_filter;
-        if (use_reach) {
-            /* The kept candidates before the first one taken or dropped, and below the first
-             * re-solved rate, stay where they are: written only if the output is elsewhere. */
-            Py_ssize_t before = sel.n ? lower_bound(given_rates, 0, n_filter, c.out_rate[0]) : n_filter;
-            while (i < before && (cand.state[i] == CAND_UNSEEN || cand.state[i] == CAND_KEPT)) i++;
-            if (out_ids != r->ids) memcpy(out_ids, given, i * sizeof(int64_t));
-            if (out_rates != r->id_rates) memcpy(out_rates, given_rates, i * sizeof(double));
-            n_out = i;
+    if (!use_reach) {
+        for (Py_ssize_t o = 0; o < sel.n; o++) {
+            out_ids[n_out] = sel.id[c.out_k[o]];
+            out_rates[n_out++] = c.out_rate[o];
         }
-        for (;;) {
-            while (i < n_filter && (cand.state[i] == CAND_TAKEN || cand.state[i] == CAND_DROPPED)) i++;
-            int has_kept = i < n_filter, has_solved = o < sel.n;
-            if (!has_kept && !has_solved) break;
-            if (has_solved && (!has_kept || c.out_rate[o] <= given_rates[i])) {
+    } else {
+        Py_ssize_t from = cand.first_removed, to = cand.last_removed + 1;
+        if (sel.n) {
+            Py_ssize_t first_in = lower_bound(given_rates, 0, n_filter, c.out_rate[0]);
+            Py_ssize_t last_in = lower_bound(given_rates, 0, n_filter, c.out_rate[sel.n - 1]);
+            if (first_in < from) from = first_in;
+            if (last_in > to) to = last_in;
+        }
+        if (to < from) to = from;
+        /* The region's kept candidates, copied first: the output may run ahead of them. */
+        int64_t *kept_ids = scratch(S_KEPT_IDS, (to - from + 1) * sizeof(int64_t), 0);
+        double *kept_rates = scratch(S_KEPT_RATES, (to - from + 1) * sizeof(double), 0);
+        if (!kept_ids || !kept_rates) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        Py_ssize_t n_kept = 0;
+        for (Py_ssize_t i = from; i < to; i++) {
+            if (cand.state[i] == CAND_TAKEN || cand.state[i] == CAND_DROPPED) continue;
+            kept_ids[n_kept] = given[i];
+            kept_rates[n_kept++] = given_rates[i];
+        }
+        /* The output may be the input itself (FlowNetwork's case), elsewhere, or overlap it:
+         * the block that moves toward the other one goes first (a prefix moving right would
+         * overwrite the tail it runs into, a tail moving left the prefix). */
+        Py_ssize_t tail = n_filter - to, tail_at = from + n_kept + sel.n;
+        move_ends(out_ids, given, from, to, n_filter, tail_at);
+        move_ends(out_rates, given_rates, from, to, n_filter, tail_at);
+        n_out = from;
+        Py_ssize_t o = 0, i = 0;
+        while (o < sel.n || i < n_kept) {
+            if (o < sel.n && (i >= n_kept || c.out_rate[o] <= kept_rates[i])) {
                 out_ids[n_out] = sel.id[c.out_k[o]];
                 out_rates[n_out++] = c.out_rate[o++];
             } else {
-                out_ids[n_out] = given[i];
-                out_rates[n_out++] = given_rates[i++];
+                out_ids[n_out] = kept_ids[i];
+                out_rates[n_out++] = kept_rates[i++];
             }
         }
+        n_out += tail;
     }
     r->events = events;
     r->n_out = n_out;

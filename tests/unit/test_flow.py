@@ -444,6 +444,60 @@ def test_native_reach_matches_from_scratch_solves_on_random_fat_tree_sequences()
     assert partial > 40 and fallbacks > 0, (partial, fallbacks)
 
 
+@pytest.mark.parametrize("layout", ["apart", "ahead", "behind"])
+def test_native_resolve_output_in_place_apart_or_overlapping_alike(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel writes the new rate-order suffix over its input (FlowNetwork's case), to
+    other memory, or to memory overlapping the input (a few entries ahead or behind): the same
+    rates and order."""
+
+    def run() -> list[tuple[np.ndarray, np.ndarray]]:
+        # Mostly removals of a few flows from hundreds: partial updates whose changed region
+        # leaves unchanged candidates on both sides (what the overlap cases need).
+        rng = np.random.default_rng(7)
+        topology = fat_tree(8, 10.0, oversub=2.0)
+        network = FlowNetwork(topology.capacity(), native=True)
+        states = []
+        for step in range(300):
+            if step % 20 == 0 or network.n_flows < 10:
+                pairs = rng.integers(0, topology.n_hosts, (int(rng.integers(50, 300)), 2))
+                pairs = pairs[pairs[:, 0] != pairs[:, 1]]
+                network.add_flows(topology.route_ecmp(pairs, seed=step))
+            else:
+                ids = network.flow_ids()
+                network.remove_flows(rng.choice(ids, size=min(ids.size, int(rng.integers(1, 4))), replace=False))
+            rates = network.rates()
+            states.append((rates, network._order[: network._order_n].copy()))
+        return states
+
+    reference = run()
+    real = flow_network_module._fill.resolve
+
+    def relocated(*args: object) -> tuple:
+        args = list(args)
+        ids, id_rates, out_ids, out_rates = args[0], args[1], args[16], args[17]
+        n = ids.size
+        if layout == "apart":
+            new_ids, new_rates = np.zeros(n, dtype=np.int64), np.zeros(n)
+            args[16], args[17] = new_ids, new_rates
+        else:  # the output a few entries after (ahead of) or before the input, in one buffer
+            shift = max(3, n // 2)
+            id_buffer, rate_buffer = np.zeros(n + shift, dtype=np.int64), np.zeros(n + shift)
+            at_in, at_out = (0, shift) if layout == "ahead" else (shift, 0)
+            id_buffer[at_in : at_in + n], rate_buffer[at_in : at_in + id_rates.size] = ids, id_rates
+            args[0], args[1] = id_buffer[at_in : at_in + n], rate_buffer[at_in : at_in + id_rates.size]
+            new_ids, new_rates = id_buffer[at_out : at_out + n], rate_buffer[at_out : at_out + n]
+            args[16], args[17] = new_ids, new_rates
+        out = real(*args)
+        out_ids[:], out_rates[:] = new_ids, new_rates
+        return out
+
+    monkeypatch.setattr(flow_network_module._fill, "resolve", relocated)
+    moved = run()
+    assert len(moved) == len(reference)
+    for (rates, order), (rates_ref, order_ref) in zip(moved, reference):
+        assert np.array_equal(rates, rates_ref) and np.array_equal(order, order_ref)
+
+
 def test_native_reach_falls_back_when_a_kept_flow_would_outrun_a_bottleneck() -> None:
     # g (rate 1, bottlenecked on A) and h (rate 2) share X. Three new flows on X reach h (tight
     # on X) but not g (1 < X's share 2): re-solved alone, h and the new flows would get 0.5
