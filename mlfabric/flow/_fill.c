@@ -584,7 +584,10 @@ static int candidate_read(Candidates *cand, Py_ssize_t i, Rows *rows, const Slot
         return -1;
     }
     cand->scanned++;
-    if (alive[f] != 1 || solved[f] != 1 || !(rate[f] == cand->rate[i])) {
+    /* Rates are NaN exactly where a slot is not solved (dead, or new), so a rate equal to the
+     * sorted one means live and solved; solved = 2 means taken already (a repeated entry). */
+    (void)alive;
+    if (!(rate[f] == cand->rate[i]) || solved[f] != 1) {
         candidate_remove(cand, i, CAND_DROPPED);
         return 0;
     }
@@ -602,9 +605,9 @@ static inline void candidate_prefetch(const Candidates *cand, Py_ssize_t i, cons
     if (i >= cand->n || cand->state[i] != CAND_UNSEEN) return;
     int64_t f = cand->id[i];
     if (f < 0 || f >= slots) return;
-    __builtin_prefetch(&alive[f]);
-    __builtin_prefetch(&solved[f]);
+    (void)alive;
     __builtin_prefetch(&rate[f]);
+    __builtin_prefetch(&solved[f]);
     if (s->unit) __builtin_prefetch(&s->packed[f * PACKED]);
 }
 
