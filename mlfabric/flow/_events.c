@@ -181,13 +181,14 @@ PyObject *run_events(PyObject *self, PyObject *args) {
     if (!order_rates) goto done;
     net.s.n_entries = n_entries;
     double order_n_d, n_alive_d, divergence, dirty_d, dead_d, entries_d, unit_d, any_cap_d, reach_d, tie_rtol,
-        incremental_d, caps_changed_d, compact_min_dead;
+        incremental_d, caps_changed_d, capacity_changed_d, compact_min_dead;
     if (number_attr(network, "_order_n", &order_n_d) || number_attr(network, "_n_alive", &n_alive_d) ||
         number_attr(network, "_divergence", &divergence) || number_attr(network, "_dirty", &dirty_d) ||
         number_attr(network, "_dead_entries", &dead_d) || number_attr(network, "_entries", &entries_d) ||
         number_attr(network, "_unit_weights", &unit_d) || number_attr(network, "_any_cap", &any_cap_d) ||
         number_attr(network, "reach", &reach_d) || number_attr(network, "tie_rtol", &tie_rtol) ||
         number_attr(network, "incremental", &incremental_d) || number_attr(network, "_caps_changed", &caps_changed_d) ||
+        number_attr(network, "_capacity_changed", &capacity_changed_d) ||
         number_attr(network, "_compact_min_dead", &compact_min_dead))
         goto done;
     Py_ssize_t order_n = (Py_ssize_t)order_n_d, n_alive = (Py_ssize_t)n_alive_d, dead_entries = (Py_ssize_t)dead_d;
@@ -254,6 +255,7 @@ PyObject *run_events(PyObject *self, PyObject *args) {
     int stop = STOP_TOP;
     Py_ssize_t run = 0, n_partial = 0, n_none = 0;
     const int can_refresh = n_pending == 0 && caps_changed_d == 0 && incremental_d != 0;
+    int capacity_changed = capacity_changed_d != 0; /* since the last update (reset by one) */
     for (;;) {
         /* The re-solve (FlowNetwork.update, partial path with no new flows) and the new finish
          * times (_FlowClass.refresh). */
@@ -267,7 +269,9 @@ PyObject *run_events(PyObject *self, PyObject *args) {
             Py_ssize_t split =
                 divergence < INFINITY ? search_left(order_rates, order_n, divergence * (1.0 - KEEP_MARGIN)) : order_n;
             Py_ssize_t n_resolve = order_n - split;
-            if (!((double)n_resolve <= FULL_SOLVE_FRACTION_NATIVE * (double)n_alive)) break; /* a full solve */
+            /* FlowNetwork.update's rule: with the reach, none unless a capacity changed. */
+            if (!((double)n_resolve <= FULL_SOLVE_FRACTION_NATIVE * (double)n_alive) && (reach_d == 0 || capacity_changed))
+                break;
             Py_ssize_t n_resolved = 0;
             if (n_resolve) {
                 Resolve r = {order + split, n_resolve, order_rates + split, n_resolve, order + split,
@@ -306,6 +310,7 @@ PyObject *run_events(PyObject *self, PyObject *args) {
             divergence = INFINITY;
             memset(net.perturbed, 0, n_links);
             dirty = 0;
+            capacity_changed = 0;
         } else {
             n_none++;
         }
@@ -413,6 +418,10 @@ PyObject *run_events(PyObject *self, PyObject *args) {
             break;
         }
         n_out = 0;
+        if (n_done_tasks >= n_tasks) { /* the graph is done: Python ends the run */
+            stop = STOP_PAUSE;
+            break;
+        }
         /* FlowNetwork.adopt_removed compacts the entry array (the layout only: results do not change). */
         if ((double)dead_entries > fmax((double)(entries / 2), compact_min_dead)) {
             stop = STOP_PAUSE;
@@ -424,6 +433,7 @@ PyObject *run_events(PyObject *self, PyObject *args) {
         set_attr(network, "_n_alive", PyLong_FromSsize_t(n_alive)) ||
         set_attr(network, "_divergence", PyFloat_FromDouble(divergence)) ||
         set_attr(network, "_dirty", PyBool_FromLong(dirty)) ||
+        set_attr(network, "_capacity_changed", PyBool_FromLong(capacity_changed)) ||
         set_attr(network, "_dead_entries", PyLong_FromSsize_t(dead_entries)) ||
         set_attr(engine, "now", PyFloat_FromDouble(now)) || set_attr(engine, "events", PyLong_FromSsize_t(events)) ||
         set_attr(engine, "done", PyLong_FromSsize_t(n_done_tasks)) ||

@@ -350,7 +350,7 @@ def test_native_and_numpy_resolves_agree_on_a_fat_tree_event_sequence(weighted: 
     networks = [FlowNetwork(topology.capacity(), native=native, reach=reach)
                 for native, reach in ((False, False), (True, False), (True, True))]
     rng = np.random.default_rng(3)
-    reached = suffixes = 0
+    reached = suffixes = reach_only = 0
     for step in range(60):
         seed = int(rng.integers(0, 2**31))
         pairs = np.random.default_rng(seed).integers(0, topology.n_hosts, (300, 2))
@@ -367,9 +367,12 @@ def test_native_and_numpy_resolves_agree_on_a_fat_tree_event_sequence(weighted: 
         numpy_rates, suffix_rates, reach_rates = (network.rates() for network in networks)
         numpy_update, suffix_update, reach_update = (network.last_update for network in networks)
         assert (suffix_update.kind, suffix_update.flows_resolved) == (numpy_update.kind, numpy_update.flows_resolved)
-        assert reach_update.kind == numpy_update.kind
+        if reach_update.kind != numpy_update.kind:
+            # With the reach, an update without new flows or a capacity change stays partial.
+            assert (numpy_update.kind, reach_update.kind) == ("full", "partial") and step % 4 in (1, 2)
+            reach_only += 1
         assert reach_update.flows_resolved <= numpy_update.flows_resolved
-        if reach_update.kind == "partial":
+        if reach_update.kind == numpy_update.kind == "partial":
             reached += reach_update.flows_resolved
             suffixes += numpy_update.flows_resolved
         np.testing.assert_allclose(suffix_rates, numpy_rates, rtol=1e-9, atol=1e-12)
@@ -379,7 +382,8 @@ def test_native_and_numpy_resolves_agree_on_a_fat_tree_event_sequence(weighted: 
             order = network._order_rates[: network._order_n]
             assert np.all(order[1:] >= order[:-1])
             np.testing.assert_allclose(network.link_load(), networks[0].link_load(), rtol=1e-9, atol=1e-9)
-    if not weighted:  # (sprayed flows fill the tree evenly: every update is a full solve there)
+    assert reach_only > 0
+    if not weighted:  # (sprayed flows fill the tree evenly: without the reach every update is full)
         # The reach re-solves markedly fewer flows than the suffix on this traffic.
         assert 0 < reached < 0.7 * suffixes, (reached, suffixes)
 
