@@ -51,6 +51,10 @@ static void views_release(Views *v) {
 /* obj.name as a contiguous buffer of >= min_items items of itemsize bytes; NULL with an error. */
 static void *array_attr(Views *v, PyObject *obj, const char *name, Py_ssize_t itemsize, Py_ssize_t min_items,
                         int writable, Py_ssize_t *items) {
+    if (v->n >= MAX_VIEWS) {
+        PyErr_SetString(PyExc_RuntimeError, "_fill.run_events: too many arrays (raise MAX_VIEWS)");
+        return NULL;
+    }
     PyObject *attr = PyObject_GetAttrString(obj, name);
     if (!attr) return NULL;
     Py_buffer *view = &v->view[v->n];
@@ -243,6 +247,13 @@ PyObject *run_events(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "_fill.run_events: an output buffer is too small");
         goto done;
     }
+    for (Py_ssize_t i = 0; i < n_cand; i++) {
+        if (cand[i] < 0 || cand[i] >= rows) {
+            PyErr_Format(PyExc_ValueError, "_fill.run_events: candidate flow %lld is out of range", (long long)cand[i]);
+            goto done;
+        }
+    }
+
     changed = malloc((order_cap + 1) * sizeof(int64_t));
     changed_rates = malloc((order_cap + 1) * sizeof(double));
     /* The flows newly near (at most the re-solved ones), then the tasks made ready. */
@@ -385,8 +396,17 @@ PyObject *run_events(PyObject *self, PyObject *args) {
         n_done_tasks += n_out;
         for (Py_ssize_t i = 0; i < n_out; i++) {
             int64_t t = out_tasks[i];
+            if (dep_ptr[t] < 0 || dep_ptr[t + 1] > n_edges) {
+                PyErr_Format(PyExc_ValueError, "_fill.run_events: task %lld's edges are out of range", (long long)t);
+                goto done;
+            }
             for (int64_t e = dep_ptr[t]; e < dep_ptr[t + 1]; e++) {
                 int64_t after = dep_dst[e];
+                if (after < 0 || after >= n_tasks) {
+                    PyErr_Format(PyExc_ValueError, "_fill.run_events: edge %lld leads to task %lld, not in the graph",
+                                 (long long)e, (long long)after);
+                    goto done;
+                }
                 if (dep_any[e])
                     any_wait[after] = 0;
                 else
