@@ -20,6 +20,12 @@ The engine repeats:
    ``batch_rtol`` (relative) of that instant completes in the same batch, so flows that
    finish together in exact arithmetic cost one re-solve, not one each.
 
+Most events of a large run only finish flows and count down dependencies; with the compiled
+kernel built, one priority class and no message latency, those run whole in a compiled loop
+(``_fill.run_events``, ``mlfabric/flow/_events.c``) that hands back to Python at anything
+else (tasks made ready, FIFO connections, timers, full solves). Results are bit-identical
+to the Python loop (``EngineConfig(compiled_loop=False)``).
+
 Transfers between ranks on the same host, and zero-byte transfers, use no link: they complete
 immediately, or after ``latency_s`` (a per-message latency added to every network message;
 default 0, the fluid model of the closed-form costs). Per-link byte counts are accumulated
