@@ -69,6 +69,9 @@ _KEEP_MARGIN = 1e-9
 # links out, which a full one cannot: it solves in full only when (nearly) everything moves.
 _FULL_SOLVE_FRACTION = 0.6
 _FULL_SOLVE_FRACTION_NATIVE = 0.95
+# With the reach, updates adding at most this many flows (and <= 1% of the live ones) are
+# never solved in full (see update).
+_REACH_ONLY_NEW = 64
 # Row width of the packed link lists the compiled kernel reads (must match PACKED in _fill.c):
 # a count, then up to _PACKED - 1 link ids, one cache line per flow.
 _PACKED = 8
@@ -506,15 +509,16 @@ class FlowNetwork:
         candidates = self._order[split:n_order]
         n_filter = 0
         full_above = (_FULL_SOLVE_FRACTION_NATIVE if self.native else _FULL_SOLVE_FRACTION) * self._n_alive
-        # With the reach, an update with few new flows (<= 1% of the live ones) stays partial
-        # however low its divergence level: the reach re-solves what the change reaches (~30k
-        # of ~240k flows where the slowest flow of a 624 x 400 iteration finishes, in ~25 ms
-        # against ~50 ms in full; MLNET's binary trees: 71 full solves instead of 1,570).
-        # Many new flows reach nearly everything, and a full solve is faster then. Not after
-        # a capacity change: a link cut to 0 must end with exactly no load, and a partial
-        # update's kept load carries rounding (a full solve rebuilds it from 0).
-        reach_only = (self.reach and new_ids.size <= 0.01 * self._n_alive and not self._caps_changed
-                      and not self._capacity_changed)
+        # With the reach, an update adding a handful of flows at most (and <= 1% of the live
+        # ones: a first solve stays full) stays partial however low its divergence level: the
+        # reach re-solves what the change reaches (~30k of ~240k flows where the slowest flow
+        # of a 624 x 400 iteration finishes, in ~25 ms against ~50 ms in full; MLNET's binary
+        # trees, 1-2 new flows per event: 13 full solves instead of 1,570). Hundreds of new
+        # flows (a server's pulls) reach nearly everything, and a full solve is faster then.
+        # Not after a capacity change: a link cut to 0 must end with exactly no load, and a
+        # partial update's kept load carries rounding (a full solve rebuilds it from 0).
+        reach_only = (self.reach and new_ids.size <= min(_REACH_ONLY_NEW, 0.01 * self._n_alive)
+                      and not self._caps_changed and not self._capacity_changed)
         if self.native and self.incremental and (candidates.size + new_ids.size <= full_above or reach_only):
             # A partial re-solve for sure: the kernel drops the suffix's stale ids and repeats
             # itself (three numpy passes less per update).
