@@ -547,10 +547,14 @@ static inline void select_flow(Selection *sel, int64_t f, double rate, int64_t r
     sel->row_end[sel->n++] = row_end;
 }
 
-/* Clear the "taken" mark (solved = 2) of the given flows, where set. */
-static void unmark(const int64_t *ids, Py_ssize_t n, char *solved) {
-    for (Py_ssize_t k = 0; k < n; k++)
-        if (solved[ids[k]] == 2) solved[ids[k]] = 1;
+/* Clear the "taken" mark of the given flows (sel's first n), where set: solved = 2 (all
+ * candidates re-solved) or the rate NaN (the reach; sel->rate holds it). */
+static void unmark(const Selection *sel, Py_ssize_t n, char *solved, double *rate) {
+    for (Py_ssize_t k = 0; k < n; k++) {
+        int64_t f = sel->id[k];
+        if (solved[f] == 2) solved[f] = 1;
+        if (isnan(rate[f]) && !isnan(sel->rate[k])) rate[f] = sel->rate[k];
+    }
 }
 
 /* The candidates (FlowNetwork's rate order from the divergence level on: ids and the rates
@@ -584,10 +588,12 @@ static int candidate_read(Candidates *cand, Py_ssize_t i, Rows *rows, const Slot
         return -1;
     }
     cand->scanned++;
-    /* Rates are NaN exactly where a slot is not solved (dead, or new), so a rate equal to the
-     * sorted one means live and solved; solved = 2 means taken already (a repeated entry). */
+    /* Rates are NaN exactly where a slot is not solved (dead, or new), and the reach sets a
+     * taken flow's to NaN too: a rate equal to the sorted one means live, solved and not
+     * taken yet (else a repeated entry). One random read per candidate. */
     (void)alive;
-    if (!(rate[f] == cand->rate[i]) || solved[f] != 1) {
+    (void)solved;
+    if (!(rate[f] == cand->rate[i])) {
         candidate_remove(cand, i, CAND_DROPPED);
         return 0;
     }
@@ -606,8 +612,8 @@ static inline void candidate_prefetch(const Candidates *cand, Py_ssize_t i, cons
     int64_t f = cand->id[i];
     if (f < 0 || f >= slots) return;
     (void)alive;
+    (void)solved;
     __builtin_prefetch(&rate[f]);
-    __builtin_prefetch(&solved[f]);
     if (s->unit) __builtin_prefetch(&s->packed[f * PACKED]);
 }
 
@@ -629,10 +635,10 @@ static inline void candidate_prefetch_burst(const Candidates *cand, Py_ssize_t i
  * A flow tight on link l has a rate within TIGHT_RTOL of l's share, so only the candidates in
  * the rate bands of hot links are read: a sweep in rate order jumps from band to band (a heap
  * of bands by their lower end). A link turning hot with a band below the current rate sends
- * the sweep back over that band once it is past it. Reached candidates are taken (marked
- * solved = 2, appended to `sel`). Returns how many, or -1 with a Python error set. */
+ * the sweep back over that band once it is past it. Reached candidates are taken (their
+ * rate set to NaN, appended to `sel`). Returns how many, or -1 with a Python error set. */
 static Py_ssize_t reach(Candidates *cand, Rows *rows, const Slots *s, const char *alive, char *solved,
-                        const double *rate, Py_ssize_t slots, const double *share, uint8_t *hot, Selection *sel) {
+                        double *rate, Py_ssize_t slots, const double *share, uint8_t *hot, Selection *sel) {
     Py_ssize_t n_links = s->n_links, n = cand->n, taken = 0;
     HeapItem *bands = scratch(S_BANDS, (n_links + 1) * sizeof(HeapItem), 0);
     if (!bands) {
@@ -692,8 +698,8 @@ static Py_ssize_t reach(Candidates *cand, Rows *rows, const Slots *s, const char
             if (hit) {
                 int64_t f = cand->id[pos];
                 candidate_remove(cand, pos, CAND_TAKEN);
-                solved[f] = 2;
                 select_flow(sel, f, r, cand->row_start[pos], cand->row_end[pos]);
+                rate[f] = NAN; /* taken (unmark and the output write it back) */
                 taken++;
                 for (int64_t e = cand->row_start[pos]; e < cand->row_end[pos]; e++) {
                     int32_t l = rows->link[e];
@@ -804,7 +810,7 @@ int fill_resolve(const Net *net, Resolve *r) {
     Selection sel = {NULL, NULL, NULL, NULL, 0}; /* the re-solved flows */
     double *suspect = NULL;
     Range *ranges = NULL;
-    Py_ssize_t n_marked = 0; /* sel.id[:n_marked] holds every candidate marked solved = 2 */
+    Py_ssize_t n_marked = 0; /* sel.id[:n_marked] holds every candidate marked taken (see unmark) */
     char *solved = NULL;                /* set before the first mark (the exit path reads it) */
     Ranked *ranked = NULL;
     Py_ssize_t n_changed = 0, fallbacks = 0, events = 0, retries = 0;
@@ -874,7 +880,7 @@ int fill_resolve(const Net *net, Resolve *r) {
             n_marked = sel.n;
             if (taken < 0) goto done;
             if (taken > REACH_MAX_FRACTION * n_filter) { /* little to gain: take them all */
-                unmark(sel.id, n_marked, solved);
+                unmark(&sel, n_marked, solved, rate);
                 use_reach = 0;
                 continue;
             }
@@ -939,7 +945,7 @@ int fill_resolve(const Net *net, Resolve *r) {
         fallbacks++;
         untouch(&c);
         fill_free(&c);
-        unmark(sel.id, n_marked, solved);
+        unmark(&sel, n_marked, solved, rate);
         use_reach = 0;
     }
 
@@ -953,7 +959,9 @@ int fill_resolve(const Net *net, Resolve *r) {
         }
         rate[sel.id[k]] = r;
     }
-    for (Py_ssize_t k = 0; k < sel.n; k++) solved[sel.id[k]] = 1;
+    /* New flows (sel's first) become solved; so do the candidates marked solved = 2 when
+     * all were re-solved (the reach's marks were their rates, written above). */
+    for (Py_ssize_t k = 0; k < (use_reach ? n_given - n_filter : sel.n); k++) solved[sel.id[k]] = 1;
     n_marked = 0;
     if (full) memset(load, 0, n_links * sizeof(double));
     for (Py_ssize_t t = 0; t < c.n_touched; t++) {
@@ -1042,7 +1050,7 @@ int fill_resolve(const Net *net, Resolve *r) {
     status = 0;
 
 done:
-    if (solved) unmark(sel.id, n_marked, solved);
+    if (solved) unmark(&sel, n_marked, solved, rate);
     /* The scratch map goes back to all -1, after an error too. */
     untouch(&c);
     fill_free(&c);

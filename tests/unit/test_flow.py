@@ -617,7 +617,8 @@ def test_native_kernel_rejects_bad_slots_and_rows() -> None:
 
 def test_native_reach_refused_midway_leaves_the_taken_candidates_marked_solved() -> None:
     # Regression: the reach takes a and b (tight on the changed link 0), then meets a bad slot;
-    # the refused call must give a and b back their solved mark (1), not leave them "taken" (2).
+    # the refused call must give a and b back their solved mark (1) and their rates (the
+    # reach marks a taken flow by setting its rate to NaN), not leave them "taken".
     network = FlowNetwork([1.0, 2.0], native=True)
     a, b = network.add_flows(Incidence.from_paths([[0], [0]], 2))
     network.update()
@@ -626,6 +627,7 @@ def test_native_reach_refused_midway_leaves_the_taken_candidates_marked_solved()
     with pytest.raises(ValueError, match="flow slot .* is out of range"):
         _kernel_resolve(network, bad, n_filter=3, id_rates=np.full(3, 0.5))
     assert network._solved.view(np.uint8)[[a, b]].tolist() == [1, 1]
+    assert network._rate[[a, b]].tolist() == [0.5, 0.5]
     assert (network._link_map == -1).all()
     network._perturbed[0] = 0
     np.testing.assert_allclose(network.rates(), [0.5, 0.5])
