@@ -15,8 +15,12 @@
  *      lowest level saturates in the same event, like maxmin._sequential_events;
  *   3. check that no kept candidate is faster than a bottleneck the filling saturated (else
  *      fall back to re-solving every candidate); write every flow's rate, put its new load
- *      on its links, update the links' shares, and emit the candidates and new flows sorted
- *      by rate, which is the new suffix of FlowNetwork's rate order.
+ *      on its links, update the links' shares, and rewrite the part of FlowNetwork's rate
+ *      order that changed.
+ *
+ * It also holds the event engine's per-event helpers (progress, earliest, take, rebuild).
+ * The pointer-level cores (fill_resolve, fill_remove, fill_progress, fill_earliest,
+ * fill_rebuild; _fill.h) are what the engine's compiled loop in _events.c calls.
  *
  * Zero-weight entries neither load nor constrain a link; a flow with no loaded link gets its
  * cap (inf when none). The Python path (maxmin.solve_max_min) gives the same allocation up to

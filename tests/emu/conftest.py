@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -56,3 +57,13 @@ def no_leaks():
 
         cleanup(force=True)
         pytest.fail(f"the test left these behind (now removed): {left}")
+
+
+@pytest.fixture(autouse=True)
+def run_dirs_in_tmp_path(tmp_path, monkeypatch):
+    """`mlfabric launch` keeps each emulated run's description (cluster.json, the churn trace)
+    in a new directory of the temp dir, for the user to read after the run: the tests' go to
+    pytest's tmp_path (their own and their subprocesses'), not one more into /tmp per run."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -63,6 +64,9 @@ def test_launch_bcube_env_and_prefixed_output(no_leaks, tmp_path):
     assert lines[0] == "[rank 0] 0 4 10.0.0.1 0=10.0.0.1,1=10.1.0.1"
     assert lines[3] == "[rank 3] 3 4 10.0.0.1 0=10.0.0.4,1=10.1.0.4"
     assert (tmp_path / "trace.csv").read_text().startswith("time_s,host,nic,direction,rate_bps\n0.0,0,0,egress,")
+    # The run's description lands in the temp dir (pytest's tmp_path here, see conftest.py).
+    described = re.search(r"description in (\S+cluster\.json)", err.getvalue())
+    assert described and described.group(1).startswith(str(tmp_path)), err.getvalue()
 
 
 @needs_root
