@@ -32,9 +32,6 @@
 
 enum { STOP_TOP, STOP_REFRESHED, STOP_POPPED, STOP_READY, STOP_PAUSE };
 
-/* Must match FlowNetwork's _KEEP_MARGIN and _FULL_SOLVE_FRACTION_NATIVE (network.py). */
-#define KEEP_MARGIN 1e-9
-#define FULL_SOLVE_FRACTION_NATIVE 0.95
 
 #define MAX_VIEWS 40
 
@@ -86,46 +83,23 @@ static int set_attr(PyObject *obj, const char *name, PyObject *value) {
     return status;
 }
 
-/* The rate order (FlowNetwork._order/_order_rates, first n entries) sorted stably by rate. */
-typedef struct {
-    double rate;
-    int64_t key;
-} Keyed;
-
-static int keyed_compare(const void *a, const void *b) {
-    const Keyed *x = a, *y = b;
-    if (x->rate != y->rate) return x->rate < y->rate ? -1 : 1;
-    return (x->key > y->key) - (x->key < y->key);
-}
-
-/* Sort n (rate, key) pairs and write them back as ids (order) and rates: ids[key] when
- * by_position, else key itself is the id. 0, or -1 with MemoryError. */
-static int sort_order(int64_t *order, double *order_rates, Keyed *pairs, Py_ssize_t n, int by_position) {
-    qsort(pairs, n, sizeof(Keyed), keyed_compare);
+/* Sort n (rate, key) pairs and write them back as the rate order's first n ids and rates:
+ * the key is a position in the order when by_position, else the id itself. 0, or -1 with
+ * MemoryError. */
+static int sort_order(int64_t *order, double *order_rates, Ranked *pairs, Py_ssize_t n, int by_position) {
+    qsort(pairs, n, sizeof(Ranked), ranked_compare);
     int64_t *ids = malloc((n + 1) * sizeof(int64_t));
     if (!ids) {
         PyErr_NoMemory();
         return -1;
     }
-    for (Py_ssize_t i = 0; i < n; i++) ids[i] = by_position ? order[pairs[i].key] : pairs[i].key;
+    for (Py_ssize_t i = 0; i < n; i++) ids[i] = by_position ? order[pairs[i].id] : pairs[i].id;
     for (Py_ssize_t i = 0; i < n; i++) {
         order[i] = ids[i];
         order_rates[i] = pairs[i].rate;
     }
     free(ids);
     return 0;
-}
-
-static Py_ssize_t search_left(const double *rates, Py_ssize_t n, double value) {
-    Py_ssize_t lo = 0, hi = n;
-    while (lo < hi) {
-        Py_ssize_t mid = lo + (hi - lo) / 2;
-        if (rates[mid] < value)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return lo;
 }
 
 /* run_events(network, flow_class, engine, cand_buf, freed, out_tasks, t_timer, max_events, budget)
@@ -152,7 +126,7 @@ PyObject *run_events(PyObject *self, PyObject *args) {
     Views v = {.n = 0};
     int64_t *changed = NULL, *near = NULL;
     double *changed_rates = NULL;
-    Keyed *pairs = NULL;
+    Ranked *pairs = NULL;
 
     graph = PyObject_GetAttrString(engine, "graph");
     config = graph ? PyObject_GetAttrString(engine, "config") : NULL;
@@ -185,7 +159,7 @@ PyObject *run_events(PyObject *self, PyObject *args) {
     if (!order_rates) goto done;
     net.s.n_entries = n_entries;
     double order_n_d, n_alive_d, divergence, dirty_d, dead_d, entries_d, unit_d, any_cap_d, reach_d, tie_rtol,
-        incremental_d, caps_changed_d, capacity_changed_d, compact_min_dead;
+        incremental_d, caps_changed_d, capacity_changed_d, compact_min_dead, keep_margin, full_solve_fraction;
     if (number_attr(network, "_order_n", &order_n_d) || number_attr(network, "_n_alive", &n_alive_d) ||
         number_attr(network, "_divergence", &divergence) || number_attr(network, "_dirty", &dirty_d) ||
         number_attr(network, "_dead_entries", &dead_d) || number_attr(network, "_entries", &entries_d) ||
@@ -193,7 +167,9 @@ PyObject *run_events(PyObject *self, PyObject *args) {
         number_attr(network, "reach", &reach_d) || number_attr(network, "tie_rtol", &tie_rtol) ||
         number_attr(network, "incremental", &incremental_d) || number_attr(network, "_caps_changed", &caps_changed_d) ||
         number_attr(network, "_capacity_changed", &capacity_changed_d) ||
-        number_attr(network, "_compact_min_dead", &compact_min_dead))
+        number_attr(network, "_compact_min_dead", &compact_min_dead) ||
+        number_attr(network, "_keep_margin", &keep_margin) ||
+        number_attr(network, "_full_solve_fraction_native", &full_solve_fraction))
         goto done;
     Py_ssize_t order_n = (Py_ssize_t)order_n_d, n_alive = (Py_ssize_t)n_alive_d, dead_entries = (Py_ssize_t)dead_d;
     const Py_ssize_t entries = (Py_ssize_t)entries_d;
@@ -247,12 +223,7 @@ PyObject *run_events(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "_fill.run_events: an output buffer is too small");
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n_cand; i++) {
-        if (cand[i] < 0 || cand[i] >= rows) {
-            PyErr_Format(PyExc_ValueError, "_fill.run_events: candidate flow %lld is out of range", (long long)cand[i]);
-            goto done;
-        }
-    }
+    if (fill_ids_in_range(cand, n_cand, rows, "_fill.run_events: candidate flow") < 0) goto done;
 
     changed = malloc((order_cap + 1) * sizeof(int64_t));
     changed_rates = malloc((order_cap + 1) * sizeof(double));
@@ -278,10 +249,10 @@ PyObject *run_events(PyObject *self, PyObject *args) {
         Py_ssize_t n_changed = 0;
         if (dirty) {
             Py_ssize_t split =
-                divergence < INFINITY ? search_left(order_rates, order_n, divergence * (1.0 - KEEP_MARGIN)) : order_n;
+                divergence < INFINITY ? lower_bound(order_rates, 0, order_n, divergence * (1.0 - keep_margin)) : order_n;
             Py_ssize_t n_resolve = order_n - split;
             /* FlowNetwork.update's rule: with the reach, none unless a capacity changed. */
-            if (!((double)n_resolve <= FULL_SOLVE_FRACTION_NATIVE * (double)n_alive) && (reach_d == 0 || capacity_changed))
+            if (!((double)n_resolve <= full_solve_fraction * (double)n_alive) && (reach_d == 0 || capacity_changed))
                 break;
             Py_ssize_t n_resolved = 0;
             if (n_resolve) {
@@ -293,12 +264,12 @@ PyObject *run_events(PyObject *self, PyObject *args) {
                 n_resolved = r.n_resolved;
                 /* FlowNetwork._restore_order_at: rounding put a re-solved rate below a kept one. */
                 if (0 < split && split < order_n && order_rates[split] < order_rates[split - 1]) {
-                    pairs = realloc(pairs, (order_n + 1) * sizeof(Keyed));
+                    pairs = realloc(pairs, (order_n + 1) * sizeof(Ranked));
                     if (!pairs) {
                         PyErr_NoMemory();
                         goto done;
                     }
-                    for (Py_ssize_t i = 0; i < order_n; i++) pairs[i] = (Keyed){order_rates[i], i};
+                    for (Py_ssize_t i = 0; i < order_n; i++) pairs[i] = (Ranked){order_rates[i], i};
                     if (sort_order(order, order_rates, pairs, order_n, 1) < 0) goto done;
                 }
             }
@@ -307,14 +278,14 @@ PyObject *run_events(PyObject *self, PyObject *args) {
             else
                 n_none++;
             if (order_n > 2 * n_alive + 1024) { /* mostly stale entries: rebuild from the live flows */
-                pairs = realloc(pairs, (slots + 1) * sizeof(Keyed));
+                pairs = realloc(pairs, (slots + 1) * sizeof(Ranked));
                 if (!pairs) {
                     PyErr_NoMemory();
                     goto done;
                 }
                 Py_ssize_t n = 0;
                 for (Py_ssize_t f = 0; f < slots; f++)
-                    if (net.alive[f] && net.solved[f]) pairs[n++] = (Keyed){net.rate[f], f};
+                    if (net.alive[f] && net.solved[f]) pairs[n++] = (Ranked){net.rate[f], f};
                 if (sort_order(order, order_rates, pairs, n, 0) < 0) goto done;
                 order_n = n;
             }
@@ -345,21 +316,9 @@ PyObject *run_events(PyObject *self, PyObject *args) {
         /* The event: take the finished flows (_FlowClass.pop_finished) and remove them. */
         events++;
         now = at;
-        Py_ssize_t taken = 0;
+        Py_ssize_t taken;
         int64_t *finished = freed + n_freed;
-        Py_ssize_t kept = 0;
-        for (Py_ssize_t i = 0; i < n_cand; i++) {
-            int64_t f = cand[i];
-            double *finish = &record[f * REC_WIDTH + REC_FINISH];
-            if (*finish <= threshold) {
-                finished[taken++] = f;
-                *finish = INFINITY;
-                in_candidates[f] = 0;
-            } else {
-                cand[kept++] = f;
-            }
-        }
-        n_cand = kept;
+        n_cand = fill_take(cand, n_cand, record, in_candidates, threshold, finished, &taken);
         int on_connection = 0;
         n_out = 0;
         for (Py_ssize_t i = 0; i < taken; i++) {
@@ -425,14 +384,14 @@ PyObject *run_events(PyObject *self, PyObject *args) {
         }
         stop = STOP_TOP;
         if (n_ready) {
-            pairs = realloc(pairs, (n_ready + 1) * sizeof(Keyed));
+            pairs = realloc(pairs, (n_ready + 1) * sizeof(Ranked));
             if (!pairs) {
                 PyErr_NoMemory();
                 goto done;
             }
-            for (Py_ssize_t i = 0; i < n_ready; i++) pairs[i] = (Keyed){0.0, near[i]};
-            qsort(pairs, n_ready, sizeof(Keyed), keyed_compare);
-            for (Py_ssize_t i = 0; i < n_ready; i++) out_tasks[i] = pairs[i].key;
+            for (Py_ssize_t i = 0; i < n_ready; i++) pairs[i] = (Ranked){0.0, near[i]};
+            qsort(pairs, n_ready, sizeof(Ranked), ranked_compare);
+            for (Py_ssize_t i = 0; i < n_ready; i++) out_tasks[i] = pairs[i].id;
             n_out = n_ready;
             stop = STOP_READY;
             break;

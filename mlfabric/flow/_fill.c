@@ -94,17 +94,6 @@ static int cap_compare(const void *a, const void *b) {
     return (x->flow > y->flow) - (x->flow < y->flow);
 }
 
-typedef struct {
-    double rate;
-    int64_t id;
-} Ranked;
-
-static int ranked_compare(const void *a, const void *b) {
-    const Ranked *x = a, *y = b;
-    if (x->rate != y->rate) return x->rate < y->rate ? -1 : 1;
-    return (x->id > y->id) - (x->id < y->id);
-}
-
 /* Fill level of touched link t: the common rate at which its unfrozen flows saturate it. */
 static inline double level_of(const double *residual, const double *weight, const int64_t *count, Py_ssize_t t) {
     return (count[t] > 0 && weight[t] > 0) ? residual[t] / weight[t] : INFINITY;
@@ -524,18 +513,6 @@ static int rows_add(Rows *rows, const Slots *s, int64_t f) {
     return 0;
 }
 
-/* First index in rates[lo:hi] (ascending) whose rate is >= value. */
-static Py_ssize_t lower_bound(const double *rates, Py_ssize_t lo, Py_ssize_t hi, double value) {
-    while (lo < hi) {
-        Py_ssize_t mid = lo + (hi - lo) / 2;
-        if (rates[mid] < value)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return lo;
-}
-
 /* The flows to re-solve: slots, old rates (NaN: new) and where their entries are in the rows. */
 typedef struct {
     int64_t *id;
@@ -848,12 +825,7 @@ int fill_resolve(const Net *net, Resolve *r) {
         PyErr_NoMemory();
         goto done;
     }
-    for (Py_ssize_t i = n_filter; i < n_given; i++) {
-        if (given[i] < 0 || given[i] >= slots) {
-            PyErr_Format(PyExc_ValueError, "_fill.resolve: flow slot %lld is out of range", (long long)given[i]);
-            goto done;
-        }
-    }
+    if (fill_ids_in_range(given + n_filter, n_given - n_filter, slots, "_fill.resolve: flow slot") < 0) goto done;
 
     for (;;) {
         /* Select the flows to re-solve: the new ones, then the reached (or all live) candidates. */
@@ -1330,12 +1302,7 @@ static PyObject *progress(PyObject *self, PyObject *args) {
     double *record = b_record.buf;
     char *in_candidates = b_in.buf;
     int64_t *near = b_near.buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (ids[i] < 0 || ids[i] >= slots) {
-            PyErr_Format(PyExc_ValueError, "_fill.progress: flow id %lld is out of range", (long long)ids[i]);
-            goto done;
-        }
-    }
+    if (fill_ids_in_range(ids, n, slots, "_fill.progress: flow id") < 0) goto done;
     n_near = fill_progress(ids, new_rates, n, record, in_candidates, near, now, horizon);
     result = PyLong_FromSsize_t(n_near);
 done:
@@ -1489,12 +1456,7 @@ static PyObject *earliest(PyObject *self, PyObject *args) {
     Py_ssize_t n = b_cand.len / 8, slots = b_record.len / (8 * REC_WIDTH);
     if (!check_buffer(&b_in, 1, slots, "in_candidates")) goto done;
     int64_t *cand = b_cand.buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (cand[i] < 0 || cand[i] >= slots) {
-            PyErr_Format(PyExc_ValueError, "_fill.earliest: flow id %lld is out of range", (long long)cand[i]);
-            goto done;
-        }
-    }
+    if (fill_ids_in_range(cand, n, slots, "_fill.earliest: flow id") < 0) goto done;
     double first;
     Py_ssize_t kept = fill_earliest(cand, n, b_record.buf, b_in.buf, &horizon, &first);
     result = Py_BuildValue("ndd", kept, first, horizon);
@@ -1503,6 +1465,34 @@ done:
     PyBuffer_Release(&b_record);
     PyBuffer_Release(&b_in);
     return result;
+}
+
+int fill_ids_in_range(const int64_t *ids, Py_ssize_t n, Py_ssize_t limit, const char *what) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= limit) {
+            PyErr_Format(PyExc_ValueError, "%s %lld is out of range", what, (long long)ids[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+Py_ssize_t fill_take(int64_t *cand, Py_ssize_t n, double *record, char *in_candidates, double threshold, int64_t *out,
+                     Py_ssize_t *taken_out) {
+    Py_ssize_t kept = 0, taken = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t f = cand[i];
+        double *finish = &record[f * REC_WIDTH + REC_FINISH];
+        if (*finish <= threshold) {
+            out[taken++] = f;
+            *finish = INFINITY;
+            in_candidates[f] = 0;
+        } else {
+            cand[kept++] = f;
+        }
+    }
+    *taken_out = taken;
+    return kept;
 }
 
 /* take(cand, record, in_candidates, threshold, out) -> (kept, taken).
@@ -1516,28 +1506,10 @@ static PyObject *take(PyObject *self, PyObject *args) {
     double threshold;
     if (!PyArg_ParseTuple(args, "w*w*w*dw*", &b_cand, &b_record, &b_in, &threshold, &b_out)) return NULL;
     PyObject *result = NULL;
-    Py_ssize_t n = b_cand.len / 8, slots = b_record.len / (8 * REC_WIDTH), kept = 0, taken = 0;
+    Py_ssize_t n = b_cand.len / 8, slots = b_record.len / (8 * REC_WIDTH), taken;
     if (!check_buffer(&b_in, 1, slots, "in_candidates") || !check_buffer(&b_out, 8, n, "out")) goto done;
-    int64_t *cand = b_cand.buf, *out = b_out.buf;
-    double *record = b_record.buf;
-    char *in_candidates = b_in.buf;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (cand[i] < 0 || cand[i] >= slots) {
-            PyErr_Format(PyExc_ValueError, "_fill.take: flow id %lld is out of range", (long long)cand[i]);
-            goto done;
-        }
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t f = cand[i];
-        double *finish = &record[f * REC_WIDTH + REC_FINISH];
-        if (*finish <= threshold) {
-            out[taken++] = f;
-            *finish = INFINITY;
-            in_candidates[f] = 0;
-        } else {
-            cand[kept++] = f;
-        }
-    }
+    if (fill_ids_in_range(b_cand.buf, n, slots, "_fill.take: flow id") < 0) goto done;
+    Py_ssize_t kept = fill_take(b_cand.buf, n, b_record.buf, b_in.buf, threshold, b_out.buf, &taken);
     result = Py_BuildValue("nn", kept, taken);
 done:
     PyBuffer_Release(&b_cand);

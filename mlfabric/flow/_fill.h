@@ -19,6 +19,31 @@ typedef struct {
     int unit;
 } Slots;
 
+/* A (rate, id) pair, ordered by rate then id: a stable sort by rate of ids in ascending
+ * order (FlowNetwork's rate order), or of positions. */
+typedef struct {
+    double rate;
+    int64_t id;
+} Ranked;
+
+static inline int ranked_compare(const void *a, const void *b) {
+    const Ranked *x = a, *y = b;
+    if (x->rate != y->rate) return x->rate < y->rate ? -1 : 1;
+    return (x->id > y->id) - (x->id < y->id);
+}
+
+/* First index in rates[lo:hi] (ascending) whose rate is >= value. */
+static inline Py_ssize_t lower_bound(const double *rates, Py_ssize_t lo, Py_ssize_t hi, double value) {
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (rates[mid] < value)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
 /* FlowNetwork's arrays (see resolve's comment in _fill.c for each one's meaning). */
 typedef struct {
     Slots s;
@@ -65,6 +90,15 @@ enum { REC_REMAINING, REC_RATE, REC_STAMP, REC_FINISH, REC_WIDTH };
  * many flows were written to `near`. Ids must be in range. */
 Py_ssize_t fill_progress(const int64_t *ids, const double *new_rates, Py_ssize_t n, double *record,
                          char *in_candidates, int64_t *near, double now, double horizon);
+
+/* 0 when every id is in [0, limit); else -1 with ValueError "<what> <id> is out of range". */
+int fill_ids_in_range(const int64_t *ids, Py_ssize_t n, Py_ssize_t limit, const char *what);
+
+/* The event engine's finished candidates (see take in _fill.c): those due by threshold go
+ * to out (finish set to inf, unmarked), the others stay in cand in order; returns how many
+ * stay and sets *taken. Ids must be in range. */
+Py_ssize_t fill_take(int64_t *cand, Py_ssize_t n, double *record, char *in_candidates, double threshold, int64_t *out,
+                     Py_ssize_t *taken);
 
 /* How many flows the event engine's finish-time candidate set holds after a rebuild (its
  * horizon: the CANDIDATES-th earliest finish), and past how many its horizon is lowered

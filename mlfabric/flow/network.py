@@ -61,14 +61,9 @@ except ImportError:  # pragma: no cover - depends on the install
 
 __all__ = ["FlowNetwork", "UpdateStats"]
 
-# Flows whose old rate is within this relative distance of the divergence level are
-# re-solved rather than kept: keeps rounding on a tie from splitting a batch.
-_KEEP_MARGIN = 1e-9
 # Above this fraction of flows to re-solve, a full solve is cheaper than the bookkeeping (numpy
-# path). The compiled kernel's bookkeeping is cheap, and a partial re-solve can leave slack
-# links out, which a full one cannot: it solves in full only when (nearly) everything moves.
+# path; the compiled path's fraction is FlowNetwork._full_solve_fraction_native).
 _FULL_SOLVE_FRACTION = 0.6
-_FULL_SOLVE_FRACTION_NATIVE = 0.95
 # With the reach, updates adding at most this many flows (and <= 1% of the live ones) are
 # never solved in full (see update).
 _REACH_ONLY_NEW = 64
@@ -102,9 +97,18 @@ class UpdateStats:
 class FlowNetwork:
     """Flows over links with capacities; ``rates()`` returns their max-min fair rates."""
 
+    # Class attributes the engine's compiled loop (_fill.run_events) reads too, so that its
+    # updates follow the same rules as update().
     #: The entry array is compacted once more than half of it, and more than this many
-    #: entries, belong to removed flows (also read by the engine's compiled loop).
+    #: entries, belong to removed flows.
     _compact_min_dead = 1 << 16
+    #: Flows whose old rate is within this relative distance of the divergence level are
+    #: re-solved rather than kept: keeps rounding on a tie from splitting a batch.
+    _keep_margin = 1e-9
+    #: The compiled path solves in full above this fraction of flows to re-solve: its
+    #: bookkeeping is cheap, and a partial re-solve can leave slack links out, which a full
+    #: one cannot, so it solves in full only when (nearly) everything moves.
+    _full_solve_fraction_native = 0.95
 
     def __init__(
         self,
@@ -504,11 +508,11 @@ class FlowNetwork:
 
         # Solved flows at or above the divergence level: a suffix of the rate order.
         n_order = self._order_n
-        keep_below = divergence * (1.0 - _KEEP_MARGIN)
+        keep_below = divergence * (1.0 - self._keep_margin)
         split = int(np.searchsorted(self._order_rates[:n_order], keep_below, side="left")) if divergence < np.inf else n_order
         candidates = self._order[split:n_order]
         n_filter = 0
-        full_above = (_FULL_SOLVE_FRACTION_NATIVE if self.native else _FULL_SOLVE_FRACTION) * self._n_alive
+        full_above = (self._full_solve_fraction_native if self.native else _FULL_SOLVE_FRACTION) * self._n_alive
         # With the reach, an update adding a handful of flows at most (and <= 1% of the live
         # ones: a first solve stays full) stays partial however low its divergence level: the
         # reach re-solves what the change reaches (~30k of ~240k flows where the slowest flow
