@@ -1,0 +1,25 @@
+"""The parameter server: roles, consistency models, routing policies (and MLfabric's scheduler).
+
+    import mlfabric.ps
+    job = mlfabric.ps.init(consistency="ssp:2")   # under torchrun / mlfabric launch
+
+See docs/parameter_server.md. Exercise it with
+``python -m pytest tests/unit/test_ps.py tests/local/test_ps_processes.py``.
+"""
+
+from .config import PSConfig
+from .consistency import ClockBook, Consistency
+from .job import PSJob, init, local_jobs
+from .layout import PSLayout
+from .model import ModelSpec
+from .replica import Replica
+from .routing import DirectRouting, RoutingPolicy, routing_policy
+from .rules import SGDMomentum, UpdateInfo
+from .server import ParameterServer, ServerStats
+from .worker import PSRequestError, PSWorker, WorkerStats
+
+__all__ = [
+    "ClockBook", "Consistency", "DirectRouting", "ModelSpec", "PSConfig", "PSJob", "PSLayout", "PSRequestError",
+    "PSWorker", "ParameterServer", "Replica", "RoutingPolicy", "SGDMomentum", "ServerStats", "UpdateInfo",
+    "WorkerStats", "init", "local_jobs", "routing_policy",
+]

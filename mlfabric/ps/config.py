@@ -1,0 +1,40 @@
+"""The settings of one parameter-server instance, shared by every role of the job.
+
+    python -m pytest tests/unit/test_ps.py -k config
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .consistency import Consistency
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class PSConfig:
+    """``consistency``: bsp, ssp:s or async[:tau] (:mod:`mlfabric.ps.consistency`).
+    ``timeout_s`` bounds every wait (a pull, an init, an allreduce). ``lost_worker_wait_s``:
+    how long BSP rounds wait for a worker that was lost before going on without it.
+    ``session`` keeps consecutive PS instances of one job apart (every rank must create them
+    in the same order). ``routing``: the routing policy's name (:mod:`mlfabric.ps.routing`).
+    ``seed`` seeds the allreduce roots (the same on every rank)."""
+
+    consistency: Consistency = field(default_factory=Consistency)
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    lost_worker_wait_s: float = 10.0
+    session: int = 0
+    routing: str = "direct"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.consistency, str):
+            object.__setattr__(self, "consistency", Consistency.parse(self.consistency))
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if not self.lost_worker_wait_s >= 0:
+            raise ValueError(f"lost_worker_wait_s must be >= 0, got {self.lost_worker_wait_s}")
+        if self.lost_worker_wait_s >= self.timeout_s and self.consistency.kind == "bsp":
+            raise ValueError(f"lost_worker_wait_s ({self.lost_worker_wait_s}) must be below timeout_s "
+                             f"({self.timeout_s}): BSP pulls would time out before a lost worker is given up on")

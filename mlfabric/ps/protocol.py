@@ -1,0 +1,58 @@
+"""The parameter server's messages: tags and the small JSON header each one carries.
+
+    python -m pytest tests/unit/test_ps.py -k protocol
+
+Everything a worker sends a server rides one tag, ``request_tag(session)``, so that the
+transport's per-(channel, tag) FIFO keeps a worker's push ahead of its ``clock`` and its
+``leave`` (the server must see them in the order they were sent). What kind of request a
+message is, and its fields, sit in the message's meta as JSON (a few hundred bytes at most);
+the payload is the tensor, if any. Answers go back on ``reply_tag(session, request_id)`` so
+that the thread waiting for one takes exactly its own.
+
+Tags live in their own namespace (bit 60) apart from the collectives' (sequence << 24) and the
+partial collectives' (bit 63); ``session`` keeps consecutive PS instances of one job (one per
+training run) apart.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+NAMESPACE = 1 << 60
+_KIND_SHIFT, _SESSION_SHIFT = 52, 40
+_SEQ_MASK = (1 << _SESSION_SHIFT) - 1
+MAX_SESSIONS = 1 << (_KIND_SHIFT - _SESSION_SHIFT)
+
+REQUEST, REPLY, ALLREDUCE_PUSH, ALLREDUCE_RESULT, REPLICATE = 1, 2, 3, 4, 5
+
+# Request kinds (meta["op"]).
+INIT, PUSH, CLOCK, PULL, LEAVE, STATS = "init", "push", "clock", "pull", "leave", "stats"
+
+
+def tag(kind: int, session: int, seq: int = 0) -> int:
+    if not 0 <= session < MAX_SESSIONS:
+        raise ValueError(f"PS session {session} is outside 0..{MAX_SESSIONS - 1}")
+    return NAMESPACE | (kind << _KIND_SHIFT) | (session << _SESSION_SHIFT) | (seq & _SEQ_MASK)
+
+
+def request_tag(session: int) -> int:
+    return tag(REQUEST, session)
+
+
+def reply_tag(session: int, request_id: int) -> int:
+    return tag(REPLY, session, request_id)
+
+
+def encode(**fields: Any) -> bytes:
+    return json.dumps(fields, separators=(",", ":")).encode()
+
+
+def decode(meta: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(bytes(meta).decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"malformed parameter-server header: {exc}") from None
+    if not isinstance(data, dict) or "op" not in data:
+        raise ValueError(f"malformed parameter-server header: {data!r}")
+    return data

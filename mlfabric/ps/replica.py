@@ -1,0 +1,87 @@
+"""A replica: a standby copy of one server's shards, fed the updates that server applies.
+
+    python -m pytest tests/unit/test_ps.py -k replica
+
+``register_as_replica`` (MLfabric Table 1) in this runtime: replica ``i`` mirrors server
+``i % S`` (:class:`mlfabric.ps.layout.PSLayout`). The server forwards every model it
+initialises and every update it applies, in the order it applies them, and the replica
+applies them with the same rule, so its versions follow the server's exactly. That is chain
+replication; MLfabric's bounded-divergence replication, scheduled by the network, and the
+failover that promotes a replica are built on this by the replication issue.
+"""
+
+from __future__ import annotations
+
+import logging
+
+
+import torch
+
+from mlfabric.transport.base import Transport
+
+from . import protocol
+from .config import PSConfig
+from .layout import PSLayout
+from .model import ModelSpec
+from .rules import SGDMomentum, UpdateInfo
+from .server import UpdateCallback, payload_tensor
+
+log = logging.getLogger("mlfabric.ps")
+
+
+class Replica:
+    def __init__(self, transport: Transport, layout: PSLayout, config: PSConfig, *, server: int | None = None,
+                 channel: str | None = None) -> None:
+        self.transport, self.layout, self.config = transport, layout, config
+        self.server = layout.replicated_server(transport.rank) if server is None else layout.server_rank(server)
+        self.channel = channel or transport.channels[0]
+        self.who = layout.describe(transport.rank)
+        self.values: dict[str, torch.Tensor] = {}
+        self.versions: dict[str, int] = {}
+        self._rules: dict[str, UpdateCallback] = {}
+        self._callbacks: dict[str | None, UpdateCallback] = {}
+
+    def register_update_callback(self, callback: UpdateCallback, model: str | None = None) -> None:
+        """Must be the server's rule for the copies to stay equal."""
+        self._callbacks[model] = callback
+
+    def serve(self) -> dict[str, int]:
+        """Apply the server's updates until it ends (or is lost); returns each model's version."""
+        tag = protocol.tag(protocol.REPLICATE, self.config.session)
+        server_rank = self.layout.server_rank(self.server)
+        mailbox = self.transport.mailbox
+        while True:
+            version = mailbox.version
+            while (msg := mailbox.take(self.channel, tag, server_rank)) is not None:
+                header = protocol.decode(msg.meta)
+                if header["op"] == "end":
+                    return dict(self.versions)
+                self._apply(header, msg.payload)
+            if server_rank in self.transport.lost_peers or server_rank in self.transport.departed_peers:
+                log.warning("%s: server %d is gone; the replica holds versions %s", self.who, self.server,
+                            self.versions)
+                return dict(self.versions)
+            self.transport.progress(version, 0.1)
+
+    def _apply(self, header: dict, payload: memoryview) -> None:
+        if header["op"] == "init":
+            spec = ModelSpec.from_json(header["spec"])
+            _, length = spec.shards(self.layout.servers)[self.server]
+            self.values[spec.name] = payload_tensor(payload, spec.torch_dtype, length, "replica init").clone()
+            self.versions[spec.name] = 0
+            self._rules[spec.name] = (self._callbacks.get(spec.name) or self._callbacks.get(None)
+                                      or SGDMomentum(float(header["lr"]), float(header["momentum"])))
+            return
+        name = header["model"]
+        values = self.values[name]
+        if int(header["version"]) != self.versions[name]:
+            raise RuntimeError(f"{self.who}: update {header['version']} of {name!r} arrived at version "
+                               f"{self.versions[name]}: the server's order was not kept")
+        gradient = payload_tensor(payload, values.dtype, values.numel(), "replicated update")
+        info = UpdateInfo(model=name, server=self.server, version=self.versions[name],
+                          workers=tuple(header["workers"]), computed_from=tuple(header["computed_from"]),
+                          weight=float(header["weight"]))
+        self._rules[name](values, gradient, info)
+        self.versions[name] += 1
+
+

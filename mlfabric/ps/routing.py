@@ -1,0 +1,76 @@
+"""Routing policies: how a worker's pushes reach the servers and how models get back.
+
+    python -m pytest tests/unit/test_ps.py -k routing
+
+The runtime (``worker.py``, ``server.py``) decides *what* moves (which update, computed from
+which version, answered under which consistency); a policy decides *how* it travels. This is
+the seam where MLNET's aggregation/multicast trees and MLfabric's scheduled aggregation plug
+in: they replace this object, not the runtime.
+
+``direct`` (BASELINE in MLNET, vanilla Async in MLfabric): every worker sends each server its
+component of an update in one message, and each server answers each pull itself.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from mlfabric.runtime.executor import tensor_bytes
+from mlfabric.transport.base import SendHandle
+
+from . import protocol
+
+if TYPE_CHECKING:
+    from .server import ParameterServer, PendingPull
+    from .worker import PSWorker
+
+
+class RoutingPolicy(Protocol):
+    name: str
+
+    def send_push(self, worker: "PSWorker", model: str, components: list[torch.Tensor],
+                  headers: list[bytes]) -> list[SendHandle]:
+        """Send component ``j`` of an update (with header ``j``) toward server ``j``."""
+
+    def send_pull(self, worker: "PSWorker", headers: list[bytes]) -> None:
+        """Ask every server for its shard (header ``j`` to server ``j``)."""
+
+    def answer_pulls(self, server: "ParameterServer", pulls: "list[PendingPull]", shard: torch.Tensor,
+                     header: bytes) -> list[SendHandle]:
+        """Send ``shard`` (a snapshot that stays untouched until the handles are done) to
+        the workers of ``pulls``."""
+
+
+class DirectRouting:
+    name = "direct"
+
+    def send_push(self, worker: "PSWorker", model: str, components: list[torch.Tensor],
+                  headers: list[bytes]) -> list[SendHandle]:
+        tag = protocol.request_tag(worker.config.session)
+        return [worker.transport.send(worker.layout.server_rank(j), tag, tensor_bytes(component), meta=header,
+                                      channel=worker.channel)
+                for j, (component, header) in enumerate(zip(components, headers))]
+
+    def send_pull(self, worker: "PSWorker", headers: list[bytes]) -> None:
+        tag = protocol.request_tag(worker.config.session)
+        for j, header in enumerate(headers):
+            worker.transport.send(worker.layout.server_rank(j), tag, b"", meta=header, channel=worker.channel)
+
+    def answer_pulls(self, server: "ParameterServer", pulls: "list[PendingPull]", shard: torch.Tensor,
+                     header: bytes) -> list[SendHandle]:
+        payload = tensor_bytes(shard)
+        return [server.transport.send(p.rank, protocol.reply_tag(server.config.session, p.request_id), payload,
+                                      meta=header, channel=server.channel)
+                for p in pulls]
+
+
+POLICIES: dict[str, type] = {"direct": DirectRouting}
+
+
+def routing_policy(name: str) -> RoutingPolicy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}") from None

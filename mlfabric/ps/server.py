@@ -1,0 +1,398 @@
+"""A parameter server: holds shard ``j`` of every model, applies updates, answers pulls.
+
+    python -m pytest tests/unit/test_ps.py tests/local/test_ps_processes.py
+
+One :class:`ParameterServer` per server rank (``ps.init`` makes it from the layout). Its
+:meth:`ParameterServer.serve` loop takes the workers' requests (one tag, in arrival order per
+worker: :mod:`mlfabric.ps.protocol`), applies pushes under the job's consistency model
+(:mod:`mlfabric.ps.consistency`), answers pulls when the consistency allows, through the
+routing policy (:mod:`mlfabric.ps.routing`), and returns when every worker has left or was
+lost (or :meth:`stop` is called). It never waits unbounded: it sleeps at most until the next
+deadline (a lost BSP worker's) or 0.1 s.
+
+Server API (MLfabric Table 1): :meth:`register_update_callback` replaces the default rule
+(eq. (1)-(2), :class:`mlfabric.ps.rules.SGDMomentum` with the lr and momentum the workers
+registered); :meth:`register_request_callback` sees every pull before it is answered and may
+answer with another tensor. Every applied update bumps the shard's version; every applied
+update's delay (version when applied - version it was computed from) is recorded
+(:class:`ServerStats`). Replicas of this server (``PSLayout.replicas_of``) get every applied
+update forwarded (chain replication; MLfabric's scheduled replication is another issue's).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from mlfabric.runtime.executor import tensor_bytes
+from mlfabric.transport.base import SendHandle, Transport
+
+from . import protocol
+from .config import PSConfig
+from .consistency import ClockBook
+from .layout import PSLayout
+from .model import ModelSpec
+from .routing import RoutingPolicy, routing_policy
+from .rules import SGDMomentum, UpdateInfo, UpdateRule
+
+log = logging.getLogger("mlfabric.ps")
+
+_IDLE_S = 0.1
+UpdateCallback = Callable[[torch.Tensor, torch.Tensor, UpdateInfo], None]
+RequestCallback = Callable[[str, int, torch.Tensor], "torch.Tensor | None"]
+
+
+def payload_tensor(payload: memoryview, dtype: torch.dtype, numel: int, what: str) -> torch.Tensor:
+    """The received ``payload`` as a 1-D tensor of ``numel`` x ``dtype`` (no copy when the
+    transport's buffer is writable); ValueError naming ``what`` if the size is wrong."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if payload.nbytes != numel * itemsize:
+        raise ValueError(f"{what}: {payload.nbytes} bytes, expected {numel} x {dtype} = {numel * itemsize}")
+    if numel == 0:
+        return torch.empty(0, dtype=dtype)
+    buf = payload if not payload.readonly else memoryview(bytearray(payload))
+    return torch.frombuffer(buf, dtype=dtype)
+
+
+@dataclass
+class PendingPull:
+    rank: int
+    worker: int
+    request_id: int
+    clock: int
+    staleness: float
+    arrived: float
+
+
+@dataclass
+class _Round:
+    """BSP: the sum of one iteration's gradients for one shard, and who is in it."""
+
+    total: torch.Tensor
+    workers: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+
+class _Shard:
+    """This server's range of one model, its version, rule and statistics."""
+
+    def __init__(self, spec: ModelSpec, offset: int, length: int, values: torch.Tensor, rule: UpdateRule) -> None:
+        self.spec, self.offset, self.length = spec, offset, length
+        self.values = values
+        self.rule = rule
+        self.version = 0
+        self.rounds: dict[int, _Round] = {}
+        self.pulls: list[PendingPull] = []
+        self._snapshot: tuple[int, torch.Tensor] | None = None
+
+    def snapshot(self) -> torch.Tensor:
+        """A copy of the values at the current version, shared by every pull of that version
+        (the transport reads it in the background while updates go on)."""
+        if self._snapshot is None or self._snapshot[0] != self.version:
+            self._snapshot = (self.version, self.values.clone())
+        return self._snapshot[1]
+
+
+@dataclass
+class ServerStats:
+    """What a server measured; ``delays`` has one entry per applied worker gradient."""
+
+    server: int
+    updates_applied: int = 0          # versions: one per applied (possibly combined) update
+    worker_updates: int = 0           # worker gradients in them
+    dropped: int = 0                  # over the delay bound (async) or late for a closed round
+    delays: Counter = field(default_factory=Counter)
+    pulls: int = 0
+    clock_lag: Counter = field(default_factory=Counter)  # puller's clock - model clock, when asked
+    bytes_in: int = 0
+    bytes_out: int = 0
+    lost_workers: list[int] = field(default_factory=list)
+    departed_workers: list[int] = field(default_factory=list)
+    missing_rounds: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"server": self.server, "updates_applied": self.updates_applied,
+                "worker_updates": self.worker_updates, "dropped": self.dropped,
+                "delays": {str(k): v for k, v in sorted(self.delays.items())}, "pulls": self.pulls,
+                "clock_lag": {str(k): v for k, v in sorted(self.clock_lag.items())},
+                "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "lost_workers": self.lost_workers,
+                "departed_workers": self.departed_workers,
+                "missing_rounds": [[t, list(w)] for t, w in self.missing_rounds], "errors": self.errors}
+
+
+class ParameterServer:
+    """Server ``server`` of ``layout`` on ``transport`` (see the module docstring)."""
+
+    def __init__(self, transport: Transport, layout: PSLayout, config: PSConfig, *, server: int | None = None,
+                 routing: RoutingPolicy | None = None, channel: str | None = None) -> None:
+        self.transport = transport
+        self.layout = layout
+        self.config = config
+        self.server = transport.rank if server is None else server
+        if layout.role(transport.rank) != "server" or self.server != transport.rank:
+            raise ValueError(f"{layout.describe(transport.rank)} cannot serve shard {self.server}: server j is rank j")
+        self.channel = channel or transport.channels[0]
+        self.routing = routing or routing_policy(config.routing)
+        self.who = f"{layout.describe(transport.rank)}"
+        self.book = ClockBook(layout.workers, config.consistency, config.lost_worker_wait_s)
+        self.shards: dict[str, _Shard] = {}
+        self.stats = ServerStats(server=self.server)
+        self._update_callbacks: dict[str | None, UpdateCallback] = {}
+        self._request_callback: RequestCallback | None = None
+        self._sending: list[tuple[SendHandle, torch.Tensor]] = []
+        self._seen_lost: set[int] = set()
+        self._stop = threading.Event()
+        self._replicas = layout.replicas_of(self.server)
+        transport.on_peer_lost(lambda peer, reason: transport.mailbox.notify())
+
+    # -- API (MLfabric Table 1) ----------------------------------------------------------------
+
+    def register_update_callback(self, callback: UpdateCallback, model: str | None = None) -> None:
+        """``callback(shard, gradient, info)`` applies updates of ``model`` (every model: None)
+        instead of eq. (1)-(2); it must change ``shard`` in place."""
+        self._update_callbacks[model] = callback
+        if model in self.shards:
+            self.shards[model].rule = callback
+
+    def register_request_callback(self, callback: RequestCallback) -> None:
+        """``callback(model, worker, shard)`` runs before a pull is answered; a tensor it returns
+        (same shape and dtype) is sent instead of the shard."""
+        self._request_callback = callback
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.transport.mailbox.notify()
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def serve(self) -> ServerStats:
+        """Serve until every worker has left or was lost (or :meth:`stop`); returns the stats."""
+        mailbox = self.transport.mailbox
+        tag = protocol.request_tag(self.config.session)
+        while not self._stop.is_set():
+            version = mailbox.version
+            while (msg := mailbox.take(self.channel, tag)) is not None:
+                self._handle(msg)
+            now = time.monotonic()
+            self._track_membership(now)
+            self._close_rounds(now)
+            self._answer_pulls(now)
+            self._sending = [(h, t) for h, t in self._sending if not h.done()]
+            if self.book.everyone_gone() and not self._pending_pulls():
+                break
+            deadline = self.book.next_deadline(now)
+            wait = _IDLE_S if deadline is None else min(_IDLE_S, max(0.0, deadline - now))
+            self.transport.progress(version, wait)
+        self._flush()
+        counters = self.transport.counters()
+        self.stats.bytes_in = sum(c.bytes_recv for c in counters.values())
+        self.stats.bytes_out = sum(c.bytes_sent for c in counters.values())
+        self.stats.missing_rounds = list(self.book.missing)
+        for replica in self._replicas:
+            self._send_replica(replica, protocol.encode(op="end"), b"")
+        return self.stats
+
+    def start(self) -> threading.Thread:
+        """Serve on a background thread (tests, co-located roles)."""
+        thread = threading.Thread(target=self.serve, name=f"mlfabric-ps-server-{self.server}", daemon=True)
+        thread.start()
+        return thread
+
+    def _flush(self, timeout: float = 5.0) -> None:
+        """Let the last replies leave before the caller closes the transport."""
+        deadline = time.monotonic() + timeout
+        while self._sending and time.monotonic() < deadline:
+            self._sending = [(h, t) for h, t in self._sending if not h.done()]
+            if self._sending:
+                self.transport.progress(self.transport.mailbox.version, 0.01)
+
+    def _pending_pulls(self) -> bool:
+        return any(shard.pulls for shard in self.shards.values())
+
+    # -- membership ------------------------------------------------------------------------------
+
+    def _track_membership(self, now: float) -> None:
+        for rank in list(self.transport.lost_peers):
+            if rank in self._seen_lost or self.layout.role(rank) != "worker":
+                continue
+            self._seen_lost.add(rank)
+            worker = self.layout.worker_index(rank)
+            self.book.lose(worker, now)
+            self.stats.lost_workers.append(worker)
+            for shard in self.shards.values():
+                shard.pulls = [p for p in shard.pulls if p.rank != rank]
+            wait = (f"BSP rounds go on without it after {self.config.lost_worker_wait_s:g} s"
+                    if self.config.consistency.kind == "bsp" else "going on without it")
+            log.warning("%s: lost %s (%s); %s", self.who, self.layout.describe(rank),
+                        self.transport.lost_peers[rank], wait)
+        for rank in list(self.transport.departed_peers):
+            # A transport closed without our leave message (the process ended cleanly).
+            if self.layout.role(rank) == "worker" and self.layout.worker_index(rank) not in self.book.departed:
+                self._leave(self.layout.worker_index(rank))
+
+    def _leave(self, worker: int) -> None:
+        if worker not in self.book.departed:
+            self.book.leave(worker)
+            self.stats.departed_workers.append(worker)
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def _handle(self, msg: Any) -> None:
+        if self.layout.role(msg.src) != "worker":
+            log.error("%s: ignored a parameter-server request from %s, which is not a worker", self.who,
+                      self.layout.describe(msg.src))
+            return
+        worker = self.layout.worker_index(msg.src)
+        try:
+            header = protocol.decode(msg.meta)
+            op = header["op"]
+            if op == protocol.PUSH:
+                self._push(worker, header, msg.payload)
+            elif op == protocol.CLOCK:
+                self.book.tick(worker, int(header["clock"]))
+            elif op == protocol.PULL:
+                self._pull(msg.src, worker, header)
+            elif op == protocol.INIT:
+                self._init(msg.src, header, msg.payload)
+            elif op == protocol.LEAVE:
+                self._leave(worker)
+            else:
+                raise ValueError(f"unknown request {op!r}")
+        except (ValueError, KeyError, TypeError) as exc:
+            text = f"{self.who}: request from {self.layout.describe(msg.src)} refused: {exc}"
+            log.error("%s", text)
+            self.stats.errors.append(text)
+            request_id = 0
+            try:
+                request_id = int(protocol.decode(msg.meta).get("id", 0))
+            except ValueError:
+                pass
+            # Requests that wait for an answer get the error as their answer; pushes and clocks
+            # get it on the worker's error tag (id 0), raised by its next call.
+            self.transport.send(msg.src, protocol.reply_tag(self.config.session, request_id), b"",
+                                meta=protocol.encode(op="error", message=text), channel=self.channel)
+
+    def _shard(self, model: str, what: str) -> _Shard:
+        shard = self.shards.get(model)
+        if shard is None:
+            known = ", ".join(map(repr, self.shards)) or "none yet"
+            raise KeyError(f"{what} of model {model!r}, which was never initialised here (models: {known}); "
+                           "call init_model on the workers first")
+        return shard
+
+    def _init(self, rank: int, header: dict[str, Any], payload: memoryview) -> None:
+        spec = ModelSpec.from_json(header["spec"])
+        offset, length = spec.shards(self.layout.servers)[self.server]
+        existing = self.shards.get(spec.name)
+        if existing is not None:
+            if existing.spec != spec:
+                raise ValueError(f"init_model({spec.name!r}) with a layout that differs from the one registered "
+                                 f"first ({existing.spec.to_json()} vs {spec.to_json()})")
+        else:
+            values = payload_tensor(payload, spec.torch_dtype, length, f"init of {spec.name!r}").clone()
+            rule = self._update_callbacks.get(spec.name) or self._update_callbacks.get(None)
+            if rule is None:
+                rule = SGDMomentum(float(header["lr"]), float(header.get("momentum", 0.0)))
+            self.shards[spec.name] = _Shard(spec, offset, length, values, rule)
+            for replica in self._replicas:
+                self._send_replica(replica, protocol.encode(op="init", spec=header["spec"], lr=header["lr"],
+                                                            momentum=header.get("momentum", 0.0)), values.clone())
+        self.transport.send(rank, protocol.reply_tag(self.config.session, int(header["id"])), b"",
+                            meta=protocol.encode(op="ok", version=self.shards[spec.name].version),
+                            channel=self.channel)
+
+    def _push(self, worker: int, header: dict[str, Any], payload: memoryview) -> None:
+        shard = self._shard(header["model"], "push")
+        gradient = payload_tensor(payload, shard.spec.torch_dtype, shard.length,
+                                  f"push of model {shard.spec.name!r} to server {self.server}")
+        computed_from = int(header["version"])
+        consistency = self.config.consistency
+        if consistency.kind == "bsp":
+            clock = int(header["clock"])
+            if clock < self.book.rounds_closed:
+                self.stats.dropped += 1  # its round went on without it (the worker had been lost)
+                return
+            entry = shard.rounds.get(clock)
+            if entry is None:
+                shard.rounds[clock] = _Round(gradient.clone(), [worker], [computed_from])
+            else:
+                entry.total.add_(gradient)
+                entry.workers.append(worker)
+                entry.versions.append(computed_from)
+            return
+        delay = shard.version - computed_from
+        if consistency.delay_bound is not None and delay > consistency.delay_bound:
+            self.stats.dropped += 1
+            return
+        self._apply(shard, gradient, (worker,), (computed_from,), weight=1.0 / self.layout.workers)
+
+    def _close_rounds(self, now: float) -> None:
+        for t in self.book.closable_rounds(now):
+            for shard in self.shards.values():
+                entry = shard.rounds.pop(t, None)
+                if entry is not None:
+                    self._apply(shard, entry.total, tuple(entry.workers), tuple(entry.versions),
+                                weight=1.0 / len(entry.workers))
+
+    def _apply(self, shard: _Shard, gradient: torch.Tensor, workers: tuple[int, ...],
+               computed_from: tuple[int, ...], *, weight: float) -> None:
+        info = UpdateInfo(model=shard.spec.name, server=self.server, version=shard.version, workers=workers,
+                          computed_from=computed_from, weight=weight)
+        shard.rule(shard.values, gradient, info)
+        for v in computed_from:
+            self.stats.delays[shard.version - v] += 1
+        shard.version += 1
+        self.stats.updates_applied += 1
+        self.stats.worker_updates += len(workers)
+        for replica in self._replicas:
+            self._send_replica(replica, protocol.encode(op="update", model=shard.spec.name, version=info.version,
+                                                        workers=list(workers), computed_from=list(computed_from),
+                                                        weight=weight), gradient.clone())
+
+    def _pull(self, rank: int, worker: int, header: dict[str, Any]) -> None:
+        shard = self._shard(header["model"], "pull")
+        staleness = header.get("staleness")
+        shard.pulls.append(PendingPull(rank=rank, worker=worker, request_id=int(header["id"]),
+                                       clock=int(header["clock"]),
+                                       staleness=self.config.consistency.pull_staleness if staleness is None
+                                       else float(staleness), arrived=time.monotonic()))
+
+    def _answer_pulls(self, now: float) -> None:
+        for shard in self.shards.values():
+            if not shard.pulls:
+                continue
+            ready = [p for p in shard.pulls if self.book.pull_ready(p.clock, p.staleness, now)]
+            if not ready:
+                continue
+            shard.pulls = [p for p in shard.pulls if p not in ready]
+            model_clock = self.book.model_clock(now)
+            header = protocol.encode(op="model", version=shard.version,
+                                     model_clock=None if model_clock == float("inf") else int(model_clock))
+            for p in ready:
+                self.stats.pulls += 1
+                if model_clock != float("inf"):
+                    self.stats.clock_lag[int(p.clock - model_clock)] += 1
+            if self._request_callback is not None:
+                for p in ready:
+                    answer = self._request_callback(shard.spec.name, p.worker, shard.values)
+                    snapshot = shard.snapshot() if answer is None else answer.detach().reshape(-1).clone()
+                    self._sending += [(h, snapshot) for h in self.routing.answer_pulls(self, [p], snapshot, header)]
+                continue
+            snapshot = shard.snapshot()
+            self._sending += [(h, snapshot) for h in self.routing.answer_pulls(self, ready, snapshot, header)]
+
+    def _send_replica(self, replica: int, header: bytes, values: torch.Tensor | bytes) -> None:
+        if replica in self.transport.lost_peers:
+            return
+        payload = values if isinstance(values, bytes) else tensor_bytes(values)
+        handle = self.transport.send(replica, protocol.tag(protocol.REPLICATE, self.config.session), payload,
+                                     meta=header, channel=self.channel)
+        if isinstance(values, torch.Tensor):
+            self._sending.append((handle, values))

@@ -1,0 +1,406 @@
+"""The worker's side of the parameter server: push, pull, clock (MLNET) and push/get/allreduce (MLfabric).
+
+    python -m pytest tests/unit/test_ps.py tests/local/test_ps_processes.py
+
+Both papers' APIs on one implementation (:class:`PSWorker`):
+
+* MLNET: ``pull(model, staleness)``, ``push(model, gradients)``, ``clock()``;
+* MLfabric Table 1: ``push(server, update, update_norm)``, ``get(server, model)``,
+  ``allreduce(update)`` (realised through push/get to a root drawn at random, §6).
+
+Every call checks its arguments on the caller at once (model registered, keys, shapes, dtype)
+and names the worker, the key and what was expected. Every wait is bounded by the
+configuration's ``timeout_s``, and a server that dies or leaves makes the waiting call raise
+:class:`mlfabric.PeerLostError` naming it as soon as the transport knows (well within 2 s
+over TCP). ``*_async`` variants return ``torch.futures.Future``; they run one at a time, in
+call order, on the worker's own thread.
+
+A typical iteration: ``pull`` (answered when the consistency model allows), compute, ``push``,
+``clock``. The worker's clock counts its finished iterations; a pull carries it so the server
+can hold it back under BSP/SSP (:mod:`mlfabric.ps.consistency`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
+
+import torch
+
+from mlfabric.errors import CollectiveTimeoutError, MlfabricError, PeerLostError
+from mlfabric.runtime.executor import tensor_bytes
+from mlfabric.transport.base import Message, SendHandle, Transport
+
+from . import protocol
+from .config import PSConfig
+from .layout import PSLayout
+from .model import ModelSpec, Tensors
+from .routing import RoutingPolicy, routing_policy
+from .server import payload_tensor
+
+log = logging.getLogger("mlfabric.ps")
+T = TypeVar("T")
+
+
+class PSRequestError(MlfabricError, ValueError):
+    """A server refused a request (the message says which server, why and what to do)."""
+
+
+@dataclass
+class WorkerStats:
+    pushes: int = 0
+    pulls: int = 0
+    pull_latency_s: list[float] = field(default_factory=list)
+    versions_seen: list[int] = field(default_factory=list)  # server 0's version at each pull
+
+    def as_dict(self) -> dict[str, Any]:
+        lat = sorted(self.pull_latency_s)
+        return {"pushes": self.pushes, "pulls": self.pulls,
+                "pull_latency_ms_mean": 1e3 * sum(lat) / len(lat) if lat else None,
+                "pull_latency_ms_p50": 1e3 * lat[len(lat) // 2] if lat else None,
+                "pull_latency_ms_max": 1e3 * lat[-1] if lat else None}
+
+
+class PSWorker:
+    """Worker ``layout.worker_index(transport.rank)`` of a PS job (module docstring)."""
+
+    def __init__(self, transport: Transport, layout: PSLayout, config: PSConfig, *,
+                 routing: RoutingPolicy | None = None, channel: str | None = None) -> None:
+        self.transport = transport
+        self.layout = layout
+        self.config = config
+        self.index = layout.worker_index(transport.rank)
+        self.who = layout.describe(transport.rank)
+        self.channel = channel or transport.channels[0]
+        self.routing = routing or routing_policy(config.routing)
+        self.models: dict[str, ModelSpec] = {}
+        self.versions: dict[str, list[int]] = {}
+        self.clock_value = 0
+        self.stats = WorkerStats()
+        self._ids = itertools.count(1)  # 0 is the tag of errors about pushes and clocks
+        self._allreduce_seq = itertools.count(1)
+        self._roots = random.Random(config.seed * 7_919 + 1)
+        self._inflight: list[tuple[SendHandle, torch.Tensor]] = []
+        self._left = False
+        self._lock = threading.RLock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    # -- registration ------------------------------------------------------------------------
+
+    def init_model(self, name: str, tensors: Tensors, *, lr: float = 0.01, momentum: float = 0.0) -> ModelSpec:
+        """Register model ``name`` with its initial values (every worker calls it with the same
+        layout; the first values to reach a server win). ``lr``/``momentum``: the server's
+        eq. (1)-(2). Waits until every server has it."""
+        with self._lock:
+            self._check_open("init_model")
+            spec = ModelSpec.of(name, tensors)
+            if name in self.models and self.models[name] != spec:
+                raise ValueError(f"{self.who}: init_model({name!r}) again with another layout")
+            flat = spec.flatten(tensors, who=self.who, op="init_model")
+            ids = []
+            for j, (offset, length) in enumerate(spec.shards(self.layout.servers)):
+                request_id = next(self._ids)
+                ids.append(request_id)
+                component = flat[offset:offset + length].contiguous()
+                handle = self.transport.send(self.layout.server_rank(j), protocol.request_tag(self.config.session),
+                                             tensor_bytes(component), channel=self.channel,
+                                             meta=protocol.encode(op=protocol.INIT, id=request_id,
+                                                                  spec=spec.to_json(), lr=lr, momentum=momentum))
+                self._inflight.append((handle, component))
+            versions = [int(self._await(j, request_id, f"init_model({name!r})")[0]["version"])
+                        for j, request_id in enumerate(ids)]
+            self.models[name] = spec
+            self.versions[name] = versions
+            return spec
+
+    # -- push -----------------------------------------------------------------------------------
+
+    def push(self, target: str | int, update: Tensors, update_norm: float | None = None, *,
+             model: str | None = None) -> None:
+        """MLNET ``push(model, gradients)``: ``target`` is the model's name and ``update`` its
+        gradients (a mapping key -> tensor, a sequence in registration order, a module whose
+        parameters hold them, or the flat vector). MLfabric ``push(server, update,
+        update_norm)``: ``target`` is a server index and ``update`` that server's component
+        (the flat range of ``model``, by default the only registered model). Returns once the
+        transport has the data (it leaves in the background)."""
+        with self._lock:
+            self._check_open("push")
+            if isinstance(target, int) and not isinstance(target, bool):
+                spec = self._model(model, "push")
+                server = self._server(target, "push")
+                offset, length = spec.shards(self.layout.servers)[server]
+                component = _component(update, spec, length, f"{self.who}: push to server {server}")
+                self._send_push(spec, {server: component}, update_norm)
+                return
+            if model is not None:
+                raise TypeError(f"{self.who}: push(model, gradients) names the model once; drop model=")
+            spec = self._model(target, "push")
+            flat = spec.flatten(_gradients(update) if isinstance(update, torch.nn.Module) else update,
+                                who=self.who, op="push")
+            components = {j: flat[offset:offset + length]
+                          for j, (offset, length) in enumerate(spec.shards(self.layout.servers))}
+            self._send_push(spec, components, update_norm)
+
+    def _send_push(self, spec: ModelSpec, components: dict[int, torch.Tensor], norm: float | None) -> None:
+        if norm is None:
+            norm = float(torch.linalg.vector_norm(torch.cat([c.double() for c in components.values()])))
+        headers = [protocol.encode(op=protocol.PUSH, model=spec.name, clock=self.clock_value,
+                                   version=self.versions[spec.name][j], norm=norm) for j in components]
+        servers = list(components)
+        parts = [components[j] for j in servers]
+        if servers == list(range(self.layout.servers)):
+            handles = self.routing.send_push(self, spec.name, parts, headers)
+        else:  # one component (MLfabric's push(server, ...)): straight to that server
+            tag = protocol.request_tag(self.config.session)
+            handles = [self.transport.send(self.layout.server_rank(j), tag, tensor_bytes(c), meta=h,
+                                           channel=self.channel) for j, c, h in zip(servers, parts, headers)]
+        self._inflight += list(zip(handles, parts))
+        self._inflight = [(h, t) for h, t in self._inflight if not h.done()]
+        self.stats.pushes += 1
+
+    def push_async(self, target: str | int, update: Tensors, update_norm: float | None = None, *,
+                   model: str | None = None) -> torch.futures.Future:
+        snapshot = _detach(update)
+        return self._submit(lambda: self.push(target, snapshot, update_norm, model=model))
+
+    # -- clock ----------------------------------------------------------------------------------
+
+    def clock(self) -> int:
+        """Finish this iteration: tell every server, and return the new clock."""
+        with self._lock:
+            self._check_open("clock")
+            tag = protocol.request_tag(self.config.session)
+            meta = protocol.encode(op=protocol.CLOCK, clock=self.clock_value)
+            for j in range(self.layout.servers):
+                self.transport.send(self.layout.server_rank(j), tag, b"", meta=meta, channel=self.channel)
+            self.clock_value += 1
+            return self.clock_value
+
+    # -- pull / get -----------------------------------------------------------------------------
+
+    def pull(self, model: str, staleness: int | None = None) -> dict[str, torch.Tensor]:
+        """MLNET ``pull(model, staleness)``: the model, once the servers' model clock is within
+        ``staleness`` of this worker's clock (default: the job's consistency). Returns the
+        model's tensors by key (views of one flat tensor, :meth:`pull_flat`)."""
+        spec = self._model(model, "pull")
+        return spec.unflatten(self.pull_flat(model, staleness))
+
+    def pull_flat(self, model: str, staleness: int | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`pull` as one flat tensor (written into ``out`` when given)."""
+        with self._lock:
+            self._check_open("pull")
+            spec = self._model(model, "pull")
+            if staleness is not None and staleness < 0:
+                raise ValueError(f"{self.who}: pull({model!r}) with staleness {staleness}; it must be >= 0")
+            if out is None:
+                out = torch.empty(spec.numel, dtype=spec.torch_dtype)
+            elif out.numel() != spec.numel or out.dtype != spec.torch_dtype or not out.is_contiguous():
+                raise ValueError(f"{self.who}: pull({model!r}, out=...) needs a contiguous {spec.numel} x "
+                                 f"{spec.dtype} tensor, got {tuple(out.shape)} x {out.dtype}")
+            started = time.monotonic()
+            ids = [next(self._ids) for _ in range(self.layout.servers)]
+            self.routing.send_pull(self, [protocol.encode(op=protocol.PULL, id=request_id, model=model,
+                                                          clock=self.clock_value, staleness=staleness)
+                                          for request_id in ids])
+            flat = out.reshape(-1)
+            for j, ((offset, length), request_id) in enumerate(zip(spec.shards(self.layout.servers), ids)):
+                header, msg = self._await(j, request_id, f"pull({model!r}) at clock {self.clock_value}")
+                flat[offset:offset + length].copy_(
+                    payload_tensor(msg.payload, spec.torch_dtype, length, f"{self.who}: pull from server {j}"))
+                self.versions[model][j] = int(header["version"])
+            self.stats.pulls += 1
+            self.stats.pull_latency_s.append(time.monotonic() - started)
+            self.stats.versions_seen.append(self.versions[model][0])
+            return out
+
+    def pull_async(self, model: str, staleness: int | None = None) -> torch.futures.Future:
+        return self._submit(lambda: self.pull(model, staleness))
+
+    def get(self, server: int, model: str) -> torch.Tensor:
+        """MLfabric ``get(server, model)``: server ``server``'s shard of ``model`` (flat), at once
+        whatever the consistency (staleness unbounded)."""
+        with self._lock:
+            self._check_open("get")
+            spec = self._model(model, "get")
+            j = self._server(server, "get")
+            request_id = next(self._ids)
+            self.transport.send(self.layout.server_rank(j), protocol.request_tag(self.config.session), b"",
+                                channel=self.channel,
+                                meta=protocol.encode(op=protocol.PULL, id=request_id, model=model,
+                                                     clock=self.clock_value, staleness=float("inf")))
+            header, msg = self._await(j, request_id, f"get(server={j}, model={model!r})")
+            self.versions[model][j] = int(header["version"])
+            _, length = spec.shards(self.layout.servers)[j]
+            return payload_tensor(msg.payload, spec.torch_dtype, length, f"{self.who}: get from server {j}").clone()
+
+    # -- allreduce (MLfabric §6) ------------------------------------------------------------------
+
+    def allreduce(self, update: torch.Tensor) -> torch.Tensor:
+        """The sum of every worker's ``update`` (same shape and dtype on all), through push/get
+        to a root worker drawn at random (the same draw on every worker: call it the same
+        number of times everywhere). Returns a new tensor."""
+        with self._lock:
+            self._check_open("allreduce")
+            if not isinstance(update, torch.Tensor):
+                raise TypeError(f"{self.who}: allreduce expects a tensor, got {type(update).__name__}")
+            seq = next(self._allreduce_seq)
+            root = self._roots.randrange(self.layout.workers)
+            flat = update.detach().to("cpu").reshape(-1).contiguous()
+            what = f"allreduce #{seq} (root: {self.layout.describe(self.layout.worker_rank(root))})"
+            push_tag = protocol.tag(protocol.ALLREDUCE_PUSH, self.config.session, seq)
+            result_tag = protocol.tag(protocol.ALLREDUCE_RESULT, self.config.session, seq)
+            root_rank = self.layout.worker_rank(root)
+            if self.index != root:
+                handle = self.transport.send(root_rank, push_tag, tensor_bytes(flat), channel=self.channel)
+                self._inflight.append((handle, flat))
+                msg = self._take(root_rank, result_tag, what)
+                return payload_tensor(msg.payload, flat.dtype, flat.numel(), what).clone().view(update.shape)
+            total = flat.clone()
+            for w in range(self.layout.workers):
+                if w != self.index:
+                    msg = self._take(self.layout.worker_rank(w), push_tag, what)
+                    total.add_(payload_tensor(msg.payload, flat.dtype, flat.numel(), f"{what} from worker {w}"))
+            handles = [self.transport.send(self.layout.worker_rank(w), result_tag, tensor_bytes(total),
+                                           channel=self.channel)
+                       for w in range(self.layout.workers) if w != self.index]
+            self._inflight += [(h, total) for h in handles]
+            return total.view(update.shape)
+
+    # -- leaving -----------------------------------------------------------------------------------
+
+    def leave(self) -> None:
+        """Tell the servers this worker is done (they stop waiting for it at once); idempotent.
+        The transport stays open for the caller."""
+        with self._lock:
+            if self._left:
+                return
+            self._left = True
+            for j in range(self.layout.servers):
+                rank = self.layout.server_rank(j)
+                if rank not in self.transport.lost_peers:
+                    self.transport.send(rank, protocol.request_tag(self.config.session), b"",
+                                        meta=protocol.encode(op=protocol.LEAVE), channel=self.channel)
+            deadline = time.monotonic() + self.config.timeout_s
+            while self._inflight and time.monotonic() < deadline:
+                self._inflight = [(h, t) for h, t in self._inflight if not h.done()]
+                if self._inflight:
+                    self.transport.progress(self.transport.mailbox.version, 0.01)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    close = leave
+
+    def __enter__(self) -> "PSWorker":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.leave()
+
+    # -- plumbing ----------------------------------------------------------------------------------
+
+    def _submit(self, fn: Callable[[], T]) -> torch.futures.Future:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"mlfabric-ps-w{self.index}")
+        future: torch.futures.Future = torch.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the future's waiter
+                future.set_exception(exc)
+
+        self._pool.submit(run)
+        return future
+
+    def _check_open(self, op: str) -> None:
+        if self._left:
+            raise RuntimeError(f"{self.who}: {op} after leave()")
+        error = self.transport.mailbox.take(self.channel, protocol.reply_tag(self.config.session, 0))
+        if error is not None:
+            raise PSRequestError(protocol.decode(error.meta).get("message", "a server refused a request"))
+
+    def _model(self, model: str | None, op: str) -> ModelSpec:
+        if model is None:
+            if len(self.models) == 1:
+                return next(iter(self.models.values()))
+            raise ValueError(f"{self.who}: {op} needs model=: registered models are {list(self.models)}")
+        spec = self.models.get(model)
+        if spec is None:
+            known = ", ".join(map(repr, self.models)) or "none"
+            raise KeyError(f"{self.who}: {op}({model!r}) before init_model({model!r}) (registered: {known}); "
+                           f"call init_model({model!r}, tensors) on every worker first")
+        return spec
+
+    def _server(self, server: int, op: str) -> int:
+        if not 0 <= server < self.layout.servers:
+            raise ValueError(f"{self.who}: {op} to server {server}, but this job has servers "
+                             f"0..{self.layout.servers - 1}")
+        return server
+
+    def _await(self, server: int, request_id: int, what: str) -> tuple[dict[str, Any], Message]:
+        msg = self._take(self.layout.server_rank(server), protocol.reply_tag(self.config.session, request_id), what)
+        header = protocol.decode(msg.meta)
+        if header["op"] == "error":
+            raise PSRequestError(header["message"])
+        return header, msg
+
+    def _take(self, src: int, tag: int, what: str) -> Message:
+        """The message ``tag`` from ``src``, bounded by the timeout; PeerLostError as soon as
+        ``src`` is lost or has left."""
+        transport, mailbox = self.transport, self.transport.mailbox
+        deadline = time.monotonic() + self.config.timeout_s
+        while True:
+            version = mailbox.version
+            msg = mailbox.take(self.channel, tag, src)
+            if msg is not None:
+                return msg
+            peer = self.layout.describe(src)
+            if src in transport.lost_peers:
+                hint = ("no replica takes over in this runtime: restart the job" if self.layout.role(src) == "server"
+                        else "restart the job without it")
+                raise PeerLostError(f"{self.who}: {peer} was lost ({transport.lost_peers[src]}) during {what}; "
+                                    f"{hint}", rank=transport.rank, peer=src)
+            if src in transport.departed_peers:
+                raise PeerLostError(f"{self.who}: {peer} left the job during {what}", rank=transport.rank, peer=src)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise CollectiveTimeoutError(
+                    f"{self.who}: {what}: no answer from {peer} within {self.config.timeout_s:g} s (it is alive; "
+                    "under BSP/SSP it waits for the slowest worker's clock: is a worker stuck or not calling "
+                    "clock()?)", rank=transport.rank, peer=src)
+            transport.progress(version, min(remaining, 0.1))
+
+
+def _component(update: Tensors, spec: ModelSpec, length: int, who: str) -> torch.Tensor:
+    if not isinstance(update, torch.Tensor):
+        raise TypeError(f"{who}: push(server, update) takes that server's flat component (a tensor), "
+                        f"got {type(update).__name__}")
+    if update.numel() != length:
+        raise ValueError(f"{who}: component of {update.numel()} elements, expected {length} (the server's range of "
+                         f"model {spec.name!r})")
+    if str(update.dtype).removeprefix("torch.") != spec.dtype:
+        raise TypeError(f"{who}: component of dtype {update.dtype}, expected {spec.dtype}")
+    return update.detach().to("cpu").reshape(-1).contiguous().clone()
+
+
+def _gradients(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A module's gradients by parameter name (zeros where a parameter has none)."""
+    return {k: p.grad.detach() if p.grad is not None else torch.zeros_like(p)
+            for k, p in module.named_parameters() if p.requires_grad}
+
+
+def _detach(update: Tensors) -> Tensors:
+    """A copy the caller may change while an async push is queued."""
+    if isinstance(update, torch.Tensor):
+        return update.detach().clone()
+    if isinstance(update, torch.nn.Module):
+        return {k: g.clone() for k, g in _gradients(update).items()}
+    if isinstance(update, dict):
+        return {k: v.detach().clone() for k, v in update.items()}
+    return [t.detach().clone() for t in update]
