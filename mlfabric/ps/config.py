@@ -23,7 +23,7 @@ class PSConfig:
 
     consistency: Consistency = field(default_factory=Consistency)
     timeout_s: float = DEFAULT_TIMEOUT_S
-    lost_worker_wait_s: float = 10.0
+    lost_worker_wait_s: float | None = None  # default: timeout_s / 6
     session: int = 0
     routing: str = "direct"
     seed: int = 0
@@ -33,6 +33,8 @@ class PSConfig:
             object.__setattr__(self, "consistency", Consistency.parse(self.consistency))
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if self.lost_worker_wait_s is None:
+            object.__setattr__(self, "lost_worker_wait_s", self.timeout_s / 6)
         if not self.lost_worker_wait_s >= 0:
             raise ValueError(f"lost_worker_wait_s must be >= 0, got {self.lost_worker_wait_s}")
         if self.lost_worker_wait_s >= self.timeout_s and self.consistency.kind == "bsp":

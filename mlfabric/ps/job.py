@@ -106,7 +106,7 @@ def init(*, servers: int | None = None, replicas: int | None = None, consistency
     try:
         layout = PSLayout.for_world(comm.world_size, servers, replicas)
         config = PSConfig(consistency=consistency, timeout_s=timeout, routing=routing, seed=seed,
-                          lost_worker_wait_s=timeout / 6 if lost_worker_wait_s is None else lost_worker_wait_s)
+                          lost_worker_wait_s=lost_worker_wait_s)
     except ValueError:
         comm.close()
         raise

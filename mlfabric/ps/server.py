@@ -141,7 +141,7 @@ class ParameterServer:
         self.channel = channel or transport.channels[0]
         self.routing = routing or routing_policy(config.routing)
         self.who = f"{layout.describe(transport.rank)}"
-        self.book = ClockBook(layout.workers, config.consistency, config.lost_worker_wait_s)
+        self.book = ClockBook(layout.workers, config.consistency, float(config.lost_worker_wait_s or 0.0))
         self.shards: dict[str, _Shard] = {}
         self.stats = ServerStats(server=self.server)
         self._update_callbacks: dict[str | None, UpdateCallback] = {}

@@ -58,6 +58,9 @@ class WorkerStats:
     pulls: int = 0
     pull_latency_s: list[float] = field(default_factory=list)
     versions_seen: list[int] = field(default_factory=list)  # server 0's version at each pull
+    #: (this worker's clock, server 0's model clock) at each pull: SSP's bound is
+    #: model clock >= clock - s (None: every other worker had left).
+    pull_clocks: list[tuple[int, int | None]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         lat = sorted(self.pull_latency_s)
@@ -214,6 +217,8 @@ class PSWorker:
                 flat[offset:offset + length].copy_(
                     payload_tensor(msg.payload, spec.torch_dtype, length, f"{self.who}: pull from server {j}"))
                 self.versions[model][j] = int(header["version"])
+                if j == 0:
+                    self.stats.pull_clocks.append((self.clock_value, header.get("model_clock")))
             self.stats.pulls += 1
             self.stats.pull_latency_s.append(time.monotonic() - started)
             self.stats.versions_seen.append(self.versions[model][0])
@@ -321,6 +326,9 @@ class PSWorker:
     def _check_open(self, op: str) -> None:
         if self._left:
             raise RuntimeError(f"{self.who}: {op} after leave()")
+        for server in self.layout.server_ranks:
+            if server in self.transport.lost_peers or server in self.transport.departed_peers:
+                raise self._lost(server, op)
         error = self.transport.mailbox.take(self.channel, protocol.reply_tag(self.config.session, 0))
         if error is not None:
             raise PSRequestError(protocol.decode(error.meta).get("message", "a server refused a request"))
@@ -351,30 +359,39 @@ class PSWorker:
         return header, msg
 
     def _take(self, src: int, tag: int, what: str) -> Message:
-        """The message ``tag`` from ``src``, bounded by the timeout; PeerLostError as soon as
-        ``src`` is lost or has left."""
+        """The message ``tag`` from ``src``, bounded by the timeout. PeerLostError as soon as
+        ``src`` or any server is lost or has left: a worker cannot go on without every shard,
+        and a call waiting on a live server (a BSP pull held for a round) must not wait out
+        the timeout because another server died."""
         transport, mailbox = self.transport, self.transport.mailbox
         deadline = time.monotonic() + self.config.timeout_s
+        watched = (src, *self.layout.server_ranks)
         while True:
             version = mailbox.version
             msg = mailbox.take(self.channel, tag, src)
             if msg is not None:
                 return msg
-            peer = self.layout.describe(src)
-            if src in transport.lost_peers:
-                hint = ("no replica takes over in this runtime: restart the job" if self.layout.role(src) == "server"
-                        else "restart the job without it")
-                raise PeerLostError(f"{self.who}: {peer} was lost ({transport.lost_peers[src]}) during {what}; "
-                                    f"{hint}", rank=transport.rank, peer=src)
-            if src in transport.departed_peers:
-                raise PeerLostError(f"{self.who}: {peer} left the job during {what}", rank=transport.rank, peer=src)
+            for peer in watched:
+                if peer in transport.lost_peers or peer in transport.departed_peers:
+                    raise self._lost(peer, what)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CollectiveTimeoutError(
-                    f"{self.who}: {what}: no answer from {peer} within {self.config.timeout_s:g} s (it is alive; "
-                    "under BSP/SSP it waits for the slowest worker's clock: is a worker stuck or not calling "
-                    "clock()?)", rank=transport.rank, peer=src)
+                    f"{self.who}: {what}: no answer from {self.layout.describe(src)} within "
+                    f"{self.config.timeout_s:g} s (it is alive; under BSP/SSP it waits for the slowest worker's "
+                    "clock: is a worker stuck or not calling clock()?)", rank=transport.rank, peer=src)
             transport.progress(version, min(remaining, 0.1))
+
+    def _lost(self, peer: int, what: str) -> PeerLostError:
+        transport = self.transport
+        name = self.layout.describe(peer)
+        if peer in transport.lost_peers:
+            hint = ("no replica takes over in this runtime: restart the job" if self.layout.role(peer) == "server"
+                    else "restart the job without it")
+            text = f"{self.who}: {name} was lost ({transport.lost_peers[peer]}) during {what}; {hint}"
+        else:
+            text = f"{self.who}: {name} left the job during {what}"
+        return PeerLostError(text, rank=transport.rank, peer=peer)
 
 
 def _component(update: Tensors, spec: ModelSpec, length: int, who: str) -> torch.Tensor:
