@@ -1,6 +1,7 @@
-"""PyTorch integration: DDP communication hooks and the eager-SGD optimizer wrapper."""
+"""PyTorch integration: DDP communication hooks, the eager-SGD and parameter-server optimizer wrappers."""
 
 from .eager_sgd import EagerSGD, EagerStats
 from .hooks import HookState, allreduce_hook
+from .ps_optimizer import PSOptimizer
 
-__all__ = ["EagerSGD", "EagerStats", "HookState", "allreduce_hook"]
+__all__ = ["EagerSGD", "EagerStats", "HookState", "PSOptimizer", "allreduce_hook"]

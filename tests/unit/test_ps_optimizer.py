@@ -1,0 +1,87 @@
+"""PSOptimizer on threads: in BSP it is synchronous data-parallel SGD exactly; bad optimizers
+are refused with the reason.
+
+    python -m pytest tests/unit/test_ps_optimizer.py -q
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from mlfabric.ps import PSConfig, PSLayout, local_jobs
+from mlfabric.torch import PSOptimizer
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+
+
+def _batches(worker: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(100 + worker)
+    return [(torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)) for _ in range(steps)]
+
+
+def test_bsp_ps_optimizer_matches_synchronous_sgd() -> None:
+    workers, steps = 3, 5
+    layout = PSLayout(servers=2, workers=workers)
+    jobs = local_jobs(layout, PSConfig(consistency="bsp", timeout_s=10))
+    finals: dict[int, torch.Tensor] = {}
+
+    def work(job) -> None:  # noqa: ANN001
+        if job.role == "server":
+            job.serve()
+            return
+        model = _model()
+        ps = PSOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, job.worker)
+        for x, y in _batches(job.worker.index, steps):
+            ps.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            ps.step()
+        finals[job.worker.index] = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+        ps.leave()
+
+    threads = [threading.Thread(target=work, args=(j,), daemon=True) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for j in jobs:
+        j.comm.close()
+    # The reference: one model, the gradients of the workers' batches averaged each step.
+    ref = _model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    batches = [_batches(w, steps) for w in range(workers)]
+    for step in range(steps):
+        grads = []
+        for w in range(workers):
+            ref.zero_grad()
+            x, y = batches[w][step]
+            torch.nn.functional.mse_loss(ref(x), y).backward()
+            grads.append([p.grad.clone() for p in ref.parameters()])
+        for i, p in enumerate(ref.parameters()):
+            p.grad = torch.stack([g[i] for g in grads]).mean(0)
+        opt.step()
+    expected = torch.nn.utils.parameters_to_vector(ref.parameters()).detach()
+    assert sorted(finals) == [0, 1, 2]
+    for final in finals.values():
+        torch.testing.assert_close(final, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_refuses_what_the_servers_cannot_apply() -> None:
+    layout = PSLayout(servers=1, workers=1)
+    jobs = local_jobs(layout, PSConfig(timeout_s=5))
+    model = _model()
+    try:
+        with pytest.raises(TypeError, match="needs torch.optim.SGD"):
+            PSOptimizer(torch.optim.Adam(model.parameters()), model, jobs[1].worker)
+        with pytest.raises(ValueError, match="weight_decay"):
+            PSOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=1e-4), model, jobs[1].worker)
+        with pytest.raises(TypeError, match="PSWorker"):
+            PSOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, jobs[0].comm)
+    finally:
+        for j in jobs:
+            j.comm.close()
