@@ -1,0 +1,187 @@
+"""The scheduler facade: a batch of update requests in, one decision per update out.
+
+    .venv/bin/python -m pytest tests/unit/test_ps_scheduler.py -q -k facade
+
+:class:`Scheduler` turns :class:`UpdateRequest` s (worker host, bytes per server component,
+model version the update was computed from, norm) plus the server's current version,
+``tau_max``, the network state and the aggregator hosts into a :class:`BatchSchedule`: for
+every update a :class:`Decision` (dropped or not, position in the application order, next
+hop per server component, start, rate profiles, predicted ``t_en`` and commit time), and the
+aggregates to send. It runs, in the paper's order (§5):
+
+* MLfabric-A (``mode="async"``): Alg. 2 (deadlines ``dl = v(g) + tau_max - v_init``, eq. 9,
+  look-ahead drops), then Alg. 3 choosing the split by ``obj_async`` (eq. 17);
+* MLfabric-S (``mode="sync"``, §6): no deadlines and no drops; Alg. 1's shortest-first list
+  feeds Alg. 3, which chooses the split by ``obj_sync`` (eq. 16, the paper's line 24).
+
+Deterministic: requests are processed in ``update_id`` order (whatever order they come in),
+ties are broken by that order, and the only randomness, the pre-assignment of aggregators
+to groups (§5.2), comes from ``numpy.random.default_rng((seed, version))``.
+Replication (§5.3) is not part of this module (docs/mlfabric_scheduler.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import numpy as np
+
+from mlfabric.ps.scheduler.aggregation import AggregationResult, GroupPlan, Objective, aggregate
+from mlfabric.ps.scheduler.netstate import NetState, Transfer
+from mlfabric.ps.scheduler.ordering import Batch, OrderResult, order_updates
+
+__all__ = ["BatchSchedule", "Decision", "Plan", "Scheduler", "SchedulerConfig", "UpdateRequest", "plan_batch"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateRequest:
+    update_id: int
+    worker: int
+    """Host of the worker that pushes the update."""
+    sizes: tuple[float, ...]
+    """Bytes for each server (one component per server, §10.2)."""
+    version: int
+    """Model version the update was computed from."""
+    norm: float = 0.0
+    """``||u||`` (kept for the replication step's divergence bound, §5.3)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    tau_max: int = 30
+    mode: Literal["async", "sync"] = "async"
+    aggregation: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tau_max < 0:
+            raise ValueError(f"tau_max must be >= 0, got {self.tau_max}")
+        if self.mode not in ("async", "sync"):
+            raise ValueError(f"mode must be 'async' or 'sync', got {self.mode!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    update_id: int
+    worker: int
+    dropped: bool
+    reason: str | None = None
+    """Why it was dropped: ``doomed`` (deadline already passed), ``look-ahead`` (Fig. 5), ``no-capacity``."""
+    position: int | None = None
+    """1-based place in the batch's application order."""
+    next_hop: tuple[int, ...] = ()
+    """Per server component: the host to send to (the server's, or an aggregator's)."""
+    group: int | None = None
+    """0 = straight to the server(s); j = aggregated in group j."""
+    start: float | None = None
+    t_en: float | None = None
+    """When the update's own bytes reach ``next_hop`` (max over components, eq. 18)."""
+    commit: float | None = None
+    """Predicted time the server applies it (an aggregate's arrival for aggregated updates)."""
+    delay: int | None = None
+    """Applied model version minus ``version`` (``v_init + position - version``): <= tau_max."""
+    transfers: tuple[Transfer, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What the pure pipeline returns (batch indices): ordering, then aggregation."""
+
+    ordered: OrderResult
+    aggregated: AggregationResult
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchSchedule:
+    decisions: tuple[Decision, ...]
+    """Kept updates in application order, then the dropped ones (in ``update_id`` order)."""
+    aggregates: tuple[GroupPlan, ...]
+    """Members are ``update_id`` s; ``transfers`` go from the aggregator to the server(s)."""
+    split: int
+    obj_async: float
+    obj_sync: float
+    version: int
+
+    def applied(self) -> list[Decision]:
+        return [d for d in self.decisions if not d.dropped]
+
+    def dropped(self) -> list[Decision]:
+        return [d for d in self.decisions if d.dropped]
+
+
+def plan_batch(batch: Batch, net: NetState, group_hosts: Sequence[Sequence[int]], *, objective: Objective,
+               start: float = 0.0) -> Plan:
+    """Ordering (Alg. 2, or Alg. 1 when the batch has no deadlines) then aggregation (Alg. 3)."""
+    ordered = order_updates(batch, net, start=start)
+    return Plan(ordered=ordered, aggregated=aggregate(batch, ordered, group_hosts, objective=objective, start=start))
+
+
+class Scheduler:
+    """MLfabric's scheduler for one or more servers (hosts ``servers``)."""
+
+    def __init__(self, config: SchedulerConfig, *, servers: Sequence[int],
+                 aggregators: Sequence[int] | Sequence[Sequence[int]] = ()) -> None:
+        self.config = config
+        self.servers = tuple(int(s) for s in servers)
+        if not self.servers:
+            raise ValueError("at least one server host")
+        aggs = [list(a) if isinstance(a, (list, tuple)) else [int(a)] * len(self.servers) for a in aggregators]
+        # aggregators: a list of hosts shared by every server, or one list of hosts per group
+        self.aggregators = [tuple(int(h) for h in a) for a in aggs]
+
+    def group_hosts(self, version: int) -> list[tuple[int, ...]]:
+        """The seeded random pre-assignment of aggregators to groups 1..k (§5.2)."""
+        if not self.config.aggregation or not self.aggregators:
+            return []
+        perm = np.random.default_rng((self.config.seed, version)).permutation(len(self.aggregators))
+        return [self.aggregators[int(i)] for i in perm]
+
+    def batch(self, requests: Sequence[UpdateRequest], *, version: int) -> tuple[list[UpdateRequest], Batch]:
+        reqs = sorted(requests, key=lambda r: r.update_id)
+        if len({r.update_id for r in reqs}) != len(reqs):
+            raise ValueError("update ids must be unique within a batch")
+        for r in reqs:
+            if len(r.sizes) != len(self.servers):
+                raise ValueError(f"update {r.update_id}: {len(r.sizes)} sizes for {len(self.servers)} servers")
+            if r.version > version:
+                raise ValueError(f"update {r.update_id} was computed from version {r.version} > current {version}")
+        deadlines = None
+        if self.config.mode == "async":
+            deadlines = tuple(r.version + self.config.tau_max - version for r in reqs)
+        sizes = np.array([r.sizes for r in reqs], dtype=float).reshape(len(reqs), len(self.servers))
+        return reqs, Batch(src=tuple(r.worker for r in reqs), sizes=sizes, servers=self.servers, deadlines=deadlines)
+
+    def schedule(self, requests: Sequence[UpdateRequest], *, version: int, network: NetState,
+                 now: float | None = None) -> BatchSchedule:
+        start = network.origin if now is None else float(now)
+        reqs, batch = self.batch(requests, version=version)
+        hosts = self.group_hosts(version)
+        objective: Objective = "async" if self.config.mode == "async" else "sync"
+        plan = plan_batch(batch, network, hosts, objective=objective, start=start)
+        agg = plan.aggregated
+        hop = agg.hop()
+        groups = {grp.slot: grp for grp in agg.groups}
+        position = {g: i + 1 for i, g in enumerate(plan.ordered.order)}
+        kept: list[Decision] = []
+        dropped: list[Decision] = []
+        for od in plan.ordered.decisions:
+            r = reqs[od.index]
+            if od.dropped:
+                dropped.append(Decision(update_id=r.update_id, worker=r.worker, dropped=True, reason=od.reason))
+                continue
+            slot = hop[od.index]
+            trs = agg.member_transfers[od.index]
+            nh = self.servers if slot == 0 else groups[slot].hosts
+            pos = position[od.index]
+            kept.append(Decision(
+                update_id=r.update_id, worker=r.worker, dropped=False, position=pos, next_hop=tuple(nh), group=slot,
+                start=min((t.begin for t in trs), default=start), t_en=max((t.end for t in trs), default=start),
+                commit=agg.commit[od.index], delay=version + pos - r.version, transfers=trs))
+        kept.sort(key=lambda d: d.position)
+        dropped.sort(key=lambda d: d.update_id)
+        aggregates = tuple(GroupPlan(slot=grp.slot, hosts=grp.hosts, members=tuple(reqs[g].update_id for g in grp.members),
+                                     ready=grp.ready, transfers=grp.transfers, arrival=grp.arrival, commit=grp.commit)
+                           for grp in agg.groups)
+        return BatchSchedule(decisions=tuple(kept + dropped), aggregates=aggregates, split=agg.split,
+                             obj_async=agg.obj_async, obj_sync=agg.obj_sync, version=version)
