@@ -311,6 +311,37 @@ def bench_partial(
         raise typer.Exit(1)
 
 
+@bench_app.command("scheduler")
+def bench_scheduler(
+    updates: Annotated[str, typer.Option(help="Comma-separated batch sizes |U| (MLfabric §7.4).")] = "100,500,1000",
+    repeats: Annotated[int, typer.Option(help="Batches per |U| for the fast scheduler (median reported).")] = 5,
+    reference_repeats: Annotated[int, typer.Option(help="How many of them the reference also plans.")] = 1,
+    aggregators: Annotated[int, typer.Option(help="Aggregators (hosts 1..k) for Alg. 3.")] = 2,
+    mode: Annotated[str, typer.Option(help="async (MLfabric-A: Alg. 2 + 3) or sync (MLfabric-S).")] = "async",
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures and metadata here.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the batches and NIC rates.")] = 0,
+) -> None:
+    """MLfabric §7.4: ms per batch of the update scheduler vs its plain reference, same batches."""
+    from mlfabric.ps.scheduler.bench import SchedulerBenchConfig, render_table, run_scheduler_bench
+
+    sizes = tuple(_parse_or_usage(int, item) for item in split_list(updates, "batch sizes"))
+    config = make_config(SchedulerBenchConfig, updates=sizes, repeats=repeats, reference_repeats=reference_repeats,
+                         aggregators=aggregators, mode=mode, seed=seed)
+    command = ["mlfabric", "bench", "scheduler", "--updates", ",".join(map(str, sizes)), "--repeats", str(repeats),
+               "--reference-repeats", str(reference_repeats), "--aggregators", str(aggregators), "--mode", mode,
+               "--seed", str(seed)]
+    if json_path is not None:
+        command += ["--json", str(json_path)]
+    with console.status("scheduler benchmark") as status:
+        result = run_or_exit(lambda: run_scheduler_bench(config, argv=command, on_step=status.update), errors=())
+    console.print(render_table(result))
+    if json_path is not None:
+        write_json(json_path, result)
+    if any(r["identical"] is False for r in result["results"]):
+        console.print("[bold red]error:[/] the fast scheduler's decisions differ from the reference's")
+        raise typer.Exit(1)
+
+
 # --------------------------------------------------------------------------- simulate
 
 

@@ -239,9 +239,16 @@ def aggregate(batch: Batch, ordered: OrderResult, group_hosts: Sequence[Sequence
     best = sp.det_agg(N, objective, INF)
     assert best is not None  # all direct is always feasible
     best_val = best.obj_async if objective == "async" else best.obj_sync
+    best_n = N
     tried = 1
     if group_hosts:
-        for n in range(N - 1, -1, -1):
+        # a coarse pass first (every ~sqrt(N)-th split) finds a good incumbent early, so the
+        # bounds then cut most of the other splits short; ties go to the smaller n as in the
+        # reference's first-minimum scan
+        stride = max(1, int(N ** 0.5))
+        coarse = list(range(N - 1, -1, -stride))
+        rest = [n for n in range(N - 1, -1, -1) if n not in set(coarse)]
+        for n in coarse + rest:
             if n > 0:
                 c = sp.commit_direct[n - 1]
                 lb = (sp.prefix_sum[n] + (N - n) * c) / N if objective == "async" else c
@@ -254,8 +261,8 @@ def aggregate(batch: Batch, ordered: OrderResult, group_hosts: Sequence[Sequence
             if res is None:
                 continue
             val = res.obj_async if objective == "async" else res.obj_sync
-            if val <= best_val:
-                best, best_val = res, val
+            if val < best_val or (val == best_val and n < best_n):
+                best, best_val, best_n = res, val, n
     return AggregationResult(split=best.split, direct=best.direct, groups=best.groups,
                              member_transfers=best.member_transfers, commit=best.commit, obj_async=best.obj_async,
                              obj_sync=best.obj_sync, splits_tried=tried)
