@@ -311,6 +311,55 @@ def bench_partial(
         raise typer.Exit(1)
 
 
+@bench_app.command("ps")
+def bench_ps(
+    workers: Annotated[int, typer.Option(help="Workers, one per emulated host after the servers'.")] = 8,
+    servers: Annotated[int, typer.Option(help="Servers, on hosts 0..S-1 (the model is sharded over them).")] = 1,
+    model_size: Annotated[str, typer.Option("--model-size", help="Model size (float32): KB/MB powers of 1000, "
+                                            "KiB/MiB of 1024.")] = "64MB",
+    rate: Annotated[str, typer.Option(help="Rate of every emulated NIC, e.g. 1gbit, 500mbit.")] = "1gbit",
+    iterations: Annotated[int, typer.Option(help="Push+pull iterations, warm-up included.")] = 3,
+    warmup: Annotated[int, typer.Option(help="Leading iterations not counted.")] = 1,
+    transport: Annotated[str, typer.Option(help="mlfabric transport: tcp, zmq or torch.")] = "tcp",
+    goodput: Annotated[bool, typer.Option("--goodput/--no-goodput", help="First measure one TCP flow between hosts "
+                                          "0 and 1 (2.5 s) and also simulate at that rate.")] = True,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures and metadata here.")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds before the whole run is killed.")] = 900.0,
+) -> None:
+    """PS incast (root): W workers push and pull a model through S servers on an emulated star, BSP.
+
+    Reports the server NIC's ingress (push) and egress (pull) goodput as fractions of the NIC
+    rate, and the iteration time against the simulator's for the same job (mlfabric.sim)."""
+    from mlfabric.bench.ps import PSBenchConfig, render_tables, run_ps_bench
+    from mlfabric.emu.cmd import EmuUnavailableError
+    from mlfabric.units import parse_rate, parse_size
+
+    config = make_config(PSBenchConfig, workers=workers, servers=servers,
+                         model_bytes=_parse_or_usage(parse_size, model_size),
+                         rate_bps=make_config(parse_rate, value=rate), iterations=iterations, warmup=warmup,
+                         transport=transport, measure_goodput=goodput, timeout_s=timeout)
+    command = ["mlfabric", "bench", "ps", "--workers", str(workers), "--servers", str(servers), "--model-size",
+               model_size, "--rate", rate, "--iterations", str(iterations), "--warmup", str(warmup),
+               "--transport", transport, *([] if goodput else ["--no-goodput"])]
+    if json_path is not None:
+        command += ["--json", str(json_path)]
+    from mlfabric.bench.procs import RankFailedError, RankTimeoutError
+
+    with progress_bar() as progress:
+        task = progress.add_task(f"ps: {workers} workers -> {servers} server(s)", total=iterations)
+        result = run_or_exit(lambda: run_ps_bench(
+            config, argv=command, capture_output=True,
+            on_progress=lambda done, total: progress.update(task, completed=done, total=total)),
+            (RankFailedError, RankTimeoutError, EmuUnavailableError))
+    for table in render_tables(result):
+        console.print(table)
+    if json_path is not None:
+        write_json(json_path, result.to_dict())
+    if not result.summary()["correct"]:
+        console.print("[bold red]error:[/] a pulled model differed from the exact BSP result")
+        raise typer.Exit(1)
+
+
 @bench_app.command("scheduler")
 def bench_scheduler(
     updates: Annotated[str, typer.Option(help="Comma-separated batch sizes |U| (MLfabric §7.4).")] = "100,500,1000",
@@ -803,7 +852,11 @@ def train(
     workload: Annotated[str, typer.Option(help="hyperplane (eager-SGD §6.2.1) or lstm (§6.3).")] = "hyperplane",
     workers: Annotated[int, typer.Option(help="Number of local ranks (processes).")] = 8,
     sync: Annotated[str, typer.Option(help="Comma-separated modes: allreduce (synchronous SGD), eager-solo, "
-                                           "eager-majority.")] = "allreduce,eager-solo",
+                                           "eager-majority; parameter server: ps-bsp, ps-ssp:S (staleness S), "
+                                           "ps-async.")] = "allreduce,eager-solo",
+    servers: Annotated[int, typer.Option(help="PS modes: server processes (beside --workers workers).")] = 1,
+    delay_bound: Annotated[Optional[int], typer.Option(
+        "--delay-bound", help="ps-async: drop updates whose delay would exceed TAU (MLfabric's tau_max).")] = None,
     inject: Annotated[Optional[list[str]], typer.Option(
         help="Delay injection, repeatable (each runs every mode): one-random:300ms (one random worker per step), "
              "random:300ms,2, skew:50ms,50ms,rotate, none.")] = None,
@@ -830,13 +883,14 @@ def train(
     timeout: Annotated[float, typer.Option(help="Seconds before the whole launch is killed.")] = 3600.0,
     seed: Annotated[int, typer.Option(help="Seed of data, models, batches and injections.")] = 0,
 ) -> None:
-    """eager-SGD vs synchronous SGD on local ranks: throughput and validation metric vs wall time.
+    """eager-SGD and the parameter server vs synchronous SGD on local ranks: throughput and
+    validation metric vs wall time.
 
     All (injection, mode) runs share one launch and run one after the other; the table shows
     each eager mode's throughput and final metric relative to allreduce under the same injection."""
     import dataclasses
 
-    from mlfabric.train.eager import EagerTrainConfig, render_table, run_eager_training, write_outputs
+    from mlfabric.train.eager import EagerTrainConfig, render_ps_table, render_table, run_eager_training, write_outputs
     from mlfabric.train.workloads import HyperplaneSpec, LstmSpec
     from mlfabric.units import parse_duration
 
@@ -849,12 +903,15 @@ def train(
     config = make_config(EagerTrainConfig, workload=workload, workers=workers, modes=modes, injects=injects,
                          epochs=epochs, batch_size=batch_size, lr=lr, momentum=momentum,
                          sync_every_epochs=sync_every_epochs, algorithm=algorithm, hyperplane=hyper, lstm=lstm,
-                         transport=transport, timeout_s=timeout, seed=seed)
+                         transport=transport, timeout_s=timeout, seed=seed, servers=servers,
+                         delay_bound=delay_bound)
     out_dir = out if out is not None else Path("runs") / workload
     command = ["mlfabric", "train", "--workload", workload, "--workers", str(workers), "--sync", sync,
                *[arg for spec in injects for arg in ("--inject", spec)],
                "--algorithm", algorithm, "--seed", str(seed), "--out", str(out_dir)]
-    for flag, value in (("--epochs", epochs), ("--batch-size", batch_size), ("--lr", lr), ("--momentum", momentum),
+    if any(mode.startswith("ps-") for mode in modes):
+        command += ["--servers", str(servers)]
+    for flag, value in (("--delay-bound", delay_bound), ("--epochs", epochs), ("--batch-size", batch_size), ("--lr", lr), ("--momentum", momentum),
                         ("--train-samples", train_samples), ("--sync-every-epochs", sync_every_epochs)):
         if value is not None:
             command += [flag, str(value)]
@@ -871,6 +928,8 @@ def train(
     files = write_outputs(result, out_dir, plot=plot)
     result = dataclasses.replace(result, files=files)
     console.print(render_table(result))
+    if any(run.ps is not None for run in result.runs):
+        console.print(render_ps_table(result))
     for kind, path in files.items():
         console.print(f"{'note' if kind.endswith('skipped') else 'wrote'} {kind.removesuffix('_skipped')}: {path}")
     if json_path is not None:

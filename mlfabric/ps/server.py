@@ -176,6 +176,7 @@ class ParameterServer:
         """Serve until every worker has left or was lost (or :meth:`stop`); returns the stats."""
         mailbox = self.transport.mailbox
         tag = protocol.request_tag(self.config.session)
+        before = self.transport.counters()  # the transport may have carried earlier sessions
         while not self._stop.is_set():
             version = mailbox.version
             while (msg := mailbox.take(self.channel, tag)) is not None:
@@ -191,9 +192,9 @@ class ParameterServer:
             wait = _IDLE_S if deadline is None else min(_IDLE_S, max(0.0, deadline - now))
             self.transport.progress(version, wait)
         self._flush()
-        counters = self.transport.counters()
-        self.stats.bytes_in = sum(c.bytes_recv for c in counters.values())
-        self.stats.bytes_out = sum(c.bytes_sent for c in counters.values())
+        after = self.transport.counters()
+        self.stats.bytes_in = sum(c.bytes_recv for c in after.values()) - sum(c.bytes_recv for c in before.values())
+        self.stats.bytes_out = sum(c.bytes_sent for c in after.values()) - sum(c.bytes_sent for c in before.values())
         self.stats.missing_rounds = list(self.book.missing)
         for replica in self._replicas:
             self._send_replica(replica, protocol.encode(op="end"), b"")

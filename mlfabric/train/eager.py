@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from mlfabric.bench.procs import LaunchConfig, check_choices, check_distinct, rank_env, report, run_ranks
+from mlfabric.bench.procs import LaunchConfig, check_distinct, rank_env, report, run_ranks
 
+from .ps_modes import PS_MODE_FORMS, is_ps_mode, ps_consistency
 from .workloads import Hyperplane, HyperplaneSpec, LstmSpec, SequenceTask
 
 if TYPE_CHECKING:
@@ -48,12 +49,14 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 __all__ = [
-    "MODES", "SYNCHRONOUS", "WORKLOADS", "CurvePoint", "EagerTrainConfig", "EagerTrainResult", "RunResult",
+    "MODES", "MODE_FORMS", "render_ps_table", "SYNCHRONOUS", "WORKLOADS", "CurvePoint", "EagerTrainConfig", "EagerTrainResult", "RunResult",
     "parse_injection", "render_table", "run_eager_training", "write_outputs",
 ]
 
 SYNCHRONOUS = "allreduce"
 MODES = (SYNCHRONOUS, "eager-solo", "eager-majority")
+#: Every accepted mode spelling (the PS ones take a staleness: ps-ssp:2).
+MODE_FORMS = (*MODES, *PS_MODE_FORMS)
 #: "Reaching allreduce's final metric": within 5% of its MSE, within 1 point of its accuracy.
 TARGET_TOLERANCE = {"mse": 0.05, "accuracy": 0.01}
 
@@ -108,6 +111,10 @@ class EagerTrainConfig:
     transport: str = "zmq"
     timeout_s: float = 3_600.0
     seed: int = 0
+    #: Parameter-server modes: server processes (ranks of their own, beside the workers) and
+    #: ps-async's delay bound (None: unbounded).
+    servers: int = 1
+    delay_bound: int | None = None
 
     def __post_init__(self) -> None:
         from mlfabric import TRANSPORTS
@@ -117,7 +124,16 @@ class EagerTrainConfig:
             raise ValueError(f"unknown workload {self.workload!r}; choose one of {', '.join(WORKLOADS)}")
         if self.workers < 1:
             raise ValueError(f"need at least one worker, got {self.workers}")
-        check_choices(self.modes, MODES, "modes", "sync mode")
+        check_distinct(self.modes, "modes")
+        for mode in self.modes:
+            if is_ps_mode(mode):
+                ps_consistency(mode, self.delay_bound)  # raises with the accepted forms
+            elif mode not in MODES:
+                raise ValueError(f"unknown sync mode {mode!r}; choose from {', '.join(MODE_FORMS)}")
+        if self.servers < 1:
+            raise ValueError(f"servers must be >= 1, got {self.servers}")
+        if self.delay_bound is not None and self.delay_bound < 0:
+            raise ValueError(f"delay_bound must be >= 0, got {self.delay_bound}")
         check_distinct(self.injects, "injections")
         for inject in self.injects:
             model = parse_injection(inject)
@@ -175,8 +191,14 @@ class EagerTrainConfig:
         return self.steps_per_epoch * self.epochs_
 
     def runs(self) -> list[tuple[str, str]]:
-        """(injection, mode) in the order they run."""
+        """(injection, mode) in the order they are reported."""
         return [(inject, mode) for inject in self.injects for mode in self.modes]
+
+    def launches(self) -> list[bool]:
+        """One launch for the collective modes (the workers only), one for the parameter-server
+        modes (servers + workers): False / True, for those present."""
+        kinds = {is_ps_mode(mode) for mode in self.modes}
+        return [kind for kind in (False, True) if kind in kinds]
 
     def task(self) -> Hyperplane | SequenceTask:
         if self.workload == "hyperplane":
@@ -211,6 +233,9 @@ class RunResult:
     rounds_skipped: float | None       # mean over ranks
     injected_s: float                  # mean over ranks of the injected delay
     samples_per_step: int              # over all workers
+    #: Parameter-server modes only (ps_modes.summarize): max_delay, mean_delay, dropped,
+    #: updates_applied, delay_histogram, pull latency, bytes per server NIC, ...
+    ps: dict[str, Any] | None = None
 
     @property
     def label(self) -> str:
@@ -235,6 +260,7 @@ class RunResult:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
+        data.update(data.pop("ps") or {})
         data.update({"label": self.label, "steps_per_s": self.steps_per_s, "samples_per_s": self.samples_per_s,
                      "curve": [dataclasses.asdict(p) for p in self.curve],
                      "per_rank_loop_s": list(self.per_rank_loop_s)})
@@ -341,27 +367,42 @@ class _RankRun:
     curve: tuple[CurvePoint, ...]   # rank 0 only
     final: tuple[float, float]      # (val loss, metric), rank 0 only
     stats: dict[str, Any] | None    # EagerSGD statistics
+    ps_server: dict[str, Any] | None = None  # a PS server's statistics
+    ps_worker: dict[str, Any] | None = None  # a PS worker's statistics
+    is_worker: bool = True
 
 
-def _rank_main(config: EagerTrainConfig, launched_at: float) -> tuple[float, list[_RankRun]]:
+def _rank_main(config: EagerTrainConfig, launched_at: float, ps: bool = False) -> tuple[float, list[_RankRun]]:
+    """One rank of a launch: the collective modes' (``ps=False``: every rank a worker) or the
+    parameter-server modes' (``ps=True``: ranks 0..servers-1 serve, the rest are workers)."""
     import torch
 
     import mlfabric
 
     env = rank_env()
     torch.set_num_threads(1)
-    comm = mlfabric.init(transport=config.transport, timeout=config.timeout_s)
+    job = None
+    if ps:
+        import mlfabric.ps
+
+        job = mlfabric.ps.init(servers=config.servers, transport=config.transport,
+                               timeout=min(config.timeout_s, 120.0), seed=config.seed)
+        comm = job.comm
+    else:
+        comm = mlfabric.init(transport=config.transport, timeout=config.timeout_s)
     try:
         task = config.task()
-        x, y = task.shard(env.rank, env.world_size)
+        worker = env.rank - (config.servers if ps else 0)
+        x, y = task.shard(worker, config.workers) if worker >= 0 else (None, None)
         val = task.val() if env.rank == 0 else None
         comm.barrier()
         startup = time.time() - launched_at
         runs = []
-        for index, (inject, mode) in enumerate(config.runs()):
-            runs.append(_train_one(config, comm, task, x, y, val, inject, mode, index, env.rank))
+        selected = [(i, run) for i, run in enumerate(config.runs()) if is_ps_mode(run[1]) == ps]
+        for done, (index, (inject, mode)) in enumerate(selected):
+            runs.append(_train_one(config, comm, task, x, y, val, inject, mode, index, env.rank, ps_job=job))
             if env.rank == 0:
-                report({"run": index + 1, "runs": len(config.runs())})
+                report({"run": done + 1, "runs": len(selected), "ps": ps})
         comm.barrier()
         return startup, runs
     finally:
@@ -369,38 +410,66 @@ def _rank_main(config: EagerTrainConfig, launched_at: float) -> tuple[float, lis
 
 
 def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, val: Any, inject: str,
-               mode: str, index: int, rank: int) -> _RankRun:
+               mode: str, index: int, rank: int, *, ps_job: Any = None) -> _RankRun:
     import torch
 
     from mlfabric.emu.stragglers import ImbalanceInjector
-    from mlfabric.torch import EagerSGD
+    from mlfabric.torch import EagerSGD, PSOptimizer
+
+    from .ps_modes import serve_run
 
     torch.manual_seed(config.seed)  # the same initial model on every rank and in every run
     model = task.model()
+    numel = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr_, momentum=config.momentum_)
-    if mode == SYNCHRONOUS:
-        trainer: Any = _AllreduceSGD(optimizer, model, comm, config.algorithm)
+    ps_server: dict[str, Any] | None = None
+    final_flat = None  # PS modes: this rank's part of the servers' final model
+    if is_ps_mode(mode):
+        session = ps_job.session(index + 1, consistency=ps_consistency(mode, config.delay_bound))
+        if session.role != "worker":
+            ps_server, final_flat = serve_run(session, numel, torch.float32)  # joins the start barrier
+            return _finish_run(config, comm, task, model, val, rank, numel, snapshots=None, walls=None,
+                               train_losses=None, loop_s=0.0, injected=0.0, stats=None, ps_server=ps_server,
+                               final_flat=final_flat)
+        trainer: Any = PSOptimizer(optimizer, model, session.worker)
+        final_flat = torch.zeros(numel)
+    elif mode == SYNCHRONOUS:
+        trainer = _AllreduceSGD(optimizer, model, comm, config.algorithm)
     else:
         # A seed per run gives each run its own persistent collective (nothing carries over).
         trainer = EagerSGD(optimizer, model, comm, quorum=mode.removeprefix("eager-"),
                            sync_every_epochs=config.sync_every_epochs_, algorithm=config.algorithm,
                            seed=config.seed * 1_000 + index)
+    worker = rank - (config.servers if ps_job is not None else 0)
     imbalance = parse_injection(inject)
-    injector = ImbalanceInjector(imbalance, rank, comm.world_size, seed=config.seed) if imbalance else None
-    order = torch.Generator().manual_seed(config.seed * 1_000_003 + rank)  # same batches in every run
+    injector = ImbalanceInjector(imbalance, worker, config.workers, seed=config.seed) if imbalance else None
+    order = torch.Generator().manual_seed(config.seed * 1_000_003 + worker)  # same batches in every run
     n = y.shape[0]
     batch = config.batch_size_
     snapshots: list[torch.Tensor] = []
     walls: list[float] = []
     train_losses: list[float] = []
     injected = 0.0
+    # ps-async: an epoch ends when the servers have applied as many worker gradients as
+    # synchronous SGD computes in one (workers x steps per epoch), not after a fixed number of
+    # this worker's steps: a fast worker takes more steps than a slow one, as in any
+    # asynchronous PS, and the model is not left to the slowest worker's shard alone at the end.
+    budget = None
+    if isinstance(trainer, PSOptimizer) and trainer.worker.config.consistency.kind == "async":
+        budget = config.steps_per_epoch * config.workers
+    perm, cursor = torch.randperm(n, generator=order), 0
     comm.barrier()
     start = time.perf_counter()
     for epoch in range(config.epochs_):
-        perm = torch.randperm(n, generator=order)
         losses = []
-        for i in range(config.steps_per_epoch):
-            picked = perm[i * batch:(i + 1) * batch]
+        i = 0
+        while (i < config.steps_per_epoch if budget is None
+               else trainer.worker.versions[trainer.name][0] < (epoch + 1) * budget):
+            if cursor == config.steps_per_epoch:  # a pass over this worker's shard is done
+                perm, cursor = torch.randperm(n, generator=order), 0
+            picked = perm[cursor * batch:(cursor + 1) * batch]
+            cursor += 1
+            i += 1
             xb = task.batch(x, picked)
             trainer.zero_grad()
             loss = task.loss(model, xb, y[picked])
@@ -415,31 +484,59 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
         trainer.epoch_end()
         walls.append(time.perf_counter() - start)
         snapshots.append(torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone())
-        train_losses.append(statistics.fmean(losses))
+        train_losses.append(statistics.fmean(losses) if losses else math.nan)
     loop_s = time.perf_counter() - start
-    trainer.synchronize()
-    # The curve: at every epoch boundary, the average of the ranks' models (what a model
-    # synchronization there would give; the same as each rank's for allreduce) and rank 0's.
-    local = torch.stack(snapshots)
-    averaged = comm.allreduce(local.clone(), algorithm=config.algorithm, op="avg")
-    at = comm.allreduce(torch.tensor(walls, dtype=torch.float64), algorithm=config.algorithm, op="max")
-    mean_loss = comm.allreduce(torch.tensor(train_losses, dtype=torch.float64), algorithm=config.algorithm,
-                               op="avg")
+    ps_worker = None
+    if isinstance(trainer, PSOptimizer):
+        ps_worker = trainer.stats.as_dict()
+        trainer.leave()
+    else:
+        trainer.synchronize()
+    stats = trainer.stats.as_dict() if isinstance(trainer, EagerSGD) else None
+    return _finish_run(config, comm, task, model, val, rank, numel, snapshots=torch.stack(snapshots), walls=walls,
+                       train_losses=train_losses, loop_s=loop_s, injected=injected, stats=stats,
+                       ps_worker=ps_worker, final_flat=final_flat)
+
+
+def _finish_run(config: EagerTrainConfig, comm: Any, task: Any, model: Any, val: Any, rank: int, numel: int, *,
+                snapshots: Any, walls: list[float] | None, train_losses: list[float] | None, loop_s: float,
+                injected: float, stats: dict[str, Any] | None, ps_server: dict[str, Any] | None = None,
+                ps_worker: dict[str, Any] | None = None, final_flat: Any = None) -> _RankRun:
+    """The curve: at every epoch boundary, the average of the workers' models (what a model
+    synchronization there would give; the same as each rank's for allreduce) and rank 0's own.
+    Every rank of the launch takes part; servers contribute zeros (and their shard of the
+    final model, which in the PS modes is what is evaluated)."""
+    import torch
+
+    epochs = config.epochs_
+    is_worker = snapshots is not None
+    local = snapshots if is_worker else torch.zeros(epochs, numel)
+    summed = comm.allreduce(local.clone(), algorithm=config.algorithm, op="sum")
+    averaged = summed / config.workers
+    at = comm.allreduce(torch.tensor(walls if walls is not None else [0.0] * epochs, dtype=torch.float64),
+                        algorithm=config.algorithm, op="max")
+    mean_loss = comm.allreduce(torch.tensor(train_losses if train_losses is not None else [0.0] * epochs,
+                                            dtype=torch.float64), algorithm=config.algorithm, op="sum") / config.workers
+    if final_flat is not None:
+        final_flat = comm.allreduce(final_flat.clone(), algorithm=config.algorithm, op="sum")
     curve: list[CurvePoint] = []
     final = (math.nan, math.nan)
     if rank == 0:
+        if final_flat is not None:
+            torch.nn.utils.vector_to_parameters(final_flat, model.parameters())
         final = task.evaluate(model, *val)
-        for epoch in range(config.epochs_):
+        own = local if is_worker else averaged  # rank 0 is a server in the PS modes: no model of its own
+        for epoch in range(epochs):
             torch.nn.utils.vector_to_parameters(averaged[epoch], model.parameters())
             val_loss, metric = task.evaluate(model, *val)
-            torch.nn.utils.vector_to_parameters(local[epoch], model.parameters())
+            torch.nn.utils.vector_to_parameters(own[epoch], model.parameters())
             _, metric_rank0 = task.evaluate(model, *val)
             curve.append(CurvePoint(epoch=epoch + 1, step=(epoch + 1) * config.steps_per_epoch,
                                     wall_s=float(at[epoch]), train_loss=float(mean_loss[epoch]),
                                     val_loss=val_loss, val_metric=metric, val_metric_rank0=metric_rank0))
     comm.barrier()
-    stats = trainer.stats.as_dict() if isinstance(trainer, EagerSGD) else None
-    return _RankRun(loop_s=loop_s, injected_s=injected, curve=tuple(curve), final=final, stats=stats)
+    return _RankRun(loop_s=loop_s, injected_s=injected, curve=tuple(curve), final=final, stats=stats,
+                    ps_server=ps_server, ps_worker=ps_worker, is_worker=is_worker)
 
 
 # --------------------------------------------------------------------------- in the parent
@@ -448,7 +545,8 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
 def run_eager_training(config: EagerTrainConfig, *, argv: Sequence[str] | None = None,
                        on_run: Callable[[int, int], None] | None = None,
                        capture_output: bool = False) -> EagerTrainResult:
-    """Train every (injection, mode) on ``config.workers`` local ranks, in one launch."""
+    """Train every (injection, mode) on ``config.workers`` local ranks: the collective modes in
+    one launch, the parameter-server modes in another (with ``config.servers`` more ranks)."""
     import platform
     import shlex
     import socket
@@ -456,37 +554,57 @@ def run_eager_training(config: EagerTrainConfig, *, argv: Sequence[str] | None =
 
     import torch
 
+    from mlfabric.ps.layout import SERVERS_ENV
+
+    from .ps_modes import summarize
+
+    total = len(config.runs())
+    finished = {False: 0, True: 0}
+
     def on_report(rank: int, payload: Any) -> None:
         if on_run is not None and rank == 0 and isinstance(payload, dict):
-            on_run(int(payload["run"]), int(payload["runs"]))
+            finished[bool(payload.get("ps"))] = int(payload["run"])
+            on_run(sum(finished.values()), total)
 
     launched = time.time()
-    launch = LaunchConfig(world_size=config.workers, timeout_s=config.timeout_s, capture_output=capture_output)
-    per_rank: list[tuple[float, list[_RankRun]]] = run_ranks(_rank_main, config=launch, args=(config, launched),
-                                                             on_report=on_report)
+    per_run: dict[int, list[_RankRun]] = {}
+    startup = 0.0
+    for ps in config.launches():
+        world = config.workers + (config.servers if ps else 0)
+        launch = LaunchConfig(world_size=world, timeout_s=config.timeout_s, capture_output=capture_output,
+                              env={SERVERS_ENV: str(config.servers)} if ps else {})
+        per_rank: list[tuple[float, list[_RankRun]]] = run_ranks(_rank_main, config=launch,
+                                                                 args=(config, launched if not per_run else time.time(),
+                                                                       ps), on_report=on_report)
+        startup = max(startup, max(r[0] for r in per_rank))
+        indices = [i for i, (_, mode) in enumerate(config.runs()) if is_ps_mode(mode) == ps]
+        for k, index in enumerate(indices):
+            per_run[index] = [r[1][k] for r in per_rank]
     wall = time.time() - launched
     task_metric = "mse" if config.workload == "hyperplane" else "accuracy"
     runs = []
     for index, (inject, mode) in enumerate(config.runs()):
-        ranks = [r[1][index] for r in per_rank]
-        stats = [r.stats for r in ranks if r.stats is not None]
+        ranks = per_run[index]
+        workers = [r for r in ranks if r.is_worker]
+        stats = [r.stats for r in workers if r.stats is not None]
+        ps_figures = (summarize([r.ps_server for r in ranks if r.ps_server], [r.ps_worker for r in workers])
+                      if is_ps_mode(mode) else None)
         runs.append(RunResult(
             inject=inject, mode=mode, metric=task_metric, steps=config.steps,
-            loop_s=max(r.loop_s for r in ranks), per_rank_loop_s=tuple(r.loop_s for r in ranks),
+            loop_s=max(r.loop_s for r in workers), per_rank_loop_s=tuple(r.loop_s for r in workers),
             curve=ranks[0].curve, final_val_loss=ranks[0].final[0], final_metric=ranks[0].final[1],
             mean_active=statistics.fmean(s["mean_active"] for s in stats) if stats else None,
             contributed_fraction=statistics.fmean(s["contributed_fraction"] for s in stats) if stats else None,
             rounds_skipped=statistics.fmean(s["rounds_skipped"] for s in stats) if stats else None,
-            injected_s=statistics.fmean(r.injected_s for r in ranks),
-            samples_per_step=config.batch_size_ * config.workers))
+            injected_s=statistics.fmean(r.injected_s for r in workers),
+            samples_per_step=config.batch_size_ * config.workers, ps=ps_figures))
     metadata = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "hostname": socket.gethostname(),
         "platform": platform.platform(), "cpu_count": __import__("os").cpu_count(),
         "python": platform.python_version(), "torch": torch.__version__,
         "command": shlex.join(argv if argv is not None else sys.argv),
     }
-    return EagerTrainResult(config=config, runs=tuple(runs), startup_s=max(r[0] for r in per_rank), wall_s=wall,
-                            metadata=metadata)
+    return EagerTrainResult(config=config, runs=tuple(runs), startup_s=startup, wall_s=wall, metadata=metadata)
 
 
 # --------------------------------------------------------------------------- outputs
@@ -616,5 +734,31 @@ def render_table(result: EagerTrainResult) -> Table:
                      f"allreduce's; {metric} of the final (averaged) model; to target = wall time until the average "
                      f"model's {metric} is within {'5%' if metric == 'mse' else '1 point'} of allreduce's final one; "
                      "active = ranks with fresh gradients per round; fresh = steps whose gradient made its round")
+    table.caption_justify = "left"
+    return table
+
+
+def render_ps_table(result: EagerTrainResult) -> Table:
+    """One row per parameter-server run: updates applied and dropped, delays, pull latency,
+    traffic through the servers' NICs."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=f"parameter server: {result.config.servers} server(s), {result.config.workers} workers",
+                  title_justify="left", box=box.SIMPLE_HEAD)
+    for name in ("injection", "mode", "applied", "dropped", "max delay", "mean delay", "pull ms", "server MB in/out"):
+        table.add_column(name, justify="left" if name in ("injection", "mode") else "right", no_wrap=True)
+    for run in result.runs:
+        if run.ps is None:
+            continue
+        ps = run.ps
+        traffic = "/".join(f"{i / 1e6:.0f}" for i in ps["server_bytes_in"]) + " / " + \
+            "/".join(f"{o / 1e6:.0f}" for o in ps["server_bytes_out"])
+        table.add_row(run.inject, run.mode, str(ps["worker_updates_applied"]), str(ps["dropped"]),
+                      "" if ps["max_delay"] is None else str(ps["max_delay"]),
+                      "" if ps["mean_delay"] is None else f"{ps['mean_delay']:.2f}",
+                      "" if ps["pull_latency_ms"] is None else f"{ps['pull_latency_ms']:.1f}", traffic)
+    table.caption = ("applied = worker gradients applied; delay = server version when applied - version it was "
+                     "computed from (BSP rounds apply at their own version: 0)")
     table.caption_justify = "left"
     return table

@@ -1,0 +1,109 @@
+"""The parameter-server modes of ``mlfabric train``: names, consistency, and a server's part of a run.
+
+    mlfabric train --workload hyperplane --workers 4 --servers 1 \\
+        --sync allreduce,ps-bsp,ps-ssp:2,ps-async --delay-bound 8 --epochs 8
+
+Modes: ``ps-bsp`` (bulk synchronous: synchronous SGD through the servers), ``ps-ssp:S``
+(MLNET's stale synchronous parallel with staleness S), ``ps-async`` (every update applied on
+arrival; ``--delay-bound TAU`` drops updates whose delay would exceed TAU, MLfabric §3.1).
+Workers train with :class:`mlfabric.torch.PSOptimizer`; servers (``--servers``, ranks
+``0..S-1`` of the launch) serve one PS session per run (:meth:`mlfabric.ps.PSJob.session`).
+
+Exercise it with ``python -m pytest tests/local/test_ps_train.py -q``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from mlfabric.ps.consistency import Consistency
+
+if TYPE_CHECKING:
+    import torch
+
+    from mlfabric.ps import PSJob
+
+PREFIX = "ps-"
+PS_MODE_FORMS = ("ps-bsp", "ps-ssp:S", "ps-async")
+
+
+def is_ps_mode(mode: str) -> bool:
+    return mode.startswith(PREFIX)
+
+
+def ps_consistency(mode: str, delay_bound: int | None = None) -> Consistency:
+    """``ps-bsp`` -> bsp, ``ps-ssp:2`` -> ssp:2, ``ps-async`` -> async (with ``delay_bound``)."""
+    if not is_ps_mode(mode):
+        raise ValueError(f"{mode!r} is not a parameter-server mode ({', '.join(PS_MODE_FORMS)})")
+    try:
+        consistency = Consistency.parse(mode.removeprefix(PREFIX))
+    except ValueError as exc:
+        raise ValueError(f"sync mode {mode!r}: {exc}; the PS modes are {', '.join(PS_MODE_FORMS)}") from None
+    if consistency.kind == "async":
+        if consistency.delay_bound is not None:
+            raise ValueError(f"sync mode {mode!r}: give the delay bound with --delay-bound, not in the mode")
+        return Consistency(kind="async", delay_bound=delay_bound)
+    return consistency
+
+
+def serve_run(session: "PSJob", numel: int, dtype: "torch.dtype") -> tuple[dict[str, Any], "torch.Tensor"]:
+    """A server's (or replica's) part of one run: serve until the workers leave, while taking
+    part in the barrier that starts the workers' clocks (the workers register their model
+    before it, so the server must already answer); returns the statistics and this server's
+    shard of the final model placed in a zero flat vector (the ranks sum these to get the
+    whole model)."""
+    import threading
+
+    import torch
+
+    final = torch.zeros(numel, dtype=dtype)
+    outcome: dict[str, Any] = {}
+
+    def serve() -> None:
+        try:
+            outcome["stats"] = session.serve()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the rank's main thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=serve, name=f"mlfabric-ps-serve-{session.rank}", daemon=True)
+    thread.start()
+    session.comm.barrier()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    if session.server is None:
+        return {}, final
+    stats = outcome["stats"]
+    shard = session.server.shards.get("model")
+    if shard is not None:
+        final[shard.offset:shard.offset + shard.length] = shard.values
+    return stats.as_dict(), final
+
+
+def summarize(server_stats: list[dict[str, Any]], worker_stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's PS figures (``runs[]`` fields of train's JSON) from every server's statistics
+    and every worker's."""
+    delays: Counter = Counter()
+    for s in server_stats:
+        delays.update({int(k): v for k, v in s["delays"].items()})
+    applied_worker = sum(delays.values())
+    latencies = [w["pull_latency_ms_mean"] for w in worker_stats if w.get("pull_latency_ms_mean") is not None]
+    lag: Counter = Counter()
+    for s in server_stats:
+        lag.update({int(k): v for k, v in s["clock_lag"].items()})
+    return {
+        "max_delay": max(delays) if delays else None,
+        "mean_delay": sum(k * v for k, v in delays.items()) / applied_worker if applied_worker else None,
+        "dropped": sum(s["dropped"] for s in server_stats),
+        "updates_applied": sum(s["updates_applied"] for s in server_stats),
+        "worker_updates_applied": applied_worker,
+        "delay_histogram": {str(k): delays[k] for k in sorted(delays)},
+        "clock_lag_histogram": {str(k): lag[k] for k in sorted(lag)},
+        "pull_latency_ms": statistics.fmean(latencies) if latencies else None,
+        "server_bytes_in": [s["bytes_in"] for s in server_stats],
+        "server_bytes_out": [s["bytes_out"] for s in server_stats],
+        "lost_workers": sorted({w for s in server_stats for w in s["lost_workers"]}),
+        "missing_rounds": server_stats[0]["missing_rounds"] if server_stats else [],
+    }

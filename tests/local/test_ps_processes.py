@@ -1,0 +1,214 @@
+"""The parameter server with real processes on loopback (plain TCP transport): a job that
+trains, and the faults: a server SIGKILLed, a worker SIGKILLed (BSP, SSP, async), a worker
+that leaves early, bad input. Each fault test asserts the time to the error or to going on.
+
+    python -m pytest tests/local/test_ps_processes.py -q
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from mlfabric.bench.procs import run_ranks
+
+pytestmark = pytest.mark.local
+
+CONSISTENCY_ENV = "MLFABRIC_TEST_PS_CONSISTENCY"
+
+
+def _job(timeout: float = 20.0, lost_wait: float | None = None) -> Any:
+    import mlfabric.ps
+
+    return mlfabric.ps.init(consistency=os.environ.get(CONSISTENCY_ENV, "bsp"), transport="tcp", timeout=timeout,
+                            lost_worker_wait_s=lost_wait)
+
+
+def _train(steps: int) -> Any:
+    """Every worker: pull, push its gradient of a quadratic, clock; the server's stats."""
+    job = _job()
+    try:
+        if job.role != "worker":
+            return job.serve().as_dict()
+        w = job.worker
+        w.init_model("m", {"w": torch.zeros(1000), "b": torch.zeros(10)}, lr=0.1)
+        for _ in range(steps):
+            params = w.pull_flat("m")
+            w.push("m", params - (w.index + 1))
+            w.clock()
+        return w.pull_flat("m")[:3].tolist()
+    finally:
+        job.close()
+
+
+@pytest.mark.parametrize("consistency", ["bsp", "ssp:1", "async:4"])
+def test_training_over_tcp(consistency: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CONSISTENCY_ENV, consistency)
+    monkeypatch.setenv("MLFABRIC_PS_SERVERS", "2")
+    results = run_ranks(_train, 5, args=(6,), timeout=60)
+    servers = results[:2]
+    for stats in servers:
+        assert stats["worker_updates"] + stats["dropped"] == 18 and stats["errors"] == []
+        assert stats["bytes_in"] >= 18 * 505 * 4  # every push carried its half of the model
+    if consistency == "bsp":
+        # Synchronous SGD on the mean target (2): w <- w - 0.1 (w - 2), from 0, six times.
+        expected = 2 * (1 - 0.9 ** 6)
+        for values in results[2:]:
+            assert values == pytest.approx([expected] * 3, rel=1e-5)
+    if consistency == "async:4":
+        assert max(int(k) for k in servers[0]["delays"]) <= 4
+
+
+def _server_killed(victim: int, kill_file: str) -> str:
+    job = _job()
+    try:
+        if job.role != "worker":
+            if job.rank == victim:
+                job.server.start()
+                time.sleep(1.5)  # the workers are in their pulls by now
+                with open(kill_file, "w") as fh:
+                    fh.write(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            job.serve()
+            return "served"
+        w = job.worker
+        w.init_model("m", torch.zeros(100), lr=0.1)
+        w.push("m", torch.ones(100))
+        w.clock()
+        if w.index == 0:
+            # Never clocks again: the others' BSP pulls wait in the server until it dies.
+            deadline = time.monotonic() + 20
+            while victim not in job.comm.transport.lost_peers and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return "held the round"
+        try:
+            w.push("m", torch.ones(100))
+            w.clock()
+            w.pull("m")
+            w.pull("m")
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            return f"{type(exc).__name__}|{time.time()!r}|{getattr(exc, 'peer', None)}|{exc}"
+        return "no error"
+    finally:
+        job.close()
+
+
+@pytest.mark.parametrize("servers,victim", [(1, 0), (2, 1)])
+def test_server_killed_every_worker_raises_peer_lost_within_2s(servers: int, victim: int, tmp_path: Any,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLFABRIC_PS_SERVERS", str(servers))
+    kill_file = tmp_path / "killed_at"
+    results = run_ranks(_server_killed, servers + 3, args=(victim, str(kill_file)), timeout=60,
+                        expect_failures={victim})
+    killed_at = float(kill_file.read_text())
+    assert results[servers] == "held the round"
+    waiting = results[servers + 1:]
+    assert len(waiting) == 2
+    for line in waiting:
+        kind, raised_at, peer, message = line.split("|", 3)
+        assert kind == "PeerLostError" and int(peer) == victim, line
+        assert f"rank {victim} (server {victim}) was lost" in message, line
+        assert 0 < float(raised_at) - killed_at < 2.0, line
+
+
+def _worker_killed(steps: int) -> Any:
+    job = _job(timeout=20, lost_wait=3.0)
+    try:
+        if job.role != "worker":
+            return job.serve().as_dict()
+        w = job.worker
+        w.init_model("m", torch.zeros(100), lr=0.1)
+        waits = []
+        for step in range(steps):
+            if w.index == 2 and step == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            w.push("m", torch.ones(100))
+            w.clock()
+            started = time.monotonic()
+            w.pull_flat("m")
+            waits.append(time.monotonic() - started)
+        return waits
+    finally:
+        job.close()
+
+
+@pytest.mark.parametrize("consistency", ["bsp", "ssp:1", "async"])
+def test_worker_killed(consistency: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CONSISTENCY_ENV, consistency)
+    results = run_ranks(_worker_killed, 4, args=(5,), timeout=60, expect_failures={3})
+    server = results[0]
+    assert server["lost_workers"] == [2] and sorted(server["departed_workers"]) == [0, 1]
+    longest = max(max(results[1]), max(results[2]))
+    if consistency == "bsp":
+        # One round waits out lost_worker_wait_s (3 s) and then goes on without worker 2.
+        assert 2.0 <= longest < 3.0 + 2.0
+        assert [tuple(r) for r in server["missing_rounds"]][0][1] == [2]
+    else:
+        assert longest < 2.0  # the survivors are not held back
+    assert server["errors"] == []
+
+
+def _leaves_early() -> Any:
+    job = _job(timeout=20, lost_wait=10.0)
+    try:
+        if job.role != "worker":
+            return job.serve().as_dict()
+        w = job.worker
+        w.init_model("m", torch.zeros(10), lr=0.1)
+        if w.index == 1:
+            return 0.0  # job.close() below: the worker leaves cleanly, its process ends
+        time.sleep(0.5)
+        started = time.monotonic()
+        for _ in range(4):
+            w.push("m", torch.ones(10))
+            w.clock()
+            w.pull_flat("m")
+        return time.monotonic() - started
+    finally:
+        job.close()
+
+
+def test_worker_that_leaves_early_is_not_waited_for() -> None:
+    results = run_ranks(_leaves_early, 3, timeout=60)
+    assert results[1] < 2.0 and results[0]["departed_workers"] == [1, 0] and results[0]["updates_applied"] == 4
+
+
+def _bad_input() -> list[str]:
+    job = _job()
+    out = []
+    try:
+        if job.role != "worker":
+            job.serve()
+            return out
+        w = job.worker
+        for call in (lambda: w.pull("m"), lambda: w.init_model("m", {"w": torch.zeros(2, 2)}, lr=0.1),
+                     lambda: w.push("m", {"w": torch.zeros(3)}),
+                     lambda: w.push("m", {"w": torch.zeros(2, 2, dtype=torch.float64)}),
+                     lambda: w.push("m", {"v": torch.zeros(2, 2)})):
+            started = time.monotonic()
+            try:
+                call()
+                out.append("ok")
+            except Exception as exc:  # noqa: BLE001 - the test inspects it
+                out.append(f"{time.monotonic() - started:.3f}|{exc}")
+        return out
+    finally:
+        job.close()
+
+
+def test_bad_input_is_named_on_the_caller_at_once() -> None:
+    results = run_ranks(_bad_input, 2, timeout=60)
+    before_init, init, shape, dtype, key = results[1]
+    assert init == "ok"
+    for line, words in ((before_init, ["pull('m') before init_model('m')"]),
+                        (shape, ["key 'w'", "shape (3,), expected (2, 2)"]),
+                        (dtype, ["key 'w'", "dtype float64, expected float32"]), (key, ["unknown key 'v'"])):
+        elapsed, message = line.split("|", 1)
+        assert float(elapsed) < 0.5 and "rank 1 (worker 0)" in message, line
+        for word in words:
+            assert word in message, line
