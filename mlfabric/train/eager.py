@@ -92,6 +92,30 @@ def parse_injection(text: str) -> Any:
     return imbalance_model(key)
 
 
+class StepDelay:
+    """One worker's injected delay per step, from an injection spelling (:func:`parse_injection`).
+
+    Absolute models (``one-random:300ms``, ``random:...``, ``skew:...``) give seconds.
+    MLfabric's C1-C3 (and ``probability,slowdown``) are slowdowns: a straggling step takes
+    ``slowdown`` times its own compute, so its delay is ``(slowdown - 1) x`` the compute time
+    the caller measured for that step (without this the presets would add nothing: the
+    workloads have no fixed compute time to scale)."""
+
+    def __init__(self, inject: str, worker: int, workers: int, *, seed: int) -> None:
+        from mlfabric.emu.stragglers import ImbalanceInjector, StragglerModel
+
+        model = parse_injection(inject)
+        self.relative = isinstance(model, StragglerModel)
+        self._injector = (ImbalanceInjector(model, worker, workers, seed=seed, compute_s=1.0 if self.relative else 0.0)
+                          if model is not None else None)
+
+    def __call__(self, compute_s: float) -> float:
+        if self._injector is None:
+            return 0.0
+        delay = self._injector.delay()
+        return delay * compute_s if self.relative else delay
+
+
 @dataclass(frozen=True, kw_only=True)
 class EagerTrainConfig:
     """The runs: every mode under every injection. ``None`` picks the workload's default."""
@@ -413,7 +437,6 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
                mode: str, index: int, rank: int, *, ps_job: Any = None) -> _RankRun:
     import torch
 
-    from mlfabric.emu.stragglers import ImbalanceInjector
     from mlfabric.torch import EagerSGD, PSOptimizer
 
     from .ps_modes import serve_run
@@ -441,8 +464,7 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
                            sync_every_epochs=config.sync_every_epochs_, algorithm=config.algorithm,
                            seed=config.seed * 1_000 + index)
     worker = rank - (config.servers if ps_job is not None else 0)
-    imbalance = parse_injection(inject)
-    injector = ImbalanceInjector(imbalance, worker, config.workers, seed=config.seed) if imbalance else None
+    injector = StepDelay(inject, worker, config.workers, seed=config.seed)
     order = torch.Generator().manual_seed(config.seed * 1_000_003 + worker)  # same batches in every run
     n = y.shape[0]
     batch = config.batch_size_
@@ -470,12 +492,14 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
             picked = perm[cursor * batch:(cursor + 1) * batch]
             cursor += 1
             i += 1
+            computed = time.perf_counter()
             xb = task.batch(x, picked)
             trainer.zero_grad()
             loss = task.loss(model, xb, y[picked])
             loss.backward()
-            delay = injector.delay() if injector is not None else 0.0
-            pause = delay + task.device_time(xb)
+            device = task.device_time(xb)
+            delay = injector(time.perf_counter() - computed + device)
+            pause = delay + device
             if pause > 0:
                 time.sleep(pause)
             injected += delay

@@ -484,3 +484,4 @@ def test_a_worker_that_leaves_early_is_not_waited_for() -> None:
     results, _ = run_job(layout, PSConfig(consistency="bsp", timeout_s=10, lost_worker_wait_s=5), worker)
     # Worker 1 (rank 2) left first; worker 0 (rank 1) ran 5 BSP rounds alone, not held back.
     assert results[1] < 2.0 and results[0].departed_workers == [1, 0] and results[0].updates_applied == 5
+
