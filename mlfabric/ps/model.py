@@ -108,9 +108,15 @@ class ModelSpec:
     def flatten(self, tensors: Tensors, *, who: str, op: str) -> torch.Tensor:
         """One flat CPU tensor of ``tensors``, checked against this spec: keys, shapes and
         dtype; the error names ``who`` (the caller), the key and what was expected."""
-        if isinstance(tensors, torch.Tensor) and tensors.dim() == 1 and tensors.numel() == self.numel \
-                and len(self.tensors) > 1:
-            items = None  # an already flat vector
+        if isinstance(tensors, torch.Tensor):
+            # One tensor: the model's only tensor (keyed as registered), or the flat vector.
+            if len(self.tensors) == 1 and tuple(tensors.shape) == self.tensors[0].shape:
+                items = [(self.tensors[0].key, tensors)]
+            elif tensors.dim() == 1 and tensors.numel() == self.numel:
+                items = None
+            else:
+                raise ValueError(f"{who}: {op} of model {self.name!r}: a tensor of shape {tuple(tensors.shape)} is "
+                                 f"neither the flat vector ({self.numel},) nor a mapping of the keys {self.keys}")
         else:
             items = named_tensors(tensors)
         if items is None:

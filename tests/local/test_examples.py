@@ -55,3 +55,17 @@ def test_simulate_example_reproduces_bml_halving_the_ring() -> None:
     assert "BML on BCube(4,2) 75.0 ms, ring on fat-tree(4) 150.0 ms (ring / BML = 2.00" in out.stdout
     assert re.search(r"RACK [\d.]+ s \(\d+% less\)", out.stdout)
     assert "5 seeds: " in out.stdout and "(no stragglers: 200.0 ms)" in out.stdout
+
+
+@pytest.mark.parametrize("consistency", ["bsp", "async:4"])
+def test_ps_example_learns_through_the_server(consistency: str) -> None:
+    stdout = _torchrun("ps_train.py", "--consistency", consistency, "--steps", "40", procs=3)
+    errors = [float(e) for e in re.findall(r"\|w - w_true\| ([\d.]+)", stdout)]
+    assert len(errors) == 2 and max(errors) < 0.2, stdout  # both workers hold a model close to w_true
+    match = re.search(r"rank 0 \(server 0\): (\d+) updates applied, (\d+) dropped", stdout)
+    assert match, stdout
+    applied, dropped = int(match[1]), int(match[2])
+    if consistency == "bsp":
+        assert (applied, dropped) == (40, 0)  # one averaged update per step
+    else:
+        assert applied + dropped == 80  # every worker gradient, applied or over the bound

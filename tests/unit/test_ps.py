@@ -62,6 +62,14 @@ def test_spec_flattens_checks_and_shards_evenly() -> None:
         spec.flatten({**tensors, "nope": torch.zeros(1)}, who="w", op="push")
     with pytest.raises(KeyError, match="key 'big' is missing"):
         spec.flatten({"w": tensors["w"], "b": tensors["b"]}, who="w", op="push")
+    # One tensor: the flat vector, or the only tensor of a one-tensor model whatever its key
+    # (regression: a module's flat gradient was taken for a tensor keyed "0").
+    torch.testing.assert_close(spec.flatten(flat, who="w", op="push"), flat)
+    single = ModelSpec.of("s", {"weight": torch.zeros(1, 4)})
+    assert single.flatten(torch.arange(4.0), who="w", op="push").tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert single.flatten(torch.ones(1, 4), who="w", op="push").tolist() == [1.0] * 4
+    with pytest.raises(ValueError, match=r"shape \(3,\) is neither the flat vector \(1017,\)"):
+        spec.flatten(torch.zeros(3), who="w", op="push")
     with pytest.raises(ValueError, match="mixes dtypes"):
         ModelSpec.of("m", {"a": torch.zeros(2), "b": torch.zeros(2, dtype=torch.int64)})
 
@@ -484,4 +492,3 @@ def test_a_worker_that_leaves_early_is_not_waited_for() -> None:
     results, _ = run_job(layout, PSConfig(consistency="bsp", timeout_s=10, lost_worker_wait_s=5), worker)
     # Worker 1 (rank 2) left first; worker 0 (rank 1) ran 5 BSP rounds alone, not held back.
     assert results[1] < 2.0 and results[0].departed_workers == [1, 0] and results[0].updates_applied == 5
-
