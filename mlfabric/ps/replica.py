@@ -2,10 +2,12 @@
 
     python -m pytest tests/unit/test_ps.py -k replica
 
-``register_as_replica`` (MLfabric Table 1) in this runtime: replica ``i`` mirrors server
-``i % S`` (:class:`mlfabric.ps.layout.PSLayout`). The server forwards every model it
-initialises and every update it applies, in the order it applies them, and the replica
-applies them with the same rule, so its versions follow the server's exactly. That is chain
+``register_as_replica(server)`` (MLfabric Table 1; by default replica ``i`` mirrors server
+``i % S``, :class:`mlfabric.ps.layout.PSLayout`) asks the server for a copy: it sends each
+model as it is then (values, version, and the rule's update history so that the next updates
+give identical values), and afterwards every model it initialises and every update it
+applies, in the order it applies them; the replica applies them with the same rule, so its
+versions follow the server's exactly. That is chain
 replication; MLfabric's bounded-divergence replication, scheduled by the network, and the
 failover that promotes a replica are built on this by the replication issue.
 """
@@ -40,13 +42,27 @@ class Replica:
         self.versions: dict[str, int] = {}
         self._rules: dict[str, UpdateCallback] = {}
         self._callbacks: dict[str | None, UpdateCallback] = {}
+        self._registered = False
+
+    def register_as_replica(self, server: int | None = None) -> None:
+        """Start mirroring ``server`` (default: this replica's server in the layout)."""
+        if self._registered:
+            raise RuntimeError(f"{self.who}: already replicates server {self.server}")
+        if server is not None:
+            self.server = self.layout.server_rank(server)
+        self.transport.send(self.layout.server_rank(self.server), protocol.request_tag(self.config.session), b"",
+                            meta=protocol.encode(op="register", server=self.server), channel=self.channel)
+        self._registered = True
 
     def register_update_callback(self, callback: UpdateCallback, model: str | None = None) -> None:
         """Must be the server's rule for the copies to stay equal."""
         self._callbacks[model] = callback
 
     def serve(self) -> dict[str, int]:
-        """Apply the server's updates until it ends (or is lost); returns each model's version."""
+        """Apply the server's updates until it ends (or is lost); returns each model's version.
+        Registers first if :meth:`register_as_replica` was not called."""
+        if not self._registered:
+            self.register_as_replica()
         tag = protocol.tag(protocol.REPLICATE, self.config.session)
         server_rank = self.layout.server_rank(self.server)
         mailbox = self.transport.mailbox
@@ -67,10 +83,16 @@ class Replica:
         if header["op"] == "init":
             spec = ModelSpec.from_json(header["spec"])
             _, length = spec.shards(self.layout.servers)[self.server]
-            self.values[spec.name] = payload_tensor(payload, spec.torch_dtype, length, "replica init").clone()
-            self.versions[spec.name] = 0
-            self._rules[spec.name] = (self._callbacks.get(spec.name) or self._callbacks.get(None)
-                                      or SGDMomentum(float(header["lr"]), float(header["momentum"])))
+            with_history = bool(header.get("history"))
+            data = payload_tensor(payload, spec.torch_dtype, 2 * length if with_history else length, "replica init")
+            self.values[spec.name] = data[:length].clone()
+            self.versions[spec.name] = int(header.get("version", 0))
+            rule = self._callbacks.get(spec.name) or self._callbacks.get(None)
+            if rule is None:
+                rule = SGDMomentum(float(header["lr"]), float(header["momentum"]))
+                if with_history:
+                    rule.history = data[length:].clone()
+            self._rules[spec.name] = rule
             return
         name = header["model"]
         values = self.values[name]

@@ -82,8 +82,10 @@ class _Round:
 class _Shard:
     """This server's range of one model, its version, rule and statistics."""
 
-    def __init__(self, spec: ModelSpec, offset: int, length: int, values: torch.Tensor, rule: UpdateRule) -> None:
+    def __init__(self, spec: ModelSpec, offset: int, length: int, values: torch.Tensor, rule: UpdateRule, *,
+                 lr: float, momentum: float) -> None:
         self.spec, self.offset, self.length = spec, offset, length
+        self.lr, self.momentum = lr, momentum  # what the workers registered (replicas get them)
         self.values = values
         self.rule = rule
         self.version = 0
@@ -149,7 +151,7 @@ class ParameterServer:
         self._sending: list[tuple[SendHandle, torch.Tensor]] = []
         self._seen_lost: set[int] = set()
         self._stop = threading.Event()
-        self._replicas = layout.replicas_of(self.server)
+        self._replicas: list[int] = []  # ranks registered with register_as_replica, in order
         transport.on_peer_lost(lambda peer, reason: transport.mailbox.notify())
 
     # -- API (MLfabric Table 1) ----------------------------------------------------------------
@@ -246,6 +248,9 @@ class ParameterServer:
     # -- requests --------------------------------------------------------------------------------
 
     def _handle(self, msg: Any) -> None:
+        if self.layout.role(msg.src) == "replica":
+            self._register_replica(msg)
+            return
         if self.layout.role(msg.src) != "worker":
             log.error("%s: ignored a parameter-server request from %s, which is not a worker", self.who,
                       self.layout.describe(msg.src))
@@ -298,13 +303,13 @@ class ParameterServer:
                                  f"first ({existing.spec.to_json()} vs {spec.to_json()})")
         else:
             values = payload_tensor(payload, spec.torch_dtype, length, f"init of {spec.name!r}").clone()
+            lr, momentum = float(header["lr"]), float(header.get("momentum", 0.0))
             rule = self._update_callbacks.get(spec.name) or self._update_callbacks.get(None)
             if rule is None:
-                rule = SGDMomentum(float(header["lr"]), float(header.get("momentum", 0.0)))
-            self.shards[spec.name] = _Shard(spec, offset, length, values, rule)
+                rule = SGDMomentum(lr, momentum)
+            shard = self.shards[spec.name] = _Shard(spec, offset, length, values, rule, lr=lr, momentum=momentum)
             for replica in self._replicas:
-                self._send_replica(replica, protocol.encode(op="init", spec=header["spec"], lr=header["lr"],
-                                                            momentum=header.get("momentum", 0.0)), values.clone())
+                self._send_snapshot(replica, shard)
         self.transport.send(rank, protocol.reply_tag(self.config.session, int(header["id"])), b"",
                             meta=protocol.encode(op="ok", version=self.shards[spec.name].version),
                             channel=self.channel)
@@ -388,6 +393,30 @@ class ParameterServer:
                 continue
             snapshot = shard.snapshot()
             self._sending += [(h, snapshot) for h in self.routing.answer_pulls(self, ready, snapshot, header)]
+
+    def _register_replica(self, msg: Any) -> None:
+        """register_as_replica: the replica gets every model as it is now (values, version and
+        the rule's update history, so its next updates give the same values), then every
+        update this server applies, in order."""
+        header = protocol.decode(msg.meta)
+        name = self.layout.describe(msg.src)
+        if header["op"] != "register" or int(header.get("server", -1)) != self.server:
+            log.error("%s: ignored %r from %s (replicas only register)", self.who, header, name)
+            return
+        if msg.src in self._replicas:
+            log.warning("%s: %s registered twice; it stays registered once", self.who, name)
+            return
+        self._replicas.append(msg.src)
+        log.info("%s: %s replicates this server", self.who, name)
+        for shard in self.shards.values():
+            self._send_snapshot(msg.src, shard)
+
+    def _send_snapshot(self, replica: int, shard: _Shard) -> None:
+        history = getattr(shard.rule, "history", None)
+        values = shard.values.clone() if history is None else torch.cat([shard.values, history])
+        self._send_replica(replica, protocol.encode(op="init", spec=shard.spec.to_json(), lr=shard.lr,
+                                                    momentum=shard.momentum, version=shard.version,
+                                                    history=history is not None), values)
 
     def _send_replica(self, replica: int, header: bytes, values: torch.Tensor | bytes) -> None:
         if replica in self.transport.lost_peers:

@@ -492,3 +492,42 @@ def test_a_worker_that_leaves_early_is_not_waited_for() -> None:
     results, _ = run_job(layout, PSConfig(consistency="bsp", timeout_s=10, lost_worker_wait_s=5), worker)
     # Worker 1 (rank 2) left first; worker 0 (rank 1) ran 5 BSP rounds alone, not held back.
     assert results[1] < 2.0 and results[0].departed_workers == [1, 0] and results[0].updates_applied == 5
+
+
+def test_replica_registering_late_gets_the_model_and_its_momentum_history() -> None:
+    layout = PSLayout(servers=1, replicas=1, workers=2)
+    jobs = local_jobs(layout, PSConfig(consistency="bsp", timeout_s=10))
+    halfway, registered = threading.Barrier(3), threading.Event()
+    versions: dict[str, Any] = {}
+
+    def worker(job: PSJob) -> None:
+        w = job.worker
+        w.init_model("m", torch.zeros(6), lr=0.1, momentum=0.9)
+        for step in range(6):
+            if step == 3:
+                halfway.wait()  # the replica registers now, with 3 updates and a momentum history behind
+                registered.wait(5)
+            params = w.pull_flat("m")
+            w.push("m", quadratic_gradient(params, w.index))
+            w.clock()
+        w.leave()
+
+    def replica(job: PSJob) -> None:
+        halfway.wait()
+        job.replica.register_as_replica(0)
+        time.sleep(0.2)  # the server takes the registration before the next round
+        registered.set()
+        versions.update(job.replica.serve())
+
+    threads = [threading.Thread(target=jobs[0].serve, daemon=True), threading.Thread(target=replica, args=(jobs[1],))]
+    threads += [threading.Thread(target=worker, args=(j,), daemon=True) for j in jobs[2:]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert versions == {"m": 6}
+    torch.testing.assert_close(jobs[1].replica.values["m"], jobs[0].server.shards["m"].values)
+    with pytest.raises(RuntimeError, match="already replicates server 0"):
+        jobs[1].replica.register_as_replica(0)
+    for j in jobs:
+        j.comm.close()
