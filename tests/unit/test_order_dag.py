@@ -185,3 +185,15 @@ def test_measured_oracle(forwards):
     assert {gen(n) for n in md.dag.recvs} == {1.0} and {gen(n) for n in md.dag.computes} == {0.0}
     with pytest.raises(ValueError, match="rate"):
         transfer_times(md.dag, 0.0)
+
+
+def test_worked_example_command(capsys, tmp_path):
+    from mlfabric.order.__main__ import main
+
+    out = tmp_path / "tao.json"
+    assert main(["--model", "seq32", "--iterations", "1", "--random", "3", "--chrome", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "S=1.000" in text  # --rate balanced: sum of transfers = sum of compute
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.split()[:1] in (["tao"], ["random"])}
+    assert set(rows) == {"tao", "random"} and float(rows["tao"][2]) >= float(rows["random"][2])
+    assert '"traceEvents"' in out.read_text()
