@@ -35,7 +35,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, Sequence
 
 import torch
 from torch import fx, nn
@@ -119,7 +119,7 @@ class Dag:
     def __contains__(self, name: object) -> bool:
         return name in self._nodes
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Node]:
         return iter(self._nodes.values())
 
     def node(self, name: str) -> Node:
