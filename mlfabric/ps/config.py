@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from .consistency import Consistency
 
@@ -27,6 +28,14 @@ class PSConfig:
     session: int = 0
     routing: str = "direct"
     seed: int = 0
+    #: The ``scheduled`` policy's settings (:class:`mlfabric.ps.scheduling.ScheduledSettings`);
+    #: None: the defaults.
+    scheduled: Any = None
+
+    def scheduled_settings(self) -> Any:
+        from .scheduling import ScheduledSettings
+
+        return self.scheduled if self.scheduled is not None else ScheduledSettings()
 
     def __post_init__(self) -> None:
         if isinstance(self.consistency, str):
@@ -40,3 +49,6 @@ class PSConfig:
         if self.lost_worker_wait_s >= self.timeout_s and self.consistency.kind == "bsp":
             raise ValueError(f"lost_worker_wait_s ({self.lost_worker_wait_s}) must be below timeout_s "
                              f"({self.timeout_s}): BSP pulls would time out before a lost worker is given up on")
+        if self.routing == "scheduled" and (self.consistency.kind != "async" or self.consistency.delay_bound is None):
+            raise ValueError("routing 'scheduled' is MLfabric-A: it needs consistency async:TAU (a delay bound), "
+                             f"got {self.consistency}")

@@ -25,9 +25,14 @@ _SEQ_MASK = (1 << _SESSION_SHIFT) - 1
 MAX_SESSIONS = 1 << (_KIND_SHIFT - _SESSION_SHIFT)
 
 REQUEST, REPLY, ALLREDUCE_PUSH, ALLREDUCE_RESULT, REPLICATE = 1, 2, 3, 4, 5
+# The scheduled routing policy (MLfabric, ``ps/scheduling.py``): update requests and monitor
+# reports to the scheduler, its decisions back (seq = the update's id), and the traffic of
+# aggregators (group plans from the scheduler, members from workers).
+SCHEDULE, DECISION, AGGREGATE = 6, 7, 8
 
 # Request kinds (meta["op"]).
 INIT, PUSH, CLOCK, PULL, LEAVE, STATS = "init", "push", "clock", "pull", "leave", "stats"
+ORDER = "order"  # from the scheduler to a server: a batch's application order
 
 
 def tag(kind: int, session: int, seq: int = 0) -> int:

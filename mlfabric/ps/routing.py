@@ -66,11 +66,15 @@ class DirectRouting:
                 for p in pulls]
 
 
-POLICIES: dict[str, type] = {"direct": DirectRouting}
+POLICIES = ("direct", "scheduled")
 
 
-def routing_policy(name: str) -> RoutingPolicy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}") from None
+def routing_policy(name: str, settings: object = None) -> RoutingPolicy:
+    """``direct`` or ``scheduled`` (MLfabric's scheduler: :mod:`mlfabric.ps.scheduling`)."""
+    if name == "direct":
+        return DirectRouting()
+    if name == "scheduled":
+        from .scheduling import ScheduledRouting
+
+        return ScheduledRouting(settings)  # type: ignore[arg-type]
+    raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}")

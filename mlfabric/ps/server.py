@@ -79,6 +79,22 @@ class _Round:
     versions: list[int] = field(default_factory=list)
 
 
+@dataclass
+class _Entry:
+    kind: str              # "u": one worker's update (key: rank, id); "g": an aggregate (key: slot)
+    key: tuple[Any, ...]
+    count: int             # worker updates in it
+    deadline: float        # skip it if not here by then
+    ranks: frozenset[int]  # the workers whose updates it holds (their pulls wait for it)
+
+
+@dataclass
+class _BatchOrder:
+    batch: int
+    entries: list[_Entry]
+    next: int = 0
+
+
 class _Shard:
     """This server's range of one model, its version, rule and statistics."""
 
@@ -118,6 +134,11 @@ class ServerStats:
     departed_workers: list[int] = field(default_factory=list)
     missing_rounds: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    #: The scheduled routing policy: entries of a batch's order that had not arrived in time
+    #: (skipped), and updates pushed outside any batch (a worker's fallback).
+    skipped: int = 0
+    unscheduled: int = 0
+    scheduler: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {"server": self.server, "updates_applied": self.updates_applied,
@@ -126,7 +147,8 @@ class ServerStats:
                 "clock_lag": {str(k): v for k, v in sorted(self.clock_lag.items())},
                 "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "lost_workers": self.lost_workers,
                 "departed_workers": self.departed_workers,
-                "missing_rounds": [[t, list(w)] for t, w in self.missing_rounds], "errors": self.errors}
+                "missing_rounds": [[t, list(w)] for t, w in self.missing_rounds], "errors": self.errors,
+                "skipped": self.skipped, "unscheduled": self.unscheduled, "scheduler": self.scheduler}
 
 
 class ParameterServer:
@@ -141,7 +163,7 @@ class ParameterServer:
         if layout.role(transport.rank) != "server" or self.server != transport.rank:
             raise ValueError(f"{layout.describe(transport.rank)} cannot serve shard {self.server}: server j is rank j")
         self.channel = channel or transport.channels[0]
-        self.routing = routing or routing_policy(config.routing)
+        self.routing = routing or routing_policy(config.routing, config.scheduled)
         self.who = f"{layout.describe(transport.rank)}"
         self.book = ClockBook(layout.workers, config.consistency, float(config.lost_worker_wait_s or 0.0))
         self.shards: dict[str, _Shard] = {}
@@ -152,6 +174,13 @@ class ParameterServer:
         self._seen_lost: set[int] = set()
         self._stop = threading.Event()
         self._replicas: list[int] = []  # ranks registered with register_as_replica, in order
+        # The scheduled routing policy: batch orders from the scheduler (per model, in batch
+        # order), the scheduled updates that arrived, and the scheduler itself on server 0.
+        self._orders: dict[str, list[_BatchOrder]] = {}
+        self._incoming_orders: list[tuple[dict[str, Any], float]] = []
+        self._order_lock = threading.Lock()
+        self._arrived: dict[tuple[str, int, tuple[Any, ...]], tuple[torch.Tensor, dict[str, Any]]] = {}
+        self.scheduler_service: Any = None
         transport.on_peer_lost(lambda peer, reason: transport.mailbox.notify())
 
     # -- API (MLfabric Table 1) ----------------------------------------------------------------
@@ -176,6 +205,19 @@ class ParameterServer:
 
     def serve(self) -> ServerStats:
         """Serve until every worker has left or was lost (or :meth:`stop`); returns the stats."""
+        if self.config.routing == "scheduled" and self.server == 0:
+            from .scheduling import SchedulerService
+
+            self.scheduler_service = SchedulerService(self, self.config.scheduled_settings())
+            self.scheduler_service.start()
+        try:
+            return self._serve()
+        finally:
+            if self.scheduler_service is not None:
+                self.scheduler_service.stop()
+                self.stats.scheduler = self.scheduler_service.stats.as_dict()
+
+    def _serve(self) -> ServerStats:
         mailbox = self.transport.mailbox
         tag = protocol.request_tag(self.config.session)
         before = self.transport.counters()  # the transport may have carried earlier sessions
@@ -186,9 +228,11 @@ class ParameterServer:
             now = time.monotonic()
             self._track_membership(now)
             self._close_rounds(now)
+            self._apply_batches(now)
             self._answer_pulls(now)
             self._sending = [(h, t) for h, t in self._sending if not h.done()]
             if self.book.everyone_gone() and not self._pending_pulls():
+                self._apply_batches(float("inf"))  # what arrived of the last batches, in order
                 break
             deadline = self.book.next_deadline(now)
             wait = _IDLE_S if deadline is None else min(_IDLE_S, max(0.0, deadline - now))
@@ -250,6 +294,13 @@ class ParameterServer:
     def _handle(self, msg: Any) -> None:
         if self.layout.role(msg.src) == "replica":
             self._register_replica(msg)
+            return
+        if self.layout.role(msg.src) == "server":
+            header = protocol.decode(msg.meta)
+            if header.get("op") == protocol.ORDER:
+                self.add_order(header, time.monotonic())
+            else:
+                log.error("%s: ignored %r from %s", self.who, header.get("op"), self.layout.describe(msg.src))
             return
         if self.layout.role(msg.src) != "worker":
             log.error("%s: ignored a parameter-server request from %s, which is not a worker", self.who,
@@ -318,6 +369,12 @@ class ParameterServer:
         shard = self._shard(header["model"], "push")
         gradient = payload_tensor(payload, shard.spec.torch_dtype, shard.length,
                                   f"push of model {shard.spec.name!r} to server {self.server}")
+        if "batch" in header:  # the scheduled policy: applied in the batch's order (_apply_batches)
+            key = ("g", int(header["slot"])) if "slot" in header else ("u", int(header["rank"]), int(header["id"]))
+            self._arrived[(shard.spec.name, int(header["batch"]), key)] = (gradient.clone(), header)
+            return
+        if self.config.routing == "scheduled":
+            self.stats.unscheduled += 1
         computed_from = int(header["version"])
         consistency = self.config.consistency
         if consistency.kind == "bsp":
@@ -339,6 +396,70 @@ class ParameterServer:
             return
         self._apply(shard, gradient, (worker,), (computed_from,), weight=1.0 / self.layout.workers)
 
+    def add_order(self, order: dict[str, Any], received: float) -> None:
+        """The scheduler's application order of one batch (thread-safe: server 0's scheduler
+        runs beside this loop)."""
+        with self._order_lock:
+            self._incoming_orders.append((order, received))
+        self.transport.mailbox.notify()
+
+    def _apply_batches(self, now: float) -> None:
+        """Apply scheduled updates in their batch's order, batches one after the other; an
+        entry still missing ``slack`` after its planned commit is skipped."""
+        with self._order_lock:
+            incoming, self._incoming_orders = self._incoming_orders, []
+        for order, received in incoming:
+            entries = [_Entry(kind=e[0], key=tuple(e[1:3]) if e[0] == "u" else (int(e[1]),),
+                              count=1 if e[0] == "u" else int(e[2]), deadline=received + float(e[3]),
+                              ranks=frozenset(int(r) for r in e[4]))
+                       for e in order["entries"]]
+            self._orders.setdefault(order["model"], []).append(
+                _BatchOrder(batch=int(order["batch"]), entries=entries))
+        for model, orders in self._orders.items():
+            shard = self.shards.get(model)
+            while orders and shard is not None:
+                order = orders[0]
+                while order.next < len(order.entries):
+                    entry = order.entries[order.next]
+                    key = (model, order.batch, (entry.kind, *entry.key))
+                    arrived = self._arrived.pop(key, None)
+                    if arrived is None:
+                        if now < entry.deadline:
+                            break
+                        self.stats.skipped += entry.count
+                        log.warning("%s: batch %d of %r: %s %s did not arrive in time; skipped", self.who,
+                                    order.batch, model, "update" if entry.kind == "u" else "group", entry.key)
+                    else:
+                        self._apply_scheduled(shard, *arrived)
+                    order.next += 1
+                if order.next < len(order.entries):
+                    break
+                orders.pop(0)
+        # Scheduled updates whose entry was skipped (or whose batch is gone) are late: drop them.
+        live = {(m, o.batch) for m, orders in self._orders.items() for o in orders}
+        for key in [k for k in self._arrived if (k[0], k[1]) not in live]:
+            self._arrived.pop(key)
+            self.stats.dropped += 1
+
+    def _scheduled_ranks(self, model: str) -> set[int]:
+        """Workers with an update in a batch entry not applied (or skipped) yet."""
+        with self._order_lock:
+            incoming = [o for o, _ in self._incoming_orders if o["model"] == model]
+        ranks = {int(r) for o in incoming for e in o["entries"] for r in e[4]}
+        for order in self._orders.get(model, []):
+            for entry in order.entries[order.next:]:
+                ranks |= entry.ranks
+        return ranks
+
+    def _apply_scheduled(self, shard: _Shard, gradient: torch.Tensor, header: dict[str, Any]) -> None:
+        workers = tuple(header["workers"]) if "workers" in header else (self.layout.worker_index(int(header["rank"])),)
+        versions = tuple(int(v) for v in header["versions"]) if "versions" in header else (int(header["version"]),)
+        bound = self.config.consistency.delay_bound
+        if bound is not None and shard.version - min(versions) > bound:
+            self.stats.dropped += len(workers)  # unscheduled updates moved the version past the plan
+            return
+        self._apply(shard, gradient, workers, versions, weight=1.0 / self.layout.workers)
+
     def _close_rounds(self, now: float) -> None:
         for t in self.book.closable_rounds(now):
             for shard in self.shards.values():
@@ -354,7 +475,9 @@ class ParameterServer:
         shard.rule(shard.values, gradient, info)
         for v in computed_from:
             self.stats.delays[shard.version - v] += 1
-        shard.version += 1
+        # A BSP round is one update; an aggregate of m asynchronous updates counts as m (its
+        # members are applied at once, in the order the scheduler planned their versions).
+        shard.version += 1 if self.config.consistency.kind == "bsp" else len(workers)
         self.stats.updates_applied += 1
         self.stats.worker_updates += len(workers)
         for replica in self._replicas:
@@ -374,7 +497,9 @@ class ParameterServer:
         for shard in self.shards.values():
             if not shard.pulls:
                 continue
-            ready = [p for p in shard.pulls if self.book.pull_ready(p.clock, p.staleness, now)]
+            waiting = self._scheduled_ranks(shard.spec.name)
+            ready = [p for p in shard.pulls
+                     if self.book.pull_ready(p.clock, p.staleness, now) and p.rank not in waiting]
             if not ready:
                 continue
             shard.pulls = [p for p in shard.pulls if p not in ready]

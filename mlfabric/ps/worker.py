@@ -81,7 +81,7 @@ class PSWorker:
         self.index = layout.worker_index(transport.rank)
         self.who = layout.describe(transport.rank)
         self.channel = channel or transport.channels[0]
-        self.routing = routing or routing_policy(config.routing)
+        self.routing = routing or routing_policy(config.routing, config.scheduled)
         self.models: dict[str, ModelSpec] = {}
         self.versions: dict[str, list[int]] = {}
         self.clock_value = 0
@@ -286,6 +286,9 @@ class PSWorker:
             if self._left:
                 return
             self._left = True
+            flush = getattr(self.routing, "flush", None)
+            if flush is not None:  # updates a policy still holds leave before the leave message
+                flush(self.config.timeout_s)
             for j in range(self.layout.servers):
                 rank = self.layout.server_rank(j)
                 if rank not in self.transport.lost_peers:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
+from itertools import chain
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -297,12 +298,32 @@ class NetState:
         end, pt, pr = _walk(self.times[a], self.rates[a], self.times[b], self.rates[b], size, start, True)
         if end == INF:
             raise ValueError(f"transfer {src}->{dst} of {size} bytes never completes: the path has no capacity left")
-        for link in (a, b):
-            tl, rl = _subtract(self.times[link], self.rates[link], pt, pr, end)
+        tr = Transfer(src, dst, float(size), start, end, tuple(pt), tuple(pr))
+        self.apply(tr)
+        return tr
+
+    def apply(self, tr: Transfer) -> None:
+        """Subtract an already computed schedule (one :meth:`reserve` returned on an identical
+        state) from both links of its path: the state becomes exactly what that reservation
+        left (the compiled ordering hands back schedules; snapshots are rebuilt from them)."""
+        if tr.src == tr.dst or not tr.times:
+            return
+        for link in (2 * tr.src, 2 * tr.dst + 1):
+            tl, rl = _subtract(self.times[link], self.rates[link], list(tr.times), list(tr.rates), tr.end)
             self.times[link] = tl
             self.rates[link] = rl
             self.first_free[link], self.peak[link] = _stats(tl, rl)
-        return Transfer(src, dst, float(size), start, end, tuple(pt), tuple(pr))
+
+    def to_csr(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every link's timeline in CSR form for the compiled kernel (``_sched.c``):
+        ``(link_ptr, times, rates)``, link ``l``'s breakpoints at ``link_ptr[l]:link_ptr[l+1]``."""
+        lens = np.fromiter(map(len, self.times), dtype=np.int64, count=len(self.times))
+        ptr = np.zeros(lens.size + 1, dtype=np.int64)
+        np.cumsum(lens, out=ptr[1:])
+        total = int(ptr[-1])
+        times = np.fromiter(chain.from_iterable(self.times), dtype=float, count=total)
+        rates = np.fromiter(chain.from_iterable(self.rates), dtype=float, count=total)
+        return ptr, times, rates
 
     def job_t_en(self, comps: Sequence[Component], start: float) -> float:
         """Completion of a job (its components reserved one after the other, eq. 18), without

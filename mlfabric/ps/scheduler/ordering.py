@@ -33,19 +33,26 @@ lower bound of its ``t_en`` (nothing reaches a server before its link frees up, 
 faster than the peak rate), and stays one as reservations only lower peaks. Scanning the
 remaining updates in key order, the scan stops at the first bound above the best exact
 ``t_en`` found so far; under a server bottleneck that is after one or two exact walks.
+
+With one server the same loop runs compiled (``_sched.c``, via ``native.py``; same float
+operations, bit-identical decisions) unless ``native=False``; the Python loop here is the
+fallback and the multi-server path. :func:`list_order` reserves a given list instead
+(MLfabric-S's second candidate list, :func:`longest_first`).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, insort
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Literal
 
 import numpy as np
 
 from mlfabric.ps.scheduler.netstate import INF, Component, NetState, Transfer
 
-__all__ = ["Batch", "OrderDecision", "OrderResult", "order_updates"]
+__all__ = ["Batch", "OrderDecision", "OrderResult", "ReplayedSnapshots", "list_order", "longest_first", "order_updates",
+           "transfer_keys"]
 
 DropReason = Literal["doomed", "look-ahead", "no-capacity"]
 
@@ -107,14 +114,67 @@ class OrderResult:
     """Every update once: kept ones in application order, dropped ones where they were dropped."""
     order: tuple[int, ...]
     """Indices of the kept updates, in application order."""
-    snapshots: tuple[NetState, ...] = field(repr=False)
-    """``snapshots[n]``: the network after the first ``n`` kept updates were reserved."""
+    snapshots: Sequence[NetState] = field(repr=False, compare=False)
+    """``snapshots[n]``: the network after the first ``n`` kept updates were reserved (a
+    tuple, or :class:`ReplayedSnapshots` when the compiled loop made the result)."""
 
     def kept(self) -> list[OrderDecision]:
         return [d for d in self.decisions if not d.dropped]
 
     def by_index(self) -> dict[int, OrderDecision]:
         return {d.index: d for d in self.decisions}
+
+
+class ReplayedSnapshots(Sequence[NetState]):
+    """The snapshots of a compiled ordering, rebuilt on first use: snapshot ``n`` is the
+    initial state with the first ``n`` kept transfers applied (:meth:`NetState.apply`, the
+    same subtraction the reservation did, so bit-identical). The compiled aggregation never
+    needs them; only a Python aggregation of a compiled ordering does."""
+
+    def __init__(self, initial: NetState, kept: Sequence[OrderDecision]) -> None:
+        self._initial = initial
+        self._kept = kept
+        self._built: list[NetState] | None = None
+
+    def __len__(self) -> int:
+        return len(self._kept) + 1
+
+    def __getitem__(self, n):  # type: ignore[override]
+        if n == 0 or n == -len(self):
+            return self._initial
+        if self._built is None:
+            built = [self._initial]
+            for d in self._kept:
+                nxt = built[-1].fork()
+                for tr in d.transfers:
+                    nxt.apply(tr)
+                built.append(nxt)
+            self._built = built
+        return self._built[n]
+
+
+def transfer_keys(batch: Batch, net: NetState) -> list[float]:
+    """Each update's transfer time on the empty path to its servers (the slowest component):
+    ``size / min(peak(up), peak(down))``, 0 when local or empty, inf when unreachable."""
+    src = np.asarray(batch.src, dtype=np.int64)
+    peak_up = net.peak[src * 2][:, None]
+    peak_down = net.peak[np.array([2 * h + 1 for h in batch.servers], dtype=np.int64)][None, :]
+    rate = np.minimum(peak_up, peak_down)
+    local = src[:, None] == np.asarray(batch.servers)[None, :]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.where(local | (batch.sizes <= 0), 0.0, batch.sizes / rate)
+    t = np.where(np.isnan(t), INF, t)
+    keys = t.max(axis=1) if t.shape[1] else np.zeros(batch.n)
+    return keys.tolist()
+
+
+def longest_first(batch: Batch, net: NetState) -> list[int]:
+    """MLfabric-S's second list: updates by :func:`transfer_keys` descending (ties: smaller
+    index). For a makespan the long transfers, often ones held back by their worker's slow
+    NIC, should start first so the others fill the server's link beside them (Graham's
+    longest-processing-time rule); shortest-first leaves them alone at the end."""
+    keys = transfer_keys(batch, net)
+    return sorted(range(batch.n), key=lambda g: (-keys[g], g))
 
 
 class _Fast:
@@ -126,18 +186,8 @@ class _Fast:
         self.jobs = [batch.job(g) for g in range(batch.n)]
         self.single = len(batch.servers) == 1
         self.server_down = np.array([2 * h + 1 for h in batch.servers])
-        src = np.asarray(batch.src, dtype=np.int64)
-        self.up = src * 2
-        # key: the update's transfer time on an empty path (vectorised over the batch)
-        peak_up = net.peak[self.up][:, None]
-        peak_down = net.peak[self.server_down][None, :]
-        rate = np.minimum(peak_up, peak_down)
-        local = src[:, None] == np.asarray(batch.servers)[None, :]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            t = np.where(local | (batch.sizes <= 0), 0.0, batch.sizes / rate)
-        t = np.where(np.isnan(t), INF, t)
-        keys = t.max(axis=1) if t.shape[1] else np.zeros(batch.n)
-        self.keys = keys.tolist()
+        self.up = np.asarray(batch.src, dtype=np.int64) * 2
+        self.keys = transfer_keys(batch, net)
         self.sorted: list[tuple[float, int]] = sorted(zip(self.keys, range(batch.n)))
 
     def remove(self, g: int) -> None:
@@ -167,6 +217,9 @@ class _Fast:
             e = self.t_en(net, g)
             if e < best or (e == best and g < best_g):
                 best, best_g = e, g
+        if best_g < 0:
+            # every candidate is unreachable: the smallest index, as the reference's argmin
+            best_g = min((g for _, g in self.sorted if g not in exclude), default=-1)
         return best, best_g
 
 
@@ -179,8 +232,13 @@ def _pick_due(due: list[int], t_en) -> tuple[float, int]:
     return best, best_g
 
 
-def order_updates(batch: Batch, net: NetState, *, start: float = 0.0) -> OrderResult:
-    """Alg. 2 (Alg. 1 when ``batch.deadlines`` is None) on a fork of ``net`` (left unchanged)."""
+def order_updates(batch: Batch, net: NetState, *, start: float = 0.0, native: bool | None = None) -> OrderResult:
+    """Alg. 2 (Alg. 1 when ``batch.deadlines`` is None) on a fork of ``net`` (left unchanged).
+    ``native``: the compiled loop (None: when built and the batch has one server)."""
+    from mlfabric.ps.scheduler import native as _native
+
+    if _native.use(batch, native):
+        return _native.order_updates(batch, net, start=start)
     fast = _Fast(batch, net, start)
     net = net.fork()
     dl = batch.deadlines
@@ -258,3 +316,33 @@ def order_updates(batch: Batch, net: NetState, *, start: float = 0.0) -> OrderRe
         snapshots.append(net)
         p += 1
     return OrderResult(decisions=tuple(decisions), order=tuple(order), snapshots=tuple(snapshots))
+
+
+def list_order(batch: Batch, net: NetState, order: Sequence[int], *, start: float = 0.0,
+               native: bool | None = None) -> OrderResult:
+    """The updates of ``order`` reserved straight to the server(s) in that order (positions
+    1, 2, ...; one that cannot complete is dropped as ``no-capacity``), with the snapshots."""
+    from mlfabric.ps.scheduler import native as _native
+
+    if _native.use(batch, native):
+        return _native.list_order(batch, net, order, start=start)
+    if sorted(order) != sorted(set(order)) or any(not 0 <= g < batch.n for g in order):
+        raise ValueError("order must list distinct update indices")
+    net = net.fork()
+    snapshots = [net]
+    decisions: list[OrderDecision] = []
+    kept: list[int] = []
+    for g in order:
+        job = batch.job(g)
+        end = net.job_t_en(job, start)
+        if end == INF:
+            decisions.append(OrderDecision(index=g, dropped=True, reason="no-capacity"))
+            continue
+        net = net.fork()
+        transfers = net.reserve_job(job, start)
+        kept.append(g)
+        decisions.append(OrderDecision(index=g, dropped=False, position=len(kept),
+                                       start=min((tr.begin for tr in transfers), default=start), end=end,
+                                       transfers=transfers))
+        snapshots.append(net)
+    return OrderResult(decisions=tuple(decisions), order=tuple(kept), snapshots=tuple(snapshots))

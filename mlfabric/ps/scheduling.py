@@ -1,0 +1,501 @@
+"""MLfabric's scheduler running for real: batches of update requests in, decisions out.
+
+    python -m pytest tests/unit/test_ps_scheduled.py -q
+
+The ``scheduled`` routing policy (MLfabric §4) in three parts, each bounded in time:
+
+* **Scheduler** (:class:`SchedulerService`, a thread beside server 0, rank 0): workers send it
+  a small request per update (its size per server, the model version it was computed from,
+  its norm). Every ``interval_s`` (100 ms) it plans the batch it holds with
+  :class:`mlfabric.ps.scheduler.Scheduler` (the pure code the simulator and the benchmarks
+  use too): order and drops (Alg. 2, ``tau_max``), aggregation (Alg. 3) on the network state
+  the :class:`~mlfabric.ps.monitor.NetworkMonitor` reports minus what earlier batches still
+  hold (:class:`~mlfabric.ps.monitor.Ledger`). It answers every worker (drop, or next hop per
+  server component, start and rate), tells each aggregator its group, and tells each server
+  the batch's application order.
+* **Worker daemon** (:class:`ScheduledRouting`, in the pushing thread): asks, waits for the
+  decision (at most ``decision_timeout_s``: then it pushes directly, unscheduled, and counts a
+  fallback), starts each transfer when the schedule says, paced at its planned rate where the
+  transport can pace. A server answers a worker's pull once the batch entries holding that
+  worker's updates are applied (or skipped), as a direct push is applied before the pull
+  that follows it: the worker computes its next update on a model with its own last one.
+* **Aggregators** (:class:`Aggregator`, a thread on every worker): sum the members of a group
+  and forward the sum to the server, after its last member or at the group's deadline with
+  what arrived.
+
+Servers apply a batch's updates in the scheduler's order (``ParameterServer`` keeps the
+orders): an entry that has not arrived ``slack_s`` after its planned commit is skipped. A
+version planned for an update is ``v_init + position``, with ``v_init`` the server's version
+plus what earlier batches planned and have not applied yet, so every planned delay is
+<= ``tau_max``; an update pushed outside any batch (a fallback) is checked against the bound
+at the server, as in vanilla async.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mlfabric.runtime.executor import tensor_bytes
+from mlfabric.transport.base import SendHandle, Transport
+
+from . import protocol
+from .monitor import Ledger, NetworkMonitor
+from .scheduler import BatchSchedule, Scheduler, SchedulerConfig, UpdateRequest
+from .server import payload_tensor
+
+if TYPE_CHECKING:
+    from .server import ParameterServer
+    from .worker import PSWorker
+
+log = logging.getLogger("mlfabric.ps")
+
+DEFAULT_RATE_BPS = 10e9  # what the scheduler assumes of a NIC nobody reported (bit/s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduledSettings:
+    """``interval_s``: batching period. ``aggregators``: k aggregators (worker hosts) per
+    server, 0 for none. ``rate_bps``: every NIC's line rate (bit/s) when known
+    (``MLFABRIC_NIC_RATE``, the emulator's); ``monitor_lag_s``: how late the scheduler sees
+    a NIC's measured rate (§7's t_lag). ``decision_timeout_s``: how long a worker waits for
+    its decision before pushing unscheduled; ``slack_s``: how long a server waits past an
+    entry's planned commit before skipping it."""
+
+    interval_s: float = 0.1
+    aggregators: int = 2
+    rate_bps: float = DEFAULT_RATE_BPS
+    monitor_lag_s: float = 0.2
+    decision_timeout_s: float = 2.0
+    slack_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("interval_s", "rate_bps", "decision_timeout_s", "slack_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.decision_timeout_s <= self.interval_s:
+            log.warning("decision_timeout_s (%g) <= interval_s (%g): workers will push unscheduled before most "
+                        "batches are planned", self.decision_timeout_s, self.interval_s)
+        if self.aggregators < 0 or self.monitor_lag_s < 0:
+            raise ValueError(f"aggregators and monitor_lag_s must be >= 0, got {self.aggregators}, "
+                             f"{self.monitor_lag_s}")
+
+
+def aggregator_ranks(workers: range, k: int) -> list[int]:
+    """``k`` worker ranks spread evenly over the workers (every ``W/k``-th)."""
+    w = len(workers)
+    k = min(k, w)
+    return [workers[(i * w) // k] for i in range(k)] if k else []
+
+
+def _avg_rate_bps(transfer: Any) -> float | None:
+    """A planned transfer's mean rate in bit/s (what pacing enforces), None if it moves nothing."""
+    if not transfer.times or transfer.end <= transfer.begin:
+        return None
+    return 8 * transfer.size / (transfer.end - transfer.begin)
+
+
+# --------------------------------------------------------------------------- the scheduler
+
+
+@dataclass
+class SchedulerStats:
+    batches: int = 0
+    requests: int = 0
+    dropped: int = 0
+    aggregated: int = 0
+    plan_ms: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        ms = sorted(self.plan_ms)
+        return {"batches": self.batches, "requests": self.requests, "dropped_by_scheduler": self.dropped,
+                "aggregated": self.aggregated, "plan_ms_p50": ms[len(ms) // 2] if ms else None,
+                "plan_ms_max": ms[-1] if ms else None}
+
+
+class SchedulerService:
+    """The scheduler thread of one PS session (module docstring); lives beside server 0."""
+
+    def __init__(self, server: "ParameterServer", settings: ScheduledSettings) -> None:
+        self.server = server
+        self.transport: Transport = server.transport
+        self.layout = server.layout
+        self.settings = settings
+        consistency = server.config.consistency
+        if consistency.kind != "async" or consistency.delay_bound is None:
+            raise ValueError("the scheduled routing policy is MLfabric-A: it needs consistency async:TAU "
+                             f"(a delay bound), got {consistency}")
+        self.aggregators = aggregator_ranks(self.layout.worker_ranks, settings.aggregators)
+        self.scheduler = Scheduler(SchedulerConfig(tau_max=consistency.delay_bound, mode="async",
+                                                   aggregation=bool(self.aggregators), seed=server.config.seed),
+                                   servers=list(self.layout.server_ranks), aggregators=self.aggregators)
+        self.monitor = NetworkMonitor(hosts=self.layout.world_size, default_bps=settings.rate_bps / 8,
+                                      lag_s=settings.monitor_lag_s)
+        self.ledger = Ledger()
+        self.stats = SchedulerStats()
+        self._pending: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+        self._planned: dict[str, int] = {}  # per model: the version after every planned update
+        self._batches = itertools.count(1)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="mlfabric-ps-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.transport.mailbox.notify()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def _run(self) -> None:
+        mailbox = self.transport.mailbox
+        tag = protocol.tag(protocol.SCHEDULE, self.server.config.session)
+        next_batch = time.monotonic() + self.settings.interval_s
+        while not self._stop.is_set():
+            version = mailbox.version
+            while (msg := mailbox.take(self.server.channel, tag)) is not None:
+                self._take(msg)
+            now = time.monotonic()
+            if now >= next_batch:
+                for model in [m for m, reqs in self._pending.items() if reqs]:
+                    try:
+                        self._plan(model, self._pending.pop(model), now)
+                    except Exception:  # noqa: BLE001 - a failed plan must not kill the service
+                        log.exception("%s: scheduler: planning a batch of %r failed; its workers fall back to "
+                                      "unscheduled pushes", self.server.who, model)
+                next_batch = now + self.settings.interval_s
+            self.transport.progress(version, max(0.0, min(0.05, next_batch - now)))
+
+    def _take(self, msg: Any) -> None:
+        header = protocol.decode(msg.meta)
+        if header["op"] == "request":
+            self._pending.setdefault(header["model"], []).append((msg.src, header))
+        elif header["op"] == "cancel":
+            pending = self._pending.get(header["model"], [])
+            self._pending[header["model"]] = [(r, h) for r, h in pending
+                                              if not (r == msg.src and h["id"] == header["id"])]
+        elif header["op"] == "monitor":
+            self.monitor.report(msg.src, header.get("up"), header.get("down"), time.monotonic())
+
+    def _plan(self, model: str, pending: list[tuple[int, dict[str, Any]]], now: float) -> None:
+        shard = self.server.shards.get(model)
+        if shard is None:
+            log.error("%s: scheduler: update requests for unknown model %r dropped", self.server.who, model)
+            return
+        started = time.perf_counter()
+        v_init = max(shard.version, self._planned.get(model, 0))
+        requests = [UpdateRequest(update_id=i, worker=rank, sizes=tuple(float(s) for s in h["sizes"]),
+                                  version=min(int(h["version"]), v_init), norm=float(h.get("norm", 0.0)))
+                    for i, (rank, h) in enumerate(pending)]
+        network = self.ledger.state(now, *self.monitor.capacities(now))
+        plan = self.scheduler.schedule(requests, version=v_init, network=network, now=now)
+        self.stats.plan_ms.append(1e3 * (time.perf_counter() - started))
+        self.stats.batches += 1
+        self.stats.requests += len(requests)
+        self.ledger.add([t for d in plan.applied() for t in d.transfers] +
+                        [t for g in plan.aggregates for t in g.transfers])
+        self._planned[model] = v_init + len(plan.applied())
+        self._dispatch(model, next(self._batches), plan, pending, v_init, now)
+
+    def _dispatch(self, model: str, batch: int, plan: BatchSchedule, pending: list[tuple[int, dict[str, Any]]],
+                  v_init: int, now: float) -> None:
+        session, channel = self.server.config.session, self.server.channel
+        slack = self.settings.slack_s
+        for d in plan.decisions:
+            rank, header = pending[d.update_id]
+            if d.dropped:
+                self.stats.dropped += 1
+                meta = protocol.encode(op="decision", drop=True, reason=d.reason, batch=batch)
+            else:
+                meta = protocol.encode(op="decision", drop=False, batch=batch, group=d.group, position=d.position,
+                                       hop=list(d.next_hop), start_in=max(0.0, (d.start or now) - now),
+                                       rates=[_avg_rate_bps(t) for t in d.transfers])
+            self.transport.send(rank, protocol.tag(protocol.DECISION, session, int(header["id"])), b"", meta=meta,
+                                channel=channel)
+        for g in plan.aggregates:
+            self.stats.aggregated += len(g.members)
+            members = [[pending[m][0], int(pending[m][1]["id"])] for m in g.members]
+            for host in sorted(set(g.hosts)):
+                servers = [j for j, h in enumerate(g.hosts) if h == host]
+                meta = protocol.encode(op="group", batch=batch, slot=g.slot, model=model, members=members,
+                                       servers=servers, deadline_in=max(0.0, g.commit - now) + slack,
+                                       rates=[_avg_rate_bps(g.transfers[j]) if j < len(g.transfers) else None
+                                              for j in servers])
+                self.transport.send(host, protocol.tag(protocol.AGGREGATE, session), b"", meta=meta, channel=channel)
+        entries: list[list[Any]] = []
+        for d in plan.applied():  # application order
+            rank, header = pending[d.update_id]
+            deadline = max(0.0, (d.commit or now) - now) + slack
+            if d.group == 0:
+                entries.append(["u", rank, int(header["id"]), deadline, [rank]])
+            elif not entries or entries[-1][0] != "g" or entries[-1][1] != d.group:
+                entries.append(["g", d.group, 1, deadline, [rank]])
+            else:
+                entries[-1][2] += 1
+                entries[-1][3] = max(entries[-1][3], deadline)
+                entries[-1][4].append(rank)
+        order = {"op": protocol.ORDER, "batch": batch, "model": model, "v_init": v_init, "entries": entries}
+        for j in self.layout.server_ranks:
+            if j == self.server.server:
+                self.server.add_order(order, time.monotonic())
+            else:
+                self.transport.send(j, protocol.request_tag(session), b"", meta=protocol.encode(**order),
+                                    channel=channel)
+
+
+# --------------------------------------------------------------------------- the worker's daemon
+
+
+@dataclass
+class DaemonStats:
+    requested: int = 0
+    dropped: int = 0
+    fallbacks: int = 0
+    aggregated: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"requested": self.requested, "dropped_by_scheduler": self.dropped, "fallbacks": self.fallbacks,
+                "sent_to_aggregators": self.aggregated}
+
+
+class ScheduledRouting:
+    """The ``scheduled`` routing policy: a worker's pushes go through the scheduler; pulls are
+    answered directly (MLfabric's model distribution trees, §10.3, are not used here)."""
+
+    name = "scheduled"
+
+    def __init__(self, settings: ScheduledSettings | None = None) -> None:
+        self.settings = settings or ScheduledSettings()
+        self.stats = DaemonStats()
+        self._aggregator: Aggregator | None = None
+        self._ids = itertools.count(1)
+
+    # -- the worker's side -------------------------------------------------------------------
+
+    def _start(self, worker: "PSWorker") -> None:
+        if self._aggregator is None:
+            self._worker = worker
+            self._aggregator = Aggregator(worker, self.settings)
+            self._aggregator.start()
+
+    def send_push(self, worker: "PSWorker", model: str, components: list[torch.Tensor],
+                  headers: list[bytes]) -> list[SendHandle]:
+        """Ask the scheduler, wait for the decision and carry it out: returns once the update
+        was dropped or handed to the transport at its planned start (a push is then where the
+        schedule wants it, like a direct push once the transport has it). Nothing is left for
+        the caller to wait on."""
+        self._start(worker)
+        self._push(model, components, headers)
+        return []
+
+    def send_pull(self, worker: "PSWorker", headers: list[bytes]) -> None:
+        tag = protocol.request_tag(worker.config.session)
+        for j, header in enumerate(headers):
+            worker.transport.send(worker.layout.server_rank(j), tag, b"", meta=header, channel=worker.channel)
+
+    def answer_pulls(self, server: "ParameterServer", pulls: list[Any], shard: torch.Tensor,
+                     header: bytes) -> list[SendHandle]:
+        payload = tensor_bytes(shard)
+        return [server.transport.send(p.rank, protocol.reply_tag(server.config.session, p.request_id), payload,
+                                      meta=header, channel=server.channel) for p in pulls]
+
+    def flush(self, timeout: float) -> None:
+        """A worker leaving: its aggregator forwards what is complete or due, then stops."""
+        if self._aggregator is not None:
+            self._aggregator.stop(timeout)
+
+    def _push(self, model: str, components: list[torch.Tensor], headers: list[bytes]) -> None:
+        w = self._worker
+        transport, session = w.transport, w.config.session
+        first = protocol.decode(headers[0])
+        request_id = next(self._ids)
+        self.stats.requested += 1
+        transport.send(0, protocol.tag(protocol.SCHEDULE, session), b"", channel=w.channel, meta=protocol.encode(
+            op="request", id=request_id, model=model, version=int(first["version"]), norm=float(first["norm"]),
+            sizes=[c.numel() * c.element_size() for c in components]))
+        decision = self._decision(request_id)
+        if decision is None:  # no answer in time: push unscheduled (the server bounds its delay)
+            self.stats.fallbacks += 1
+            # Withdraw the request; if it was planned already, its entry is skipped at the server.
+            transport.send(0, protocol.tag(protocol.SCHEDULE, session), b"", channel=w.channel,
+                           meta=protocol.encode(op="cancel", id=request_id, model=model))
+            handles = [transport.send(w.layout.server_rank(j), protocol.request_tag(session), tensor_bytes(c),
+                                      meta=h, channel=w.channel) for j, (c, h) in enumerate(zip(components, headers))]
+            _wait_sent(transport, handles, w.config.timeout_s)
+            return
+        if decision["drop"]:
+            self.stats.dropped += 1
+            return
+        time.sleep(float(decision["start_in"]))
+        handles, paced = [], []
+        for j, (component, header, hop) in enumerate(zip(components, headers, decision["hop"])):
+            fields = {**protocol.decode(header), "batch": decision["batch"], "id": request_id, "rank": transport.rank}
+            rate = decision["rates"][j] if j < len(decision["rates"]) else None
+            if hop != transport.rank and rate is not None and transport.pace_connection(hop, w.channel, rate):
+                paced.append(hop)
+            if w.layout.role(hop) == "server":
+                handles.append(transport.send(hop, protocol.request_tag(session), tensor_bytes(component),
+                                              meta=protocol.encode(**fields), channel=w.channel))
+            else:
+                self.stats.aggregated += 1
+                member = {**fields, "op": "member", "slot": decision["group"], "server": j}
+                if hop == transport.rank:
+                    assert self._aggregator is not None
+                    self._aggregator.add_member(member, component)
+                else:
+                    handles.append(transport.send(hop, protocol.tag(protocol.AGGREGATE, session),
+                                                  tensor_bytes(component), meta=protocol.encode(**member),
+                                                  channel=w.channel))
+        _wait_sent(transport, handles, w.config.timeout_s)
+        for hop in paced:
+            transport.pace_connection(hop, w.channel, None)
+
+    def _decision(self, request_id: int) -> dict[str, Any] | None:
+        w = self._worker
+        transport = w.transport
+        tag = protocol.tag(protocol.DECISION, w.config.session, request_id)
+        deadline = time.monotonic() + self.settings.decision_timeout_s
+        while time.monotonic() < deadline:
+            version = transport.mailbox.version
+            msg = transport.mailbox.take(w.channel, tag, 0)
+            if msg is not None:
+                return protocol.decode(msg.meta)
+            if 0 in transport.lost_peers:
+                return None
+            transport.progress(version, 0.05)
+        log.warning("%s: no decision from the scheduler within %.1f s for update %d: pushing it unscheduled",
+                    w.who, self.settings.decision_timeout_s, request_id)
+        return None
+
+
+def _wait_sent(transport: Transport, handles: list[SendHandle], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while any(not h.done() for h in handles) and time.monotonic() < deadline:
+        transport.progress(transport.mailbox.version, 0.01)
+
+
+# --------------------------------------------------------------------------- aggregators
+
+
+@dataclass
+class _Group:
+    model: str = ""
+    members: list[tuple[int, int]] = field(default_factory=list)
+    servers: list[int] = field(default_factory=list)
+    deadline: float = float("inf")
+    rates: list[float | None] = field(default_factory=list)
+    planned: bool = False
+    arrived: dict[int, list[tuple[dict[str, Any], torch.Tensor]]] = field(default_factory=dict)  # per server j
+    sent: set[int] = field(default_factory=set)
+
+
+class Aggregator:
+    """Sums the members of the groups the scheduler assigns to this worker's host and forwards
+    each sum (per server component) once complete, or at the group's deadline with what came."""
+
+    def __init__(self, worker: "PSWorker", settings: ScheduledSettings) -> None:
+        self.worker = worker
+        self.settings = settings
+        self._groups: dict[tuple[int, int], _Group] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.forwarded = 0
+        self.partial = 0
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"mlfabric-ps-aggregator-{self.worker.index}",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float) -> None:
+        """Forward what is complete (or due), then stop."""
+        deadline = time.monotonic() + timeout
+        while self._open() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self._stop.set()
+        self.worker.transport.mailbox.notify()
+        if self._thread is not None:
+            self._thread.join(2)
+
+    def _open(self) -> bool:
+        with self._lock:
+            return any(g.planned and len(g.sent) < len(g.servers) for g in self._groups.values())
+
+    def add_member(self, header: dict[str, Any], component: torch.Tensor) -> None:
+        with self._lock:
+            group = self._groups.setdefault((int(header["batch"]), int(header["slot"])), _Group())
+            group.arrived.setdefault(int(header["server"]), []).append((header, component))
+        self.worker.transport.mailbox.notify()
+
+    def _run(self) -> None:
+        w = self.worker
+        mailbox = w.transport.mailbox
+        tag = protocol.tag(protocol.AGGREGATE, w.config.session)
+        while not self._stop.is_set():
+            version = mailbox.version
+            while (msg := mailbox.take(w.channel, tag)) is not None:
+                header = protocol.decode(msg.meta)
+                if header["op"] == "group":
+                    with self._lock:
+                        group = self._groups.setdefault((int(header["batch"]), int(header["slot"])), _Group())
+                        group.model, group.planned = header["model"], True
+                        group.members = [(int(r), int(i)) for r, i in header["members"]]
+                        group.servers = [int(j) for j in header["servers"]]
+                        group.deadline = time.monotonic() + float(header["deadline_in"])
+                        group.rates = list(header["rates"])
+                else:
+                    spec = w.models.get(header["model"])
+                    if spec is None:
+                        continue
+                    _, length = spec.shards(w.layout.servers)[int(header["server"])]
+                    self.add_member(header, payload_tensor(msg.payload, spec.torch_dtype, length,
+                                                           "aggregated member").clone())
+            self._forward_ready(time.monotonic())
+            w.transport.progress(version, 0.05)
+
+    def _forward_ready(self, now: float) -> None:
+        w = self.worker
+        with self._lock:
+            ready = []
+            for key, group in self._groups.items():
+                if not group.planned:
+                    continue
+                for j in group.servers:
+                    got = group.arrived.get(j, [])
+                    if j not in group.sent and got and (len(got) >= len(group.members) or now >= group.deadline):
+                        group.sent.add(j)
+                        ready.append((key, group, j, list(got)))
+            for key in [k for k, g in self._groups.items() if g.planned and len(g.sent) == len(g.servers)
+                        and now >= g.deadline]:
+                del self._groups[key]
+        for (batch, slot), group, j, got in ready:
+            total = got[0][1].clone()
+            for _, t in got[1:]:
+                total.add_(t)
+            if len(got) < len(group.members):
+                self.partial += 1
+                log.warning("%s: aggregator: group %d of batch %d forwarded with %d of %d members (deadline)",
+                            w.who, slot, batch, len(got), len(group.members))
+            first = got[0][0]
+            meta = protocol.encode(op=protocol.PUSH, model=group.model, batch=batch, slot=slot,
+                                   clock=first["clock"], version=first["version"], norm=0.0,
+                                   workers=[w.layout.worker_index(int(h["rank"])) for h, _ in got],
+                                   versions=[int(h["version"]) for h, _ in got])
+            rate = group.rates[group.servers.index(j)] if group.rates else None
+            server = w.layout.server_rank(j)
+            paced = rate is not None and w.transport.pace_connection(server, w.channel, rate)
+            handle = w.transport.send(server, protocol.request_tag(w.config.session), tensor_bytes(total), meta=meta,
+                                      channel=w.channel)
+            _wait_sent(w.transport, [handle], w.config.timeout_s)
+            if paced:
+                w.transport.pace_connection(server, w.channel, None)
+            self.forwarded += 1

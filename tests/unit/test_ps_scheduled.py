@@ -1,0 +1,125 @@
+"""MLfabric's scheduler running for real (the ``scheduled`` routing policy) on threads: every
+update accounted for, the delay bound held, aggregation used, the fallback when the
+scheduler does not answer; the network monitor's lag and the ledger of reservations.
+
+    python -m pytest tests/unit/test_ps_scheduled.py -q
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from mlfabric.ps import PSConfig, PSLayout, local_jobs
+from mlfabric.ps.monitor import Ledger, NetworkMonitor
+from mlfabric.ps.scheduler import NetState, down_link, up_link
+from mlfabric.ps.scheduling import ScheduledSettings, aggregator_ranks
+
+
+def test_monitor_reports_are_seen_after_the_lag() -> None:
+    monitor = NetworkMonitor(hosts=2, default_bps=100.0, lag_s=0.2)
+    assert monitor.capacities(0.0) == ([100.0, 100.0], [100.0, 100.0])
+    monitor.report(1, 50.0, None, at=1.0)  # down unknown: keeps its previous figure
+    assert monitor.capacities(1.1) == ([100.0, 100.0], [100.0, 100.0])
+    assert monitor.capacities(1.2) == ([100.0, 50.0], [100.0, 100.0])
+    monitor.report(1, None, 10.0, at=2.0)
+    assert monitor.capacities(5.0) == ([100.0, 50.0], [100.0, 10.0])
+    with pytest.raises(ValueError, match="host 2 is outside"):
+        monitor.report(2, 1.0, 1.0, at=3.0)
+
+
+def test_ledger_keeps_running_reservations_out_of_the_next_batch() -> None:
+    net = NetState.star(3, 100.0, origin=0.0)
+    transfer = net.reserve(0, 2, 300.0, 0.0)  # host 0 -> 2 at 100 B/s: busy until t = 3
+    ledger = Ledger()
+    ledger.add([transfer])
+    later = ledger.state(1.0, [100.0] * 3, [100.0] * 3)
+    assert later.residual(up_link(0), 1.5) == 0.0 and later.residual(down_link(2), 2.9) == 0.0
+    assert later.residual(up_link(0), 3.0) == 100.0 and later.residual(up_link(1), 1.0) == 100.0
+    # host 1 -> 2 has to wait for the link into host 2
+    assert later.t_en(1, 2, 100.0, 1.0) == pytest.approx(4.0)
+    # a capacity cut below the reservation leaves nothing, never a negative residual
+    assert ledger.state(1.0, [50.0] * 3, [50.0] * 3).residual(up_link(0), 1.0) == 0.0
+    assert len(ledger) == 1 and len(Ledger().state(5.0, [1.0], [1.0]).timeline(0)[0]) == 1
+    ledger.state(3.5, [100.0] * 3, [100.0] * 3)
+    assert len(ledger) == 0  # finished transfers are forgotten
+
+
+def test_aggregators_are_spread_over_the_workers() -> None:
+    assert aggregator_ranks(range(2, 10), 2) == [2, 6]
+    assert aggregator_ranks(range(2, 4), 5) == [2, 3] and aggregator_ranks(range(2, 4), 0) == []
+
+
+def _run(layout: PSLayout, config: PSConfig, steps: int, pause: float = 0.01) -> tuple[dict[int, Any], list[Any]]:
+    jobs = local_jobs(layout, config)
+    out: dict[int, Any] = {}
+
+    def serve(job: Any) -> None:
+        out[job.rank] = job.serve()
+
+    def work(job: Any) -> None:
+        w = job.worker
+        w.init_model("m", torch.zeros(500), lr=0.1)
+        for _ in range(steps):
+            params = w.pull_flat("m")
+            time.sleep(pause * (1 + w.index))
+            w.push("m", params - 1)
+            w.clock()
+        w.leave()
+        out[job.rank] = w.routing.stats.as_dict()
+
+    threads = [threading.Thread(target=serve if j.role == "server" else work, args=(j,), daemon=True) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    for j in jobs:
+        j.comm.close()
+    return out, jobs
+
+
+def test_scheduled_policy_accounts_for_every_update_and_bounds_delays() -> None:
+    layout = PSLayout(servers=2, workers=4)
+    tau = 4
+    config = PSConfig(consistency=f"async:{tau}", timeout_s=20, routing="scheduled",
+                      scheduled=ScheduledSettings(interval_s=0.05, aggregators=2, rate_bps=1e9))
+    out, _ = _run(layout, config, steps=8)
+    workers = [out[r] for r in layout.worker_ranks]
+    requested = sum(w["requested"] for w in workers)
+    assert requested == 32 and sum(w["fallbacks"] for w in workers) == 0
+    dropped_by_scheduler = sum(w["dropped_by_scheduler"] for w in workers)
+    for server in layout.server_ranks:
+        stats = out[server]
+        assert max(stats.delays) <= tau
+        # every request: applied here, dropped by the scheduler, dropped or skipped at the server
+        assert stats.worker_updates + stats.dropped + stats.skipped + dropped_by_scheduler == requested
+        assert stats.unscheduled == 0 and stats.errors == []
+    sched = out[0].scheduler
+    assert sched["requests"] == requested and sched["batches"] >= 2
+    assert sched["aggregated"] > 0 and sum(w["sent_to_aggregators"] for w in workers) > 0
+    assert sched["dropped_by_scheduler"] == dropped_by_scheduler
+
+
+def test_without_a_scheduler_answer_workers_push_unscheduled_and_the_server_bounds_the_delay() -> None:
+    layout = PSLayout(servers=1, workers=2)
+    # The scheduler plans every 30 s; the workers wait at most 0.1 s for a decision.
+    config = PSConfig(consistency="async:2", timeout_s=20, routing="scheduled",
+                      scheduled=ScheduledSettings(interval_s=30.0, decision_timeout_s=0.1, aggregators=0))
+    started = time.monotonic()
+    out, _ = _run(layout, config, steps=3, pause=0.0)
+    assert time.monotonic() - started < 15  # nobody waited for the 30 s batch
+    assert sum(out[r]["fallbacks"] for r in layout.worker_ranks) == 6
+    stats = out[0]
+    assert stats.unscheduled == 6 and stats.worker_updates + stats.dropped == 6 and max(stats.delays) <= 2
+
+
+def test_scheduled_policy_needs_a_delay_bound() -> None:
+    with pytest.raises(ValueError, match="async:TAU"):
+        PSConfig(consistency="async", routing="scheduled")
+    with pytest.raises(ValueError, match="unknown routing policy 'trees'"):
+        local_jobs(PSLayout(servers=1, workers=1), PSConfig(routing="trees"))
