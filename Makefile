@@ -29,7 +29,7 @@ compiler:
 	  else echo "note: no C compiler or Python headers: the flow solver falls back to numpy"; fi; \
 	fi
 
-$(STAMP): pyproject.toml setup.py mlfabric/flow/_fill.c | compiler
+$(STAMP): pyproject.toml setup.py mlfabric/flow/_fill.c mlfabric/ps/scheduler/_sched.c | compiler
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"

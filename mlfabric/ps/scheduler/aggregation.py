@@ -38,7 +38,9 @@ running maximum, so every update not yet committed commits at ``>= t_max`` (a lo
 of both objectives), and a byte-count bound on what ``k`` aggregators can receive before
 their deadlines rules out the small-``n`` splits without walking them (single server).
 Skipped splits are exactly those the reference would find infeasible or worse, so the
-choice is the same (tests/unit/test_ps_scheduler.py checks fast == reference).
+choice is the same (tests/unit/test_ps_scheduler.py checks fast == reference). With one
+server the enumeration runs compiled (``_sched.c`` via ``native.py``, same operations and
+bounds; the byte bound with a rounding margin) unless ``native=False``.
 """
 
 from __future__ import annotations
@@ -103,7 +105,12 @@ def objectives(commits: Sequence[float]) -> tuple[float, float]:
     (an aggregate of ``m`` updates counts ``m`` times, as ``m(a)`` in eq. 17)."""
     if not commits:
         return 0.0, 0.0
-    return float(sum(commits)) / len(commits), float(max(commits))
+    # a plain left-to-right sum (not sum(), which compensates from Python 3.12 on), so the
+    # compiled kernel reproduces it bit for bit
+    total = 0.0
+    for c in commits:
+        total += c
+    return total / len(commits), float(max(commits))
 
 
 def _validate_hosts(batch: Batch, group_hosts: Sequence[Sequence[int]]) -> None:
@@ -229,10 +236,17 @@ class _Splits:
 
 
 def aggregate(batch: Batch, ordered: OrderResult, group_hosts: Sequence[Sequence[int]], *,
-              objective: Objective = "async", start: float = 0.0) -> AggregationResult:
+              objective: Objective = "async", start: float = 0.0, native: bool | None = None) -> AggregationResult:
     """Alg. 3: the best split of ``ordered`` into a direct group and ``len(group_hosts)``
-    aggregator groups (``group_hosts[j][s]``: group ``j + 1``'s aggregator for server ``s``)."""
+    aggregator groups (``group_hosts[j][s]``: group ``j + 1``'s aggregator for server ``s``).
+    ``native``: the compiled enumeration (None: when built and the batch has one server)."""
+    from mlfabric.ps.scheduler import native as _native
+
     _validate_hosts(batch, group_hosts)
+    if objective not in ("async", "sync"):
+        raise ValueError(f"objective must be 'async' or 'sync', got {objective!r}")
+    if _native.use(batch, native):
+        return _native.aggregate(batch, ordered, [h[0] for h in group_hosts], objective=objective, start=start)
     sp = _Splits(batch, ordered, group_hosts, start)
     N = len(sp.order)
     initial = ordered.snapshots[0]

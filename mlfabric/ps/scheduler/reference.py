@@ -8,6 +8,8 @@ every split ``n = 0..|U|`` and walks it to the end. It uses the same network mod
 (:class:`~mlfabric.ps.scheduler.netstate.NetState`) and the same documented decisions as the
 fast code (docs/mlfabric_scheduler.md), so both must return the same decisions, bit for bit;
 it is O(|U|^2) walks for the ordering and O(|U|^2) reservations for the aggregation.
+MLfabric-S (``objective="sync"``, no deadlines) partitions two lists, shortest-first and
+longest-first, and keeps the smaller makespan (docs/mlfabric_scheduler.md).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from mlfabric.ps.scheduler.netstate import INF, NetState
 from mlfabric.ps.scheduler.ordering import Batch, OrderDecision, OrderResult
 from mlfabric.ps.scheduler.scheduler import Plan
 
-__all__ = ["reference_aggregate", "reference_order", "reference_plan"]
+__all__ = ["reference_aggregate", "reference_list", "reference_longest_first", "reference_order", "reference_plan"]
 
 
 def _t_en(batch: Batch, net: NetState, g: int, start: float) -> float:
@@ -155,8 +157,48 @@ def reference_aggregate(batch: Batch, initial: NetState, ordered: OrderResult, g
                              obj_sync=best.obj_sync, splits_tried=len(cases))
 
 
+def reference_list(batch: Batch, net: NetState, order: Sequence[int], *, start: float = 0.0) -> OrderResult:
+    """Reserve the updates of ``order`` in that order (an unreachable one is dropped)."""
+    net = net.fork()
+    decisions: list[OrderDecision] = []
+    kept: list[int] = []
+    snapshots = [net]
+    for g in order:
+        end = _t_en(batch, net, g, start)
+        if end == INF:
+            decisions.append(OrderDecision(index=g, dropped=True, reason="no-capacity"))
+            continue
+        net = net.fork()
+        transfers = net.reserve_job(batch.job(g), start)
+        kept.append(g)
+        decisions.append(OrderDecision(index=g, dropped=False, position=len(kept),
+                                       start=min((t.begin for t in transfers), default=start), end=end,
+                                       transfers=transfers))
+        snapshots.append(net)
+    return OrderResult(decisions=tuple(decisions), order=tuple(kept), snapshots=tuple(snapshots))
+
+
+def reference_longest_first(batch: Batch, net: NetState) -> list[int]:
+    """Updates by their transfer time on the empty path, longest first (ties: smaller index)."""
+    def key(g: int) -> float:
+        worst = 0.0
+        for src, dst, size in batch.job(g):
+            if src == dst or size <= 0:
+                continue
+            rate = min(float(net.peak[2 * src]), float(net.peak[2 * dst + 1]))
+            worst = max(worst, size / rate if rate > 0 else INF)
+        return worst
+    return sorted(range(batch.n), key=lambda g: (-key(g), g))
+
+
 def reference_plan(batch: Batch, net: NetState, group_hosts: Sequence[Sequence[int]], *, objective: Objective,
                    start: float = 0.0) -> Plan:
     ordered = reference_order(batch, net, start=start)
-    return Plan(ordered=ordered, aggregated=reference_aggregate(batch, net, ordered, group_hosts, objective=objective,
+    plan = Plan(ordered=ordered, aggregated=reference_aggregate(batch, net, ordered, group_hosts, objective=objective,
                                                                 start=start))
+    if objective == "sync" and batch.deadlines is None:  # MLfabric-S: a second list, longest first
+        listed = reference_list(batch, net, reference_longest_first(batch, net), start=start)
+        alt = reference_aggregate(batch, net, listed, group_hosts, objective=objective, start=start)
+        if alt.obj_sync < plan.aggregated.obj_sync:
+            plan = Plan(ordered=listed, aggregated=alt)
+    return plan

@@ -11,8 +11,11 @@ aggregates to send. It runs, in the paper's order (§5):
 
 * MLfabric-A (``mode="async"``): Alg. 2 (deadlines ``dl = v(g) + tau_max - v_init``, eq. 9,
   look-ahead drops), then Alg. 3 choosing the split by ``obj_async`` (eq. 17);
-* MLfabric-S (``mode="sync"``, §6): no deadlines and no drops; Alg. 1's shortest-first list
-  feeds Alg. 3, which chooses the split by ``obj_sync`` (eq. 16, the paper's line 24).
+* MLfabric-S (``mode="sync"``, §6): no deadlines and no drops. "Ordering does not apply",
+  so the list handed to Alg. 3 is ours to choose: two candidate lists, Alg. 1's
+  shortest-first and longest-first (``ordering.longest_first``), each partitioned by Alg. 3
+  with the split chosen by ``obj_sync`` (eq. 16, the paper's line 24); the plan with the
+  smaller makespan wins (ties: shortest-first). Why: docs/mlfabric_scheduler.md.
 
 Deterministic: requests are processed in ``update_id`` order (whatever order they come in),
 ties are broken by that order, and the only randomness, the pre-assignment of aggregators
@@ -29,7 +32,7 @@ import numpy as np
 
 from mlfabric.ps.scheduler.aggregation import AggregationResult, GroupPlan, Objective, aggregate
 from mlfabric.ps.scheduler.netstate import NetState, Transfer
-from mlfabric.ps.scheduler.ordering import Batch, OrderResult, order_updates
+from mlfabric.ps.scheduler.ordering import Batch, OrderResult, list_order, longest_first, order_updates
 
 __all__ = ["BatchSchedule", "Decision", "Plan", "Scheduler", "SchedulerConfig", "UpdateRequest", "plan_batch"]
 
@@ -111,10 +114,23 @@ class BatchSchedule:
 
 
 def plan_batch(batch: Batch, net: NetState, group_hosts: Sequence[Sequence[int]], *, objective: Objective,
-               start: float = 0.0) -> Plan:
-    """Ordering (Alg. 2, or Alg. 1 when the batch has no deadlines) then aggregation (Alg. 3)."""
-    ordered = order_updates(batch, net, start=start)
-    return Plan(ordered=ordered, aggregated=aggregate(batch, ordered, group_hosts, objective=objective, start=start))
+               start: float = 0.0, native: bool | None = None) -> Plan:
+    """Ordering (Alg. 2, or Alg. 1 when the batch has no deadlines) then aggregation (Alg. 3).
+
+    For ``objective="sync"`` without deadlines (MLfabric-S) a second list, longest first, is
+    partitioned too and the plan with the smaller ``obj_sync`` wins (ties: shortest first).
+    ``native``: the compiled loops (None: when built and the batch has one server)."""
+    ordered = order_updates(batch, net, start=start, native=native)
+    plan = Plan(ordered=ordered, aggregated=aggregate(batch, ordered, group_hosts, objective=objective, start=start,
+                                                      native=native))
+    if objective == "sync" and batch.deadlines is None:
+        # the makespan (eq. 16) of time-shared transfers is shortest when the long ones start
+        # first; shortest-first stays a candidate, so this never does worse than Alg. 1's list
+        lpt = list_order(batch, net, longest_first(batch, net), start=start, native=native)
+        alt = aggregate(batch, lpt, group_hosts, objective=objective, start=start, native=native)
+        if alt.obj_sync < plan.aggregated.obj_sync:
+            plan = Plan(ordered=lpt, aggregated=alt)
+    return plan
 
 
 class Scheduler:
