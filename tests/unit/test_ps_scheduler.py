@@ -275,10 +275,11 @@ def test_facade_delay_bound_capacity_and_determinism(seed, n, tau, servers, mode
 
 @PROPS
 @given(seed=st.integers(0, 2**31), n=st.integers(1, 16), k=st.integers(0, 2), servers=st.integers(1, 2),
-       objective=st.sampled_from(["async", "sync"]))
-def test_fast_equals_reference(seed, n, k, servers, objective):
+       objective=st.sampled_from(["async", "sync"]), native=st.sampled_from([None, False]))
+def test_fast_equals_reference(seed, n, k, servers, objective, native):
+    # native=None: the compiled loops where built (one server); False: the Python path
     batch, net, hosts = random_instance(seed, n, k, servers, deadlines=objective == "async")
-    fast = plan_batch(batch, net, hosts, objective=objective)
+    fast = plan_batch(batch, net, hosts, objective=objective, native=native)
     ref = reference_plan(batch, net, hosts, objective=objective)
     assert plan_key(fast) == plan_key(ref)
     # deadlines: every kept update's position is within dl(g) (delay <= tau_max)
@@ -323,6 +324,24 @@ def test_bench_instances_fast_equals_reference():
         ref = reference_plan(batch, net, hosts, objective=mode)
         assert plan_key(fast) == plan_key(ref)
         assert fast.aggregated.splits_tried <= ref.aggregated.splits_tried
+
+
+def test_sync_mode_tries_longest_first_and_keeps_the_smaller_makespan():
+    # k = 0, a 3.3 Gbit/s server: two fast workers and a slow (1 Gbit/s) one with the largest
+    # update. Shortest first sends the fast ones first and leaves the slow one alone at the
+    # end; longest first starts the slow one at once and the fast ones share the rest
+    gbps = 1.25e8
+    net = NetState([10 * gbps, 10 * gbps, 10 * gbps, 1 * gbps], [3.3 * gbps, 10 * gbps, 10 * gbps, 10 * gbps])
+    batch = Batch(src=(1, 2, 3), sizes=np.array([30 * MB, 40 * MB, 60 * MB]), servers=(0,))
+    sjf = order_updates(batch, net)
+    assert sjf.order == (0, 1, 2)
+    plan = plan_batch(batch, net, [], objective="sync")
+    assert plan.ordered.order == (2, 1, 0)
+    assert plan.aggregated.obj_sync < max(d.end for d in sjf.kept()) - 1e-9
+    ref = reference_plan(batch, net, [], objective="sync")
+    assert plan_key(plan) == plan_key(ref)
+    # with deadlines (or for obj_async) the order is Alg. 2's: no second list
+    assert plan_batch(batch, net, [], objective="async").ordered.order == (0, 1, 2)
 
 
 def test_sync_mode_drops_nothing_and_chooses_by_makespan():
