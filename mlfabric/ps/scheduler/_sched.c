@@ -974,6 +974,14 @@ out:
     return res;
 }
 
+/* A lower bound of split n's objective from its direct group alone: every later update
+ * commits at >= the direct group's last commit (n = 0: no bound). Nondecreasing in n. */
+static double prefix_bound(const Agg *a, Py_ssize_t n) {
+    if (n == 0) return -INFINITY;
+    double cd = a->commit_direct[n - 1];
+    return a->sync ? cd : (a->prefix_sum[n] + (double)(a->N - n) * cd) / (double)a->N;
+}
+
 /* Bytes link `l` can still carry on [t0, t1] (NetState.capacity_integral). */
 static double capacity_integral(const TL *l, double t0, double t1) {
     if (t1 <= t0) return 0.0;
@@ -1048,7 +1056,7 @@ static PyObject *aggregate(PyObject *self, PyObject *args) {
     memset(&a, 0, sizeof(a));
     PyObject *result = NULL;
     double *suffix_need = NULL, *suffix_big = NULL, *suffix_local = NULL;
-    char *seen = NULL;
+    char *seen = NULL, *walked = NULL;
     if (!common_load(&c, o_ptr, o_times, o_rates, o_src, o_sizes, server)) goto done;
     if (!get_buf(o_order, &c.extra, 'q', -1, "order")) goto done;
     Py_ssize_t N = c.extra.b.len / 8, hosts_n = c.net.L / 2;
@@ -1166,35 +1174,54 @@ static PyObject *aggregate(PyObject *self, PyObject *args) {
         for (Py_ssize_t i = N - 1; i >= 0; i--)
             col[i] = col[i + 1] + (a.src[a.order[i]] == a.hosts[j] ? a.size[a.order[i]] : 0.0);
     }
-    /* all direct (n = N) is always feasible; then a coarse pass (every ~sqrt(N)-th split) for a
-     * good incumbent, then the rest, each split skipped when a bound rules it out */
+    /* aggregation.aggregate's search: all direct (n = N, always feasible), then an incumbent
+     * near the feasibility boundary (galloping up from the first split the bounds leave),
+     * then every split the bounds do not rule out, ascending (the prefix bound grows with n,
+     * so the first split it rules out ends the pass) */
     SplitOut best = det_agg(&a, N, INFINITY, 0);
     if (best.status < 0) goto done;
     double best_val = sync ? best.obj_sync : best.obj_async;
     Py_ssize_t best_n = N, tried = 1;
+    walked = PyMem_Calloc((size_t)N + 1, 1);
+    if (!walked) {
+        PyErr_NoMemory();
+        goto done;
+    }
     if (a.k > 0 && N > 0) {
-        Py_ssize_t stride = (Py_ssize_t)sqrt((double)N);
-        if (stride < 1) stride = 1;
-        for (int pass = 0; pass < 2; pass++) {
-            for (Py_ssize_t n = N - 1; n >= 0; n--) {
-                int coarse = (N - 1 - n) % stride == 0;
-                if (coarse != (pass == 0)) continue;
-                if (n > 0) {
-                    double cd = a.commit_direct[n - 1];
-                    double lb = sync ? cd : (a.prefix_sum[n] + (double)(N - n) * cd) / (double)N;
-                    if (lb > best_val * (1 + REL)) continue;
-                }
-                if (cannot_fit(&a, n, suffix_need, suffix_big, suffix_local)) continue;
-                tried++;
-                SplitOut r = det_agg(&a, n, best_val, 0);
-                if (r.status < 0) goto done;
-                if (r.status == 0) continue;
+        Py_ssize_t n = 1, step = 1;
+        while (n < N && prefix_bound(&a, n) <= best_val * (1 + REL) &&
+               cannot_fit(&a, n, suffix_need, suffix_big, suffix_local))
+            n++;
+        for (; n < N; n += step, step *= 2) {
+            if (prefix_bound(&a, n) > best_val * (1 + REL)) break;
+            if (cannot_fit(&a, n, suffix_need, suffix_big, suffix_local)) continue;
+            walked[n] = 1;
+            tried++;
+            SplitOut r = det_agg(&a, n, best_val, 0);
+            if (r.status < 0) goto done;
+            if (r.status == 1) {
                 double val = sync ? r.obj_sync : r.obj_async;
                 if (val < best_val || (val == best_val && n < best_n)) {
                     best = r;
                     best_val = val;
                     best_n = n;
                 }
+                break;
+            }
+        }
+        for (n = 0; n < N; n++) {
+            if (walked[n]) continue;
+            if (prefix_bound(&a, n) > best_val * (1 + REL)) break;
+            if (cannot_fit(&a, n, suffix_need, suffix_big, suffix_local)) continue;
+            tried++;
+            SplitOut r = det_agg(&a, n, best_val, 0);
+            if (r.status < 0) goto done;
+            if (r.status == 0) continue;
+            double val = sync ? r.obj_sync : r.obj_async;
+            if (val < best_val || (val == best_val && n < best_n)) {
+                best = r;
+                best_val = val;
+                best_n = n;
             }
         }
     }
@@ -1212,6 +1239,7 @@ done:
     PyMem_Free(suffix_big);
     PyMem_Free(suffix_local);
     PyMem_Free(seen);
+    PyMem_Free(walked);
     agg_free(&a);
     buf_release(&b_ends);
     buf_release(&b_pptr);

@@ -9,10 +9,12 @@ about two per host), is 10-100 MB (uniform), and every NIC direction draws its r
 the paper's §7 set {1, 2.5, 3.3, 5, 10} Gbps. ``tau_max = v_init = 2|U|`` and
 ``v(g) = dl(g)`` turn eq. 9 into ``dl(g) = v(g)``, the drawn deadline.
 
-For each |U| and repeat, both the fast pipeline (:func:`~mlfabric.ps.scheduler.plan_batch`)
-and the reference (:func:`~mlfabric.ps.scheduler.reference.reference_plan`) plan the same
-batch in the same process; the JSON's ``results[]`` carry the median ms per batch of each,
-their ratio, and whether every decision was identical.
+For each |U| and repeat the fast pipeline (:func:`~mlfabric.ps.scheduler.plan_batch`, with
+the compiled loops of ``_sched.c`` when built) plans the batch; on the first
+``reference_repeats`` batches the same pipeline on its Python path (``native=False``) and
+the plain reference (:func:`~mlfabric.ps.scheduler.reference.reference_plan`) plan it too,
+in the same process; the JSON's ``results[]`` carry the median ms per batch of each, the
+ratios, and whether every decision of all three was identical.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from mlfabric.ps.scheduler import native
 from mlfabric.ps.scheduler.netstate import NetState
 from mlfabric.ps.scheduler.ordering import Batch
 from mlfabric.ps.scheduler.reference import reference_plan
@@ -95,7 +98,7 @@ def run_scheduler_bench(config: SchedulerBenchConfig, *, argv: list[str] | None 
     objective = "async" if config.mode == "async" else "sync"
     results = []
     for u in config.updates:
-        fast_ms, ref_ms, identical, stats = [], [], True, []
+        fast_ms, py_ms, ref_ms, identical, stats = [], [], [], True, []
         for r in range(config.repeats):
             batch, net, hosts = section_7_4_batch(u, aggregators=config.aggregators, seed=config.seed + r,
                                                   mode=config.mode)
@@ -108,15 +111,18 @@ def run_scheduler_bench(config: SchedulerBenchConfig, *, argv: list[str] | None 
             if r < config.reference_repeats:
                 if on_step:
                     on_step(f"|U|={u} batch {r + 1}: reference")
+                pms, py = _timed(lambda: plan_batch(batch, net, hosts, objective=objective, native=False))
+                py_ms.append(pms)
                 rms, ref = _timed(lambda: reference_plan(batch, net, hosts, objective=objective))
                 ref_ms.append(rms)
-                identical = identical and plan_key(ref) == plan_key(plan)
+                identical = identical and plan_key(ref) == plan_key(plan) == plan_key(py)
         ms = statistics.median(fast_ms)
         rms = statistics.median(ref_ms) if ref_ms else None
+        pms = statistics.median(py_ms) if py_ms else None
         results.append({
-            "updates": u, "ms": ms, "reference_ms": rms, "speedup": (rms / ms) if rms else None,
+            "updates": u, "ms": ms, "python_ms": pms, "reference_ms": rms, "speedup": (rms / ms) if rms else None,
             "identical": identical if ref_ms else None, "paper_ms": PAPER_MS.get(u),
-            "fast_ms_all": fast_ms, "reference_ms_all": ref_ms,
+            "fast_ms_all": fast_ms, "python_ms_all": py_ms, "reference_ms_all": ref_ms,
             "kept_mean": float(np.mean([s[0] for s in stats])), "split_mean": float(np.mean([s[1] for s in stats])),
             "groups_mean": float(np.mean([s[2] for s in stats])),
             "splits_walked_mean": float(np.mean([s[3] for s in stats])),
@@ -126,6 +132,7 @@ def run_scheduler_bench(config: SchedulerBenchConfig, *, argv: list[str] | None 
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "processor": platform.machine()},
         "config": asdict(config),
+        "compiled": native.available(),
         "results": results,
     }
 
@@ -135,11 +142,13 @@ def render_table(result: dict[str, Any]) -> "Table":
 
     table = Table(title=f"MLfabric scheduler per batch (§7.4 setting, {result['config']['aggregators']} aggregators, "
                         f"mode {result['config']['mode']})")
-    for col in ("|U|", "fast ms", "reference ms", "speedup", "identical", "paper ms", "kept", "split", "groups",
+    fast = "fast ms" + (" (C)" if result.get("compiled") else " (Python)")
+    for col in ("|U|", fast, "python ms", "reference ms", "speedup", "identical", "paper ms", "kept", "split", "groups",
                 "splits walked"):
         table.add_column(col, justify="right")
     for r in result["results"]:
-        table.add_row(str(r["updates"]), f"{r['ms']:.1f}",
+        table.add_row(str(r["updates"]), f"{r['ms']:.2f}",
+                      "-" if r.get("python_ms") is None else f"{r['python_ms']:.1f}",
                       "-" if r["reference_ms"] is None else f"{r['reference_ms']:.1f}",
                       "-" if r["speedup"] is None else f"{r['speedup']:.1f}x",
                       "-" if r["identical"] is None else ("yes" if r["identical"] else "NO"),
