@@ -849,7 +849,9 @@ def simulate_mlnet_cmd(
 
 @app.command("train")
 def train(
-    workload: Annotated[str, typer.Option(help="hyperplane (eager-SGD §6.2.1) or lstm (§6.3).")] = "hyperplane",
+    workload: Annotated[str, typer.Option(help="hyperplane (eager-SGD §6.2.1), lstm (§6.3), lenet5 (BML's LeNet-5 "
+                                               "on synthetic MNIST-shaped images) or mlp (an MLP on a "
+                                               "random-teacher classification).")] = "hyperplane",
     workers: Annotated[int, typer.Option(help="Number of local ranks (processes).")] = 8,
     sync: Annotated[str, typer.Option(help="Comma-separated modes: allreduce (synchronous SGD), eager-solo, "
                                            "eager-majority; parameter server: ps-bsp, ps-ssp:S (staleness S), "
@@ -860,19 +862,22 @@ def train(
     inject: Annotated[Optional[list[str]], typer.Option(
         help="Delay injection, repeatable (each runs every mode): one-random:300ms (one random worker per step), "
              "random:300ms,2, skew:50ms,50ms,rotate, none.")] = None,
-    epochs: Annotated[Optional[int], typer.Option(help="Epochs (default: 48 hyperplane, 16 lstm).")] = None,
+    epochs: Annotated[Optional[int], typer.Option(help="Epochs (default: 48 hyperplane, 16 lstm, 4 lenet5, "
+                                                       "8 mlp).")] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Per worker (default: 256 hyperplane, "
-                                                                         "16 lstm).")] = None,
-    lr: Annotated[Optional[float], typer.Option(help="SGD learning rate (default: 0.05 hyperplane, 0.1 lstm).")]
-        = None,
-    momentum: Annotated[Optional[float], typer.Option(help="SGD momentum (default: 0 hyperplane, 0.9 lstm).")] = None,
+                                                                         "16 lstm, 32 lenet5, 64 mlp).")] = None,
+    lr: Annotated[Optional[float], typer.Option(help="SGD learning rate (default: 0.05 hyperplane, 0.1 lstm, "
+                                                     "0.02 lenet5, 0.1 mlp).")] = None,
+    momentum: Annotated[Optional[float], typer.Option(help="SGD momentum (default: 0 hyperplane, 0.9 the "
+                                                           "others).")] = None,
     sync_every_epochs: Annotated[Optional[int], typer.Option(
         "--sync-every-epochs", help="eager-SGD model average every N epochs (0: only at the end; default: 2 "
-                                    "hyperplane, 10 lstm).")] = None,
+                                    "hyperplane, lenet5 and mlp, 10 lstm).")] = None,
     algorithm: Annotated[str, typer.Option(help="Reduction schedule: ring, halving_doubling, tree or ps.")] = "ring",
     dim: Annotated[int, typer.Option(help="hyperplane: input dimension.")] = 8192,
     train_samples: Annotated[Optional[int], typer.Option("--train-samples", help="Training set size (default: "
-                                                                                "32768 hyperplane, 4096 lstm).")] = None,
+                                                                                "32768 hyperplane, 4096 lstm, 4096 "
+                                                                                "lenet5, 32768 mlp).")] = None,
     frame_time: Annotated[str, typer.Option("--frame-time", help="lstm: emulated accelerator time per padded time "
                                                                  "step (sleep), e.g. 2ms; 0: CPU compute only.")] = "0",
     out: Annotated[Optional[Path], typer.Option(help="Directory for curves.csv, curves.png and tensorboard/ "
@@ -881,34 +886,66 @@ def train(
     plot: Annotated[bool, typer.Option("--plot/--no-plot", help="Draw curves.png (needs matplotlib).")] = True,
     transport: Annotated[str, typer.Option(help="mlfabric transport: zmq, tcp or torch.")] = "zmq",
     timeout: Annotated[float, typer.Option(help="Seconds before the whole launch is killed.")] = 3600.0,
-    seed: Annotated[int, typer.Option(help="Seed of data, models, batches and injections.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of data, models, batches, injections and churn.")] = 0,
+    emulate: Annotated[bool, typer.Option("--emulate", help="Root: run every rank of a launch on its own host of an "
+                                                            "emulated star (star:n=<ranks of the launch>).")] = False,
+    rate: Annotated[Optional[str], typer.Option(help="With --emulate: every NIC's rate, e.g. 1gbit, 100mbit "
+                                                     "(default 1gbit).")] = None,
+    churn: Annotated[Optional[str], typer.Option(help="With --emulate: bandwidth churn N1, N2, N3 (MLfabric §7) or "
+                                                      "RATE:PROB,... relative to --rate.")] = None,
+    churn_period: Annotated[Optional[str], typer.Option("--churn-period", help="With --churn: seconds between "
+                                                                              "redraws, e.g. 5s (default).")] = None,
 ) -> None:
-    """eager-SGD and the parameter server vs synchronous SGD on local ranks: throughput and
-    validation metric vs wall time.
+    """eager-SGD and the parameter server vs synchronous SGD on local ranks (or, with --emulate,
+    on an emulated network): throughput and validation metric vs wall time.
 
     All (injection, mode) runs share one launch and run one after the other; the table shows
     each eager mode's throughput and final metric relative to allreduce under the same injection."""
     import dataclasses
 
-    from mlfabric.train.eager import EagerTrainConfig, render_ps_table, render_table, run_eager_training, write_outputs
-    from mlfabric.train.workloads import HyperplaneSpec, LstmSpec
-    from mlfabric.units import parse_duration
+    from mlfabric.train.eager import (EMULATE_NEEDS_ROOT, EagerTrainConfig, TrainEmulation, render_ps_table,
+                                      render_table, run_eager_training, write_outputs)
+    from mlfabric.train.workloads import HyperplaneSpec, LeNet5Spec, LstmSpec, MlpSpec
+    from mlfabric.units import parse_duration, parse_rate
 
     injects = tuple(inject) if inject else ("none",)
     modes = tuple(split_list(sync, "sync modes"))
-    hyper = make_config(HyperplaneSpec, dim=dim, **({"train_samples": train_samples}
-                                                   if train_samples and workload == "hyperplane" else {}))
+    samples = {"train_samples": train_samples} if train_samples else {}
+    hyper = make_config(HyperplaneSpec, dim=dim, **(samples if workload == "hyperplane" else {}))
     lstm = make_config(LstmSpec, frame_time_s=_parse_or_usage(parse_duration, frame_time),
-                       **({"train_samples": train_samples} if train_samples and workload == "lstm" else {}))
+                       **(samples if workload == "lstm" else {}))
+    lenet5 = make_config(LeNet5Spec, **(samples if workload == "lenet5" else {}))
+    mlp = make_config(MlpSpec, **(samples if workload == "mlp" else {}))
+    out_dir = out if out is not None else Path("runs") / workload
+    emulation = None
+    if not emulate:
+        for flag, value in (("--rate", rate), ("--churn", churn), ("--churn-period", churn_period)):
+            if value is not None:
+                raise typer.BadParameter(f"{flag} applies to an emulated run: add --emulate (root)")
+    else:
+        emulation = make_config(TrainEmulation, rate_bps=_parse_or_usage(parse_rate, rate or "1gbit"), churn=churn,
+                                churn_period_s=_parse_or_usage(parse_duration, churn_period or "5s"),
+                                trace_dir=str(out_dir))
+        if churn_period is not None and churn is None:
+            raise typer.BadParameter("--churn-period needs --churn N1|N2|N3")
     config = make_config(EagerTrainConfig, workload=workload, workers=workers, modes=modes, injects=injects,
                          epochs=epochs, batch_size=batch_size, lr=lr, momentum=momentum,
                          sync_every_epochs=sync_every_epochs, algorithm=algorithm, hyperplane=hyper, lstm=lstm,
-                         transport=transport, timeout_s=timeout, seed=seed, servers=servers,
-                         delay_bound=delay_bound)
-    out_dir = out if out is not None else Path("runs") / workload
+                         lenet5=lenet5, mlp=mlp, transport=transport, timeout_s=timeout, seed=seed, servers=servers,
+                         delay_bound=delay_bound, emulation=emulation)
+    if emulate:
+        from mlfabric.emu.cmd import have_root
+
+        if not have_root():
+            console.print(f"[bold red]error:[/] {EMULATE_NEEDS_ROOT}", markup=True, highlight=False)
+            raise typer.Exit(2)
     command = ["mlfabric", "train", "--workload", workload, "--workers", str(workers), "--sync", sync,
                *[arg for spec in injects for arg in ("--inject", spec)],
-               "--algorithm", algorithm, "--seed", str(seed), "--out", str(out_dir)]
+               "--algorithm", algorithm, "--transport", transport, "--seed", str(seed), "--out", str(out_dir)]
+    if emulate:
+        command += ["--emulate", "--rate", rate or "1gbit"]
+        if churn is not None:
+            command += ["--churn", churn, "--churn-period", churn_period or "5s"]
     if any(mode.startswith("ps-") for mode in modes):
         command += ["--servers", str(servers)]
     for flag, value in (("--delay-bound", delay_bound), ("--epochs", epochs), ("--batch-size", batch_size), ("--lr", lr), ("--momentum", momentum),
@@ -919,12 +956,18 @@ def train(
         command += ["--dim", str(dim)]
     elif frame_time not in ("0", "0s"):
         command += ["--frame-time", frame_time]
+    if json_path is not None:
+        command += ["--json", str(json_path)]
+    from mlfabric.bench.procs import RankFailedError, RankTimeoutError
+    from mlfabric.emu.cmd import EmuUnavailableError
+
     with progress_bar() as progress:
         task = progress.add_task(f"{workload} on {workers} ranks: {len(config.runs())} runs (start-up first)",
                                  total=len(config.runs()))
         result = run_or_exit(lambda: run_eager_training(
             config, argv=command, capture_output=True,
-            on_run=lambda done, total: progress.update(task, completed=done, total=total)))
+            on_run=lambda done, total: progress.update(task, completed=done, total=total)),
+            (RankFailedError, RankTimeoutError, EmuUnavailableError))
     files = write_outputs(result, out_dir, plot=plot)
     result = dataclasses.replace(result, files=files)
     console.print(render_table(result))

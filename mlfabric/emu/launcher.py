@@ -54,9 +54,10 @@ from mlfabric.transport.pacing import PACE_ENV
 
 if TYPE_CHECKING:
     from mlfabric.bench.procs import LaunchConfig
+    from mlfabric.topo.trace import TraceRow
 
-__all__ = ["LaunchSpec", "launch", "resolve_topology", "EMULATE_MODES", "cluster_launch_config",
-           "emulated_launch", "fallback_env"]
+__all__ = ["LaunchSpec", "launch", "resolve_topology", "EMULATE_MODES", "churned_rank_envs",
+           "cluster_launch_config", "emulated_launch", "fallback_env", "start_churn"]
 
 EMULATE_MODES = ("auto", "always", "never")
 
@@ -145,23 +146,67 @@ def cluster_launch_config(plan: ClusterPlan, *, master_port: int = 29500, **opti
                         command_prefix=plan.command_prefixes(), rank_env=plan.rank_envs(), **options)
 
 
+def start_churn(cluster: Cluster, churn: str, *, rate_bps: float, period_s: float, seed: int,
+                trace_path: str | None,
+                on_apply: Callable[[float, list[TraceRow]], None] | None = None) -> ChurnRunner:
+    """Start bandwidth churn ``churn`` (``N1``/``N2``/``N3`` or ``RATE:PROB,...``) on every host
+    NIC of ``cluster``, drawn from ``rate_bps``, every ``period_s`` seconds under ``seed``; the
+    first redraw is applied before it returns, each one is appended to ``trace_path`` (a
+    capacity-trace CSV). Stop it with :meth:`ChurnRunner.stop` (which re-raises a failure).
+    ``mlfabric launch --churn`` and :func:`emulated_launch` both start churn here."""
+    plan = cluster.plan
+    return ChurnRunner(cluster=cluster, model=churn_model(churn), n_hosts=plan.n_hosts,
+                       nics_per_host=len(plan.hosts[0].nics), base_rate_bps=rate_bps, period_s=period_s,
+                       seed=seed, trace_path=trace_path, on_apply=on_apply).start()
+
+
+def churned_rank_envs(envs: Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
+    """The ranks' environments under churn: rates change under the ranks, so the fixed
+    per-NIC fair share (``MLFABRIC_NIC_RATE``) would be wrong and is left out."""
+    return [{k: v for k, v in env.items() if k != NIC_RATE_ENV} for env in envs]
+
+
 @contextlib.contextmanager
 def emulated_launch(topology: str | TopologySpec, rate_bps: float, *,
-                    on_built: Callable[[ClusterPlan], None] | None = None, **options: Any) -> Iterator[LaunchConfig]:
+                    on_built: Callable[[ClusterPlan], None] | None = None, churn: str | None = None,
+                    churn_period_s: float = 5.0, churn_seed: int = 0, trace_path: str | None = None,
+                    on_churn: Callable[[float, list[TraceRow]], None] | None = None,
+                    **options: Any) -> Iterator[LaunchConfig]:
     """Build an emulated cluster, yield the :func:`cluster_launch_config` of its ranks (for
     :func:`mlfabric.bench.procs.run_ranks`), tear it down on the way out (root needed).
 
     ``on_built(plan)`` runs once the cluster is up, before any rank (benchmarks measure their
-    reference goodput there). Several launches may run one after the other in one cluster;
-    give each its own ``master_port`` (``dataclasses.replace``) so that no socket of the
-    previous one is in the way.
+    reference goodput there). With ``churn``, bandwidth churn (:func:`start_churn`, as
+    ``mlfabric launch --churn``) starts after ``on_built`` and runs until the block is left;
+    its trace goes to ``trace_path`` (default: ``trace.csv`` in a new run directory of the
+    temp dir), ``on_churn(t, rows)`` sees each redraw, and a failure of the churn thread is
+    raised on the way out (the ranks run on under the last rates meanwhile). Several launches
+    may run one after the other in one cluster; give each its own ``master_port``
+    (``dataclasses.replace``) so that no socket of the previous one is in the way.
     """
+    import dataclasses
+
     spec = resolve_topology(str(topology), None)
     plan = plan_cluster(spec, rate_bps, prefix=new_prefix())
-    with Cluster.create(plan):
+    if churn is not None:
+        churn_model(churn)  # a bad model fails before anything is built
+    with Cluster.create(plan) as cluster:
         if on_built is not None:
             on_built(plan)
-        yield cluster_launch_config(plan, **options)
+        config = cluster_launch_config(plan, **options)
+        if churn is None:
+            yield config
+            return
+        trace = trace_path or os.path.join(tempfile.mkdtemp(prefix=f"mlfabric-emu-{plan.prefix}-"), "trace.csv")
+        runner = start_churn(cluster, churn, rate_bps=rate_bps, period_s=churn_period_s, seed=churn_seed,
+                             trace_path=trace, on_apply=on_churn)
+        try:
+            yield dataclasses.replace(config, rank_env=churned_rank_envs(config.rank_env or []))
+        except BaseException:
+            with contextlib.suppress(RuntimeError):  # the block's own error is the one to see
+                runner.stop()
+            raise
+        runner.stop()
 
 
 class _Interrupted(BaseException):
@@ -255,9 +300,8 @@ def launch(spec: LaunchSpec, *, out: IO[str] | None = None, err: IO[str] | None 
                           f"MASTER_ADDR={plan.master_addr}; description in {cluster_json}\n")
                 if spec.churn is not None:
                     trace = spec.trace_path or os.path.join(run_dir, "trace.csv")
-                    churn = ChurnRunner(cluster=cluster, model=churn_model(spec.churn), n_hosts=plan.n_hosts,
-                                        nics_per_host=len(plan.hosts[0].nics), base_rate_bps=spec.rate_bps,
-                                        period_s=spec.period_s, seed=spec.seed, trace_path=trace).start()
+                    churn = start_churn(cluster, spec.churn, rate_bps=spec.rate_bps, period_s=spec.period_s,
+                                        seed=spec.seed, trace_path=trace)
                     err.write(f"mlfabric launch: churn {spec.churn} every {spec.period_s:g}s (seed {spec.seed}); "
                               f"trace in {trace}\n")
                 n_hosts = plan.n_hosts
@@ -265,9 +309,7 @@ def launch(spec: LaunchSpec, *, out: IO[str] | None = None, err: IO[str] | None 
                 prefixes = plan.command_prefixes()
                 extra = plan.rank_envs(cluster_json=cluster_json)
                 if churn is not None:
-                    # Rates change under the ranks: a fixed fair share would be wrong.
-                    for env in extra:
-                        env.pop(NIC_RATE_ENV, None)
+                    extra = churned_rank_envs(extra)
                 port = spec.master_port
             else:
                 from mlfabric.bench.procs import free_port

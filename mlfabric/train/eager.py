@@ -17,10 +17,26 @@ random (seeded: the same choice on every rank) by 300 ms every step, §6.2.1's l
 imbalance; ``random:300ms,2`` two workers; ``skew:50ms,50ms,rotate`` §6.2.3's rotating skew;
 ``none``. The LSTM workload is imbalanced by itself (its sequence lengths follow UCF101's).
 
+Workloads (:mod:`mlfabric.train.workloads`, all synthetic): ``hyperplane`` (MSE), ``lstm``
+(accuracy), ``lenet5`` (BML's LeNet-5 on MNIST-shaped images, accuracy; 12.5 MiB of
+gradients a step: the one where the network shows) and ``mlp`` (an MLP on a random-teacher
+10-class classification, accuracy). Their default batch, lr, momentum and epochs are in
+:data:`_DEFAULTS`.
+
+On the emulator (root; :class:`TrainEmulation`, ``--emulate --rate 1gbit [--churn N1]``)
+every rank of a launch runs on its own host of an emulated star (``star:n=<ranks of that
+launch>``: the workers for the collective modes, servers + workers for the PS modes; one
+cluster per launch, torn down after it) with NICs at the rate, under bandwidth churn as
+``mlfabric launch --churn`` applies it (:func:`mlfabric.emu.launcher.start_churn`); the run's
+metadata records the rate, churn, topologies and churn traces:
+
+    sudo .venv/bin/mlfabric train --workload lenet5 --workers 4 --servers 1 --sync allreduce,ps-bsp,ps-async \
+        --epochs 2 --transport tcp --emulate --rate 1gbit --churn N1 --json /tmp/lenet5-emu.json
+
 Measured per run: the training loop's wall time on the slowest rank (the job's), throughput
 (steps / that time; every rank takes the same number of steps), the validation metric of
 rank 0's model at every epoch boundary against the wall time (MSE for the hyperplane,
-accuracy for the LSTM; snapshots are evaluated after the loop, so evaluation costs the
+accuracy for the classifications; snapshots are evaluated after the loop, so evaluation costs the
 training nothing), the final metric after the last model average, and eager-SGD's
 statistics (the fraction of steps whose gradient made its round, the mean number of active
 ranks). :func:`write_outputs` writes them as CSV (always), TensorBoard scalars (when
@@ -30,6 +46,7 @@ matplotlib is: ``pip install 'mlfabric[plot]'``).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import math
@@ -37,12 +54,12 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from mlfabric.bench.procs import LaunchConfig, check_distinct, rank_env, report, run_ranks
 
 from .ps_modes import PS_MODE_FORMS, is_ps_mode, ps_consistency
-from .workloads import Hyperplane, HyperplaneSpec, LstmSpec, SequenceTask
+from .workloads import Hyperplane, HyperplaneSpec, LeNet5Spec, LeNet5Task, LstmSpec, MlpSpec, MlpTask, SequenceTask
 
 if TYPE_CHECKING:
     import torch
@@ -50,6 +67,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MODES", "MODE_FORMS", "render_ps_table", "SYNCHRONOUS", "WORKLOADS", "CurvePoint", "EagerTrainConfig", "EagerTrainResult", "RunResult",
+    "TrainEmulation",
     "parse_injection", "render_table", "run_eager_training", "write_outputs",
 ]
 
@@ -66,17 +84,60 @@ def target(run: RunResult) -> float:
     if run.metric == "mse":
         return run.final_metric * (1 + TARGET_TOLERANCE["mse"])
     return run.final_metric - TARGET_TOLERANCE["accuracy"]
-WORKLOADS = ("hyperplane", "lstm")
+WORKLOADS = ("hyperplane", "lstm", "lenet5", "mlp")
+_TASKS = {"hyperplane": Hyperplane, "lstm": SequenceTask, "lenet5": LeNet5Task, "mlp": MlpTask}
 # Per workload: per-worker batch, lr, momentum, epochs, epochs between model averages.
 # Hyperplane: eager-SGD Table 1 (8 workers x 256 = 2,048 per step, 48 epochs). Its 32,768
 # samples make 16-step epochs, so a model average every 2 epochs is every 32 steps (see
 # docs/eager_sgd.md: with 160 steps between averages the models drift apart on a machine
 # whose workers share cores). lr 0.05: 0.1 is at the edge of stability with 256-sample
 # shards in 8,192 dimensions. LSTM: Table 1's 128 per step (8 x 16), 16 epochs, average every 10.
+# LeNet-5 (sized for 4 workers on a 2-core machine, a minute or two): 32 per worker (128 per
+# step), lr 0.02 with momentum 0.9 (0.05 spikes the loss in the first 20 steps), 4 epochs of
+# 4,096 images = 128 steps; validation accuracy 86% after epoch 1, 97% after 2, 99.9% after 3
+# (allreduce, ps-bsp and ps-async alike; each run 20-40 s on 4 local workers over tcp).
+# MLP (teacher task): 64 per worker (256 per step), lr 0.1, momentum 0.9, 8 epochs of 32,768
+# samples = 1,024 steps (about 10-20 s on 4 local workers); validation accuracy rises fast to
+# ~73% by step 125, then slowly to ~77-78% (the student's plateau with this much data).
 _DEFAULTS = {
     "hyperplane": {"batch_size": 256, "lr": 0.05, "momentum": 0.0, "epochs": 48, "sync_every_epochs": 2},
     "lstm": {"batch_size": 16, "lr": 0.1, "momentum": 0.9, "epochs": 16, "sync_every_epochs": 10},
+    "lenet5": {"batch_size": 32, "lr": 0.02, "momentum": 0.9, "epochs": 4, "sync_every_epochs": 2},
+    "mlp": {"batch_size": 64, "lr": 0.1, "momentum": 0.9, "epochs": 8, "sync_every_epochs": 2},
 }
+#: What ``--emulate`` without root says.
+EMULATE_NEEDS_ROOT = ("--emulate builds an emulated cluster (network namespaces, veth pairs, tc) and needs root "
+                      "(or CAP_NET_ADMIN + CAP_SYS_ADMIN): run it as root, or with sudo and the venv's entry point, "
+                      "e.g. sudo .venv/bin/mlfabric train ... --emulate")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainEmulation:
+    """Where ``--emulate`` runs the ranks: each rank of a launch on its own host of an emulated
+    star with every NIC at ``rate_bps``; ``churn`` (``N1``/``N2``/``N3`` or ``RATE:PROB,...``)
+    redraws every NIC's rates every ``churn_period_s`` seconds (seeded by the run's seed), as
+    ``mlfabric launch --churn`` does. The churn traces (capacity-trace CSVs) go to
+    ``trace_dir`` (default: a new directory in the temp dir), one per launch."""
+
+    rate_bps: float = 1e9
+    churn: str | None = None
+    churn_period_s: float = 5.0
+    trace_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        from mlfabric.emu.churn import churn_model
+
+        if not (math.isfinite(self.rate_bps) and self.rate_bps >= 8_000):
+            raise ValueError(f"emulated NIC rate must be at least 8 kbit/s, got {self.rate_bps} bit/s")
+        if not (math.isfinite(self.churn_period_s) and self.churn_period_s > 0):
+            raise ValueError(f"churn period must be a positive number of seconds, got {self.churn_period_s}")
+        if self.churn is not None:
+            churn_model(self.churn)  # raises with the accepted spellings
+
+    @staticmethod
+    def topology(ranks: int) -> str:
+        """The emulated star of a launch of ``ranks`` ranks."""
+        return f"star:n={ranks}"
 
 
 def parse_injection(text: str) -> Any:
@@ -132,6 +193,8 @@ class EagerTrainConfig:
     algorithm: str = "ring"
     hyperplane: HyperplaneSpec = field(default_factory=HyperplaneSpec)
     lstm: LstmSpec = field(default_factory=LstmSpec)
+    lenet5: LeNet5Spec = field(default_factory=LeNet5Spec)
+    mlp: MlpSpec = field(default_factory=MlpSpec)
     transport: str = "zmq"
     timeout_s: float = 3_600.0
     seed: int = 0
@@ -139,6 +202,8 @@ class EagerTrainConfig:
     #: ps-async's delay bound (None: unbounded).
     servers: int = 1
     delay_bound: int | None = None
+    #: None: local ranks on loopback; otherwise every rank on a host of an emulated star (root).
+    emulation: TrainEmulation | None = None
 
     def __post_init__(self) -> None:
         from mlfabric import TRANSPORTS
@@ -173,6 +238,13 @@ class EagerTrainConfig:
             raise ValueError(f"unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        specs = {"hyperplane": (self.hyperplane, HyperplaneSpec), "lstm": (self.lstm, LstmSpec),
+                 "lenet5": (self.lenet5, LeNet5Spec), "mlp": (self.mlp, MlpSpec)}
+        for name, (spec, kind) in specs.items():
+            if not isinstance(spec, kind):
+                raise ValueError(f"{name} must be a {kind.__name__}, got {type(spec).__name__}")
+        if self.emulation is not None and not isinstance(self.emulation, TrainEmulation):
+            raise ValueError(f"emulation must be a TrainEmulation or None, got {type(self.emulation).__name__}")
         if self.steps_per_epoch < 1:
             raise ValueError(f"{self.train_samples} training samples over {self.workers} workers give less than "
                              f"one batch of {self.batch_size_} per worker; raise the training set")
@@ -203,8 +275,18 @@ class EagerTrainConfig:
         return int(self._setting("sync_every_epochs"))
 
     @property
+    def spec(self) -> HyperplaneSpec | LstmSpec | LeNet5Spec | MlpSpec:
+        """The selected workload's task spec."""
+        return getattr(self, self.workload)
+
+    @property
     def train_samples(self) -> int:
-        return self.hyperplane.train_samples if self.workload == "hyperplane" else self.lstm.train_samples
+        return self.spec.train_samples
+
+    @property
+    def metric(self) -> str:
+        """``"mse"`` (lower is better) or ``"accuracy"``."""
+        return _TASKS[self.workload].metric
 
     @property
     def steps_per_epoch(self) -> int:
@@ -224,10 +306,8 @@ class EagerTrainConfig:
         kinds = {is_ps_mode(mode) for mode in self.modes}
         return [kind for kind in (False, True) if kind in kinds]
 
-    def task(self) -> Hyperplane | SequenceTask:
-        if self.workload == "hyperplane":
-            return Hyperplane(self.hyperplane, self.seed)
-        return SequenceTask(self.lstm, self.seed)
+    def task(self) -> Hyperplane | SequenceTask | LeNet5Task | MlpTask:
+        return _TASKS[self.workload](self.spec, self.seed)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,7 +317,7 @@ class CurvePoint:
     wall_s: float            # since the start of the run's training loop, the last rank to get there
     train_loss: float        # mean minibatch loss of the epoch, over ranks
     val_loss: float          # of the ranks' average model at this epoch boundary
-    val_metric: float        # MSE (hyperplane) or accuracy (lstm) of the ranks' average model
+    val_metric: float        # MSE (hyperplane) or accuracy (the others) of the ranks' average model
     val_metric_rank0: float  # the same for rank 0's own model (eager-SGD's drift from the average)
 
 
@@ -339,7 +419,7 @@ class EagerTrainResult:
                        "momentum": self.config.momentum_, "steps": self.config.steps,
                        "sync_every_epochs": self.config.sync_every_epochs_},
             "units": {"time": "s", "speedup": "steps/s over allreduce's in the same launch",
-                      "metric": "mse (hyperplane) or accuracy (lstm), on the validation set"},
+                      "metric": "mse (hyperplane) or accuracy (lstm, lenet5, mlp), on the validation set"},
             "startup_s": self.startup_s, "wall_s": self.wall_s,
             "runs": [run.to_dict() for run in self.runs],
             "comparisons": self.comparisons(),
@@ -590,22 +670,34 @@ def run_eager_training(config: EagerTrainConfig, *, argv: Sequence[str] | None =
             finished[bool(payload.get("ps"))] = int(payload["run"])
             on_run(sum(finished.values()), total)
 
+    emulation = config.emulation
+    trace_dir: str | None = None
+    if emulation is not None:
+        import tempfile
+
+        from mlfabric.emu.cmd import EmuUnavailableError, have_root
+
+        if not have_root():
+            raise EmuUnavailableError(EMULATE_NEEDS_ROOT)
+        if emulation.churn is not None:
+            trace_dir = emulation.trace_dir or tempfile.mkdtemp(prefix="mlfabric-train-")
     launched = time.time()
     per_run: dict[int, list[_RankRun]] = {}
     startup = 0.0
+    emulated: list[dict[str, Any]] = []
     for ps in config.launches():
         world = config.workers + (config.servers if ps else 0)
-        launch = LaunchConfig(world_size=world, timeout_s=config.timeout_s, capture_output=capture_output,
-                              env={SERVERS_ENV: str(config.servers)} if ps else {})
-        per_rank: list[tuple[float, list[_RankRun]]] = run_ranks(_rank_main, config=launch,
-                                                                 args=(config, launched if not per_run else time.time(),
-                                                                       ps), on_report=on_report)
+        started = launched if not per_run else time.time()
+        with _launch_config(config, world, ps=ps, env={SERVERS_ENV: str(config.servers)} if ps else {},
+                            capture_output=capture_output, trace_dir=trace_dir, records=emulated) as launch:
+            per_rank: list[tuple[float, list[_RankRun]]] = run_ranks(_rank_main, config=launch,
+                                                                     args=(config, started, ps), on_report=on_report)
         startup = max(startup, max(r[0] for r in per_rank))
         indices = [i for i, (_, mode) in enumerate(config.runs()) if is_ps_mode(mode) == ps]
         for k, index in enumerate(indices):
             per_run[index] = [r[1][k] for r in per_rank]
     wall = time.time() - launched
-    task_metric = "mse" if config.workload == "hyperplane" else "accuracy"
+    task_metric = config.metric
     runs = []
     for index, (inject, mode) in enumerate(config.runs()):
         ranks = per_run[index]
@@ -627,8 +719,50 @@ def run_eager_training(config: EagerTrainConfig, *, argv: Sequence[str] | None =
         "platform": platform.platform(), "cpu_count": __import__("os").cpu_count(),
         "python": platform.python_version(), "torch": torch.__version__,
         "command": shlex.join(argv if argv is not None else sys.argv),
+        # None: local ranks on loopback. Otherwise the emulated network: NIC rate, churn, and
+        # per launch its star, cluster prefix, churn trace and redraws (reduced_fraction: the
+        # mean share of NIC directions below the full rate over the redraws).
+        "emulation": None if emulation is None else {
+            "rate_bps": emulation.rate_bps, "churn": emulation.churn,
+            "churn_period_s": emulation.churn_period_s if emulation.churn is not None else None,
+            "churn_seed": config.seed if emulation.churn is not None else None,
+            "placement": "one rank per host of a star of each launch's ranks (PS: servers on hosts 0..S-1)",
+            "launches": emulated},
     }
     return EagerTrainResult(config=config, runs=tuple(runs), startup_s=startup, wall_s=wall, metadata=metadata)
+
+
+@contextlib.contextmanager
+def _launch_config(config: EagerTrainConfig, world: int, *, ps: bool, env: dict[str, str], capture_output: bool,
+                   trace_dir: str | None, records: list[dict[str, Any]]) -> Iterator[LaunchConfig]:
+    """Local ranks on loopback, or (``config.emulation``) one rank per host of an emulated star
+    of ``world`` hosts under the emulation's rate and churn, torn down after the block; the
+    launch's record (topology, cluster, churn trace and redraws) is appended to ``records``."""
+    emulation = config.emulation
+    if emulation is None:
+        yield LaunchConfig(world_size=world, timeout_s=config.timeout_s, capture_output=capture_output, env=env)
+        return
+    from mlfabric.emu.launcher import emulated_launch
+
+    name = "parameter-server" if ps else "collective"
+    record: dict[str, Any] = {"launch": name, "topology": emulation.topology(world), "hosts": world}
+    reduced: list[float] = []  # per redraw: the share of NIC directions below the full rate
+    if emulation.churn is not None and trace_dir is not None:
+        record["churn_trace"] = str(Path(trace_dir) / f"churn-{name}.csv")
+
+    def on_churn(t: float, rows: list[Any]) -> None:
+        reduced.append(sum(r.rate_bps < emulation.rate_bps * (1 - 1e-9) for r in rows) / len(rows))
+
+    with emulated_launch(record["topology"], emulation.rate_bps,
+                         on_built=lambda plan: record.update(cluster=plan.prefix), churn=emulation.churn,
+                         churn_period_s=emulation.churn_period_s, churn_seed=config.seed,
+                         trace_path=record.get("churn_trace"), on_churn=on_churn,
+                         timeout_s=config.timeout_s, capture_output=capture_output) as launch:
+        records.append(record)
+        yield dataclasses.replace(launch, env={**launch.env, **env})
+    if emulation.churn is not None:
+        record["churn_redraws"] = len(reduced)
+        record["churn_reduced_fraction"] = statistics.fmean(reduced) if reduced else None
 
 
 # --------------------------------------------------------------------------- outputs
@@ -687,7 +821,7 @@ def plot_curves(result: EagerTrainResult, path: Path) -> Path:
     plt = require_matplotlib()
     fig, (curves, bars) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
     colors = plt.get_cmap("tab10")
-    modes = list(MODES)
+    modes = list(result.config.modes)  # one color per mode of the run (PS modes included)
     injects = list(result.config.injects)
     styles = ("-", "--", ":", "-.")
     for run in result.runs:
@@ -726,9 +860,14 @@ def render_table(result: EagerTrainResult) -> Table:
 
     config = result.config
     metric = result.runs[0].metric
+    where = ""
+    if config.emulation is not None:
+        emu = config.emulation
+        where = (f", emulated star at {emu.rate_bps / 1e6:g} Mbit/s per NIC"
+                 + (f", churn {emu.churn} every {emu.churn_period_s:g}s" if emu.churn is not None else ""))
     table = Table(title=f"{config.workload}: {config.workers} workers, {config.epochs_} epochs x "
                         f"{config.steps_per_epoch} steps, batch {config.batch_size_} per worker, "
-                        f"{config.transport} transport", title_justify="left", box=box.SIMPLE_HEAD)
+                        f"{config.transport} transport{where}", title_justify="left", box=box.SIMPLE_HEAD)
     for name in ("injection", "mode", "loop s", "steps/s", "speedup", metric, f"{metric} vs sync", "to target s",
                  "active", "fresh"):
         table.add_column(name, justify="left" if name in ("injection", "mode") else "right", no_wrap=True)

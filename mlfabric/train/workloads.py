@@ -1,5 +1,6 @@
-"""eager-SGD's training workloads, synthetic and seeded: hyperplane regression and an LSTM
-video-classification stand-in.
+"""The training workloads of ``mlfabric train``, synthetic and seeded: eager-SGD's hyperplane
+regression and LSTM video-classification stand-in, BML's LeNet-5 on MNIST-shaped images and
+an MLP on a random-teacher classification.
 
     .venv/bin/python -c "from mlfabric.train.workloads import *; print(Hyperplane(HyperplaneSpec(dim=64)).val()[0].shape)"
 
@@ -18,20 +19,38 @@ video-classification stand-in.
   compute grows with the longest sequence of the batch, so the workers' steps are unequal by
   nature, as in the paper's video model.
 
-Both give every rank the same data for the same seed and need no download.
+* :class:`LeNet5Task` (BML §4.2's LeNet-5 job): MNIST-shaped 1 x 28 x 28 images of 10
+  classes, each a smooth random template of its class shifted by up to 3 pixels, scaled in
+  brightness and with pixel noise (:func:`mlfabric.train.data.make_dataset`, ``kind="images"``);
+  the model is :class:`~mlfabric.train.models.LeNet5` (3.27 million parameters, 12.5 MiB of
+  float32 gradients per step: the communication-heavy workload), the loss cross-entropy,
+  the metric accuracy.
+* :class:`MlpTask`: standard-normal ``features``-wide inputs labelled by a fixed random
+  teacher network (one tanh hidden layer, the argmax of its logits: a 10-class
+  classification with unequal classes) (:func:`~mlfabric.train.data.make_dataset`,
+  ``kind="teacher"``); the model is :class:`~mlfabric.train.models.MLP` (``depth`` ReLU
+  layers of ``hidden``: 142k parameters by default), the loss cross-entropy, the metric
+  accuracy (the student reaches about 77% on the validation set: the teacher's boundaries
+  are learnt slowly, so the curve keeps rising for many epochs; the majority class is 20%).
+
+All give every rank the same data for the same seed and need no download. The two
+classification tasks draw their whole training set on every rank (one generator stream;
+the validation set comes after it in the same stream) and shard it strided, like
+``DistributedSampler`` without shuffling.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 __all__ = [
-    "UCF101_FRAMES", "Hyperplane", "HyperplaneSpec", "LstmSpec", "SequenceClassifier", "SequenceTask",
-    "ucf101_like_lengths",
+    "UCF101_FRAMES", "Hyperplane", "HyperplaneSpec", "LeNet5Spec", "LeNet5Task", "LstmSpec", "MlpSpec", "MlpTask",
+    "SequenceClassifier", "SequenceTask", "ucf101_like_lengths",
 ]
 
 _BLOCK = 256  # hyperplane samples per seeded block
@@ -216,6 +235,142 @@ class SequenceTask:
                 correct += int((logits.argmax(dim=1) == y[chunk]).sum())
         n = y.shape[0]
         return total_loss / n, correct / n
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeNet5Spec:
+    """LeNet-5's synthetic MNIST-shaped task (see module). 4,096 training images make 32-step
+    epochs for 4 workers of 32: the model is above 95% accuracy within about two of them."""
+
+    image_size: int = 28
+    classes: int = 10
+    train_samples: int = 4_096
+    val_samples: int = 1_024
+
+    def __post_init__(self) -> None:
+        if self.image_size < 8 or self.image_size % 4:
+            raise ValueError(f"LeNet-5 images need a side >= 8 divisible by 4, got image_size={self.image_size}")
+        if self.classes < 2 or min(self.train_samples, self.val_samples) < 1:
+            raise ValueError(f"LeNet-5 task: classes must be >= 2 and sample counts positive, got {self}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MlpSpec:
+    """The MLP student on the teacher task (see module): data sizes and the student's shape."""
+
+    features: int = 32
+    classes: int = 10
+    teacher_hidden: int = 64
+    hidden: int = 256
+    depth: int = 3
+    train_samples: int = 32_768
+    val_samples: int = 4_096
+
+    def __post_init__(self) -> None:
+        if min(self.features, self.teacher_hidden, self.hidden, self.depth, self.train_samples,
+               self.val_samples) < 1 or self.classes < 2:
+            raise ValueError(f"MLP task sizes must be positive (and classes >= 2), got {self}")
+
+
+class _Classification:
+    """What the two image/teacher tasks share: a dataset drawn once per task object (every
+    rank draws the same one), strided shards, cross-entropy, accuracy in chunks."""
+
+    metric = "accuracy"  # higher is better
+    _EVAL_CHUNK = 512
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._dataset: Any = None
+
+    def _data_config(self) -> Any:  # a mlfabric.train.data.DataConfig
+        raise NotImplementedError
+
+    def dataset(self) -> Any:
+        """The whole training and validation sets (:class:`mlfabric.train.data.Dataset`), drawn once."""
+        if self._dataset is None:
+            from .data import make_dataset
+
+            self._dataset = make_dataset(self._data_config())
+        return self._dataset
+
+    def shard(self, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank ``rank``'s strided share of the training set: samples ``rank, rank + P, ...``."""
+        from .data import shard
+
+        data = self.dataset()
+        x, y = shard(data.train_x, data.train_y, rank, world_size)
+        if y.shape[0] == 0:
+            raise ValueError(f"{data.train_y.shape[0]} training samples leave rank {rank} of {world_size} "
+                             "without data; raise train_samples")
+        return x.contiguous(), y.contiguous()
+
+    def val(self) -> tuple[torch.Tensor, torch.Tensor]:
+        data = self.dataset()
+        return data.test_x, data.test_y
+
+    @staticmethod
+    def batch(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return x[index]
+
+    @staticmethod
+    def device_time(x: torch.Tensor) -> float:
+        return 0.0
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(model(x), y)
+
+    def evaluate(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+        """(cross-entropy, accuracy) on ``x, y``."""
+        total_loss, correct = 0.0, 0
+        with torch.no_grad():
+            for xs, ys in zip(torch.split(x, self._EVAL_CHUNK), torch.split(y, self._EVAL_CHUNK)):
+                logits = model(xs)
+                total_loss += float(nn.functional.cross_entropy(logits, ys, reduction="sum"))
+                correct += int((logits.argmax(dim=1) == ys).sum())
+        n = y.shape[0]
+        return total_loss / n, correct / n
+
+
+class LeNet5Task(_Classification):
+    """LeNet-5 on the synthetic MNIST-shaped images of ``spec`` for ``seed`` (see module)."""
+
+    def __init__(self, spec: LeNet5Spec, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.spec = spec
+
+    def _data_config(self) -> Any:
+        from .data import DataConfig
+
+        return DataConfig(kind="images", image_size=self.spec.image_size, classes=self.spec.classes,
+                          train_samples=self.spec.train_samples, test_samples=self.spec.val_samples,
+                          seed=_mix(self.seed, 20))
+
+    def model(self) -> nn.Module:
+        from .models import LeNet5
+
+        return LeNet5(image_size=self.spec.image_size, classes=self.spec.classes)
+
+
+class MlpTask(_Classification):
+    """The MLP student on the random-teacher classification of ``spec`` for ``seed`` (see module)."""
+
+    def __init__(self, spec: MlpSpec, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.spec = spec
+
+    def _data_config(self) -> Any:
+        from .data import DataConfig
+
+        return DataConfig(kind="teacher", features=self.spec.features, classes=self.spec.classes,
+                          teacher_hidden=self.spec.teacher_hidden, train_samples=self.spec.train_samples,
+                          test_samples=self.spec.val_samples, seed=_mix(self.seed, 30))
+
+    def model(self) -> nn.Module:
+        from .models import MLP
+
+        return MLP(in_features=self.spec.features, hidden=self.spec.hidden, depth=self.spec.depth,
+                   classes=self.spec.classes)
 
 
 def _mix(*parts: int) -> int:
