@@ -6,7 +6,9 @@ The ``scheduled`` routing policy (MLfabric §4) in three parts, each bounded in 
 
 * **Scheduler** (:class:`SchedulerService`, a thread beside server 0, rank 0): workers send it
   a small request per update (its size per server, the model version it was computed from,
-  its norm). Every ``interval_s`` (100 ms) it plans the batch it holds with
+  its norm). Every ``interval_s`` (100 ms), or as soon as every worker still in the job has a
+  request waiting (the batch cannot grow: a worker has one push outstanding), it plans the
+  batch it holds with
   :class:`mlfabric.ps.scheduler.Scheduler` (the pure code the simulator and the benchmarks
   use too): order and drops (Alg. 2, ``tau_max``), aggregation (Alg. 3) on the network state
   the :class:`~mlfabric.ps.monitor.NetworkMonitor` reports minus what earlier batches still
@@ -164,7 +166,7 @@ class SchedulerService:
             while (msg := mailbox.take(self.server.channel, tag)) is not None:
                 self._take(msg)
             now = time.monotonic()
-            if now >= next_batch:
+            if now >= next_batch or self._everyone_waiting(now):
                 for model in [m for m, reqs in self._pending.items() if reqs]:
                     try:
                         self._plan(model, self._pending.pop(model), now)
@@ -173,6 +175,16 @@ class SchedulerService:
                                       "unscheduled pushes", self.server.who, model)
                 next_batch = now + self.settings.interval_s
             self.transport.progress(version, max(0.0, min(0.05, next_batch - now)))
+
+    def _everyone_waiting(self, now: float) -> bool:
+        """Every worker still in the job has an update waiting: the batch cannot grow (a
+        worker has one push outstanding at a time), so waiting out the interval only adds
+        latency."""
+        if not any(self._pending.values()):
+            return False
+        waiting = {rank for reqs in self._pending.values() for rank, _ in reqs}
+        counted = {self.layout.worker_rank(w) for w in self.server.book.counted(now)}
+        return counted <= waiting
 
     def _take(self, msg: Any) -> None:
         header = protocol.decode(msg.meta)
@@ -209,6 +221,26 @@ class SchedulerService:
                   v_init: int, now: float) -> None:
         session, channel = self.server.config.session, self.server.channel
         slack = self.settings.slack_s
+        entries: list[list[Any]] = []
+        for d in plan.applied():  # application order
+            rank, header = pending[d.update_id]
+            deadline = max(0.0, (d.commit or now) - now) + slack
+            if d.group == 0:
+                entries.append(["u", rank, int(header["id"]), deadline, [rank]])
+            elif not entries or entries[-1][0] != "g" or entries[-1][1] != d.group:
+                entries.append(["g", d.group, 1, deadline, [rank]])
+            else:
+                entries[-1][2] += 1
+                entries[-1][3] = max(entries[-1][3], deadline)
+                entries[-1][4].append(rank)
+        # Orders first: server 0 then has its order before any update of the batch can arrive.
+        order = {"op": protocol.ORDER, "batch": batch, "model": model, "v_init": v_init, "entries": entries}
+        for j in self.layout.server_ranks:
+            if j == self.server.server:
+                self.server.add_order(order, time.monotonic())
+            else:
+                self.transport.send(j, protocol.request_tag(session), b"", meta=protocol.encode(**order),
+                                    channel=channel)
         for d in plan.decisions:
             rank, header = pending[d.update_id]
             if d.dropped:
@@ -230,25 +262,6 @@ class SchedulerService:
                                        rates=[_avg_rate_bps(g.transfers[j]) if j < len(g.transfers) else None
                                               for j in servers])
                 self.transport.send(host, protocol.tag(protocol.AGGREGATE, session), b"", meta=meta, channel=channel)
-        entries: list[list[Any]] = []
-        for d in plan.applied():  # application order
-            rank, header = pending[d.update_id]
-            deadline = max(0.0, (d.commit or now) - now) + slack
-            if d.group == 0:
-                entries.append(["u", rank, int(header["id"]), deadline, [rank]])
-            elif not entries or entries[-1][0] != "g" or entries[-1][1] != d.group:
-                entries.append(["g", d.group, 1, deadline, [rank]])
-            else:
-                entries[-1][2] += 1
-                entries[-1][3] = max(entries[-1][3], deadline)
-                entries[-1][4].append(rank)
-        order = {"op": protocol.ORDER, "batch": batch, "model": model, "v_init": v_init, "entries": entries}
-        for j in self.layout.server_ranks:
-            if j == self.server.server:
-                self.server.add_order(order, time.monotonic())
-            else:
-                self.transport.send(j, protocol.request_tag(session), b"", meta=protocol.encode(**order),
-                                    channel=channel)
 
 
 # --------------------------------------------------------------------------- the worker's daemon

@@ -180,6 +180,7 @@ class ParameterServer:
         self._incoming_orders: list[tuple[dict[str, Any], float]] = []
         self._order_lock = threading.Lock()
         self._arrived: dict[tuple[str, int, tuple[Any, ...]], tuple[torch.Tensor, dict[str, Any]]] = {}
+        self._finished_batch: dict[str, int] = {}  # per model, the last batch fully applied
         self.scheduler_service: Any = None
         transport.on_peer_lost(lambda peer, reason: transport.mailbox.notify())
 
@@ -435,9 +436,13 @@ class ParameterServer:
                 if order.next < len(order.entries):
                     break
                 orders.pop(0)
-        # Scheduled updates whose entry was skipped (or whose batch is gone) are late: drop them.
+                self._finished_batch[model] = max(self._finished_batch.get(model, 0), order.batch)
+        # Scheduled updates whose batch is over (their entry was skipped) are late: drop them.
+        # A batch this server has no order for yet is not over: its order may still be on the
+        # way (it travels from the scheduler on another connection than the update).
         live = {(m, o.batch) for m, orders in self._orders.items() for o in orders}
-        for key in [k for k in self._arrived if (k[0], k[1]) not in live]:
+        for key in [k for k in self._arrived
+                    if (k[0], k[1]) not in live and k[1] <= self._finished_batch.get(k[0], 0)]:
             self._arrived.pop(key)
             self.stats.dropped += 1
 

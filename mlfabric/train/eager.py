@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from mlfabric.bench.procs import LaunchConfig, check_distinct, rank_env, report, run_ranks
 
-from .ps_modes import PS_MODE_FORMS, is_ps_mode, ps_consistency
+from .ps_modes import PS_MODE_FORMS, is_ps_mode, ps_consistency, session_options
 from .workloads import Hyperplane, HyperplaneSpec, LeNet5Spec, LeNet5Task, LstmSpec, MlpSpec, MlpTask, SequenceTask
 
 if TYPE_CHECKING:
@@ -528,7 +528,11 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
     ps_server: dict[str, Any] | None = None
     final_flat = None  # PS modes: this rank's part of the servers' final model
     if is_ps_mode(mode):
-        session = ps_job.session(index + 1, consistency=ps_consistency(mode, config.delay_bound))
+        from mlfabric.runtime.fair_share import nic_rates_from
+
+        rates = nic_rates_from(None, comm.transport.channels)  # MLFABRIC_NIC_RATE (the emulator's)
+        session = ps_job.session(index + 1, **session_options(mode, config.delay_bound,
+                                                              rates.get(comm.transport.channels[0])))
         if session.role != "worker":
             ps_server, final_flat = serve_run(session, numel, torch.float32)  # joins the start barrier
             return _finish_run(config, comm, task, model, val, rank, numel, snapshots=None, walls=None,

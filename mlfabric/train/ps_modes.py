@@ -5,7 +5,10 @@
 
 Modes: ``ps-bsp`` (bulk synchronous: synchronous SGD through the servers), ``ps-ssp:S``
 (MLNET's stale synchronous parallel with staleness S), ``ps-async`` (every update applied on
-arrival; ``--delay-bound TAU`` drops updates whose delay would exceed TAU, MLfabric §3.1).
+arrival; ``--delay-bound TAU`` drops updates whose delay would exceed TAU, MLfabric §3.1;
+MLfabric's "vanilla Async"), ``mlfabric-a:TAU`` (MLfabric-A: asynchronous with delay bound
+TAU, every update scheduled by MLfabric's scheduler: ordering, drops, aggregation,
+:mod:`mlfabric.ps.scheduling`).
 Workers train with :class:`mlfabric.torch.PSOptimizer`; servers (``--servers``, ranks
 ``0..S-1`` of the launch) serve one PS session per run (:meth:`mlfabric.ps.PSJob.session`).
 
@@ -26,15 +29,36 @@ if TYPE_CHECKING:
     from mlfabric.ps import PSJob
 
 PREFIX = "ps-"
-PS_MODE_FORMS = ("ps-bsp", "ps-ssp:S", "ps-async")
+MLFABRIC_A = "mlfabric-a:"
+PS_MODE_FORMS = ("ps-bsp", "ps-ssp:S", "ps-async", "mlfabric-a:TAU")
 
 
 def is_ps_mode(mode: str) -> bool:
-    return mode.startswith(PREFIX)
+    """Whether ``mode`` runs on the parameter server (in the launch with server ranks)."""
+    return mode.startswith(PREFIX) or mode.startswith(MLFABRIC_A)
+
+
+def session_options(mode: str, delay_bound: int | None = None, nic_rate_bps: float | None = None) -> dict[str, Any]:
+    """The :meth:`mlfabric.ps.PSJob.session` options of a PS mode: its consistency and, for
+    MLfabric-A, the scheduled routing policy (planning with the NIC rate when known)."""
+    if mode.startswith(MLFABRIC_A):
+        from mlfabric.ps.scheduling import DEFAULT_RATE_BPS, ScheduledSettings
+
+        tau = mode.removeprefix(MLFABRIC_A)
+        try:
+            bound = int(tau)
+        except ValueError:
+            raise ValueError(f"sync mode {mode!r}: the delay bound must be an integer (mlfabric-a:8)") from None
+        return {"consistency": Consistency(kind="async", delay_bound=bound), "routing": "scheduled",
+                "scheduled": ScheduledSettings(rate_bps=nic_rate_bps or DEFAULT_RATE_BPS)}
+    return {"consistency": ps_consistency(mode, delay_bound)}
 
 
 def ps_consistency(mode: str, delay_bound: int | None = None) -> Consistency:
-    """``ps-bsp`` -> bsp, ``ps-ssp:2`` -> ssp:2, ``ps-async`` -> async (with ``delay_bound``)."""
+    """``ps-bsp`` -> bsp, ``ps-ssp:2`` -> ssp:2, ``ps-async`` -> async (with ``delay_bound``),
+    ``mlfabric-a:8`` -> async:8."""
+    if mode.startswith(MLFABRIC_A):
+        return session_options(mode)["consistency"]
     if not is_ps_mode(mode):
         raise ValueError(f"{mode!r} is not a parameter-server mode ({', '.join(PS_MODE_FORMS)})")
     try:

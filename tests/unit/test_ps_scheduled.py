@@ -105,14 +105,18 @@ def test_scheduled_policy_accounts_for_every_update_and_bounds_delays() -> None:
     assert sched["dropped_by_scheduler"] == dropped_by_scheduler
 
 
-def test_without_a_scheduler_answer_workers_push_unscheduled_and_the_server_bounds_the_delay() -> None:
+def test_lost_decisions_make_workers_push_unscheduled_and_the_server_bounds_the_delay(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlfabric.ps.scheduling import SchedulerService
+
+    # The scheduler plans, but its decisions and orders never arrive (lost control messages).
+    monkeypatch.setattr(SchedulerService, "_dispatch", lambda self, *args: None)
     layout = PSLayout(servers=1, workers=2)
-    # The scheduler plans every 30 s; the workers wait at most 0.1 s for a decision.
     config = PSConfig(consistency="async:2", timeout_s=20, routing="scheduled",
-                      scheduled=ScheduledSettings(interval_s=30.0, decision_timeout_s=0.1, aggregators=0))
+                      scheduled=ScheduledSettings(interval_s=0.02, decision_timeout_s=0.1, aggregators=0))
     started = time.monotonic()
     out, _ = _run(layout, config, steps=3, pause=0.0)
-    assert time.monotonic() - started < 15  # nobody waited for the 30 s batch
+    assert time.monotonic() - started < 10  # each push waited 0.1 s at most
     assert sum(out[r]["fallbacks"] for r in layout.worker_ranks) == 6
     stats = out[0]
     assert stats.unscheduled == 6 and stats.worker_updates + stats.dropped == 6 and max(stats.delays) <= 2
@@ -123,3 +127,37 @@ def test_scheduled_policy_needs_a_delay_bound() -> None:
         PSConfig(consistency="async", routing="scheduled")
     with pytest.raises(ValueError, match="unknown routing policy 'trees'"):
         local_jobs(PSLayout(servers=1, workers=1), PSConfig(routing="trees"))
+
+
+def test_a_scheduled_update_that_arrives_before_its_batch_order_is_kept() -> None:
+    """Regression: the order travels from the scheduler on another connection than the update,
+    so the update may come first; it was dropped as late, then its entry skipped."""
+    from mlfabric.ps import protocol
+    from mlfabric.ps.model import ModelSpec
+
+    layout = PSLayout(servers=1, workers=1)
+    config = PSConfig(consistency="async:4", timeout_s=10, routing="direct")
+    jobs = local_jobs(layout, config)
+    server, worker = jobs[0].server, jobs[1].worker
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    try:
+        worker.init_model("m", torch.zeros(4), lr=1.0)
+        spec = ModelSpec.of("m", torch.zeros(4))
+        assert worker.models["m"] == spec
+        header = protocol.encode(op=protocol.PUSH, model="m", clock=0, version=0, norm=2.0, batch=1, id=7, rank=1)
+        worker.transport.send(0, protocol.request_tag(0), memoryview(torch.ones(4).numpy()).cast("B"), meta=header)
+        time.sleep(0.3)  # the server has taken the update; no order yet
+        assert server.shards["m"].version == 0 and server.stats.dropped == 0
+        server.add_order({"op": protocol.ORDER, "batch": 1, "model": "m", "v_init": 0,
+                          "entries": [["u", 1, 7, 5.0, [1]]]}, time.monotonic())
+        deadline = time.monotonic() + 3
+        while server.shards["m"].version == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.shards["m"].version == 1 and server.stats.skipped == 0
+        assert server.shards["m"].values.tolist() == [-1.0] * 4  # lr 1, weight 1/W = 1
+    finally:
+        worker.leave()
+        thread.join(5)
+        for j in jobs:
+            j.comm.close()
