@@ -6,6 +6,7 @@ are refused with the reason.
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
@@ -30,12 +31,15 @@ def test_bsp_ps_optimizer_matches_synchronous_sgd() -> None:
     layout = PSLayout(servers=2, workers=workers)
     jobs = local_jobs(layout, PSConfig(consistency="bsp", timeout_s=10))
     finals: dict[int, torch.Tensor] = {}
+    # Built here, not in the threads: torch's global generator is shared by threads, so models
+    # built concurrently after manual_seed differ (the test then compared with another start).
+    initial = _model()
 
     def work(job) -> None:  # noqa: ANN001
         if job.role == "server":
             job.serve()
             return
-        model = _model()
+        model = copy.deepcopy(initial)
         ps = PSOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, job.worker)
         for x, y in _batches(job.worker.index, steps):
             ps.zero_grad()
