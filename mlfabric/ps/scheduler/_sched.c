@@ -346,18 +346,24 @@ typedef struct {
     Py_ssize_t stamp;
 } Ord;
 
-static int ord_scratch(Ord *o, const TL *a, const TL *b) {
+/* Grow the rate-profile scratch (times *pt, rates *pr, capacity *cap) to hold a walk over
+   links a and b: at most one segment per breakpoint of either, plus the ends. 0 on no memory. */
+static int profile_scratch(double **pt, double **pr, Py_ssize_t *cap, const TL *a, const TL *b) {
     Py_ssize_t need = a->n + b->n + 2;
-    if (need <= o->scratch) return 1;
-    Py_ssize_t cap = need * 2;
-    double *pt = PyMem_Realloc(o->pt, (size_t)cap * sizeof(double));
-    if (!pt) return 0;
-    o->pt = pt;
-    double *pr = PyMem_Realloc(o->pr, (size_t)cap * sizeof(double));
-    if (!pr) return 0;
-    o->pr = pr;
-    o->scratch = cap;
+    if (need <= *cap) return 1;
+    Py_ssize_t grown = need * 2;
+    double *t = PyMem_Realloc(*pt, (size_t)grown * sizeof(double));
+    if (!t) return 0;
+    *pt = t;
+    double *r = PyMem_Realloc(*pr, (size_t)grown * sizeof(double));
+    if (!r) return 0;
+    *pr = r;
+    *cap = grown;
     return 1;
+}
+
+static int ord_scratch(Ord *o, const TL *a, const TL *b) {
+    return profile_scratch(&o->pt, &o->pr, &o->scratch, a, b);
 }
 
 static int is_local(const Ord *o, Py_ssize_t g) { return o->src[g] == o->server || o->size[g] <= 0.0; }
@@ -823,17 +829,7 @@ typedef struct {
 } Agg;
 
 static int agg_scratch(Agg *a, const TL *x, const TL *y) {
-    Py_ssize_t need = x->n + y->n + 2;
-    if (need <= a->scratch) return 1;
-    Py_ssize_t cap = need * 2;
-    double *pt = PyMem_Realloc(a->pt, (size_t)cap * sizeof(double));
-    if (!pt) return 0;
-    a->pt = pt;
-    double *pr = PyMem_Realloc(a->pr, (size_t)cap * sizeof(double));
-    if (!pr) return 0;
-    a->pr = pr;
-    a->scratch = cap;
-    return 1;
+    return profile_scratch(&a->pt, &a->pr, &a->scratch, x, y);
 }
 
 /* Append head + (profile times, profile rates) to `list`; steals `head`. */
