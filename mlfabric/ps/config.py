@@ -49,6 +49,7 @@ class PSConfig:
         if self.lost_worker_wait_s >= self.timeout_s and self.consistency.kind == "bsp":
             raise ValueError(f"lost_worker_wait_s ({self.lost_worker_wait_s}) must be below timeout_s "
                              f"({self.timeout_s}): BSP pulls would time out before a lost worker is given up on")
-        if self.routing == "scheduled" and (self.consistency.kind != "async" or self.consistency.delay_bound is None):
-            raise ValueError("routing 'scheduled' is MLfabric-A: it needs consistency async:TAU (a delay bound), "
-                             f"got {self.consistency}")
+        if self.routing == "scheduled" and not (self.consistency.kind == "bsp" or (
+                self.consistency.kind == "async" and self.consistency.delay_bound is not None)):
+            raise ValueError("routing 'scheduled' is MLfabric-A (consistency async:TAU, a delay bound) or "
+                             f"MLfabric-S (consistency bsp), got {self.consistency}")

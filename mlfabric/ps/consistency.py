@@ -145,8 +145,9 @@ class ClockBook:
         counted = self.counted(now)
         return min((self.clocks[w] for w in counted), default=math.inf)
 
-    def closable_rounds(self, now: float) -> list[int]:
-        """BSP: the rounds that can close now, in order (each then counts as closed)."""
+    def closable_rounds(self, now: float, limit: int | None = None) -> list[int]:
+        """BSP: the rounds that can close now, in order (each then counts as closed); none
+        from ``limit`` on (rounds whose updates are still on the way, e.g. at an aggregator)."""
         if self.consistency.kind != "bsp":
             return []
         counted = self.counted(now)
@@ -154,6 +155,8 @@ class ClockBook:
         if horizon is None:
             # Nobody left to wait for: close what any worker reached.
             horizon = max(self.clocks, default=0)
+        if limit is not None:
+            horizon = min(horizon, limit)
         out = []
         while self.rounds_closed < horizon:
             t = self.rounds_closed

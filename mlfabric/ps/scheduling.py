@@ -2,7 +2,11 @@
 
     python -m pytest tests/unit/test_ps_scheduled.py -q
 
-The ``scheduled`` routing policy (MLfabric §4) in three parts, each bounded in time:
+The ``scheduled`` routing policy (MLfabric §4) in three parts, each bounded in time. With
+consistency ``async:TAU`` it is MLfabric-A; with ``bsp`` it is MLfabric-S (§6): a round's
+updates are ordered and aggregated for the round's makespan (obj_sync), none is dropped, and
+the server closes a round only when the updates the scheduler routed for it are in (or
+``slack_s`` past their planned commit):
 
 * **Scheduler** (:class:`SchedulerService`, a thread beside server 0, rank 0): workers send it
   a small request per update (its size per server, the model version it was computed from,
@@ -130,11 +134,15 @@ class SchedulerService:
         self.layout = server.layout
         self.settings = settings
         consistency = server.config.consistency
-        if consistency.kind != "async" or consistency.delay_bound is None:
-            raise ValueError("the scheduled routing policy is MLfabric-A: it needs consistency async:TAU "
-                             f"(a delay bound), got {consistency}")
+        #: MLfabric-A (async:TAU: Alg. 2's deadlines and drops) or MLfabric-S (bsp, §6: a round's
+        #: updates ordered and aggregated for the makespan, obj_sync, nothing dropped).
+        self.sync = consistency.kind == "bsp"
+        if not self.sync and (consistency.kind != "async" or consistency.delay_bound is None):
+            raise ValueError("the scheduled routing policy needs consistency async:TAU (MLfabric-A) or bsp "
+                             f"(MLfabric-S), got {consistency}")
         self.aggregators = aggregator_ranks(self.layout.worker_ranks, settings.aggregators)
-        self.scheduler = Scheduler(SchedulerConfig(tau_max=consistency.delay_bound, mode="async",
+        self.scheduler = Scheduler(SchedulerConfig(tau_max=0 if self.sync else int(consistency.delay_bound or 0),
+                                                   mode="sync" if self.sync else "async",
                                                    aggregation=bool(self.aggregators), seed=server.config.seed),
                                    servers=list(self.layout.server_ranks), aggregators=self.aggregators)
         self.monitor = NetworkMonitor(hosts=self.layout.world_size, default_bps=settings.rate_bps / 8,
@@ -214,7 +222,8 @@ class SchedulerService:
         self.stats.requests += len(requests)
         self.ledger.add([t for d in plan.applied() for t in d.transfers] +
                         [t for g in plan.aggregates for t in g.transfers])
-        self._planned[model] = v_init + len(plan.applied())
+        if not self.sync:
+            self._planned[model] = v_init + len(plan.applied())
         self._dispatch(model, next(self._batches), plan, pending, v_init, now)
 
     def _dispatch(self, model: str, batch: int, plan: BatchSchedule, pending: list[tuple[int, dict[str, Any]]],
@@ -234,7 +243,8 @@ class SchedulerService:
                 entries[-1][3] = max(entries[-1][3], deadline)
                 entries[-1][4].append(rank)
         # Orders first: server 0 then has its order before any update of the batch can arrive.
-        order = {"op": protocol.ORDER, "batch": batch, "model": model, "v_init": v_init, "entries": entries}
+        order = {"op": protocol.ORDER, "batch": batch, "model": model, "v_init": v_init, "entries": entries,
+                 "sync": self.sync, "clocks": sorted({int(h.get("clock", 0)) for _, h in pending})}
         for j in self.layout.server_ranks:
             if j == self.server.server:
                 self.server.add_order(order, time.monotonic())
@@ -333,6 +343,7 @@ class ScheduledRouting:
         self.stats.requested += 1
         transport.send(0, protocol.tag(protocol.SCHEDULE, session), b"", channel=w.channel, meta=protocol.encode(
             op="request", id=request_id, model=model, version=int(first["version"]), norm=float(first["norm"]),
+            clock=int(first["clock"]),
             sizes=[c.numel() * c.element_size() for c in components]))
         decision = self._decision(request_id)
         if decision is None:  # no answer in time: push unscheduled (the server bounds its delay)

@@ -181,6 +181,10 @@ class ParameterServer:
         self._order_lock = threading.Lock()
         self._arrived: dict[tuple[str, int, tuple[Any, ...]], tuple[torch.Tensor, dict[str, Any]]] = {}
         self._finished_batch: dict[str, int] = {}  # per model, the last batch fully applied
+        # MLfabric-S: per (model, round) the workers whose routed update is not in yet, with
+        # the time after which the round goes on without it.
+        self._expected: dict[tuple[str, int], dict[int, float]] = {}
+        self._routed_in: dict[tuple[str, int], set[int]] = {}  # (model, round) -> ranks whose update is in
         self.scheduler_service: Any = None
         transport.on_peer_lost(lambda peer, reason: transport.mailbox.notify())
 
@@ -370,11 +374,21 @@ class ParameterServer:
         shard = self._shard(header["model"], "push")
         gradient = payload_tensor(payload, shard.spec.torch_dtype, shard.length,
                                   f"push of model {shard.spec.name!r} to server {self.server}")
-        if "batch" in header:  # the scheduled policy: applied in the batch's order (_apply_batches)
+        if "batch" in header and self.config.consistency.kind == "bsp":  # MLfabric-S: into the round's sum
+            self._expected_arrived(header)
+            header = {**header, "version": min(header.get("versions", [header["version"]]))}
+            if "workers" in header and int(header["clock"]) < self.book.rounds_closed:
+                self.stats.dropped += len(header["workers"])  # its round went on without it
+                return
+            if "workers" in header:
+                self._add_to_round(shard, int(header["clock"]), gradient, [int(w) for w in header["workers"]],
+                                   [int(v) for v in header["versions"]])
+                return
+        elif "batch" in header:  # the scheduled policy: applied in the batch's order (_apply_batches)
             key = ("g", int(header["slot"])) if "slot" in header else ("u", int(header["rank"]), int(header["id"]))
             self._arrived[(shard.spec.name, int(header["batch"]), key)] = (gradient.clone(), header)
             return
-        if self.config.routing == "scheduled":
+        if self.config.routing == "scheduled" and "batch" not in header:
             self.stats.unscheduled += 1
         computed_from = int(header["version"])
         consistency = self.config.consistency
@@ -383,13 +397,7 @@ class ParameterServer:
             if clock < self.book.rounds_closed:
                 self.stats.dropped += 1  # its round went on without it (the worker had been lost)
                 return
-            entry = shard.rounds.get(clock)
-            if entry is None:
-                shard.rounds[clock] = _Round(gradient.clone(), [worker], [computed_from])
-            else:
-                entry.total.add_(gradient)
-                entry.workers.append(worker)
-                entry.versions.append(computed_from)
+            self._add_to_round(shard, clock, gradient, [worker], [computed_from])
             return
         delay = shard.version - computed_from
         if consistency.delay_bound is not None and delay > consistency.delay_bound:
@@ -407,8 +415,9 @@ class ParameterServer:
     def _apply_batches(self, now: float) -> None:
         """Apply scheduled updates in their batch's order, batches one after the other; an
         entry still missing ``slack`` after its planned commit is skipped."""
-        with self._order_lock:
-            incoming, self._incoming_orders = self._incoming_orders, []
+        with self._order_lock:  # MLfabric-A's orders; MLfabric-S's are _round_limit's
+            incoming = [(o, t) for o, t in self._incoming_orders if not o.get("sync")]
+            self._incoming_orders = [(o, t) for o, t in self._incoming_orders if o.get("sync")]
         for order, received in incoming:
             entries = [_Entry(kind=e[0], key=tuple(e[1:3]) if e[0] == "u" else (int(e[1]),),
                               count=1 if e[0] == "u" else int(e[2]), deadline=received + float(e[3]),
@@ -449,7 +458,7 @@ class ParameterServer:
     def _scheduled_ranks(self, model: str) -> set[int]:
         """Workers with an update in a batch entry not applied (or skipped) yet."""
         with self._order_lock:
-            incoming = [o for o, _ in self._incoming_orders if o["model"] == model]
+            incoming = [o for o, _ in self._incoming_orders if o["model"] == model and not o.get("sync")]
         ranks = {int(r) for o in incoming for e in o["entries"] for r in e[4]}
         for order in self._orders.get(model, []):
             for entry in order.entries[order.next:]:
@@ -465,8 +474,61 @@ class ParameterServer:
             return
         self._apply(shard, gradient, workers, versions, weight=1.0 / self.layout.workers)
 
+    def _add_to_round(self, shard: _Shard, clock: int, gradient: torch.Tensor, workers: list[int],
+                      versions: list[int]) -> None:
+        entry = shard.rounds.get(clock)
+        if entry is None:
+            shard.rounds[clock] = _Round(gradient.clone(), list(workers), list(versions))
+        else:
+            entry.total.add_(gradient)
+            entry.workers += workers
+            entry.versions += versions
+
+    def _expected_arrived(self, header: dict[str, Any]) -> None:
+        """MLfabric-S: these workers' updates of the round are in (directly or summed)."""
+        ranks = ([self.layout.worker_rank(int(w)) for w in header["workers"]] if "workers" in header
+                 else [int(header["rank"])])
+        key = (header["model"], int(header["clock"]))
+        # The round's order may come after its updates (another connection): remember them.
+        self._routed_in.setdefault(key, set()).update(ranks)
+        pending = self._expected.get(key)
+        if pending is not None:
+            for rank in ranks:
+                pending.pop(rank, None)
+
+    def _round_limit(self, now: float) -> int | None:
+        """MLfabric-S: the first round with a routed update not in yet (and not overdue)."""
+        with self._order_lock:
+            incoming = [o for o, _ in self._incoming_orders if o.get("sync")]
+            self._incoming_orders = [(o, t) for o, t in self._incoming_orders if not o.get("sync")]
+            received = time.monotonic()
+        for order in incoming:
+            # A round's requests are planned together: the order names the round (its clock).
+            for clock in order["clocks"]:
+                key = (order["model"], int(clock))
+                pending = self._expected.setdefault(key, {})
+                arrived = self._routed_in.get(key, set())
+                for entry in order["entries"]:
+                    for rank in entry[4]:
+                        if int(rank) not in arrived:
+                            pending[int(rank)] = received + float(entry[3])
+        for key in list(self._expected):
+            pending = self._expected[key]
+            for rank, deadline in list(pending.items()):
+                if now >= deadline:
+                    self.stats.skipped += 1
+                    log.warning("%s: round %d of %r: the update of %s did not arrive in time; the round goes "
+                                "on without it", self.who, key[1], key[0], self.layout.describe(rank))
+                    pending.pop(rank)
+            if not pending:
+                del self._expected[key]
+        for key in [k for k in self._routed_in if k[1] < self.book.rounds_closed]:
+            del self._routed_in[key]
+        return min((clock for _, clock in self._expected), default=None)
+
     def _close_rounds(self, now: float) -> None:
-        for t in self.book.closable_rounds(now):
+        limit = self._round_limit(now) if self.config.routing == "scheduled" else None
+        for t in self.book.closable_rounds(now, limit):
             for shard in self.shards.values():
                 entry = shard.rounds.pop(t, None)
                 if entry is not None:

@@ -8,7 +8,8 @@ Modes: ``ps-bsp`` (bulk synchronous: synchronous SGD through the servers), ``ps-
 arrival; ``--delay-bound TAU`` drops updates whose delay would exceed TAU, MLfabric §3.1;
 MLfabric's "vanilla Async"), ``mlfabric-a:TAU`` (MLfabric-A: asynchronous with delay bound
 TAU, every update scheduled by MLfabric's scheduler: ordering, drops, aggregation,
-:mod:`mlfabric.ps.scheduling`).
+:mod:`mlfabric.ps.scheduling`), ``mlfabric-s`` (MLfabric-S, §6: BSP rounds whose updates the
+scheduler orders and aggregates for the round's makespan).
 Workers train with :class:`mlfabric.torch.PSOptimizer`; servers (``--servers``, ranks
 ``0..S-1`` of the launch) serve one PS session per run (:meth:`mlfabric.ps.PSJob.session`).
 
@@ -30,17 +31,23 @@ if TYPE_CHECKING:
 
 PREFIX = "ps-"
 MLFABRIC_A = "mlfabric-a:"
-PS_MODE_FORMS = ("ps-bsp", "ps-ssp:S", "ps-async", "mlfabric-a:TAU")
+MLFABRIC_S = "mlfabric-s"
+PS_MODE_FORMS = ("ps-bsp", "ps-ssp:S", "ps-async", "mlfabric-a:TAU", MLFABRIC_S)
 
 
 def is_ps_mode(mode: str) -> bool:
     """Whether ``mode`` runs on the parameter server (in the launch with server ranks)."""
-    return mode.startswith(PREFIX) or mode.startswith(MLFABRIC_A)
+    return mode.startswith(PREFIX) or mode.startswith(MLFABRIC_A) or mode == MLFABRIC_S
 
 
 def session_options(mode: str, delay_bound: int | None = None, nic_rate_bps: float | None = None) -> dict[str, Any]:
     """The :meth:`mlfabric.ps.PSJob.session` options of a PS mode: its consistency and, for
     MLfabric-A, the scheduled routing policy (planning with the NIC rate when known)."""
+    if mode == MLFABRIC_S:
+        from mlfabric.ps.scheduling import DEFAULT_RATE_BPS, ScheduledSettings
+
+        return {"consistency": Consistency(kind="bsp"), "routing": "scheduled",
+                "scheduled": ScheduledSettings(rate_bps=nic_rate_bps or DEFAULT_RATE_BPS)}
     if mode.startswith(MLFABRIC_A):
         from mlfabric.ps.scheduling import DEFAULT_RATE_BPS, ScheduledSettings
 
@@ -57,7 +64,7 @@ def session_options(mode: str, delay_bound: int | None = None, nic_rate_bps: flo
 def ps_consistency(mode: str, delay_bound: int | None = None) -> Consistency:
     """``ps-bsp`` -> bsp, ``ps-ssp:2`` -> ssp:2, ``ps-async`` -> async (with ``delay_bound``),
     ``mlfabric-a:8`` -> async:8."""
-    if mode.startswith(MLFABRIC_A):
+    if mode.startswith(MLFABRIC_A) or mode == MLFABRIC_S:
         return session_options(mode)["consistency"]
     if not is_ps_mode(mode):
         raise ValueError(f"{mode!r} is not a parameter-server mode ({', '.join(PS_MODE_FORMS)})")

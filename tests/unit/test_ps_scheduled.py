@@ -161,3 +161,47 @@ def test_a_scheduled_update_that_arrives_before_its_batch_order_is_kept() -> Non
         thread.join(5)
         for j in jobs:
             j.comm.close()
+
+
+def test_mlfabric_s_is_synchronous_sgd_through_the_scheduler() -> None:
+    """BSP routed by the scheduler (aggregators included) gives exactly the rounds of direct BSP."""
+    layout = PSLayout(servers=2, workers=4)
+    results = {}
+    for routing in ("direct", "scheduled"):
+        config = PSConfig(consistency="bsp", timeout_s=20, routing=routing,
+                          scheduled=ScheduledSettings(interval_s=0.05, aggregators=2, rate_bps=1e9))
+        jobs = local_jobs(layout, config)
+        finals: dict[int, torch.Tensor] = {}
+        stats: dict[int, Any] = {}
+
+        def work(job: Any) -> None:
+            if job.role == "server":
+                stats[job.rank] = job.serve()
+                return
+            w = job.worker
+            w.init_model("m", torch.zeros(64), lr=0.1, momentum=0.5)
+            for _ in range(5):
+                params = w.pull_flat("m")
+                w.push("m", params - torch.arange(64.0) * (w.index + 1))
+                w.clock()
+            finals[w.index] = w.pull_flat("m")
+            w.leave()
+
+        threads = [threading.Thread(target=work, args=(j,), daemon=True) for j in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+        for j in jobs:
+            j.comm.close()
+        results[routing] = (finals, stats)
+    direct, scheduled = results["direct"], results["scheduled"]
+    for w in range(4):
+        torch.testing.assert_close(scheduled[0][w], direct[0][0])
+    for server in (0, 1):
+        s = scheduled[1][server]
+        assert s.updates_applied == 5 and s.worker_updates == 20 and s.skipped == 0 and s.dropped == 0
+        assert s.missing_rounds == [] and s.unscheduled == 0
+    sched = scheduled[1][0].scheduler
+    assert sched["batches"] == 5 and sched["dropped_by_scheduler"] == 0 and sched["aggregated"] > 0
