@@ -115,6 +115,11 @@ class ClockBook:
                              "clock() calls and messages must not be skipped or repeated")
         self.clocks[worker] = clock + 1
 
+    def adopt(self, worker: int, clock: int) -> None:
+        """A replica promoted to server learns a worker's clock from the worker (it never saw
+        the clocks the lost server counted)."""
+        self.clocks[worker] = max(self.clocks[worker], clock)
+
     def leave(self, worker: int) -> None:
         self.departed.add(worker)
         self.lost_at.pop(worker, None)

@@ -33,6 +33,7 @@ SCHEDULE, DECISION, AGGREGATE = 6, 7, 8
 # Request kinds (meta["op"]).
 INIT, PUSH, CLOCK, PULL, LEAVE, STATS = "init", "push", "clock", "pull", "leave", "stats"
 ORDER = "order"  # from the scheduler to a server: a batch's application order
+ADOPT = "adopt"  # from a worker to a replica promoted to server: the worker's clock
 
 
 def tag(kind: int, session: int, seq: int = 0) -> int:

@@ -15,6 +15,7 @@ failover that promotes a replica are built on this by the replication issue.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 
 import torch
@@ -27,6 +28,13 @@ from .layout import PSLayout
 from .model import ModelSpec
 from .rules import SGDMomentum, UpdateInfo
 from .server import UpdateCallback, payload_tensor
+
+if TYPE_CHECKING:
+    from .server import ParameterServer, ServerStats
+
+#: Consistency models a replica takes over under: their clocks can be rebuilt from the
+#: workers' own (a BSP round in flight at the lost server cannot).
+FAILOVER_KINDS = ("async", "ssp")
 
 log = logging.getLogger("mlfabric.ps")
 
@@ -43,6 +51,8 @@ class Replica:
         self._rules: dict[str, UpdateCallback] = {}
         self._callbacks: dict[str | None, UpdateCallback] = {}
         self._registered = False
+        self._specs: dict[str, tuple[ModelSpec, float, float]] = {}  # name -> (spec, lr, momentum)
+        self.promoted: "ParameterServer | None" = None
 
     def register_as_replica(self, server: int | None = None) -> None:
         """Start mirroring ``server`` (default: this replica's server in the layout)."""
@@ -54,13 +64,29 @@ class Replica:
                             meta=protocol.encode(op="register", server=self.server), channel=self.channel)
         self._registered = True
 
+    def promote(self) -> "ParameterServer":
+        """A server for this replica's shards, starting from the replica's models, versions and
+        update histories (failover; the workers redirect to it, :class:`PSWorker`)."""
+        from .server import ParameterServer, _Shard
+
+        server = ParameterServer(self.transport, self.layout, self.config, server=self.server, channel=self.channel)
+        for name, values in self.values.items():
+            spec, lr, momentum = self._specs[name]
+            offset, length = spec.shards(self.layout.servers)[self.server]
+            shard = _Shard(spec, offset, length, values, self._rules[name], lr=lr, momentum=momentum)
+            shard.version = self.versions[name]
+            server.shards[name] = shard
+        return server
+
     def register_update_callback(self, callback: UpdateCallback, model: str | None = None) -> None:
         """Must be the server's rule for the copies to stay equal."""
         self._callbacks[model] = callback
 
-    def serve(self) -> dict[str, int]:
-        """Apply the server's updates until it ends (or is lost); returns each model's version.
-        Registers first if :meth:`register_as_replica` was not called."""
+    def serve(self) -> "dict[str, int] | ServerStats":
+        """Apply the server's updates until it ends; returns each model's version. If the
+        server is lost under async or SSP with direct routing, take over (:meth:`promote`) and
+        serve until the workers leave; returns the server statistics then. Registers first if
+        :meth:`register_as_replica` was not called."""
         if not self._registered:
             self.register_as_replica()
         tag = protocol.tag(protocol.REPLICATE, self.config.session)
@@ -73,9 +99,17 @@ class Replica:
                 if header["op"] == "end":
                     return dict(self.versions)
                 self._apply(header, msg.payload)
-            if server_rank in self.transport.lost_peers or server_rank in self.transport.departed_peers:
-                log.warning("%s: server %d is gone; the replica holds versions %s", self.who, self.server,
+            if server_rank in self.transport.lost_peers:
+                if self.config.consistency.kind in FAILOVER_KINDS and self.config.routing == "direct":
+                    log.warning("%s: server %d was lost; taking over its shards at versions %s", self.who,
+                                self.server, self.versions)
+                    self.promoted = self.promote()
+                    return self.promoted.serve()
+                log.warning("%s: server %d was lost; no failover under %s/%s routing: the replica holds "
+                            "versions %s", self.who, self.server, self.config.consistency, self.config.routing,
                             self.versions)
+                return dict(self.versions)
+            if server_rank in self.transport.departed_peers:
                 return dict(self.versions)
             self.transport.progress(version, 0.1)
 
@@ -86,6 +120,7 @@ class Replica:
             with_history = bool(header.get("history"))
             data = payload_tensor(payload, spec.torch_dtype, 2 * length if with_history else length, "replica init")
             self.values[spec.name] = data[:length].clone()
+            self._specs[spec.name] = (spec, float(header["lr"]), float(header["momentum"]))
             self.versions[spec.name] = int(header.get("version", 0))
             rule = self._callbacks.get(spec.name) or self._callbacks.get(None)
             if rule is None:

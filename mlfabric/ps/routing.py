@@ -49,14 +49,14 @@ class DirectRouting:
     def send_push(self, worker: "PSWorker", model: str, components: list[torch.Tensor],
                   headers: list[bytes]) -> list[SendHandle]:
         tag = protocol.request_tag(worker.config.session)
-        return [worker.transport.send(worker.layout.server_rank(j), tag, tensor_bytes(component), meta=header,
+        return [worker.transport.send(worker.server_rank(j), tag, tensor_bytes(component), meta=header,
                                       channel=worker.channel)
                 for j, (component, header) in enumerate(zip(components, headers))]
 
     def send_pull(self, worker: "PSWorker", headers: list[bytes]) -> None:
         tag = protocol.request_tag(worker.config.session)
         for j, header in enumerate(headers):
-            worker.transport.send(worker.layout.server_rank(j), tag, b"", meta=header, channel=worker.channel)
+            worker.transport.send(worker.server_rank(j), tag, b"", meta=header, channel=worker.channel)
 
     def answer_pulls(self, server: "ParameterServer", pulls: "list[PendingPull]", shard: torch.Tensor,
                      header: bytes) -> list[SendHandle]:

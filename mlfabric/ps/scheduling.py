@@ -322,7 +322,7 @@ class ScheduledRouting:
     def send_pull(self, worker: "PSWorker", headers: list[bytes]) -> None:
         tag = protocol.request_tag(worker.config.session)
         for j, header in enumerate(headers):
-            worker.transport.send(worker.layout.server_rank(j), tag, b"", meta=header, channel=worker.channel)
+            worker.transport.send(worker.server_rank(j), tag, b"", meta=header, channel=worker.channel)
 
     def answer_pulls(self, server: "ParameterServer", pulls: list[Any], shard: torch.Tensor,
                      header: bytes) -> list[SendHandle]:
@@ -351,7 +351,7 @@ class ScheduledRouting:
             # Withdraw the request; if it was planned already, its entry is skipped at the server.
             transport.send(0, protocol.tag(protocol.SCHEDULE, session), b"", channel=w.channel,
                            meta=protocol.encode(op="cancel", id=request_id, model=model))
-            handles = [transport.send(w.layout.server_rank(j), protocol.request_tag(session), tensor_bytes(c),
+            handles = [transport.send(w.server_rank(j), protocol.request_tag(session), tensor_bytes(c),
                                       meta=h, channel=w.channel) for j, (c, h) in enumerate(zip(components, headers))]
             _wait_sent(transport, handles, w.config.timeout_s)
             return
@@ -515,7 +515,7 @@ class Aggregator:
                                    workers=[w.layout.worker_index(int(h["rank"])) for h, _ in got],
                                    versions=[int(h["version"]) for h, _ in got])
             rate = group.rates[group.servers.index(j)] if group.rates else None
-            server = w.layout.server_rank(j)
+            server = w.server_rank(j)
             paced = rate is not None and w.transport.pace_connection(server, w.channel, rate)
             handle = w.transport.send(server, protocol.request_tag(w.config.session), tensor_bytes(total), meta=meta,
                                       channel=w.channel)

@@ -160,7 +160,13 @@ class ParameterServer:
         self.layout = layout
         self.config = config
         self.server = transport.rank if server is None else server
-        if layout.role(transport.rank) != "server" or self.server != transport.rank:
+        #: A replica that took over its lost server (``Replica.promote``) serves that shard.
+        self.promoted = layout.role(transport.rank) == "replica"
+        if self.promoted:
+            if layout.replicated_server(transport.rank) != self.server:
+                raise ValueError(f"{layout.describe(transport.rank)} replicates server "
+                                 f"{layout.replicated_server(transport.rank)}, not {self.server}")
+        elif layout.role(transport.rank) != "server" or self.server != transport.rank:
             raise ValueError(f"{layout.describe(transport.rank)} cannot serve shard {self.server}: server j is rank j")
         self.channel = channel or transport.channels[0]
         self.routing = routing or routing_policy(config.routing, config.scheduled)
@@ -247,8 +253,9 @@ class ParameterServer:
         self.stats.bytes_in = sum(c.bytes_recv for c in after.values()) - sum(c.bytes_recv for c in before.values())
         self.stats.bytes_out = sum(c.bytes_sent for c in after.values()) - sum(c.bytes_sent for c in before.values())
         self.stats.missing_rounds = list(self.book.missing)
-        for replica in self._replicas:
-            self._send_replica(replica, protocol.encode(op="end"), b"")
+        if not self._stop.is_set():  # stopped: this server is going away without a word
+            for replica in self._replicas:
+                self._send_replica(replica, protocol.encode(op="end"), b"")
         return self.stats
 
     def start(self) -> threading.Thread:
@@ -325,6 +332,8 @@ class ParameterServer:
                 self._init(msg.src, header, msg.payload)
             elif op == protocol.LEAVE:
                 self._leave(worker)
+            elif op == protocol.ADOPT:
+                self.book.adopt(worker, int(header["clock"]))
             else:
                 raise ValueError(f"unknown request {op!r}")
         except (ValueError, KeyError, TypeError) as exc:
@@ -611,7 +620,7 @@ class ParameterServer:
                                                     history=history is not None), values)
 
     def _send_replica(self, replica: int, header: bytes, values: torch.Tensor | bytes) -> None:
-        if replica in self.transport.lost_peers:
+        if replica in self.transport.lost_peers or replica in self.transport.departed_peers:
             return
         payload = values if isinstance(values, bytes) else tensor_bytes(values)
         handle = self.transport.send(replica, protocol.tag(protocol.REPLICATE, self.config.session), payload,

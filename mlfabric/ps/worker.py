@@ -48,6 +48,10 @@ log = logging.getLogger("mlfabric.ps")
 T = TypeVar("T")
 
 
+class _Redirected(Exception):
+    """A server was lost and its replica took over: the waiting call asks again."""
+
+
 class PSRequestError(MlfabricError, ValueError):
     """A server refused a request (the message says which server, why and what to do)."""
 
@@ -92,6 +96,9 @@ class PSWorker:
         self._inflight: list[tuple[SendHandle, torch.Tensor]] = []
         self._left = False
         self._lock = threading.RLock()
+        #: The rank serving each shard: the server, or its replica after a failover.
+        self.serving: list[int] = list(layout.server_ranks)
+        self.failovers = 0
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     # -- registration ------------------------------------------------------------------------
@@ -111,7 +118,7 @@ class PSWorker:
                 request_id = next(self._ids)
                 ids.append(request_id)
                 component = flat[offset:offset + length].contiguous()
-                handle = self.transport.send(self.layout.server_rank(j), protocol.request_tag(self.config.session),
+                handle = self.transport.send(self.server_rank(j), protocol.request_tag(self.config.session),
                                              tensor_bytes(component), channel=self.channel,
                                              meta=protocol.encode(op=protocol.INIT, id=request_id,
                                                                   spec=spec.to_json(), lr=lr, momentum=momentum))
@@ -161,7 +168,7 @@ class PSWorker:
             handles = self.routing.send_push(self, spec.name, parts, headers)
         else:  # one component (MLfabric's push(server, ...)): straight to that server
             tag = protocol.request_tag(self.config.session)
-            handles = [self.transport.send(self.layout.server_rank(j), tag, tensor_bytes(c), meta=h,
+            handles = [self.transport.send(self.server_rank(j), tag, tensor_bytes(c), meta=h,
                                            channel=self.channel) for j, c, h in zip(servers, parts, headers)]
         self._inflight += list(zip(handles, parts))
         self._inflight = [(h, t) for h, t in self._inflight if not h.done()]
@@ -181,7 +188,7 @@ class PSWorker:
             tag = protocol.request_tag(self.config.session)
             meta = protocol.encode(op=protocol.CLOCK, clock=self.clock_value)
             for j in range(self.layout.servers):
-                self.transport.send(self.layout.server_rank(j), tag, b"", meta=meta, channel=self.channel)
+                self.transport.send(self.server_rank(j), tag, b"", meta=meta, channel=self.channel)
             self.clock_value += 1
             return self.clock_value
 
@@ -207,22 +214,32 @@ class PSWorker:
                 raise ValueError(f"{self.who}: pull({model!r}, out=...) needs a contiguous {spec.numel} x "
                                  f"{spec.dtype} tensor, got {tuple(out.shape)} x {out.dtype}")
             started = time.monotonic()
-            ids = [next(self._ids) for _ in range(self.layout.servers)]
-            self.routing.send_pull(self, [protocol.encode(op=protocol.PULL, id=request_id, model=model,
-                                                          clock=self.clock_value, staleness=staleness)
-                                          for request_id in ids])
             flat = out.reshape(-1)
-            for j, ((offset, length), request_id) in enumerate(zip(spec.shards(self.layout.servers), ids)):
-                header, msg = self._await(j, request_id, f"pull({model!r}) at clock {self.clock_value}")
-                flat[offset:offset + length].copy_(
-                    payload_tensor(msg.payload, spec.torch_dtype, length, f"{self.who}: pull from server {j}"))
-                self.versions[model][j] = int(header["version"])
-                if j == 0:
-                    self.stats.pull_clocks.append((self.clock_value, header.get("model_clock")))
+            for _attempt in range(self.layout.servers + 1):  # a failover restarts the pull
+                try:
+                    self._pull_into(spec, model, staleness, flat)
+                    break
+                except _Redirected:
+                    continue
+            else:
+                raise PeerLostError(f"{self.who}: pull({model!r}): servers kept failing", rank=self.transport.rank)
             self.stats.pulls += 1
             self.stats.pull_latency_s.append(time.monotonic() - started)
             self.stats.versions_seen.append(self.versions[model][0])
             return out
+
+    def _pull_into(self, spec: ModelSpec, model: str, staleness: int | None, flat: torch.Tensor) -> None:
+        ids = [next(self._ids) for _ in range(self.layout.servers)]
+        self.routing.send_pull(self, [protocol.encode(op=protocol.PULL, id=request_id, model=model,
+                                                      clock=self.clock_value, staleness=staleness)
+                                      for request_id in ids])
+        for j, ((offset, length), request_id) in enumerate(zip(spec.shards(self.layout.servers), ids)):
+            header, msg = self._await(j, request_id, f"pull({model!r}) at clock {self.clock_value}")
+            flat[offset:offset + length].copy_(
+                payload_tensor(msg.payload, spec.torch_dtype, length, f"{self.who}: pull from server {j}"))
+            self.versions[model][j] = int(header["version"])
+            if j == 0:
+                self.stats.pull_clocks.append((self.clock_value, header.get("model_clock")))
 
     def pull_async(self, model: str, staleness: int | None = None) -> torch.futures.Future:
         return self._submit(lambda: self.pull(model, staleness))
@@ -235,7 +252,7 @@ class PSWorker:
             spec = self._model(model, "get")
             j = self._server(server, "get")
             request_id = next(self._ids)
-            self.transport.send(self.layout.server_rank(j), protocol.request_tag(self.config.session), b"",
+            self.transport.send(self.server_rank(j), protocol.request_tag(self.config.session), b"",
                                 channel=self.channel,
                                 meta=protocol.encode(op=protocol.PULL, id=request_id, model=model,
                                                      clock=self.clock_value, staleness=float("inf")))
@@ -289,8 +306,8 @@ class PSWorker:
             flush = getattr(self.routing, "flush", None)
             if flush is not None:  # updates a policy still holds leave before the leave message
                 flush(self.config.timeout_s)
-            for j in range(self.layout.servers):
-                rank = self.layout.server_rank(j)
+            # Replicas hear it too: one that takes over later must not wait for this worker.
+            for rank in dict.fromkeys([*self.serving, *self.layout.replica_ranks]):
                 if rank not in self.transport.lost_peers:
                     self.transport.send(rank, protocol.request_tag(self.config.session), b"",
                                         meta=protocol.encode(op=protocol.LEAVE), channel=self.channel)
@@ -329,12 +346,41 @@ class PSWorker:
     def _check_open(self, op: str) -> None:
         if self._left:
             raise RuntimeError(f"{self.who}: {op} after leave()")
-        for server in self.layout.server_ranks:
-            if server in self.transport.lost_peers or server in self.transport.departed_peers:
-                raise self._lost(server, op)
+        for rank in list(self.serving):
+            if rank in self.transport.lost_peers and self._fail_over(rank):
+                continue
+            if rank in self.transport.lost_peers or rank in self.transport.departed_peers:
+                raise self._lost(rank, op)
         error = self.transport.mailbox.take(self.channel, protocol.reply_tag(self.config.session, 0))
         if error is not None:
             raise PSRequestError(protocol.decode(error.meta).get("message", "a server refused a request"))
+
+    def server_rank(self, server: int) -> int:
+        """The rank serving shard ``server`` now (its replica after a failover)."""
+        return self.serving[server]
+
+    def _fail_over(self, peer: int) -> bool:
+        """``peer`` was lost: if it served a shard that a live replica can take over (async or
+        SSP, direct routing), send that shard's requests to the replica from now on, tell it
+        this worker's clock, and return True. The update in flight to ``peer`` is lost; fresh
+        ones make it up (MLfabric §3.3)."""
+        from .replica import FAILOVER_KINDS
+
+        if peer not in self.serving or self.config.consistency.kind not in FAILOVER_KINDS \
+                or self.config.routing != "direct":
+            return False
+        j = self.serving.index(peer)
+        candidates = [r for r in self.layout.replicas_of(j)
+                      if r not in self.transport.lost_peers and r not in self.transport.departed_peers]
+        if not candidates:
+            return False
+        self.serving[j] = candidates[0]
+        self.failovers += 1
+        log.warning("%s: %s was lost; shard %d is now served by %s", self.who, self.layout.describe(peer), j,
+                    self.layout.describe(candidates[0]))
+        self.transport.send(candidates[0], protocol.request_tag(self.config.session), b"", channel=self.channel,
+                            meta=protocol.encode(op=protocol.ADOPT, clock=self.clock_value))
+        return True
 
     def _model(self, model: str | None, op: str) -> ModelSpec:
         if model is None:
@@ -355,7 +401,7 @@ class PSWorker:
         return server
 
     def _await(self, server: int, request_id: int, what: str) -> tuple[dict[str, Any], Message]:
-        msg = self._take(self.layout.server_rank(server), protocol.reply_tag(self.config.session, request_id), what)
+        msg = self._take(self.server_rank(server), protocol.reply_tag(self.config.session, request_id), what)
         header = protocol.decode(msg.meta)
         if header["op"] == "error":
             raise PSRequestError(header["message"])
@@ -368,13 +414,15 @@ class PSWorker:
         the timeout because another server died."""
         transport, mailbox = self.transport, self.transport.mailbox
         deadline = time.monotonic() + self.config.timeout_s
-        watched = (src, *self.layout.server_ranks)
+        watched = (src, *self.serving)
         while True:
             version = mailbox.version
             msg = mailbox.take(self.channel, tag, src)
             if msg is not None:
                 return msg
             for peer in watched:
+                if peer in transport.lost_peers and self._fail_over(peer):
+                    raise _Redirected(peer)
                 if peer in transport.lost_peers or peer in transport.departed_peers:
                     raise self._lost(peer, what)
             remaining = deadline - time.monotonic()

@@ -212,3 +212,45 @@ def test_bad_input_is_named_on_the_caller_at_once() -> None:
         assert float(elapsed) < 0.5 and "rank 1 (worker 0)" in message, line
         for word in words:
             assert word in message, line
+
+
+def _failover(kill_file: str) -> Any:
+    job = _job(timeout=20)
+    try:
+        if job.role == "server":
+            job.server.start()
+            time.sleep(1.5)
+            with open(kill_file, "w") as fh:
+                fh.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        if job.role != "worker":
+            stats = job.serve()  # the replica: mirrors, then takes over
+            return stats.as_dict() if hasattr(stats, "as_dict") else stats
+        w = job.worker
+        w.init_model("m", torch.zeros(1000), lr=0.1)
+        waits = []
+        for _ in range(40):
+            started = time.monotonic()
+            params = w.pull_flat("m")
+            waits.append((time.time(), time.monotonic() - started))
+            w.push("m", params - 1)
+            w.clock()
+            time.sleep(0.05)
+        return w.failovers, waits, float(w.pull_flat("m")[0])
+    finally:
+        job.close()
+
+
+def test_a_replica_takes_over_a_killed_server(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CONSISTENCY_ENV, "async")
+    monkeypatch.setenv("MLFABRIC_PS_REPLICAS", "1")
+    kill_file = tmp_path / "killed_at"
+    results = run_ranks(_failover, 4, args=(str(kill_file),), timeout=60, expect_failures={0})
+    killed_at = float(kill_file.read_text())
+    promoted = results[1]
+    assert promoted["server"] == 0 and promoted["worker_updates"] > 10 and promoted["errors"] == []
+    for failovers, waits, final in results[2:]:
+        assert failovers == 1 and final > 0.5
+        # the first pull after the kill waited for the failover: under 2 s, as every other pull
+        assert max(wait for _, wait in waits) < 2.0
+        assert any(at > killed_at for at, _ in waits)  # training went on after the kill

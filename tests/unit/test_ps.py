@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from mlfabric.errors import PeerLostError
-from mlfabric.ps import (ClockBook, Consistency, ModelSpec, PSConfig, PSJob, PSLayout, PSRequestError, SGDMomentum,
-                         UpdateInfo, local_jobs, protocol)
+from mlfabric.ps import (ClockBook, Consistency, ModelSpec, PSConfig, PSJob, PSLayout, PSRequestError, ServerStats,
+                         SGDMomentum, UpdateInfo, local_jobs, protocol)
 from mlfabric.ps.layout import SERVERS_ENV
 
 # --- pure parts -----------------------------------------------------------------------------
@@ -529,5 +529,59 @@ def test_replica_registering_late_gets_the_model_and_its_momentum_history() -> N
     torch.testing.assert_close(jobs[1].replica.values["m"], jobs[0].server.shards["m"].values)
     with pytest.raises(RuntimeError, match="already replicates server 0"):
         jobs[1].replica.register_as_replica(0)
+    for j in jobs:
+        j.comm.close()
+
+
+@pytest.mark.parametrize("consistency", ["async", "ssp:1"])
+def test_a_replica_takes_over_a_lost_server_and_the_workers_go_on(consistency: str) -> None:
+    layout = PSLayout(servers=1, replicas=1, workers=2)
+    jobs = local_jobs(layout, PSConfig(consistency=consistency, timeout_s=10))
+    results: dict[int, Any] = {}
+    killed = threading.Event()
+    both_at_step_4 = threading.Barrier(2)
+
+    def serve(job: PSJob) -> None:
+        results[job.rank] = job.serve()
+
+    def work(job: PSJob) -> None:
+        w = job.worker
+        w.init_model("m", torch.zeros(8), lr=0.1, momentum=0.5)
+        waits = []
+        for step in range(12):
+            if step == 4:
+                both_at_step_4.wait(5)
+                if w.index == 0:
+                    # The server crashes mid-training: its loop stops first (a dead process does
+                    # nothing more), then its transport vanishes without a goodbye.
+                    jobs[0].server.stop()
+                    server_thread.join(5)
+                    job.comm.transport.fabric.kill(0)
+                    killed.set()
+                killed.wait(5)
+            started = time.monotonic()
+            params = w.pull_flat("m")
+            waits.append(time.monotonic() - started)
+            w.push("m", params - 1)
+            w.clock()
+        results[job.rank] = (w.failovers, max(waits), w.pull_flat("m"))
+        w.leave()
+
+    threads = [threading.Thread(target=serve, args=(j,), daemon=True) for j in jobs[:2]]
+    server_thread = threads[0]
+    threads += [threading.Thread(target=work, args=(j,), daemon=True) for j in jobs[2:]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads) and killed.is_set()
+    promoted = results[1]  # the replica's statistics as the server it became
+    assert isinstance(promoted, ServerStats) and promoted.server == 0
+    assert promoted.worker_updates == 16  # every update after the kill (none was in flight at the barrier)
+    assert sorted(promoted.departed_workers) == [0, 1] and promoted.errors == []
+    for rank in (2, 3):
+        failovers, longest_wait, final = results[rank]
+        assert failovers == 1 and longest_wait < 2.0
+        assert torch.all(final > 0.5)  # the model kept moving toward 1 on the replica
     for j in jobs:
         j.comm.close()
