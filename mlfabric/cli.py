@@ -857,6 +857,8 @@ def train(
                                            "eager-majority; parameter server: ps-bsp, ps-ssp:S (staleness S), "
                                            "ps-async.")] = "allreduce,eager-solo",
     servers: Annotated[int, typer.Option(help="PS modes: server processes (beside --workers workers).")] = 1,
+    replicas: Annotated[int, typer.Option(help="PS modes: replica processes (replica i mirrors server i % "
+                                               "servers; chain replication).")] = 0,
     delay_bound: Annotated[Optional[int], typer.Option(
         "--delay-bound", help="ps-async: drop updates whose delay would exceed TAU (MLfabric's tau_max).")] = None,
     inject: Annotated[Optional[list[str]], typer.Option(
@@ -903,6 +905,7 @@ def train(
     each eager mode's throughput and final metric relative to allreduce under the same injection."""
     import dataclasses
 
+    from mlfabric.train.ps_modes import is_ps_mode
     from mlfabric.train.eager import (EMULATE_NEEDS_ROOT, EagerTrainConfig, TrainEmulation, render_ps_table,
                                       render_table, run_eager_training, write_outputs)
     from mlfabric.train.workloads import HyperplaneSpec, LeNet5Spec, LstmSpec, MlpSpec
@@ -932,7 +935,7 @@ def train(
                          epochs=epochs, batch_size=batch_size, lr=lr, momentum=momentum,
                          sync_every_epochs=sync_every_epochs, algorithm=algorithm, hyperplane=hyper, lstm=lstm,
                          lenet5=lenet5, mlp=mlp, transport=transport, timeout_s=timeout, seed=seed, servers=servers,
-                         delay_bound=delay_bound, emulation=emulation)
+                         replicas=replicas, delay_bound=delay_bound, emulation=emulation)
     if emulate:
         from mlfabric.emu.cmd import have_root
 
@@ -946,8 +949,8 @@ def train(
         command += ["--emulate", "--rate", rate or "1gbit"]
         if churn is not None:
             command += ["--churn", churn, "--churn-period", churn_period or "5s"]
-    if any(mode.startswith("ps-") for mode in modes):
-        command += ["--servers", str(servers)]
+    if any(is_ps_mode(mode) for mode in modes):
+        command += ["--servers", str(servers)] + (["--replicas", str(replicas)] if replicas else [])
     for flag, value in (("--delay-bound", delay_bound), ("--epochs", epochs), ("--batch-size", batch_size), ("--lr", lr), ("--momentum", momentum),
                         ("--train-samples", train_samples), ("--sync-every-epochs", sync_every_epochs)):
         if value is not None:

@@ -138,6 +138,7 @@ class ServerStats:
     #: (skipped), and updates pushed outside any batch (a worker's fallback).
     skipped: int = 0
     unscheduled: int = 0
+    replica_bytes: int = 0  # models and updates forwarded to replicas (chain replication)
     scheduler: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -148,7 +149,8 @@ class ServerStats:
                 "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "lost_workers": self.lost_workers,
                 "departed_workers": self.departed_workers,
                 "missing_rounds": [[t, list(w)] for t, w in self.missing_rounds], "errors": self.errors,
-                "skipped": self.skipped, "unscheduled": self.unscheduled, "scheduler": self.scheduler}
+                "skipped": self.skipped, "unscheduled": self.unscheduled, "scheduler": self.scheduler,
+                "replica_bytes": self.replica_bytes}
 
 
 class ParameterServer:
@@ -623,6 +625,7 @@ class ParameterServer:
         if replica in self.transport.lost_peers or replica in self.transport.departed_peers:
             return
         payload = values if isinstance(values, bytes) else tensor_bytes(values)
+        self.stats.replica_bytes += len(payload) if isinstance(payload, bytes) else payload.nbytes
         handle = self.transport.send(replica, protocol.tag(protocol.REPLICATE, self.config.session), payload,
                                      meta=header, channel=self.channel)
         if isinstance(values, torch.Tensor):

@@ -198,9 +198,10 @@ class EagerTrainConfig:
     transport: str = "zmq"
     timeout_s: float = 3_600.0
     seed: int = 0
-    #: Parameter-server modes: server processes (ranks of their own, beside the workers) and
-    #: ps-async's delay bound (None: unbounded).
+    #: Parameter-server modes: server and replica processes (ranks of their own, beside the
+    #: workers; replica i mirrors server i % servers) and ps-async's delay bound (None: unbounded).
     servers: int = 1
+    replicas: int = 0
     delay_bound: int | None = None
     #: None: local ranks on loopback; otherwise every rank on a host of an emulated star (root).
     emulation: TrainEmulation | None = None
@@ -221,6 +222,8 @@ class EagerTrainConfig:
                 raise ValueError(f"unknown sync mode {mode!r}; choose from {', '.join(MODE_FORMS)}")
         if self.servers < 1:
             raise ValueError(f"servers must be >= 1, got {self.servers}")
+        if self.replicas < 0:
+            raise ValueError(f"replicas must be >= 0, got {self.replicas}")
         if self.delay_bound is not None and self.delay_bound < 0:
             raise ValueError(f"delay_bound must be >= 0, got {self.delay_bound}")
         check_distinct(self.injects, "injections")
@@ -287,6 +290,11 @@ class EagerTrainConfig:
     def metric(self) -> str:
         """``"mse"`` (lower is better) or ``"accuracy"``."""
         return _TASKS[self.workload].metric
+
+    @property
+    def ps_ranks(self) -> int:
+        """Ranks before the workers in the parameter-server launch: servers, then replicas."""
+        return self.servers + self.replicas
 
     @property
     def steps_per_epoch(self) -> int:
@@ -489,14 +497,14 @@ def _rank_main(config: EagerTrainConfig, launched_at: float, ps: bool = False) -
     if ps:
         import mlfabric.ps
 
-        job = mlfabric.ps.init(servers=config.servers, transport=config.transport,
+        job = mlfabric.ps.init(servers=config.servers, replicas=config.replicas, transport=config.transport,
                                timeout=min(config.timeout_s, 120.0), seed=config.seed)
         comm = job.comm
     else:
         comm = mlfabric.init(transport=config.transport, timeout=config.timeout_s)
     try:
         task = config.task()
-        worker = env.rank - (config.servers if ps else 0)
+        worker = env.rank - (config.ps_ranks if ps else 0)
         x, y = task.shard(worker, config.workers) if worker >= 0 else (None, None)
         val = task.val() if env.rank == 0 else None
         comm.barrier()
@@ -547,7 +555,7 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
         trainer = EagerSGD(optimizer, model, comm, quorum=mode.removeprefix("eager-"),
                            sync_every_epochs=config.sync_every_epochs_, algorithm=config.algorithm,
                            seed=config.seed * 1_000 + index)
-    worker = rank - (config.servers if ps_job is not None else 0)
+    worker = rank - (config.ps_ranks if ps_job is not None else 0)
     injector = StepDelay(inject, worker, config.workers, seed=config.seed)
     order = torch.Generator().manual_seed(config.seed * 1_000_003 + worker)  # same batches in every run
     n = y.shape[0]
@@ -662,7 +670,7 @@ def run_eager_training(config: EagerTrainConfig, *, argv: Sequence[str] | None =
 
     import torch
 
-    from mlfabric.ps.layout import SERVERS_ENV
+    from mlfabric.ps.layout import REPLICAS_ENV, SERVERS_ENV
 
     from .ps_modes import summarize
 
@@ -690,9 +698,9 @@ def run_eager_training(config: EagerTrainConfig, *, argv: Sequence[str] | None =
     startup = 0.0
     emulated: list[dict[str, Any]] = []
     for ps in config.launches():
-        world = config.workers + (config.servers if ps else 0)
+        world = config.workers + (config.ps_ranks if ps else 0)
         started = launched if not per_run else time.time()
-        with _launch_config(config, world, ps=ps, env={SERVERS_ENV: str(config.servers)} if ps else {},
+        with _launch_config(config, world, ps=ps, env={SERVERS_ENV: str(config.servers), REPLICAS_ENV: str(config.replicas)} if ps else {},
                             capture_output=capture_output, trace_dir=trace_dir, records=emulated) as launch:
             per_rank: list[tuple[float, list[_RankRun]]] = run_ranks(_rank_main, config=launch,
                                                                      args=(config, started, ps), on_report=on_report)
@@ -911,7 +919,9 @@ def render_ps_table(result: EagerTrainResult) -> Table:
     from rich import box
     from rich.table import Table
 
-    table = Table(title=f"parameter server: {result.config.servers} server(s), {result.config.workers} workers",
+    replicas = f", {result.config.replicas} replica(s)" if result.config.replicas else ""
+    table = Table(title=f"parameter server: {result.config.servers} server(s){replicas}, "
+                        f"{result.config.workers} workers",
                   title_justify="left", box=box.SIMPLE_HEAD)
     for name in ("injection", "mode", "applied", "dropped", "max delay", "mean delay", "pull ms", "server MB in/out"):
         table.add_column(name, justify="left" if name in ("injection", "mode") else "right", no_wrap=True)

@@ -135,6 +135,7 @@ def summarize(server_stats: list[dict[str, Any]], worker_stats: list[dict[str, A
         "pull_latency_ms": statistics.fmean(latencies) if latencies else None,
         "server_bytes_in": [s["bytes_in"] for s in server_stats],
         "server_bytes_out": [s["bytes_out"] for s in server_stats],
+        "replica_bytes": sum(s.get("replica_bytes", 0) for s in server_stats),
         "lost_workers": sorted({w for s in server_stats for w in s["lost_workers"]}),
         "missing_rounds": server_stats[0]["missing_rounds"] if server_stats else [],
     }

@@ -254,3 +254,21 @@ def test_a_replica_takes_over_a_killed_server(tmp_path: Any, monkeypatch: pytest
         # the first pull after the kill waited for the failover: under 2 s, as every other pull
         assert max(wait for _, wait in waits) < 2.0
         assert any(at > killed_at for at, _ in waits)  # training went on after the kill
+
+
+def test_train_runs_a_ps_mode_with_a_replica_beside_the_server() -> None:
+    """``mlfabric train --replicas 1``: the replica is a process of its own (rank 1), the workers
+    shift after it, and the server's traffic to it is reported (chain replication)."""
+    from mlfabric.train.eager import EagerTrainConfig, run_eager_training
+    from mlfabric.train.workloads import HyperplaneSpec
+
+    config = EagerTrainConfig(workload="hyperplane", workers=2, modes=("ps-bsp",), servers=1, replicas=1,
+                              epochs=2, batch_size=64, hyperplane=HyperplaneSpec(dim=64, train_samples=1024),
+                              transport="tcp", timeout_s=120.0)
+    result = run_eager_training(config, argv=["test"])
+    (run,) = result.runs
+    assert run.ps is not None and run.ps["worker_updates_applied"] == 2 * config.steps
+    model_bytes = (64 + 1) * 4  # the hyperplane's linear model
+    # the model once, then every applied round (one per step) forwarded to the replica
+    assert run.ps["replica_bytes"] == model_bytes * (1 + config.steps)
+    assert run.curve[-1].val_metric < run.curve[0].val_metric
