@@ -385,31 +385,26 @@ class ParameterServer:
         shard = self._shard(header["model"], "push")
         gradient = payload_tensor(payload, shard.spec.torch_dtype, shard.length,
                                   f"push of model {shard.spec.name!r} to server {self.server}")
-        if "batch" in header and self.config.consistency.kind == "bsp":  # MLfabric-S: into the round's sum
-            self._expected_arrived(header)
-            header = {**header, "version": min(header.get("versions", [header["version"]]))}
-            if "workers" in header and int(header["clock"]) < self.book.rounds_closed:
-                self.stats.dropped += len(header["workers"])  # its round went on without it
-                return
-            if "workers" in header:
-                self._add_to_round(shard, int(header["clock"]), gradient, [int(w) for w in header["workers"]],
-                                   [int(v) for v in header["versions"]])
-                return
-        elif "batch" in header:  # the scheduled policy: applied in the batch's order (_apply_batches)
+        consistency = self.config.consistency
+        if "batch" in header and consistency.kind != "bsp":  # MLfabric-A: applied in the batch's order
             key = ("g", int(header["slot"])) if "slot" in header else ("u", int(header["rank"]), int(header["id"]))
             self._arrived[(shard.spec.name, int(header["batch"]), key)] = (gradient.clone(), header)
             return
         if self.config.routing == "scheduled" and "batch" not in header:
             self.stats.unscheduled += 1
-        computed_from = int(header["version"])
-        consistency = self.config.consistency
         if consistency.kind == "bsp":
+            if "batch" in header:  # MLfabric-S: the round waits for what the scheduler routed
+                self._expected_arrived(header)
+            # An aggregate (MLfabric-S) names the workers whose gradients it sums.
+            workers = [int(w) for w in header["workers"]] if "workers" in header else [worker]
+            versions = [int(v) for v in header["versions"]] if "versions" in header else [int(header["version"])]
             clock = int(header["clock"])
             if clock < self.book.rounds_closed:
-                self.stats.dropped += 1  # its round went on without it (the worker had been lost)
+                self.stats.dropped += len(workers)  # its round went on without it (a lost worker, a late update)
                 return
-            self._add_to_round(shard, clock, gradient, [worker], [computed_from])
+            self._add_to_round(shard, clock, gradient, workers, versions)
             return
+        computed_from = int(header["version"])
         delay = shard.version - computed_from
         if consistency.delay_bound is not None and delay > consistency.delay_bound:
             self.stats.dropped += 1
