@@ -17,6 +17,8 @@ import torch
 from mlfabric.ps import PSConfig, PSLayout, local_jobs
 from mlfabric.torch import PSOptimizer
 
+from test_ps_optimizer import synchronous_sgd  # noqa: E402 - the same reference, on the GPU
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -49,19 +51,7 @@ def test_bsp_on_cuda_parameters_equals_synchronous_sgd() -> None:
         t.join(120)
     for j in jobs:
         j.comm.close()
-    ref = copy.deepcopy(initial).to(device)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    for step in range(4):
-        grads = []
-        for w in range(2):
-            ref.zero_grad()
-            x, y = batches[w][step]
-            torch.nn.functional.mse_loss(ref(x.to(device)), y.to(device)).backward()
-            grads.append([p.grad.clone() for p in ref.parameters()])
-        for i, p in enumerate(ref.parameters()):
-            p.grad = torch.stack([g[i] for g in grads]).mean(0)
-        opt.step()
-    expected = torch.nn.utils.parameters_to_vector(ref.parameters()).detach().cpu()
+    expected = synchronous_sgd(copy.deepcopy(initial).to(device), batches, device)
     assert sorted(finals) == [0, 1]
     for final in finals.values():
         torch.testing.assert_close(final, expected, rtol=1e-4, atol=1e-5)

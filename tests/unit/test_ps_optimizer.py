@@ -26,6 +26,24 @@ def _batches(worker: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]
     return [(torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)) for _ in range(steps)]
 
 
+def synchronous_sgd(ref: torch.nn.Module, batches: list[list[tuple[torch.Tensor, torch.Tensor]]],
+                    device: torch.device | None = None) -> torch.Tensor:
+    """The reference: one model (SGD, lr 0.1, momentum 0.9) stepping on the mean of the
+    workers' gradients (``batches[w][step]``); its final parameters, flat, on the CPU."""
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(len(batches[0])):
+        grads = []
+        for worker_batches in batches:
+            ref.zero_grad()
+            x, y = worker_batches[step]
+            torch.nn.functional.mse_loss(ref(x.to(device)), y.to(device)).backward()
+            grads.append([p.grad.clone() for p in ref.parameters()])
+        for i, p in enumerate(ref.parameters()):
+            p.grad = torch.stack([g[i] for g in grads]).mean(0)
+        opt.step()
+    return torch.nn.utils.parameters_to_vector(ref.parameters()).detach().cpu()
+
+
 def test_bsp_ps_optimizer_matches_synchronous_sgd() -> None:
     workers, steps = 3, 5
     layout = PSLayout(servers=2, workers=workers)
@@ -55,21 +73,7 @@ def test_bsp_ps_optimizer_matches_synchronous_sgd() -> None:
         t.join(30)
     for j in jobs:
         j.comm.close()
-    # The reference: one model, the gradients of the workers' batches averaged each step.
-    ref = _model()
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    batches = [_batches(w, steps) for w in range(workers)]
-    for step in range(steps):
-        grads = []
-        for w in range(workers):
-            ref.zero_grad()
-            x, y = batches[w][step]
-            torch.nn.functional.mse_loss(ref(x), y).backward()
-            grads.append([p.grad.clone() for p in ref.parameters()])
-        for i, p in enumerate(ref.parameters()):
-            p.grad = torch.stack([g[i] for g in grads]).mean(0)
-        opt.step()
-    expected = torch.nn.utils.parameters_to_vector(ref.parameters()).detach()
+    expected = synchronous_sgd(_model(), [_batches(w, steps) for w in range(workers)])
     assert sorted(finals) == [0, 1, 2]
     for final in finals.values():
         torch.testing.assert_close(final, expected, rtol=1e-5, atol=1e-6)
