@@ -26,6 +26,7 @@ from mlfabric.train.eager import EagerTrainConfig, parse_injection
 pytestmark = pytest.mark.local
 
 WORLD = 4
+EPOCHS = 8
 
 
 def _hyperplane(dim: int, n: int, noise: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +50,9 @@ def test_eager_sgd_converges_on_a_small_hyperplane(quorum: str) -> None:
                          sync_every_epochs=2)
         first = [float(p.detach().sum()) for p in model.parameters()]
         xs, ys = x[comm.rank::WORLD], y[comm.rank::WORLD]
-        for _ in range(4):
+        # 8 epochs, not 4: with a majority quorum the last rounds' contributions depend on
+        # thread timing, and on a loaded CI machine 4 epochs once ended at MSE 0.333.
+        for _ in range(EPOCHS):
             for i in range(0, xs.shape[0], 32):
                 eager.zero_grad()
                 torch.nn.functional.mse_loss(model(xs[i:i + 32]).squeeze(1), ys[i:i + 32]).backward()
@@ -68,7 +71,7 @@ def test_eager_sgd_converges_on_a_small_hyperplane(quorum: str) -> None:
     assert mses[0] < 0.3, f"{quorum}: validation MSE {mses[0]:.3f}, noise floor 0.25"
     assert all(r[2] == results[0][2] for r in results), "initial parameters were not broadcast"
     for _, stats, _ in results:
-        assert stats["steps"] == 4 * 32 and stats["syncs"] == 3  # epochs 2 and 4, and the final one
+        assert stats["steps"] == EPOCHS * 32 and stats["syncs"] == EPOCHS // 2 + 1  # every 2nd epoch, and the final one
         assert 0 < stats["contributed_fraction"] <= 1 and 1 <= stats["mean_active"] <= WORLD
         assert stats["lost"] == []
     # The straggler misses rounds; the others wait less for it than a synchronous step would.
