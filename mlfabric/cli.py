@@ -853,9 +853,11 @@ def train(
                                                "on synthetic MNIST-shaped images) or mlp (an MLP on a "
                                                "random-teacher classification).")] = "hyperplane",
     workers: Annotated[int, typer.Option(help="Number of local ranks (processes).")] = 8,
-    sync: Annotated[str, typer.Option(help="Comma-separated modes: allreduce (synchronous SGD), eager-solo, "
+    sync: Annotated[str, typer.Option(help="Comma-separated modes: allreduce (synchronous SGD over --algorithm; "
+                                           "ring: MLfabric's RR-Sync), tree-allreduce (Tr-Sync), eager-solo, "
                                            "eager-majority; parameter server: ps-bsp, ps-ssp:S (staleness S), "
-                                           "ps-async.")] = "allreduce,eager-solo",
+                                           "ps-async (vanilla Async), mlfabric-a:TAU (MLfabric-A, delay bound TAU), "
+                                           "mlfabric-s (MLfabric-S).")] = "allreduce,eager-solo",
     servers: Annotated[int, typer.Option(help="PS modes: server processes (beside --workers workers).")] = 1,
     replicas: Annotated[int, typer.Option(help="PS modes: replica processes (replica i mirrors server i % "
                                                "servers; chain replication).")] = 0,
@@ -863,7 +865,7 @@ def train(
         "--delay-bound", help="ps-async: drop updates whose delay would exceed TAU (MLfabric's tau_max).")] = None,
     inject: Annotated[Optional[list[str]], typer.Option(
         help="Delay injection, repeatable (each runs every mode): one-random:300ms (one random worker per step), "
-             "random:300ms,2, skew:50ms,50ms,rotate, none.")] = None,
+             "random:300ms,2, skew:50ms,50ms,rotate, C1|C2|C3 (MLfabric's compute stragglers), none.")] = None,
     epochs: Annotated[Optional[int], typer.Option(help="Epochs (default: 48 hyperplane, 16 lstm, 4 lenet5, "
                                                        "8 mlp).")] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Per worker (default: 256 hyperplane, "
@@ -882,6 +884,13 @@ def train(
                                                                                 "lenet5, 32768 mlp).")] = None,
     frame_time: Annotated[str, typer.Option("--frame-time", help="lstm: emulated accelerator time per padded time "
                                                                  "step (sleep), e.g. 2ms; 0: CPU compute only.")] = "0",
+    compute_time: Annotated[str, typer.Option("--compute-time", help="lenet5, mlp: emulated accelerator time per "
+                                                                     "step (sleep after the CPU's), e.g. 60ms.")] = "0",
+    image_size: Annotated[Optional[int], typer.Option("--image-size", help="lenet5: image side (default 28; 16 "
+                                                                           "makes a 1.1M-parameter model).")] = None,
+    target: Annotated[Optional[float], typer.Option(help="Time every run to this validation metric (MLfabric Table 2: "
+                                                         "time to a target accuracy); default: near allreduce's "
+                                                         "final one.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Directory for curves.csv, curves.png and tensorboard/ "
                                                      "(default: runs/<workload>).")] = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures and metadata here.")] = None,
@@ -917,8 +926,14 @@ def train(
     hyper = make_config(HyperplaneSpec, dim=dim, **(samples if workload == "hyperplane" else {}))
     lstm = make_config(LstmSpec, frame_time_s=_parse_or_usage(parse_duration, frame_time),
                        **(samples if workload == "lstm" else {}))
-    lenet5 = make_config(LeNet5Spec, **(samples if workload == "lenet5" else {}))
-    mlp = make_config(MlpSpec, **(samples if workload == "mlp" else {}))
+    compute_s = _parse_or_usage(parse_duration, compute_time)
+    if compute_s and workload not in ("lenet5", "mlp"):
+        raise typer.BadParameter(f"--compute-time applies to lenet5 and mlp (lstm: --frame-time), not {workload}")
+    if image_size is not None and workload != "lenet5":
+        raise typer.BadParameter(f"--image-size applies to lenet5, not {workload}")
+    lenet5 = make_config(LeNet5Spec, compute_time_s=compute_s, **({"image_size": image_size} if image_size else {}),
+                         **(samples if workload == "lenet5" else {}))
+    mlp = make_config(MlpSpec, compute_time_s=compute_s, **(samples if workload == "mlp" else {}))
     out_dir = out if out is not None else Path("runs") / workload
     emulation = None
     if not emulate:
@@ -935,7 +950,7 @@ def train(
                          epochs=epochs, batch_size=batch_size, lr=lr, momentum=momentum,
                          sync_every_epochs=sync_every_epochs, algorithm=algorithm, hyperplane=hyper, lstm=lstm,
                          lenet5=lenet5, mlp=mlp, transport=transport, timeout_s=timeout, seed=seed, servers=servers,
-                         replicas=replicas, delay_bound=delay_bound, emulation=emulation)
+                         replicas=replicas, delay_bound=delay_bound, emulation=emulation, target=target)
     if emulate:
         from mlfabric.emu.cmd import have_root
 
@@ -952,13 +967,16 @@ def train(
     if any(is_ps_mode(mode) for mode in modes):
         command += ["--servers", str(servers)] + (["--replicas", str(replicas)] if replicas else [])
     for flag, value in (("--delay-bound", delay_bound), ("--epochs", epochs), ("--batch-size", batch_size), ("--lr", lr), ("--momentum", momentum),
-                        ("--train-samples", train_samples), ("--sync-every-epochs", sync_every_epochs)):
+                        ("--train-samples", train_samples), ("--sync-every-epochs", sync_every_epochs),
+                        ("--image-size", image_size), ("--target", target)):
         if value is not None:
             command += [flag, str(value)]
     if workload == "hyperplane":
         command += ["--dim", str(dim)]
     elif frame_time not in ("0", "0s"):
         command += ["--frame-time", frame_time]
+    if compute_s:
+        command += ["--compute-time", compute_time]
     if json_path is not None:
         command += ["--json", str(json_path)]
     from mlfabric.bench.procs import RankFailedError, RankTimeoutError

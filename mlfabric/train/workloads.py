@@ -246,12 +246,16 @@ class LeNet5Spec:
     classes: int = 10
     train_samples: int = 4_096
     val_samples: int = 1_024
+    #: Emulated accelerator seconds per step (slept after the CPU's forward/backward), so that
+    #: compute:communication can be set like a GPU job's on a machine of a few cores.
+    compute_time_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.image_size < 8 or self.image_size % 4:
             raise ValueError(f"LeNet-5 images need a side >= 8 divisible by 4, got image_size={self.image_size}")
         if self.classes < 2 or min(self.train_samples, self.val_samples) < 1:
             raise ValueError(f"LeNet-5 task: classes must be >= 2 and sample counts positive, got {self}")
+        _check_compute_time(self.compute_time_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -265,11 +269,18 @@ class MlpSpec:
     depth: int = 3
     train_samples: int = 32_768
     val_samples: int = 4_096
+    compute_time_s: float = 0.0  # as LeNet5Spec's
 
     def __post_init__(self) -> None:
         if min(self.features, self.teacher_hidden, self.hidden, self.depth, self.train_samples,
                self.val_samples) < 1 or self.classes < 2:
             raise ValueError(f"MLP task sizes must be positive (and classes >= 2), got {self}")
+        _check_compute_time(self.compute_time_s)
+
+
+def _check_compute_time(seconds: float) -> None:
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ValueError(f"compute_time_s must be a finite number of seconds >= 0, got {seconds}")
 
 
 class _Classification:
@@ -278,6 +289,8 @@ class _Classification:
 
     metric = "accuracy"  # higher is better
     _EVAL_CHUNK = 512
+
+    spec: Any  # LeNet5Spec or MlpSpec
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
@@ -313,9 +326,9 @@ class _Classification:
     def batch(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return x[index]
 
-    @staticmethod
-    def device_time(x: torch.Tensor) -> float:
-        return 0.0
+    def device_time(self, x: torch.Tensor) -> float:
+        """Emulated accelerator seconds of a batch: the spec's fixed ``compute_time_s``."""
+        return self.spec.compute_time_s
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(model(x), y)

@@ -51,6 +51,25 @@ def test_workload_trains_and_its_accuracy_rises(workload: str) -> None:
     assert result.metadata["emulation"] is None
 
 
+def test_tree_allreduce_trains_like_allreduce_and_is_timed_to_the_target() -> None:
+    """Tr-Sync (tree-allreduce) averages the same gradients as RR-Sync: the same model, up to
+    float summation order; --target times both to one accuracy; the emulated accelerator time
+    (compute_time_s) is slept on every step."""
+    spec = LeNet5Spec(train_samples=512, val_samples=256, image_size=16, compute_time_s=0.02)
+    config = EagerTrainConfig(workload="lenet5", workers=2, modes=("allreduce", "tree-allreduce"), transport="tcp",
+                              timeout_s=120.0, lenet5=spec, epochs=2, lr=0.05, target=0.2)
+    result = run_eager_training(config, argv=["test"])
+    ring, tree = result.runs
+    assert tree.mode == "tree-allreduce" and abs(tree.final_metric - ring.final_metric) <= 1 / 256
+    assert [p.val_metric for p in tree.curve] == pytest.approx([p.val_metric for p in ring.curve], abs=1 / 256)
+    assert ring.loop_s >= config.steps * 0.02  # 8 steps x 2 epochs, each sleeping 20 ms
+    (comparison,) = result.comparisons()
+    assert comparison["mode"] == "tree-allreduce" and comparison["target"] == 0.2 == result.target("none")
+    reach, sync_reach = tree.time_to(0.2), ring.time_to(0.2)
+    assert reach is not None and sync_reach is not None
+    assert comparison["time_speedup"] == pytest.approx(sync_reach / reach)
+
+
 def test_classification_tasks_shard_and_repeat() -> None:
     lenet = LeNet5Task(LeNet5Spec(train_samples=100, val_samples=20), seed=3)
     x0, y0 = lenet.shard(0, 3)
@@ -78,6 +97,10 @@ def test_classification_tasks_shard_and_repeat() -> None:
     (lambda: TrainEmulation(churn="N9"), "N1, N2, N3"),
     (lambda: TrainEmulation(churn="N1", churn_period_s=0.0), "positive number of seconds"),
     (lambda: EagerTrainConfig(emulation="1gbit"), "TrainEmulation or None"),
+    (lambda: LeNet5Spec(compute_time_s=-0.1), "compute_time_s must be"),
+    (lambda: MlpSpec(compute_time_s=float("nan")), "compute_time_s must be"),
+    (lambda: EagerTrainConfig(target=float("inf")), "target must be a finite"),
+    (lambda: EagerTrainConfig(modes=("rr-sync",)), "tree-allreduce"),
 ])
 def test_config_errors_are_named(make: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -88,6 +111,8 @@ def test_config_is_frozen_keyword_only_and_resolves_defaults() -> None:
     config = EagerTrainConfig(workload="lenet5", workers=4, emulation=TrainEmulation(rate_bps=1e9, churn="N2"))
     assert set(WORKLOADS) == {"hyperplane", "lstm", "lenet5", "mlp"}
     assert (config.batch_size_, config.lr_, config.momentum_, config.epochs_) == (32, 0.02, 0.9, 4)
+    assert config.task().device_time(None) == 0.0  # no emulated accelerator unless asked
+    assert LeNet5Task(LeNet5Spec(compute_time_s=0.06)).device_time(None) == 0.06
     assert config.steps_per_epoch == 4_096 // 4 // 32 and config.spec is config.lenet5
     assert EagerTrainConfig(workload="mlp", workers=4).steps_per_epoch == 32_768 // 4 // 64
     assert TrainEmulation.topology(5) == "star:n=5"
@@ -117,6 +142,8 @@ def test_emulate_without_root_says_to_use_root(monkeypatch: pytest.MonkeyPatch) 
     (["--emulate", "--churn", "N7"], "N1, N2, N3"),
     (["--emulate", "--rate", "fast"], "rate"),
     (["--emulate", "--churn-period", "2s"], "needs --churn"),
+    (["--image-size", "16"], "--image-size applies to lenet5"),
+    (["--compute-time", "soon"], "duration"),
 ])
 def test_train_cli_rejects_bad_emulation_options(args: list[str], message: str) -> None:
     from mlfabric.cli import app
