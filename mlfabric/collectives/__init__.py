@@ -15,6 +15,7 @@ from typing import Callable
 from mlfabric.schedule import Schedule
 
 from .bcube import bcube_allreduce, hierarchical_allreduce
+from .direct import direct_gather, direct_scatter, pairwise_all_to_all
 from .halving_doubling import halving_doubling_allreduce
 from .p2p_ps import p2p_ps_allreduce
 from .partition import chunks_for
@@ -77,8 +78,8 @@ def pipeline_parts(algorithm: str, count: int, world_size: int, chunk_elements: 
 
 @lru_cache(maxsize=256)
 def build(kind: str, world_size: int, rank: int, count: int, **options: object) -> Schedule:
-    """The schedule of collective ``kind`` ("allreduce:<algorithm>", "broadcast",
-    "reduce_scatter", "allgather") for one rank."""
+    """The schedule of collective ``kind`` ("allreduce:<algorithm>", "broadcast", "reduce",
+    "reduce_scatter", "allgather", "gather", "scatter", "all_to_all") for one rank."""
     if kind.startswith("allreduce:"):
         return ALLREDUCE_ALGORITHMS[kind.split(":", 1)[1]](world_size, rank, count, **options)
     builders: dict[str, Callable[..., Schedule]] = {
@@ -86,6 +87,9 @@ def build(kind: str, world_size: int, rank: int, count: int, **options: object) 
         "reduce": binomial_reduce,
         "reduce_scatter": ring_reduce_scatter,
         "allgather": ring_allgather,
+        "gather": direct_gather,
+        "scatter": direct_scatter,
+        "all_to_all": pairwise_all_to_all,
     }
     if kind not in builders:
         raise ValueError(f"unknown collective {kind!r}")
@@ -94,7 +98,8 @@ def build(kind: str, world_size: int, rank: int, count: int, **options: object) 
 
 __all__ = [
     "ALLREDUCE_ALGORITHMS", "AUTO_RING_MIN_BYTES", "MAX_PARTS", "bcube_allreduce", "binomial_broadcast",
-    "binomial_reduce", "build", "choose_allreduce", "halving_doubling_allreduce",
-    "hierarchical_allreduce", "p2p_ps_allreduce", "pipeline_parts", "ring_allgather", "ring_allreduce",
+    "binomial_reduce", "build", "choose_allreduce", "direct_gather", "direct_scatter",
+    "halving_doubling_allreduce",
+    "hierarchical_allreduce", "p2p_ps_allreduce", "pairwise_all_to_all", "pipeline_parts", "ring_allgather", "ring_allreduce",
     "ring_reduce_scatter", "tree_allreduce",
 ]

@@ -30,6 +30,7 @@ import threading
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from mlfabric import collectives
 from mlfabric.collectives.bcube import hierarchy_of, shape_options
@@ -47,6 +48,11 @@ log = logging.getLogger("mlfabric.runtime")
 
 DEFAULT_TIMEOUT_S = 60.0
 REDUCE_OP_NAMES = ("sum", "avg", "max", "min", "prod")
+_TORCH_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
+                     "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT}
+assert set(_TORCH_REDUCE_OPS) == set(REDUCE_OP_NAMES) and set(REDUCE_OPS) < set(REDUCE_OP_NAMES)
+#: A reduction: its mlfabric name or torch's ReduceOp (e.g. ``dist.ReduceOp.SUM``).
+ReduceOpLike = str | dist.ReduceOp | dist.ReduceOp.RedOpType
 
 
 class Communicator:
@@ -95,17 +101,17 @@ class Communicator:
 
     # -- allreduce -------------------------------------------------------------------------
 
-    def allreduce_async(self, tensor: torch.Tensor, algorithm: str = "ring", op: str = "sum", *,
+    def allreduce_async(self, tensor: torch.Tensor, algorithm: str = "ring", op: ReduceOpLike = "sum", *,
                         timeout: float | None = None) -> torch.futures.Future:
         """Reduce ``tensor`` across ranks in place; the future resolves to ``tensor``."""
         future = self._allreduce(tensor, algorithm, op, timeout, blocking=False)
         assert isinstance(future, torch.futures.Future)
         return future
 
-    def _allreduce(self, tensor: torch.Tensor, algorithm: str, op: str, timeout: float | None, *,
+    def _allreduce(self, tensor: torch.Tensor, algorithm: str, op: ReduceOpLike, timeout: float | None, *,
                    blocking: bool) -> torch.futures.Future | Waiter:
         _check_tensor(tensor, "allreduce")
-        _check_op(op)
+        op = reduce_op_name(op)
         flat, write_back = _flat_work_buffer(tensor)
         name = collectives.choose_allreduce(algorithm, flat.numel() * flat.element_size(), self.world_size,
                                             None if self.topology is None else str(self.topology))
@@ -159,7 +165,7 @@ class Communicator:
                                         else self.transport.channels[0] for level in range(int(options["k"])))
         return options
 
-    def allreduce(self, tensor: torch.Tensor, algorithm: str = "ring", op: str = "sum", *,
+    def allreduce(self, tensor: torch.Tensor, algorithm: str = "ring", op: ReduceOpLike = "sum", *,
                   timeout: float | None = None) -> torch.Tensor:
         result = self._allreduce(tensor, algorithm, op, timeout, blocking=True).wait()
         assert isinstance(result, torch.Tensor)
@@ -203,10 +209,10 @@ class Communicator:
         """Every rank's ``tensor`` stacked: shape ``(world_size, *tensor.shape)``."""
         return self.allgather_async(tensor, timeout=timeout).wait()
 
-    def reduce_scatter_async(self, tensor: torch.Tensor, op: str = "sum", *,
+    def reduce_scatter_async(self, tensor: torch.Tensor, op: ReduceOpLike = "sum", *,
                              timeout: float | None = None) -> torch.futures.Future:
         _check_tensor(tensor, "reduce_scatter")
-        _check_op(op)
+        op = reduce_op_name(op)
         work = tensor.detach().reshape(-1).to("cpu", copy=True)
         shard = collectives.partition.pieces(work.numel(), self.world_size)[self.rank]
 
@@ -219,7 +225,7 @@ class Communicator:
         return self._run("reduce_scatter", work, f"reduce_scatter({op})", finish, timeout,
                          op="sum" if op == "avg" else op, **self.ring_options("reduce_scatter", work))
 
-    def reduce_scatter(self, tensor: torch.Tensor, op: str = "sum", *,
+    def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOpLike = "sum", *,
                        timeout: float | None = None) -> torch.Tensor:
         """This rank's shard of the reduction of ``tensor`` over all ranks.
 
@@ -228,12 +234,134 @@ class Communicator:
         """
         return self.reduce_scatter_async(tensor, op, timeout=timeout).wait()
 
+    # -- reduce, gather, scatter, all-to-all (collectives/tree.py, collectives/direct.py) ----
+
+    def reduce_async(self, tensor: torch.Tensor, root: int = 0, op: ReduceOpLike = "sum", *,
+                     timeout: float | None = None) -> torch.futures.Future:
+        """Like :meth:`reduce`; the future resolves to ``tensor``."""
+        _check_tensor(tensor, "reduce")
+        _check_root(root, self.world_size, "reduce")
+        op = reduce_op_name(op)
+        at_root = self.rank == root
+        # The binomial tree leaves partial sums in a non-root's buffer: reduce a copy there.
+        flat, write_back = (_flat_work_buffer(tensor) if at_root
+                            else (tensor.detach().reshape(-1).to("cpu", copy=True), _nothing))
+
+        def finish() -> torch.Tensor:
+            if at_root:
+                if op == "avg":
+                    _divide(flat, self.world_size)
+                write_back()
+            return tensor
+
+        return self._run("reduce", flat, f"reduce(root={root}, {op})", finish, timeout,
+                         root=root, op="sum" if op == "avg" else op)
+
+    def reduce(self, tensor: torch.Tensor, root: int = 0, op: ReduceOpLike = "sum", *,
+               timeout: float | None = None) -> torch.Tensor:
+        """Reduce ``tensor`` over all ranks into ``root``'s ``tensor`` (in place); the other
+        ranks' tensors are left as they were. Returns ``tensor``."""
+        return self.reduce_async(tensor, root, op, timeout=timeout).wait()
+
+    def gather_async(self, tensor: torch.Tensor, root: int = 0, *,
+                     timeout: float | None = None) -> torch.futures.Future:
+        """Like :meth:`gather`."""
+        _check_tensor(tensor, "gather")
+        _check_root(root, self.world_size, "gather")
+        n, source = tensor.numel(), tensor.detach().reshape(-1)
+        if self.rank == root:
+            flat = torch.empty(self.world_size * n, dtype=tensor.dtype)
+            flat[root * n:(root + 1) * n].copy_(source)
+        else:
+            flat = source.to("cpu").contiguous()  # only read: may share the caller's memory
+        shape = (self.world_size, *tensor.shape)
+
+        def finish() -> torch.Tensor | None:
+            return flat.view(shape).to(tensor.device) if self.rank == root else None
+
+        return self._run("gather", flat, "gather", finish, timeout,
+                         describe=f"gather(root={root}) of {self.world_size} x {n} x {_dtype_name(flat)}",
+                         root=root, counts=(n,) * self.world_size)
+
+    def gather(self, tensor: torch.Tensor, root: int = 0, *,
+               timeout: float | None = None) -> torch.Tensor | None:
+        """At ``root``, every rank's ``tensor`` stacked: shape ``(world_size, *tensor.shape)``;
+        None on the other ranks. Every message goes straight to the root."""
+        return self.gather_async(tensor, root, timeout=timeout).wait()
+
+    def scatter_async(self, output: torch.Tensor, stacked: torch.Tensor | None = None, root: int = 0, *,
+                      timeout: float | None = None) -> torch.futures.Future:
+        """Like :meth:`scatter`; the future resolves to ``output``."""
+        _check_tensor(output, "scatter")
+        _check_root(root, self.world_size, "scatter")
+        n = output.numel()
+        if self.rank == root:
+            if (stacked is None or stacked.numel() != self.world_size * n
+                    or stacked.dtype != output.dtype):
+                got = "nothing" if stacked is None else f"{tuple(stacked.shape)} {stacked.dtype}"
+                raise ValueError(f"rank {self.rank}: scatter's root needs `stacked`, {self.world_size} "
+                                 f"pieces shaped like the output {tuple(output.shape)} "
+                                 f"({output.dtype}); got {got}")
+            flat = stacked.detach().reshape(-1).to("cpu").contiguous()  # only read
+            piece = flat[root * n:(root + 1) * n]
+        else:
+            if stacked is not None:
+                raise ValueError(f"rank {self.rank}: only scatter's root ({root}) passes `stacked`")
+            flat = piece = torch.empty(n, dtype=output.dtype)
+
+        def finish() -> torch.Tensor:
+            output.detach().copy_(piece.view(output.shape))
+            return output
+
+        return self._run("scatter", flat, "scatter", finish, timeout,
+                         describe=f"scatter(root={root}) of {self.world_size} x {n} x {_dtype_name(flat)}",
+                         root=root, counts=(n,) * self.world_size)
+
+    def scatter(self, output: torch.Tensor, stacked: torch.Tensor | None = None, root: int = 0, *,
+                timeout: float | None = None) -> torch.Tensor:
+        """Fill every rank's ``output`` with its piece of the root's ``stacked`` (shape
+        ``(world_size, *output.shape)``; only the root passes it). Returns ``output``."""
+        return self.scatter_async(output, stacked, root, timeout=timeout).wait()
+
+    def all_to_all_async(self, tensor: torch.Tensor, send_counts: Sequence[int] | None = None,
+                         recv_counts: Sequence[int] | None = None, *,
+                         timeout: float | None = None) -> torch.futures.Future:
+        """Like :meth:`all_to_all`."""
+        _check_tensor(tensor, "all_to_all")
+        if tensor.dim() == 0:
+            raise ValueError(f"rank {self.rank}: all_to_all splits a tensor along dim 0; got a scalar")
+        rows, row = tensor.shape[0], math.prod(tensor.shape[1:])
+        send = _split_counts(send_counts, rows, self.world_size, "send_counts", self.rank)
+        recv = _split_counts(recv_counts, rows, self.world_size, "recv_counts", self.rank)
+        sent = sum(send) * row
+        flat = torch.empty(sent + sum(recv) * row, dtype=tensor.dtype)
+        flat[:sent].copy_(tensor.detach().reshape(-1))
+
+        def finish() -> torch.Tensor:
+            return flat[sent:].view(sum(recv), *tensor.shape[1:]).to(tensor.device)
+
+        # What agrees across ranks is the row; each message's size is checked on arrival.
+        return self._run("all_to_all", flat, "all_to_all", finish, timeout,
+                         describe=f"all_to_all of rows of {row} x {_dtype_name(flat)}",
+                         send_counts=tuple(c * row for c in send), recv_counts=tuple(c * row for c in recv))
+
+    def all_to_all(self, tensor: torch.Tensor, send_counts: Sequence[int] | None = None,
+                   recv_counts: Sequence[int] | None = None, *,
+                   timeout: float | None = None) -> torch.Tensor:
+        """Send rows ``tensor[sum(send_counts[:p]):][:send_counts[p]]`` to rank p and return
+        the rows received, rank 0's first (as ``torch.distributed.all_to_all_single``).
+        ``send_counts``/``recv_counts``: rows per peer (they may differ; rank p's
+        ``send_counts[q]`` must be rank q's ``recv_counts[p]``); by default
+        ``tensor.shape[0] / world_size`` each."""
+        return self.all_to_all_async(tensor, send_counts, recv_counts, timeout=timeout).wait()
+
     # -- partial allreduce (eager-SGD) -----------------------------------------------------
 
     def partial_allreduce_async(self, tensor: torch.Tensor, quorum: str = "solo", round: int | None = None, *,
-                                algorithm: str = "ring", op: str = "sum", seed: int = 0,
+                                algorithm: str = "ring", op: ReduceOpLike = "sum", seed: int = 0,
                                 timeout: float | None = None) -> torch.futures.Future:
         """Future of a :class:`~mlfabric.runtime.partial.PartialResult`; see :meth:`partial_allreduce`."""
+        op = reduce_op_name(op)
         future = self._partial_call(tensor, quorum, round, algorithm, op, seed, timeout, blocking=False)
         if op == "sum":
             return future
@@ -268,7 +396,7 @@ class Communicator:
         return handle.call(tensor, round, self.timeout if timeout is None else timeout, blocking=blocking)
 
     def partial_allreduce(self, tensor: torch.Tensor, quorum: str = "solo", round: int | None = None, *,
-                          algorithm: str = "ring", op: str = "sum", seed: int = 0,
+                          algorithm: str = "ring", op: ReduceOpLike = "sum", seed: int = 0,
                           timeout: float | None = None) -> PartialResult:
         """Solo or majority allreduce (eager-SGD §4): returns without waiting for slow ranks.
 
@@ -282,6 +410,7 @@ class Communicator:
         is in it; ``active`` counts the ranks whose fresh data is; ``round`` is the execution
         it comes from. ``op="avg"`` divides by the number of live ranks.
         """
+        op = reduce_op_name(op)
         res = self._partial_call(tensor, quorum, round, algorithm, op, seed, timeout, blocking=True).wait()
         assert isinstance(res, PartialResult)
         return res if op == "sum" else self._average(res)
@@ -293,13 +422,14 @@ class Communicator:
     # -- plumbing ----------------------------------------------------------------------------
 
     def _run(self, kind: str, flat: torch.Tensor, what: str, finish: Callable[[], torch.Tensor],
-             timeout: float | None, *, blocking: bool = False,
+             timeout: float | None, *, blocking: bool = False, describe: str | None = None,
              **options: object) -> torch.futures.Future | Waiter:
         """Submit collective ``kind`` on ``flat``; ``blocking``: the caller waits at once, so a
-        :class:`Waiter` stands in for the torch future."""
+        :class:`Waiter` stands in for the torch future. ``describe``: the description ranks
+        compare, when this rank's buffer size differs from others' (rooted, all-to-all)."""
         if self._closed:
             raise RuntimeError(f"rank {self.rank}: communicator is closed")
-        description = f"{what} of {flat.numel()} x {str(flat.dtype).removeprefix('torch.')}"
+        description = describe or f"{what} of {flat.numel()} x {_dtype_name(flat)}"
         with self._lock:
             seq = next(self._seq)
             if self.world_size == 1:
@@ -373,10 +503,44 @@ def _check_tensor(tensor: object, what: str) -> None:
         raise TypeError(f"{what} does not support dtype {dtype}")
 
 
-def _check_op(op: str) -> None:
-    if op not in REDUCE_OP_NAMES:
-        raise ValueError(f"unknown reduction {op!r}; choose one of {', '.join(REDUCE_OP_NAMES)}")
-    assert op == "avg" or op in REDUCE_OPS
+def reduce_op_name(op: ReduceOpLike) -> str:
+    """The name mlfabric gives reduction ``op``: one of :data:`REDUCE_OP_NAMES`, or a
+    ``torch.distributed.ReduceOp`` (SUM, AVG, PRODUCT, MIN, MAX)."""
+    if isinstance(op, str):
+        if op not in REDUCE_OP_NAMES:
+            raise ValueError(f"unknown reduction {op!r}; choose one of {', '.join(REDUCE_OP_NAMES)}")
+        return op
+    for name, torch_op in _TORCH_REDUCE_OPS.items():
+        if op == torch_op:
+            return name
+    raise ValueError(f"reduction {op} is not supported by mlfabric; choose one of "
+                     f"{', '.join(REDUCE_OP_NAMES)} (torch's SUM, AVG, MAX, MIN, PRODUCT)")
+
+
+def _check_root(root: int, world_size: int, what: str) -> None:
+    if not 0 <= root < world_size:
+        raise ValueError(f"{what} root {root} is outside world size {world_size}")
+
+
+def _split_counts(counts: Sequence[int] | None, rows: int, world_size: int, name: str,
+                  rank: int) -> tuple[int, ...]:
+    """Rows per peer: ``counts``, or ``rows`` cut evenly (which must divide)."""
+    if counts is None:
+        if rows % world_size:
+            raise ValueError(f"rank {rank}: all_to_all of {rows} rows over {world_size} ranks needs "
+                             f"{name} (the rows do not split evenly)")
+        return (rows // world_size,) * world_size
+    counts = tuple(int(c) for c in counts)
+    if len(counts) != world_size or min(counts) < 0:
+        raise ValueError(f"rank {rank}: {name} must be {world_size} non-negative row counts, got {counts}")
+    if name == "send_counts" and sum(counts) != rows:
+        raise ValueError(f"rank {rank}: send_counts {counts} add up to {sum(counts)} rows, the "
+                         f"tensor has {rows}")
+    return counts
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
 
 
 def _nothing() -> None:
