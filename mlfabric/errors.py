@@ -24,9 +24,20 @@ class PeerLostError(CollectiveError):
     """A peer process died or disconnected while a collective needed it."""
 
 
+class PeerLeftError(PeerLostError):
+    """A peer closed its communicator (or its process exited) before finishing a collective
+    the others still run or start; ``peer`` is the rank that left."""
+
+
 class CollectiveTimeoutError(CollectiveError, TimeoutError):
     """A collective did not complete within its timeout."""
 
 
 class CollectiveMismatchError(CollectiveError, ValueError):
-    """Ranks called a collective with different sizes, dtypes, ops or algorithms."""
+    """Ranks called a collective with different sizes, dtypes, ops, roots or algorithms
+    (raised on every rank, with both descriptions)."""
+
+
+class RendezvousError(MlfabricError):
+    """The ranks could not find each other: a rank missing, world sizes that disagree, a
+    rendezvous port held by another program."""

@@ -22,11 +22,14 @@ Exercise it with ``python -m pytest tests/unit/test_runtime.py tests/local``.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import itertools
 import logging
 import math
+import os
 import threading
+import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -47,6 +50,11 @@ from .partial import QUORUM_CHOICES, PartialAllreduce, PartialResult
 log = logging.getLogger("mlfabric.runtime")
 
 DEFAULT_TIMEOUT_S = 60.0
+# The watchdog logs a collective that made no progress for this long (then again after each
+# further period): long enough that a healthy job on a slow network never trips it, short
+# enough to say who is stuck well before the default 60 s timeout. 0 turns it off.
+DEFAULT_WATCHDOG_S = 10.0
+WATCHDOG_ENV = "MLFABRIC_WATCHDOG_S"
 REDUCE_OP_NAMES = ("sum", "avg", "max", "min", "prod")
 _TORCH_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
                      "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT}
@@ -65,12 +73,17 @@ class Communicator:
     ``nic_rate`` (bit/s, ``"500mbit"``, ``"0=1gbit,1=500mbit"`` or a per-channel mapping;
     default ``MLFABRIC_NIC_RATE``, else unknown): the rate of the NIC behind each channel.
     When known, connections that share a NIC in a step are paced at their fair share.
+
+    ``watchdog`` (seconds; default ``MLFABRIC_WATCHDOG_S``, else :data:`DEFAULT_WATCHDOG_S`;
+    0: off): log a collective that made no progress for that long, per rank, with what it
+    waits for, from whom, and what those peers say they are doing.
     """
 
     def __init__(self, transport: Transport, *, timeout: float = DEFAULT_TIMEOUT_S,
                  on_close: Sequence[Callable[[], None]] = (),
                  topology: TopologySpec | str | None = None, chunk_bytes: int | None = None,
-                 nic_rate: str | float | dict[str, float] | None = None) -> None:
+                 nic_rate: str | float | dict[str, float] | None = None,
+                 watchdog: float | None = None) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         if chunk_bytes is not None and chunk_bytes < 1:
@@ -83,13 +96,15 @@ class Communicator:
         self.nic_rates = nic_rates_from(nic_rate, transport.channels)
         self._paced: dict[tuple[int, str], float | None] = {}  # what each connection is paced at now
         self.timeout = float(timeout)
-        self.executor = Executor(transport, name=f"mlfabric-progress-{transport.rank}")
+        self.executor = Executor(transport, name=f"mlfabric-progress-{transport.rank}",
+                                 watchdog_s=watchdog_seconds(watchdog))
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
         self._on_close = list(on_close)
         self._closed = False
         self.store: object | None = None  # the rendezvous store, when init() made one
         self._partials: dict[tuple[object, ...], PartialAllreduce] = {}
+        _OPEN.add(self)
 
     @property
     def rank(self) -> int:
@@ -461,13 +476,16 @@ class Communicator:
                     return
                 self._paced[connection] = rate
 
-    def close(self) -> None:
-        """Stop the progress thread and the transport; idempotent."""
+    def close(self, *, reason: str = "it closed its communicator") -> None:
+        """Stop the progress thread and the transport; idempotent. The goodbye tells the
+        peers which collectives this rank leaves unfinished (they fail those at once, naming
+        this rank) and ``reason``."""
         if self._closed:
             return
         self._closed = True
+        farewell = self.executor.farewell(reason)
         self.executor.close()
-        self.transport.close()
+        self.transport.close(farewell)
         for callback in self._on_close:
             callback()
 
@@ -480,6 +498,34 @@ class Communicator:
     def __repr__(self) -> str:
         return (f"Communicator(rank={self.rank}, world_size={self.world_size}, "
                 f"transport={type(self.transport).__name__})")
+
+
+# Communicators not closed yet: a process that ends without closing one still says goodbye
+# (so its peers fail at once, naming it, instead of finding a dead connection).
+_OPEN: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    for comm in list(_OPEN):
+        try:
+            comm.close(reason="its process exited without closing its communicator")
+        except Exception:  # noqa: BLE001 - exiting anyway; peers then see a lost connection
+            log.debug("rank %d: closing at exit failed", comm.rank, exc_info=True)
+
+
+def watchdog_seconds(watchdog: float | None) -> float | None:
+    """The watchdog period from the argument, else ``MLFABRIC_WATCHDOG_S``, else the default;
+    None when off (0)."""
+    if watchdog is None:
+        raw = os.environ.get(WATCHDOG_ENV, "").strip()
+        try:
+            watchdog = float(raw) if raw else DEFAULT_WATCHDOG_S
+        except ValueError:
+            raise ValueError(f"{WATCHDOG_ENV}={raw!r} is not a number of seconds (0: off)") from None
+    if watchdog < 0 or not math.isfinite(watchdog):
+        raise ValueError(f"watchdog must be a finite number of seconds >= 0 (0: off), got {watchdog}")
+    return watchdog or None
 
 
 def _check_topology(topology: TopologySpec | str | None, world_size: int) -> TopologySpec | None:

@@ -5,7 +5,16 @@
 (all-of or any-of), posts sends, matches arriving messages to receives, reduces, and
 completes the future when every op ran — while the application thread computes. Every
 collective has a deadline; a lost peer, a mismatched peer or a timeout fails the future with
-an error naming rank, peer and op, and an abort notice tells the other ranks why.
+an error naming rank, peer and op, and an abort notice tells the other ranks why (with the
+same kind of error: a mismatch is a ``CollectiveMismatchError`` on every rank).
+
+Failing fast (``runtime/control.py`` has the messages): a peer that closes its communicator
+says in its goodbye which collectives it leaves unfinished, and those fail at once on every
+other rank, naming it. A collective that makes no progress for :data:`CROSS_CHECK_S` asks the
+peers it waits for to compare their description of it (so ranks that disagree on the root or
+the algorithm fail with a mismatch instead of waiting for the timeout); after ``watchdog_s``
+without progress the watchdog logs, per rank, what the collective waits for, from whom, and
+what those peers say they are doing.
 
 Exercise it with ``python -m pytest tests/unit/test_runtime.py``.
 """
@@ -27,10 +36,13 @@ from mlfabric.errors import (
     CollectiveError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
+    PeerLeftError,
     PeerLostError,
 )
 from mlfabric.schedule import Copy, DepMode, Nop, Recv, Reduce, Schedule, Send, Slice
 from mlfabric.transport.base import CONTROL_CHANNEL, Message, SendHandle, Transport
+
+from .control import ControlKind, Farewell, Status, abort_error, control_tag, encode_abort, split_control_tag
 
 log = logging.getLogger("mlfabric.runtime")
 
@@ -47,6 +59,16 @@ _MAX_IDLE_S = 1.0
 OFFER_MIN_BYTES = 64 * 1024
 # Passes a receiving thread makes at most before it leaves the rest to the progress thread.
 _INLINE_PASSES = 4
+# A collective with no progress for this long asks the peers it waits for to compare their
+# description of it: ranks that disagree on root or algorithm may exchange no message at all,
+# and would otherwise wait for the timeout. Short enough to report a mismatch well within 2 s;
+# long enough that a healthy collective rarely asks (and asking costs one small message).
+CROSS_CHECK_S = 0.5
+# How often queued messages nobody takes are compared with the collective they belong to (a
+# mismatch in which every rank finishes its own view, e.g. two disjoint broadcast trees).
+_STRAY_CHECK_S = 0.25
+# How many finished collectives' descriptions are kept to answer late queries and messages.
+_REMEMBERED = 1024
 
 
 def message_tag(seq: int, op_tag: int) -> int:
@@ -200,6 +222,13 @@ class _Run:
             self.info_description = info.description
             self.meta = info.description.encode()
         self.deadline = deadline
+        # When the run last did anything, whether it asked its peers since, how often the
+        # watchdog has logged it since, and when the executor must look at it next for that.
+        self.last_progress = time.monotonic()
+        self.queried = False
+        self.barked = 0
+        self.check_at = self.last_progress + CROSS_CHECK_S
+        self.peer_status: dict[int, Status] = {}  # what the peers it asked said
         self.waiting = list(self.schedule.dependency_counts())
         self.fired = list(fired)
         self.completed = 0  # ops from required_from on that completed
@@ -218,8 +247,9 @@ class _Run:
 
     @property
     def wake_at(self) -> float:
-        """When the executor must look at this run even if nothing arrives (its deadline)."""
-        return self.deadline
+        """When the executor must look at this run even if nothing arrives (its deadline, or a
+        stall check)."""
+        return min(self.deadline, self.check_at)
 
     def view(self, sl: Slice) -> torch.Tensor | np.ndarray:
         """``sl`` of its buffer: a numpy array, or a tensor for dtypes numpy lacks."""
@@ -348,13 +378,7 @@ class _Run:
 
     def _check_message(self, op: Recv, msg: Message) -> None:
         if msg.meta != self.meta:
-            raise CollectiveMismatchError(
-                f"rank {self.executor.rank}: collective #{self.info.seq} mismatch with peer "
-                f"{msg.src}: this rank runs {self.info.description}, peer {msg.src} runs "
-                f"{msg.meta.decode(errors='replace')}. Every rank must call the same collective "
-                "with the same size, dtype and op.",
-                rank=self.executor.rank, peer=msg.src,
-            )
+            raise mismatch_error(self.executor.rank, self.info.seq, msg.src, self.meta, msg.meta)
         expected = self.nbytes(op.dst)
         if msg.nbytes != expected:
             raise CollectiveMismatchError(
@@ -402,6 +426,12 @@ class _Run:
             transport.withdraw_offer(op.channel, self.tag_base | op.tag, op.peer)
         self.offered.clear()
 
+    def waited_peers(self) -> list[int]:
+        """The peers this run waits for: those of its pending receives and sends."""
+        ops = self.schedule.ops
+        peers = [ops[i].peer for i in self.pending_recvs] + [ops[i].peer for i, _ in self.pending_sends]
+        return sorted(set(peers))
+
     def waiting_on(self) -> str:
         """Human summary of what is still outstanding, for timeout messages."""
         parts = []
@@ -416,18 +446,41 @@ class _Run:
         return ", ".join(parts)
 
 
-class Executor:
-    """One progress thread per communicator, executing any number of schedules at once."""
+def mismatch_error(rank: int, seq: int, peer: int, mine: bytes, theirs: bytes) -> CollectiveMismatchError:
+    return CollectiveMismatchError(
+        f"rank {rank}: collective #{seq} mismatch with rank {peer}: this rank runs "
+        f"{mine.decode(errors='replace')}, rank {peer} runs {theirs.decode(errors='replace')}. "
+        "Every rank must call the same collectives in the same order with the same arguments "
+        "(algorithm, root, size, dtype, op).", rank=rank, peer=peer)
 
-    def __init__(self, transport: Transport, *, name: str = "mlfabric-progress") -> None:
+
+class Executor:
+    """One progress thread per communicator, executing any number of schedules at once.
+
+    ``watchdog_s``: log a collective that made no progress for this long (and again after
+    each further ``watchdog_s``); None or 0: no watchdog."""
+
+    def __init__(self, transport: Transport, *, name: str = "mlfabric-progress",
+                 watchdog_s: float | None = None) -> None:
+        if watchdog_s is not None and watchdog_s < 0:
+            raise ValueError(f"watchdog_s must be >= 0 (0: off), got {watchdog_s}")
         self.transport = transport
         self.rank = transport.rank
+        self.watchdog_s = watchdog_s or None
         self._lock = threading.Lock()
         self._incoming: list[_Run] = []
         self._active: list[_Run] = []
-        # Recently finished collectives, to recognise a late abort notice for one of them.
-        self._finished_seqs: deque[int] = deque(maxlen=1024)
-        self._aborts: dict[int, CollectiveError] = {}
+        # The descriptions of recently finished collectives, by seq: to recognise a late abort
+        # notice for one of them, and to answer queries and check late messages.
+        self._finished: dict[int, bytes] = {}
+        self._failed: dict[int, None] = {}  # those of them that failed here (an ordered set)
+        self._max_seq = 0  # the last collective submitted
+        # Queries about collectives this rank has not started yet: (peer, their description).
+        self._early_queries: dict[int, list[tuple[int, bytes]]] = {}
+        # (seq, peer) pairs whose status answer the watchdog logs.
+        self._watched: set[tuple[int, int]] = set()
+        self._farewells: dict[int, Farewell] = {}  # decoded goodbye notes, by departed rank
+        self._next_stray_check = 0.0
         self._deferred_error: CollectiveError | None = None
         self._stop = False
         # Serialises passes over the runs: the progress thread's and those a transport runs
@@ -456,7 +509,9 @@ class Executor:
         if self._stop:
             future.set_exception(CollectiveError(f"rank {self.rank}: communicator is closed", rank=self.rank))
             return future
-        lost = self._lost_peer_error(info)
+        if info.seq > self._max_seq:
+            self._max_seq = info.seq
+        lost = self._lost_peer_error(info) or self._departure_error(info)
         error = lost or self._deferred_error
         if error is not None:
             self._deferred_error = None
@@ -562,28 +617,39 @@ class Executor:
         pass is due is the mailbox version's to say (see _settle). Holds ``_pass_lock``."""
         if self._incoming:  # lock-free test first: most wake-ups bring no new run
             with self._lock:
-                self._active.extend(self._incoming)
+                new = list(self._incoming)
+                self._active.extend(new)
                 self._incoming.clear()
+            if self._early_queries:
+                for run in new:
+                    for peer, theirs in self._early_queries.pop(run.info.seq, ()):
+                        if run in self._active and theirs != run.meta:
+                            self._fail(run, mismatch_error(self.rank, run.info.seq, peer, run.meta, theirs),
+                                       notify_peers=True)
         self._handle_control()
         wake_at = math.inf
         now = time.monotonic()  # one clock read per pass: a deadline is checked a pass late at worst
         for run in list(self._active):
             try:
-                run.advance(version)
+                if run.advance(version) and not run.tolerates_lost_peers:
+                    run.last_progress, run.queried, run.barked = now, False, 0
+                    run.check_at = now + CROSS_CHECK_S
                 if run.finished:
                     self._finish(run)
                     continue
-                run_wake_at = run.wake_at
-                if run_wake_at < wake_at:
-                    wake_at = run_wake_at
                 if now > run.deadline:
                     raise CollectiveTimeoutError(
                         f"rank {self.rank}: collective #{run.info.seq} "
                         f"{run.info.description} timed out still waiting for "
-                        f"{run.waiting_on()}; a peer may be slow, hung or dead "
-                        "(raise the timeout with mlfabric.init(timeout=...))",
+                        f"{run.waiting_on()}{self._peer_report(run)}; a peer may be slow, hung or "
+                        "dead (raise the timeout with mlfabric.init(timeout=...))",
                         rank=self.rank,
                     )
+                if now >= run.wake_at and not run.tolerates_lost_peers:
+                    self._stalled(run, now)
+                run_wake_at = run.wake_at
+                if run_wake_at < wake_at:
+                    wake_at = run_wake_at
             except CollectiveError as exc:
                 self._fail(run, exc, notify_peers=True)
             except Exception as exc:  # a bug or a torch error: never leave the caller hanging
@@ -592,11 +658,15 @@ class Executor:
                     f"failed: {exc!r}", rank=self.rank)
                 wrapped.__cause__ = exc
                 self._fail(run, wrapped, notify_peers=True)
-        if self.transport.lost_peers and self._active:
+        if (self.transport.lost_peers or self.transport.departed_peers) and self._active:
             for run in list(self._active):
-                error = None if run.tolerates_lost_peers else self._lost_peer_error(run.info)
+                error = (None if run.tolerates_lost_peers
+                         else self._lost_peer_error(run.info) or self._departure_error(run.info))
                 if error is not None:
                     self._fail(run, error, notify_peers=False)
+        if now >= self._next_stray_check and self.transport.mailbox.queued:
+            self._next_stray_check = now + _STRAY_CHECK_S
+            self._check_strays()
         self._wake_at = wake_at
         if wake_at < self._sleep_until and threading.current_thread() is not self._thread:
             self.transport.mailbox.notify()  # the progress thread sleeps past a new deadline
@@ -604,7 +674,8 @@ class Executor:
     def _finish(self, run: _Run) -> None:
         self._active.remove(run)
         run.unpost()
-        self._finished_seqs.append(run.info.seq)
+        if not run.tolerates_lost_peers:
+            self._remember(run, failed=False)
         try:
             value = run.result()
         except Exception as exc:
@@ -612,11 +683,22 @@ class Executor:
             return
         run.future.set_result(value)
 
+    def _remember(self, run: _Run, *, failed: bool) -> None:
+        self._finished[run.info.seq] = run.meta
+        if len(self._finished) > _REMEMBERED:
+            del self._finished[next(iter(self._finished))]  # the oldest (dicts keep order)
+        if failed:
+            self._failed[run.info.seq] = None
+            if len(self._failed) > _REMEMBERED:
+                del self._failed[next(iter(self._failed))]
+
     def _fail(self, run: _Run, error: CollectiveError, *, notify_peers: bool) -> None:
         if run in self._active:
             self._active.remove(run)
+        if not run.tolerates_lost_peers:
+            self._remember(run, failed=True)
         if notify_peers:
-            self._broadcast_abort(run.info.seq, str(error))
+            self._broadcast_abort(run.info.seq, error)
         run.fail(error)
 
     def _lost_peer_error(self, info: RunInfo) -> PeerLostError | None:
@@ -630,29 +712,165 @@ class Executor:
             rank=self.rank, peer=peer,
         )
 
+    # -- departures ------------------------------------------------------------------------
+
+    def farewell(self, reason: str) -> bytes:
+        """The note this rank's goodbye carries (see control.Farewell): the collectives it
+        leaves unfinished, so that peers fail those at once instead of waiting."""
+        runs = list(self._active) + list(self._incoming)
+        unfinished = tuple(sorted(r.info.seq for r in runs if not r.tolerates_lost_peers))
+        return Farewell(reason=reason, last_seq=self._max_seq, unfinished=unfinished).encode()
+
+    def _departure_error(self, info: RunInfo) -> PeerLeftError | None:
+        """The error of collective ``info`` if a peer that left will never finish it."""
+        for peer in sorted(self.transport.departed_peers):
+            note = self._farewells.get(peer)
+            if note is None:
+                note = self._farewells[peer] = Farewell.decode(self.transport.farewells.get(peer, b""))
+            if note.abandons(info.seq):
+                unfinished = ", in the middle of it" if info.seq in note.unfinished else ""
+                return PeerLeftError(
+                    f"rank {self.rank}: collective #{info.seq} {info.description} cannot complete: "
+                    f"rank {peer} left the job ({note.reason}; its last collective was "
+                    f"#{note.last_seq}{unfinished}). Every rank must make the same collective calls "
+                    "before it closes its communicator or exits.", rank=self.rank, peer=peer)
+        return None
+
+    # -- stalls: cross-checks and the watchdog ---------------------------------------------
+
+    def _stalled(self, run: _Run, now: float) -> None:
+        """``run`` made no progress since ``run.last_progress``: ask the peers it waits for
+        (once per stall), and let the watchdog log it every ``watchdog_s``."""
+        idle = now - run.last_progress
+        peers = run.waited_peers()
+        if not run.queried:
+            run.queried = True
+            self._query(run, peers)
+        watchdog = self.watchdog_s
+        if watchdog is not None and idle >= watchdog * (run.barked + 1):
+            run.barked += 1
+            last = next(reversed(self._finished), None)
+            log.warning(
+                "rank %d: watchdog: collective #%d %s has made no progress for %.1f s (timeout in "
+                "%.1f s); waiting for %s%s. Last finished collective: %s. Asking ranks %s what they "
+                "are doing.", self.rank, run.info.seq, run.info.description, idle,
+                max(0.0, run.deadline - now), run.waiting_on(), self._peer_report(run),
+                "none" if last is None else f"#{last} {self._finished[last].decode(errors='replace')}",
+                ", ".join(map(str, peers)) or "(none)")
+            self._watched.update((run.info.seq, peer) for peer in peers)
+            self._query(run, peers)
+        run.check_at = (math.inf if watchdog is None else run.last_progress + watchdog * (run.barked + 1))
+
+    def _query(self, run: _Run, peers: list[int]) -> None:
+        tag = control_tag(ControlKind.QUERY, run.info.seq)
+        for peer in peers:
+            self._send_control(peer, tag, run.meta)
+
+    def _send_control(self, peer: int, tag: int, payload: bytes) -> None:
+        if peer in self.transport.lost_peers or peer in self.transport.departed_peers:
+            return
+        try:
+            self.transport.send(peer, tag, payload, channel=CONTROL_CHANNEL)
+        except Exception:  # best effort: the peer may be gone already
+            log.debug("rank %d: could not send a control message to %d", self.rank, peer)
+
+    def _peer_report(self, run: _Run) -> str:
+        """What the peers ``run`` asked said about it, for error and watchdog messages."""
+        if not run.peer_status:
+            return ""
+        return "; " + "; ".join(status.explain(peer) for peer, status in sorted(run.peer_status.items()))
+
+    def _regular_run(self, seq: int) -> _Run | None:
+        return next((r for r in self._active if r.info.seq == seq and not r.tolerates_lost_peers), None)
+
+    def _answer(self, src: int, seq: int, theirs: bytes) -> None:
+        """A peer asks about collective ``seq``, which it runs as ``theirs``: compare, answer."""
+        run = self._regular_run(seq)
+        mine = run.meta if run is not None else self._finished.get(seq)
+        if mine is not None and mine != theirs:
+            self._mismatch(seq, src, mine, theirs)
+        elif mine is None and seq > self._max_seq and len(self._early_queries) < _REMEMBERED:
+            self._early_queries.setdefault(seq, []).append((src, theirs))  # compared when it starts
+        if run is not None:
+            status = Status(seq=seq, state="running", last_seq=self._max_seq, waiting_on=run.waiting_on(),
+                            description=run.info.description)
+        elif mine is not None:
+            status = Status(seq=seq, state="finished", last_seq=self._max_seq)
+        else:
+            status = Status(seq=seq, state="not started" if seq > self._max_seq else "unknown",
+                            last_seq=self._max_seq)
+        self._send_control(src, control_tag(ControlKind.STATUS, seq), status.encode())
+
+    def _note_status(self, src: int, seq: int, payload: bytes) -> None:
+        try:
+            status = Status.decode(payload)
+        except (ValueError, TypeError):
+            return
+        run = self._regular_run(seq)
+        if run is not None:
+            run.peer_status[src] = status
+        if (seq, src) in self._watched:
+            self._watched.discard((seq, src))
+            log.warning("rank %d: watchdog: collective #%d: %s", self.rank, seq, status.explain(src))
+
+    def _mismatch(self, seq: int, peer: int, mine: bytes, theirs: bytes) -> None:
+        """Collective ``seq`` is ``mine`` here and ``theirs`` on ``peer``: fail it on every rank."""
+        error = mismatch_error(self.rank, seq, peer, mine, theirs)
+        run = self._regular_run(seq)
+        if run is not None:
+            self._fail(run, error, notify_peers=True)
+            return
+        # Finished here in this rank's own view (e.g. as the root of a broadcast whose other
+        # ranks named another root): its result cannot be trusted; the next call says so.
+        log.error("%s (found after it finished here: the next collective raises it)", error)
+        self._deferred_error = error
+        self._broadcast_abort(seq, error)
+
+    def _check_strays(self) -> None:
+        """Compare queued messages of known collectives with their description: a message
+        nobody takes, from a peer that runs the collective differently, is a mismatch."""
+        mailbox = self.transport.mailbox
+        for channel, tag in list(mailbox.queued):
+            if channel == CONTROL_CHANNEL:
+                continue
+            seq = tag >> TAG_BITS
+            run = self._regular_run(seq)
+            mine = run.meta if run is not None else self._finished.get(seq)
+            if mine is None:
+                continue
+            for src, meta in mailbox.peek(channel, tag):
+                if meta != mine:
+                    mailbox.take(channel, tag, src)  # reported once
+                    self._mismatch(seq, src, mine, meta)
+                    return
+
     # -- abort notices -----------------------------------------------------------------------
 
-    def _broadcast_abort(self, seq: int, reason: str) -> None:
-        payload = reason.encode()[:4000]
+    def _broadcast_abort(self, seq: int, error: CollectiveError) -> None:
+        payload = encode_abort(error)
+        tag = control_tag(ControlKind.ABORT, seq)
         for peer in range(self.transport.world_size):
-            if peer != self.rank and peer not in self.transport.lost_peers:
-                try:
-                    self.transport.send(peer, seq, payload, channel=CONTROL_CHANNEL)
-                except Exception:  # best effort: the peer may be gone already
-                    log.debug("rank %d: could not send abort to %d", self.rank, peer)
+            if peer != self.rank:
+                self._send_control(peer, tag, payload)
 
     def _handle_control(self) -> None:
         for msg in self.transport.mailbox.take_channel(CONTROL_CHANNEL):
-            seq = msg.tag
-            error = CollectiveError(
-                f"rank {self.rank}: collective #{seq} aborted by peer {msg.src}: "
-                f"{bytes(msg.payload).decode(errors='replace')}",
-                rank=self.rank, peer=msg.src,
-            )
+            kind, seq = split_control_tag(msg.tag)
+            if kind is ControlKind.QUERY:
+                self._answer(msg.src, seq, bytes(msg.payload))
+                continue
+            if kind is ControlKind.STATUS:
+                self._note_status(msg.src, seq, msg.payload)
+                continue
+            if kind is not ControlKind.ABORT:
+                continue
+            if seq in self._failed:
+                continue  # it failed here already, and said so
+            error = abort_error(msg.payload, rank=self.rank, src=msg.src, seq=seq)
             run = next((r for r in self._active if r.info.seq == seq), None)
             if run is not None:
                 self._fail(run, error, notify_peers=False)
-            elif seq in self._finished_seqs:
+            elif seq in self._finished:
                 # We finished but a peer did not: the group is inconsistent, so the next
                 # collective on this rank reports it instead of silently going on.
                 self._deferred_error = error

@@ -153,6 +153,11 @@ class Mailbox:
             self._per_channel[channel] = 0
             return out
 
+    def peek(self, channel: str, tag: int) -> list[tuple[int, bytes]]:
+        """(source, meta) of the messages queued under this channel and tag, left queued."""
+        with self._cond:
+            return [(m.src, m.meta) for m in self._queues.get((channel, tag), ())]
+
     def discard(self, keys: list[tuple[str, int, int]]) -> None:
         """Drop one message per (channel, tag, src) key: the one queued now, or else the next
         to arrive, without a wake-up. For messages that may still come but that nobody will
@@ -204,6 +209,8 @@ class Transport(ABC):
         self.mailbox = Mailbox()
         self.lost_peers: dict[int, str] = {}
         self.departed_peers: set[int] = set()
+        # The note each departed peer's goodbye carried (the runtime's Farewell), by rank.
+        self.farewells: dict[int, bytes] = {}
         self.rejected_messages = 0
         self._counters: dict[tuple[int, str], LinkCounters] = {}
         self._counter_lock = threading.Lock()
@@ -247,6 +254,7 @@ class Transport(ABC):
             counters.bytes_recv += msg.nbytes
             counters.msgs_recv += 1
         if msg.channel == CONTROL_CHANNEL and msg.tag == GOODBYE_TAG:
+            self.farewells[msg.src] = bytes(msg.payload)  # before departed_peers: readers look there first
             self.departed_peers.add(msg.src)
             self.mailbox.notify()
             return
@@ -366,8 +374,10 @@ class Transport(ABC):
 
     # -- shutdown --------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Tell peers we leave on purpose (so they do not report us as lost), then stop."""
+    def close(self, farewell: bytes = b"") -> None:
+        """Tell peers we leave on purpose (so they do not report us as lost), then stop.
+        ``farewell`` rides the goodbye (the runtime says there which collectives it leaves
+        unfinished: ``runtime/control.py``)."""
         if self._closed:
             return
         self.progress(self.mailbox.version, 0.0)  # take in goodbyes that already arrived
@@ -376,7 +386,7 @@ class Transport(ABC):
             # makes a lingering socket hold up shutdown.
             if peer != self.rank and peer not in self.lost_peers and peer not in self.departed_peers:
                 try:
-                    self._send(peer, GOODBYE_TAG, memoryview(b""), CONTROL_CHANNEL, b"")
+                    self._send(peer, GOODBYE_TAG, memoryview(farewell), CONTROL_CHANNEL, b"")
                 except Exception:  # a dead peer cannot be told; closing must still succeed
                     pass
         self._closed = True
