@@ -23,6 +23,11 @@ reductions); per outgoing connection a sender, started on its first large messag
 finishes what the calling thread could not hand to the kernel without blocking. A connection
 that ends without the peer's goodbye reports the peer lost (within :data:`GOODBYE_GRACE_S`).
 
+Peers on the same host (same boot and network namespace) get a shared-memory link instead
+of TCP connections when the transport is built by :meth:`TcpTransport.create`
+(``transport/shm.py``; ``MLFABRIC_SHM=0`` keeps them on TCP); received payloads land in
+offered destinations there too.
+
 Pacing: :meth:`TcpTransport.pace_connection` sets Linux's ``SO_MAX_PACING_RATE`` on the
 outgoing socket (the runtime's fair shares, ``runtime/fair_share.py``); ``pace_bps`` paces
 channels in user space like the zmq transport (``transport/pacing.py``).
@@ -47,6 +52,7 @@ from mlfabric.errors import TransportError
 from .base import CONTROL_CHANNEL, TOKEN_BYTES, Message, SendHandle, Transport, decode_header, encode_header
 from .memory import keep_freed_memory
 from .pacing import Pacer
+from .shm import ENDPOINT_KEY, SharedMemoryLinks, host_layout, shm_enabled
 from .sockets import (
     GOODBYE_GRACE_S,
     KERNEL_PACING,
@@ -282,7 +288,8 @@ class TcpTransport(Transport):
 
     def __init__(self, rank: int, world_size: int, token: bytes, *,
                  channels: tuple[str, ...] = ("0",), bind_addrs: Mapping[str, str] | None = None,
-                 pace_bps: Mapping[str, float] | None = None, connect_timeout: float = 60.0) -> None:
+                 pace_bps: Mapping[str, float] | None = None, connect_timeout: float = 60.0,
+                 shared_memory: bool = False) -> None:
         super().__init__(rank, world_size, channels)
         if len(token) != TOKEN_BYTES:
             raise ValueError(f"job token must be {TOKEN_BYTES} bytes")
@@ -318,6 +325,14 @@ class TcpTransport(Transport):
         for name, listener in self._listeners.items():
             self._start(self._accept, listener, name=f"mlfabric-tcp-accept-{rank}-{name}")
         self._pacer = Pacer(pace_bps, name=f"mlfabric-pacer-{rank}") if pace_bps else None
+        # Ranks paced in user space stand for hosts of their own (the emulator's fallback
+        # without root): they keep to their paced TCP connections.
+        self._shm = SharedMemoryLinks(self) if shared_memory and shm_enabled() and not pace_bps else None
+        if self._shm is not None:
+            self.endpoints[ENDPOINT_KEY] = self._shm.endpoint
+        self._shm_peers: frozenset[int] = frozenset()
+        #: The host of every rank (ranks that share memory share a host), once connected.
+        self.hosts: tuple[int, ...] | None = None
 
     def _start(self, target, *args, name: str) -> None:
         thread = threading.Thread(target=target, args=args, daemon=True, name=name)
@@ -329,18 +344,26 @@ class TcpTransport(Transport):
     @classmethod
     def create(cls, store, rank: int, world_size: int, *, channels: tuple[str, ...] = ("0",),
                bind_addrs: Mapping[str, str] | None = None, timeout: float = 60.0,
-               pace_bps: Mapping[str, float] | None = None) -> "TcpTransport":
+               pace_bps: Mapping[str, float] | None = None, shared_memory: bool = True) -> "TcpTransport":
         """Bind, publish our endpoints in ``store`` (a torch.distributed Store), learn
-        everyone else's and connect to all peers."""
+        everyone else's and connect to all peers; peers on this host through shared memory
+        unless ``shared_memory`` is False or ``MLFABRIC_SHM=0``."""
         return rendezvous(store, rank, world_size, lambda token: cls(
             rank, world_size, token, channels=channels, bind_addrs=bind_addrs,
-            pace_bps=pace_bps, connect_timeout=timeout))
+            pace_bps=pace_bps, connect_timeout=timeout, shared_memory=shared_memory))
 
     def connect(self, peers: Mapping[int, Mapping[str, str]]) -> None:
         """Open a connection to every peer on every channel (their listeners are up: the
         endpoints were published after binding)."""
+        self.hosts = host_layout({self.rank: self.endpoints.get(ENDPOINT_KEY),
+                                  **{peer: endpoints.get(ENDPOINT_KEY) for peer, endpoints in peers.items()}},
+                                 self.world_size)
         for peer, endpoints in peers.items():
             check_endpoints(self.rank, peer, endpoints, self.channels)
+            if self._shm is not None and self._shm.reaches(endpoints):
+                self._shm.connect(peer, self.connect_timeout)
+                self._shm_peers = self._shm_peers | {peer}
+                continue
             for name in self.channels:
                 sock = self._dial(peer, endpoints[name])
                 sock.sendall(encode_header(self.token, self.rank, 0, self._channel_index[name]))
@@ -366,6 +389,8 @@ class TcpTransport(Transport):
     # -- sending ---------------------------------------------------------------------------
 
     def _send(self, peer: int, tag: int, payload: memoryview, channel: str, meta: bytes) -> SendHandle:
+        if peer in self._shm_peers:  # no NIC on the way: nothing to pace either
+            return self._shm.send(peer, tag, self._channel_index[channel], meta, payload)  # type: ignore[union-attr]
         socket_channel = self.channels[0] if channel == CONTROL_CHANNEL else channel
         connection = self._outgoing.get((peer, socket_channel))
         if connection is None:
@@ -484,25 +509,31 @@ class TcpTransport(Transport):
             if meta is None:
                 return
             meta = bytes(meta)
-            offer = None
-            if self._offers:  # lock-free look first: offers are rare (receives of >= 64 KiB)
-                with self._offer_lock:
-                    offer = self._offers.pop((channel, tag, src), None)
-            in_place = (offer is not None and offer.destination.nbytes == nbytes
-                        and offer.meta == meta)
-            if in_place:
-                payload = offer.destination
-            elif nbytes:
-                # np.empty: no zero-filling of memory that is about to be overwritten.
-                payload = memoryview(np.empty(nbytes, dtype=np.uint8))
-            else:
-                payload = memoryview(b"")
+            payload, in_place = self._destination(channel, tag, src, meta, nbytes)
             if nbytes and not stream.read_into(payload):
                 return
-            if in_place:
-                with self._offer_lock:  # readers of several connections count here
-                    self.bytes_in_place += nbytes
-            self._deliver(Message(src, tag, channel, meta, payload, in_place=in_place))
+            self._received(src, tag, channel, meta, payload, in_place)
+
+    def _destination(self, channel: str, tag: int, src: int, meta: bytes, nbytes: int) -> tuple[memoryview, bool]:
+        """Where an arriving payload goes (its header was just read): the destination
+        offered for it if size and meta match (True: in place), else a fresh buffer."""
+        offer = None
+        if self._offers:  # lock-free look first: offers are rare (receives of >= 64 KiB)
+            with self._offer_lock:
+                offer = self._offers.pop((channel, tag, src), None)
+        if offer is not None and offer.destination.nbytes == nbytes and offer.meta == meta:
+            return offer.destination, True
+        if nbytes:
+            # np.empty: no zero-filling of memory that is about to be overwritten.
+            return memoryview(np.empty(nbytes, dtype=np.uint8)), False
+        return memoryview(b""), False
+
+    def _received(self, src: int, tag: int, channel: str, meta: bytes, payload: memoryview, in_place: bool) -> None:
+        """A payload has fully arrived (over TCP or shared memory): count and deliver it."""
+        if in_place:
+            with self._offer_lock:  # readers of several connections count here
+                self.bytes_in_place += payload.nbytes
+        self._deliver(Message(src, tag, channel, meta, payload, in_place=in_place))
 
     def _connection_ended(self, peer: int, reason: str) -> None:
         """A connection with ``peer`` ended: a peer that said goodbye left; one that did not
@@ -516,6 +547,8 @@ class TcpTransport(Transport):
     # -- pacing ----------------------------------------------------------------------------
 
     def pace_connection(self, peer: int, channel: str, rate_bps: float | None) -> bool:
+        if peer in self._shm_peers:
+            return True  # memory, not a NIC: there is no share to keep to
         if not KERNEL_PACING:
             return False
         connection = self._outgoing.get((peer, channel))
@@ -551,7 +584,11 @@ class TcpTransport(Transport):
         for (peer, _), connection in self._outgoing.items():
             if peer not in self.departed_peers and peer not in self.lost_peers:
                 connection.flush(deadline)
+        if self._shm is not None:
+            self._shm.flush(deadline)
         self._stop.set()
+        if self._shm is not None:
+            self._shm.close()
         if self._pacer is not None:
             self._pacer.close()
         for listener in self._listeners.values():
