@@ -9,6 +9,8 @@ in: they replace this object, not the runtime.
 
 ``direct`` (BASELINE in MLNET, vanilla Async in MLfabric): every worker sends each server its
 component of an update in one message, and each server answers each pull itself.
+``scheduled`` (MLfabric, :mod:`mlfabric.ps.scheduling`): pushes as the scheduler decides, pulls
+answered in batches through distributors (§10.3).
 """
 
 from __future__ import annotations
@@ -42,6 +44,26 @@ class RoutingPolicy(Protocol):
         """Send ``shard`` (a snapshot that stays untouched until the handles are done) to
         the workers of ``pulls``."""
 
+    def ready_to_answer(self, server: "ParameterServer") -> bool:
+        """Whether the server answers the pulls that are ready now, or holds them to answer
+        them in one batch later (MLfabric's model distribution batches requests)."""
+
+
+def send_pulls_directly(worker: "PSWorker", headers: list[bytes]) -> None:
+    """Pull header ``j`` to server ``j``."""
+    tag = protocol.request_tag(worker.config.session)
+    for j, header in enumerate(headers):
+        worker.transport.send(worker.server_rank(j), tag, b"", meta=header, channel=worker.channel)
+
+
+def answer_directly(server: "ParameterServer", pulls: "list[PendingPull]", shard: torch.Tensor,
+                    header: bytes) -> list[SendHandle]:
+    """The server sends ``shard`` to each puller itself."""
+    payload = tensor_bytes(shard)
+    return [server.transport.send(p.rank, protocol.reply_tag(server.config.session, p.request_id), payload,
+                                  meta=header, channel=server.channel)
+            for p in pulls]
+
 
 class DirectRouting:
     name = "direct"
@@ -54,16 +76,14 @@ class DirectRouting:
                 for j, (component, header) in enumerate(zip(components, headers))]
 
     def send_pull(self, worker: "PSWorker", headers: list[bytes]) -> None:
-        tag = protocol.request_tag(worker.config.session)
-        for j, header in enumerate(headers):
-            worker.transport.send(worker.server_rank(j), tag, b"", meta=header, channel=worker.channel)
+        send_pulls_directly(worker, headers)
 
     def answer_pulls(self, server: "ParameterServer", pulls: "list[PendingPull]", shard: torch.Tensor,
                      header: bytes) -> list[SendHandle]:
-        payload = tensor_bytes(shard)
-        return [server.transport.send(p.rank, protocol.reply_tag(server.config.session, p.request_id), payload,
-                                      meta=header, channel=server.channel)
-                for p in pulls]
+        return answer_directly(server, pulls, shard, header)
+
+    def ready_to_answer(self, server: "ParameterServer") -> bool:
+        return True
 
 
 POLICIES = ("direct", "scheduled")

@@ -28,6 +28,16 @@ the server closes a round only when the updates the scheduler routed for it are 
 * **Aggregators** (:class:`Aggregator`, a thread on every worker): sum the members of a group
   and forward the sum to the server, after its last member or at the group's deadline with
   what arrived.
+* **Model distribution** (§10.3, :meth:`ScheduledRouting.answer_pulls` on each server): a
+  server answers pulls in batches -- the ones that become ready while its last answers are
+  still being sent wait for them, and are then answered together with one model version. Of
+  a batch of at least three pulls, ``k°`` (``distributors``) pullers are earmarked
+  (those the server reaches soonest, ties drawn with the job's seed) and
+  :func:`mlfabric.ps.scheduler.distribute` (Alg. 3 with server->distributor->worker times)
+  splits the rest: some are answered directly, the others get a small "via" note and their
+  model from a distributor, which forwards it as soon as it has it (the worker's
+  :meth:`~mlfabric.ps.worker.PSWorker.pull_flat`). A worker whose distributor is lost asks
+  the server again, to be answered directly.
 
 Servers apply a batch's updates in the scheduler's order (``ParameterServer`` keeps the
 orders): an entry that has not arrived ``slack_s`` after its planned commit is skipped. A
@@ -53,7 +63,8 @@ from mlfabric.transport.base import SendHandle, Transport
 
 from . import protocol
 from .monitor import Ledger, NetworkMonitor
-from .scheduler import BatchSchedule, Scheduler, SchedulerConfig, UpdateRequest
+from .routing import answer_directly, send_pulls_directly
+from .scheduler import BatchSchedule, NetState, Scheduler, SchedulerConfig, UpdateRequest, distribute
 from .server import payload_tensor
 
 if TYPE_CHECKING:
@@ -76,6 +87,8 @@ class ScheduledSettings:
 
     interval_s: float = 0.1
     aggregators: int = 2
+    #: k°: distributors earmarked per batch of pulls (§10.3); 0 answers every pull directly.
+    distributors: int = 2
     rate_bps: float = DEFAULT_RATE_BPS
     monitor_lag_s: float = 0.2
     decision_timeout_s: float = 2.0
@@ -88,9 +101,9 @@ class ScheduledSettings:
         if self.decision_timeout_s <= self.interval_s:
             log.warning("decision_timeout_s (%g) <= interval_s (%g): workers will push unscheduled before most "
                         "batches are planned", self.decision_timeout_s, self.interval_s)
-        if self.aggregators < 0 or self.monitor_lag_s < 0:
-            raise ValueError(f"aggregators and monitor_lag_s must be >= 0, got {self.aggregators}, "
-                             f"{self.monitor_lag_s}")
+        if self.aggregators < 0 or self.distributors < 0 or self.monitor_lag_s < 0:
+            raise ValueError(f"aggregators, distributors and monitor_lag_s must be >= 0, got {self.aggregators}, "
+                             f"{self.distributors}, {self.monitor_lag_s}")
 
 
 def aggregator_ranks(workers: range, k: int) -> list[int]:
@@ -148,6 +161,9 @@ class SchedulerService:
         self.monitor = NetworkMonitor(hosts=self.layout.world_size, default_bps=settings.rate_bps / 8,
                                       lag_s=settings.monitor_lag_s)
         self.ledger = Ledger()
+        # The ledger is read and extended by this thread (pushes) and by server 0's loop
+        # (model distribution, :meth:`network`).
+        self._ledger_lock = threading.Lock()
         self.stats = SchedulerStats()
         self._pending: dict[str, list[tuple[int, dict[str, Any]]]] = {}
         self._planned: dict[str, int] = {}  # per model: the version after every planned update
@@ -184,6 +200,17 @@ class SchedulerService:
                 next_batch = now + self.settings.interval_s
             self.transport.progress(version, max(0.0, min(0.05, next_batch - now)))
 
+    def network(self, now: float) -> NetState:
+        """The residual network at ``now`` (capacities minus every reservation still running)."""
+        with self._ledger_lock:
+            return self.ledger.state(now, *self.monitor.capacities(now))
+
+    def reserve(self, transfers: list[Any]) -> None:
+        """Transfers planned outside the scheduler's batches (model distribution) hold their
+        bandwidth for the next batches too."""
+        with self._ledger_lock:
+            self.ledger.add(transfers)
+
     def _everyone_waiting(self, now: float) -> bool:
         """Every worker still in the job has an update waiting: the batch cannot grow (a
         worker has one push outstanding at a time), so waiting out the interval only adds
@@ -215,13 +242,14 @@ class SchedulerService:
         requests = [UpdateRequest(update_id=i, worker=rank, sizes=tuple(float(s) for s in h["sizes"]),
                                   version=min(int(h["version"]), v_init), norm=float(h.get("norm", 0.0)))
                     for i, (rank, h) in enumerate(pending)]
-        network = self.ledger.state(now, *self.monitor.capacities(now))
-        plan = self.scheduler.schedule(requests, version=v_init, network=network, now=now)
+        with self._ledger_lock:
+            network = self.ledger.state(now, *self.monitor.capacities(now))
+            plan = self.scheduler.schedule(requests, version=v_init, network=network, now=now)
+            self.ledger.add([t for d in plan.applied() for t in d.transfers] +
+                            [t for g in plan.aggregates for t in g.transfers])
         self.stats.plan_ms.append(1e3 * (time.perf_counter() - started))
         self.stats.batches += 1
         self.stats.requests += len(requests)
-        self.ledger.add([t for d in plan.applied() for t in d.transfers] +
-                        [t for g in plan.aggregates for t in g.transfers])
         if not self.sync:
             self._planned[model] = v_init + len(plan.applied())
         self._dispatch(model, next(self._batches), plan, pending, v_init, now)
@@ -290,8 +318,8 @@ class DaemonStats:
 
 
 class ScheduledRouting:
-    """The ``scheduled`` routing policy: a worker's pushes go through the scheduler; pulls are
-    answered directly (MLfabric's model distribution trees, §10.3, are not used here)."""
+    """The ``scheduled`` routing policy: a worker's pushes go through the scheduler; a server
+    answers pulls in batches through distributors (module docstring)."""
 
     name = "scheduled"
 
@@ -300,6 +328,8 @@ class ScheduledRouting:
         self.stats = DaemonStats()
         self._aggregator: Aggregator | None = None
         self._ids = itertools.count(1)
+        self._answering: list[SendHandle] = []  # a server's last batch of pull answers
+        self._draws: Any = None  # a server's seeded tie-breaks among distributors
 
     # -- the worker's side -------------------------------------------------------------------
 
@@ -320,15 +350,68 @@ class ScheduledRouting:
         return []
 
     def send_pull(self, worker: "PSWorker", headers: list[bytes]) -> None:
-        tag = protocol.request_tag(worker.config.session)
-        for j, header in enumerate(headers):
-            worker.transport.send(worker.server_rank(j), tag, b"", meta=header, channel=worker.channel)
+        send_pulls_directly(worker, headers)
+
+    # -- the server's side: model distribution (§10.3) ------------------------------------------
+
+    def ready_to_answer(self, server: "ParameterServer") -> bool:
+        """Pulls that become ready while the last batch's answers are still being sent wait
+        for the next batch: the server's NIC is busy anyway, and they then share one send
+        to a distributor instead of each taking the server's down-link."""
+        self._answering = [h for h in self._answering if not h.done()]
+        return not self._answering
 
     def answer_pulls(self, server: "ParameterServer", pulls: list[Any], shard: torch.Tensor,
                      header: bytes) -> list[SendHandle]:
-        payload = tensor_bytes(shard)
-        return [server.transport.send(p.rank, protocol.reply_tag(server.config.session, p.request_id), payload,
-                                      meta=header, channel=server.channel) for p in pulls]
+        lost = server.transport.lost_peers
+        asked_direct = [p for p in pulls if p.direct or p.rank in lost]
+        batch = [p for p in pulls if p not in asked_direct]
+        handles = answer_directly(server, asked_direct, shard, header)
+        server.stats.pull_batches += 1
+        if self.settings.distributors < 1 or len(batch) < 3:
+            handles += answer_directly(server, batch, shard, header)
+        else:
+            handles += self._distribute(server, batch, shard, header)
+        self._answering = list(handles)
+        return handles
+
+    def _distribute(self, server: "ParameterServer", batch: list[Any], shard: torch.Tensor,
+                    header: bytes) -> list[SendHandle]:
+        import random
+
+        now = time.monotonic()
+        service = server.scheduler_service
+        if service is not None:
+            net = service.network(now)
+        else:  # a server without the scheduler beside it plans on line rates
+            rate = self.settings.rate_bps / 8
+            net = NetState([rate] * server.layout.world_size, [rate] * server.layout.world_size, origin=now)
+        if self._draws is None:
+            self._draws = random.Random(server.config.seed * 7_919 + server.server)
+        size = float(shard.numel() * shard.element_size())
+        me = server.transport.rank
+        ranks = [p.rank for p in batch]
+        self._draws.shuffle(ranks)
+        ranks.sort(key=lambda r: net.t_en(me, r, size, now))  # stable: ties keep the seeded draw
+        k = min(self.settings.distributors, len(ranks) - 1)
+        plan = distribute(net, server=me, workers=ranks[k:], distributors=ranks[:k], model_size=size, start=now)
+        if service is not None:
+            service.reserve(list(plan.transfers))
+        pull_of = {p.rank: p for p in batch}
+        session, channel, payload = server.config.session, server.channel, tensor_bytes(shard)
+        fields = protocol.decode(header)
+        handles: list[SendHandle] = []
+        relayed = {d for d, _ in plan.groups}
+        for d, members in reversed(plan.groups):  # the paper's order: distributor k° first
+            forward = [[w, pull_of[w].request_id] for w in members]
+            handles.append(server.transport.send(d, protocol.reply_tag(session, pull_of[d].request_id), payload,
+                                                 meta=protocol.encode(**fields, forward=forward), channel=channel))
+            for w in members:
+                server.transport.send(w, protocol.reply_tag(session, pull_of[w].request_id), b"",
+                                      meta=protocol.encode(op="via", distributor=d), channel=channel)
+            server.stats.pulls_relayed += len(members)
+        direct = [pull_of[r] for r in (*plan.direct, *ranks[:k]) if r not in relayed]
+        return handles + answer_directly(server, direct, shard, header)
 
     def flush(self, timeout: float) -> None:
         """A worker leaving: its aggregator forwards what is complete or due, then stops."""

@@ -68,6 +68,8 @@ class PendingPull:
     clock: int
     staleness: float
     arrived: float
+    #: The worker asks to be answered by the server itself (its distributor was lost).
+    direct: bool = False
 
 
 @dataclass
@@ -139,6 +141,10 @@ class ServerStats:
     skipped: int = 0
     unscheduled: int = 0
     replica_bytes: int = 0  # models and updates forwarded to replicas (chain replication)
+    #: Model distribution (§10.3, scheduled policy): pull answers relayed by a distributor
+    #: (the server sent them no model), and the batches of pulls answered together.
+    pulls_relayed: int = 0
+    pull_batches: int = 0
     scheduler: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -150,7 +156,8 @@ class ServerStats:
                 "departed_workers": self.departed_workers,
                 "missing_rounds": [[t, list(w)] for t, w in self.missing_rounds], "errors": self.errors,
                 "skipped": self.skipped, "unscheduled": self.unscheduled, "scheduler": self.scheduler,
-                "replica_bytes": self.replica_bytes}
+                "replica_bytes": self.replica_bytes, "pulls_relayed": self.pulls_relayed,
+                "pull_batches": self.pull_batches}
 
 
 class ParameterServer:
@@ -564,9 +571,12 @@ class ParameterServer:
         shard.pulls.append(PendingPull(rank=rank, worker=worker, request_id=int(header["id"]),
                                        clock=int(header["clock"]),
                                        staleness=self.config.consistency.pull_staleness if staleness is None
-                                       else float(staleness), arrived=time.monotonic()))
+                                       else float(staleness), arrived=time.monotonic(),
+                                       direct=bool(header.get("direct", False))))
 
     def _answer_pulls(self, now: float) -> None:
+        if not self.routing.ready_to_answer(self):
+            return  # the policy answers pulls in batches: the ready ones wait for the next one
         for shard in self.shards.values():
             if not shard.pulls:
                 continue

@@ -65,10 +65,11 @@ class WorkerStats:
     #: (this worker's clock, server 0's model clock) at each pull: SSP's bound is
     #: model clock >= clock - s (None: every other worker had left).
     pull_clocks: list[tuple[int, int | None]] = field(default_factory=list)
+    relayed: int = 0  # model shards this worker forwarded as a distributor (§10.3)
 
     def as_dict(self) -> dict[str, Any]:
         lat = sorted(self.pull_latency_s)
-        return {"pushes": self.pushes, "pulls": self.pulls,
+        return {"pushes": self.pushes, "pulls": self.pulls, "relayed": self.relayed,
                 "pull_latency_ms_mean": 1e3 * sum(lat) / len(lat) if lat else None,
                 "pull_latency_ms_p50": 1e3 * lat[len(lat) // 2] if lat else None,
                 "pull_latency_ms_max": 1e3 * lat[-1] if lat else None}
@@ -93,7 +94,9 @@ class PSWorker:
         self._ids = itertools.count(1)  # 0 is the tag of errors about pushes and clocks
         self._allreduce_seq = itertools.count(1)
         self._roots = random.Random(config.seed * 7_919 + 1)
-        self._inflight: list[tuple[SendHandle, torch.Tensor]] = []
+        # Sends whose source must stay untouched until done: tensors, or received messages a
+        # distributor forwards.
+        self._inflight: list[tuple[SendHandle, Any]] = []
         self._left = False
         self._lock = threading.RLock()
         #: The rank serving each shard: the server, or its replica after a failover.
@@ -234,7 +237,8 @@ class PSWorker:
                                                       clock=self.clock_value, staleness=staleness)
                                       for request_id in ids])
         for j, ((offset, length), request_id) in enumerate(zip(spec.shards(self.layout.servers), ids)):
-            header, msg = self._await(j, request_id, f"pull({model!r}) at clock {self.clock_value}")
+            header, msg = self._await_model(j, request_id, model, staleness,
+                                            f"pull({model!r}) at clock {self.clock_value}")
             flat[offset:offset + length].copy_(
                 payload_tensor(msg.payload, spec.torch_dtype, length, f"{self.who}: pull from server {j}"))
             self.versions[model][j] = int(header["version"])
@@ -399,6 +403,41 @@ class PSWorker:
             raise ValueError(f"{self.who}: {op} to server {server}, but this job has servers "
                              f"0..{self.layout.servers - 1}")
         return server
+
+    def _await_model(self, server: int, request_id: int, model: str, staleness: int | None,
+                     what: str) -> tuple[dict[str, Any], Message]:
+        """A pull's answer from server ``server``: the shard itself, or (MLfabric's model
+        distribution, §10.3) a note naming the distributor that relays it. A distributor is
+        named a list of other pullers in its own answer, and forwards them the shard at once.
+        A worker whose distributor is lost before the shard came asks the server again, to be
+        answered directly."""
+        header, msg = self._await(server, request_id, what)
+        if header["op"] == "via":
+            relay = int(header["distributor"])
+            try:
+                msg = self._take(relay, protocol.reply_tag(self.config.session, request_id),
+                                 f"{what} (relayed by {self.layout.describe(relay)})")
+                header = protocol.decode(msg.meta)
+            except PeerLostError:
+                if relay not in self.transport.lost_peers and relay not in self.transport.departed_peers:
+                    raise
+                log.warning("%s: %s was lost before relaying %s; asking %s directly", self.who,
+                            self.layout.describe(relay), what, self.layout.describe(self.server_rank(server)))
+                retry = next(self._ids)
+                self.transport.send(self.server_rank(server), protocol.request_tag(self.config.session), b"",
+                                    channel=self.channel,
+                                    meta=protocol.encode(op=protocol.PULL, id=retry, model=model, direct=True,
+                                                         clock=self.clock_value, staleness=staleness))
+                return self._await(server, retry, what)
+        forward = header.pop("forward", None)
+        if forward:
+            relayed = protocol.encode(**header)
+            for rank, rid in forward:
+                handle = self.transport.send(int(rank), protocol.reply_tag(self.config.session, int(rid)),
+                                             msg.payload, meta=relayed, channel=self.channel)
+                self._inflight.append((handle, msg))  # the received buffer stays alive until sent
+            self.stats.relayed += len(forward)
+        return header, msg
 
     def _await(self, server: int, request_id: int, what: str) -> tuple[dict[str, Any], Message]:
         msg = self._take(self.server_rank(server), protocol.reply_tag(self.config.session, request_id), what)

@@ -173,6 +173,7 @@ def test_mlfabric_s_is_synchronous_sgd_through_the_scheduler() -> None:
         jobs = local_jobs(layout, config)
         finals: dict[int, torch.Tensor] = {}
         stats: dict[int, Any] = {}
+        relayed: dict[int, int] = {}
 
         def work(job: Any) -> None:
             if job.role == "server":
@@ -185,6 +186,7 @@ def test_mlfabric_s_is_synchronous_sgd_through_the_scheduler() -> None:
                 w.push("m", params - torch.arange(64.0) * (w.index + 1))
                 w.clock()
             finals[w.index] = w.pull_flat("m")
+            relayed[w.index] = w.stats.relayed
             w.leave()
 
         threads = [threading.Thread(target=work, args=(j,), daemon=True) for j in jobs]
@@ -195,7 +197,7 @@ def test_mlfabric_s_is_synchronous_sgd_through_the_scheduler() -> None:
         assert not any(t.is_alive() for t in threads)
         for j in jobs:
             j.comm.close()
-        results[routing] = (finals, stats)
+        results[routing] = (finals, stats, relayed)
     direct, scheduled = results["direct"], results["scheduled"]
     for w in range(4):
         torch.testing.assert_close(scheduled[0][w], direct[0][0])
@@ -205,3 +207,68 @@ def test_mlfabric_s_is_synchronous_sgd_through_the_scheduler() -> None:
         assert s.missing_rounds == [] and s.unscheduled == 0
     sched = scheduled[1][0].scheduler
     assert sched["batches"] == 5 and sched["dropped_by_scheduler"] == 0 and sched["aggregated"] > 0
+    # Model distribution (§10.3): a round's 4 pulls are answered together, some through a
+    # distributor, which forwarded exactly what the server did not send itself.
+    for server in (0, 1):
+        assert direct[1][server].pulls_relayed == 0
+        s = scheduled[1][server]
+        assert s.pulls == 4 * 6 and 0 < s.pulls_relayed < s.pulls and s.pull_batches < s.pulls
+    assert sum(scheduled[2].values()) == sum(scheduled[1][j].pulls_relayed for j in (0, 1))
+    assert sum(direct[2].values()) == 0
+
+
+def test_a_distributor_lost_before_relaying_makes_its_workers_ask_the_server_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker the server earmarks as distributor closes its transport instead of
+    forwarding: the workers it was to serve are answered directly (no hang, no timeout)."""
+    from mlfabric.ps.worker import PSWorker
+
+    receive = PSWorker._await
+
+    def dies_when_asked_to_relay(self: PSWorker, server: int, request_id: int, what: str) -> Any:
+        header, msg = receive(self, server, request_id, what)
+        if header.get("forward"):
+            self.transport.close()
+            raise RuntimeError("distributor gone")
+        return header, msg
+
+    monkeypatch.setattr(PSWorker, "_await", dies_when_asked_to_relay)
+    layout = PSLayout(servers=1, workers=4)
+    config = PSConfig(consistency="bsp", timeout_s=20, routing="scheduled",
+                      scheduled=ScheduledSettings(interval_s=0.05, aggregators=0, distributors=1, rate_bps=1e9))
+    jobs = local_jobs(layout, config)
+    finals: dict[int, Any] = {}
+
+    def work(job: Any) -> None:
+        if job.role == "server":
+            finals["server"] = job.serve()
+            return
+        w = job.worker
+        w.init_model("m", torch.zeros(64), lr=1.0)
+        try:
+            for _ in range(2):
+                params = w.pull_flat("m")
+                w.push("m", params - 1)
+                w.clock()
+            w.leave()
+            finals[w.index] = params
+        except RuntimeError as exc:
+            finals[w.index] = exc
+
+    threads = [threading.Thread(target=work, args=(j,), daemon=True) for j in jobs]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    assert time.monotonic() - started < 10
+    for j in jobs:
+        j.comm.close()
+    gone = [w for w in range(4) if isinstance(finals[w], RuntimeError)]
+    assert len(gone) == 1, finals  # the one distributor of the first round's batch
+    server = finals["server"]
+    assert server.pulls_relayed >= 1 and server.errors == []
+    alive = [finals[w] for w in range(4) if w not in gone]
+    for params in alive:  # all answered, with the same model of round 1
+        torch.testing.assert_close(params, alive[0])
