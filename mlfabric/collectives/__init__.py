@@ -17,6 +17,12 @@ from mlfabric.schedule import Schedule
 from .bcube import bcube_allreduce, hierarchical_allreduce
 from .direct import direct_gather, direct_scatter, pairwise_all_to_all
 from .halving_doubling import halving_doubling_allreduce
+from .hierarchical import (
+    HostLayout,
+    host_hierarchical_allgather,
+    host_hierarchical_allreduce,
+    host_hierarchical_broadcast,
+)
 from .p2p_ps import p2p_ps_allreduce
 from .partition import chunks_for
 from .ring import ring_allgather, ring_allreduce, ring_reduce_scatter
@@ -28,23 +34,33 @@ ALLREDUCE_ALGORITHMS: dict[str, Callable[..., Schedule]] = {
     "tree": tree_allreduce,
     "bcube": bcube_allreduce,
     "hierarchical": hierarchical_allreduce,
+    "host_hierarchical": host_hierarchical_allreduce,
     "ps": p2p_ps_allreduce,
 }
+
+#: Algorithms that need the cluster's shape (BCube digits, switch hierarchy, the ranks'
+#: hosts), given by the communicator; the partial collectives cannot run them.
+SHAPED_ALGORITHMS = ("bcube", "hierarchical", "host_hierarchical")
 
 # Below this many bytes latency dominates and halving-doubling's log2(N) steps win; above
 # it ring's bandwidth-optimal pipelined steps win (cf. gloo's and MPICH's selection rules).
 AUTO_RING_MIN_BYTES = 256 * 1024
 
 
-def choose_allreduce(algorithm: str, nbytes: int, world_size: int, topology: str | None = None) -> str:
+def choose_allreduce(algorithm: str, nbytes: int, world_size: int, topology: str | None = None,
+                     hosts: tuple[int, ...] | None = None) -> str:
     """Resolve ``"auto"`` and reject unknown names with the list of known ones.
 
     ``topology`` is the cluster's topology spec when known (``"bcube:n=3,k=2"``): on a BCube
     ``auto`` is BML, the only algorithm that talks to 1-hop neighbours only and uses every NIC.
+    ``hosts`` is the host of every rank when known: a job over several hosts with several
+    ranks each reduces inside the hosts first (``host_hierarchical``).
     """
     if algorithm == "auto":
         if topology is not None and topology.startswith("bcube:"):
             return "bcube"
+        if hosts is not None and HostLayout(hosts, world_size).spans_multi_rank_hosts():
+            return "host_hierarchical"
         return "ring" if nbytes >= AUTO_RING_MIN_BYTES else "halving_doubling"
     if algorithm not in ALLREDUCE_ALGORITHMS:
         known = ", ".join([*ALLREDUCE_ALGORITHMS, "auto"])
@@ -83,6 +99,8 @@ def build(kind: str, world_size: int, rank: int, count: int, **options: object) 
     if kind.startswith("allreduce:"):
         return ALLREDUCE_ALGORITHMS[kind.split(":", 1)[1]](world_size, rank, count, **options)
     builders: dict[str, Callable[..., Schedule]] = {
+        "broadcast:host_hierarchical": host_hierarchical_broadcast,
+        "allgather:host_hierarchical": host_hierarchical_allgather,
         "broadcast": binomial_broadcast,
         "reduce": binomial_reduce,
         "reduce_scatter": ring_reduce_scatter,
@@ -99,7 +117,8 @@ def build(kind: str, world_size: int, rank: int, count: int, **options: object) 
 __all__ = [
     "ALLREDUCE_ALGORITHMS", "AUTO_RING_MIN_BYTES", "MAX_PARTS", "bcube_allreduce", "binomial_broadcast",
     "binomial_reduce", "build", "choose_allreduce", "direct_gather", "direct_scatter",
-    "halving_doubling_allreduce",
+    "halving_doubling_allreduce", "HostLayout", "SHAPED_ALGORITHMS", "host_hierarchical_allgather",
+    "host_hierarchical_allreduce", "host_hierarchical_broadcast",
     "hierarchical_allreduce", "p2p_ps_allreduce", "pairwise_all_to_all", "pipeline_parts", "ring_allgather", "ring_allreduce",
     "ring_reduce_scatter", "tree_allreduce",
 ]

@@ -57,14 +57,14 @@ def partial_allreduce(world_size: int, rank: int, count: int, *, algorithm: str 
 
     ``external_activation=False`` leaves the activation broadcast out: the reduction starts
     only on this rank's own call, i.e. a synchronous allreduce (quorum ``"all"``)."""
-    from mlfabric.collectives import ALLREDUCE_ALGORITHMS  # the registry imports this module
+    from mlfabric.collectives import ALLREDUCE_ALGORITHMS, SHAPED_ALGORITHMS  # the registry imports this module
 
     members = tuple(range(world_size)) if members is None else tuple(members)
     if sorted(set(members)) != sorted(members) or not all(0 <= m < world_size for m in members):
         raise ValueError(f"members {members} must be distinct ranks below {world_size}")
     if rank not in members:
         raise ValueError(f"rank {rank} is not among the members {members}")
-    if algorithm not in ALLREDUCE_ALGORITHMS or algorithm in ("bcube", "hierarchical"):
+    if algorithm not in ALLREDUCE_ALGORITHMS or algorithm in SHAPED_ALGORITHMS:
         raise ValueError(f"partial allreduce runs ring, halving_doubling, tree or ps, not {algorithm!r}")
     n, v = len(members), members.index(rank)
     b = ScheduleBuilder(f"partial_allreduce({algorithm})", v, n)

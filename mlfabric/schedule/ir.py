@@ -156,11 +156,17 @@ class Cost:
     server: ``1/(N-1)`` to every peer). The runtime paces such connections at their share when
     it knows the NIC's rate, so that TCP's flows end together as the closed form assumes
     (``runtime/fair_share.py``). Connections not listed send one at a time: the whole NIC.
+
+    ``elements_across_hosts``: of ``elements_sent``, what leaves this rank's host (the rest
+    stays on the host-internal hop: shared memory), stated by builders that know the ranks'
+    hosts (hierarchical collectives); the validator checks it against the ops when given the
+    hosts (``validate(..., hosts=...)``). None: not stated.
     """
 
     steps: int
     elements_sent: dict[str, int]
     link_shares: dict[tuple[int, str], float] = field(default_factory=dict)
+    elements_across_hosts: int | None = None
 
     def __post_init__(self) -> None:
         for connection, share in self.link_shares.items():
@@ -274,6 +280,18 @@ class Schedule:
             out[op.channel] = out.get(op.channel, 0) + op.src.length
         return out
 
+    def elements_sent_by_hop(self, hosts: Sequence[int]) -> tuple[int, int]:
+        """(elements sent to ranks on this rank's host, elements sent to other hosts), with
+        ``hosts[r]`` the host of rank ``r``."""
+        mine = hosts[self.rank]
+        within = across = 0
+        for op in self.sends():
+            if hosts[op.peer] == mine:
+                within += op.src.length
+            else:
+                across += op.src.length
+        return within, across
+
     def channels(self) -> set[str]:
         return {op.channel for op in self.ops if isinstance(op, (Send, Recv))}
 
@@ -320,24 +338,47 @@ class ScheduleBuilder:
         self.triggers.append(index)
         return index
 
-    def append(self, schedule: Schedule, *, after: Sequence[int] = (), tag_offset: int = 0) -> list[int]:
-        """Copy ``schedule``'s ops (same rank and world) after the ops built so far, so one
-        algorithm can follow another: its dependency-free ops wait for ``after``, its tags
-        move up by ``tag_offset``, its buffers are declared here. Returns the new indices."""
-        if (schedule.rank, schedule.world_size) != (self.rank, self.world_size):
+    def append(self, schedule: Schedule, *, after: Sequence[int] = (), tag_offset: int = 0,
+               ranks: Sequence[int] | None = None, offset: int = 0) -> list[int]:
+        """Copy ``schedule``'s ops after the ops built so far, so one algorithm can follow
+        another: its dependency-free ops wait for ``after``, its tags move up by
+        ``tag_offset``, its buffers are declared here. Returns the new indices.
+
+        By default ``schedule`` is for this rank and world. With ``ranks`` it is one of a
+        sub-group's (``ranks[i]`` is the rank here of its rank ``i``; hierarchical collectives
+        run ring inside a host, then between hosts): peers are renamed. With ``offset`` its
+        ``data`` lies at that element of this ``data`` (declared first, large enough)."""
+        embedded = ranks is not None or offset != 0
+        ranks = range(self.world_size) if ranks is None else ranks
+        if len(ranks) != schedule.world_size or ranks[schedule.rank] != self.rank:
             raise ValueError(f"cannot append rank {schedule.rank}/{schedule.world_size} ops to "
-                             f"rank {self.rank}/{self.world_size}")
+                             f"rank {self.rank}/{self.world_size} with ranks {list(ranks)}")
         for name, size in schedule.buffers.items():
+            if name == "data" and embedded and "data" in self.buffers:
+                if offset < 0 or offset + size > self.buffers["data"]:
+                    raise ValueError(f"{schedule.name}'s data ({size} elements at {offset}) does not fit in "
+                                     f"data of {self.buffers['data']} elements")
+                continue
             if self.buffers.get(name, size) != size:
                 raise ValueError(f"buffer {name!r} has size {self.buffers[name]} here, {size} in {schedule.name}")
             self.buffers[name] = size
+
+        def place(sl: Slice) -> Slice:
+            return replace(sl, offset=sl.offset + offset) if offset and sl.buffer == "data" else sl
+
         base = len(self.ops)
         head = _deps(after)
         for op in schedule.ops:
             deps = tuple(base + d for d in op.deps) or head
             mode = op.mode if op.deps else DepMode.ALL
-            if isinstance(op, (Send, Recv)):
-                self.add(replace(op, deps=deps, mode=mode, tag=op.tag + tag_offset))
+            if isinstance(op, Send):
+                self.add(replace(op, deps=deps, mode=mode, tag=op.tag + tag_offset, peer=ranks[op.peer],
+                                 src=place(op.src)))
+            elif isinstance(op, Recv):
+                self.add(replace(op, deps=deps, mode=mode, tag=op.tag + tag_offset, peer=ranks[op.peer],
+                                 dst=place(op.dst)))
+            elif isinstance(op, (Reduce, Copy)):
+                self.add(replace(op, deps=deps, mode=mode, dst=place(op.dst), src=place(op.src)))
             else:
                 self.add(replace(op, deps=deps, mode=mode))
         return list(range(base, len(self.ops)))

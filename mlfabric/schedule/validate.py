@@ -9,6 +9,11 @@ Checks, in order:
    one write (a race the executor's parallel progress would expose);
 4. the set cannot deadlock: executing it with eager (buffered) sends, every op completes.
 
+Given the host of every rank (``hosts=``), it also knows the host-internal hop: it counts
+what stays on a host (shared memory) and what crosses the network, and checks each rank's
+stated ``Cost.elements_across_hosts`` against its ops (hierarchical collectives promise that
+only the inter-host part reaches the network).
+
 Any-of dependencies are honoured in step 4. Sends are modelled as eager (buffered), which is
 what every mlfabric transport provides.
 
@@ -34,13 +39,18 @@ class ValidationReport:
     ops: int
     messages: int
     elements_moved: int
+    #: With ``hosts``: elements moved between ranks of one host, and between hosts.
+    elements_within_hosts: int | None = None
+    elements_across_hosts: int | None = None
 
 
 MessageKey = tuple[int, int, str, int]  # (src, dst, channel, tag)
 
 
-def validate(schedules: Sequence[Schedule], *, check_races: bool = True) -> ValidationReport:
-    """Raise :class:`ScheduleError` unless ``schedules`` (index = rank) is well-formed."""
+def validate(schedules: Sequence[Schedule], *, check_races: bool = True,
+             hosts: Sequence[int] | None = None) -> ValidationReport:
+    """Raise :class:`ScheduleError` unless ``schedules`` (index = rank) is well-formed;
+    ``hosts[r]``, the host of rank ``r``, adds the per-hop counts and checks (module docstring)."""
     world_size = len(schedules)
     if world_size == 0:
         raise ScheduleError("empty schedule set")
@@ -58,12 +68,35 @@ def validate(schedules: Sequence[Schedule], *, check_races: bool = True) -> Vali
         for sched in schedules:
             _check_races(sched)
     _check_progress(schedules)
+    within = across = None
+    if hosts is not None:
+        within, across = _check_hops(schedules, hosts)
     return ValidationReport(
         world_size=world_size,
         ops=sum(len(s.ops) for s in schedules),
         messages=len(sends),
         elements_moved=sum(schedules[src].ops[i].src.length for (src, _, _, _), i in sends.items()),
+        elements_within_hosts=within,
+        elements_across_hosts=across,
     )
+
+
+def _check_hops(schedules: Sequence[Schedule], hosts: Sequence[int]) -> tuple[int, int]:
+    """Elements moved within hosts and across them; raises where a rank's stated
+    ``elements_across_hosts`` differs from what its sends carry off its host."""
+    if len(hosts) != len(schedules):
+        raise ScheduleError(f"hosts names {len(hosts)} ranks' hosts for {len(schedules)} schedules")
+    within = across = 0
+    for rank, sched in enumerate(schedules):
+        mine, theirs = sched.elements_sent_by_hop(hosts)
+        stated = sched.cost.elements_across_hosts
+        if stated is not None and stated != theirs:
+            raise ScheduleError(
+                f"{sched.name} rank {rank} (host {hosts[rank]}): states {stated} elements sent to other hosts, "
+                f"but its sends carry {theirs} off the host ({mine} stay on it)")
+        within += mine
+        across += theirs
+    return within, across
 
 
 def _match_messages(
