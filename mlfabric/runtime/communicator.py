@@ -74,6 +74,11 @@ class Communicator:
     default ``MLFABRIC_NIC_RATE``, else unknown): the rate of the NIC behind each channel.
     When known, connections that share a NIC in a step are paced at their fair share.
 
+    ``hosts`` (default: what the transport learned, ``Transport.hosts``): the host of every
+    rank. On a job over several hosts with several ranks each, ``"auto"`` allreduce,
+    broadcast and allgather reduce or spread inside each host first, over shared memory
+    (``collectives/hierarchical.py``); ``algorithm="host_hierarchical"`` asks for it.
+
     ``watchdog`` (seconds; default ``MLFABRIC_WATCHDOG_S``, else :data:`DEFAULT_WATCHDOG_S`;
     0: off): log a collective that made no progress for that long, per rank, with what it
     waits for, from whom, and what those peers say they are doing.
@@ -83,7 +88,7 @@ class Communicator:
                  on_close: Sequence[Callable[[], None]] = (),
                  topology: TopologySpec | str | None = None, chunk_bytes: int | None = None,
                  nic_rate: str | float | dict[str, float] | None = None,
-                 watchdog: float | None = None) -> None:
+                 watchdog: float | None = None, hosts: Sequence[int] | None = None) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         if chunk_bytes is not None and chunk_bytes < 1:
@@ -92,6 +97,7 @@ class Communicator:
         self.chunk_bytes = chunk_bytes
         self.topology = _check_topology(topology, transport.world_size)
         self.transport = transport
+        self.hosts = _check_hosts(transport.hosts if hosts is None else hosts, transport.world_size)
         #: NIC rate per channel (bit/s); empty when unknown, and then nothing is paced.
         self.nic_rates = nic_rates_from(nic_rate, transport.channels)
         self._paced: dict[tuple[int, str], float | None] = {}  # what each connection is paced at now
@@ -129,8 +135,9 @@ class Communicator:
         op = reduce_op_name(op)
         flat, write_back = _flat_work_buffer(tensor)
         name = collectives.choose_allreduce(algorithm, flat.numel() * flat.element_size(), self.world_size,
-                                            None if self.topology is None else str(self.topology))
-        options = {**self._allreduce_options(name), **self.pipeline_options(name, flat)}
+                                            None if self.topology is None else str(self.topology), self.hosts)
+        options = {**self._allreduce_options(name), **self.pipeline_options(name, flat),
+                   **self.host_options(name, flat)}
         reduce_op = "sum" if op == "avg" else op
 
         def finish() -> torch.Tensor:
@@ -162,6 +169,38 @@ class Communicator:
         shape = shape_options(name, self.topology) if name == "bcube" and self.topology is not None else {}
         return collectives.pipeline_parts(name, flat.numel(), self.world_size, chunk, **shape)
 
+    def host_options(self, name: str, flat: torch.Tensor) -> dict[str, object]:
+        """What ``host_hierarchical`` needs: the ranks' hosts, the inter-host algorithm for
+        each rank's slice (``auto``'s rule on the slice) and the ring phases' chunk."""
+        if name != "host_hierarchical":
+            return {}
+        layout = collectives.HostLayout(self._needs_hosts(name), self.world_size)
+        slice_bytes = flat.numel() * flat.element_size() // len(layout.members[0])
+        inter = collectives.choose_allreduce("auto", slice_bytes, layout.n_hosts)
+        chunk = None if self.chunk_bytes is None else max(1, self.chunk_bytes // flat.element_size())
+        return {"hosts": self.hosts, "inter": inter, "chunk_elements": chunk}
+
+    def _needs_hosts(self, name: str) -> tuple[int, ...]:
+        if self.hosts is None:
+            raise ValueError(f"algorithm={name!r} needs to know which ranks share a host: the tcp transport "
+                             "learns it at rendezvous (mlfabric.init('tcp')); otherwise pass "
+                             "Communicator(..., hosts=[host of rank 0, host of rank 1, ...])")
+        return self.hosts
+
+    def _spread(self, algorithm: str, flat_name: str, what: str) -> str:
+        """Resolve a broadcast's or allgather's ``algorithm``: ``auto`` is host_hierarchical
+        on several multi-rank hosts, else ``flat_name``."""
+        if algorithm == "auto":
+            hierarchical = (self.hosts is not None
+                            and collectives.HostLayout(self.hosts, self.world_size).spans_multi_rank_hosts())
+            return "host_hierarchical" if hierarchical else flat_name
+        if algorithm not in (flat_name, "host_hierarchical"):
+            raise ValueError(f"unknown {what} algorithm {algorithm!r}; choose one of {flat_name}, "
+                             "host_hierarchical, auto")
+        if algorithm == "host_hierarchical":
+            self._needs_hosts(algorithm)
+        return algorithm
+
     def _allreduce_options(self, name: str) -> dict[str, object]:
         """The shape an algorithm needs from the topology (BCube digits, switch hierarchy)."""
         if name not in ("bcube", "hierarchical"):
@@ -188,27 +227,35 @@ class Communicator:
 
     # -- broadcast -------------------------------------------------------------------------
 
-    def broadcast_async(self, tensor: torch.Tensor, root: int = 0, *,
+    def broadcast_async(self, tensor: torch.Tensor, root: int = 0, *, algorithm: str = "auto",
                         timeout: float | None = None) -> torch.futures.Future:
         _check_tensor(tensor, "broadcast")
         if not 0 <= root < self.world_size:
             raise ValueError(f"broadcast root {root} is outside world size {self.world_size}")
+        name = self._spread(algorithm, "binomial", "broadcast")
         flat, write_back = _flat_work_buffer(tensor)
 
         def finish() -> torch.Tensor:
             write_back()
             return tensor
 
+        if name == "host_hierarchical":
+            return self._run("broadcast:host_hierarchical", flat, f"broadcast(host_hierarchical, root={root})",
+                             finish, timeout, root=root, hosts=self.hosts)
         return self._run("broadcast", flat, f"broadcast(root={root})", finish, timeout, root=root)
 
-    def broadcast(self, tensor: torch.Tensor, root: int = 0, *, timeout: float | None = None) -> torch.Tensor:
-        """Overwrite ``tensor`` on every rank with root's ``tensor``; returns it."""
-        return self.broadcast_async(tensor, root, timeout=timeout).wait()
+    def broadcast(self, tensor: torch.Tensor, root: int = 0, *, algorithm: str = "auto",
+                  timeout: float | None = None) -> torch.Tensor:
+        """Overwrite ``tensor`` on every rank with root's ``tensor``; returns it.
+        ``algorithm``: ``"binomial"``, ``"host_hierarchical"`` or ``"auto"``."""
+        return self.broadcast_async(tensor, root, algorithm=algorithm, timeout=timeout).wait()
 
     # -- allgather / reduce_scatter ----------------------------------------------------------
 
-    def allgather_async(self, tensor: torch.Tensor, *, timeout: float | None = None) -> torch.futures.Future:
+    def allgather_async(self, tensor: torch.Tensor, *, algorithm: str = "auto",
+                        timeout: float | None = None) -> torch.futures.Future:
         _check_tensor(tensor, "allgather")
+        name = self._spread(algorithm, "ring", "allgather")
         n = tensor.numel()
         gathered = torch.empty(self.world_size * n, dtype=tensor.dtype)
         gathered[self.rank * n:(self.rank + 1) * n].copy_(tensor.detach().reshape(-1))
@@ -217,12 +264,17 @@ class Communicator:
         def finish() -> torch.Tensor:
             return gathered.view(shape).to(tensor.device)
 
+        if name == "host_hierarchical":
+            return self._run("allgather:host_hierarchical", gathered, "allgather(host_hierarchical)", finish,
+                             timeout, hosts=self.hosts)
         return self._run("allgather", gathered, "allgather", finish, timeout,
                          **self.ring_options("allgather", gathered))
 
-    def allgather(self, tensor: torch.Tensor, *, timeout: float | None = None) -> torch.Tensor:
-        """Every rank's ``tensor`` stacked: shape ``(world_size, *tensor.shape)``."""
-        return self.allgather_async(tensor, timeout=timeout).wait()
+    def allgather(self, tensor: torch.Tensor, *, algorithm: str = "auto",
+                  timeout: float | None = None) -> torch.Tensor:
+        """Every rank's ``tensor`` stacked: shape ``(world_size, *tensor.shape)``.
+        ``algorithm``: ``"ring"``, ``"host_hierarchical"`` or ``"auto"``."""
+        return self.allgather_async(tensor, algorithm=algorithm, timeout=timeout).wait()
 
     def reduce_scatter_async(self, tensor: torch.Tensor, op: ReduceOpLike = "sum", *,
                              timeout: float | None = None) -> torch.futures.Future:
@@ -539,6 +591,15 @@ def _check_topology(topology: TopologySpec | str | None, world_size: int) -> Top
         raise ValueError(f"topology {spec} has {hosts} hosts but the world size is {world_size}; "
                          "mlfabric runs one rank per host")
     return spec
+
+
+def _check_hosts(hosts: Sequence[int] | None, world_size: int) -> tuple[int, ...] | None:
+    if hosts is None:
+        return None
+    hosts = tuple(int(h) for h in hosts)
+    if len(hosts) != world_size:
+        raise ValueError(f"hosts gives the host of {len(hosts)} ranks; the world size is {world_size}")
+    return hosts
 
 
 def _check_tensor(tensor: object, what: str) -> None:

@@ -208,6 +208,9 @@ class Transport(ABC):
         self.channels = tuple(dict.fromkeys(channels))
         self.mailbox = Mailbox()
         self.lost_peers: dict[int, str] = {}
+        #: The host of every rank (ranks that share memory share a host), when the transport
+        #: learns it (tcp: at rendezvous); None when unknown. Hierarchical collectives use it.
+        self.hosts: tuple[int, ...] | None = None
         self.departed_peers: set[int] = set()
         # The note each departed peer's goodbye carried (the runtime's Farewell), by rank.
         self.farewells: dict[int, bytes] = {}

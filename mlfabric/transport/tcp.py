@@ -331,8 +331,6 @@ class TcpTransport(Transport):
         if self._shm is not None:
             self.endpoints[ENDPOINT_KEY] = self._shm.endpoint
         self._shm_peers: frozenset[int] = frozenset()
-        #: The host of every rank (ranks that share memory share a host), once connected.
-        self.hosts: tuple[int, ...] | None = None
 
     def _start(self, target, *args, name: str) -> None:
         thread = threading.Thread(target=target, args=args, daemon=True, name=name)

@@ -177,3 +177,79 @@ def test_build_registers_the_hierarchical_collectives() -> None:
         host_hierarchical_allreduce(4, 0, 10, hosts=hosts, inter="mesh")
     with pytest.raises(ValueError, match="host of 3 ranks"):
         host_hierarchical_allreduce(4, 0, 10, hosts=(0, 0, 1))
+
+
+# --- through the runtime, on threads (the in-process transport) ------------------------------
+
+
+def _threads(hosts: tuple[int, ...], body):
+    """Run ``body(comm)`` on one thread per rank, communicators told ``hosts``."""
+    import threading
+
+    from mlfabric.runtime.communicator import Communicator
+    from mlfabric.transport.local import LocalFabric
+
+    comms = [Communicator(t, timeout=30, hosts=hosts) for t in LocalFabric(len(hosts)).transports()]
+    results: list[object] = [None] * len(hosts)
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = body(comms[rank])
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(hosts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for comm in comms:
+        comm.close()
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.mark.parametrize("hosts", [(0, 0, 1, 1), (0, 0, 0, 1, 1)], ids=str)
+def test_communicator_runs_hierarchical_collectives(hosts: tuple[int, ...]) -> None:
+    import torch
+
+    n = len(hosts)
+
+    def body(comm) -> list[str]:
+        names = []
+        for dtype in (torch.float32, torch.int64, torch.bfloat16):
+            for count in (0, 5, 100_003):
+                t = torch.full((count,), comm.rank + 1, dtype=dtype)
+                comm.allreduce(t, algorithm="auto")
+                assert torch.equal(t, torch.full((count,), n * (n + 1) // 2, dtype=dtype)), (dtype, count)
+                b = torch.full((count,), comm.rank, dtype=dtype)
+                comm.broadcast(b, root=n - 1)
+                assert torch.equal(b, torch.full((count,), n - 1, dtype=dtype))
+                g = comm.allgather(torch.full((count,), comm.rank, dtype=dtype))
+                assert torch.equal(g, torch.arange(n, dtype=dtype)[:, None].expand(n, count))
+        t = torch.ones(10)
+        comm.allreduce(t, algorithm="host_hierarchical", op="avg")
+        assert torch.equal(t, torch.ones(10))
+        names.append(comm.host_options("host_hierarchical", torch.zeros(1 << 20))["inter"])
+        names.append(comm.host_options("host_hierarchical", torch.zeros(16))["inter"])
+        return names
+
+    for names in _threads(hosts, body):
+        assert names == ["ring", "halving_doubling"]  # auto's rule on each rank's slice
+
+
+def test_hierarchical_without_hosts_names_the_fix() -> None:
+    import torch
+
+    import mlfabric
+
+    def body(comm) -> None:
+        comm.allreduce(torch.ones(4), algorithm="auto")  # unknown layout: flat, no error
+        with pytest.raises(ValueError, match="needs to know which ranks share a host"):
+            comm.allreduce(torch.ones(4), algorithm="host_hierarchical")
+        with pytest.raises(ValueError, match="unknown broadcast algorithm 'ring'"):
+            comm.broadcast(torch.ones(4), algorithm="ring")
+
+    mlfabric.run_threads(2, body)
