@@ -64,14 +64,37 @@ def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | N
     connection at its share of the NIC (zmq and tcp on Linux), so that their concurrent flows end
     together (``mlfabric/runtime/fair_share.py``); the emulator sets it.
     """
-    from .runtime.rendezvous import connect_store, job_info, store_barrier
+    from .runtime.rendezvous import connect_store, job_info
 
+    _check_join_options(transport, timeout, pace)
+    job = job_info(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port)
+    store = connect_store(job, timeout)
+    return connect(store, job.rank, job.world_size, transport=transport, master_addr=job.master_addr,
+                   timeout=timeout, channels=channels, channel_addrs=channel_addrs, backend=backend,
+                   topology=topology, pace=pace, chunk_bytes=chunk_bytes, nic_rate=nic_rate)
+
+
+def _check_join_options(transport: str, timeout: float, pace: str | None) -> None:
     if transport not in TRANSPORTS:
         raise ValueError(f"unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
     if pace and transport == "torch":
         raise ValueError("user-space pacing needs the zmq or tcp transport")
+
+
+def connect(store: object, rank: int, world_size: int, *, transport: str = "zmq",
+            master_addr: str = "127.0.0.1", timeout: float = DEFAULT_TIMEOUT_S,
+            channels: Sequence[str] | None = None, channel_addrs: dict[str, str] | None = None,
+            backend: str = "gloo", topology: str | None = None, pace: str | None = None,
+            chunk_bytes: int | str | None = None, nic_rate: str | float | None = None) -> Communicator:
+    """Like :func:`init`, on a ``torch.distributed.Store`` every rank already shares (the
+    torch.distributed backend gets one from ``init_process_group``). ``master_addr``: a host
+    the ranks reach each other towards; the socket transports listen on the local address
+    that leads there unless ``channel_addrs`` / ``MLFABRIC_CHANNEL_ADDRS`` say otherwise."""
+    from .runtime.rendezvous import store_barrier
+
+    _check_join_options(transport, timeout, pace)
     topology = topology if topology is not None else (os.environ.get(TOPOLOGY_ENV) or None)
     chunk = chunk_bytes if chunk_bytes is not None else (os.environ.get(CHUNK_ENV) or None)
     if chunk is not None:
@@ -81,8 +104,6 @@ def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | N
             chunk = parse_size(chunk)
         except ValueError as exc:
             raise ValueError(f"chunk_bytes / {CHUNK_ENV}: {exc}") from None
-    job = job_info(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port)
-    store = connect_store(job, timeout)
     if transport in ("zmq", "tcp"):
         from .transport.pacing import PACE_ENV, parse_pace
         from .transport.sockets import channel_addrs_from_env, local_address_towards
@@ -95,13 +116,13 @@ def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | N
 
         addrs = channel_addrs if channel_addrs is not None else channel_addrs_from_env()
         names = tuple(channels) if channels else (tuple(addrs) or ("0",))
-        default_addr = local_address_towards(job.master_addr)
+        default_addr = local_address_towards(master_addr)
         bind = {name: addrs.get(name, default_addr) for name in names}
         pace_bps = parse_pace(pace if pace is not None else os.environ.get(PACE_ENV, ""), names)
         if pace_bps:
             log.warning("rank %d: user-space shaping (no kernel shaper): pacing channels %s",
-                        job.rank, ", ".join(f"{n} at {format_rate(r)}" for n, r in pace_bps.items()))
-        tr = socket_transport.create(store, job.rank, job.world_size, channels=names,
+                        rank, ", ".join(f"{n} at {format_rate(r)}" for n, r in pace_bps.items()))
+        tr = socket_transport.create(store, rank, world_size, channels=names,
                                      bind_addrs=bind, timeout=timeout, pace_bps=pace_bps)
     else:
         from .transport.pacing import PACE_ENV
@@ -109,12 +130,12 @@ def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | N
 
         if os.environ.get(PACE_ENV):
             log.warning("rank %d: %s is set but the torch transport does not pace; rates are not "
-                        "enforced", job.rank, PACE_ENV)
+                        "enforced", rank, PACE_ENV)
 
-        tr = TorchDistTransport.create(store, job.rank, job.world_size, backend=backend,
+        tr = TorchDistTransport.create(store, rank, world_size, backend=backend,
                                        channels=tuple(channels or ("0",)), timeout=timeout)
     # Rank 0 serves the store: keep it until everyone has finished reading from it.
-    store_barrier(store, "init", job.world_size, timeout)
+    store_barrier(store, "init", world_size, timeout)
     try:
         comm = Communicator(tr, timeout=timeout, topology=topology, chunk_bytes=chunk, nic_rate=nic_rate)
     except ValueError:
@@ -164,8 +185,13 @@ def run_threads(world_size: int, fn: Callable[[Communicator], T], *,
     return results  # type: ignore[return-value]
 
 
+# `init_process_group("mlfabric")` works once mlfabric is imported (mlfabric/torch/backend.py).
+from ._plugin import register_backend as _register_torch_backend  # noqa: E402 - after the API it uses
+
+_register_torch_backend()
+
 __all__ = [
     "CollectiveError", "CollectiveMismatchError", "CollectiveTimeoutError", "Communicator",
-    "MlfabricError", "PeerLostError", "TransportError", "init", "local_world", "run_threads",
+    "MlfabricError", "PeerLostError", "TransportError", "connect", "init", "local_world", "run_threads",
     "__version__",
 ]

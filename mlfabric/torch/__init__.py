@@ -1,7 +1,10 @@
-"""PyTorch integration: DDP communication hooks, the eager-SGD and parameter-server optimizer wrappers."""
+"""PyTorch integration: the "mlfabric" torch.distributed backend, DDP communication hooks, the
+eager-SGD and parameter-server optimizer wrappers."""
 
+from .backend import MlfabricWork, ProcessGroupMlfabric, ProcessGroupOptions
 from .eager_sgd import EagerSGD, EagerStats
 from .hooks import HookState, allreduce_hook
 from .ps_optimizer import PSOptimizer
 
-__all__ = ["EagerSGD", "EagerStats", "HookState", "PSOptimizer", "allreduce_hook"]
+__all__ = ["EagerSGD", "EagerStats", "HookState", "MlfabricWork", "PSOptimizer", "ProcessGroupMlfabric",
+           "ProcessGroupOptions", "allreduce_hook"]
