@@ -19,9 +19,11 @@ imbalance; ``random:300ms,2`` two workers; ``skew:50ms,50ms,rotate`` §6.2.3's r
 
 Workloads (:mod:`mlfabric.train.workloads`, all synthetic): ``hyperplane`` (MSE), ``lstm``
 (accuracy), ``lenet5`` (BML's LeNet-5 on MNIST-shaped images, accuracy; 12.5 MiB of
-gradients a step: the one where the network shows) and ``mlp`` (an MLP on a random-teacher
-10-class classification, accuracy). Their default batch, lr, momentum and epochs are in
-:data:`_DEFAULTS`.
+gradients a step: the one where the network shows), ``mlp`` (an MLP on a random-teacher
+10-class classification, accuracy) and ``lda`` (:mod:`mlfabric.train.lda`: distributed LDA by
+collapsed Gibbs sampling, MLfabric §7; a step sweeps a batch of the worker's documents and its
+word-topic count delta goes through the mode; metric: held-out log-likelihood per token).
+Their default batch, lr, momentum and epochs are in :data:`_DEFAULTS`.
 
 On the emulator (root; :class:`TrainEmulation`, ``--emulate --rate 1gbit [--churn N1]``)
 every rank of a launch runs on its own host of an emulated star (``star:n=<ranks of that
@@ -59,6 +61,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 from mlfabric.bench.procs import LaunchConfig, check_distinct, rank_env, report, run_ranks
 
 from .ps_modes import PS_MODE_FORMS, is_ps_mode, ps_consistency, session_options
+from .lda import LdaSpec, LdaTask
 from .workloads import Hyperplane, HyperplaneSpec, LeNet5Spec, LeNet5Task, LstmSpec, MlpSpec, MlpTask, SequenceTask
 
 if TYPE_CHECKING:
@@ -76,17 +79,25 @@ TREE_SYNC = "tree-allreduce"  # synchronous SGD over a binary-tree allreduce: ML
 MODES = (SYNCHRONOUS, TREE_SYNC, "eager-solo", "eager-majority")
 #: Every accepted mode spelling (the PS ones take a staleness: ps-ssp:2).
 MODE_FORMS = (*MODES, *PS_MODE_FORMS)
-#: "Reaching allreduce's final metric": within 5% of its MSE, within 1 point of its accuracy.
-TARGET_TOLERANCE = {"mse": 0.05, "accuracy": 0.01}
+#: "Reaching allreduce's final metric": within 5% of its MSE, within 1 point of its accuracy,
+#: within 1% of its held-out log-likelihood (LDA: -7.0 nats per token gives a target of -7.07).
+TARGET_TOLERANCE = {"mse": 0.05, "accuracy": 0.01, "log-likelihood": 0.01}
+
+
+def lower_is_better(metric: str) -> bool:
+    """The MSE falls as a model learns; accuracy and log-likelihood rise."""
+    return metric == "mse"
 
 
 def target(run: RunResult) -> float:
     """The metric a run must reach to match ``run``'s final one (see :data:`TARGET_TOLERANCE`)."""
     if run.metric == "mse":
         return run.final_metric * (1 + TARGET_TOLERANCE["mse"])
+    if run.metric == "log-likelihood":
+        return run.final_metric - TARGET_TOLERANCE["log-likelihood"] * abs(run.final_metric)
     return run.final_metric - TARGET_TOLERANCE["accuracy"]
-WORKLOADS = ("hyperplane", "lstm", "lenet5", "mlp")
-_TASKS = {"hyperplane": Hyperplane, "lstm": SequenceTask, "lenet5": LeNet5Task, "mlp": MlpTask}
+WORKLOADS = ("hyperplane", "lstm", "lenet5", "mlp", "lda")
+_TASKS = {"hyperplane": Hyperplane, "lstm": SequenceTask, "lenet5": LeNet5Task, "mlp": MlpTask, "lda": LdaTask}
 # Per workload: per-worker batch, lr, momentum, epochs, epochs between model averages.
 # Hyperplane: eager-SGD Table 1 (8 workers x 256 = 2,048 per step, 48 epochs). Its 32,768
 # samples make 16-step epochs, so a model average every 2 epochs is every 32 steps (see
@@ -100,11 +111,16 @@ _TASKS = {"hyperplane": Hyperplane, "lstm": SequenceTask, "lenet5": LeNet5Task, 
 # MLP (teacher task): 64 per worker (256 per step), lr 0.1, momentum 0.9, 8 epochs of 32,768
 # samples = 1,024 steps (about 10-20 s on 4 local workers); validation accuracy rises fast to
 # ~73% by step 125, then slowly to ~77-78% (the student's plateau with this much data).
+# LDA: a batch is documents; 512 per worker is the whole shard of 8 workers (4,096 documents),
+# so a step is an iteration of the paper's (a sweep of the shard); lr 1 and no momentum are the
+# only values that add the count deltas exactly (mlfabric.train.lda). 40 iterations: the
+# held-out log-likelihood is within 0.05 nats of its plateau after about 35 sweeps.
 _DEFAULTS = {
     "hyperplane": {"batch_size": 256, "lr": 0.05, "momentum": 0.0, "epochs": 48, "sync_every_epochs": 2},
     "lstm": {"batch_size": 16, "lr": 0.1, "momentum": 0.9, "epochs": 16, "sync_every_epochs": 10},
     "lenet5": {"batch_size": 32, "lr": 0.02, "momentum": 0.9, "epochs": 4, "sync_every_epochs": 2},
     "mlp": {"batch_size": 64, "lr": 0.1, "momentum": 0.9, "epochs": 8, "sync_every_epochs": 2},
+    "lda": {"batch_size": 512, "lr": 1.0, "momentum": 0.0, "epochs": 40, "sync_every_epochs": 2},
 }
 #: What ``--emulate`` without root says.
 EMULATE_NEEDS_ROOT = ("--emulate builds an emulated cluster (network namespaces, veth pairs, tc) and needs root "
@@ -196,6 +212,7 @@ class EagerTrainConfig:
     lstm: LstmSpec = field(default_factory=LstmSpec)
     lenet5: LeNet5Spec = field(default_factory=LeNet5Spec)
     mlp: MlpSpec = field(default_factory=MlpSpec)
+    lda: LdaSpec = field(default_factory=LdaSpec)
     transport: str = "zmq"
     timeout_s: float = 3_600.0
     seed: int = 0
@@ -237,6 +254,15 @@ class EagerTrainConfig:
                 raise ValueError(f"injection {inject!r} delays more workers than the {self.workers} there are")
         if self.epochs_ < 1 or self.batch_size_ < 1 or not self.lr_ > 0 or not self.momentum_ >= 0:
             raise ValueError("epochs, batch size and lr must be positive, momentum >= 0")
+        if self.workload == "lda":  # its steps add count deltas (mlfabric.train.lda): nothing to tune or average
+            if self.lr_ != 1.0 or self.momentum_ != 0.0:
+                raise ValueError(f"the lda workload adds the workers' count deltas exactly: lr must be 1 and momentum "
+                                 f"0 (got lr {self.lr_}, momentum {self.momentum_}); leave --lr/--momentum out")
+            eager = [mode for mode in self.modes if mode.startswith("eager-")]
+            if eager:
+                raise ValueError(f"the lda workload cannot run {', '.join(eager)}: eager-SGD averages stale or missing "
+                                 "gradients, which would scale count deltas; use allreduce, tree-allreduce or a "
+                                 "parameter-server mode")
         if self.sync_every_epochs_ < 0:
             raise ValueError(f"sync_every_epochs must be >= 0 (0: only at the end), got {self.sync_every_epochs}")
         if self.algorithm not in ALLREDUCE_ALGORITHMS or self.algorithm in ("bcube", "hierarchical"):
@@ -248,7 +274,7 @@ class EagerTrainConfig:
         if self.target is not None and not math.isfinite(self.target):
             raise ValueError(f"target must be a finite metric value, got {self.target}")
         specs = {"hyperplane": (self.hyperplane, HyperplaneSpec), "lstm": (self.lstm, LstmSpec),
-                 "lenet5": (self.lenet5, LeNet5Spec), "mlp": (self.mlp, MlpSpec)}
+                 "lenet5": (self.lenet5, LeNet5Spec), "mlp": (self.mlp, MlpSpec), "lda": (self.lda, LdaSpec)}
         for name, (spec, kind) in specs.items():
             if not isinstance(spec, kind):
                 raise ValueError(f"{name} must be a {kind.__name__}, got {type(spec).__name__}")
@@ -284,7 +310,7 @@ class EagerTrainConfig:
         return int(self._setting("sync_every_epochs"))
 
     @property
-    def spec(self) -> HyperplaneSpec | LstmSpec | LeNet5Spec | MlpSpec:
+    def spec(self) -> HyperplaneSpec | LstmSpec | LeNet5Spec | MlpSpec | LdaSpec:
         """The selected workload's task spec."""
         return getattr(self, self.workload)
 
@@ -294,7 +320,7 @@ class EagerTrainConfig:
 
     @property
     def metric(self) -> str:
-        """``"mse"`` (lower is better) or ``"accuracy"``."""
+        """``"mse"`` (lower is better), ``"accuracy"`` or ``"log-likelihood"`` (lda)."""
         return _TASKS[self.workload].metric
 
     @property
@@ -320,7 +346,7 @@ class EagerTrainConfig:
         kinds = {is_ps_mode(mode) for mode in self.modes}
         return [kind for kind in (False, True) if kind in kinds]
 
-    def task(self) -> Hyperplane | SequenceTask | LeNet5Task | MlpTask:
+    def task(self) -> Hyperplane | SequenceTask | LeNet5Task | MlpTask | LdaTask:
         return _TASKS[self.workload](self.spec, self.seed)
 
 
@@ -339,7 +365,7 @@ class CurvePoint:
 class RunResult:
     inject: str
     mode: str
-    metric: str               # "mse" (lower is better) or "accuracy"
+    metric: str               # "mse" (lower is better), "accuracy" or "log-likelihood"
     steps: int                # per rank
     loop_s: float             # the slowest rank's training loop
     per_rank_loop_s: tuple[float, ...]
@@ -369,12 +395,20 @@ class RunResult:
 
     def time_to(self, target: float) -> float | None:
         """Wall time of the first epoch boundary whose metric reaches ``target`` (None if never):
-        at most ``target`` for the MSE, at least for the accuracy."""
-        better = (lambda v: v <= target) if self.metric == "mse" else (lambda v: v >= target)
-        for point in self.curve:
-            if better(point.val_metric):
-                return point.wall_s
-        return None
+        at most ``target`` for the MSE, at least for the accuracy and the log-likelihood."""
+        point = self._reaching(target)
+        return None if point is None else point.wall_s
+
+    def steps_to(self, target: float) -> int | None:
+        """Iterations (per-worker steps) up to the first epoch boundary that reaches ``target``
+        (None if never). Asynchronous PS modes end an epoch when the servers have applied
+        workers x steps-per-epoch worker updates, so there it is worker updates applied / workers."""
+        point = self._reaching(target)
+        return None if point is None else point.step
+
+    def _reaching(self, target: float) -> CurvePoint | None:
+        lower = lower_is_better(self.metric)
+        return next((p for p in self.curve if (p.val_metric <= target if lower else p.val_metric >= target)), None)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -424,6 +458,7 @@ class EagerTrainResult:
                 if run.inject != inject or run.mode == SYNCHRONOUS:
                     continue
                 reach, sync_reach = run.time_to(goal), base.time_to(goal)
+                steps, sync_steps = run.steps_to(goal), base.steps_to(goal)
                 out.append({
                     "inject": inject, "mode": run.mode, "speedup": run.steps_per_s / base.steps_per_s,
                     "metric": run.metric, "final_metric": run.final_metric, "sync_final_metric": base.final_metric,
@@ -431,6 +466,7 @@ class EagerTrainResult:
                     "metric_gap": base.final_metric - run.final_metric,
                     "target": goal, "time_to_target_s": reach, "sync_time_to_target_s": sync_reach,
                     "time_speedup": sync_reach / reach if reach and sync_reach else None,
+                    "iterations_to_target": steps, "sync_iterations_to_target": sync_steps,
                     "sync_loop_s": base.loop_s,
                 })
         return out
@@ -445,7 +481,9 @@ class EagerTrainResult:
                        "momentum": self.config.momentum_, "steps": self.config.steps,
                        "sync_every_epochs": self.config.sync_every_epochs_},
             "units": {"time": "s", "speedup": "steps/s over allreduce's in the same launch",
-                      "metric": "mse (hyperplane) or accuracy (lstm, lenet5, mlp), on the validation set"},
+                      "metric": "mse (hyperplane), accuracy (lstm, lenet5, mlp) or held-out log-likelihood per "
+                                "token (lda), on the validation set",
+                      "iterations": "per-worker steps (async PS: worker updates applied / workers)"},
             "startup_s": self.startup_s, "wall_s": self.wall_s,
             "runs": [run.to_dict() for run in self.runs],
             "comparisons": self.comparisons(),
@@ -560,6 +598,9 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
         session = ps_job.session(index + 1, **session_options(mode, config.delay_bound,
                                                               rates.get(comm.transport.channels[0])))
         if session.role != "worker":
+            rule = getattr(task, "server_update_rule", None)  # lda: counts add up (mlfabric.train.lda)
+            if rule is not None:
+                (session.server or session.replica).register_update_callback(rule(config.workers), "model")
             ps_server, final_flat = serve_run(session, numel, torch.float32)  # joins the start barrier
             return _finish_run(config, comm, task, model, val, rank, numel, snapshots=None, walls=None,
                                train_losses=None, loop_s=0.0, injected=0.0, stats=None, ps_server=ps_server,
@@ -898,7 +939,8 @@ def render_table(result: EagerTrainResult) -> Table:
     table = Table(title=f"{config.workload}: {config.workers} workers, {config.epochs_} epochs x "
                         f"{config.steps_per_epoch} steps, batch {config.batch_size_} per worker, "
                         f"{config.transport} transport{where}", title_justify="left", box=box.SIMPLE_HEAD)
-    for name in ("injection", "mode", "loop s", "steps/s", "speedup", metric, f"{metric} vs sync", "to target s",
+    shown = "LL" if metric == "log-likelihood" else metric  # the header stays narrow
+    for name in ("injection", "mode", "loop s", "steps/s", "speedup", shown, f"{shown} vs sync", "to target s/it",
                  "active", "fresh"):
         table.add_column(name, justify="left" if name in ("injection", "mode") else "right", no_wrap=True)
     comparisons = {(c["inject"], c["mode"]): c for c in result.comparisons()}
@@ -911,22 +953,31 @@ def render_table(result: EagerTrainResult) -> Table:
         if metric == "mse":
             delta = "" if c is None else f"{(c['metric_ratio'] - 1) * 100:+.1f}%"
             value = f"{run.final_metric:.3f}"
+        elif metric == "log-likelihood":  # nats per held-out token
+            delta = "" if c is None else f"{-c['metric_gap']:+.3f}"
+            value = f"{run.final_metric:.3f}"
         else:
             delta = "" if c is None else f"{-c['metric_gap'] * 100:+.1f} pt"
             value = f"{run.final_metric:.1%}"
         try:
-            reach = run.time_to(result.target(run.inject))
+            goal = result.target(run.inject)
+            reach, steps = run.time_to(goal), run.steps_to(goal)
         except KeyError:
-            reach = None
+            reach = steps = None
         table.add_row(run.inject if run.inject != last else "", run.mode, f"{run.loop_s:.1f}",
-                      f"{run.steps_per_s:.2f}", speed, value, delta, "never" if reach is None else f"{reach:.1f}",
+                      f"{run.steps_per_s:.2f}", speed, value, delta,
+                      "never" if reach is None else f"{reach:.1f}/{steps}",
                       "" if run.mean_active is None else f"{run.mean_active:.1f}",
                       "" if run.contributed_fraction is None else f"{run.contributed_fraction:.0%}")
         last = run.inject
+    tolerance = {"mse": "5%", "log-likelihood": "1%"}.get(metric, "1 point")
     table.caption = (f"start-up {result.startup_s:.1f} s, whole launch {result.wall_s:.1f} s; speedup = steps/s over "
-                     f"allreduce's; {metric} of the final (averaged) model; to target = wall time until the average "
+                     f"allreduce's; {metric} of the final (averaged) model"
+                     + (" (LL: held-out log-likelihood, nats per token)" if metric == "log-likelihood" else "")
+                     + "; to target = wall time (s) and iterations "
+                     "(it: steps per worker; async PS: worker updates applied / workers) until the average "
                      + (f"model's {metric} reaches {config.target:g}; " if config.target is not None else
-                        f"model's {metric} is within {'5%' if metric == 'mse' else '1 point'} of allreduce's final one; ")
+                        f"model's {metric} is within {tolerance} of allreduce's final one; ")
                      + "active = ranks with fresh gradients per round; fresh = steps whose gradient made its round")
     table.caption_justify = "left"
     return table

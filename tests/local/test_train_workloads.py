@@ -109,7 +109,7 @@ def test_config_errors_are_named(make: Any, message: str) -> None:
 
 def test_config_is_frozen_keyword_only_and_resolves_defaults() -> None:
     config = EagerTrainConfig(workload="lenet5", workers=4, emulation=TrainEmulation(rate_bps=1e9, churn="N2"))
-    assert set(WORKLOADS) == {"hyperplane", "lstm", "lenet5", "mlp"}
+    assert set(WORKLOADS) == {"hyperplane", "lstm", "lenet5", "mlp", "lda"}
     assert (config.batch_size_, config.lr_, config.momentum_, config.epochs_) == (32, 0.02, 0.9, 4)
     assert config.task().device_time(None) == 0.0  # no emulated accelerator unless asked
     assert LeNet5Task(LeNet5Spec(compute_time_s=0.06)).device_time(None) == 0.06
