@@ -96,11 +96,7 @@ class MlfabricWork(dist.Work):
         self._source_rank_of = source_rank
         self._done = threading.Event()
         future.add_done_callback(lambda _: self._done.set())
-        self._result_future = future.then(self._outputs_of)
-
-    def _outputs_of(self, future: torch.futures.Future) -> list[torch.Tensor]:
-        future.value()  # raises the operation's error into the chained future
-        return self._outputs
+        self._result_future = _then(future, lambda _: self._outputs)
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         """Block until done (at most ``timeout`` if given; the operation's own deadline, the
@@ -499,9 +495,21 @@ def _wire(tensor: torch.Tensor, op: object, what: str, rank: int) -> tuple[torch
 
 
 def _then(future: torch.futures.Future, step: Callable[[object], object]) -> torch.futures.Future:
-    """``future`` followed by ``step(its value)`` (copies into the caller's tensors); errors
-    pass through."""
-    return future.then(lambda done: step(done.value()))
+    """``future`` followed by ``step(its value)`` (copies into the caller's tensors). Errors
+    pass through as they are (``Future.then`` would wrap them in a RuntimeError, and callers
+    could no longer catch mlfabric's PeerLostError or CollectiveMismatchError)."""
+    chained: torch.futures.Future = torch.futures.Future()
+
+    def run_step(done: torch.futures.Future) -> None:
+        try:
+            value = step(done.value())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            chained.set_exception(exc)
+            return
+        chained.set_result(value)
+
+    future.add_done_callback(run_step)
+    return chained
 
 
 def _copy_rows(rows: torch.Tensor, outputs: list[torch.Tensor]) -> None:
