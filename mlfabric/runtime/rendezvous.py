@@ -6,17 +6,28 @@ agent already serves a store on MASTER_PORT and workers join it as clients; othe
 serves it (multi-tenant, so ``torch.distributed.init_process_group`` can share the port).
 Each communicator gets its own key prefix so several can coexist in one job.
 
+Failing clearly instead of a raw store timeout: every rank publishes its WORLD_SIZE and
+compares it with rank 0's (sizes that disagree fail every rank at once, saying which ranks
+said what); a rank that never joins is named when the timeout ends; a MASTER_PORT held by
+another program fails rank 0 at once and the other ranks within the timeout (torch's store
+client can block forever on a listener that does not speak its protocol, so it is connected
+from a helper thread whose wait is bounded).
+
 Exercise it with ``python -m pytest tests/local/test_socket_transports.py``.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from mlfabric.errors import RendezvousError
 
 _instances_created = 0
 
@@ -75,16 +86,118 @@ def connect_store(job: JobInfo, timeout: float) -> dist.Store:
         base = dist.distributed_c10d._get_default_store()
     else:
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        base = dist.TCPStore(
-            job.master_addr,
-            job.master_port,
-            job.world_size,
-            is_master=(job.rank == 0 and not agent_store),
-            timeout=timedelta(seconds=timeout),
-            wait_for_workers=False,
-            multi_tenant=True,
-        )
-    return dist.PrefixStore(prefix, base)
+        base = _tcp_store(job, timeout, serve=job.rank == 0 and not agent_store)
+    store = dist.PrefixStore(prefix, base)
+    check_world(store, job, timeout)
+    return store
+
+
+def _where(job: JobInfo) -> str:
+    return f"MASTER_ADDR={job.master_addr} MASTER_PORT={job.master_port}"
+
+
+def _tcp_store(job: JobInfo, timeout: float, *, serve: bool) -> dist.TCPStore:
+    """The job's TCPStore, served here if ``serve``; a RendezvousError that says what to do
+    when the port is taken or nothing answers within ``timeout``."""
+    def make() -> dist.TCPStore:
+        return dist.TCPStore(job.master_addr, job.master_port, job.world_size, is_master=serve,
+                             timeout=timedelta(seconds=timeout), wait_for_workers=False, multi_tenant=True)
+
+    if serve:
+        try:
+            return make()
+        except (RuntimeError, OSError) as exc:  # DistNetworkError is a RuntimeError
+            if "EADDRINUSE" in str(exc) or getattr(exc, "errno", None) == errno.EADDRINUSE:
+                raise RendezvousError(
+                    f"rank {job.rank}: cannot serve the rendezvous store on {_where(job)}: the port "
+                    "is in use by another program. Choose a free MASTER_PORT (the same on every "
+                    "rank) or stop the program holding it (`ss -ltnp | grep :PORT` shows it)."
+                ) from exc
+            raise RendezvousError(f"rank {job.rank}: cannot serve the rendezvous store on "
+                                  f"{_where(job)}: {exc}") from exc
+    # A client: torch's constructor waits without a bound on a listener that accepts but
+    # never answers (another program on the port), so the wait happens on a helper thread.
+    # If it is still stuck when we give up, it stays blocked on that foreign connection
+    # (a daemon thread: it does not keep the process alive).
+    box: dict[str, object] = {}
+
+    def connect() -> None:
+        try:
+            box["store"] = make()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            box["error"] = exc
+
+    helper = threading.Thread(target=connect, name="mlfabric-store-connect", daemon=True)
+    helper.start()
+    helper.join(timeout + 1.0)  # torch's own connect timeout first, when it applies
+    hint = ("rank 0 serves the store on that port: check that rank 0 runs, that every rank has "
+            "the same MASTER_ADDR and MASTER_PORT, and that no other program listens on the port")
+    if "store" in box:
+        return box["store"]  # type: ignore[return-value]
+    if "error" in box:
+        raise RendezvousError(f"rank {job.rank}: cannot reach the rendezvous store at {_where(job)} "
+                              f"({box['error']}); {hint}") from box["error"]  # type: ignore[misc]
+    raise RendezvousError(f"rank {job.rank}: nothing at {_where(job)} answered as a rendezvous store "
+                          f"within {timeout:g} s (another program may hold the port); {hint}")
+
+
+# Rendezvous keys of the world check (under the communicator's prefix).
+_SIZE_KEY, _FAILURE_KEY, _SEEN_KEY = "world/size/", "world/failure", "world/seen"
+_POLL_S = 0.01
+
+
+def check_world(store: dist.Store, job: JobInfo, timeout: float) -> None:
+    """Every rank of the job has joined ``store`` with the same world size, or a
+    RendezvousError on every rank that says who is missing or who disagrees."""
+    store.set(f"{_SIZE_KEY}{job.rank}", str(job.world_size))
+    deadline = time.monotonic() + timeout
+    keys = [f"{_SIZE_KEY}{rank}" for rank in range(job.world_size)]
+    compared = False
+    try:
+        while True:
+            if store.check([_FAILURE_KEY]):
+                _fail_everyone(store, job, store.get(_FAILURE_KEY).decode(), deadline)
+            if not compared and store.check([keys[0]]):
+                compared = True
+                theirs = int(store.get(keys[0]).decode())
+                if theirs != job.world_size:
+                    _fail_everyone(store, job, (
+                        f"the ranks disagree on the world size: rank {job.rank} was started with "
+                        f"WORLD_SIZE={job.world_size} but rank 0 with WORLD_SIZE={theirs}. Start every "
+                        "rank with the same WORLD_SIZE (the number of ranks)"), deadline, publish=True)
+            if store.check(keys):
+                return
+            if time.monotonic() > deadline:
+                joined = [rank for rank, key in enumerate(keys) if store.check([key])]
+                missing = sorted(set(range(job.world_size)) - set(joined))
+                _fail_everyone(store, job, (
+                    f"rank(s) {', '.join(map(str, missing))} of WORLD_SIZE={job.world_size} never joined "
+                    f"the rendezvous at {_where(job)} within {timeout:g} s (joined: "
+                    f"{', '.join(map(str, joined))}). Start every rank (RANK=0..WORLD_SIZE-1), check that "
+                    "WORLD_SIZE is the number of ranks started, or look for a rank that failed before "
+                    "mlfabric.init"), deadline + 2.0, publish=True, readers=len(joined))
+            time.sleep(_POLL_S)
+    except (RuntimeError, OSError) as exc:
+        if isinstance(exc, RendezvousError):
+            raise
+        raise RendezvousError(f"rank {job.rank}: the rendezvous store at {_where(job)} went away "
+                              f"({exc}); rank 0 serves it: see rank 0's error") from exc
+
+
+def _fail_everyone(store: dist.Store, job: JobInfo, note: str, deadline: float, *,
+                   publish: bool = False, readers: int | None = None) -> None:
+    """Raise ``note`` here, after publishing it (``publish``) for the other ranks, which raise
+    it too. Rank 0 serves the store: it keeps serving until ``readers`` ranks (default: the
+    world) have read the note or ``deadline`` passes, so that late ranks fail with it rather
+    than with a vanished store."""
+    if publish:
+        store.set(_FAILURE_KEY, note)
+    store.add(_SEEN_KEY, 1)
+    if job.rank == 0:
+        readers = job.world_size if readers is None else readers
+        while int(store.add(_SEEN_KEY, 0)) < readers and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+    raise RendezvousError(f"rank {job.rank}: {note}.")
 
 
 def store_barrier(store: dist.Store, name: str, world_size: int, timeout: float) -> None:
