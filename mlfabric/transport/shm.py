@@ -330,11 +330,28 @@ class _Outgoing:
                     return
                 self.wake.wait(min(remaining, 0.01))
 
-    def close(self) -> None:
+    def close(self, deadline: float) -> None:
+        """End the link gracefully: the reader sees the end after everything we sent."""
         with self.wake:
             self.closing = True
             self.wake.notify_all()
-        _shut(self.sock)
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        # Take in what the reader still sends back (credits) until it closes its end: a Unix
+        # socket closed with unread bytes resets the link, and the reader would then lose the
+        # goodbye queued before the end and report us lost.
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                self.sock.settimeout(remaining)
+                if not self.sock.recv(1 << 16):
+                    break
+            except OSError:  # timed out, or the peer is gone
+                break
         self.sock.close()
 
 
@@ -552,8 +569,9 @@ class SharedMemoryLinks:
         self.stopped = True
         _shut(self.listener)
         self.listener.close()
+        deadline = time.monotonic() + 1.0
         for link in self._outgoing.values():
-            link.close()
+            link.close(deadline)
         with self._lock:
             incoming = list(self._incoming.values())
         for sock in incoming:
