@@ -69,3 +69,14 @@ def test_ps_example_learns_through_the_server(consistency: str) -> None:
         assert (applied, dropped) == (40, 0)  # one averaged update per step
     else:
         assert applied + dropped == 80  # every worker gradient, applied or over the bound
+
+
+def test_torch_backend_example_trains_as_on_gloo() -> None:
+    lines = {backend: _torchrun("torch_backend.py", "--backend", backend, "--epochs", "2") for backend in ("mlfabric", "gloo")}
+    pattern = r"backend=(\w+) ddp 2 ranks: loss per epoch ([\d.]+), ([\d.]+); parameter fingerprint ([\d.]+)"
+    runs = {backend: re.search(pattern, stdout) for backend, stdout in lines.items()}
+    assert all(runs.values()), lines
+    ours, gloo = runs["mlfabric"], runs["gloo"]
+    assert ours[1] == "mlfabric" and gloo[1] == "gloo"
+    assert float(ours[3]) < float(ours[2]) / 2  # it learns
+    assert ours.groups()[1:] == gloo.groups()[1:]  # same losses and parameters, to the printed digits
