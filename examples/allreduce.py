@@ -9,7 +9,7 @@ import mlfabric
 
 
 def main() -> None:
-    comm = mlfabric.init(transport="zmq")
+    comm = mlfabric.init()
     t = torch.full((1_000_000,), float(comm.rank))
     comm.allreduce(t, algorithm="ring", op="sum")
     expected = sum(range(comm.world_size))

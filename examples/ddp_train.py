@@ -39,7 +39,7 @@ def main() -> None:
     args = parser.parse_args()
 
     dist.init_process_group("gloo")           # torchrun's env:// variables
-    comm = mlfabric.init(transport="zmq")     # the same variables; its own connections
+    comm = mlfabric.init()                     # the same variables; its own connections
     torch.manual_seed(comm.rank)              # different init per rank: DDP broadcasts rank 0's
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     ddp = torch.nn.parallel.DistributedDataParallel(model)

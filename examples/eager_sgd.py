@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="steps per epoch")
     args = parser.parse_args()
 
-    comm = mlfabric.init(transport="zmq")
+    comm = mlfabric.init()
     torch.manual_seed(comm.rank)
     # A least-squares problem every rank samples from: y = x @ w_true + noise.
     w_true = torch.linspace(-1.0, 1.0, 16)

@@ -34,7 +34,7 @@ def main() -> None:
     args = parser.parse_args()
     rate, late, size = parse_rate(args.rate), parse_duration(args.late), int(parse_size(args.size))
 
-    comm = mlfabric.init(transport="zmq")
+    comm = mlfabric.init()
     world, count = comm.world_size, size // 4
     data = torch.ones(count)
     times = []

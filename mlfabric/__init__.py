@@ -1,7 +1,7 @@
 """mlfabric: a network-aware communication layer for distributed ML training on PyTorch.
 
     import mlfabric
-    comm = mlfabric.init(transport="zmq")   # under torchrun, or rank=/world_size=/master_*=
+    comm = mlfabric.init()                  # under torchrun, or rank=/world_size=/master_*=
     comm.allreduce(tensor, algorithm="ring", op="sum")
     comm.close()
 
@@ -20,7 +20,9 @@ from .errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
     MlfabricError,
+    PeerLeftError,
     PeerLostError,
+    RendezvousError,
     TransportError,
 )
 from .runtime.communicator import DEFAULT_TIMEOUT_S, Communicator
@@ -29,23 +31,45 @@ __version__ = "0.1.0"
 
 log = logging.getLogger("mlfabric")
 
-TRANSPORTS = ("zmq", "tcp", "torch")
+TRANSPORTS = ("tcp", "zmq", "torch")
+LOG_LEVEL_ENV = "MLFABRIC_LOG_LEVEL"
+
+
+def _configure_logging() -> None:
+    """``MLFABRIC_LOG_LEVEL=DEBUG|INFO|WARNING|ERROR``: the level of mlfabric's loggers, with a
+    stderr handler (process id and logger name in each line) unless the application set up
+    logging itself. Unset: Python's defaults (warnings and errors reach stderr)."""
+    raw = os.environ.get(LOG_LEVEL_ENV, "").strip()
+    if not raw:
+        return
+    level = logging.getLevelName(raw.upper())
+    if not isinstance(level, int):
+        raise ValueError(f"{LOG_LEVEL_ENV}={raw!r}: choose DEBUG, INFO, WARNING or ERROR")
+    log.setLevel(level)
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(name)s %(levelname)s: %(message)s"))
+        log.addHandler(handler)
+
+
+_configure_logging()
 TOPOLOGY_ENV = "MLFABRIC_TOPOLOGY"
 CHUNK_ENV = "MLFABRIC_CHUNK_BYTES"
 
 
-def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | None = None,
+def init(transport: str = "tcp", *, rank: int | None = None, world_size: int | None = None,
          master_addr: str | None = None, master_port: int | None = None,
          timeout: float = DEFAULT_TIMEOUT_S, channels: Sequence[str] | None = None,
          channel_addrs: dict[str, str] | None = None, backend: str = "gloo",
          topology: str | None = None, pace: str | None = None,
-         chunk_bytes: int | str | None = None, nic_rate: str | float | None = None) -> Communicator:
+         chunk_bytes: int | str | None = None, nic_rate: str | float | None = None,
+         watchdog: float | None = None) -> Communicator:
     """Join the job and return a :class:`Communicator`.
 
-    ``transport``: ``"zmq"`` (TCP via ZeroMQ, the default), ``"tcp"`` (plain TCP sockets that
-    receive payloads straight into the tensor: fewer copies and thread hand-offs, see
-    ``mlfabric/transport/tcp.py``) or ``"torch"`` (torch.distributed point-to-point on
-    ``backend``, "gloo" or "nccl"). Rank, world size and the rendezvous
+    ``transport``: ``"tcp"`` (the default: plain TCP sockets that receive payloads straight
+    into the tensor, see ``mlfabric/transport/tcp.py``), ``"zmq"`` (TCP via ZeroMQ; needs the
+    ``zmq`` extra: ``pip install 'mlfabric[zmq]'``) or ``"torch"`` (torch.distributed
+    point-to-point on ``backend``, "gloo" or "nccl"). Rank, world size and the rendezvous
     address come from the arguments or from the torchrun variables RANK, WORLD_SIZE,
     MASTER_ADDR and MASTER_PORT. ``timeout`` (seconds) bounds every wait.
     ``channels`` names the NICs (one listening address each, from ``channel_addrs`` or the
@@ -63,6 +87,8 @@ def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | N
     line rate of each channel's NIC. When given, BML and the P2P parameter server pace each
     connection at its share of the NIC (zmq and tcp on Linux), so that their concurrent flows end
     together (``mlfabric/runtime/fair_share.py``); the emulator sets it.
+    ``watchdog`` (or ``MLFABRIC_WATCHDOG_S``; default 10 s, 0: off): log a collective that made
+    no progress for that long, with what it waits for and from whom (docs/faults.md).
     """
     from .runtime.rendezvous import connect_store, job_info
 
@@ -71,7 +97,8 @@ def init(transport: str = "zmq", *, rank: int | None = None, world_size: int | N
     store = connect_store(job, timeout)
     return connect(store, job.rank, job.world_size, transport=transport, master_addr=job.master_addr,
                    timeout=timeout, channels=channels, channel_addrs=channel_addrs, backend=backend,
-                   topology=topology, pace=pace, chunk_bytes=chunk_bytes, nic_rate=nic_rate)
+                   topology=topology, pace=pace, chunk_bytes=chunk_bytes, nic_rate=nic_rate,
+                   watchdog=watchdog)
 
 
 def _check_join_options(transport: str, timeout: float, pace: str | None) -> None:
@@ -83,11 +110,12 @@ def _check_join_options(transport: str, timeout: float, pace: str | None) -> Non
         raise ValueError("user-space pacing needs the zmq or tcp transport")
 
 
-def connect(store: object, rank: int, world_size: int, *, transport: str = "zmq",
+def connect(store: object, rank: int, world_size: int, *, transport: str = "tcp",
             master_addr: str = "127.0.0.1", timeout: float = DEFAULT_TIMEOUT_S,
             channels: Sequence[str] | None = None, channel_addrs: dict[str, str] | None = None,
             backend: str = "gloo", topology: str | None = None, pace: str | None = None,
-            chunk_bytes: int | str | None = None, nic_rate: str | float | None = None) -> Communicator:
+            chunk_bytes: int | str | None = None, nic_rate: str | float | None = None,
+            watchdog: float | None = None) -> Communicator:
     """Like :func:`init`, on a ``torch.distributed.Store`` every rank already shares (the
     torch.distributed backend gets one from ``init_process_group``). ``master_addr``: a host
     the ranks reach each other towards; the socket transports listen on the local address
@@ -137,7 +165,8 @@ def connect(store: object, rank: int, world_size: int, *, transport: str = "zmq"
     # Rank 0 serves the store: keep it until everyone has finished reading from it.
     store_barrier(store, "init", world_size, timeout)
     try:
-        comm = Communicator(tr, timeout=timeout, topology=topology, chunk_bytes=chunk, nic_rate=nic_rate)
+        comm = Communicator(tr, timeout=timeout, topology=topology, chunk_bytes=chunk, nic_rate=nic_rate,
+                            watchdog=watchdog)
     except ValueError:
         tr.close()
         raise
@@ -192,6 +221,6 @@ _register_torch_backend()
 
 __all__ = [
     "CollectiveError", "CollectiveMismatchError", "CollectiveTimeoutError", "Communicator",
-    "MlfabricError", "PeerLostError", "TransportError", "connect", "init", "local_world", "run_threads",
+    "MlfabricError", "PeerLeftError", "PeerLostError", "RendezvousError", "TransportError", "connect", "init", "local_world", "run_threads",
     "__version__",
 ]

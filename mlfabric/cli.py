@@ -132,7 +132,7 @@ def bench_allreduce(
                                             "is timed from it (as simulated); barrier: from each rank's "
                                             "exit of a gloo barrier (its exit skew counts).")] = "aligned",
     warmup: Annotated[int, typer.Option(help="Untimed repetitions per size, before the timed ones.")] = 2,
-    transport: Annotated[str, typer.Option(help="mlfabric transport: zmq, tcp or torch.")] = "zmq",
+    transport: Annotated[str, typer.Option(help="mlfabric transport: tcp (default), zmq or torch.")] = "tcp",
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures and metadata here.")]
         = None,
     timeout: Annotated[float, typer.Option(help="Seconds before the whole run is killed.")] = 600.0,
@@ -895,7 +895,7 @@ def train(
                                                      "(default: runs/<workload>).")] = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures and metadata here.")] = None,
     plot: Annotated[bool, typer.Option("--plot/--no-plot", help="Draw curves.png (needs matplotlib).")] = True,
-    transport: Annotated[str, typer.Option(help="mlfabric transport: zmq, tcp or torch.")] = "zmq",
+    transport: Annotated[str, typer.Option(help="mlfabric transport: tcp (default), zmq or torch.")] = "tcp",
     timeout: Annotated[float, typer.Option(help="Seconds before the whole launch is killed.")] = 3600.0,
     seed: Annotated[int, typer.Option(help="Seed of data, models, batches, injections and churn.")] = 0,
     emulate: Annotated[bool, typer.Option("--emulate", help="Root: run every rank of a launch on its own host of an "

@@ -78,7 +78,7 @@ class AllreduceBenchConfig:
     sizes: tuple[int, ...] = (4_000, 1_000_000, 64_000_000)
     iters: int = 10
     warmup: int = 2
-    transport: str = "zmq"
+    transport: str = "tcp"
     timeout_s: float = 600.0
     seed: int = 0
     # Run the ranks on an emulated cluster (root): a topology spec such as "star:n=8" and the

@@ -1,7 +1,7 @@
 """The user-facing communicator: collectives on tensors, synchronous or as futures.
 
     import mlfabric
-    comm = mlfabric.init(transport="zmq")        # torchrun env vars, or rank=/world_size=/...
+    comm = mlfabric.init()                      # tcp transport; torchrun env vars, or rank=/world_size=/...
     comm.allreduce(t, algorithm="ring", op="sum")
     fut = comm.allreduce_async(t)                 # torch.futures.Future resolving to t
     comm.close()

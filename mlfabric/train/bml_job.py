@@ -59,7 +59,7 @@ class BmlJobConfig:
     bucket_cap_mb: float = 25.0
     train_samples: int = 8_192
     test_samples: int = 1_024
-    transport: str = "zmq"
+    transport: str = "tcp"
     timeout_s: float = 1_800.0
     seed: int = 0
 

@@ -47,7 +47,7 @@ class TrainConfig:
     # The cluster's topology spec for the communicator (None: MLFABRIC_TOPOLOGY, which the
     # emulator sets); BML (algorithm="bcube") needs a BCube.
     topology: str | None = None
-    transport: str = "zmq"
+    transport: str = "tcp"
     bucket_cap_mb: float = 0.25  # small buckets: several allreduces per step, as in real models
     data: DataConfig = field(default_factory=DataConfig)
     seed: int = 0

@@ -213,7 +213,7 @@ class EagerTrainConfig:
     lenet5: LeNet5Spec = field(default_factory=LeNet5Spec)
     mlp: MlpSpec = field(default_factory=MlpSpec)
     lda: LdaSpec = field(default_factory=LdaSpec)
-    transport: str = "zmq"
+    transport: str = "tcp"
     timeout_s: float = 3_600.0
     seed: int = 0
     #: Parameter-server modes: server and replica processes (ranks of their own, beside the

@@ -30,7 +30,13 @@ import threading
 import time
 from typing import Iterator, Mapping
 
-import zmq
+try:
+    import zmq
+except ImportError as _missing:  # pyzmq is an optional extra: say which
+    raise ImportError(
+        "the zmq transport needs pyzmq, which mlfabric installs only with its 'zmq' extra: "
+        "pip install 'mlfabric[zmq]' (or pip install pyzmq); or use the default transport, "
+        "'tcp', which needs nothing more") from _missing
 
 from mlfabric.errors import TransportError
 
