@@ -850,14 +850,16 @@ def simulate_mlnet_cmd(
 @app.command("train")
 def train(
     workload: Annotated[str, typer.Option(help="hyperplane (eager-SGD §6.2.1), lstm (§6.3), lenet5 (BML's LeNet-5 "
-                                               "on synthetic MNIST-shaped images) or mlp (an MLP on a "
-                                               "random-teacher classification).")] = "hyperplane",
+                                               "on synthetic MNIST-shaped images), mlp (an MLP on a "
+                                               "random-teacher classification) or lda (distributed LDA by "
+                                               "collapsed Gibbs sampling, MLfabric §7).")] = "hyperplane",
     workers: Annotated[int, typer.Option(help="Number of local ranks (processes).")] = 8,
-    sync: Annotated[str, typer.Option(help="Comma-separated modes: allreduce (synchronous SGD over --algorithm; "
+    sync: Annotated[Optional[str], typer.Option(help="Comma-separated modes: allreduce (synchronous SGD over --algorithm; "
                                            "ring: MLfabric's RR-Sync), tree-allreduce (Tr-Sync), eager-solo, "
                                            "eager-majority; parameter server: ps-bsp, ps-ssp:S (staleness S), "
                                            "ps-async (vanilla Async), mlfabric-a:TAU (MLfabric-A, delay bound TAU), "
-                                           "mlfabric-s (MLfabric-S).")] = "allreduce,eager-solo",
+                                           "mlfabric-s (MLfabric-S). Default: allreduce,eager-solo; lda: "
+                                           "allreduce,ps-async,mlfabric-a:8.")] = None,
     servers: Annotated[int, typer.Option(help="PS modes: server processes (beside --workers workers).")] = 1,
     replicas: Annotated[int, typer.Option(help="PS modes: replica processes (replica i mirrors server i % "
                                                "servers; chain replication).")] = 0,
@@ -867,12 +869,13 @@ def train(
         help="Delay injection, repeatable (each runs every mode): one-random:300ms (one random worker per step), "
              "random:300ms,2, skew:50ms,50ms,rotate, C1|C2|C3 (MLfabric's compute stragglers), none.")] = None,
     epochs: Annotated[Optional[int], typer.Option(help="Epochs (default: 48 hyperplane, 16 lstm, 4 lenet5, "
-                                                       "8 mlp).")] = None,
+                                                       "8 mlp, 40 lda).")] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Per worker (default: 256 hyperplane, "
-                                                                         "16 lstm, 32 lenet5, 64 mlp).")] = None,
+                                                                         "16 lstm, 32 lenet5, 64 mlp, 512 documents "
+                                                                         "lda).")] = None,
     lr: Annotated[Optional[float], typer.Option(help="SGD learning rate (default: 0.05 hyperplane, 0.1 lstm, "
-                                                     "0.02 lenet5, 0.1 mlp).")] = None,
-    momentum: Annotated[Optional[float], typer.Option(help="SGD momentum (default: 0 hyperplane, 0.9 the "
+                                                     "0.02 lenet5, 0.1 mlp; lda: 1, fixed).")] = None,
+    momentum: Annotated[Optional[float], typer.Option(help="SGD momentum (default: 0 hyperplane and lda, 0.9 the "
                                                            "others).")] = None,
     sync_every_epochs: Annotated[Optional[int], typer.Option(
         "--sync-every-epochs", help="eager-SGD model average every N epochs (0: only at the end; default: 2 "
@@ -888,6 +891,16 @@ def train(
                                                                      "step (sleep after the CPU's), e.g. 60ms.")] = "0",
     image_size: Annotated[Optional[int], typer.Option("--image-size", help="lenet5: image side (default 28; 16 "
                                                                            "makes a 1.1M-parameter model).")] = None,
+    topics: Annotated[Optional[int], typer.Option(help="lda: topics K (default 20).")] = None,
+    vocabulary: Annotated[Optional[int], typer.Option(help="lda: vocabulary size V (default 4000).")] = None,
+    documents: Annotated[Optional[int], typer.Option(help="lda: training documents, sharded over the workers "
+                                                          "(default 4096).")] = None,
+    held_out: Annotated[Optional[int], typer.Option("--held-out", help="lda: held-out documents of the metric "
+                                                                       "(default 256).")] = None,
+    doc_length: Annotated[Optional[float], typer.Option("--doc-length", help="lda: mean tokens per document "
+                                                                             "(Poisson; default 100).")] = None,
+    alpha: Annotated[Optional[float], typer.Option(help="lda: document-topic Dirichlet prior (default 0.1).")] = None,
+    beta: Annotated[Optional[float], typer.Option(help="lda: topic-word Dirichlet prior (default 0.05).")] = None,
     target: Annotated[Optional[float], typer.Option(help="Time every run to this validation metric (MLfabric Table 2: "
                                                          "time to a target accuracy); default: near allreduce's "
                                                          "final one.")] = None,
@@ -917,9 +930,21 @@ def train(
     from mlfabric.train.ps_modes import is_ps_mode
     from mlfabric.train.eager import (EMULATE_NEEDS_ROOT, EagerTrainConfig, TrainEmulation, render_ps_table,
                                       render_table, run_eager_training, write_outputs)
+    from mlfabric.train.lda import LdaSpec
     from mlfabric.train.workloads import HyperplaneSpec, LeNet5Spec, LstmSpec, MlpSpec
     from mlfabric.units import parse_duration, parse_rate
 
+    if sync is None:
+        sync = "allreduce,ps-async,mlfabric-a:8" if workload == "lda" else "allreduce,eager-solo"
+    lda_options = {"topics": topics, "vocabulary": vocabulary, "documents": documents, "held_out": held_out,
+                   "doc_length": doc_length, "alpha": alpha, "beta": beta}
+    lda_given = {name: value for name, value in lda_options.items() if value is not None}
+    if lda_given and workload != "lda":
+        raise typer.BadParameter(f"--{next(iter(lda_given)).replace('_', '-')} applies to the lda workload, "
+                                 f"not {workload}")
+    if train_samples and workload == "lda":
+        raise typer.BadParameter("lda counts documents: use --documents, not --train-samples")
+    lda = make_config(LdaSpec, **lda_given)
     injects = tuple(inject) if inject else ("none",)
     modes = tuple(split_list(sync, "sync modes"))
     samples = {"train_samples": train_samples} if train_samples else {}
@@ -949,7 +974,7 @@ def train(
     config = make_config(EagerTrainConfig, workload=workload, workers=workers, modes=modes, injects=injects,
                          epochs=epochs, batch_size=batch_size, lr=lr, momentum=momentum,
                          sync_every_epochs=sync_every_epochs, algorithm=algorithm, hyperplane=hyper, lstm=lstm,
-                         lenet5=lenet5, mlp=mlp, transport=transport, timeout_s=timeout, seed=seed, servers=servers,
+                         lenet5=lenet5, mlp=mlp, lda=lda, transport=transport, timeout_s=timeout, seed=seed, servers=servers,
                          replicas=replicas, delay_bound=delay_bound, emulation=emulation, target=target)
     if emulate:
         from mlfabric.emu.cmd import have_root
@@ -968,7 +993,8 @@ def train(
         command += ["--servers", str(servers)] + (["--replicas", str(replicas)] if replicas else [])
     for flag, value in (("--delay-bound", delay_bound), ("--epochs", epochs), ("--batch-size", batch_size), ("--lr", lr), ("--momentum", momentum),
                         ("--train-samples", train_samples), ("--sync-every-epochs", sync_every_epochs),
-                        ("--image-size", image_size), ("--target", target)):
+                        ("--image-size", image_size), ("--target", target),
+                        *((f"--{name.replace('_', '-')}", value) for name, value in lda_given.items())):
         if value is not None:
             command += [flag, str(value)]
     if workload == "hyperplane":
