@@ -373,5 +373,8 @@ def test_ddp_and_fsdp_train_as_on_gloo() -> None:
         assert res["ddp_max_diff"] <= 1e-6, res
         assert res["fsdp_max_diff"] <= 1e-6, res
         assert res["fsdp_vs_ddp"] <= 1e-5, res  # FSDP and DDP train the same model
-        # The gradients went through mlfabric: 6 steps of a ~1.8k-parameter model, both ways.
-        assert res["ddp_bytes"] > 6 * 1700 * 4 and res["fsdp_bytes"] > 6 * 1700 * 4, res
+        # The gradients went through mlfabric: each of the 6 steps sends (N-1)/N x 2 = 1 model's
+        # worth of gradients per rank (1,732 float32 parameters), give or take the rounding of
+        # uneven pieces; FSDP2 all-gathers the parameters and reduce-scatters the gradients.
+        model_bytes = sum(p.numel() for p in _model().parameters()) * 4
+        assert res["ddp_bytes"] >= 0.9 * 6 * model_bytes and res["fsdp_bytes"] >= 0.9 * 6 * model_bytes, res
