@@ -149,6 +149,13 @@ def bench_allreduce(
                                                "NIC rate and report BML's speedup (BML §4).")] = False,
     goodput: Annotated[bool, typer.Option("--goodput/--no-goodput", help="With --emulate: first measure one TCP "
                                           "flow between hosts 0 and 1 (2.5 s) and show busbw relative to it.")] = True,
+    ranks_per_host: Annotated[int, typer.Option("--ranks-per-host", help="With --emulate: ranks on every host "
+                                                "(they share memory; --world-size becomes hosts x this).")] = 1,
+    placement: Annotated[str, typer.Option(help="With --ranks-per-host: consecutive (ranks h*R.. on host h) or "
+                                                "interleaved (rank r on host r mod hosts).")] = "consecutive",
+    compare_flat: Annotated[bool, typer.Option("--compare-flat", help="With --ranks-per-host and "
+                                               "host_hierarchical: then ring on the hosts alone and a flat ring over "
+                                               "all ranks, interleaved (issue #27's bars).")] = False,
 ) -> None:
     """Allreduce time, algbw and busbw of mlfabric's algorithms vs gloo, interleaved per repetition.
 
@@ -168,8 +175,9 @@ def bench_allreduce(
         spec = make_config(resolve_topology, topology=topology or "star", hosts=given)
         emulate_topology = str(spec)
         emulate_rate = make_config(parse_rate, value=rate)
-        world_size = plan_cluster(spec, emulate_rate).n_hosts
-    config = make_config(AllreduceBenchConfig, world_size=world_size,
+        world_size = plan_cluster(spec, emulate_rate).n_hosts * ranks_per_host
+    config = make_config(AllreduceBenchConfig, world_size=world_size, ranks_per_host=ranks_per_host,
+                         placement=placement,
                          emulate_topology=emulate_topology, emulate_rate_bps=emulate_rate,
                          algorithms=tuple(split_list(algorithms, "algorithms")),
                          sizes=tuple(parse_sizes(sizes)), iters=iters, warmup=warmup,
@@ -181,6 +189,12 @@ def bench_allreduce(
     if emulate:
         command += ["--emulate", "--topology", str(emulate_topology), "--rate", rate]
         command += [] if goodput else ["--no-goodput"]
+        command += ["--ranks-per-host", str(ranks_per_host), "--placement", placement] if ranks_per_host > 1 else []
+    if compare_flat:
+        from mlfabric.bench.allreduce import flat_comparison_configs
+
+        make_config(flat_comparison_configs, config=config)  # usage errors before anything runs
+        command += ["--compare-flat"]
     if compare_star:
         make_config(compare_star_config, config=config)  # usage errors before anything runs
         command += ["--compare-star"]
@@ -188,10 +202,14 @@ def bench_allreduce(
         command += ["--json", str(json_path)]
     with progress_bar() as progress:
         task = progress.add_task(f"allreduce on {world_size} ranks", total=None)
-        run = run_bml_comparison if compare_star else run_allreduce_bench
+        from mlfabric.bench.allreduce import render_hierarchy, run_hierarchy_comparison
+
+        run = run_bml_comparison if compare_star else run_hierarchy_comparison if compare_flat else run_allreduce_bench
         result = run_or_exit(lambda: run(
             config, argv=command, on_progress=lambda done, total: progress.update(task, completed=done, total=total)))
-    if compare_star:
+    if compare_flat:
+        console.print(render_hierarchy(result))
+    elif compare_star:
         for table in render_comparison(result):
             console.print(table)
     else:
@@ -871,8 +889,8 @@ def train(
     epochs: Annotated[Optional[int], typer.Option(help="Epochs (default: 48 hyperplane, 16 lstm, 4 lenet5, "
                                                        "8 mlp, 40 lda).")] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Per worker (default: 256 hyperplane, "
-                                                                         "16 lstm, 32 lenet5, 64 mlp, 512 documents "
-                                                                         "lda).")] = None,
+                                                                         "16 lstm, 32 lenet5, 64 mlp; lda: the "
+                                                                         "worker's documents).")] = None,
     lr: Annotated[Optional[float], typer.Option(help="SGD learning rate (default: 0.05 hyperplane, 0.1 lstm, "
                                                      "0.02 lenet5, 0.1 mlp; lda: 1, fixed).")] = None,
     momentum: Annotated[Optional[float], typer.Option(help="SGD momentum (default: 0 hyperplane and lda, 0.9 the "

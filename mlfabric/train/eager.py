@@ -111,8 +111,8 @@ _TASKS = {"hyperplane": Hyperplane, "lstm": SequenceTask, "lenet5": LeNet5Task, 
 # MLP (teacher task): 64 per worker (256 per step), lr 0.1, momentum 0.9, 8 epochs of 32,768
 # samples = 1,024 steps (about 10-20 s on 4 local workers); validation accuracy rises fast to
 # ~73% by step 125, then slowly to ~77-78% (the student's plateau with this much data).
-# LDA: a batch is documents; 512 per worker is the whole shard of 8 workers (4,096 documents),
-# so a step is an iteration of the paper's (a sweep of the shard); lr 1 and no momentum are the
+# LDA: a batch is documents, by default a worker's whole shard (512 of 4,096 documents for 8
+# workers), so a step is an iteration of the paper's (a sweep of the shard); lr 1 and no momentum are the
 # only values that add the count deltas exactly (mlfabric.train.lda). 40 iterations: the
 # held-out log-likelihood is within 0.05 nats of its plateau after about 35 sweeps.
 _DEFAULTS = {
@@ -120,7 +120,7 @@ _DEFAULTS = {
     "lstm": {"batch_size": 16, "lr": 0.1, "momentum": 0.9, "epochs": 16, "sync_every_epochs": 10},
     "lenet5": {"batch_size": 32, "lr": 0.02, "momentum": 0.9, "epochs": 4, "sync_every_epochs": 2},
     "mlp": {"batch_size": 64, "lr": 0.1, "momentum": 0.9, "epochs": 8, "sync_every_epochs": 2},
-    "lda": {"batch_size": 512, "lr": 1.0, "momentum": 0.0, "epochs": 40, "sync_every_epochs": 2},
+    "lda": {"batch_size": None, "lr": 1.0, "momentum": 0.0, "epochs": 40, "sync_every_epochs": 2},
 }
 #: What ``--emulate`` without root says.
 EMULATE_NEEDS_ROOT = ("--emulate builds an emulated cluster (network namespaces, veth pairs, tc) and needs root "
@@ -295,7 +295,9 @@ class EagerTrainConfig:
 
     @property
     def batch_size_(self) -> int:
-        return int(self._setting("batch_size"))
+        batch = self._setting("batch_size")
+        # None (lda): the worker's whole shard, so that a step is a sweep of it.
+        return int(batch) if batch is not None else max(1, self.train_samples // self.workers)
 
     @property
     def lr_(self) -> float:
