@@ -329,6 +329,7 @@ class ScheduledRouting:
         self._aggregator: Aggregator | None = None
         self._ids = itertools.count(1)
         self._answering: list[SendHandle] = []  # a server's last batch of pull answers
+        self._busy_until = 0.0  # ... and when its up-link is planned to be done with them
         self._draws: Any = None  # a server's seeded tie-breaks among distributors
 
     # -- the worker's side -------------------------------------------------------------------
@@ -355,30 +356,16 @@ class ScheduledRouting:
     # -- the server's side: model distribution (§10.3) ------------------------------------------
 
     def ready_to_answer(self, server: "ParameterServer") -> bool:
-        """Pulls that become ready while the last batch's answers are still being sent wait
-        for the next batch: the server's NIC is busy anyway, and they then share one send
-        to a distributor instead of each taking the server's down-link."""
+        """Pulls that become ready while the server is still sending the last batch's answers
+        (until their planned end on its up-link, and until the transport has them) wait for
+        the next batch: the server's NIC is busy anyway, and together they share one send to
+        a distributor instead of each taking the server's up-link. (The transport's handles
+        alone would not do: a socket takes a few MB into its buffer at once.)"""
         self._answering = [h for h in self._answering if not h.done()]
-        return not self._answering
+        return not self._answering and time.monotonic() >= self._busy_until
 
     def answer_pulls(self, server: "ParameterServer", pulls: list[Any], shard: torch.Tensor,
                      header: bytes) -> list[SendHandle]:
-        lost = server.transport.lost_peers
-        asked_direct = [p for p in pulls if p.direct or p.rank in lost]
-        batch = [p for p in pulls if p not in asked_direct]
-        handles = answer_directly(server, asked_direct, shard, header)
-        server.stats.pull_batches += 1
-        if self.settings.distributors < 1 or len(batch) < 3:
-            handles += answer_directly(server, batch, shard, header)
-        else:
-            handles += self._distribute(server, batch, shard, header)
-        self._answering = list(handles)
-        return handles
-
-    def _distribute(self, server: "ParameterServer", batch: list[Any], shard: torch.Tensor,
-                    header: bytes) -> list[SendHandle]:
-        import random
-
         now = time.monotonic()
         service = server.scheduler_service
         if service is not None:
@@ -386,6 +373,34 @@ class ScheduledRouting:
         else:  # a server without the scheduler beside it plans on line rates
             rate = self.settings.rate_bps / 8
             net = NetState([rate] * server.layout.world_size, [rate] * server.layout.world_size, origin=now)
+        me, size = server.transport.rank, float(shard.numel() * shard.element_size())
+        lost = server.transport.lost_peers
+        direct = [p for p in pulls if p.direct or p.rank in lost]
+        batch = [p for p in pulls if p not in direct]
+        server.stats.pull_batches += 1
+        handles: list[SendHandle] = []
+        if self.settings.distributors >= 1 and len(batch) >= 3:
+            transfers, relayed, answered_by_server = self._distribute(server, net, batch, shard, header, now)
+            handles += relayed
+            direct += answered_by_server
+        else:
+            direct += batch
+            transfers = [net.reserve(me, p.rank, size, now) for p in direct]
+        handles += answer_directly(server, direct, shard, header)
+        if service is not None:
+            service.reserve(list(transfers))
+        self._busy_until = max((t.end for t in transfers if t.src == me), default=now)
+        self._answering = list(handles)
+        return handles
+
+    def _distribute(self, server: "ParameterServer", net: NetState, batch: list[Any], shard: torch.Tensor,
+                    header: bytes, now: float) -> tuple[list[Any], list[SendHandle], list[Any]]:
+        """Plan a batch's distribution and send what goes through distributors (the model with
+        its forward list to each, a "via" note to each of their workers); returns the plan's
+        transfers, those sends, and the pulls left for the server to answer itself (group 0,
+        and the earmarked distributors the plan did not use)."""
+        import random
+
         if self._draws is None:
             self._draws = random.Random(server.config.seed * 7_919 + server.server)
         size = float(shard.numel() * shard.element_size())
@@ -395,13 +410,11 @@ class ScheduledRouting:
         ranks.sort(key=lambda r: net.t_en(me, r, size, now))  # stable: ties keep the seeded draw
         k = min(self.settings.distributors, len(ranks) - 1)
         plan = distribute(net, server=me, workers=ranks[k:], distributors=ranks[:k], model_size=size, start=now)
-        if service is not None:
-            service.reserve(list(plan.transfers))
         pull_of = {p.rank: p for p in batch}
         session, channel, payload = server.config.session, server.channel, tensor_bytes(shard)
         fields = protocol.decode(header)
         handles: list[SendHandle] = []
-        relayed = {d for d, _ in plan.groups}
+        relays = {d for d, _ in plan.groups}
         for d, members in reversed(plan.groups):  # the paper's order: distributor k° first
             forward = [[w, pull_of[w].request_id] for w in members]
             handles.append(server.transport.send(d, protocol.reply_tag(session, pull_of[d].request_id), payload,
@@ -410,8 +423,8 @@ class ScheduledRouting:
                 server.transport.send(w, protocol.reply_tag(session, pull_of[w].request_id), b"",
                                       meta=protocol.encode(op="via", distributor=d), channel=channel)
             server.stats.pulls_relayed += len(members)
-        direct = [pull_of[r] for r in (*plan.direct, *ranks[:k]) if r not in relayed]
-        return handles + answer_directly(server, direct, shard, header)
+        by_server = [pull_of[r] for r in (*plan.direct, *ranks[:k]) if r not in relays]
+        return list(plan.transfers), handles, by_server
 
     def flush(self, timeout: float) -> None:
         """A worker leaving: its aggregator forwards what is complete or due, then stops."""

@@ -136,6 +136,12 @@ def summarize(server_stats: list[dict[str, Any]], worker_stats: list[dict[str, A
         "server_bytes_in": [s["bytes_in"] for s in server_stats],
         "server_bytes_out": [s["bytes_out"] for s in server_stats],
         "replica_bytes": sum(s.get("replica_bytes", 0) for s in server_stats),
+        # MLfabric (scheduled policy): pull answers relayed by distributors, worker updates
+        # the scheduler sent through aggregators, and its batches.
+        "pulls_relayed": sum(s.get("pulls_relayed", 0) for s in server_stats),
+        "pull_batches": sum(s.get("pull_batches", 0) for s in server_stats),
+        "aggregated": sum(s.get("scheduler", {}).get("aggregated", 0) for s in server_stats),
+        "scheduler_batches": sum(s.get("scheduler", {}).get("batches", 0) for s in server_stats),
         "lost_workers": sorted({w for s in server_stats for w in s["lost_workers"]}),
         "missing_rounds": server_stats[0]["missing_rounds"] if server_stats else [],
     }

@@ -358,3 +358,22 @@ def test_sync_mode_drops_nothing_and_chooses_by_makespan():
     for g in plan.aggregated.commit:
         per_index[g] += 1
     assert set(per_index) == set(range(40))
+
+
+def test_the_scheduler_sends_direct_what_an_aggregator_would_not_commit_earlier() -> None:
+    """Alg. 3 breaks ties towards aggregation: two equal updates would go one direct, one
+    through an aggregator, both committed as soon as two direct pushes. The Scheduler the
+    runtime runs sends both direct; with four, two groups do commit earlier and are kept."""
+    sched = Scheduler(SchedulerConfig(tau_max=4, mode="async", aggregation=True, seed=0), servers=[0],
+                      aggregators=[1, 3])
+
+    def plan(n: int):  # noqa: ANN202
+        reqs = [UpdateRequest(update_id=i, worker=1 + i, sizes=(1000.0,), version=0, norm=0.0) for i in range(n)]
+        return sched.schedule(reqs, version=0, network=NetState([1e8] * 5, [1e8] * 5, origin=0.0), now=0.0)
+
+    pair = plan(2)
+    assert pair.split == 2 and pair.aggregates == () and [d.group for d in pair.applied()] == [0, 0]
+    assert pair.obj_async == pytest.approx(15e-6)  # commits at 10 and 20 us, as with the detour
+    four = plan(4)
+    assert four.split == 1 and len(four.aggregates) == 2
+    assert four.obj_async == pytest.approx(22.5e-6)  # all direct: 10, 20, 30, 40 us, mean 25

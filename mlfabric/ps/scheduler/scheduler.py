@@ -133,6 +133,21 @@ def plan_batch(batch: Batch, net: NetState, group_hosts: Sequence[Sequence[int]]
     return plan
 
 
+def fewest_hops(best: AggregationResult, batch: Batch, ordered: OrderResult, objective: Objective,
+                start: float) -> AggregationResult:
+    """``best``, unless sending every kept update straight to the server does as well: a
+    detour through an aggregator that commits nothing earlier (a group of one, typically,
+    in a small batch) only adds a hop and the aggregator's link to the path. Alg. 3 (and
+    :func:`plan_batch`, kept equal to the reference) breaks ties towards aggregation, the
+    smaller split; :class:`Scheduler`, what the runtime and the simulator run, prefers the
+    direct path."""
+    if best.split == len(ordered.order):
+        return best
+    direct = aggregate(batch, ordered, [], objective=objective, start=start)
+    key = "obj_async" if objective == "async" else "obj_sync"
+    return direct if getattr(direct, key) <= getattr(best, key) * (1 + 1e-12) else best
+
+
 class Scheduler:
     """MLfabric's scheduler for one or more servers (hosts ``servers``)."""
 
@@ -175,7 +190,7 @@ class Scheduler:
         hosts = self.group_hosts(version)
         objective: Objective = "async" if self.config.mode == "async" else "sync"
         plan = plan_batch(batch, network, hosts, objective=objective, start=start)
-        agg = plan.aggregated
+        agg = fewest_hops(plan.aggregated, batch, plan.ordered, objective, start)
         hop = agg.hop()
         groups = {grp.slot: grp for grp in agg.groups}
         position = {g: i + 1 for i, g in enumerate(plan.ordered.order)}
