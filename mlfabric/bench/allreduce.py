@@ -26,6 +26,13 @@ algorithm's row carries the simulator's time for the same schedule on the same t
 rate (:func:`simulated_allreduce_s`). :func:`run_bml_comparison` (``--compare-star``) then
 runs ring and the P2P parameter server on a star of as many hosts and reports BML's speedup
 over both (BML §4: GST(star) / GST(BML), 2x in theory on BCube(n,2)).
+
+With ``ranks_per_host`` (``--ranks-per-host R``) every emulated host runs R ranks in its
+namespace (``placement``: consecutive or interleaved ranks, :func:`mlfabric.emu.launcher.rank_hosts`);
+ranks of one host talk through shared memory, others through the host's NIC.
+:func:`run_hierarchy_comparison` (``--compare-flat``) then sets issue #27's check side by
+side: the hierarchical allreduce on H hosts x R ranks, ring on the H hosts one rank each, and
+a flat ring over the H x R ranks with every ring neighbour on another host.
 """
 
 from __future__ import annotations
@@ -52,7 +59,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AllreduceBenchConfig", "AllreduceBenchResult", "AllreduceMeasurement", "BenchmarkError",
-    "BmlComparison", "GLOO", "STAR_ALGORITHMS", "bus_factor", "collect_metadata", "compare_star_config",
+    "BmlComparison", "GLOO", "HierarchyComparison", "STAR_ALGORITHMS", "bus_factor", "collect_metadata",
+    "compare_star_config", "flat_comparison_configs", "render_hierarchy", "run_hierarchy_comparison",
     "format_bandwidth", "render_comparison", "render_table", "run_allreduce_bench", "run_bml_comparison",
     "simulated_allreduce_s",
 ]
@@ -63,6 +71,10 @@ ELEMENT_BYTES = 4  # float32
 SIM_AGREEMENT = 0.10
 #: What --compare-star runs on the star of the same hosts: BML §4's baselines.
 STAR_ALGORITHMS = ("ring", "ps")
+#: The simulator's rate of the host-internal (shared-memory) hop on emulated hosts with
+#: several ranks: 4 GB/s, the 2-rank shared-memory ring's algbw at 64 MB on the 2-core VM
+#: the figures come from (docs/results.md); the NICs dominate at emulated rates anyway.
+HOST_INTERNAL_RATE_BPS = 32e9
 
 
 class BenchmarkError(RuntimeError):
@@ -95,6 +107,10 @@ class AllreduceBenchConfig:
     # ~30 ms apart on 2 cores (that skew then counts in the slowest rank's time).
     start: str = "aligned"
     align_margin_s: float = ALIGN_MARGIN_S
+    # Emulated runs: ranks per host (world_size = hosts x ranks_per_host) and their placement
+    # (mlfabric.emu.launcher.RANK_PLACEMENTS).
+    ranks_per_host: int = 1
+    placement: str = "consecutive"
 
     def __post_init__(self) -> None:
         from mlfabric import TRANSPORTS
@@ -131,6 +147,24 @@ class AllreduceBenchConfig:
         if self.start not in ("aligned", "barrier") or not self.align_margin_s >= 0:
             raise ValueError(f"start must be aligned or barrier and align_margin_s >= 0, got {self.start!r}, "
                              f"{self.align_margin_s}")
+        from mlfabric.emu.launcher import rank_hosts
+
+        rank_hosts(1, self.ranks_per_host, self.placement)  # raises on a bad count or placement
+        if self.ranks_per_host > 1:
+            if spec is None:
+                raise ValueError("--ranks-per-host runs several ranks on each emulated host: add --emulate")
+            shaped = {"bcube", "hierarchical"} & set(self.algorithms)
+            if shaped:
+                raise ValueError(f"{', '.join(sorted(shaped))} run one rank per host; drop them or --ranks-per-host")
+
+    @property
+    def hosts(self) -> tuple[int, ...] | None:
+        """The host of every rank on an emulated cluster (None on loopback)."""
+        if self.emulate_topology is None:
+            return None
+        from mlfabric.emu.launcher import rank_hosts
+
+        return tuple(rank_hosts(self.world_size // self.ranks_per_host, self.ranks_per_host, self.placement))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,17 +265,20 @@ def _launch_config(config: AllreduceBenchConfig, capture_output: bool,
             goodput["bps"] = two_host_goodput_bps(plan)
 
     with emulated_launch(config.emulate_topology, config.emulate_rate_bps, on_built=measure,
-                         timeout_s=config.timeout_s, capture_output=capture_output) as launch:
+                         timeout_s=config.timeout_s, capture_output=capture_output,
+                         ranks_per_host=config.ranks_per_host, placement=config.placement) as launch:
         if launch.world_size != config.world_size:
-            raise ValueError(f"topology {config.emulate_topology} has {launch.world_size} hosts but the "
-                             f"benchmark asks for {config.world_size} ranks")
+            raise ValueError(f"topology {config.emulate_topology} with {config.ranks_per_host} rank(s) per host "
+                             f"has {launch.world_size} ranks but the benchmark asks for {config.world_size}")
         yield launch
 
 
-def simulated_allreduce_s(algorithm: str, topology: str, rate_bps: float, nbytes: int) -> float | None:
+def simulated_allreduce_s(algorithm: str, topology: str, rate_bps: float, nbytes: int,
+                          hosts: Sequence[int] | None = None) -> float | None:
     """The simulator's time (s) for mlfabric's ``algorithm`` on ``nbytes`` of float32 on
-    ``topology`` (rank r on host r) with every NIC at ``rate_bps``: the same schedule, with
-    the same options, as the communicator runs there (BML's and the PS's parts from the
+    ``topology`` (rank r on host r, or on ``hosts[r]``: then hosts also have their internal
+    link at :data:`HOST_INTERNAL_RATE_BPS`) with every NIC at ``rate_bps``: the same schedule,
+    with the same options, as the communicator runs there (BML's and the PS's parts from the
     emulator's pipelining chunk). None for gloo, which has no schedule."""
     if algorithm == GLOO:
         return None
@@ -252,11 +289,20 @@ def simulated_allreduce_s(algorithm: str, topology: str, rate_bps: float, nbytes
     from mlfabric.topo.spec import TopologySpec
 
     spec = TopologySpec.parse(topology)
+    chunk = pipeline_chunk_bytes(rate_bps) // ELEMENT_BYTES
+    if hosts is not None and len(hosts) != math.prod(hierarchy_of(spec)):
+        from mlfabric.collectives.hierarchical import allreduce_options
+        from mlfabric.topo import parse_topology
+
+        name = choose_allreduce(algorithm, nbytes, len(hosts), None, tuple(hosts))
+        options: dict[str, Any] = allreduce_options(nbytes, hosts, chunk) if name == "host_hierarchical" else {}
+        topo = parse_topology(str(spec), rate_bps).with_host_links(HOST_INTERNAL_RATE_BPS)
+        return simulate_collective(name, topo, size_bytes=nbytes, itemsize=ELEMENT_BYTES, ranks=len(hosts),
+                                   placement=list(hosts), **options).time_s
     world_size = math.prod(hierarchy_of(spec))
     name = choose_allreduce(algorithm, nbytes, world_size, str(spec))
     options = shape_options(name, spec)
-    options.update(pipeline_parts(name, nbytes // ELEMENT_BYTES, world_size,
-                                  pipeline_chunk_bytes(rate_bps) // ELEMENT_BYTES, **options))
+    options.update(pipeline_parts(name, nbytes // ELEMENT_BYTES, world_size, chunk, **options))
     return simulate_collective(name, str(spec), rate_bps, size_bytes=nbytes, itemsize=ELEMENT_BYTES,
                                **options).time_s
 
@@ -299,7 +345,7 @@ def run_allreduce_bench(config: AllreduceBenchConfig, *, argv: Sequence[str] | N
             simulated = None
             if config.emulate_topology is not None and config.emulate_rate_bps is not None:
                 simulated = simulated_allreduce_s(algorithm, config.emulate_topology, config.emulate_rate_bps,
-                                                  nbytes)
+                                                  nbytes, config.hosts if config.ranks_per_host > 1 else None)
             measurements.append(AllreduceMeasurement(
                 algorithm=algorithm, size_bytes=size, nbytes=nbytes, count=count, times_s=times,
                 median_s=median, min_s=min(times), max_s=max(times), algbw=algbw,
@@ -402,6 +448,106 @@ def run_bml_comparison(config: AllreduceBenchConfig, *, argv: Sequence[str] | No
     return BmlComparison(bcube=bcube, star=star, metadata=collect_metadata(config, argv))
 
 
+# --------------------------------------------------------------------------- hierarchical vs flat
+
+#: Issue #27's bars: the hierarchical allreduce within 10% of ring on the hosts alone (the
+#: network carries only the inter-host part), and at least 1.5x faster than a flat ring over
+#: all ranks with neighbours on other hosts.
+HIERARCHY_WITHIN = 0.10
+FLAT_SPEEDUP_BAR = 1.5
+
+
+@dataclass(frozen=True, kw_only=True)
+class HierarchyComparison:
+    """``--compare-flat``: ``hierarchical`` (the configured run: H hosts x R ranks,
+    consecutive), ``hosts`` (ring on the H hosts, one rank each) and ``flat`` (ring over the
+    H x R ranks, interleaved: every ring neighbour on another host), one cluster after the
+    other at the same NIC rate."""
+
+    hierarchical: AllreduceBenchResult
+    hosts: AllreduceBenchResult
+    flat: AllreduceBenchResult
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def speedups(self) -> list[dict[str, Any]]:
+        out = []
+        for size in self.hierarchical.config.sizes:
+            hier = self.hierarchical.get(size, "host_hierarchical")
+            ring_hosts, flat = self.hosts.get(size, "ring"), self.flat.get(size, "ring")
+            out.append({"size_bytes": size, "hierarchical_s": hier.median_s, "ring_hosts_s": ring_hosts.median_s,
+                        "flat_ring_s": flat.median_s, "hierarchical_vs_ring_hosts": hier.median_s / ring_hosts.median_s,
+                        "flat_vs_hierarchical": flat.median_s / hier.median_s,
+                        "simulated_hierarchical_s": hier.simulated_s, "simulated_ring_hosts_s": ring_hosts.simulated_s,
+                        "simulated_flat_ring_s": flat.simulated_s})
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "benchmark": "allreduce-hierarchical-vs-flat",
+            "metadata": self.metadata,
+            "units": {"time": "s", "size": "bytes"},
+            "bars": {"hierarchical_vs_ring_hosts_max": 1 + HIERARCHY_WITHIN, "flat_vs_hierarchical_min": FLAT_SPEEDUP_BAR},
+            "speedups": self.speedups(),
+            "runs": {"hierarchical": self.hierarchical.to_dict(), "hosts": self.hosts.to_dict(),
+                     "flat": self.flat.to_dict()},
+        }
+
+
+def flat_comparison_configs(config: AllreduceBenchConfig) -> tuple[AllreduceBenchConfig, AllreduceBenchConfig]:
+    """The ``hosts`` and ``flat`` runs of ``--compare-flat`` for ``config`` (ValueError if it
+    does not run host_hierarchical on several ranks per emulated host)."""
+    if config.emulate_topology is None or config.ranks_per_host < 2 or "host_hierarchical" not in config.algorithms:
+        raise ValueError("--compare-flat compares host_hierarchical on several ranks per emulated host with rings: "
+                         "use --emulate --topology star:n=4 --ranks-per-host 2 --algorithms host_hierarchical,...")
+    hosts = dataclasses.replace(config, algorithms=("ring",), ranks_per_host=1, placement="consecutive",
+                                world_size=config.world_size // config.ranks_per_host)
+    flat = dataclasses.replace(config, algorithms=("ring",), placement="interleaved")
+    return hosts, flat
+
+
+def run_hierarchy_comparison(config: AllreduceBenchConfig, *, argv: Sequence[str] | None = None,
+                             on_progress: Callable[[int, int], None] | None = None,
+                             capture_output: bool = False) -> HierarchyComparison:
+    """``config``, then the two rings of :func:`flat_comparison_configs`, each on a fresh cluster."""
+    runs = (config, *flat_comparison_configs(config))
+    per_run = len(config.sizes) * (config.warmup + config.iters)
+    results = []
+    for index, run in enumerate(runs):
+        progress = None if on_progress is None else (
+            lambda done, total, offset=index * per_run: on_progress(offset + done, len(runs) * per_run))
+        results.append(run_allreduce_bench(run, argv=argv, on_progress=progress, capture_output=capture_output))
+    return HierarchyComparison(hierarchical=results[0], hosts=results[1], flat=results[2],
+                               metadata=collect_metadata(config, argv))
+
+
+def render_hierarchy(comparison: HierarchyComparison) -> Table:
+    """One row per size: the three times and the two ratios against issue #27's bars."""
+    from rich import box
+    from rich.table import Table
+
+    from mlfabric.units import format_size
+
+    config = comparison.hierarchical.config
+    hosts = config.world_size // config.ranks_per_host
+    table = Table(title=f"allreduce on emulated {config.emulate_topology} x {config.ranks_per_host} ranks at "
+                        f"{(config.emulate_rate_bps or 0) / 1e6:g} Mbit/s, {config.transport}, median of {config.iters}; "
+                        f"bars: hier/ring({hosts} hosts) <= {1 + HIERARCHY_WITHIN:g}, flat/hier >= {FLAT_SPEEDUP_BAR:g}",
+                  title_justify="left", box=box.SIMPLE_HEAD)
+    for name in ("size", "hier ms", f"ring {hosts} hosts ms", f"flat ring {config.world_size} ms",
+                 "hier / ring hosts", "flat / hier", "sim: hier, ring hosts, flat ms"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for entry in comparison.speedups():
+        near = entry["hierarchical_vs_ring_hosts"] <= 1 + HIERARCHY_WITHIN
+        fast = entry["flat_vs_hierarchical"] >= FLAT_SPEEDUP_BAR
+        simulated = [entry[k] for k in ("simulated_hierarchical_s", "simulated_ring_hosts_s", "simulated_flat_ring_s")]
+        table.add_row(format_size(entry["size_bytes"]), f"{entry['hierarchical_s'] * 1e3:.1f}",
+                      f"{entry['ring_hosts_s'] * 1e3:.1f}", f"{entry['flat_ring_s'] * 1e3:.1f}",
+                      f"[{'green' if near else 'red'}]{entry['hierarchical_vs_ring_hosts']:.3f}[/]",
+                      f"[{'green' if fast else 'red'}]{entry['flat_vs_hierarchical']:.2f}x[/]",
+                      ", ".join("" if s is None else f"{s * 1e3:.1f}" for s in simulated))
+    return table
+
+
 # --------------------------------------------------------------------------- inside a rank
 
 
@@ -426,7 +572,7 @@ def _rank_main(config: AllreduceBenchConfig) -> _RankTimes:
     # On an emulated cluster the topology is in MLFABRIC_TOPOLOGY too; passing it says which
     # cluster this benchmark was configured for (BML's digits and channels come from it).
     comm = mlfabric.init(transport=config.transport, timeout=min(config.timeout_s, 300.0),
-                         topology=config.emulate_topology)
+                         topology=config.emulate_topology if config.ranks_per_host == 1 else None)
     times: dict[tuple[int, str], list[float]] = {}
     verified: set[tuple[int, str]] = set()
     done = 0

@@ -30,8 +30,11 @@ their hosts' pieces (each host's block crosses the network once per other host),
 leader gives its host's ranks every piece they lack. Consecutive pieces of one host travel
 as one message.
 
-Phases are chained per rank (a phase starts once the rank's previous phase is done), their
-message tags kept apart by :data:`PHASE_TAGS`. Every builder states its cost, including
+Phases follow one another per rank through their data, not as a whole: a phase's first op
+on a slice waits for the earlier ops that touch it (one writing), so the network phase starts
+on a segment's first chunk while the host is still reducing the rest, and the host's
+allgather spreads each chunk as it comes back. Message tags of phases are kept apart by
+:data:`PHASE_TAGS`. Every builder states its cost, including
 ``elements_across_hosts``, which ``schedule.validate(..., hosts=...)`` checks.
 
 Exercise it with ``python -m pytest tests/unit/test_hierarchical.py``.
@@ -41,7 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from mlfabric.schedule import DEFAULT_CHANNEL, Cost, Schedule, ScheduleBuilder, Slice
+from mlfabric.schedule import DEFAULT_CHANNEL, Cost, Op, Schedule, ScheduleBuilder, Slice
 
 from .bcube import bcube_allreduce
 from .halving_doubling import halving_doubling_allreduce
@@ -110,37 +113,60 @@ def _chunks(elements_per_segment: int, chunk_elements: int | None, group: int) -
 
 
 class _Phases:
-    """Builds one rank's schedule phase by phase, each after the previous one."""
+    """Builds one rank's schedule phase by phase, each op of a phase after the earlier
+    phases' ops on its memory (module docstring)."""
 
     def __init__(self, name: str, world_size: int, rank: int, count: int) -> None:
         self.b = ScheduleBuilder(name, rank, world_size)
         self.b.buffer("data", count)
         self.phase = 0
-        self.last: list[int] = []  # the ops the next phase waits for
         self.steps = 0
         self.sent = 0
         self.across = 0
+
+    def _earlier(self, op: Op, before: int) -> list[int]:
+        """The ops below ``before`` that ``op`` must follow: those touching memory it
+        touches, one of the two writing."""
+        reads, writes = op.reads(), op.writes()
+        deps = []
+        for index in range(before):
+            other = self.b.ops[index]
+            if any(w.overlaps(s) for w in writes for s in (*other.reads(), *other.writes())) or any(
+                    r.overlaps(w) for r in reads for w in other.writes()):
+                deps.append(index)
+        return deps
 
     def add(self, sub: Schedule, ranks: Sequence[int], *, offset: int = 0, network: bool) -> None:
         """Append ``sub`` (a schedule of the group ``ranks``) as the next phase."""
         tags = max((op.tag for op in (*sub.sends(), *sub.recvs())), default=-1)
         if tags >= PHASE_TAGS:
             raise ValueError(f"{sub.name} uses tag {tags}: more than a hierarchical phase holds ({PHASE_TAGS})")
-        added = self.b.append(sub, after=self.last, tag_offset=self.phase * PHASE_TAGS, ranks=ranks, offset=offset)
-        self.next_phase(added, sub.cost.steps if sub.world_size > 1 else 0)
+        before = len(self.b.ops)
+        self.b.append(sub, after=lambda op: self._earlier(op, before), tag_offset=self.phase * PHASE_TAGS,
+                      ranks=ranks, offset=offset)
+        self.next_phase(sub.cost.steps if sub.world_size > 1 else 0)
         self.sent += sub.cost.total_elements_sent
         if network:
             self.across += sub.cost.total_elements_sent
 
-    def next_phase(self, added: list[int], steps: int) -> None:
-        if added:
-            self.last = [self.b.nop(added, label=f"phase {self.phase} done")]
+    def next_phase(self, steps: int = 0) -> None:
         self.phase += 1
         self.steps += steps
 
     def build(self, channel: str) -> Schedule:
         return self.b.build(Cost(steps=self.steps, elements_sent={channel: self.sent},
                                  elements_across_hosts=self.across))
+
+
+def allreduce_options(nbytes: int, hosts: Sequence[int], chunk_elements: int | None) -> dict[str, object]:
+    """The options the runtime (and the simulator, for the same schedule) give
+    :func:`host_hierarchical_allreduce` of ``nbytes``: the hosts, the inter-host algorithm
+    by ``auto``'s rule on one rank's slice, the ring phases' chunk."""
+    from mlfabric.collectives import choose_allreduce  # the registry imports this module
+
+    layout = HostLayout(hosts, len(hosts))
+    inter = choose_allreduce("auto", nbytes // len(layout.members[0]), layout.n_hosts)
+    return {"hosts": tuple(hosts), "inter": inter, "chunk_elements": chunk_elements}
 
 
 def host_hierarchical_allreduce(world_size: int, rank: int, count: int, *, hosts: Sequence[int],
@@ -178,13 +204,13 @@ def host_hierarchical_allreduce(world_size: int, rank: int, count: int, *, hosts
     if len(local) > 1:
         p.add(binomial_reduce(len(local), i, count, op=op, channel=channel), local, network=False)
     else:
-        p.next_phase([], 0)
+        p.next_phase()
     if i == 0:
         chunks = _chunks(count // n_hosts, chunk_elements, n_hosts)
         p.add(INTER_ALGORITHMS[inter](n_hosts, host, count, op, chunks, channel, **dict(inter_shape)),
               layout.leaders(), network=True)
     else:
-        p.next_phase([], 0)  # the leaders' phase: nothing for this rank, but tags stay apart
+        p.next_phase()  # the leaders' phase: nothing for this rank, but tags stay apart
     if len(local) > 1:
         p.add(binomial_broadcast(len(local), i, count, channel=channel), local, network=False)
     return p.build(channel)
@@ -206,7 +232,7 @@ def host_hierarchical_broadcast(world_size: int, rank: int, count: int, *, hosts
         p.add(binomial_broadcast(layout.n_hosts, host, count, root=root_host, channel=channel), carriers,
               network=True)
     else:
-        p.next_phase([], 0)
+        p.next_phase()
     if len(local) > 1:
         p.add(binomial_broadcast(len(local), local.index(rank), count, root=local.index(carriers[host]),
                                  channel=channel), local, network=False)

@@ -56,10 +56,14 @@ if TYPE_CHECKING:
     from mlfabric.bench.procs import LaunchConfig
     from mlfabric.topo.trace import TraceRow
 
-__all__ = ["LaunchSpec", "launch", "resolve_topology", "EMULATE_MODES", "churned_rank_envs",
-           "cluster_launch_config", "emulated_launch", "fallback_env", "start_churn"]
+__all__ = ["LaunchSpec", "launch", "resolve_topology", "EMULATE_MODES", "RANK_PLACEMENTS", "churned_rank_envs",
+           "cluster_launch_config", "emulated_launch", "fallback_env", "rank_hosts", "start_churn"]
 
 EMULATE_MODES = ("auto", "always", "never")
+#: Where the ranks of a cluster with several ranks per host go: ``consecutive`` (ranks
+#: ``h*R .. h*R+R-1`` on host h, as torchrun numbers a node's processes) or ``interleaved``
+#: (rank r on host ``r mod hosts``: every ring neighbour on another host).
+RANK_PLACEMENTS = ("consecutive", "interleaved")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,16 +138,39 @@ def fallback_env(topology: TopologySpec, rate_bps: float) -> dict[str, str]:
             "MLFABRIC_CHANNEL_ADDRS": ",".join(f"{nic}=127.0.0.1" for nic in range(nics))}
 
 
-def cluster_launch_config(plan: ClusterPlan, *, master_port: int = 29500, **options: Any) -> LaunchConfig:
-    """A :class:`~mlfabric.bench.procs.LaunchConfig` that runs rank ``r`` inside host ``r`` of
-    ``plan`` with :meth:`ClusterPlan.rank_env` (what ``mlfabric launch`` gives its ranks too);
-    ``options`` are the other ``LaunchConfig`` fields (``timeout_s``, ``capture_output``, ...)."""
+def rank_hosts(n_hosts: int, ranks_per_host: int = 1, placement: str = "consecutive") -> list[int]:
+    """The host of every rank when each of ``n_hosts`` hosts runs ``ranks_per_host`` ranks
+    (see :data:`RANK_PLACEMENTS`); rank 0 is on host 0 either way."""
+    if ranks_per_host < 1:
+        raise ValueError(f"ranks per host must be at least 1, got {ranks_per_host}")
+    if placement not in RANK_PLACEMENTS:
+        raise ValueError(f"unknown rank placement {placement!r}; choose one of {', '.join(RANK_PLACEMENTS)}")
+    world = n_hosts * ranks_per_host
+    if placement == "consecutive":
+        return [rank // ranks_per_host for rank in range(world)]
+    return [rank % n_hosts for rank in range(world)]
+
+
+def cluster_launch_config(plan: ClusterPlan, *, master_port: int = 29500, ranks_per_host: int = 1,
+                          placement: str = "consecutive", **options: Any) -> LaunchConfig:
+    """A :class:`~mlfabric.bench.procs.LaunchConfig` that runs rank ``r`` inside host
+    ``rank_hosts(...)[r]`` of ``plan`` (host ``r`` with one rank per host) with that host's
+    :meth:`ClusterPlan.rank_env` (what ``mlfabric launch`` gives its ranks too). Ranks of one
+    host share its namespace, so they reach each other through shared memory
+    (``transport/shm.py``) and the other hosts through the host's NICs. ``options`` are the
+    other ``LaunchConfig`` fields (``timeout_s``, ``capture_output``, ...)."""
     from mlfabric.bench.procs import LaunchConfig
 
+    hosts = rank_hosts(plan.n_hosts, ranks_per_host, placement)
+    prefixes, envs = plan.command_prefixes(), plan.rank_envs()
+    if ranks_per_host > 1:
+        # The topology spec numbers hosts, one rank each (BML's digits): with several ranks
+        # per host it would misdescribe the job, so the ranks learn their hosts instead.
+        envs = [{k: v for k, v in env.items() if k != TOPOLOGY_ENV} for env in envs]
     # Host 0's namespace is brand new, so any port is free there (and free_port() could not
     # probe it from this namespace).
-    return LaunchConfig(world_size=plan.n_hosts, master_addr=plan.master_addr, master_port=master_port,
-                        command_prefix=plan.command_prefixes(), rank_env=plan.rank_envs(), **options)
+    return LaunchConfig(world_size=len(hosts), master_addr=plan.master_addr, master_port=master_port,
+                        command_prefix=[prefixes[h] for h in hosts], rank_env=[envs[h] for h in hosts], **options)
 
 
 def start_churn(cluster: Cluster, churn: str, *, rate_bps: float, period_s: float, seed: int,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from functools import cached_property
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 DEFAULT_CHANNEL = "0"
 REDUCE_OPS = ("sum", "max", "min", "prod")
@@ -338,10 +338,11 @@ class ScheduleBuilder:
         self.triggers.append(index)
         return index
 
-    def append(self, schedule: Schedule, *, after: Sequence[int] = (), tag_offset: int = 0,
-               ranks: Sequence[int] | None = None, offset: int = 0) -> list[int]:
+    def append(self, schedule: Schedule, *, after: Sequence[int] | Callable[[Op], Sequence[int]] = (),
+               tag_offset: int = 0, ranks: Sequence[int] | None = None, offset: int = 0) -> list[int]:
         """Copy ``schedule``'s ops after the ops built so far, so one algorithm can follow
-        another: its dependency-free ops wait for ``after``, its tags move up by
+        another: its dependency-free ops wait for ``after`` (or for ``after(op)``, given each
+        such op as it will be added, without dependencies), its tags move up by
         ``tag_offset``, its buffers are declared here. Returns the new indices.
 
         By default ``schedule`` is for this rank and world. With ``ranks`` it is one of a
@@ -367,20 +368,19 @@ class ScheduleBuilder:
             return replace(sl, offset=sl.offset + offset) if offset and sl.buffer == "data" else sl
 
         base = len(self.ops)
-        head = _deps(after)
+        head = None if callable(after) else _deps(after)
         for op in schedule.ops:
-            deps = tuple(base + d for d in op.deps) or head
-            mode = op.mode if op.deps else DepMode.ALL
             if isinstance(op, Send):
-                self.add(replace(op, deps=deps, mode=mode, tag=op.tag + tag_offset, peer=ranks[op.peer],
-                                 src=place(op.src)))
+                op = replace(op, tag=op.tag + tag_offset, peer=ranks[op.peer], src=place(op.src))
             elif isinstance(op, Recv):
-                self.add(replace(op, deps=deps, mode=mode, tag=op.tag + tag_offset, peer=ranks[op.peer],
-                                 dst=place(op.dst)))
+                op = replace(op, tag=op.tag + tag_offset, peer=ranks[op.peer], dst=place(op.dst))
             elif isinstance(op, (Reduce, Copy)):
-                self.add(replace(op, deps=deps, mode=mode, dst=place(op.dst), src=place(op.src)))
+                op = replace(op, dst=place(op.dst), src=place(op.src))
+            if op.deps:
+                self.add(replace(op, deps=tuple(base + d for d in op.deps)))
             else:
-                self.add(replace(op, deps=deps, mode=mode))
+                start = head if head is not None else _deps(after(op))  # type: ignore[operator]
+                self.add(replace(op, deps=start, mode=DepMode.ALL))
         return list(range(base, len(self.ops)))
 
     def build(self, cost: Cost, *, persistent: bool = False) -> Schedule:

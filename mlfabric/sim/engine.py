@@ -26,8 +26,11 @@ kernel built, one priority class and no message latency, those run whole in a co
 else (tasks made ready, FIFO connections, timers, full solves). Results are bit-identical
 to the Python loop (``EngineConfig(compiled_loop=False)``).
 
-Transfers between ranks on the same host, and zero-byte transfers, use no link: they complete
-immediately, or after ``latency_s`` (a per-message latency added to every network message;
+Transfers between ranks on the same host use the host's host-internal link when the topology
+has one (:meth:`Topology.with_host_links <mlfabric.topo.Topology.with_host_links>`: the
+shared-memory hop, at its own rate, shared max-min with the host's other internal
+transfers); without one they use no link and complete immediately. Zero-byte transfers
+complete immediately, or after ``latency_s`` (a per-message latency added to every network message;
 default 0, the fluid model of the closed-form costs). Per-link byte counts are accumulated
 when a flow starts (``bytes x`` the fraction of the flow on each link), so they are exact.
 
@@ -500,6 +503,29 @@ class Engine:
     # ------------------------------------------------------------------ routing
 
     def _route(self, tasks: np.ndarray) -> Incidence:
+        topo = self.topology
+        if topo.host_links is None:
+            return self._route_network(tasks)
+        # Same-host transfers take their host's internal link; the router (built for the
+        # links between hosts) routes the rest, over the topology's full link set.
+        local = self.graph.src[tasks] == self.graph.dst[tasks]
+        parts, order = [], []
+        if (~local).any():
+            routed = self._route_network(tasks[~local])
+            parts.append(Incidence(indptr=routed.indptr, links=routed.links, weights=routed.weights,
+                                   n_links=topo.n_links))
+            order.append(np.flatnonzero(~local))
+        if local.any():
+            rows = np.flatnonzero(local)
+            parts.append(Incidence(indptr=np.arange(rows.size + 1, dtype=np.int64),
+                                   links=topo.host_links[self.graph.src[tasks[rows]]], weights=None,
+                                   n_links=topo.n_links))
+            order.append(rows)
+        inverse = np.empty(tasks.size, dtype=np.int64)
+        inverse[np.concatenate(order)] = np.arange(tasks.size)
+        return Incidence.concat(parts).subset(inverse)
+
+    def _route_network(self, tasks: np.ndarray) -> Incidence:
         g, topo, cfg = self.graph, self.topology, self.config
         pairs = np.stack([g.src[tasks], g.dst[tasks]], axis=1)
         special = (g.nic[tasks] >= 0) if self._multi_nic else np.zeros(tasks.size, dtype=bool)
@@ -597,7 +623,8 @@ class Engine:
         if transfers.size:
             src, dst = g.src[transfers], g.dst[transfers]
             size = g.size_bytes[transfers]
-            local = src == dst
+            # Same-host transfers are flows too when the host has an internal link.
+            local = (src == dst) if self.topology.host_links is None else np.zeros(src.size, dtype=bool)
             empty = (size <= 0) & ~local
             immediate.append(transfers[local])
             if empty.any():

@@ -9,7 +9,11 @@ Conventions (shared with the simulator and the emulator):
 * ``nic_links[h, i] = (egress link, ingress link)`` of host ``h``'s NIC ``i`` (-1 where a host
   has fewer NICs); BCube host ``h`` NIC ``l`` is its level-``l`` port;
 * flows are ``(src_host, dst_host)`` pairs; routing returns an
-  :class:`~mlfabric.flow.incidence.Incidence` for the max-min solver.
+  :class:`~mlfabric.flow.incidence.Incidence` for the max-min solver;
+* optionally (:meth:`Topology.with_host_links`) every host has a *host-internal link*
+  (``hN->hN``, layer ``host``) of its own rate: the shared-memory hop between ranks placed on
+  one host, which the simulator then times and shares like any link (without it such
+  transfers take no time).
 
 Exercise it with::
 
@@ -63,6 +67,9 @@ class Topology:
     #: ``(n_cables, 2)``: the two directed links of each full-duplex cable.
     cables: np.ndarray
     router: Router = field(repr=False)
+    #: ``host_links[h]``: the host-internal link of host h (:meth:`with_host_links`); None
+    #: when the topology has none.
+    host_links: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n_links = int(np.asarray(self.link_src).size)
@@ -159,6 +166,22 @@ class Topology:
         if capacity.shape != (self.n_links,):
             raise ValueError(f"capacity has shape {capacity.shape}, expected ({self.n_links},)")
         return replace(self, link_capacity=capacity)
+
+    def with_host_links(self, rate_bps: float) -> Topology:
+        """A copy where every host also has a host-internal link of ``rate_bps`` (the
+        shared-memory hop between its ranks), appended after the other links in a layer
+        ``host``; routes between distinct hosts are unchanged."""
+        if not rate_bps > 0:
+            raise ValueError(f"the host-internal rate must be positive, got {rate_bps} bit/s")
+        if self.host_links is not None:
+            raise ValueError(f"{self.spec} already has host-internal links")
+        hosts = np.arange(self.n_hosts, dtype=np.int64)
+        layers = (*self.layer_names, "host")
+        return replace(
+            self, link_src=np.concatenate([self.link_src, hosts]), link_dst=np.concatenate([self.link_dst, hosts]),
+            link_capacity=np.concatenate([self.link_capacity, np.full(self.n_hosts, float(rate_bps))]),
+            link_layer=np.concatenate([self.link_layer, np.full(self.n_hosts, len(layers) - 1, dtype=np.int64)]),
+            layer_names=layers, host_links=_readonly(self.n_links + hosts))
 
     def capacity(self) -> np.ndarray:
         """A writable copy of the link capacities (bit/s)."""
