@@ -13,6 +13,7 @@
     mlfabric simulate ps --topology fat-tree:k=16,oversub=4 --workers 800 --servers 50 --strategy rack [--json]
     mlfabric simulate bml [--servers 16,1024] [--json out.json]
     mlfabric simulate mlnet [--servers 50,100,200,300,400] [--oversub 1,4] [--seeds 0] [--quick] [--json out.json]
+    mlfabric trace merge DIR [--out merged.json]      # after a run with MLFABRIC_TRACE=DIR
 
 Each command is a thin shell: it parses options into the frozen config dataclass of the
 module that does the work (``mlfabric.bench.allreduce``, ``mlfabric.demo``), runs it, prints
@@ -55,6 +56,11 @@ simulate_app = typer.Typer(
 app.add_typer(simulate_app, name="simulate")
 app.add_typer(emu_app, name="emu")
 app.command("launch", context_settings=LAUNCH_CONTEXT)(emu_launch)
+trace_app = typer.Typer(
+    help="Timelines of collectives and transfers recorded with MLFABRIC_TRACE=DIR (Chrome/Perfetto JSON).",
+    no_args_is_help=True,
+)
+app.add_typer(trace_app, name="trace")
 
 console = Console()
 T = TypeVar("T")
@@ -1068,6 +1074,25 @@ def demo(
     result = run_or_exit(lambda: run_demo(config, console=console))
     if json_path is not None:
         write_json(json_path, result.to_dict())
+
+
+# --------------------------------------------------------------------------- trace
+
+
+@trace_app.command("merge")
+def trace_merge(
+    directory: Annotated[Path, typer.Argument(help="The MLFABRIC_TRACE directory of a run.")],
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Merged file (default DIR/merged.json).")] = None,
+) -> None:
+    """Merge the ranks' timelines into one file to open in ui.perfetto.dev or chrome://tracing."""
+    from mlfabric.runtime.trace import merge
+
+    try:
+        path, files = merge(directory, out)
+    except (FileNotFoundError, ValueError) as exc:
+        console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+        raise typer.Exit(1) from None
+    console.print(f"merged {files} rank file(s) into {path}: open it in https://ui.perfetto.dev", highlight=False)
 
 
 def main() -> None:

@@ -37,7 +37,6 @@ import torch.distributed as dist
 
 from mlfabric import collectives
 from mlfabric.collectives.bcube import hierarchy_of, shape_options
-from mlfabric.collectives.hierarchical import allreduce_options
 from mlfabric.collectives.partition import chunks_for
 from mlfabric.collectives.ring import MAX_CHUNKS
 from mlfabric.schedule import REDUCE_OPS, Schedule
@@ -47,6 +46,7 @@ from mlfabric.transport.base import Transport
 from .executor import Executor, RunInfo, Waiter
 from .fair_share import NIC_RATE_ENV, connection_rates, nic_rates_from
 from .partial import QUORUM_CHOICES, PartialAllreduce, PartialResult
+from .trace import tracer_from
 
 log = logging.getLogger("mlfabric.runtime")
 
@@ -83,13 +83,18 @@ class Communicator:
     ``watchdog`` (seconds; default ``MLFABRIC_WATCHDOG_S``, else :data:`DEFAULT_WATCHDOG_S`;
     0: off): log a collective that made no progress for that long, per rank, with what it
     waits for, from whom, and what those peers say they are doing.
+
+    ``trace`` (a directory; default ``MLFABRIC_TRACE``, else off): record a Chrome/Perfetto
+    timeline of every collective and transfer, written there when the communicator closes
+    (``runtime/trace.py``; ``mlfabric trace merge DIR`` joins the ranks' files).
     """
 
     def __init__(self, transport: Transport, *, timeout: float = DEFAULT_TIMEOUT_S,
                  on_close: Sequence[Callable[[], None]] = (),
                  topology: TopologySpec | str | None = None, chunk_bytes: int | None = None,
                  nic_rate: str | float | dict[str, float] | None = None,
-                 watchdog: float | None = None, hosts: Sequence[int] | None = None) -> None:
+                 watchdog: float | None = None, hosts: Sequence[int] | None = None,
+                 trace: str | None = None) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         if chunk_bytes is not None and chunk_bytes < 1:
@@ -104,7 +109,9 @@ class Communicator:
         self._paced: dict[tuple[int, str], float | None] = {}  # what each connection is paced at now
         self.timeout = float(timeout)
         self.executor = Executor(transport, name=f"mlfabric-progress-{transport.rank}",
-                                 watchdog_s=watchdog_seconds(watchdog))
+                                 watchdog_s=watchdog_seconds(watchdog),
+                                 tracer=tracer_from(trace, transport.rank, transport.world_size,
+                                                    transport=type(transport).__name__))
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
         self._on_close = list(on_close)
@@ -175,8 +182,11 @@ class Communicator:
         each rank's slice (``auto``'s rule on the slice) and the ring phases' chunk."""
         if name != "host_hierarchical":
             return {}
+        layout = collectives.HostLayout(self._needs_hosts(name), self.world_size)
+        slice_bytes = flat.numel() * flat.element_size() // len(layout.members[0])
+        inter = collectives.choose_allreduce("auto", slice_bytes, layout.n_hosts)
         chunk = None if self.chunk_bytes is None else max(1, self.chunk_bytes // flat.element_size())
-        return allreduce_options(flat.numel() * flat.element_size(), self._needs_hosts(name), chunk)
+        return {"hosts": self.hosts, "inter": inter, "chunk_elements": chunk}
 
     def _needs_hosts(self, name: str) -> tuple[int, ...]:
         if self.hosts is None:
@@ -505,7 +515,7 @@ class Communicator:
             if self.nic_rates:
                 self._pace(schedule)
             future = self.executor.submit(
-                schedule, {"data": flat}, RunInfo(seq=seq, description=description),
+                schedule, {"data": flat}, RunInfo(seq=seq, description=description, algorithm=kind),
                 timeout=self.timeout if timeout is None else timeout, result=finish, kick=False,
                 blocking=blocking,
             )

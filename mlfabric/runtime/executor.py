@@ -42,6 +42,7 @@ from mlfabric.errors import (
 from mlfabric.schedule import Copy, DepMode, Nop, Recv, Reduce, Schedule, Send, Slice
 from mlfabric.transport.base import CONTROL_CHANNEL, Message, SendHandle, Transport
 
+from .trace import Tracer
 from .control import ControlKind, Farewell, Status, abort_error, control_tag, encode_abort, split_control_tag
 
 log = logging.getLogger("mlfabric.runtime")
@@ -153,6 +154,7 @@ class RunInfo:
 
     seq: int
     description: str  # e.g. "allreduce(ring, sum) of 1000 x float32" — compared across ranks
+    algorithm: str = ""  # the schedule builder, e.g. "allreduce:ring" (for traces)
 
 
 class _Run:
@@ -205,6 +207,10 @@ class _Run:
         self.recv_keys: dict[int, tuple[str, int]] = {}  # mailbox key of each pending receive
         self._initial = self._initial_state()  # start() copies it at every (re-)arming
         self.info_description: str | None = None  # what ``meta`` encodes
+        # The timeline (runtime/trace.py), or None: then nothing below costs a clock read.
+        self.tracer = executor.tracer
+        self.send_started: dict[int, float] = {}  # op index -> when a pending send was handed over
+        self.recv_posted: dict[int, float] = {}  # op index -> when a receive was posted
         self.start(info, deadline)
 
     def _initial_state(self) -> tuple[tuple[bool, ...], tuple[int, ...]]:
@@ -224,7 +230,7 @@ class _Run:
         self.deadline = deadline
         # When the run last did anything, whether it asked its peers since, how often the
         # watchdog has logged it since, and when the executor must look at it next for that.
-        self.last_progress = time.monotonic()
+        self.started = self.last_progress = time.monotonic()
         self.queried = False
         self.barked = 0
         self.check_at = self.last_progress + CROSS_CHECK_S
@@ -283,6 +289,8 @@ class _Run:
             still = []
             for index, handle in self.pending_sends:
                 if handle.done():
+                    if self.tracer is not None:
+                        self._trace_transfer("send", index, self.send_started.pop(index, None))
                     self._complete(index)
                     progressed = True
                 else:
@@ -312,14 +320,21 @@ class _Run:
             payload = self._send_bytes.get(index)
             if payload is None:
                 payload = self._send_bytes[index] = tensor_bytes(self.view(op.src))
+            handed_at = time.monotonic() if self.tracer is not None else 0.0
             handle = self.executor.transport.send(
                 op.peer, self.tag_base | op.tag, payload, channel=op.channel, meta=self.meta,
             )
             if handle.done():
+                if self.tracer is not None:
+                    self._trace_transfer("send", index, handed_at)
                 self._complete(index)
             else:
                 self.pending_sends.append((index, handle))
+                if self.tracer is not None:
+                    self.send_started[index] = handed_at
         elif isinstance(op, Recv):
+            if self.tracer is not None:
+                self.recv_posted[index] = time.monotonic()
             if not self._try_recv(index):
                 tag = self.tag_base | op.tag
                 self.recv_keys[index] = (op.channel, tag)
@@ -364,6 +379,8 @@ class _Run:
         op: Recv = self.schedule.ops[index]  # type: ignore[assignment]
         if msg.meta != self.meta or msg.nbytes != self.nbytes(op.dst):
             self._check_message(op, msg)  # raises, saying which
+        if self.tracer is not None:
+            self._trace_transfer("recv", index, self.recv_posted.pop(index, None))
         dst = self.view(op.dst)
         if len(dst) and not msg.in_place:
             if self._numpy:
@@ -375,6 +392,13 @@ class _Run:
             else:
                 self._copy(dst, incoming)
         self._complete(index)
+
+    def _trace_transfer(self, direction: str, index: int, start: float | None) -> None:
+        op = self.schedule.ops[index]
+        nbytes = self.nbytes(op.src if direction == "send" else op.dst)  # type: ignore[union-attr]
+        end = time.monotonic()
+        self.tracer.transfer(direction=direction, peer=op.peer, channel=op.channel, nbytes=nbytes,  # type: ignore[union-attr]
+                             start=end if start is None else start, end=end, seq=self.info.seq, op=index)
 
     def _check_message(self, op: Recv, msg: Message) -> None:
         if msg.meta != self.meta:
@@ -461,12 +485,13 @@ class Executor:
     each further ``watchdog_s``); None or 0: no watchdog."""
 
     def __init__(self, transport: Transport, *, name: str = "mlfabric-progress",
-                 watchdog_s: float | None = None) -> None:
+                 watchdog_s: float | None = None, tracer: Tracer | None = None) -> None:
         if watchdog_s is not None and watchdog_s < 0:
             raise ValueError(f"watchdog_s must be >= 0 (0: off), got {watchdog_s}")
         self.transport = transport
         self.rank = transport.rank
         self.watchdog_s = watchdog_s or None
+        self.tracer = tracer  # written when the executor closes
         self._lock = threading.Lock()
         self._incoming: list[_Run] = []
         self._active: list[_Run] = []
@@ -547,6 +572,8 @@ class Executor:
         self._stop = True
         self.transport.mailbox.notify()
         self._thread.join(timeout=5)
+        if self.tracer is not None:
+            self.tracer.close()
 
     # -- the progress loop -------------------------------------------------------------------
 
@@ -684,6 +711,8 @@ class Executor:
         run.future.set_result(value)
 
     def _remember(self, run: _Run, *, failed: bool) -> None:
+        if self.tracer is not None:
+            self._trace_collective(run, "failed" if failed else "ok")
         self._finished[run.info.seq] = run.meta
         if len(self._finished) > _REMEMBERED:
             del self._finished[next(iter(self._finished))]  # the oldest (dicts keep order)
@@ -691,6 +720,13 @@ class Executor:
             self._failed[run.info.seq] = None
             if len(self._failed) > _REMEMBERED:
                 del self._failed[next(iter(self._failed))]
+
+    def _trace_collective(self, run: _Run, outcome: str) -> None:
+        data = run.buffers.get("data")
+        nbytes = 0 if data is None else data.numel() * data.element_size()
+        self.tracer.collective(seq=run.info.seq, description=run.info.description,  # type: ignore[union-attr]
+                               algorithm=run.info.algorithm, nbytes=nbytes, start=run.started,
+                               end=time.monotonic(), outcome=outcome)
 
     def _fail(self, run: _Run, error: CollectiveError, *, notify_peers: bool) -> None:
         if run in self._active:
