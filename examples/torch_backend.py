@@ -8,8 +8,9 @@
 Nothing below is mlfabric-specific except ``import mlfabric`` (which registers the backend;
 with mlfabric installed, torch's entry point does it even without the import): DDP's
 gradient buckets, its parameter broadcast, FSDP2's all-gathers and reduce-scatters and the
-final all_reduce all run on mlfabric's collectives. The model is a small MLP on a synthetic
-classification task, so nothing is downloaded. Rank 0 prints the loss per epoch and a
+final all_reduce all run on mlfabric's collectives. The model is a small MLP on the synthetic
+classification task of ``mlfabric.train.data`` (a random teacher network labels Gaussian
+inputs), so nothing is downloaded. Rank 0 prints the loss per epoch and a
 fingerprint of the trained parameters: the same on "mlfabric" and on "gloo".
 """
 
@@ -21,15 +22,9 @@ import torch
 import torch.distributed as dist
 
 import mlfabric  # noqa: F401 - registers the "mlfabric" torch.distributed backend
+from mlfabric.train.data import DataConfig, make_dataset, shard
 
-
-def synthetic_shard(rank: int, world_size: int, n: int = 1024, features: int = 32, classes: int = 4):
-    """A fixed task (the same on every rank), then this rank's shard of it."""
-    generator = torch.Generator().manual_seed(0)
-    centers = torch.randn(classes, features, generator=generator) * 2.0
-    labels = torch.randint(0, classes, (n,), generator=generator)
-    inputs = centers[labels] + torch.randn(n, features, generator=generator)
-    return inputs[rank::world_size], labels[rank::world_size]
+TASK = DataConfig(features=32, classes=4, train_samples=2048, test_samples=1)
 
 
 def main() -> None:
@@ -54,8 +49,9 @@ def main() -> None:
     else:
         model = torch.nn.parallel.DistributedDataParallel(model)
 
-    inputs, labels = synthetic_shard(rank, world_size)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = make_dataset(TASK)  # the same on every rank; each trains on its shard
+    inputs, labels = shard(data.train_x, data.train_y, rank, world_size)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     losses = []
     for _ in range(args.epochs):
         total = torch.zeros(1)
