@@ -253,3 +253,53 @@ def test_hierarchical_without_hosts_names_the_fix() -> None:
             comm.broadcast(torch.ones(4), algorithm="ring")
 
     mlfabric.run_threads(2, body)
+
+
+def test_emulated_rank_placements() -> None:
+    from mlfabric.emu.launcher import rank_hosts
+
+    assert rank_hosts(4, 2) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert rank_hosts(4, 2, "interleaved") == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert rank_hosts(3) == [0, 1, 2]
+    with pytest.raises(ValueError, match="unknown rank placement 'random'"):
+        rank_hosts(4, 2, "random")
+
+
+def test_compare_flat_runs_the_hosts_ring_and_an_interleaved_flat_ring() -> None:
+    from mlfabric.bench.allreduce import AllreduceBenchConfig, flat_comparison_configs
+
+    config = AllreduceBenchConfig(world_size=8, algorithms=("host_hierarchical", "ring"), sizes=(64_000_000,),
+                                  emulate_topology="star:n=4", emulate_rate_bps=1e9, ranks_per_host=2)
+    assert config.hosts == (0, 0, 1, 1, 2, 2, 3, 3)
+    hosts, flat = flat_comparison_configs(config)
+    assert (hosts.world_size, hosts.ranks_per_host, hosts.algorithms) == (4, 1, ("ring",))
+    assert (flat.world_size, flat.placement, flat.hosts) == (8, "interleaved", (0, 1, 2, 3, 0, 1, 2, 3))
+    with pytest.raises(ValueError, match="add --emulate"):
+        AllreduceBenchConfig(world_size=8, algorithms=("ring",), ranks_per_host=2)
+
+
+def test_simulator_times_the_host_internal_hop() -> None:
+    """Same-host transfers take no time without host links, and share their host's link
+    (at its rate) with them: the simulated hierarchical allreduce sits between the 4-host
+    ring and that plus the intra-host phases, and a flat interleaved ring is 7/3 x slower."""
+    from mlfabric.sim.workloads import simulate_collective
+    from mlfabric.topo import parse_topology
+
+    star = parse_topology("star:n=4", "1Gbps")
+    hosts = (0, 0, 1, 1, 2, 2, 3, 3)
+    ring_hosts = simulate_collective("allreduce:ring", star, size_bytes=64e6).time_s
+    assert ring_hosts == pytest.approx(2 * 3 / 4 * 64e6 * 8 / 1e9)
+    free = simulate_collective("allreduce:host_hierarchical", star, size_bytes=64e6, ranks=8,
+                               placement=list(hosts), hosts=hosts).time_s
+    with_links = star.with_host_links(8e9)
+    hier = simulate_collective("allreduce:host_hierarchical", with_links, size_bytes=64e6, ranks=8,
+                               placement=list(hosts), hosts=hosts)
+    assert free == pytest.approx(ring_hosts)  # intra-host phases in zero time
+    # RS and AG inside a host: 2 ranks x 32 MB each over one 8 Gbit/s link, at most not overlapped.
+    assert ring_hosts < hier.time_s <= ring_hosts + 2 * 2 * 32e6 * 8 / 8e9 + 1e-9
+    assert hier.link_summary()["layers"]["host"]["total_bytes"] == pytest.approx(4 * 2 * 2 * 32e6)
+    flat = simulate_collective("allreduce:ring", with_links, size_bytes=64e6, ranks=8,
+                               placement=[r % 4 for r in range(8)]).time_s
+    assert flat / ring_hosts == pytest.approx(7 / 3)
+    with pytest.raises(ValueError, match="already has host-internal links"):
+        with_links.with_host_links(1e9)
