@@ -21,7 +21,7 @@ The pieces, each usable alone:
   each token's exclusion of itself are exact; the only approximation is that tokens of one
   position do not see each other's word-topic moves, the same approximation AD-LDA makes
   across workers at a far coarser grain (a whole sweep of every other worker). In numpy,
-  about 1 microsecond per token with 50 topics (docs/results.md).
+  about 0.3 microseconds per token with 20 topics (docs/results.md).
 * :func:`document_completion`: the convergence metric, held-out log-likelihood per token,
   higher is better (Wallach et al. 2009's document completion): the topics ``phi`` are
   the model's smoothed word-topic counts; each held-out document's mixture ``theta`` is
@@ -88,9 +88,9 @@ class LdaSpec:
     document length, and the Dirichlet priors ``alpha`` (document-topic) and ``beta``
     (topic-word), used both to draw the corpus and by the sampler."""
 
-    topics: int = 50
-    vocabulary: int = 5_000
-    documents: int = 2_048
+    topics: int = 20
+    vocabulary: int = 4_000
+    documents: int = 4_096
     held_out: int = 256
     doc_length: float = 100.0
     alpha: float = 0.1

@@ -33,6 +33,10 @@ an MLP on a random-teacher classification.
   accuracy (the student reaches about 77% on the validation set: the teacher's boundaries
   are learnt slowly, so the curve keeps rising for many epochs; the majority class is 20%).
 
+The fifth workload, ``lda`` (distributed LDA by collapsed Gibbs sampling on a corpus drawn from
+LDA's generative model, MLfabric §7; metric: held-out log-likelihood), lives in
+:mod:`mlfabric.train.lda`: its "model" is a count matrix whose updates add up.
+
 All give every rank the same data for the same seed and need no download. The two
 classification tasks draw their whole training set on every rank (one generator stream;
 the validation set comes after it in the same stream) and shard it strided, like
