@@ -195,8 +195,15 @@ def _semantics() -> dict[str, object]:
 
         check.compare(f"all_to_all_single uneven {dtype}", uneven)
         ins = [_data((3,), dtype, next(seeds)) for _ in range(size)]
-        check.compare(f"all_to_all {dtype}", lambda g, a, ins=ins: _finish(
-            dist.all_to_all(outs := [torch.empty_like(i) for i in ins], ins, group=g, async_op=a), a, outs))
+
+        def all_to_all(group: object, async_op: bool, ins: list = ins) -> list[torch.Tensor]:
+            outs = [torch.empty_like(i) for i in ins]
+            if group is gloo:  # gloo of torch 2.11 has no list all_to_all: its single-tensor one
+                dist.all_to_all_single(flat := torch.empty(3 * size, dtype=ins[0].dtype), torch.cat(ins), group=gloo)
+                return list(flat.split(3))
+            return _finish(dist.all_to_all(outs, ins, group=group, async_op=async_op), async_op, outs)
+
+        check.compare(f"all_to_all {dtype}", all_to_all)
 
     # point to point: a ring of send/recv, of isend/irecv, batch_isend_irecv, a recv from anyone
     nxt, prev = (rank + 1) % size, (rank - 1) % size
@@ -378,3 +385,26 @@ def test_ddp_and_fsdp_train_as_on_gloo() -> None:
         # uneven pieces; FSDP2 all-gathers the parameters and reduce-scatters the gradients.
         model_bytes = sum(p.numel() for p in _model().parameters()) * 4
         assert res["ddp_bytes"] >= 0.9 * 6 * model_bytes and res["fsdp_bytes"] >= 0.9 * 6 * model_bytes, res
+
+
+# -- CUDA tensors (a lent GPU machine; skipped elsewhere) -----------------------------------------
+
+def _cuda_tensors() -> bool:
+    dist.init_process_group("mlfabric")
+    rank, device = dist.get_rank(), torch.device("cuda", 0)
+    t = (torch.arange(1000, dtype=torch.float32) * (rank + 1)).to(device)
+    dist.all_reduce(t)
+    gathered = torch.empty(2000, device=device)
+    dist.all_gather_into_tensor(gathered, t)
+    b = torch.full((5,), float(rank), device=device)
+    dist.broadcast(b, 1)
+    assert t.device == device and gathered.device == device
+    assert torch.equal(t.cpu(), torch.arange(1000.0) * 3)
+    assert torch.equal(gathered.cpu(), torch.cat([t.cpu(), t.cpu()])) and torch.equal(b.cpu(), torch.ones(5))
+    dist.destroy_process_group()
+    return True
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_are_staged_through_host_memory() -> None:
+    assert run_ranks(_cuda_tensors, 2, timeout=120) == [True, True]
