@@ -539,6 +539,10 @@ def simulate_collective_cmd(
     ranks: Annotated[Optional[int], typer.Option(help="Number of ranks (default: every host).")] = None,
     placement: Annotated[str, typer.Option(help="Rank -> host: sequential (rank r on host r) or random.")]
         = "sequential",
+    ranks_per_host: Annotated[int, typer.Option("--ranks-per-host", help="Ranks on every host (ranks h*R.. on "
+                                                "host h; host_hierarchical gets this layout).")] = 1,
+    host_rate: Annotated[Optional[str], typer.Option("--host-rate", help="Rate of each host's internal link "
+                                                     "(the shared-memory hop), e.g. 32Gbps; default: free.")] = None,
     routing: RoutingOption = "ecmp",
     seed: Annotated[int, typer.Option(help="Seed of ECMP, placement and compute draws.")] = 0,
     channel: Annotated[Optional[str], typer.Option(help="Channel of every message; on BCube channel 'l' = NIC l.")]
@@ -570,9 +574,22 @@ def simulate_collective_cmd(
         options["channel"] = channel
     if chunks is not None:
         options["chunks"] = chunks
+    rank_placement: str | list[int] = placement
+    if ranks_per_host > 1:
+        from mlfabric.emu.launcher import rank_hosts
+
+        hosts = _parse_or_usage(lambda n: rank_hosts(n, ranks_per_host), topo.n_hosts)
+        rank_placement, ranks = hosts, len(hosts)
+        if "host_hierarchical" in kind:
+            options["hosts"] = tuple(hosts)
+    if host_rate is not None:
+        from mlfabric.units import parse_rate
+
+        topo = topo.with_host_links(_parse_or_usage(parse_rate, host_rate))
     try:
         result = _run_sim(lambda: simulate_collective(kind, topo, size_bytes=size_bytes, itemsize=itemsize, ranks=ranks,
-                                                      placement=placement, compute=model, config=config, **options))
+                                                      placement=rank_placement, compute=model, config=config,
+                                                      **options))
     except (ValueError, TypeError) as exc:
         raise typer.BadParameter(str(exc)) from None
     world = ranks or topo.n_hosts
@@ -597,6 +614,8 @@ def simulate_collective_cmd(
         rows.append((label, f"{closed:.6g} s (simulated / closed form = {result.time_s / closed:.4f})" if closed else "0"))
     command = ["mlfabric", "simulate", "collective", "--topology", topology, "--link", link, "--algorithm", algorithm,
                "--size", size, "--routing", routing, "--seed", str(seed)]
+    command += ["--ranks-per-host", str(ranks_per_host)] if ranks_per_host > 1 else []
+    command += ["--host-rate", host_rate] if host_rate is not None else []
     _sim_output("collective", result, extra, json_flag=json_flag, output=output, plot=plot, links=links,
                 command=command, rows=rows)
 
