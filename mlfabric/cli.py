@@ -786,6 +786,100 @@ def _fmt_change(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:+.1%}"
 
 
+@simulate_app.command("mlfabric")
+def simulate_mlfabric_cmd(
+    workers: Annotated[int, typer.Option(help="Workers (one host each; the server on its own host).")] = 30,
+    update_size: Annotated[str, typer.Option("--update-size", help="Update (= model) size.")] = "100MB",
+    rate: Annotated[str, typer.Option(help="Every NIC's rate before churn.")] = "10gbit",
+    compute: Annotated[str, typer.Option(help="A worker's compute per update at nominal speed.")] = "100ms",
+    inject: Annotated[str, typer.Option(help="Compute settings, comma-separated: C1, C2, C3 (MLfabric §7), "
+                                             "none.")] = "C1,C2,C3",
+    churn: Annotated[str, typer.Option(help="Network settings, comma-separated: N1, N2, N3, none.")] = "N1,N2,N3",
+    churn_period: Annotated[str, typer.Option("--churn-period", help="Seconds between NIC rate redraws.")] = "5s",
+    sync: Annotated[str, typer.Option(help="Modes: allreduce (RR-Sync), tree-allreduce (Tr-Sync), ps-async, "
+                                           "mlfabric-a:TAU, mlfabric-s.")] =
+        "allreduce,tree-allreduce,ps-async,mlfabric-a:30,mlfabric-s",
+    updates: Annotated[int, typer.Option(help="Worker updates every mode must apply (the work to the "
+                                              "target).")] = 3000,
+    updates_needed: Annotated[Optional[str], typer.Option(
+        "--updates-needed", help="Per mode, overriding --updates: MODE=N,... (e.g. what an emulated run needed "
+                                 "to reach its target).")] = None,
+    aggregators: Annotated[int, typer.Option(help="k: aggregators (worker hosts) per server.")] = 2,
+    distributors: Annotated[int, typer.Option(help="k°: distributors per batch of pulls.")] = 2,
+    interval: Annotated[str, typer.Option(help="The scheduler's batching period.")] = "100ms",
+    lag: Annotated[str, typer.Option(help="The network monitor's lag (t_lag).")] = "200ms",
+    pull_after: Annotated[str, typer.Option("--pull-after", help="MLfabric-A: a pull is answered once the "
+                                                                  "worker's update is applied (applied, as the "
+                                                                  "runtime) or at once (request).")] = "applied",
+    seed: Annotated[int, typer.Option(help="Seed of compute and churn draws.")] = 0,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures here.")] = None,
+) -> None:
+    """MLfabric §7, Table 2 from the simulator: each mode's time to apply the same worker
+    updates under compute (C1-C3) and network (N1-N3) settings, as speedup over RR-Sync. The
+    MLfabric modes run the runtime's scheduler and model distribution (mlfabric.sim.mlfabric)."""
+    from rich import box
+    from rich.table import Table
+
+    from mlfabric.sim.mlfabric import PAPER_TABLE2, MLfabricSimConfig, simulate_table2, table2
+    from mlfabric.units import parse_duration, parse_rate, parse_size
+
+    _check_choice(pull_after, ("applied", "request"), "--pull-after")
+    needed: dict[str, int] = {}
+    for item in split_list(updates_needed, "MODE=N") if updates_needed else []:
+        mode, sep, count = item.partition("=")
+        if not sep or not count.strip().isdigit():
+            raise typer.BadParameter(f"--updates-needed: expected MODE=N, got {item!r}")
+        needed[mode.strip()] = int(count)
+    modes = split_list(sync, "modes")
+    config = make_config(MLfabricSimConfig, workers=workers, update_bytes=float(_parse_or_usage(parse_size, update_size)),
+                         rate_bps=_parse_or_usage(parse_rate, rate), compute_s=_parse_or_usage(parse_duration, compute),
+                         churn_period_s=_parse_or_usage(parse_duration, churn_period), updates=updates,
+                         updates_needed=needed, aggregators=aggregators, distributors=distributors,
+                         interval_s=_parse_or_usage(parse_duration, interval),
+                         monitor_lag_s=_parse_or_usage(parse_duration, lag), pull_after=pull_after, seed=seed)
+    injects = split_list(inject, "compute settings")
+    churns = [None if c.lower() == "none" else c for c in split_list(churn, "network settings")]
+    with progress_bar() as progress:
+        task = progress.add_task(f"MLfabric Table 2: {len(injects) * len(churns)} cells x {len(modes)} modes",
+                                 total=len(injects) * len(churns))
+        try:
+            rows = simulate_table2(config, modes, injects, churns,
+                                   on_cell=lambda done, total: progress.update(task, completed=done))
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    names = [c or "none" for c in churns]
+    for mode in [m for m in modes if m != "allreduce"]:
+        grid = table2(rows, mode)
+        table = Table(title=f"{mode} vs RR-Sync", title_justify="left", box=box.SIMPLE_HEAD,
+                      caption="speedup in time to the same applied updates (simulated)"
+                              + ("; [paper's MLfabric-A-30]" if mode.startswith("mlfabric-a") else ""),
+                      caption_justify="left")
+        table.add_column("compute")
+        for name in names:
+            table.add_column(name, justify="right")
+        for inj in injects:
+            cells = []
+            for name in names:
+                value = grid.get(inj, {}).get(name)
+                paper = PAPER_TABLE2.get(inj, {}).get(name) if mode.startswith("mlfabric-a") else None
+                cells.append(("-" if value is None else f"{value:.2f}") + (f" [{paper:.2f}]" if paper else ""))
+            table.add_row(inj, *cells)
+        console.print(table)
+    if json_path is not None:
+        command = ["mlfabric", "simulate", "mlfabric", "--workers", str(workers), "--update-size", update_size,
+                   "--rate", rate, "--compute", compute, "--inject", inject, "--churn", churn, "--sync", sync,
+                   "--updates", str(updates), "--aggregators", str(aggregators), "--distributors", str(distributors),
+                   "--interval", interval, "--lag", lag, "--pull-after", pull_after, "--seed", str(seed)]
+        if updates_needed:
+            command += ["--updates-needed", updates_needed]
+        import dataclasses
+        import shlex
+
+        write_json(json_path, {"benchmark": "simulate-mlfabric", "command": shlex.join(command),
+                               "config": dataclasses.asdict(config), "runs": rows,
+                               "table2": {m: table2(rows, m) for m in modes}, "paper_table2": PAPER_TABLE2})
+
+
 @simulate_app.command("mlnet")
 def simulate_mlnet_cmd(
     servers: Annotated[Optional[str], typer.Option(help="Parameter-server counts of the sweep (default "

@@ -127,7 +127,10 @@ def summarize(server_stats: list[dict[str, Any]], worker_stats: list[dict[str, A
     return {
         "max_delay": max(delays) if delays else None,
         "mean_delay": sum(k * v for k, v in delays.items()) / applied_worker if applied_worker else None,
-        "dropped": sum(s["dropped"] for s in server_stats),
+        # every worker update not applied: over the bound at a server, dropped by the
+        # scheduler (MLfabric-A's Alg. 2), or planned but not in at its server in time (skipped)
+        "dropped": sum(s["dropped"] + s.get("skipped", 0) + s.get("scheduler", {}).get("dropped_by_scheduler", 0)
+                       for s in server_stats),
         "updates_applied": sum(s["updates_applied"] for s in server_stats),
         "worker_updates_applied": applied_worker,
         "delay_histogram": {str(k): delays[k] for k in sorted(delays)},

@@ -1,0 +1,614 @@
+"""MLfabric §7 simulated: time for parameter-server and allreduce training to apply a given
+number of worker updates, under compute stragglers (C1-C3) and bandwidth churn (N1-N3) -- the
+simulator's Table 2 (speedup in time w.r.t. RR-Sync).
+
+    mlfabric simulate mlfabric --workers 30 --update-size 100MB --rate 10gbit --compute 100ms
+    .venv/bin/python -m pytest tests/unit/test_sim_mlfabric.py -q
+
+The scheduled modes run the runtime's own code, not a copy: every batch is planned by
+:class:`mlfabric.ps.scheduler.Scheduler` on the residual network the runtime's
+:class:`~mlfabric.ps.monitor.Ledger` builds from capacities the
+:class:`~mlfabric.ps.monitor.NetworkMonitor` reports ``t_lag`` late, and pulls are answered
+in batches through :func:`mlfabric.ps.scheduler.distribute` (model distribution, §10.3), as
+:mod:`mlfabric.ps.scheduling` does.
+
+The network is a star of hosts (host 0 the server, hosts ``1..W`` the workers) whose NICs
+have an up and a down capacity, redrawn every ``churn_period_s`` from the churn model (the
+emulator's :func:`mlfabric.emu.churn.churn_schedule`, same seed, same draws). Transfers are
+fluid flows sharing each NIC max-min fairly; a transfer the scheduler reserved is capped at
+its planned rate (the runtime paces it so). Control messages (requests, decisions, pull
+requests) take no time. Modes:
+
+* ``allreduce`` (RR-Sync) and ``tree-allreduce`` (Tr-Sync): each iteration waits for the
+  slowest worker's compute, then the collective runs on the NICs' current rates
+  (:func:`mlfabric.sim.simulate_collective`, the flow-level engine, on the star);
+* ``ps-async`` (vanilla Async): compute, push, the server applies it on arrival (with
+  ``--delay-bound``-style drops when ``tau`` is given as ``ps-async:TAU``), pull;
+* ``mlfabric-a:TAU``: requests batched every ``interval_s`` (or once every worker waits),
+  planned by the scheduler (order, drops, aggregation at ``aggregators`` worker hosts), applied
+  by the server in the planned order; a worker's pull is answered once its update is applied;
+* ``mlfabric-s``: BSP rounds whose updates the scheduler orders and aggregates (obj_sync).
+
+"Time to target": the paper times each mode to a test accuracy; a flow-level simulator has no
+accuracy, so each mode is timed to a number of applied worker updates (``updates``, the same
+for every mode unless ``updates_needed`` says otherwise: e.g. the counts an emulated run
+needed, so that the simulation predicts its time). Decisions are in docs/simulator.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from mlfabric.emu.churn import churn_model, churn_schedule
+from mlfabric.ps.monitor import Ledger, NetworkMonitor
+from mlfabric.ps.scheduler import Scheduler, SchedulerConfig, UpdateRequest, distribute
+
+__all__ = ["MLfabricSimConfig", "PAPER_TABLE2", "SIM_MODES", "simulate_mlfabric", "simulate_mode", "simulate_table2",
+           "table2"]
+
+SIM_MODES = ("allreduce", "tree-allreduce", "ps-async", "mlfabric-a:TAU", "mlfabric-s")
+#: The paper's Table 2: MLfabric-A-30's speedup in time to 74% accuracy w.r.t. RR-Sync.
+PAPER_TABLE2 = {"C1": {"N1": 1.74, "N2": 1.23, "N3": 1.42}, "C2": {"N1": 2.96, "N2": 2.0, "N3": 2.32},
+                "C3": {"N1": 1.90, "N2": 1.33, "N3": 1.42}}
+_STRAGGLER_STREAM = 11  # seed stream of the compute draws (distinct from churn's)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLfabricSimConfig:
+    """One simulated cell of Table 2 (defaults: the paper's §7 setting)."""
+
+    workers: int = 30
+    update_bytes: float = 100e6
+    rate_bps: float = 10e9
+    compute_s: float = 0.1
+    straggler: str | None = "C1"       # C1-C3, "PROB,SLOWDOWN" or None
+    churn: str | None = "N1"           # N1-N3, "RATE:PROB,..." or None
+    churn_period_s: float = 5.0
+    updates: int = 3_000               # worker updates each mode must apply
+    updates_needed: dict[str, int] = field(default_factory=dict)  # per mode, overriding ``updates``
+    interval_s: float = 0.1
+    aggregators: int = 2
+    distributors: int = 2
+    monitor_lag_s: float = 0.2
+    #: MLfabric modes: a worker's pull is answered once its update is applied ("applied", as
+    #: the runtime does) or at once, the update travelling on its own ("request").
+    pull_after: str = "applied"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        from mlfabric.sim.compute import straggler_preset
+
+        if self.workers < 2:
+            raise ValueError(f"need at least 2 workers, got {self.workers}")
+        for name in ("update_bytes", "rate_bps", "churn_period_s", "interval_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number, got {value}")
+        if not (math.isfinite(self.compute_s) and self.compute_s >= 0) or self.monitor_lag_s < 0:
+            raise ValueError(f"compute_s and monitor_lag_s must be >= 0, got {self.compute_s}, {self.monitor_lag_s}")
+        if self.updates < 1 or any(v < 1 for v in self.updates_needed.values()):
+            raise ValueError("updates (and every updates_needed) must be >= 1")
+        if self.aggregators < 0 or self.distributors < 0:
+            raise ValueError("aggregators and distributors must be >= 0")
+        if self.straggler is not None:
+            straggler_preset(self.straggler)  # raises with the accepted spellings
+        if self.churn is not None:
+            churn_model(self.churn)
+
+    def needed(self, mode: str) -> int:
+        return int(self.updates_needed.get(mode, self.updates))
+
+
+# --------------------------------------------------------------------------- the fluid network
+
+
+class _Flow:
+    __slots__ = ("src", "dst", "left", "cap", "rate", "done")
+
+    def __init__(self, src: int, dst: int, size: float, cap: float, done: Callable[[float], None]) -> None:
+        self.src, self.dst, self.left, self.cap, self.rate, self.done = src, dst, size, cap, 0.0, done
+
+
+class _StarNet:
+    """Flows on a star's NICs (up and down capacity per host, bytes/s), shared max-min fairly;
+    a flow never goes above its cap (a reserved, paced transfer)."""
+
+    def __init__(self, up: np.ndarray, down: np.ndarray) -> None:
+        self.up, self.down = up.astype(float), down.astype(float)
+        self.flows: list[_Flow] = []
+        self.now = 0.0
+
+    def add(self, src: int, dst: int, size: float, done: Callable[[float], None], cap: float = math.inf) -> None:
+        if src == dst or size <= 0:
+            done(self.now)
+            return
+        self.flows.append(_Flow(src, dst, size, cap, done))
+        self._allocate()
+
+    def set_capacity(self, up: np.ndarray, down: np.ndarray) -> None:
+        self.up, self.down = up.astype(float), down.astype(float)
+        self._allocate()
+
+    def _allocate(self) -> None:
+        """Progressive filling: raise every unfrozen flow's rate together until a NIC is full
+        or the flow reaches its cap."""
+        residual = {("u", h): c for h, c in enumerate(self.up)} | {("d", h): c for h, c in enumerate(self.down)}
+        live = list(self.flows)
+        for f in live:
+            f.rate = 0.0
+        while live:
+            users: dict[tuple[str, int], int] = {}
+            for f in live:
+                for link in (("u", f.src), ("d", f.dst)):
+                    users[link] = users.get(link, 0) + 1
+            step = min(min(residual[link] / n for link, n in users.items()), min(f.cap - f.rate for f in live))
+            step = max(step, 0.0)
+            for f in live:
+                f.rate += step
+                residual[("u", f.src)] -= step
+                residual[("d", f.dst)] -= step
+            full = {link for link in users if residual[link] <= 1e-9 * max(1.0, step)}
+            live = [f for f in live if ("u", f.src) not in full and ("d", f.dst) not in full
+                    and f.rate < f.cap * (1 - 1e-12)]
+
+    def next_finish(self) -> float:
+        return min((self.now + f.left / f.rate for f in self.flows if f.rate > 0), default=math.inf)
+
+    def advance(self, t: float) -> list[_Flow]:
+        """Move to ``t``; returns the flows that finished by then (removed)."""
+        dt = t - self.now
+        self.now = t
+        done: list[_Flow] = []
+        for f in self.flows:
+            f.left -= f.rate * dt
+            if f.left <= max(1e-3, f.rate * 1e-9):  # within a nanosecond of its end
+                done.append(f)
+        if done:
+            self.flows = [f for f in self.flows if f not in done]
+            self._allocate()
+        return done
+
+
+class _Clock:
+    """The event loop: timed callbacks and the network's flow completions, in time order."""
+
+    def __init__(self, net: _StarNet) -> None:
+        self.net = net
+        self._events: list[tuple[float, int, Callable[[float], None]]] = []
+        self._seq = itertools.count()
+
+    def at(self, t: float, fn: Callable[[float], None]) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), fn))
+
+    def run(self, stop: Callable[[], bool], limit_s: float) -> float:
+        while not stop():
+            t_event = self._events[0][0] if self._events else math.inf
+            t_flow = self.net.next_finish()
+            t = min(t_event, t_flow)
+            if t == math.inf:
+                raise RuntimeError("simulation stalled: nothing left to happen before the target was reached")
+            if t > limit_s:
+                raise RuntimeError(f"simulation passed {limit_s:g} simulated seconds without reaching the target")
+            for f in self.net.advance(max(t, self.net.now)):
+                f.done(t)
+            while self._events and self._events[0][0] <= t:
+                _, _, fn = heapq.heappop(self._events)
+                fn(t)
+        return self.net.now
+
+
+# --------------------------------------------------------------------------- the environment
+
+
+class _Environment:
+    """Capacities over time (churn), as the network sees them and as the monitor reports
+    them ``t_lag`` later; compute times per (worker, iteration) with stragglers."""
+
+    def __init__(self, config: MLfabricSimConfig) -> None:
+        from mlfabric.sim.compute import straggler_preset
+
+        self.config = config
+        hosts = config.workers + 1
+        base = config.rate_bps / 8
+        self.changes: list[tuple[float, np.ndarray, np.ndarray]] = [(0.0, np.full(hosts, base), np.full(hosts, base))]
+        self._schedule = None
+        if config.churn is not None:
+            self._schedule = churn_schedule(churn_model(config.churn), n_hosts=hosts, nics_per_host=1,
+                                            base_rate_bps=config.rate_bps, period_s=config.churn_period_s,
+                                            seed=config.seed)
+            self.changes = []
+            self._draw()
+        model = straggler_preset(config.straggler) if config.straggler else None
+        self._straggler = model
+        self._rng = np.random.default_rng(np.random.SeedSequence([config.seed, _STRAGGLER_STREAM]))
+        self._factors: list[np.ndarray] = []
+
+    def _draw(self) -> None:
+        assert self._schedule is not None
+        t, rows = next(self._schedule)
+        up = np.array([r.rate_bps / 8 for r in rows if r.direction == "egress"])
+        down = np.array([r.rate_bps / 8 for r in rows if r.direction == "ingress"])
+        self.changes.append((t, up, down))
+
+    def capacities_at(self, t: float) -> tuple[np.ndarray, np.ndarray]:
+        while self._schedule is not None and self.changes[-1][0] <= t:
+            self._draw()
+        for when, up, down in reversed(self.changes):
+            if when <= t:
+                return up, down
+        return self.changes[0][1], self.changes[0][2]
+
+    def change_times(self) -> Any:
+        """Times of the redraws after 0, lazily (endless with churn)."""
+        if self._schedule is None:
+            return iter(())
+        return (self.config.churn_period_s * k for k in itertools.count(1))
+
+    def compute(self, worker: int, iteration: int) -> float:
+        while len(self._factors) <= iteration:
+            w = self.config.workers
+            if self._straggler is None:
+                self._factors.append(np.ones(w))
+            else:
+                draws = self._rng.random(w)
+                self._factors.append(np.where(draws < self._straggler.probability, self._straggler.slowdown, 1.0))
+        return self.config.compute_s * float(self._factors[iteration][worker])
+
+
+def _follow_churn(env: _Environment, clock: _Clock, monitor: NetworkMonitor | None = None) -> None:
+    """Apply every redraw to the network (and report it to the monitor) when it happens."""
+    times = env.change_times()
+
+    def change(t: float) -> None:
+        up, down = env.capacities_at(t)
+        clock.net.set_capacity(up, down)
+        if monitor is not None:
+            for h in range(up.size):
+                monitor.report(h, float(up[h]), float(down[h]), t)
+        nxt = next(times, None)
+        if nxt is not None:
+            clock.at(nxt, change)
+
+    first = next(times, None)
+    if first is not None:
+        clock.at(first, change)
+
+
+# --------------------------------------------------------------------------- modes
+
+
+def _collective_s(kind: str, workers: int, size: float, up: np.ndarray, down: np.ndarray,
+                  cache: dict[Any, float]) -> float:
+    """One allreduce over the workers' NICs (hosts 1..W) at these rates, by the flow engine."""
+    key = (kind, up[1:].tobytes(), down[1:].tobytes())
+    if key not in cache:
+        from mlfabric.sim import simulate_collective
+        from mlfabric.topo import star
+
+        topo = star(workers, 8 * float(up.max()))
+        capacity = np.array(topo.link_capacity, dtype=float)
+        for link in range(capacity.size):
+            src, dst = int(topo.link_src[link]), int(topo.link_dst[link])
+            if src < workers:  # capacities in bit/s, as the topology's
+                capacity[link] = 8 * up[1 + src]
+            elif dst < workers:
+                capacity[link] = 8 * down[1 + dst]
+        topo = dataclasses.replace(topo, link_capacity=capacity)
+        cache[key] = float(simulate_collective(f"allreduce:{kind}", topo, size_bytes=size).time_s)
+    return cache[key]
+
+
+def _sync_collective(config: MLfabricSimConfig, env: _Environment, kind: str, needed: int) -> dict[str, Any]:
+    t, iteration, cache = 0.0, 0, {}
+    w = config.workers
+    while iteration * w < needed:
+        t += max(env.compute(k, iteration) for k in range(w))
+        up, down = env.capacities_at(t)
+        t += _collective_s(kind, w, config.update_bytes, up, down, cache)
+        iteration += 1
+    return {"time_s": t, "iterations": iteration, "applied": iteration * w, "dropped": 0, "max_delay": 0}
+
+
+class _PS:
+    """What the PS modes share: workers' compute loops, the server's version and counts."""
+
+    def __init__(self, config: MLfabricSimConfig, env: _Environment, clock: _Clock, needed: int) -> None:
+        self.config, self.env, self.clock, self.needed = config, env, clock, needed
+        self.version = 0
+        self.applied = 0
+        self.dropped = 0
+        self.delays: list[int] = []
+        self.iteration = [0] * config.workers
+        self.model_version = [0] * config.workers  # the version each worker computes from
+
+    def host(self, worker: int) -> int:
+        return worker + 1
+
+    def start(self) -> None:
+        for w in range(self.config.workers):
+            self.compute(w, 0.0)
+
+    def compute(self, w: int, t: float) -> None:
+        self.clock.at(t + self.env.compute(w, self.iteration[w]), lambda now, w=w: self.computed(w, now))
+        self.iteration[w] += 1
+
+    def computed(self, w: int, t: float) -> None:
+        raise NotImplementedError
+
+    def apply(self, workers: Sequence[int], versions: Sequence[int]) -> None:
+        for v in versions:
+            self.delays.append(self.version + 1 - v)
+        self.version += 1
+        self.applied += len(workers)
+
+    def done(self) -> bool:
+        return self.applied >= self.needed
+
+    def figures(self, t: float) -> dict[str, Any]:
+        return {"time_s": t, "applied": self.applied, "dropped": self.dropped, "versions": self.version,
+                "max_delay": max(self.delays, default=0),
+                "mean_delay": float(np.mean(self.delays)) if self.delays else 0.0}
+
+
+class _Async(_PS):
+    """Vanilla Async: push, applied on arrival (dropped past ``tau`` if bounded), pull."""
+
+    def __init__(self, *args: Any, tau: int | None) -> None:
+        super().__init__(*args)
+        self.tau = tau
+
+    def computed(self, w: int, t: float) -> None:
+        v = self.model_version[w]
+        self.clock.net.add(self.host(w), 0, self.config.update_bytes, lambda now: self.arrived(w, v, now))
+
+    def arrived(self, w: int, v: int, t: float) -> None:
+        if self.tau is not None and self.version + 1 - v > self.tau:
+            self.dropped += 1
+        else:
+            self.apply([w], [v])
+        version = self.version
+        self.clock.net.add(0, self.host(w), self.config.update_bytes, lambda now: self.pulled(w, version, now))
+
+    def pulled(self, w: int, version: int, t: float) -> None:
+        self.model_version[w] = version
+        self.compute(w, t)
+
+
+class _Scheduled(_PS):
+    """MLfabric-A (``tau``) or MLfabric-S (``tau=None``): the runtime's scheduler and model
+    distribution on the simulated network."""
+
+    def __init__(self, *args: Any, tau: int | None) -> None:
+        super().__init__(*args)
+        c = self.config
+        self.sync = tau is None
+        workers = list(range(1, c.workers + 1))
+        aggs = [workers[(i * c.workers) // min(c.aggregators, c.workers)] for i in range(min(c.aggregators, c.workers))]
+        self.scheduler = Scheduler(SchedulerConfig(tau_max=0 if self.sync else tau, mode="sync" if self.sync else "async",
+                                                   aggregation=bool(aggs), seed=c.seed), servers=[0], aggregators=aggs)
+        self.monitor = NetworkMonitor(hosts=c.workers + 1, default_bps=c.rate_bps / 8, lag_s=c.monitor_lag_s)
+        up, down = self.env.capacities_at(0.0)
+        for h in range(up.size):
+            self.monitor.report(h, float(up[h]), float(down[h]), 0.0)
+        self.ledger = Ledger()
+        self.pending: list[tuple[int, int]] = []  # (worker, version computed from)
+        self.planned = 0                            # versions planned beyond the applied ones
+        self.queue: list[dict[str, Any]] = []       # planned entries in application order
+        self.pulls: list[int] = []                  # workers whose pull is ready to answer
+        self.busy_until = 0.0
+        self.answering = 0
+        self.round_in = 0  # MLfabric-S: worker updates of the open round applied so far
+        self.ids = itertools.count()
+        self.draws = np.random.default_rng(np.random.SeedSequence([c.seed, 7_919]))
+
+    def start(self) -> None:
+        super().start()
+        self.clock.at(self.config.interval_s, self.tick)
+
+    def computed(self, w: int, t: float) -> None:
+        self.pending.append((w, self.model_version[w]))
+        if self.config.pull_after == "request" and not self.sync:
+            self.pull_ready([w], t)
+        if len(self.pending) == self.config.workers:  # every worker waits: the batch cannot grow
+            self.plan(t)
+
+    def tick(self, t: float) -> None:
+        if self.pending:
+            self.plan(t)
+        if not self.done():
+            self.clock.at(t + self.config.interval_s, self.tick)
+
+    def plan(self, t: float) -> None:
+        pending, self.pending = self.pending, []
+        v_init = self.version + self.planned
+        ids = {next(self.ids): p for p in pending}
+        requests = [UpdateRequest(update_id=i, worker=self.host(w), sizes=(self.config.update_bytes,),
+                                  version=min(v, v_init), norm=0.0) for i, (w, v) in ids.items()]
+        network = self.ledger.state(t, *self.monitor.capacities(t))
+        out = self.scheduler.schedule(requests, version=v_init, network=network, now=t)
+        self.ledger.add([tr for d in out.applied() for tr in d.transfers] +
+                        [tr for g in out.aggregates for tr in g.transfers])
+        groups = {g.slot: g for g in out.aggregates}
+        entries: dict[Any, dict[str, Any]] = {}
+        for d in out.applied():
+            w, v = ids[d.update_id]
+            key = ("u", d.update_id) if d.group == 0 else ("g", d.group)
+            entry = entries.setdefault(key, {"workers": [], "versions": [], "expected": 0, "arrived": 0,
+                                             "sync": self.sync})
+            entry["workers"].append(w)
+            entry["versions"].append(v)
+            entry["expected"] = 1 if d.group == 0 else len(groups[d.group].members)
+        order = list(entries.values())
+        self.queue += order
+        if not self.sync:
+            self.planned += len(order)
+        for d in out.decisions:
+            w, v = ids[d.update_id]
+            if d.dropped:
+                self.dropped += 1
+                if self.config.pull_after == "applied" or self.sync:
+                    self.pull_ready([w], t)
+                continue
+            entry = entries[("u", d.update_id) if d.group == 0 else ("g", d.group)]
+            rate = _mean_rate(d.transfers)
+            hop = d.next_hop[0]
+            if d.group == 0:
+                self.clock.at(max(t, d.start or t), lambda now, w=w, e=entry, rate=rate: self.clock.net.add(
+                    self.host(w), 0, self.config.update_bytes, lambda end, e=e: self.arrive(e, end), rate))
+            else:
+                g = groups[d.group]
+                self.clock.at(max(t, d.start or t), lambda now, w=w, e=entry, hop=hop, rate=rate, g=g:
+                              self.clock.net.add(self.host(w), hop, self.config.update_bytes,
+                                                 lambda end, e=e, g=g: self.member_in(e, g, end), rate))
+
+    def member_in(self, entry: dict[str, Any], group: Any, t: float) -> None:
+        entry["members_in"] = entry.get("members_in", 0) + 1
+        if entry["members_in"] == entry["expected"]:
+            rate = _mean_rate(group.transfers)
+            self.clock.net.add(group.hosts[0], 0, self.config.update_bytes, lambda end: self.arrive(entry, end), rate)
+
+    def arrive(self, entry: dict[str, Any], t: float) -> None:
+        entry["arrived"] = 1
+        # the server applies in the planned order
+        while self.queue and self.queue[0]["arrived"]:
+            e = self.queue.pop(0)
+            if self.sync:
+                self.applied += len(e["workers"])
+                self.round_in += len(e["workers"])
+                if self.round_in == self.config.workers:  # the round closes: one version
+                    self.round_in = 0
+                    self.version += 1
+                    self.delays += [0] * self.config.workers
+                    self.pull_ready(range(self.config.workers), t)
+            else:
+                self.planned -= 1
+                self.apply(e["workers"], e["versions"])
+                if self.config.pull_after == "applied":
+                    self.pull_ready(e["workers"], t)
+
+    def pull_ready(self, workers: Sequence[int], t: float) -> None:
+        self.pulls += workers
+        self.answer(t)
+
+    def answer(self, t: float) -> None:
+        """Model distribution as ScheduledRouting.answer_pulls: batches, k° distributors."""
+        if self.answering or t < self.busy_until or not self.pulls:
+            if self.pulls and not self.answering and t < self.busy_until:
+                self.clock.at(self.busy_until, self.answer)
+            return
+        batch, self.pulls = self.pulls, []
+        version, size = self.version, self.config.update_bytes
+        network = self.ledger.state(t, *self.monitor.capacities(t))
+        hosts = [self.host(w) for w in batch]
+        k = min(self.config.distributors, len(hosts) - 1) if len(hosts) >= 3 else 0
+        if k:
+            order = list(hosts)
+            self.draws.shuffle(order)
+            order.sort(key=lambda h: network.t_en(0, h, size, t))
+            plan = distribute(network, server=0, workers=order[k:], distributors=order[:k], model_size=size, start=t)
+            relays = {d: list(ws) for d, ws in plan.groups}
+            direct = [h for h in (*plan.direct, *order[:k]) if h not in relays]
+            transfers = list(plan.transfers)
+        else:
+            relays, direct = {}, hosts
+            transfers = [network.reserve(0, h, size, t) for h in hosts]
+        self.ledger.add(transfers)
+        self.busy_until = max((tr.end for tr in transfers if tr.src == 0), default=t)
+
+        def got(h: int, now: float) -> None:
+            self.model_version[h - 1] = version
+            self.compute(h - 1, now)
+
+        def server_sent(now: float) -> None:
+            self.answering -= 1
+            if not self.answering:
+                self.answer(now)  # the pulls that became ready meanwhile
+
+        def at_relay(d: int, now: float) -> None:
+            got(d, now)
+            for h in relays[d]:
+                self.clock.net.add(d, h, size, lambda end, h=h: got(h, end))
+            server_sent(now)
+
+        def direct_done(h: int, now: float) -> None:
+            got(h, now)
+            server_sent(now)
+
+        for d in reversed(list(relays)):
+            self.answering += 1
+            self.clock.net.add(0, d, size, lambda now, d=d: at_relay(d, now))
+        for h in direct:
+            self.answering += 1
+            self.clock.net.add(0, h, size, lambda now, h=h: direct_done(h, now))
+
+
+def _mean_rate(transfers: Sequence[Any]) -> float:
+    """A planned transfer's mean rate (what the runtime paces at), or no cap."""
+    for tr in transfers:
+        if tr.times and tr.end > tr.begin:
+            return tr.size / (tr.end - tr.begin)
+    return math.inf
+
+
+def simulate_mode(config: MLfabricSimConfig, mode: str) -> dict[str, Any]:
+    """Time for ``mode`` to apply its worker updates (:meth:`MLfabricSimConfig.needed`)."""
+    env = _Environment(config)
+    needed = config.needed(mode)
+    if mode in ("allreduce", "tree-allreduce"):
+        return {"mode": mode, **_sync_collective(config, env, "ring" if mode == "allreduce" else "tree", needed)}
+    up, down = env.capacities_at(0.0)
+    clock = _Clock(_StarNet(up, down))
+    if mode == "ps-async" or mode.startswith("ps-async:"):
+        tau = int(mode.split(":", 1)[1]) if ":" in mode else None
+        ps: _PS = _Async(config, env, clock, needed, tau=tau)
+        _follow_churn(env, clock)
+    elif mode.startswith("mlfabric-a:") or mode == "mlfabric-s":
+        tau = int(mode.split(":", 1)[1]) if mode != "mlfabric-s" else None
+        ps = _Scheduled(config, env, clock, needed, tau=tau)
+        _follow_churn(env, clock, ps.monitor)
+    else:
+        raise ValueError(f"unknown simulated mode {mode!r}; choose from {', '.join(SIM_MODES)}")
+    ps.start()
+    t = clock.run(ps.done, limit_s=1e6)
+    return {"mode": mode, **ps.figures(t)}
+
+
+def simulate_mlfabric(config: MLfabricSimConfig, modes: Sequence[str]) -> list[dict[str, Any]]:
+    """Every mode on the same draws; adds ``speedup`` (allreduce's time over the mode's)."""
+    runs = [simulate_mode(config, m) for m in modes]
+    base = next((r["time_s"] for r in runs if r["mode"] == "allreduce"), None)
+    for r in runs:
+        r["time_s"] = float(r["time_s"])
+        r["speedup"] = base / r["time_s"] if base else None
+    return runs
+
+
+def simulate_table2(config: MLfabricSimConfig, modes: Sequence[str], injects: Sequence[str],
+                    churns: Sequence[str | None], *,
+                    on_cell: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
+    """Every (compute setting, network setting) cell: :func:`simulate_mlfabric` rows with
+    ``inject`` and ``churn`` added (Table 2's grid)."""
+    rows: list[dict[str, Any]] = []
+    cells = [(i, c) for c in churns for i in injects]
+    for done, (inject, churn) in enumerate(cells):
+        cell = dataclasses.replace(config, straggler=None if inject == "none" else inject, churn=churn)
+        rows += [{"inject": inject, "churn": churn or "none", **r} for r in simulate_mlfabric(cell, modes)]
+        if on_cell is not None:
+            on_cell(done + 1, len(cells))
+    return rows
+
+
+def table2(rows: Sequence[dict[str, Any]], mode: str) -> dict[str, dict[str, float | None]]:
+    """``{inject: {churn: speedup of mode}}`` from rows with ``inject``, ``churn``, ``mode``, ``speedup``."""
+    out: dict[str, dict[str, float | None]] = {}
+    for r in rows:
+        if r["mode"] == mode:
+            out.setdefault(r["inject"], {})[r["churn"]] = r["speedup"]
+    return out

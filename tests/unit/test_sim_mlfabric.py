@@ -1,0 +1,137 @@
+"""MLfabric §7 in the simulator (mlfabric.sim.mlfabric): the fluid star network, each mode's
+timing against closed forms, the runtime's scheduler in the loop, determinism, the CLI.
+
+    .venv/bin/python -m pytest tests/unit/test_sim_mlfabric.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from mlfabric.sim.mlfabric import (MLfabricSimConfig, _StarNet, simulate_mlfabric, simulate_mode, simulate_table2,
+                                   table2)
+
+MB = 1e6
+# 4 workers, 1 MB updates at 80 Mbit/s (10 MB/s): a transfer takes 0.1 s on an idle NIC.
+SMALL = {"workers": 4, "update_bytes": 1 * MB, "rate_bps": 80e6, "compute_s": 0.05, "straggler": None,
+         "churn": None, "updates": 40}
+
+
+def test_flows_share_a_nic_max_min_and_keep_to_their_cap() -> None:
+    net = _StarNet(np.array([10.0, 10.0, 10.0]), np.array([10.0, 10.0, 10.0]))
+    ends: dict[str, float] = {}
+    net.add(1, 0, 10.0, lambda t: ends.setdefault("a", t))
+    net.add(2, 0, 10.0, lambda t: ends.setdefault("b", t), cap=2.0)
+    assert [f.rate for f in net.flows] == pytest.approx([8.0, 2.0])  # b capped, a takes the rest of 0's down-link
+    while net.flows:
+        for f in net.advance(net.next_finish()):
+            f.done(net.now)
+    assert ends["a"] == pytest.approx(1.25)  # 10 B at 8 B/s
+    assert ends["b"] == pytest.approx(1.25 + 7.5 / 2.0)  # 2.5 B by then, the rest still capped at 2
+    net.add(1, 2, 10.0, lambda t: None)
+    net.set_capacity(np.array([10.0, 4.0, 10.0]), np.array([10.0, 10.0, 10.0]))
+    assert net.flows[0].rate == pytest.approx(4.0)  # a churn redraw applies at once
+
+
+def test_synchronous_modes_are_compute_plus_the_collective() -> None:
+    from mlfabric.sim import ring_closed_form_s
+
+    config = MLfabricSimConfig(**SMALL)
+    ring = simulate_mode(config, "allreduce")
+    assert ring["iterations"] == 10 and ring["applied"] == 40
+    assert ring["time_s"] == pytest.approx(10 * (0.05 + ring_closed_form_s(4, 1 * MB, 80e6)), rel=1e-6)
+    tree = simulate_mode(config, "tree-allreduce")
+    assert tree["time_s"] > ring["time_s"]  # the binomial tree's root sends log2(4) copies
+
+
+def test_vanilla_async_on_one_worker_is_compute_push_and_pull() -> None:
+    config = MLfabricSimConfig(**{**SMALL, "workers": 2, "updates": 10})
+    run = simulate_mode(config, "ps-async")
+    # two workers in lockstep share the server's NIC both ways: 0.05 + 2 x 0.2 per update pair;
+    # the 10th update is applied when the 5th pair's pushes land (before their pulls)
+    assert run["applied"] == 10 and run["dropped"] == 0
+    assert run["time_s"] == pytest.approx(4 * (0.05 + 0.2 + 0.2) + 0.05 + 0.2, rel=1e-6)
+    assert run["max_delay"] == 2  # the other worker's update lands in between
+
+
+def test_mlfabric_modes_run_the_runtimes_scheduler_and_bound_delays(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlfabric.ps.scheduler import Scheduler, distribute
+
+    calls = {"schedule": 0, "distribute": 0}
+    schedule = Scheduler.schedule
+
+    def counted(self: Scheduler, *args: Any, **kwargs: Any) -> Any:
+        calls["schedule"] += 1
+        return schedule(self, *args, **kwargs)
+
+    def counted_distribute(*args: Any, **kwargs: Any) -> Any:
+        calls["distribute"] += 1
+        return distribute(*args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "schedule", counted)
+    monkeypatch.setattr("mlfabric.sim.mlfabric.distribute", counted_distribute)
+    config = MLfabricSimConfig(**{**SMALL, "workers": 6, "updates": 120, "straggler": "C2", "churn": "N2",
+                                  "churn_period_s": 0.5})
+    a = simulate_mode(config, "mlfabric-a:3")
+    assert a["applied"] >= 120 and a["max_delay"] <= 3 and a["versions"] <= a["applied"]
+    assert calls["schedule"] > 0
+    s = simulate_mode(config, "mlfabric-s")
+    assert s["applied"] == 120 and s["versions"] == 20 and s["max_delay"] == 0  # one version per round
+    assert calls["distribute"] > 0  # a round's 6 pulls are answered through distributors
+    assert simulate_mode(config, "mlfabric-a:3") == a  # deterministic for a seed
+
+
+def test_table2_grid_and_speedups_against_rr_sync() -> None:
+    config = MLfabricSimConfig(**{**SMALL, "updates": 20})
+    rows = simulate_table2(config, ["allreduce", "ps-async"], ["none", "C2"], [None, "N3"])
+    assert len(rows) == 8 and {(r["inject"], r["churn"]) for r in rows} == {
+        ("none", "none"), ("C2", "none"), ("none", "N3"), ("C2", "N3")}
+    for r in rows:
+        if r["mode"] == "allreduce":
+            assert r["speedup"] == 1.0
+    grid = table2(rows, "ps-async")
+    assert set(grid) == {"none", "C2"} and set(grid["C2"]) == {"none", "N3"}
+    # N3 halves the average NIC rate: the same work takes longer
+    slow = [r["time_s"] for r in rows if r["mode"] == "allreduce" and r["inject"] == "none"]
+    assert slow[1] > slow[0]
+    runs = simulate_mlfabric(MLfabricSimConfig(**{**SMALL, "updates_needed": {"ps-async": 80}}),
+                             ["allreduce", "ps-async"])
+    assert runs[1]["applied"] == 80 and runs[0]["applied"] == 40
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"workers": 1}, "at least 2 workers"),
+    ({"update_bytes": 0.0}, "update_bytes must be a positive"),
+    ({"straggler": "C9"}, "C1"),
+    ({"churn": "N7"}, "N1, N2, N3"),
+    ({"updates_needed": {"ps-async": 0}}, "updates"),
+])
+def test_config_errors_are_named(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        MLfabricSimConfig(**fields)
+    with pytest.raises(ValueError, match="unknown simulated mode 'ps-bsp'"):
+        simulate_mode(MLfabricSimConfig(**SMALL), "ps-bsp")
+
+
+def test_simulate_mlfabric_cli_writes_table2(tmp_path: Any) -> None:
+    from mlfabric.cli import app
+
+    out = tmp_path / "t2.json"
+    result = CliRunner().invoke(app, ["simulate", "mlfabric", "--workers", "4", "--update-size", "1MB", "--rate",
+                                      "80mbit", "--compute", "50ms", "--inject", "C1", "--churn", "N1", "--sync",
+                                      "allreduce,mlfabric-a:4", "--updates", "40", "--json", str(out)],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "mlfabric-a:4 vs RR-Sync" in result.output and "[1.74]" in result.output
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "simulate-mlfabric" and len(data["runs"]) == 2
+    speedup = data["table2"]["mlfabric-a:4"]["C1"]["N1"]
+    assert math.isfinite(speedup) and speedup > 0 and data["paper_table2"]["C2"]["N1"] == 2.96
+    bad = CliRunner().invoke(app, ["simulate", "mlfabric", "--updates-needed", "ps-async"], env={"COLUMNS": "200"})
+    assert bad.exit_code == 2 and "MODE=N" in bad.output
