@@ -33,8 +33,9 @@ class RoutingPolicy(Protocol):
     name: str
 
     def send_push(self, worker: "PSWorker", model: str, components: list[torch.Tensor],
-                  headers: list[bytes]) -> list[SendHandle]:
-        """Send component ``j`` of an update (with header ``j``) toward server ``j``."""
+                  headers: list[bytes]) -> list[SendHandle] | None:
+        """Send component ``j`` of an update (with header ``j``) toward server ``j``; None if
+        the policy dropped the update instead (MLfabric's scheduler, Alg. 2)."""
 
     def send_pull(self, worker: "PSWorker", headers: list[bytes]) -> None:
         """Ask every server for its shard (header ``j`` to server ``j``)."""

@@ -341,14 +341,13 @@ class ScheduledRouting:
             self._aggregator.start()
 
     def send_push(self, worker: "PSWorker", model: str, components: list[torch.Tensor],
-                  headers: list[bytes]) -> list[SendHandle]:
+                  headers: list[bytes]) -> list[SendHandle] | None:
         """Ask the scheduler, wait for the decision and carry it out: returns once the update
-        was dropped or handed to the transport at its planned start (a push is then where the
-        schedule wants it, like a direct push once the transport has it). Nothing is left for
-        the caller to wait on."""
+        was handed to the transport at its planned start (a push is then where the schedule
+        wants it, like a direct push once the transport has it; nothing is left for the
+        caller to wait on), or None once the scheduler dropped it."""
         self._start(worker)
-        self._push(model, components, headers)
-        return []
+        return [] if self._push(model, components, headers) else None
 
     def send_pull(self, worker: "PSWorker", headers: list[bytes]) -> None:
         send_pulls_directly(worker, headers)
@@ -431,7 +430,8 @@ class ScheduledRouting:
         if self._aggregator is not None:
             self._aggregator.stop(timeout)
 
-    def _push(self, model: str, components: list[torch.Tensor], headers: list[bytes]) -> None:
+    def _push(self, model: str, components: list[torch.Tensor], headers: list[bytes]) -> bool:
+        """Carry out one push; False if the scheduler dropped it."""
         w = self._worker
         transport, session = w.transport, w.config.session
         first = protocol.decode(headers[0])
@@ -450,10 +450,10 @@ class ScheduledRouting:
             handles = [transport.send(w.server_rank(j), protocol.request_tag(session), tensor_bytes(c),
                                       meta=h, channel=w.channel) for j, (c, h) in enumerate(zip(components, headers))]
             _wait_sent(transport, handles, w.config.timeout_s)
-            return
+            return True
         if decision["drop"]:
             self.stats.dropped += 1
-            return
+            return False
         time.sleep(float(decision["start_in"]))
         handles, paced = [], []
         for j, (component, header, hop) in enumerate(zip(components, headers, decision["hop"])):
@@ -477,6 +477,7 @@ class ScheduledRouting:
         _wait_sent(transport, handles, w.config.timeout_s)
         for hop in paced:
             transport.pace_connection(hop, w.channel, None)
+        return True
 
     def _decision(self, request_id: int) -> dict[str, Any] | None:
         w = self._worker

@@ -66,10 +66,12 @@ class WorkerStats:
     #: model clock >= clock - s (None: every other worker had left).
     pull_clocks: list[tuple[int, int | None]] = field(default_factory=list)
     relayed: int = 0  # model shards this worker forwarded as a distributor (§10.3)
+    pushes_dropped: int = 0  # updates MLfabric's scheduler dropped (push returned False)
 
     def as_dict(self) -> dict[str, Any]:
         lat = sorted(self.pull_latency_s)
         return {"pushes": self.pushes, "pulls": self.pulls, "relayed": self.relayed,
+                "pushes_dropped": self.pushes_dropped,
                 "pull_latency_ms_mean": 1e3 * sum(lat) / len(lat) if lat else None,
                 "pull_latency_ms_p50": 1e3 * lat[len(lat) // 2] if lat else None,
                 "pull_latency_ms_max": 1e3 * lat[-1] if lat else None}
@@ -135,13 +137,14 @@ class PSWorker:
     # -- push -----------------------------------------------------------------------------------
 
     def push(self, target: str | int, update: Tensors, update_norm: float | None = None, *,
-             model: str | None = None) -> None:
+             model: str | None = None) -> bool:
         """MLNET ``push(model, gradients)``: ``target`` is the model's name and ``update`` its
         gradients (a mapping key -> tensor, a sequence in registration order, a module whose
         parameters hold them, or the flat vector). MLfabric ``push(server, update,
         update_norm)``: ``target`` is a server index and ``update`` that server's component
         (the flat range of ``model``, by default the only registered model). Returns once the
-        transport has the data (it leaves in the background)."""
+        transport has the data (it leaves in the background): True, or False if MLfabric's
+        scheduler dropped the update (Alg. 2: it could not meet the delay bound)."""
         with self._lock:
             self._check_open("push")
             if isinstance(target, int) and not isinstance(target, bool):
@@ -149,8 +152,7 @@ class PSWorker:
                 server = self._server(target, "push")
                 offset, length = spec.shards(self.layout.servers)[server]
                 component = _component(update, spec, length, f"{self.who}: push to server {server}")
-                self._send_push(spec, {server: component}, update_norm)
-                return
+                return self._send_push(spec, {server: component}, update_norm)
             if model is not None:
                 raise TypeError(f"{self.who}: push(model, gradients) names the model once; drop model=")
             spec = self._model(target, "push")
@@ -158,9 +160,9 @@ class PSWorker:
                                 who=self.who, op="push")
             components = {j: flat[offset:offset + length]
                           for j, (offset, length) in enumerate(spec.shards(self.layout.servers))}
-            self._send_push(spec, components, update_norm)
+            return self._send_push(spec, components, update_norm)
 
-    def _send_push(self, spec: ModelSpec, components: dict[int, torch.Tensor], norm: float | None) -> None:
+    def _send_push(self, spec: ModelSpec, components: dict[int, torch.Tensor], norm: float | None) -> bool:
         if norm is None:
             norm = float(torch.linalg.vector_norm(torch.cat([c.double() for c in components.values()])))
         headers = [protocol.encode(op=protocol.PUSH, model=spec.name, clock=self.clock_value,
@@ -169,6 +171,9 @@ class PSWorker:
         parts = [components[j] for j in servers]
         if servers == list(range(self.layout.servers)):
             handles = self.routing.send_push(self, spec.name, parts, headers)
+            if handles is None:
+                self.stats.pushes_dropped += 1
+                return False
         else:  # one component (MLfabric's push(server, ...)): straight to that server
             tag = protocol.request_tag(self.config.session)
             handles = [self.transport.send(self.server_rank(j), tag, tensor_bytes(c), meta=h,
@@ -176,6 +181,7 @@ class PSWorker:
         self._inflight += list(zip(handles, parts))
         self._inflight = [(h, t) for h, t in self._inflight if not h.done()]
         self.stats.pushes += 1
+        return True
 
     def push_async(self, target: str | int, update: Tensors, update_norm: float | None = None, *,
                    model: str | None = None) -> torch.futures.Future:

@@ -21,6 +21,10 @@ values the servers keep: the first worker's to arrive, so seed the model the sam
 or accept the first). :meth:`step` pushes this worker's flat gradient, advances its clock
 and pulls the model into the parameters, waiting as the consistency model says (BSP: until
 everyone's gradient of this step is applied, which is synchronous SGD exactly).
+
+``keep_dropped=True``: a gradient MLfabric's scheduler drops (it would break the delay bound)
+is added to the next step's instead of lost -- for updates that must all arrive once, like
+LDA's count deltas (:mod:`mlfabric.train.lda`). SGD's gradients are dropped, as the paper does.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ __all__ = ["PSOptimizer"]
 
 class PSOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, worker: PSWorker, *,
-                 name: str = "model") -> None:
+                 name: str = "model", keep_dropped: bool = False) -> None:
         if not isinstance(optimizer, torch.optim.SGD):
             raise TypeError(f"PSOptimizer needs torch.optim.SGD (the servers apply SGD with momentum, MLfabric "
                             f"eq. (1)-(2)), got {type(optimizer).__name__}")
@@ -60,6 +64,8 @@ class PSOptimizer:
         self.spec = worker.init_model(name, dict(zip(keys, self.params)), lr=float(lr), momentum=float(momentum))
         self._grads = torch.zeros(self.spec.numel, dtype=self.spec.torch_dtype)
         self._flat = torch.zeros(self.spec.numel, dtype=self.spec.torch_dtype)
+        # keep_dropped: what the scheduler dropped, pushed again with the next gradient
+        self._carried = torch.zeros_like(self._grads) if keep_dropped else None
         self.steps = 0
         self.pull()  # start from the servers' model
 
@@ -76,7 +82,14 @@ class PSOptimizer:
             else:
                 self._grads[offset:offset + n].copy_(p.grad.reshape(-1))
             offset += n
-        self.worker.push(self.name, self._grads)
+        if self._carried is not None:
+            self._grads.add_(self._carried)
+        sent = self.worker.push(self.name, self._grads)
+        if self._carried is not None:
+            if sent:
+                self._carried.zero_()
+            else:
+                self._carried.copy_(self._grads)
         self.worker.clock()
         self.pull()
         self.steps += 1

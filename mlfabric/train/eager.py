@@ -607,7 +607,8 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
             return _finish_run(config, comm, task, model, val, rank, numel, snapshots=None, walls=None,
                                train_losses=None, loop_s=0.0, injected=0.0, stats=None, ps_server=ps_server,
                                final_flat=final_flat)
-        trainer: Any = PSOptimizer(optimizer, model, session.worker)
+        trainer: Any = PSOptimizer(optimizer, model, session.worker,
+                                   keep_dropped=getattr(task, "keep_dropped_updates", False))
         final_flat = torch.zeros(numel)
     elif mode in (SYNCHRONOUS, TREE_SYNC):
         trainer = _AllreduceSGD(optimizer, model, comm, "tree" if mode == TREE_SYNC else config.algorithm)

@@ -52,8 +52,10 @@ and every worker's delta must be *added* exactly once. So:
   right too (``-W x 1/W`` is -1 in float32), but a BSP round that closed without some
   worker (a lost worker, MLfabric-S's late update) would scale the others' deltas by W/m.
 
-A dropped update (a delay bound, a late scheduled update) loses its delta: the global counts
-then disagree with the workers' assignments. Every delta moves tokens between the topics of
+A delta MLfabric's scheduler drops (Alg. 2) is sent again with the worker's next one
+(``keep_dropped_updates``). A delta dropped at a server (ps-async's delay bound, a scheduled
+update that came too late) is lost: the global counts then disagree with the workers'
+assignments. Every delta moves tokens between the topics of
 one word, so each word's total count is conserved even so; a count that goes negative
 (there, or transiently because the counts a worker holds are stale) is read as 0 by the
 sampler, as asynchronous LDA samplers do.
@@ -374,6 +376,9 @@ class LdaTask:
     interface (shard, val, batch, model, loss, evaluate), metric held-out log-likelihood."""
 
     metric = "log-likelihood"  # per held-out token, higher is better
+    #: A delta MLfabric's scheduler drops goes out with the worker's next one (PSOptimizer's
+    #: keep_dropped): every count change must reach the servers once.
+    keep_dropped_updates = True
 
     def __init__(self, spec: LdaSpec, seed: int = 0) -> None:
         self.spec = spec

@@ -93,3 +93,41 @@ def test_refuses_what_the_servers_cannot_apply() -> None:
     finally:
         for j in jobs:
             j.comm.close()
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_gradient_the_scheduler_dropped_is_carried_only_when_asked(keep: bool,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """push() returns False for an update MLfabric's scheduler dropped; keep_dropped adds it to
+    the next step's gradient (LDA's deltas), otherwise it is lost (SGD, as the paper does)."""
+    from mlfabric.ps.worker import PSWorker
+
+    push = PSWorker.push
+    calls = []
+
+    def first_dropped(self: PSWorker, *args: object, **kwargs: object) -> bool:
+        calls.append(args)
+        if len(calls) == 1:
+            return False  # what a scheduler drop looks like to the caller: nothing sent
+        return push(self, *args, **kwargs)
+
+    monkeypatch.setattr(PSWorker, "push", first_dropped)
+    layout = PSLayout(servers=1, workers=1)
+    jobs = local_jobs(layout, PSConfig(consistency="async", timeout_s=10))
+    server = threading.Thread(target=jobs[0].serve, daemon=True)
+    server.start()
+    try:
+        model = torch.nn.Linear(4, 1, bias=False)
+        torch.nn.init.zeros_(model.weight)
+        ps = PSOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model, jobs[1].worker, keep_dropped=keep)
+        for g in (1.0, 2.0):
+            ps.zero_grad()
+            model.weight.grad = torch.full((1, 4), g)
+            ps.step()
+        ps.leave()
+    finally:
+        server.join(5)
+        for j in jobs:
+            j.comm.close()
+    expected = -3.0 if keep else -2.0  # lr 1, one worker (weight 1): minus what reached the server
+    assert model.weight.detach().tolist() == [[expected] * 4]

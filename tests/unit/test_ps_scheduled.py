@@ -70,7 +70,7 @@ def _run(layout: PSLayout, config: PSConfig, steps: int, pause: float = 0.01) ->
             w.push("m", params - 1)
             w.clock()
         w.leave()
-        out[job.rank] = w.routing.stats.as_dict()
+        out[job.rank] = {**w.routing.stats.as_dict(), "pushes_dropped": w.stats.pushes_dropped}
 
     threads = [threading.Thread(target=serve if j.role == "server" else work, args=(j,), daemon=True) for j in jobs]
     for t in threads:
@@ -109,6 +109,8 @@ def test_scheduled_policy_accounts_for_every_update_and_bounds_delays(servers: i
     if servers == 1:  # (with two, equal updates from 4 workers tie: the scheduler sends them direct)
         assert sched["aggregated"] > 0
     assert sched["dropped_by_scheduler"] == dropped_by_scheduler
+    # push() said False exactly for the updates the scheduler dropped
+    assert sum(w["pushes_dropped"] for w in workers) == dropped_by_scheduler
 
 
 def test_lost_decisions_make_workers_push_unscheduled_and_the_server_bounds_the_delay(
