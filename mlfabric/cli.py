@@ -9,15 +9,19 @@
     mlfabric bench sim [--quick] [--json out.json]
     mlfabric bench partial --world-size 32 --skew linear:1ms..32ms --iterations 64 --json out.json  # eager-SGD Fig. 9
     mlfabric train --workload hyperplane --workers 8 --sync allreduce,eager-solo --inject one-random:300ms
-    mlfabric simulate collective --topology bcube:n=4,k=2 --link 10Gbps --algorithm ring --size 100MB [--json]
-    mlfabric simulate ps --topology fat-tree:k=16,oversub=4 --workers 800 --servers 50 --strategy rack [--json]
+    mlfabric simulate collective --topology bcube:n=4,k=2 --link 10Gbps --algorithm ring --size 100MB [--json -]
+    mlfabric simulate ps --topology fat-tree:k=16,oversub=4 --workers 800 --servers 50 --strategy rack [--json -]
     mlfabric simulate bml [--servers 16,1024] [--json out.json]
     mlfabric simulate mlnet [--servers 50,100,200,300,400] [--oversub 1,4] [--seeds 0] [--quick] [--json out.json]
     mlfabric trace merge DIR [--out merged.json]      # after a run with MLFABRIC_TRACE=DIR
 
 Each command is a thin shell: it parses options into the frozen config dataclass of the
 module that does the work (``mlfabric.bench.allreduce``, ``mlfabric.demo``), runs it, prints
-a rich table and optionally writes JSON. A new command family is a sub-typer registered with
+a rich table and optionally writes JSON. Every command that writes JSON takes ``--json PATH``
+(:data:`JsonOption`; ``--json -``: the JSON on standard output, the tables on standard error,
+so ``mlfabric simulate ... --json - | python -m json.tool`` works). Long commands show a
+progress bar (:func:`progress_bar`) on standard error when it is a terminal; ``--quiet``
+turns it off. A new command family is a sub-typer registered with
 ``app.add_typer`` (like ``bench_app``); a new benchmark is a command on ``bench_app``.
 Errors in the options exit with status 2, failures of a run with status 1.
 """
@@ -25,12 +29,13 @@ Errors in the options exit with status 2, failures of a run with status 1.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional, TypeVar
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from mlfabric.emu.cli import LAUNCH_CONTEXT, emu_app
 from mlfabric.emu.cli import launch as emu_launch
@@ -45,12 +50,13 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 bench_app = typer.Typer(
-    help="Benchmarks on local ranks: each prints a table and can write JSON (--json).",
+    help="Benchmarks on local ranks: each prints a table and can write JSON (--json PATH, - for standard output).",
     no_args_is_help=True,
 )
 app.add_typer(bench_app, name="bench")
 simulate_app = typer.Typer(
-    help="Flow-level simulation on a topology (max-min fair sharing): prints a table, or JSON with --json.",
+    help="Flow-level simulation on a topology (max-min fair sharing): prints a table and can write JSON "
+         "(--json PATH, - for standard output).",
     no_args_is_help=True,
 )
 app.add_typer(simulate_app, name="simulate")
@@ -94,9 +100,46 @@ def make_config(factory: Callable[..., T], **fields: Any) -> T:
         raise typer.BadParameter(str(exc)) from None
 
 
+#: What ``--json`` takes to mean standard output.
+STDOUT = "-"
+
+
+def _json_destination(ctx: typer.Context, value: Optional[Path]) -> Optional[Path]:
+    """The ``--json`` option's check: a file, or ``-`` for standard output. With ``-`` the
+    command's tables and messages go to standard error for this invocation, so that standard
+    output holds the JSON alone (``... --json - | python -m json.tool`` works)."""
+    if value is None:
+        return None
+    text = str(value)
+    if text == STDOUT:
+        console.stderr = True
+        ctx.call_on_close(lambda: setattr(console, "stderr", False))
+    elif text.startswith("-"):
+        # Also what the old `simulate ... --json` switch turns into: `--json --links none`.
+        raise typer.BadParameter(f"takes a file PATH, or - for standard output; got {text!r} (the old "
+                                 f"`--json` switch is now `--json -`)")
+    return value
+
+
+#: ``--json PATH``, the one JSON option of every command (``-``: standard output).
+JsonOption = Annotated[Optional[Path], typer.Option(
+    "--json", metavar="PATH", callback=_json_destination,
+    help="Write all figures and metadata as JSON to PATH; - writes them to standard output (the tables then go "
+         "to standard error).")]
+#: ``--quiet``, for every command that shows progress.
+QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress display (shown on standard error, "
+                                                                 "and only when it is a terminal).")]
+
+
 def write_json(path: Path, data: dict[str, Any], *, quiet: bool = False) -> None:
+    """Write ``data`` as indented JSON to ``path``, or to standard output when ``path`` is
+    ``-`` (the ``--json`` convention); a file is announced on the console unless ``quiet``."""
+    text = json.dumps(data, indent=2) + "\n"
+    if str(path) == STDOUT:
+        typer.echo(text, nl=False)
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    path.write_text(text)
     if not quiet:
         console.print(f"wrote {path}")
 
@@ -115,9 +158,28 @@ def run_or_exit(fn: Callable[[], T], errors: tuple[type[BaseException], ...] | N
         raise typer.Exit(1) from None
 
 
-def progress_bar(transient: bool = True) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=console, transient=transient)
+def progress_bar(*, quiet: bool = False) -> Progress:
+    """The progress display of every long command: on standard error, and only when that is a
+    terminal and not ``quiet`` (a pipe or a log file gets the results alone). It vanishes
+    when done. Standard output written meanwhile is shown above it when it is the terminal
+    too, and left alone when it goes elsewhere (a pipe keeps its bytes)."""
+    stderr = Console(stderr=True)
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=stderr, transient=True, disable=quiet or not stderr.is_terminal,
+                    redirect_stdout=sys.stdout.isatty())
+
+
+def step_reporter(progress: Progress, task: TaskID) -> Callable[[str], None]:
+    """``on_step(label)`` for work that announces each step before running it (simulations,
+    benchmark instances): the bar shows the step's label and counts the steps before it done."""
+    started = 0
+
+    def on_step(label: str) -> None:
+        nonlocal started
+        progress.update(task, description=label, completed=started)
+        started += 1
+
+    return on_step
 
 
 # --------------------------------------------------------------------------- bench
@@ -139,8 +201,8 @@ def bench_allreduce(
                                             "exit of a gloo barrier (its exit skew counts).")] = "aligned",
     warmup: Annotated[int, typer.Option(help="Untimed repetitions per size, before the timed ones.")] = 2,
     transport: Annotated[str, typer.Option(help="mlfabric transport: tcp (default), zmq or torch.")] = "tcp",
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures and metadata here.")]
-        = None,
+    json_path: JsonOption = None,
+    quiet: QuietOption = False,
     timeout: Annotated[float, typer.Option(help="Seconds before the whole run is killed.")] = 600.0,
     seed: Annotated[int, typer.Option(help="Seed of the input tensors.")] = 0,
     emulate: Annotated[bool, typer.Option("--emulate", help="Run each rank on a host of an emulated "
@@ -206,7 +268,7 @@ def bench_allreduce(
         command += ["--compare-star"]
     if json_path is not None:
         command += ["--json", str(json_path)]
-    with progress_bar() as progress:
+    with progress_bar(quiet=quiet) as progress:
         task = progress.add_task(f"allreduce on {world_size} ranks", total=None)
         from mlfabric.bench.allreduce import render_hierarchy, run_hierarchy_comparison
 
@@ -231,8 +293,8 @@ def bench_bml_job(
     rate: Annotated[str, typer.Option(help="Rate of every emulated NIC, e.g. 500mbit.")] = "500mbit",
     topology: Annotated[str, typer.Option(help="BML's BCube; PS runs on a star of as many hosts.")]
         = "bcube:n=3,k=2",
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures and metadata here.")]
-        = None,
+    json_path: JsonOption = None,
+    quiet: QuietOption = False,
     timeout: Annotated[float, typer.Option(help="Seconds before one run is killed.")] = 1800.0,
     seed: Annotated[int, typer.Option(help="Seed of the model, data and batches.")] = 0,
 ) -> None:
@@ -247,7 +309,7 @@ def bench_bml_job(
                "--rate", rate, "--topology", topology, "--seed", str(seed)]
     if json_path is not None:
         command += ["--json", str(json_path)]
-    with progress_bar() as progress:
+    with progress_bar(quiet=quiet) as progress:
         task = progress.add_task("LeNet-5", total=iterations)
         result = run_or_exit(lambda: run_bml_job(config, argv=command, on_step=lambda label, done, total: progress.update(
             task, description=label, completed=done, total=total)))
@@ -259,7 +321,8 @@ def bench_bml_job(
 @bench_app.command("sim")
 def bench_sim(
     quick: Annotated[bool, typer.Option("--quick", help="Skip the naive solver and the 500k-flow instances.")] = False,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures and metadata here.")] = None,
+    json_path: JsonOption = None,
+    quiet: QuietOption = False,
     seed: Annotated[int, typer.Option(help="Seed of the placement and of ECMP.")] = 0,
 ) -> None:
     """Max-min solver and event-engine timings on MLNET's 1,024-host fat-tree (800x50 and 624x400 PS)."""
@@ -270,11 +333,13 @@ def bench_sim(
                                     include_drain=not quick, repeats=1 if quick else 3)
     engine_config = EngineBenchConfig(seed=seed, sizes=((800, 50),) if quick else ((800, 50), (624, 400)),
                                       naive_workers=0 if quick else 300)
-    with console.status("max-min solver benchmark"):
-        solver = benchmark_solver(solver_config)
+    with progress_bar(quiet=quiet) as progress:
+        on_step = step_reporter(progress, progress.add_task("max-min solver benchmark", total=None))
+        solver = benchmark_solver(solver_config, on_step=lambda label: on_step(f"max-min solver: {label}"))
     console.print(format_benchmark(solver), highlight=False, soft_wrap=True)
-    with console.status("event engine benchmark"):
-        engine = benchmark_engine(engine_config)
+    with progress_bar(quiet=quiet) as progress:
+        on_step = step_reporter(progress, progress.add_task("event engine benchmark", total=None))
+        engine = benchmark_engine(engine_config, on_step=lambda label: on_step(f"event engine: {label}"))
     console.print(format_engine_benchmark(engine), highlight=False, soft_wrap=True)
     naive_40k = solver.get("push_40k", {}).get("naive_wall_s")
     if naive_40k:
@@ -303,7 +368,8 @@ def bench_partial(
     algorithm: Annotated[str, typer.Option(help="Reduction schedule of all three variants: tree, halving_doubling, "
                                                "ring, ps or auto.")] = "tree",
     transport: Annotated[str, typer.Option(help="mlfabric transport: tcp, zmq or torch.")] = "tcp",
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures and metadata here.")] = None,
+    json_path: JsonOption = None,
+    quiet: QuietOption = False,
     timeout: Annotated[float, typer.Option(help="Seconds before the whole run is killed.")] = 900.0,
     seed: Annotated[int, typer.Option(help="Seed of majority's initiator draws.")] = 0,
 ) -> None:
@@ -322,7 +388,7 @@ def bench_partial(
                "--transport", transport, "--seed", str(seed)]
     if json_path is not None:
         command += ["--json", str(json_path)]
-    with progress_bar() as progress:
+    with progress_bar(quiet=quiet) as progress:
         task = progress.add_task(f"partial allreduce on {world_size} ranks (start-up first)", total=None)
         result = run_or_exit(lambda: run_partial_bench(
             config, argv=command, capture_output=True,
@@ -347,7 +413,8 @@ def bench_ps(
     transport: Annotated[str, typer.Option(help="mlfabric transport: tcp, zmq or torch.")] = "tcp",
     goodput: Annotated[bool, typer.Option("--goodput/--no-goodput", help="First measure one TCP flow between hosts "
                                           "0 and 1 (2.5 s) and also simulate at that rate.")] = True,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures and metadata here.")] = None,
+    json_path: JsonOption = None,
+    quiet: QuietOption = False,
     timeout: Annotated[float, typer.Option(help="Seconds before the whole run is killed.")] = 900.0,
 ) -> None:
     """PS incast (root): W workers push and pull a model through S servers on an emulated star, BSP.
@@ -369,7 +436,7 @@ def bench_ps(
         command += ["--json", str(json_path)]
     from mlfabric.bench.procs import RankFailedError, RankTimeoutError
 
-    with progress_bar() as progress:
+    with progress_bar(quiet=quiet) as progress:
         task = progress.add_task(f"ps: {workers} workers -> {servers} server(s)", total=iterations)
         result = run_or_exit(lambda: run_ps_bench(
             config, argv=command, capture_output=True,
@@ -391,7 +458,8 @@ def bench_scheduler(
     reference_repeats: Annotated[int, typer.Option(help="How many of them the reference also plans.")] = 1,
     aggregators: Annotated[int, typer.Option(help="Aggregators (hosts 1..k) for Alg. 3.")] = 2,
     mode: Annotated[str, typer.Option(help="async (MLfabric-A: Alg. 2 + 3) or sync (MLfabric-S).")] = "async",
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures and metadata here.")] = None,
+    json_path: JsonOption = None,
+    quiet: QuietOption = False,
     seed: Annotated[int, typer.Option(help="Seed of the batches and NIC rates.")] = 0,
 ) -> None:
     """MLfabric §7.4: ms per batch of the update scheduler vs its plain reference, same batches."""
@@ -405,8 +473,10 @@ def bench_scheduler(
                "--seed", str(seed)]
     if json_path is not None:
         command += ["--json", str(json_path)]
-    with console.status("scheduler benchmark") as status:
-        result = run_or_exit(lambda: run_scheduler_bench(config, argv=command, on_step=status.update), errors=())
+    with progress_bar(quiet=quiet) as progress:
+        steps = len(sizes) * (repeats + min(reference_repeats, repeats))
+        on_step = step_reporter(progress, progress.add_task("scheduler benchmark", total=steps))
+        result = run_or_exit(lambda: run_scheduler_bench(config, argv=command, on_step=on_step), errors=())
     console.print(render_table(result))
     if json_path is not None:
         write_json(json_path, result)
@@ -451,7 +521,7 @@ def _compute_model(compute: str, straggler: str, speed_range: Optional[str]) -> 
     return make_config(ComputeModel, compute_s=seconds, straggler=model, speed_range=speeds)
 
 
-def _sim_output(kind: str, result: Any, extra: dict[str, Any], *, json_flag: bool, output: Optional[Path],
+def _sim_output(kind: str, result: Any, extra: dict[str, Any], *, json_path: Optional[Path],
                 plot: Optional[Path], links: str, command: list[str], rows: list[tuple[str, str]]) -> None:
     from rich.table import Table
 
@@ -463,19 +533,16 @@ def _sim_output(kind: str, result: Any, extra: dict[str, Any], *, json_flag: boo
     if plot is not None:
         plot_results([(label, result)], plot, title=f"{kind} {label} on {result.topology.spec}")
         data["plot"] = str(plot)
-    if json_flag:
-        typer.echo(json.dumps(data, indent=2))
-    else:
-        table = Table(title=f"mlfabric simulate {kind}", show_header=False)
-        table.add_column("", style="bold")
-        table.add_column("")
-        for name, value in rows + summary_rows(result):
-            table.add_row(name, value)
-        console.print(table)
-        if plot is not None:
-            console.print(f"wrote {plot}")
-    if output is not None:
-        write_json(output, data, quiet=json_flag)
+    table = Table(title=f"mlfabric simulate {kind}", show_header=False)
+    table.add_column("", style="bold")
+    table.add_column("")
+    for name, value in rows + summary_rows(result):
+        table.add_row(name, value)
+    console.print(table)
+    if plot is not None:
+        console.print(f"wrote {plot}")
+    if json_path is not None:
+        write_json(json_path, data)
 
 
 def _run_sim(fn: Callable[[], T]) -> T:
@@ -509,8 +576,6 @@ TopologyOption = Annotated[str, typer.Option("--topology", help="Topology spec: 
                                                                "racks:r=4,h=8,oversub=4, bcube:n=4,k=2, edges:FILE.")]
 LinkOption = Annotated[str, typer.Option("--link", help="Host link rate (bit/s): 10Gbps, 1e10, 25gbit.")]
 RoutingOption = Annotated[str, typer.Option(help="ecmp (seeded per-flow hashing) or spray (per-packet, even split).")]
-JsonFlag = Annotated[bool, typer.Option("--json", help="Print the figures as JSON instead of the table.")]
-OutputOption = Annotated[Optional[Path], typer.Option("--output", "-o", help="Also write the JSON to this file.")]
 PlotOption = Annotated[Optional[Path], typer.Option("--plot", help="Draw link-load CDF and makespans here "
                                                                   "(needs matplotlib).")]
 LinksOption = Annotated[str, typer.Option("--links", help="Per-link byte counts in the JSON: nonzero, all or none.")]
@@ -552,8 +617,7 @@ def simulate_collective_cmd(
     compute: Annotated[str, typer.Option(help="Compute time of each rank before the collective.")] = "0s",
     speed_range: SpeedRangeOption = None,
     straggler: StragglerOption = "none",
-    json_flag: JsonFlag = False,
-    output: OutputOption = None,
+    json_path: JsonOption = None,
     plot: PlotOption = None,
     links: LinksOption = "nonzero",
 ) -> None:
@@ -616,7 +680,7 @@ def simulate_collective_cmd(
                "--size", size, "--routing", routing, "--seed", str(seed)]
     command += ["--ranks-per-host", str(ranks_per_host)] if ranks_per_host > 1 else []
     command += ["--host-rate", host_rate] if host_rate is not None else []
-    _sim_output("collective", result, extra, json_flag=json_flag, output=output, plot=plot, links=links,
+    _sim_output("collective", result, extra, json_path=json_path, plot=plot, links=links,
                 command=command, rows=rows)
 
 
@@ -648,8 +712,7 @@ def simulate_ps_cmd(
     batch_rtol: Annotated[float, typer.Option("--batch-rtol", help="Flows finishing within this relative time "
                                                                    "of each other finish together (speed vs "
                                                                    "accuracy; default exact to ~1e-9).")] = 1e-9,
-    json_flag: JsonFlag = False,
-    output: OutputOption = None,
+    json_path: JsonOption = None,
     plot: PlotOption = None,
     links: LinksOption = "nonzero",
 ) -> None:
@@ -697,7 +760,7 @@ def simulate_ps_cmd(
     command = ["mlfabric", "simulate", "ps", "--topology", topology, "--link", link, "--workers", str(workers),
                "--servers", str(servers), "--strategy", strategy, "--model-size", model_size, "--routing", routing,
                "--seed", str(seed)]
-    _sim_output("ps", result, extra, json_flag=json_flag, output=output, plot=plot, links=links,
+    _sim_output("ps", result, extra, json_path=json_path, plot=plot, links=links,
                 command=command, rows=rows)
 
 
@@ -725,13 +788,14 @@ def simulate_bml_cmd(
     link: LinkOption = "10Gbps",
     routing: Annotated[str, typer.Option(help="spray (per-packet, the non-blocking fluid model of the paper's "
                                               "theory) or ecmp (seeded per-flow hashing).")] = "spray",
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures and metadata here.")] = None,
+    json_path: JsonOption = None,
+    quiet: QuietOption = False,
 ) -> None:
     """BML Fig. 5: simulated GST (x T_F) of BML and PS on BCube, hierarchical and PS on Fat-Tree; GST checks."""
     from rich import box
     from rich.table import Table
 
-    from mlfabric.sim.bml import FIG5_SETUPS, figure5, gst_checks
+    from mlfabric.sim.bml import BARS, FIG5_SETUPS, figure5, gst_checks
     from mlfabric.units import format_rate, parse_rate
 
     _check_choice(routing, ("ecmp", "spray"), "--routing")
@@ -744,10 +808,11 @@ def simulate_bml_cmd(
     if not rtol > 0:
         raise typer.BadParameter(f"--rtol must be > 0, got {rtol}")
     rate = _parse_or_usage(parse_rate, link)
-    with console.status("simulating") as status:
-        rows = _run_sim(lambda: figure5(panels, rate=rate, routing=routing, on_bar=lambda count, label: status.update(
+    with progress_bar(quiet=quiet) as progress:
+        on_step = step_reporter(progress, progress.add_task("BML Fig. 5", total=len(panels) * len(BARS) + len(cases)))
+        rows = _run_sim(lambda: figure5(panels, rate=rate, routing=routing, on_bar=lambda count, label: on_step(
             f"Fig. 5, {count} servers: {label}")))
-        results = _run_sim(lambda: gst_checks(cases, rtol=rtol, rate=rate, routing=routing, on_case=lambda n, k: status.update(
+        results = _run_sim(lambda: gst_checks(cases, rtol=rtol, rate=rate, routing=routing, on_case=lambda n, k: on_step(
             f"GST check: BML on BCube({n},{k})")))
     table = Table(title=f"BML Fig. 5: GST in T_F (gradient x 8 / link rate), {format_rate(rate)}, {routing}",
                   caption="ratio = simulated / paper's theory", box=box.SIMPLE_HEAD)
@@ -812,7 +877,8 @@ def simulate_mlfabric_cmd(
                                                                   "worker's update is applied (applied, as the "
                                                                   "runtime) or at once (request).")] = "applied",
     seed: Annotated[int, typer.Option(help="Seed of compute and churn draws.")] = 0,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures here.")] = None,
+    json_path: JsonOption = None,
+    quiet: QuietOption = False,
 ) -> None:
     """MLfabric §7, Table 2 from the simulator: each mode's time to apply the same worker
     updates under compute (C1-C3) and network (N1-N3) settings, as speedup over RR-Sync. The
@@ -839,7 +905,7 @@ def simulate_mlfabric_cmd(
                          monitor_lag_s=_parse_or_usage(parse_duration, lag), pull_after=pull_after, seed=seed)
     injects = split_list(inject, "compute settings")
     churns = [None if c.lower() == "none" else c for c in split_list(churn, "network settings")]
-    with progress_bar() as progress:
+    with progress_bar(quiet=quiet) as progress:
         task = progress.add_task(f"MLfabric Table 2: {len(injects) * len(churns)} cells x {len(modes)} modes",
                                  total=len(injects) * len(churns))
         try:
@@ -902,7 +968,8 @@ def simulate_mlnet_cmd(
     quick: Annotated[bool, typer.Option("--quick", help="Scaled down ~8x: k=8 fat-tree, 100 workers; 20 jobs of "
                                                         "25 x 6 (~1 min; the paper's figures do not apply).")]
         = False,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures and metadata here.")] = None,
+    json_path: JsonOption = None,
+    quiet: QuietOption = False,
 ) -> None:
     """MLNET §4: BINARY/RACK makespan vs BASELINE on the 1,024-host fat-tree, and flow priorities across 20 jobs."""
     import dataclasses
@@ -932,9 +999,13 @@ def simulate_mlnet_cmd(
                "--update-size", update_size, "--compute", compute, "--batch-rtol", f"{batch_rtol:g}"]
     if json_path is not None:
         command += ["--json", str(json_path)]
-    with console.status("simulating") as status:
+    runs = ((len(sweep_config.oversub) * len(sweep_config.servers) * len(sweep_config.seeds)
+             * len(sweep_config.strategies) if sweep else 0)
+            + (len(jobs_config.seeds) * len(jobs_config.strategies) * 2 if jobs_experiment else 0))  # fair, priorities
+    with progress_bar(quiet=quiet) as progress:
+        on_run = step_reporter(progress, progress.add_task("MLNET", total=runs))
         result = _run_sim(lambda: run_mlnet(sweep_config if sweep else None, jobs_config if jobs_experiment else None,
-                                            argv=command, on_run=lambda label: status.update(label)))
+                                            argv=command, on_run=on_run))
     paper_note = " (--quick: scaled down, the paper's column is for the full setup)" if quick else ""
     if result["sweep"] is not None:
         cfg = sweep_config
@@ -1043,7 +1114,8 @@ def train(
                                                          "final one.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Directory for curves.csv, curves.png and tensorboard/ "
                                                      "(default: runs/<workload>).")] = None,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write all figures and metadata here.")] = None,
+    json_path: JsonOption = None,
+    quiet: QuietOption = False,
     plot: Annotated[bool, typer.Option("--plot/--no-plot", help="Draw curves.png (needs matplotlib).")] = True,
     transport: Annotated[str, typer.Option(help="mlfabric transport: tcp (default), zmq or torch.")] = "tcp",
     timeout: Annotated[float, typer.Option(help="Seconds before the whole launch is killed.")] = 3600.0,
@@ -1145,7 +1217,7 @@ def train(
     from mlfabric.bench.procs import RankFailedError, RankTimeoutError
     from mlfabric.emu.cmd import EmuUnavailableError
 
-    with progress_bar() as progress:
+    with progress_bar(quiet=quiet) as progress:
         task = progress.add_task(f"{workload} on {workers} ranks: {len(config.runs())} runs (start-up first)",
                                  total=len(config.runs()))
         result = run_or_exit(lambda: run_eager_training(
@@ -1169,7 +1241,7 @@ def train(
 @app.command("demo")
 def demo(
     quick: Annotated[bool, typer.Option("--quick", help="A smaller, faster run.")] = False,
-    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the demo's figures here.")] = None,
+    json_path: JsonOption = None,
     plot: Annotated[Path, typer.Option("--plot", help="Where the straggler scenario draws its MSE-vs-time plot "
                                                      "(needs matplotlib).")] = Path("mlfabric-demo-stragglers.png"),
     stragglers: Annotated[bool, typer.Option("--stragglers/--no-stragglers", help="Run the straggler scenario "

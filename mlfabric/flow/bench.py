@@ -25,7 +25,6 @@ figure. It is wired into ``mlfabric bench sim``; run it directly with::
 
 from __future__ import annotations
 
-import json
 import platform
 import resource
 import sys
@@ -145,11 +144,14 @@ def _drain(capacity: np.ndarray, phases: list[Incidence], flow_bits: float) -> d
     return {"simulated_seconds": now, "updates": updates, **{f"updates_{kind}": count for kind, count in kinds.items()}}
 
 
-def benchmark_solver(config: BenchmarkConfig | None = None) -> dict[str, Any]:
-    """Run the solver benchmark and return its figures (seconds, ratios, bytes) as a dict."""
+def benchmark_solver(config: BenchmarkConfig | None = None, *,
+                     on_step: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the solver benchmark and return its figures (seconds, ratios, bytes) as a dict.
+    ``on_step(label)`` is called before each instance (a progress display)."""
     from mlfabric.topo import parse_topology  # flow/ does not depend on topo/ at import time
 
     config = config or BenchmarkConfig()
+    step = on_step or (lambda label: None)
     if not config.topology.startswith("fat-tree:"):
         raise ValueError(f"benchmark_solver needs a fat-tree topology (its 6-hop instance uses pods), got {config.topology!r}")
     rng = np.random.default_rng(config.seed)
@@ -161,6 +163,7 @@ def benchmark_solver(config: BenchmarkConfig | None = None) -> dict[str, Any]:
         "topology": topology.summary(),
     }
 
+    step(f"{config.workers} x {config.servers} push flows")
     push, pull = _push_pull_pairs(rng, topology.n_hosts, config.workers, config.servers)
     push_incidence = topology.route_ecmp(push, seed=config.seed)
     (rates, stats), wall, cpu = _timed(lambda: solve_max_min_with_stats(push_incidence, capacity), config.repeats)
@@ -174,6 +177,7 @@ def benchmark_solver(config: BenchmarkConfig | None = None) -> dict[str, Any]:
         "distinct_rates": int(np.unique(rates).size),
     }
     if config.include_naive:
+        step("the same push flows, naive solver")
         naive_rates, naive_wall, naive_cpu = _timed(lambda: naive_max_min(push_incidence, capacity), 1)
         entry.update(
             naive_wall_s=naive_wall,
@@ -185,6 +189,7 @@ def benchmark_solver(config: BenchmarkConfig | None = None) -> dict[str, Any]:
     entry["certificate_ok"] = bool(check_certificate(push_incidence, capacity, rates))
     results["push_40k"] = entry
 
+    step("push and pull flows")
     both = Incidence.concat([push_incidence, topology.route_ecmp(pull, seed=config.seed + 1)])
     (rates, stats), wall, cpu = _timed(lambda: solve_max_min_with_stats(both, capacity), config.repeats)
     results["push_pull_80k"] = {
@@ -196,10 +201,12 @@ def benchmark_solver(config: BenchmarkConfig | None = None) -> dict[str, Any]:
         "certificate_ok": bool(check_certificate(both, capacity, rates)),
     }
     if config.include_drain:
+        step("push and pull flows run to completion")
         phases = [push_incidence, topology.route_ecmp(pull, seed=config.seed + 1)]
         drained, wall, cpu = _timed(lambda: _drain(capacity, phases, config.drain_flow_bits), 1)
         results["drain_80k"] = {"wall_s": wall, "cpu_s": cpu, **drained}
 
+    step(f"{config.random_flows:,} random 6-hop flows")
     k = topology.spec.int_param("k")
     pairs = _random_inter_pod_pairs(rng, config.random_flows, topology.n_hosts, k * k // 4)
     random_incidence, route_wall, _ = _timed(lambda: topology.route_ecmp(pairs, seed=config.seed), 1)
@@ -221,6 +228,7 @@ def benchmark_solver(config: BenchmarkConfig | None = None) -> dict[str, Any]:
     }
 
     if config.include_large:
+        step(f"{config.large_workers} x {config.large_servers} push and pull flows")
         push, pull = _push_pull_pairs(rng, topology.n_hosts, config.large_workers, config.large_servers)
         large = Incidence.concat([topology.route_ecmp(push, seed=config.seed), topology.route_ecmp(pull, seed=config.seed + 1)])
         (rates, stats), wall, cpu = _timed(lambda: solve_max_min_with_stats(large, capacity), config.repeats)
@@ -234,6 +242,7 @@ def benchmark_solver(config: BenchmarkConfig | None = None) -> dict[str, Any]:
             "peak_traced_bytes": _peak_traced_bytes(lambda: solve_max_min(large, capacity)),
         }
         if config.include_drain:
+            step(f"{config.large_workers} x {config.large_servers} run to completion")
             phases = [topology.route_ecmp(push, seed=config.seed), topology.route_ecmp(pull, seed=config.seed + 1)]
             drained, wall, cpu = _timed(lambda: _drain(capacity, phases, config.drain_flow_bits), 1)
             results["drain_500k"] = {"wall_s": wall, "cpu_s": cpu, **drained}
@@ -268,7 +277,5 @@ def format_benchmark(results: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    figures = benchmark_solver()
-    print(format_benchmark(figures))
-    if "--json" in sys.argv:
-        print(json.dumps(figures, indent=2, default=float))
+    # The figures as JSON: `mlfabric bench sim --json PATH` (or `--json -` for standard output).
+    print(format_benchmark(benchmark_solver()))

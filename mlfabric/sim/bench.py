@@ -1,6 +1,6 @@
 """Timing of the event engine on MLNET-sized parameter-server iterations (``mlfabric bench sim``).
 
-    .venv/bin/python -m mlfabric.sim.bench            # or: mlfabric bench sim
+    .venv/bin/python -m mlfabric.sim.bench            # or: mlfabric bench sim [--json PATH|-]
 
 On the 1,024-host k=16 fat-tree with 1:4 oversubscribed ToR uplinks (10 Gbps host links),
 workers and servers placed at random, one push+pull iteration (BSP, no compute) of:
@@ -21,10 +21,10 @@ simulated time, flows, events and the solver's update kinds.
 
 from __future__ import annotations
 
-import json
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,8 +78,11 @@ def _run(topology: Any, ps: PSConfig, config: EngineConfig) -> dict[str, Any]:
     }
 
 
-def benchmark_engine(config: EngineBenchConfig | None = None) -> dict[str, Any]:
-    """Run the engine benchmark; returns its figures as a dict (see the module docstring)."""
+def benchmark_engine(config: EngineBenchConfig | None = None, *,
+                     on_step: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the engine benchmark; returns its figures as a dict (see the module docstring).
+    ``on_step(label)`` is called before each run (a progress display)."""
+    step = on_step or (lambda label: None)
     config = config or EngineBenchConfig()
     topology = parse_topology(config.topology, config.link_rate_bps)
     engine = EngineConfig(routing="ecmp", seed=config.seed, max_wall_s=config.max_wall_s)
@@ -87,6 +90,7 @@ def benchmark_engine(config: EngineBenchConfig | None = None) -> dict[str, Any]:
     targets = {(workers, servers): target for workers, servers, target in config.targets}
     for workers, servers in config.sizes:
         for barrier in config.barriers:
+            step(f"{workers} x {servers}, {barrier} barrier")
             ps = PSConfig(workers=workers, servers=servers, model_bytes=config.model_bytes, barrier=barrier)
             run = _run(topology, ps, engine)
             if (workers, servers) in targets:
@@ -100,7 +104,9 @@ def benchmark_engine(config: EngineBenchConfig | None = None) -> dict[str, Any]:
     }
     if config.naive_workers:
         ps = PSConfig(workers=config.naive_workers, servers=config.naive_servers, model_bytes=config.model_bytes)
+        step(f"{config.naive_workers} x {config.naive_servers}, vectorized solver")
         fast = _run(topology, ps, engine)
+        step(f"{config.naive_workers} x {config.naive_servers}, naive solver")
         naive = _run(topology, ps, EngineConfig(routing="ecmp", seed=config.seed, solver="naive",
                                                  max_wall_s=config.max_wall_s))
         results["naive_side_by_side"] = {
@@ -134,7 +140,5 @@ def format_engine_benchmark(results: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    figures = benchmark_engine()
-    print(format_engine_benchmark(figures))
-    if "--json" in sys.argv:
-        print(json.dumps(figures, indent=2, default=float))
+    # The figures as JSON: `mlfabric bench sim --json PATH` (or `--json -` for standard output).
+    print(format_engine_benchmark(benchmark_engine()))

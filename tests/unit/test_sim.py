@@ -738,9 +738,10 @@ def test_cli_simulate_collective_json() -> None:
     from mlfabric.cli import app
 
     result = CliRunner().invoke(app, ["simulate", "collective", "--topology", "bcube:n=4,k=2", "--link", "10Gbps",
-                                      "--algorithm", "ring", "--size", "100MB", "--json"])
+                                      "--algorithm", "ring", "--size", "100MB", "--json", "-"])
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    data = json.loads(result.stdout)  # the JSON alone: the table went to stderr
+    assert "mlfabric simulate collective" in result.stderr
     assert rel_err(data["time_s"], 0.15) < 1e-9 and data["closed_form_s"] == pytest.approx(0.15)
     assert data["ranks"] == 16 and data["algorithm"] == "allreduce:ring"
     assert sum(entry["bytes"] for entry in data["link_bytes"]) == pytest.approx(data["link_summary"]["total_bytes"])
@@ -752,7 +753,7 @@ def test_cli_simulate_ps_table_json_and_errors(tmp_path: Path) -> None:
 
     out = tmp_path / "ps.json"
     args = ["simulate", "ps", "--topology", "fat-tree:k=4,oversub=4", "--workers", "8", "--servers", "2",
-            "--strategy", "rack", "--model-size", "10MB", "--output", str(out)]
+            "--strategy", "rack", "--model-size", "10MB", "--json", str(out)]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "time per iteration" in result.output
@@ -857,9 +858,9 @@ def _ring_with_compute_json(*options: str) -> dict:
 
     out = CliRunner().invoke(app, ["simulate", "collective", "--topology", "star:n=4", "--link", "10Gbps",
                                    "--algorithm", "ring", "--size", "100MB", "--compute", "50ms", *options,
-                                   "--json", "--links", "none"])
+                                   "--json", "-", "--links", "none"])
     assert out.exit_code == 0, out.output
-    return json.loads(out.output)
+    return json.loads(out.stdout)
 
 
 def test_cli_closed_form_counts_the_slowest_ranks_compute() -> None:

@@ -231,9 +231,9 @@ def test_cli_simulates_bml_against_its_closed_form() -> None:
     from mlfabric.cli import app
 
     ok = CliRunner().invoke(app, ["simulate", "collective", "--topology", "bcube:n=3,k=2", "--link", "1Gbps",
-                                  "--algorithm", "bcube", "--size", "72KB", "--json", "--links", "none"])
+                                  "--algorithm", "bcube", "--size", "72KB", "--json", "-", "--links", "none"])
     assert ok.exit_code == 0, ok.output
-    data = json.loads(ok.output)
+    data = json.loads(ok.stdout)
     assert data["algorithm"] == "allreduce:bcube"
     assert data["time_vs_closed_form"] == pytest.approx(1.0, rel=1e-9)
     assert data["closed_form_s"] == pytest.approx(2 * 8 / (2 * 9) * 72e3 * 8 / 1e9, rel=1e-12)
