@@ -918,7 +918,7 @@ def simulate_mlfabric_cmd(
         grid = table2(rows, mode)
         table = Table(title=f"{mode} vs RR-Sync", title_justify="left", box=box.SIMPLE_HEAD,
                       caption="speedup in time to the same applied updates (simulated)"
-                              + ("; [paper's MLfabric-A-30]" if mode.startswith("mlfabric-a") else ""),
+                              + ("; in brackets: the paper's MLfabric-A-30" if mode.startswith("mlfabric-a") else ""),
                       caption_justify="left")
         table.add_column("compute")
         for name in names:
