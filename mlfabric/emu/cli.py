@@ -3,6 +3,7 @@
     mlfabric emu doctor
     mlfabric emu cleanup [--force]
     sudo mlfabric launch --hosts 8 --topology star --rate 1gbit --churn N2 --period 5s --seed 1 -- python train.py
+    sudo mlfabric launch --hosts 2 --run-dir runs/emu -- python train.py      # keep cluster.json and the trace
 
 ``mlfabric/cli.py`` registers them; ``python -m mlfabric.emu doctor|cleanup|list|launch ...``
 runs the same commands without the rest of the CLI.
@@ -76,6 +77,11 @@ def launch(
     timeout: Annotated[Optional[str], typer.Option(help="Kill the job after this long (e.g. 10min).")] = None,
     master_port: Annotated[int, typer.Option(help="MASTER_PORT on host 0.")] = 29500,
     emulate: Annotated[str, typer.Option(help="auto (emulate when root), always, never (local processes).")] = "auto",
+    run_dir: Annotated[Optional[str], typer.Option("--run-dir", help="Keep the run's files (cluster.json, the churn "
+                                                   "trace) in this directory (default: a temporary one, removed at "
+                                                   "the end).")] = None,
+    keep_run_dir: Annotated[bool, typer.Option("--keep-run-dir", help="Keep the temporary run directory after the "
+                                               "run (its path is printed at start).")] = False,
 ) -> None:
     """Start one process per emulated host (torchrun environment), then tear everything down.
 
@@ -89,7 +95,8 @@ def launch(
     try:
         spec = LaunchSpec(command=command, hosts=hosts, topology=topology, rate_bps=parse_rate(rate), churn=churn,
                           period_s=parse_duration(period), seed=seed, trace_path=trace, master_port=master_port,
-                          timeout_s=parse_duration(timeout) if timeout else None, emulate=emulate)
+                          timeout_s=parse_duration(timeout) if timeout else None, emulate=emulate,
+                          run_dir=run_dir, keep_run_dir=keep_run_dir)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     try:

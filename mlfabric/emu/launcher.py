@@ -15,11 +15,16 @@ spec, which ``mlfabric.init`` reads: BML needs it), ``GLOO_SOCKET_IFNAME``,
 :func:`emulated_launch` gives the same placement and environment to ranks started by
 :func:`mlfabric.bench.procs.run_ranks` (the emulated benchmarks and training jobs).
 
+An emulated run writes the cluster's description (``cluster.json``, which the ranks find
+through ``MLFABRIC_EMU_CLUSTER``) and, with churn and no ``trace_path``, the churn trace into a
+run directory: by default a new one in the temp dir, removed at the end; ``keep_run_dir``
+(``--keep-run-dir``) keeps it, and a ``run_dir`` the user names (``--run-dir PATH``) is kept.
+
 Exit status: 0 when every rank exits 0; otherwise the first failing rank's status (the others
 get ``grace_s`` seconds, then are killed); 124 on timeout; 128 + signal on SIGINT/SIGTERM.
-Namespaces, links and processes are removed on every one of these paths; after a
-``kill -9`` of the launcher the ranks die with it (PR_SET_PDEATHSIG) and ``mlfabric emu
-cleanup`` removes the namespaces.
+Namespaces, links, processes and the temporary run directory are removed on every one of
+these paths; after a ``kill -9`` of the launcher the ranks die with it (PR_SET_PDEATHSIG)
+and ``mlfabric emu cleanup`` removes the namespaces.
 
 Without root (or with ``emulate="never"``) the ranks run as plain local processes on loopback
 with ``MLFABRIC_TOPOLOGY``, one loopback channel per NIC and ``MLFABRIC_PACE`` (the zmq or
@@ -33,6 +38,7 @@ import contextlib
 import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -73,7 +79,9 @@ class LaunchSpec:
     ``topology`` is a spec string (``star:n=8``, ``racks:r=2,h=4,oversub=4``,
     ``bcube:n=3,k=2``) or a bare ``star`` completed by ``hosts``. ``churn`` is ``N1``/``N2``/
     ``N3`` or ``RATE:PROB,...``; its schedule is written to ``trace_path`` (default: in the
-    run directory, printed at start). ``timeout_s=None`` waits forever.
+    run directory, printed at start). ``run_dir``: where an emulated run's files go (created
+    if missing, kept); by default a new directory in the temp dir, removed at the end unless
+    ``keep_run_dir``. ``timeout_s=None`` waits forever.
     """
 
     command: tuple[str, ...]
@@ -88,6 +96,8 @@ class LaunchSpec:
     timeout_s: float | None = None
     grace_s: float = 5.0
     emulate: str = "auto"
+    run_dir: str | None = None
+    keep_run_dir: bool = False
     env: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -205,8 +215,8 @@ def emulated_launch(topology: str | TopologySpec, rate_bps: float, *,
     ``on_built(plan)`` runs once the cluster is up, before any rank (benchmarks measure their
     reference goodput there). With ``churn``, bandwidth churn (:func:`start_churn`, as
     ``mlfabric launch --churn``) starts after ``on_built`` and runs until the block is left;
-    its trace goes to ``trace_path`` (default: ``trace.csv`` in a new run directory of the
-    temp dir), ``on_churn(t, rows)`` sees each redraw, and a failure of the churn thread is
+    its trace goes to ``trace_path`` (none is written without one: nothing is left in the temp
+    dir), ``on_churn(t, rows)`` sees each redraw, and a failure of the churn thread is
     raised on the way out (the ranks run on under the last rates meanwhile). Several launches
     may run one after the other in one cluster; give each its own ``master_port``
     (``dataclasses.replace``) so that no socket of the previous one is in the way.
@@ -224,9 +234,8 @@ def emulated_launch(topology: str | TopologySpec, rate_bps: float, *,
         if churn is None:
             yield config
             return
-        trace = trace_path or os.path.join(tempfile.mkdtemp(prefix=f"mlfabric-emu-{plan.prefix}-"), "trace.csv")
         runner = start_churn(cluster, churn, rate_bps=rate_bps, period_s=churn_period_s, seed=churn_seed,
-                             trace_path=trace, on_apply=on_churn)
+                             trace_path=trace_path, on_apply=on_churn)
         try:
             yield dataclasses.replace(config, rank_env=churned_rank_envs(config.rank_env or []))
         except BaseException:
@@ -313,24 +322,33 @@ def launch(spec: LaunchSpec, *, out: IO[str] | None = None, err: IO[str] | None 
     cluster: Cluster | None = None
     churn: ChurnRunner | None = None
     ranks: list[_Rank] = []
+    temporary_dir: str | None = None  # the run directory to remove at the end
     lock = threading.Lock()
     with _Signals() as signals:
         try:
             if emulate:
                 plan = plan_cluster(topology, spec.rate_bps, prefix=new_prefix())
-                run_dir = tempfile.mkdtemp(prefix=f"mlfabric-emu-{plan.prefix}-")
+                if spec.run_dir is not None:
+                    run_dir = spec.run_dir
+                    os.makedirs(run_dir, exist_ok=True)
+                else:
+                    run_dir = tempfile.mkdtemp(prefix=f"mlfabric-emu-{plan.prefix}-")
+                    temporary_dir = None if spec.keep_run_dir else run_dir
+                removed = " (removed at the end: --keep-run-dir or --run-dir PATH keeps it)" if temporary_dir else ""
+                trace_removed = (" (removed at the end: --trace FILE, --keep-run-dir or --run-dir PATH keeps it)"
+                                 if temporary_dir and not spec.trace_path else "")
                 cluster = Cluster.create(plan)
                 cluster_json = os.path.join(run_dir, "cluster.json")
                 with open(cluster_json, "w") as handle:
                     json.dump(plan.describe(), handle, indent=2)
                 err.write(f"mlfabric launch: cluster {plan.prefix}: {topology}, NICs at {spec.rate_bps / 1e6:g} Mbit/s, "
-                          f"MASTER_ADDR={plan.master_addr}; description in {cluster_json}\n")
+                          f"MASTER_ADDR={plan.master_addr}; description in {cluster_json}{removed}\n")
                 if spec.churn is not None:
                     trace = spec.trace_path or os.path.join(run_dir, "trace.csv")
                     churn = start_churn(cluster, spec.churn, rate_bps=spec.rate_bps, period_s=spec.period_s,
                                         seed=spec.seed, trace_path=trace)
                     err.write(f"mlfabric launch: churn {spec.churn} every {spec.period_s:g}s (seed {spec.seed}); "
-                              f"trace in {trace}\n")
+                              f"trace in {trace}{trace_removed}\n")
                 n_hosts = plan.n_hosts
                 master_addr = plan.master_addr
                 prefixes = plan.command_prefixes()
@@ -389,6 +407,8 @@ def launch(spec: LaunchSpec, *, out: IO[str] | None = None, err: IO[str] | None 
                     churn_error = exc
             if cluster is not None:
                 cluster.teardown()
+            if temporary_dir is not None:
+                shutil.rmtree(temporary_dir, ignore_errors=True)
             if churn_error is not None:
                 err.write(f"mlfabric launch: {churn_error}\n")
 

@@ -61,9 +61,10 @@ def no_leaks():
 
 @pytest.fixture(autouse=True)
 def run_dirs_in_tmp_path(tmp_path, monkeypatch):
-    """`mlfabric launch` keeps each emulated run's description (cluster.json, the churn trace)
-    in a new directory of the temp dir, for the user to read after the run: the tests' go to
-    pytest's tmp_path (their own and their subprocesses'), not one more into /tmp per run."""
+    """`mlfabric launch` writes each emulated run's description (cluster.json, the churn trace)
+    into a new directory of the temp dir (removed at the end unless kept): the tests' go to
+    pytest's tmp_path (their own and their subprocesses'), where they can check it is gone,
+    and a failure leaves nothing in /tmp."""
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     return tmp_path

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import signal
@@ -35,10 +36,11 @@ def test_resolve_topology():
         LaunchSpec(command=(), hosts=2)
 
 
-def test_fallback_runs_local_processes_with_a_warning():
+def test_fallback_runs_local_processes_with_a_warning(tmp_path):
     out, err = io.StringIO(), io.StringIO()
     code = launch(LaunchSpec(command=(PY, "-c", PRINT_ENV), hosts=2, emulate="never", churn="N1"), out=out, err=err)
     assert code == 0
+    assert list(tmp_path.iterdir()) == []  # no cluster, no run directory
     assert "NOT enforced" in err.getvalue() and "paces each NIC" in err.getvalue()
     lines = sorted(out.getvalue().splitlines())
     assert lines == ["[rank 0] 0 2 127.0.0.1 0=127.0.0.1", "[rank 1] 1 2 127.0.0.1 0=127.0.0.1"]
@@ -67,6 +69,80 @@ def test_launch_bcube_env_and_prefixed_output(no_leaks, tmp_path):
     # The run's description lands in the temp dir (pytest's tmp_path here, see conftest.py).
     described = re.search(r"description in (\S+cluster\.json)", err.getvalue())
     assert described and described.group(1).startswith(str(tmp_path)), err.getvalue()
+
+
+#: A rank's report of the run directory: does the cluster description exist while it runs?
+SEES_CLUSTER_JSON = "import os; print('cluster.json', os.path.exists(os.environ['MLFABRIC_EMU_CLUSTER']))"
+
+
+def _run_dirs(tmp_path):
+    """The run directories `launch` made in the temp dir (tmp_path here, see conftest.py)."""
+    return sorted(tmp_path.glob("mlfabric-emu-*"))
+
+
+@needs_root
+def test_run_directory_is_removed_after_a_run_that_succeeds_or_fails(no_leaks, tmp_path):
+    for script, expected in ((SEES_CLUSTER_JSON, 0), (SEES_CLUSTER_JSON + "; raise SystemExit(3)", 3)):
+        out, err = io.StringIO(), io.StringIO()
+        code = launch(LaunchSpec(command=(PY, "-c", script), hosts=2, rate_bps=100e6, churn="N1", period_s=0.2,
+                                 grace_s=0.5), out=out, err=err)
+        assert code == expected, err.getvalue()
+        # It existed while the ranks ran (they read the description from it) ...
+        assert out.getvalue().count("cluster.json True") == 2, out.getvalue() + err.getvalue()
+        described = re.search(r"description in (\S+cluster\.json) \(removed at the end", err.getvalue())
+        assert described, err.getvalue()
+        assert re.search(r"trace in \S+trace\.csv \(removed at the end: --trace FILE", err.getvalue())
+        # ... and is gone, trace and all, once launch returns.
+        assert not os.path.exists(os.path.dirname(described.group(1)))
+        assert _run_dirs(tmp_path) == []
+
+
+@needs_root
+def test_run_directory_is_kept_when_asked(no_leaks, tmp_path):
+    err = io.StringIO()
+    assert launch(LaunchSpec(command=(PY, "-c", SEES_CLUSTER_JSON), hosts=2, rate_bps=100e6, keep_run_dir=True),
+                  out=io.StringIO(), err=err) == 0
+    [kept] = _run_dirs(tmp_path)
+    assert json.loads((kept / "cluster.json").read_text())["topology"] == "star:n=2"
+    assert "removed at the end" not in err.getvalue()
+    named = tmp_path / "runs" / "emu"  # a directory the user names is made and kept
+    assert launch(LaunchSpec(command=(PY, "-c", SEES_CLUSTER_JSON), hosts=2, rate_bps=100e6, churn="N1",
+                             period_s=0.2, run_dir=str(named)), out=io.StringIO(), err=io.StringIO()) == 0
+    assert sorted(p.name for p in named.iterdir()) == ["cluster.json", "trace.csv"]
+    assert (named / "trace.csv").read_text().startswith("time_s,host,nic,direction,rate_bps\n")
+    assert _run_dirs(tmp_path) == [kept]
+
+
+@needs_root
+def test_run_directory_is_removed_when_the_cluster_cannot_be_built(no_leaks, tmp_path, monkeypatch):
+    from mlfabric.emu import launcher
+
+    def refuse(plan):
+        assert len(_run_dirs(tmp_path)) == 1  # made before the cluster
+        raise RuntimeError("no bridge for you")
+
+    monkeypatch.setattr(launcher.Cluster, "create", staticmethod(refuse))
+    with pytest.raises(RuntimeError, match="no bridge for you"):
+        launch(LaunchSpec(command=(PY, "-c", "pass"), hosts=2, emulate="always"), out=io.StringIO(),
+               err=io.StringIO())
+    assert _run_dirs(tmp_path) == []
+
+
+@needs_root
+def test_cli_launch_run_dir_options(no_leaks, tmp_path):
+    from typer.testing import CliRunner
+
+    from mlfabric.cli import app
+
+    named = tmp_path / "mine"
+    result = CliRunner().invoke(app, ["launch", "--hosts", "2", "--rate", "100mbit", "--run-dir", str(named), "--",
+                                      PY, "-c", SEES_CLUSTER_JSON])
+    assert result.exit_code == 0, result.output
+    assert (named / "cluster.json").is_file() and _run_dirs(tmp_path) == []
+    result = CliRunner().invoke(app, ["launch", "--hosts", "2", "--rate", "100mbit", "--keep-run-dir", "--",
+                                      PY, "-c", SEES_CLUSTER_JSON])
+    assert result.exit_code == 0, result.output
+    assert [(d / "cluster.json").is_file() for d in _run_dirs(tmp_path)] == [True]
 
 
 @needs_root
@@ -118,12 +194,13 @@ def _rank_pids() -> list[int]:
 
 @needs_root
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_signal_tears_everything_down(signum, no_leaks):
+def test_signal_tears_everything_down(signum, no_leaks, tmp_path):
     before = set(our_leftovers())
-    proc = _start_launcher([])
+    proc = _start_launcher([])  # its temp dir is tmp_path (TMPDIR, see conftest.py)
     try:
         _wait_up(proc, 2)
         assert set(our_leftovers()) - before  # the cluster is up
+        assert len(_run_dirs(tmp_path)) == 1  # and so is its run directory
         proc.send_signal(signum)
         assert proc.wait(timeout=30) == 128 + signum
     finally:
@@ -131,6 +208,7 @@ def test_signal_tears_everything_down(signum, no_leaks):
             proc.kill()
         proc.communicate()
     assert not set(our_leftovers()) - before
+    assert _run_dirs(tmp_path) == []
 
 
 @needs_root
