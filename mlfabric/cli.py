@@ -877,6 +877,10 @@ def simulate_mlfabric_cmd(
                                                                   "worker's update is applied (applied, as the "
                                                                   "runtime) or at once (request).")] = "applied",
     seed: Annotated[int, typer.Option(help="Seed of compute and churn draws.")] = 0,
+    emulated: Annotated[Optional[list[Path]], typer.Option(
+        help="Instead of the grid: the cells of these emulated train JSONs (train --emulate --churn N --target "
+             "T), each mode timed to the updates it needed there; emulated vs simulated speedups. Repeatable; "
+             "give --update-size and --compute of that run.")] = None,
     json_path: JsonOption = None,
     quiet: QuietOption = False,
 ) -> None:
@@ -903,6 +907,9 @@ def simulate_mlfabric_cmd(
                          updates_needed=needed, aggregators=aggregators, distributors=distributors,
                          interval_s=_parse_or_usage(parse_duration, interval),
                          monitor_lag_s=_parse_or_usage(parse_duration, lag), pull_after=pull_after, seed=seed)
+    if emulated:
+        _compare_emulated(config, emulated, json_path)
+        return
     injects = split_list(inject, "compute settings")
     churns = [None if c.lower() == "none" else c for c in split_list(churn, "network settings")]
     with progress_bar(quiet=quiet) as progress:
@@ -944,6 +951,41 @@ def simulate_mlfabric_cmd(
         write_json(json_path, {"benchmark": "simulate-mlfabric", "command": shlex.join(command),
                                "config": dataclasses.asdict(config), "runs": rows,
                                "table2": {m: table2(rows, m) for m in modes}, "paper_table2": PAPER_TABLE2})
+
+
+def _compare_emulated(config: Any, paths: list[Path], json_path: Optional[Path]) -> None:
+    """simulate mlfabric --emulated: simulated vs emulated speedups over RR-Sync, per cell."""
+    from rich import box
+    from rich.table import Table
+
+    from mlfabric.sim.mlfabric import compare_with_emulation
+
+    rows = []
+    for path in paths:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise typer.BadParameter(f"--emulated {path}: {exc}") from None
+        if not (data.get("metadata", {}).get("emulation") and data.get("comparisons")):
+            raise typer.BadParameter(f"--emulated {path}: not the JSON of an emulated `mlfabric train` run")
+        rows += compare_with_emulation(config, data)
+    table = Table(title="emulated vs simulated speedup over RR-Sync", title_justify="left", box=box.SIMPLE_HEAD,
+                  caption="each mode timed to the worker updates its emulated run needed to reach the target",
+                  caption_justify="left")
+    for name in ("compute", "network", "mode", "updates", "emulated", "simulated", "sim/emu"):
+        table.add_column(name, justify="left" if name in ("compute", "network", "mode") else "right")
+    for r in rows:
+        if r["mode"] == "allreduce":
+            continue
+        table.add_row(r["inject"], r["churn"], r["mode"], str(r["updates"]),
+                      "-" if r["emulated_speedup"] is None else f"{r['emulated_speedup']:.2f}",
+                      f"{r['simulated_speedup']:.2f}", "-" if r["sim_over_emu"] is None else f"{r['sim_over_emu']:.3f}")
+    console.print(table)
+    if json_path is not None:
+        import dataclasses
+
+        write_json(json_path, {"benchmark": "simulate-mlfabric-vs-emulated", "config": dataclasses.asdict(config),
+                               "emulated_runs": [str(p) for p in paths], "rows": rows})
 
 
 @simulate_app.command("mlnet")

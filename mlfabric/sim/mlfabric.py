@@ -50,8 +50,8 @@ from mlfabric.emu.churn import churn_model, churn_schedule
 from mlfabric.ps.monitor import Ledger, NetworkMonitor
 from mlfabric.ps.scheduler import Scheduler, SchedulerConfig, UpdateRequest, distribute
 
-__all__ = ["MLfabricSimConfig", "PAPER_TABLE2", "SIM_MODES", "simulate_mlfabric", "simulate_mode", "simulate_table2",
-           "table2"]
+__all__ = ["MLfabricSimConfig", "PAPER_TABLE2", "SIM_MODES", "compare_with_emulation", "simulate_mlfabric",
+           "simulate_mode", "simulate_table2", "table2", "updates_to_target"]
 
 SIM_MODES = ("allreduce", "tree-allreduce", "ps-async", "mlfabric-a:TAU", "mlfabric-s")
 #: The paper's Table 2: MLfabric-A-30's speedup in time to 74% accuracy w.r.t. RR-Sync.
@@ -603,6 +603,55 @@ def simulate_table2(config: MLfabricSimConfig, modes: Sequence[str], injects: Se
         if on_cell is not None:
             on_cell(done + 1, len(cells))
     return rows
+
+
+def updates_to_target(run: dict[str, Any], target: float, workers: int) -> int | None:
+    """Worker updates an emulated ``train`` run (one ``runs[]`` entry) had applied when its
+    curve first reached ``target``: ``step x workers`` at that epoch boundary (the harness
+    ends an asynchronous epoch on the servers' count of applied gradients, so this holds for
+    every mode). None if it never got there."""
+    lower_is_better = run["metric"] == "mse"
+    for point in run["curve"]:
+        value = point["val_metric"]
+        if (value <= target) if lower_is_better else (value >= target):
+            return int(point["step"]) * workers
+    return None
+
+
+def compare_with_emulation(config: MLfabricSimConfig, train_json: dict[str, Any]) -> list[dict[str, Any]]:
+    """Simulate the cells of an emulated ``mlfabric train --emulate --churn N --target T`` run
+    (its JSON): per (injection, mode) the updates that run needed to reach its target, on the
+    run's churn and worker count; rows with the emulated and simulated speedups over
+    allreduce and their ratio (check 5 of the issue: within 15%)."""
+    emulation = train_json["metadata"].get("emulation") or {}
+    churn = emulation.get("churn")
+    workers = int(train_json["config"]["workers"])
+    speedups = {(c["inject"], c["mode"]): c for c in train_json["comparisons"]}
+    rows: list[dict[str, Any]] = []
+    for inject in train_json["config"]["injects"]:
+        runs = {r["mode"]: r for r in train_json["runs"] if r["inject"] == inject}
+        if "allreduce" not in runs:
+            continue
+        target = next((c["target"] for c in speedups.values() if c["inject"] == inject), None)
+        if target is None:
+            continue
+        needed = {m: updates_to_target(r, target, workers) for m, r in runs.items()}
+        modes = [m for m in runs if needed[m] is not None and _simulated(m)]
+        if "allreduce" not in modes:
+            continue
+        cell = dataclasses.replace(config, workers=workers, churn=churn, straggler=None if inject == "none" else inject,
+                                   updates_needed={m: int(needed[m]) for m in modes})  # type: ignore[arg-type]
+        for r in simulate_mlfabric(cell, modes):
+            emulated = 1.0 if r["mode"] == "allreduce" else speedups.get((inject, r["mode"]), {}).get("time_speedup")
+            rows.append({"inject": inject, "churn": churn or "none", "mode": r["mode"], "updates": needed[r["mode"]],
+                         "emulated_speedup": emulated, "simulated_speedup": r["speedup"],
+                         "sim_over_emu": r["speedup"] / emulated if emulated else None, "simulated": r})
+    return rows
+
+
+def _simulated(mode: str) -> bool:
+    return mode in ("allreduce", "tree-allreduce", "ps-async", "mlfabric-s") or mode.startswith(("mlfabric-a:",
+                                                                                                   "ps-async:"))
 
 
 def table2(rows: Sequence[dict[str, Any]], mode: str) -> dict[str, dict[str, float | None]]:

@@ -135,3 +135,45 @@ def test_simulate_mlfabric_cli_writes_table2(tmp_path: Any) -> None:
     assert math.isfinite(speedup) and speedup > 0 and data["paper_table2"]["C2"]["N1"] == 2.96
     bad = CliRunner().invoke(app, ["simulate", "mlfabric", "--updates-needed", "ps-async"], env={"COLUMNS": "200"})
     assert bad.exit_code == 2 and "MODE=N" in bad.output
+
+
+def _curve(values: list[float], steps_per_epoch: int = 5) -> list[dict[str, Any]]:
+    return [{"epoch": i + 1, "step": (i + 1) * steps_per_epoch, "val_metric": v} for i, v in enumerate(values)]
+
+
+def test_emulated_cells_are_simulated_with_the_updates_they_needed(tmp_path: Any) -> None:
+    from mlfabric.cli import app
+    from mlfabric.sim.mlfabric import compare_with_emulation, updates_to_target
+
+    run = {"metric": "accuracy", "curve": _curve([0.3, 0.6, 0.9])}
+    assert updates_to_target(run, 0.6, 4) == 10 * 4 and updates_to_target(run, 0.95, 4) is None
+    assert updates_to_target({"metric": "mse", "curve": _curve([3.0, 1.0])}, 2.0, 2) == 20
+    train = {
+        "metadata": {"emulation": {"churn": "N1"}},
+        "config": {"workers": 4, "injects": ["C2"]},
+        "runs": [{"inject": "C2", "mode": "allreduce", "metric": "accuracy", "curve": _curve([0.5, 0.8])},
+                 {"inject": "C2", "mode": "mlfabric-a:4", "metric": "accuracy", "curve": _curve([0.7, 0.9])},
+                 {"inject": "C2", "mode": "eager-solo", "metric": "accuracy", "curve": _curve([0.9])}],
+        "comparisons": [{"inject": "C2", "mode": "mlfabric-a:4", "target": 0.8, "time_speedup": 1.5},
+                        {"inject": "C2", "mode": "eager-solo", "target": 0.8, "time_speedup": 2.0}],
+    }
+    config = MLfabricSimConfig(**SMALL)
+    rows = compare_with_emulation(config, train)
+    by_mode = {r["mode"]: r for r in rows}
+    assert set(by_mode) == {"allreduce", "mlfabric-a:4"}  # eager modes are not simulated
+    assert by_mode["allreduce"]["updates"] == 40 and by_mode["mlfabric-a:4"]["updates"] == 40
+    a = by_mode["mlfabric-a:4"]
+    assert a["simulated"]["applied"] >= 40 and a["emulated_speedup"] == 1.5
+    assert a["sim_over_emu"] == pytest.approx(a["simulated_speedup"] / 1.5)
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps(train))
+    out = tmp_path / "cmp.json"
+    result = CliRunner().invoke(app, ["simulate", "mlfabric", "--update-size", "1MB", "--rate", "80mbit",
+                                      "--compute", "50ms", "--emulated", str(path), "--json", str(out)],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["rows"][1]["mode"] == "mlfabric-a:4"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"runs": []}))
+    refused = CliRunner().invoke(app, ["simulate", "mlfabric", "--emulated", str(bad)], env={"COLUMNS": "200"})
+    assert refused.exit_code == 2 and "not the JSON of an emulated" in refused.output
