@@ -178,20 +178,22 @@ T = TypeVar("T")
 
 
 def local_world(world_size: int, *, timeout: float = DEFAULT_TIMEOUT_S,
-                channels: Sequence[str] = ("0",), topology: str | None = None) -> list[Communicator]:
-    """``world_size`` communicators joined by the in-process transport (ranks = threads)."""
+                channels: Sequence[str] = ("0",), topology: str | None = None,
+                hosts: Sequence[int] | None = None) -> list[Communicator]:
+    """``world_size`` communicators joined by the in-process transport (ranks = threads);
+    ``hosts`` says which ranks stand for one host (hierarchical collectives)."""
     from .transport.local import LocalFabric
 
     fabric = LocalFabric(world_size, tuple(channels))
-    return [Communicator(t, timeout=timeout, topology=topology) for t in fabric.transports()]
+    return [Communicator(t, timeout=timeout, topology=topology, hosts=hosts) for t in fabric.transports()]
 
 
 def run_threads(world_size: int, fn: Callable[[Communicator], T], *,
                 timeout: float = DEFAULT_TIMEOUT_S, channels: Sequence[str] = ("0",),
-                topology: str | None = None) -> list[T]:
+                topology: str | None = None, hosts: Sequence[int] | None = None) -> list[T]:
     """Run ``fn(comm)`` on ``world_size`` threads, one rank each; returns per-rank results
     and re-raises the first exception."""
-    comms = local_world(world_size, timeout=timeout, channels=channels, topology=topology)
+    comms = local_world(world_size, timeout=timeout, channels=channels, topology=topology, hosts=hosts)
     results: list[object] = [None] * world_size
     errors: list[BaseException | None] = [None] * world_size
 

@@ -48,7 +48,6 @@ import struct
 import sys
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
@@ -57,6 +56,7 @@ import numpy as np
 from mlfabric.errors import TransportError
 
 from .base import TOKEN_BYTES, SendHandle, decode_header, encode_header
+from .tcp import FRAME, FRAME_MAGIC, HANDSHAKE_TIMEOUT_S, _FrameReader, _Outgoing, _shut, _shut_and_join
 
 if TYPE_CHECKING:
     from .tcp import TcpTransport
@@ -83,7 +83,7 @@ POLL_S = 0.5
 
 # Writer -> reader records: a frame (tcp.FRAME with one of these magics), then for a ring
 # payload one PIECE record per piece; reader -> writer: one CREDIT record per piece consumed.
-INLINE_MAGIC = b"MLFm"  # the payload follows in the socket stream
+INLINE_MAGIC = FRAME_MAGIC  # the payload follows in the socket stream, as over TCP
 RING_MAGIC = b"MLFr"    # the payload follows in the ring, announced piece by piece
 PIECE = struct.Struct("<Q")
 CREDIT = struct.Struct("<Q")
@@ -154,28 +154,25 @@ def _new_ring(name: str, size: int) -> tuple[int, _Ring]:
         raise
 
 
-class _Outgoing:
-    """The writer's side of one link. Messages leave in the order they were sent; the
-    calling thread writes a message itself when nothing is queued and it fits (socket
-    buffer, ring), and a sender thread, started on first need, finishes the rest."""
+@dataclass(frozen=True)
+class _RingMessage:
+    """A queued message whose payload goes through the ring."""
+
+    header: list[memoryview]
+    payload: memoryview
+
+
+class _Link(_Outgoing):
+    """The writer's side of one link: the tcp transport's ordered sender (messages leave in
+    the order they were sent, a sender thread finishes what the calling thread could not),
+    writing small messages to the socket and large payloads through the ring."""
 
     def __init__(self, links: "SharedMemoryLinks", peer: int, sock: socket.socket, ring: _Ring) -> None:
-        self.links = links
-        self.transport = links.transport
-        self.peer = peer
-        self.sock = sock
+        super().__init__(links.transport, peer, "shared memory", sock)
         self.ring = ring
         self.written = 0   # bytes ever announced in the ring
         self.credited = 0  # bytes the reader has given back
         self._credit_bytes = bytearray()  # a credit record split across reads
-        self.mutex = threading.Lock()
-        self.wake = threading.Condition(self.mutex)
-        # (header parts, payload, handle): the head one is being written by the thread.
-        self.queue: deque[tuple[list[memoryview], memoryview, bool, SendHandle]] = deque()
-        self.error: str | None = None
-        self.closing = False
-        self.thread: threading.Thread | None = None
-        sock.setblocking(True)
 
     # -- credits -----------------------------------------------------------------------------
 
@@ -206,106 +203,61 @@ class _Outgoing:
 
     # -- sending -----------------------------------------------------------------------------
 
-    def send(self, header: list[memoryview], payload: memoryview, inline: bool) -> SendHandle:
+    def send_message(self, header: list[memoryview], payload: memoryview, inline: bool) -> SendHandle:
+        """Queue one message; the calling thread writes it itself when nothing is queued and
+        it fits (the socket's buffer, or the ring's free room before its end)."""
+        if inline:
+            parts = [*header, payload] if payload.nbytes else header
+            return self.send(parts, None, sum(p.nbytes for p in parts))
         with self.mutex:
             if self.error is not None:
                 return SendHandle(done=False)  # the peer is being reported lost
             if not self.queue:
                 try:
-                    if inline:
-                        parts = [*header, payload] if payload.nbytes else header
-                        total = sum(p.nbytes for p in parts)
-                        try:
-                            sent = self.sock.sendmsg(parts, (), socket.MSG_DONTWAIT)
-                        except BlockingIOError:
-                            sent = 0
-                        if sent == total:
-                            return _DONE
-                        # The rest is copied (the payload may change once we return) and
-                        # queued for the sender thread: the send is complete for the caller.
-                        self._enqueue([memoryview(_bytes_after(parts, sent))], memoryview(b""), True, _DONE)
-                        return _DONE
                     self._take_credits(None)
                     if self._free() >= payload.nbytes and self._fits_contiguously(payload.nbytes):
-                        self._write_ring_now(header, payload)
+                        self._copy_in(payload, 0, payload.nbytes)
+                        # Only the announcement's tail can be left, and it is ours to keep.
+                        rest = self._announce([*header, memoryview(PIECE.pack(payload.nbytes))])
+                        if rest:
+                            self._enqueue(rest, _DONE)
                         return _DONE
                 except OSError as exc:
                     self._broken(exc)
                     return SendHandle(done=False)
-            handle = SendHandle(done=False)
-            self._enqueue(header, payload, inline, handle)
-            return handle
+            return self._enqueue(_RingMessage(header, payload), SendHandle(done=False))
 
-    def _fits_contiguously(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` fit before the ring's end (one piece, no wrap)."""
-        return self.written % self.ring.size + nbytes <= self.ring.size and nbytes <= PIECE_BYTES
-
-    def _write_ring_now(self, header: list[memoryview], payload: memoryview) -> None:
-        """Copy the whole payload in as one piece and announce it (the caller checked room)."""
-        self._copy_in(payload, 0, payload.nbytes)
-        records = [*header, memoryview(PIECE.pack(payload.nbytes))]
-        total = sum(p.nbytes for p in records)
+    def _announce(self, records: list[memoryview]) -> list[memoryview]:
+        """Hand ``records`` to the socket without blocking; what it did not take, copied."""
         try:
             sent = self.sock.sendmsg(records, (), socket.MSG_DONTWAIT)
         except BlockingIOError:
             sent = 0
-        if sent < total:  # the announcement's tail goes out after whatever follows is queued
-            self._enqueue([memoryview(_bytes_after(records, sent))], memoryview(b""), True, SendHandle(done=True))
+        rest = _bytes_after(records, sent)
+        return [memoryview(rest)] if rest else []
+
+    def _fits_contiguously(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` fit before the ring's end (one piece, no wrap)."""
+        return self.written % self.ring.size + nbytes <= self.ring.size and nbytes <= PIECE_BYTES
 
     def _copy_in(self, payload: memoryview, offset: int, length: int) -> None:
         position = self.written % self.ring.size
         ctypes.memmove(self.ring.base + position, _address_of(payload[offset:offset + length]), length)
         self.written += length
 
-    def _enqueue(self, header: list[memoryview], payload: memoryview, inline: bool, handle: SendHandle) -> None:
-        self.queue.append((header, payload, inline, handle))
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._drain, daemon=True,
-                                           name=f"mlfabric-shm-send-{self.transport.rank}-{self.peer}")
-            self.thread.start()
-        self.wake.notify()
-
-    def _drain(self) -> None:
-        from .tcp import _without_sent
-
-        mailbox = self.transport.mailbox
-        while True:
-            with self.wake:
-                while not self.queue and not self.closing:
-                    self.wake.wait()
-                if not self.queue:
-                    return
-                header, payload, inline, handle = self.queue[0]
-            try:
-                if inline:
-                    parts = [*header, payload] if payload.nbytes else header
-                    while parts:  # blocking: a stream socket may still take less than all
-                        parts = _without_sent(parts, self.sock.sendmsg(parts))
-                else:
-                    self._write_ring(header, payload)
-            except OSError as exc:
-                with self.wake:
-                    self._broken(exc)
-                    self.queue.clear()
-                mailbox.notify()
-                return
-            with self.wake:
-                self.queue.popleft()
-            if not handle.done():
-                handle.set_done()
-                mailbox.notify()
-
-    def _write_ring(self, header: list[memoryview], payload: memoryview) -> None:
-        """Announce the frame, then move the payload through the ring piece by piece."""
-        self.sock.sendall(b"".join(header))
+    def _write(self, message: object) -> None:
+        if not isinstance(message, _RingMessage):
+            super()._write(message)  # type: ignore[arg-type]
+            return
+        # Announce the frame, then move the payload through the ring piece by piece.
+        self.sock.sendall(b"".join(message.header))
+        payload = message.payload
         offset, total = 0, payload.nbytes
         while offset < total:
-            if self.closing and self.links.stopped:
-                raise ConnectionAbortedError("transport closed")
             want = min(total - offset, PIECE_BYTES, self.ring.size - self.written % self.ring.size)
             self._take_credits(None)
             while self._free() < min(want, MIN_PIECE_BYTES):
-                if self.links.stopped:
+                if self.closing:
                     raise ConnectionAbortedError("transport closed")
                 self._take_credits(POLL_S)
             length = min(want, self._free())
@@ -313,28 +265,14 @@ class _Outgoing:
             self.sock.sendall(PIECE.pack(length))
             offset += length
 
-    def _broken(self, exc: OSError) -> None:
-        if self.error is None:
-            self.error = str(exc)
-            if not self.links.stopped:
-                threading.Thread(target=self.transport._connection_ended, daemon=True,
-                                 args=(self.peer, f"writing to it through shared memory failed ({exc}); "
-                                                  "process died?"),
-                                 name=f"mlfabric-shm-lost-{self.transport.rank}-{self.peer}").start()
+    def _lost_reason(self, exc: OSError) -> str:
+        return f"writing to it through shared memory failed ({exc}); process died?"
 
-    def flush(self, deadline: float) -> None:
-        with self.wake:
-            while self.queue and self.error is None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return
-                self.wake.wait(min(remaining, 0.01))
-
-    def close(self, deadline: float) -> None:
+    def close(self, deadline: float | None = None) -> None:
         """End the link gracefully: the reader sees the end after everything we sent."""
-        with self.wake:
+        with self.lock:
             self.closing = True
-            self.wake.notify_all()
+            self.lock.notify_all()
         try:
             self.sock.shutdown(socket.SHUT_WR)
         except OSError:
@@ -342,6 +280,7 @@ class _Outgoing:
         # Take in what the reader still sends back (credits) until it closes its end: a Unix
         # socket closed with unread bytes resets the link, and the reader would then lose the
         # goodbye queued before the end and report us lost.
+        deadline = time.monotonic() + 1.0 if deadline is None else deadline
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -370,13 +309,6 @@ def _bytes_after(parts: list[memoryview], sent: int) -> bytes:
     return bytes(out)
 
 
-def _shut(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-
-
 class SharedMemoryLinks:
     """The shared-memory links of one rank's tcp transport (see the module docstring)."""
 
@@ -386,7 +318,7 @@ class SharedMemoryLinks:
         self.identity = host_identity()
         self.address = _address(transport.token, transport.rank)
         self.stopped = False
-        self._outgoing: dict[int, _Outgoing] = {}
+        self._outgoing: dict[int, _Link] = {}
         self._incoming: dict[int, socket.socket] = {}
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
@@ -442,16 +374,14 @@ class SharedMemoryLinks:
             sock.close()
             raise
         sock.settimeout(None)
-        self._outgoing[peer] = _Outgoing(self, peer, sock, ring)
+        self._outgoing[peer] = _Link(self, peer, sock, ring)
 
     def send(self, peer: int, tag: int, channel_index: int, meta: bytes, payload: memoryview) -> SendHandle:
         """Queue one message to ``peer`` (a peer of :meth:`peers`); as ``Transport.send``."""
-        from .tcp import FRAME
-
         inline = payload.nbytes <= INLINE_MAX_BYTES
         frame = FRAME.pack(INLINE_MAGIC if inline else RING_MAGIC, tag, len(meta), payload.nbytes, channel_index)
         header = [memoryview(frame), memoryview(meta)] if meta else [memoryview(frame)]
-        return self._outgoing[peer].send(header, payload, inline)
+        return self._outgoing[peer].send_message(header, payload, inline)
 
     def peers(self) -> set[int]:
         return set(self._outgoing)
@@ -467,8 +397,6 @@ class SharedMemoryLinks:
             self._start(self._read, sock, name=f"mlfabric-shm-recv-{self.rank}")
 
     def _handshake(self, sock: socket.socket) -> tuple[int, _Ring] | None:
-        from .tcp import HANDSHAKE_TIMEOUT_S
-
         transport = self.transport
         size = len(encode_header(bytes(TOKEN_BYTES), 0, 0, 0)) + _HANDSHAKE.size
         sock.settimeout(HANDSHAKE_TIMEOUT_S)
@@ -516,24 +444,14 @@ class SharedMemoryLinks:
             self.transport._connection_ended(src, "its shared-memory link closed without a goodbye (process died?)")
 
     def _read_messages(self, sock: socket.socket, src: int, ring: _Ring) -> None:
-        from .tcp import FRAME, _FrameReader
-
         transport = self.transport
         stream = _FrameReader(sock)
         consumed = 0  # bytes ever taken out of the ring
         while True:
-            header = stream.take(FRAME.size)
-            if header is None:
+            frame = stream.frame(transport, src, (INLINE_MAGIC, RING_MAGIC))
+            if frame is None:
                 return
-            magic, tag, meta_len, nbytes, channel_index = FRAME.unpack(header)
-            channel = transport._index_channel.get(channel_index)
-            if magic not in (INLINE_MAGIC, RING_MAGIC) or channel is None:
-                transport._reject(f"corrupt shared-memory frame from peer {src} (magic {magic!r}); closing it")
-                return
-            meta = stream.take(meta_len) if meta_len else b""
-            if meta is None:
-                return
-            meta = bytes(meta)
+            magic, tag, channel, meta, nbytes = frame
             payload, in_place = transport._destination(channel, tag, src, meta, nbytes)
             if magic == INLINE_MAGIC:
                 if nbytes and not stream.read_into(payload):
@@ -574,12 +492,4 @@ class SharedMemoryLinks:
             link.close(deadline)
         with self._lock:
             incoming = list(self._incoming.values())
-        for sock in incoming:
-            _shut(sock)
-        current = threading.current_thread()
-        for thread in self._threads:
-            if thread is not current:
-                thread.join(timeout=1.0)
-        for link in self._outgoing.values():
-            if link.thread is not None and link.thread is not current:
-                link.thread.join(timeout=1.0)
+        _shut_and_join(incoming, [*self._threads, *(link.thread for link in self._outgoing.values())])

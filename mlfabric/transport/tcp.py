@@ -52,7 +52,6 @@ from mlfabric.errors import TransportError
 from .base import CONTROL_CHANNEL, TOKEN_BYTES, Message, SendHandle, Transport, decode_header, encode_header
 from .memory import keep_freed_memory
 from .pacing import Pacer
-from .shm import ENDPOINT_KEY, SharedMemoryLinks, host_layout, shm_enabled
 from .sockets import (
     GOODBYE_GRACE_S,
     KERNEL_PACING,
@@ -106,6 +105,17 @@ def _shut(sock: socket.socket) -> None:
         pass
 
 
+def _shut_and_join(sockets: list[socket.socket], threads: list[threading.Thread | None]) -> None:
+    """Shut ``sockets`` (their readers return) and wait a moment for ``threads`` (not the
+    calling one: a reader thread may be the one closing the transport)."""
+    for sock in sockets:
+        _shut(sock)
+    current = threading.current_thread()
+    for thread in threads:
+        if thread is not None and thread is not current:
+            thread.join(timeout=1.0)
+
+
 def _recv_exactly(sock: socket.socket, view: memoryview) -> bool:
     """Fill ``view`` from ``sock``; False if the connection ended first (at a message
     boundary or not: the caller treats both as the end)."""
@@ -151,6 +161,26 @@ class _FrameReader:
         self.start += size
         return chunk
 
+    def frame(self, transport: "TcpTransport", src: int,
+              magics: tuple[bytes, ...] = (FRAME_MAGIC,)) -> tuple[bytes, int, str, bytes, int] | None:
+        """The next frame from ``src``: (magic, tag, channel, meta, payload length), its payload
+        still to read. None when the stream ended, or is out of step (a magic not in
+        ``magics``, an unknown channel, oversized meta: rejected, and nothing after it can be
+        trusted)."""
+        header = self.take(FRAME.size)
+        if header is None:
+            return None
+        magic, tag, meta_len, nbytes, channel_index = FRAME.unpack(header)
+        channel = transport._index_channel.get(channel_index)
+        if magic not in magics or channel is None or meta_len > MAX_META_BYTES:
+            transport._reject(f"corrupt frame from peer {src} (magic {magic!r}, channel index "
+                              f"{channel_index}); closing its connection")
+            return None
+        meta = self.take(meta_len) if meta_len else b""
+        if meta is None:
+            return None
+        return magic, tag, channel, bytes(meta), nbytes
+
     def read_into(self, destination: memoryview) -> bool:
         """Fill ``destination``: what was read ahead first, the rest straight from the
         socket. False if the connection ended first."""
@@ -173,7 +203,9 @@ class _Offer:
 
 
 class _Outgoing:
-    """One outgoing connection: messages leave in the order they were sent."""
+    """One outgoing connection: messages leave in the order they were sent. The shared-memory
+    link (``shm.py``) is one too, with its own first attempt (``send``) and way of writing a
+    queued message (``_write``)."""
 
     def __init__(self, transport: "TcpTransport", peer: int, channel: str, sock: socket.socket) -> None:
         self.transport = transport
@@ -184,7 +216,7 @@ class _Outgoing:
         self.mutex = threading.Lock()
         self.lock = threading.Condition(self.mutex)
         # Messages the sender thread still has to write; the head one is being written.
-        self.queue: deque[tuple[list[memoryview], SendHandle]] = deque()
+        self.queue: deque[tuple[object, SendHandle]] = deque()
         self.error: str | None = None
         self.closing = False
         self.thread: threading.Thread | None = None
@@ -218,15 +250,26 @@ class _Outgoing:
                     handle.set_done()
                     self.transport.mailbox.notify()
                     return handle
-            handle = handle or SendHandle(done=False)
-            self.queue.append((parts, handle))
-            if self.thread is None:
-                self.thread = threading.Thread(
-                    target=self._drain, daemon=True,
-                    name=f"mlfabric-tcp-send-{self.transport.rank}-{self.peer}-{self.channel}")
-                self.thread.start()
-            self.lock.notify()
-            return handle
+            return self._enqueue(parts, handle or SendHandle(done=False))
+
+    def _enqueue(self, message: object, handle: SendHandle) -> SendHandle:
+        """Queue ``message`` for the sender thread (started on first need); holds ``mutex``."""
+        self.queue.append((message, handle))
+        if self.thread is None:
+            self.thread = threading.Thread(
+                target=self._drain, daemon=True,
+                name=f"mlfabric-tcp-send-{self.transport.rank}-{self.peer}-{self.channel}")
+            self.thread.start()
+        self.lock.notify()
+        return handle
+
+    def _write(self, parts: list[memoryview]) -> None:
+        """Write one queued message (blocking: releases the GIL while the kernel takes it)."""
+        while parts:
+            parts = _without_sent(parts, self.sock.sendmsg(parts))
+
+    def _lost_reason(self, exc: OSError) -> str:
+        return f"sending to it on channel {self.channel!r} failed ({exc}); process died?"
 
     def _drain(self) -> None:
         mailbox = self.transport.mailbox
@@ -236,10 +279,9 @@ class _Outgoing:
                     self.lock.wait()
                 if not self.queue:
                     return
-                parts, handle = self.queue[0]
+                message, handle = self.queue[0]
             try:
-                while parts:  # blocking: releases the GIL while the kernel takes the bytes
-                    parts = _without_sent(parts, self.sock.sendmsg(parts))
+                self._write(message)
             except OSError as exc:
                 with self.lock:
                     self._broken(exc)
@@ -259,8 +301,7 @@ class _Outgoing:
                 # A peer that closed on purpose resets the connection too; its goodbye, on
                 # another connection, may still be on the way.
                 threading.Thread(target=self.transport._connection_ended, daemon=True,
-                                 args=(self.peer, f"sending to it on channel {self.channel!r} "
-                                                  f"failed ({exc}); process died?"),
+                                 args=(self.peer, self._lost_reason(exc)),
                                  name=f"mlfabric-tcp-lost-{self.transport.rank}-{self.peer}").start()
 
     def flush(self, deadline: float) -> None:
@@ -327,6 +368,8 @@ class TcpTransport(Transport):
         self._pacer = Pacer(pace_bps, name=f"mlfabric-pacer-{rank}") if pace_bps else None
         # Ranks paced in user space stand for hosts of their own (the emulator's fallback
         # without root): they keep to their paced TCP connections.
+        from .shm import ENDPOINT_KEY, SharedMemoryLinks, shm_enabled  # shm.py builds on this module
+
         self._shm = SharedMemoryLinks(self) if shared_memory and shm_enabled() and not pace_bps else None
         if self._shm is not None:
             self.endpoints[ENDPOINT_KEY] = self._shm.endpoint
@@ -353,6 +396,8 @@ class TcpTransport(Transport):
     def connect(self, peers: Mapping[int, Mapping[str, str]]) -> None:
         """Open a connection to every peer on every channel (their listeners are up: the
         endpoints were published after binding)."""
+        from .shm import ENDPOINT_KEY, host_layout
+
         self.hosts = host_layout({self.rank: self.endpoints.get(ENDPOINT_KEY),
                                   **{peer: endpoints.get(ENDPOINT_KEY) for peer, endpoints in peers.items()}},
                                  self.world_size)
@@ -493,20 +538,10 @@ class TcpTransport(Transport):
     def _read_messages(self, sock: socket.socket, src: int) -> None:
         stream = _FrameReader(sock)
         while True:
-            header = stream.take(FRAME.size)
-            if header is None:
+            frame = stream.frame(self, src)
+            if frame is None:
                 return
-            magic, tag, meta_len, nbytes, channel_index = FRAME.unpack(header)
-            channel = self._index_channel.get(channel_index)
-            if magic != FRAME_MAGIC or channel is None or meta_len > MAX_META_BYTES:
-                # The stream is out of step: nothing after this point can be trusted.
-                self._reject(f"corrupt frame from peer {src} (magic {magic!r}, channel index "
-                             f"{channel_index}); closing its connection")
-                return
-            meta = stream.take(meta_len) if meta_len else b""
-            if meta is None:
-                return
-            meta = bytes(meta)
+            _, tag, channel, meta, nbytes = frame
             payload, in_place = self._destination(channel, tag, src, meta, nbytes)
             if nbytes and not stream.read_into(payload):
                 return
@@ -596,9 +631,4 @@ class TcpTransport(Transport):
             connection.close()
         with self._incoming_lock:
             incoming = list(self._incoming)
-        for sock in incoming:
-            _shut(sock)
-        current = threading.current_thread()
-        for thread in self._threads:
-            if thread is not current:
-                thread.join(timeout=1.0)
+        _shut_and_join(incoming, self._threads)

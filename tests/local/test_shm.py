@@ -8,7 +8,6 @@ with nothing left in /dev/shm or in any process, intruders rejected, MLFABRIC_SH
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import time
 
@@ -19,6 +18,7 @@ import mlfabric
 from mlfabric.bench.procs import run_ranks
 from mlfabric.transport import shm
 from mlfabric.transport.tcp import TcpTransport
+from tests.local.test_socket_transports import TRANSPORT_ENV, _killed_mid_collective
 
 pytestmark = [pytest.mark.local, pytest.mark.skipif(not shm.shm_enabled(), reason="needs Linux memfd")]
 
@@ -84,26 +84,6 @@ def test_every_collective_is_correct_over_shared_memory() -> None:
         assert hosts == (0, 0, 0)
 
 
-def _killed_mid_collective() -> str:
-    comm = mlfabric.init("tcp", timeout=30)
-    comm.barrier()
-    t = torch.ones(16_000_000)  # 64 MB: far longer than the 10 ms rank 2 lives
-    if comm.rank == 2:
-        comm.allreduce_async(t)
-        time.sleep(0.01)
-        os.kill(os.getpid(), signal.SIGKILL)
-    start = time.monotonic()
-    try:
-        comm.allreduce(t)
-    except mlfabric.PeerLostError as exc:
-        return f"{exc.peer}|{time.monotonic() - start:.3f}|{exc}"
-    except mlfabric.CollectiveError as exc:
-        return f"other|{time.monotonic() - start:.3f}|{exc}"
-    finally:
-        comm.close()
-    return "completed"
-
-
 def _memfds_of_mlfabric() -> list[str]:
     """Every fd or mapping of an mlfabric shared-memory ring in any process."""
     found = []
@@ -116,7 +96,9 @@ def _memfds_of_mlfabric() -> list[str]:
     return found
 
 
-def test_sigkill_is_reported_within_two_seconds_and_leaves_nothing() -> None:
+def test_sigkill_is_reported_within_two_seconds_and_leaves_nothing(monkeypatch) -> None:
+    """Rank 2 SIGKILLs itself 10 ms into a 64 MB allreduce (the transports' shared scenario)."""
+    monkeypatch.setenv(TRANSPORT_ENV, "tcp")  # on one host: every peer over shared memory
     shm_before = set(os.listdir("/dev/shm"))
     results = run_ranks(_killed_mid_collective, 4, timeout=90, expect_failures={2})
     for rank, line in enumerate(results):

@@ -182,35 +182,6 @@ def test_build_registers_the_hierarchical_collectives() -> None:
 # --- through the runtime, on threads (the in-process transport) ------------------------------
 
 
-def _threads(hosts: tuple[int, ...], body):
-    """Run ``body(comm)`` on one thread per rank, communicators told ``hosts``."""
-    import threading
-
-    from mlfabric.runtime.communicator import Communicator
-    from mlfabric.transport.local import LocalFabric
-
-    comms = [Communicator(t, timeout=30, hosts=hosts) for t in LocalFabric(len(hosts)).transports()]
-    results: list[object] = [None] * len(hosts)
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = body(comms[rank])
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(hosts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    for comm in comms:
-        comm.close()
-    if errors:
-        raise errors[0]
-    return results
-
-
 @pytest.mark.parametrize("hosts", [(0, 0, 1, 1), (0, 0, 0, 1, 1)], ids=str)
 def test_communicator_runs_hierarchical_collectives(hosts: tuple[int, ...]) -> None:
     import torch
@@ -236,7 +207,9 @@ def test_communicator_runs_hierarchical_collectives(hosts: tuple[int, ...]) -> N
         names.append(comm.host_options("host_hierarchical", torch.zeros(16))["inter"])
         return names
 
-    for names in _threads(hosts, body):
+    import mlfabric
+
+    for names in mlfabric.run_threads(n, body, timeout=30, hosts=hosts):
         assert names == ["ring", "halving_doubling"]  # auto's rule on each rank's slice
 
 
