@@ -155,3 +155,28 @@ def test_transports_on_one_host_share_memory_unless_told_not_to(monkeypatch) -> 
     finally:
         c.close()
         d.close()
+
+
+def test_an_oversized_meta_on_a_link_is_rejected() -> None:
+    """Regression: the shared-memory reader did not bound a frame's meta length (the tcp
+    reader did); a meta larger than its buffer read as the link's end, not as junk."""
+    from mlfabric.transport.tcp import FRAME, MAX_META_BYTES
+
+    token = bytes(range(16))
+    a = TcpTransport(0, 2, token, shared_memory=True)
+    try:
+        writer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        writer.connect(shm._address(token, 0))
+        hello = shm.encode_header(token, 1, 0, 0) + shm._HANDSHAKE.pack(shm.RING_BYTES)
+        fd = os.memfd_create("peer")
+        os.ftruncate(fd, shm.RING_BYTES)
+        socket.send_fds(writer, [hello], [fd])
+        os.close(fd)
+        writer.sendall(FRAME.pack(shm.INLINE_MAGIC, 1, MAX_META_BYTES + 1, 0, 0))
+        deadline = time.monotonic() + 5
+        while a.rejected_messages == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert a.rejected_messages == 1
+        writer.close()
+    finally:
+        a.close()
