@@ -1115,6 +1115,9 @@ def train(
                                                "servers; chain replication).")] = 0,
     delay_bound: Annotated[Optional[int], typer.Option(
         "--delay-bound", help="ps-async: drop updates whose delay would exceed TAU (MLfabric's tau_max).")] = None,
+    checkpoint_every: Annotated[int, typer.Option(
+        "--checkpoint-every", help="PS modes: each server checkpoints its shard to a local file every N versions "
+                                   "(0: never; the baseline of MLfabric's replication).")] = 0,
     inject: Annotated[Optional[list[str]], typer.Option(
         help="Delay injection, repeatable (each runs every mode): one-random:300ms (one random worker per step), "
              "random:300ms,2, skew:50ms,50ms,rotate, C1|C2|C3 (MLfabric's compute stragglers), none.")] = None,
@@ -1226,7 +1229,8 @@ def train(
                          epochs=epochs, batch_size=batch_size, lr=lr, momentum=momentum,
                          sync_every_epochs=sync_every_epochs, algorithm=algorithm, hyperplane=hyper, lstm=lstm,
                          lenet5=lenet5, mlp=mlp, lda=lda, transport=transport, timeout_s=timeout, seed=seed, servers=servers,
-                         replicas=replicas, delay_bound=delay_bound, emulation=emulation, target=target)
+                         replicas=replicas, delay_bound=delay_bound, emulation=emulation, target=target,
+                         checkpoint_every=checkpoint_every)
     if emulate:
         from mlfabric.emu.cmd import have_root
 
@@ -1242,6 +1246,8 @@ def train(
             command += ["--churn", churn, "--churn-period", churn_period or "5s"]
     if any(is_ps_mode(mode) for mode in modes):
         command += ["--servers", str(servers)] + (["--replicas", str(replicas)] if replicas else [])
+    if checkpoint_every:
+        command += ["--checkpoint-every", str(checkpoint_every)]
     for flag, value in (("--delay-bound", delay_bound), ("--epochs", epochs), ("--batch-size", batch_size), ("--lr", lr), ("--momentum", momentum),
                         ("--train-samples", train_samples), ("--sync-every-epochs", sync_every_epochs),
                         ("--image-size", image_size), ("--target", target),

@@ -31,6 +31,10 @@ class PSConfig:
     #: The ``scheduled`` policy's settings (:class:`mlfabric.ps.scheduling.ScheduledSettings`);
     #: None: the defaults.
     scheduled: Any = None
+    #: Checkpoint each shard to ``checkpoint_dir`` every ``checkpoint_every`` versions (0: never;
+    #: :mod:`mlfabric.ps.checkpoint`, the baseline of MLfabric's replication).
+    checkpoint_every: int = 0
+    checkpoint_dir: str | None = None
 
     def scheduled_settings(self) -> Any:
         from .scheduling import ScheduledSettings
@@ -44,6 +48,9 @@ class PSConfig:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         if self.lost_worker_wait_s is None:
             object.__setattr__(self, "lost_worker_wait_s", self.timeout_s / 6)
+        if self.checkpoint_every < 0 or (self.checkpoint_every and not self.checkpoint_dir):
+            raise ValueError(f"checkpoint_every must be >= 0 and needs a checkpoint_dir, got "
+                             f"{self.checkpoint_every}, {self.checkpoint_dir!r}")
         if not self.lost_worker_wait_s >= 0:
             raise ValueError(f"lost_worker_wait_s must be >= 0, got {self.lost_worker_wait_s}")
         if self.lost_worker_wait_s >= self.timeout_s and self.consistency.kind == "bsp":

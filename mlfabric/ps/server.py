@@ -141,6 +141,9 @@ class ServerStats:
     skipped: int = 0
     unscheduled: int = 0
     replica_bytes: int = 0  # models and updates forwarded to replicas (chain replication)
+    checkpoints: int = 0           # PSConfig.checkpoint_every: shard files written,
+    checkpoint_s: float = 0.0      # the time it took (in the serving loop: the overhead)
+    checkpoint_bytes: int = 0      # and their size
     #: Model distribution (§10.3, scheduled policy): pull answers relayed by a distributor
     #: (the server sent them no model), and the batches of pulls answered together.
     pulls_relayed: int = 0
@@ -157,6 +160,8 @@ class ServerStats:
                 "missing_rounds": [[t, list(w)] for t, w in self.missing_rounds], "errors": self.errors,
                 "skipped": self.skipped, "unscheduled": self.unscheduled, "scheduler": self.scheduler,
                 "replica_bytes": self.replica_bytes, "pulls_relayed": self.pulls_relayed,
+                "checkpoints": self.checkpoints, "checkpoint_s": self.checkpoint_s,
+                "checkpoint_bytes": self.checkpoint_bytes,
                 "pull_batches": self.pull_batches}
 
 
@@ -557,13 +562,28 @@ class ParameterServer:
             self.stats.delays[shard.version - v] += 1
         # A BSP round is one update; an aggregate of m asynchronous updates counts as m (its
         # members are applied at once, in the order the scheduler planned their versions).
+        before = shard.version
         shard.version += 1 if self.config.consistency.kind == "bsp" else len(workers)
         self.stats.updates_applied += 1
         self.stats.worker_updates += len(workers)
+        every = self.config.checkpoint_every
+        if every and shard.version // every > before // every:
+            self._checkpoint(shard)
         for replica in self._replicas:
             self._send_replica(replica, protocol.encode(op="update", model=shard.spec.name, version=info.version,
                                                         workers=list(workers), computed_from=list(computed_from),
                                                         weight=weight), gradient.clone())
+
+    def _checkpoint(self, shard: _Shard) -> None:
+        from .checkpoint import checkpoint_path, write_checkpoint
+
+        started = time.perf_counter()
+        self.stats.checkpoint_bytes += write_checkpoint(
+            checkpoint_path(self.config.checkpoint_dir or ".", shard.spec.name, self.server), values=shard.values,
+            version=shard.version, history=getattr(shard.rule, "history", None), offset=shard.offset, lr=shard.lr,
+            momentum=shard.momentum)
+        self.stats.checkpoints += 1
+        self.stats.checkpoint_s += time.perf_counter() - started
 
     def _pull(self, rank: int, worker: int, header: dict[str, Any]) -> None:
         shard = self._shard(header["model"], "pull")

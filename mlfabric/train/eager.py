@@ -221,6 +221,9 @@ class EagerTrainConfig:
     servers: int = 1
     replicas: int = 0
     delay_bound: int | None = None
+    #: PS modes: each server checkpoints its shard to a local file every N versions (0: never;
+    #: MLfabric §7.3's baseline for replication), in a temporary directory removed after the run.
+    checkpoint_every: int = 0
     #: None: local ranks on loopback; otherwise every rank on a host of an emulated star (root).
     emulation: TrainEmulation | None = None
     #: The metric every run's time to target is measured at (MLfabric's Table 2: time to a
@@ -245,6 +248,8 @@ class EagerTrainConfig:
             raise ValueError(f"servers must be >= 1, got {self.servers}")
         if self.replicas < 0:
             raise ValueError(f"replicas must be >= 0, got {self.replicas}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0 versions (0: never), got {self.checkpoint_every}")
         if self.delay_bound is not None and self.delay_bound < 0:
             raise ValueError(f"delay_bound must be >= 0, got {self.delay_bound}")
         check_distinct(self.injects, "injections")
@@ -597,13 +602,26 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
         from mlfabric.runtime.fair_share import nic_rates_from
 
         rates = nic_rates_from(None, comm.transport.channels)  # MLFABRIC_NIC_RATE (the emulator's)
+        checkpoints = None
+        if config.checkpoint_every and ps_job.role != "worker":
+            import tempfile
+
+            checkpoints = tempfile.mkdtemp(prefix="mlfabric-checkpoints-")
         session = ps_job.session(index + 1, **session_options(mode, config.delay_bound,
-                                                              rates.get(comm.transport.channels[0])))
+                                                              rates.get(comm.transport.channels[0])),
+                                 **({"checkpoint_every": config.checkpoint_every, "checkpoint_dir": checkpoints}
+                                    if checkpoints else {}))
         if session.role != "worker":
             rule = getattr(task, "server_update_rule", None)  # lda: counts add up (mlfabric.train.lda)
             if rule is not None:
                 (session.server or session.replica).register_update_callback(rule(config.workers), "model")
-            ps_server, final_flat = serve_run(session, numel, torch.float32)  # joins the start barrier
+            try:
+                ps_server, final_flat = serve_run(session, numel, torch.float32)  # joins the start barrier
+            finally:
+                if checkpoints is not None:
+                    import shutil
+
+                    shutil.rmtree(checkpoints, ignore_errors=True)
             return _finish_run(config, comm, task, model, val, rank, numel, snapshots=None, walls=None,
                                train_losses=None, loop_s=0.0, injected=0.0, stats=None, ps_server=ps_server,
                                final_flat=final_flat)

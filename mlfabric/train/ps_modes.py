@@ -139,6 +139,8 @@ def summarize(server_stats: list[dict[str, Any]], worker_stats: list[dict[str, A
         "server_bytes_in": [s["bytes_in"] for s in server_stats],
         "server_bytes_out": [s["bytes_out"] for s in server_stats],
         "replica_bytes": sum(s.get("replica_bytes", 0) for s in server_stats),
+        "checkpoints": sum(s.get("checkpoints", 0) for s in server_stats),
+        "checkpoint_s": sum(s.get("checkpoint_s", 0.0) for s in server_stats),
         # MLfabric (scheduled policy): pull answers relayed by distributors, worker updates
         # the scheduler sent through aggregators, and its batches.
         "pulls_relayed": sum(s.get("pulls_relayed", 0) for s in server_stats),

@@ -272,3 +272,23 @@ def test_train_runs_a_ps_mode_with_a_replica_beside_the_server() -> None:
     # the model once, then every applied round (one per step) forwarded to the replica
     assert run.ps["replica_bytes"] == model_bytes * (1 + config.steps)
     assert run.curve[-1].val_metric < run.curve[0].val_metric
+
+
+def test_train_checkpoints_the_servers_every_n_versions() -> None:
+    """``mlfabric train --checkpoint-every 4``: the checkpoint baseline of MLfabric §7.3, counted
+    in runs[] (one file write per 4 BSP rounds), its directory gone after the run."""
+    import glob
+    import tempfile
+
+    from mlfabric.train.eager import EagerTrainConfig, run_eager_training
+    from mlfabric.train.workloads import HyperplaneSpec
+
+    before = set(glob.glob(f"{tempfile.gettempdir()}/mlfabric-checkpoints-*"))
+    config = EagerTrainConfig(workload="hyperplane", workers=2, modes=("ps-bsp",), servers=1, epochs=2,
+                              batch_size=64, hyperplane=HyperplaneSpec(dim=64, train_samples=1024),
+                              transport="tcp", timeout_s=120.0, checkpoint_every=4)
+    (run,) = run_eager_training(config, argv=["test"]).runs
+    assert run.ps is not None and run.ps["checkpoints"] == config.steps // 4 and run.ps["checkpoint_s"] > 0
+    assert set(glob.glob(f"{tempfile.gettempdir()}/mlfabric-checkpoints-*")) == before
+    with pytest.raises(ValueError, match="checkpoint_every must be >= 0"):
+        EagerTrainConfig(checkpoint_every=-1)

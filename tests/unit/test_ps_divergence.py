@@ -76,3 +76,40 @@ def test_div_max_in_norm_units_or_updates() -> None:
 def test_bad_input_is_named(make, message: str) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_a_server_checkpoints_every_n_versions(tmp_path) -> None:  # noqa: ANN001
+    """The checkpoint baseline: every 3 versions the shard (values, version, momentum history)
+    is on disk, equal to the server's at that version."""
+    import threading
+
+    from mlfabric.ps import PSConfig, PSLayout, local_jobs
+    from mlfabric.ps.checkpoint import checkpoint_path, read_checkpoint
+
+    config = PSConfig(consistency="async", timeout_s=10, checkpoint_every=3, checkpoint_dir=str(tmp_path))
+    jobs = local_jobs(PSLayout(servers=1, workers=1), config)
+    out = {}
+    thread = threading.Thread(target=lambda: out.setdefault("stats", jobs[0].serve()), daemon=True)
+    thread.start()
+    try:
+        w = jobs[1].worker
+        w.init_model("m", torch.zeros(8), lr=0.5, momentum=0.5)
+        seen = {}
+        for step in range(7):
+            w.push("m", torch.full((8,), float(step + 1)))
+            seen[step + 1] = w.pull_flat("m").clone()
+        w.leave()
+    finally:
+        thread.join(5)
+        for j in jobs:
+            j.comm.close()
+    stats = out["stats"]
+    assert stats.checkpoints == 2 and stats.checkpoint_bytes > 0 and stats.checkpoint_s > 0  # versions 3 and 6
+    saved = read_checkpoint(checkpoint_path(tmp_path, "m", 0))
+    assert saved["version"] == 6 and saved["lr"] == 0.5 and saved["momentum"] == 0.5
+    torch.testing.assert_close(saved["values"], seen[6])
+    assert saved["history"] is not None and not list(tmp_path.glob("*.partial"))
+    with pytest.raises(ValueError, match="needs a checkpoint_dir"):
+        PSConfig(checkpoint_every=5)
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        read_checkpoint(checkpoint_path(tmp_path, "other", 0))
