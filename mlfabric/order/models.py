@@ -90,14 +90,15 @@ class InceptionBlock(nn.Module):
 
 
 class Inception(nn.Module):
-    def __init__(self, classes: int = 10) -> None:
+    def __init__(self, classes: int = 10, width: int = 1) -> None:
         super().__init__()
-        self.stem = nn.Conv2d(3, 32, 3, padding=1)
+        w = width
+        self.stem = nn.Conv2d(3, 32 * w, 3, padding=1)
         self.act = nn.ReLU()
         self.pool = nn.MaxPool2d(2)
-        self.block1 = InceptionBlock(32, 16, 16, 24, 8, 12, 12)  # -> 64 channels
-        self.block2 = InceptionBlock(64, 24, 24, 32, 8, 16, 16)  # -> 88 channels
-        self.fc = nn.Linear(88, classes)
+        self.block1 = InceptionBlock(32 * w, *(c * w for c in (16, 16, 24, 8, 12, 12)))  # -> 64 w channels
+        self.block2 = InceptionBlock(64 * w, *(c * w for c in (24, 24, 32, 8, 16, 16)))  # -> 88 w channels
+        self.fc = nn.Linear(88 * w, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.pool(self.act(self.stem(x)))
@@ -106,26 +107,27 @@ class Inception(nn.Module):
         return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
 
 
-def _vgg(classes: int = 10) -> nn.Module:
+def _vgg(classes: int = 10, width: int = 1) -> nn.Module:
     layers: list[nn.Module] = []
     cin = 3
-    for cout in (16, 32, 64):
+    for cout in (16 * width, 32 * width, 64 * width):
         layers += [nn.Conv2d(cin, cout, 3, padding=1), nn.ReLU(), nn.Conv2d(cout, cout, 3, padding=1), nn.ReLU(),
                    nn.MaxPool2d(2)]
         cin = cout
-    layers += [nn.Flatten(), nn.Linear(64 * 4 * 4, 256), nn.ReLU(), nn.Linear(256, classes)]
+    layers += [nn.Flatten(), nn.Linear(cin * 4 * 4, 256), nn.ReLU(), nn.Linear(256, classes)]
     return nn.Sequential(*layers)
 
 
-def _alexnet(classes: int = 10) -> nn.Module:
+def _alexnet(classes: int = 10, width: int = 1) -> nn.Module:
+    c1, c2, c3, c5 = (c * width for c in (32, 64, 96, 64))
     return nn.Sequential(
-        nn.Conv2d(3, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),  # 16x16
-        nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),  # 8x8
-        nn.Conv2d(64, 96, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(96, 96, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(96, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),  # 4x4
+        nn.Conv2d(3, c1, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),  # 16x16
+        nn.Conv2d(c1, c2, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),  # 8x8
+        nn.Conv2d(c2, c3, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(c3, c3, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(c3, c5, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),  # 4x4
         # Like the original, the fully connected layers hold most of the parameters.
-        nn.Flatten(), nn.Linear(64 * 4 * 4, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, classes),
+        nn.Flatten(), nn.Linear(c5 * 4 * 4, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, classes),
     )
 
 
@@ -133,24 +135,31 @@ def _image(batch: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
     return (torch.randn(batch, 3, 32, 32, generator=g),)
 
 
-MODELS: dict[str, Callable[[], nn.Module]] = {
-    "par32": lambda: Par(32),
-    "seq32": lambda: Seq(32),
-    "inception": Inception,
-    "vgg": _vgg,
-    "alexnet": _alexnet,
+#: Builders by name; each takes ``width``, a channel multiplier for the CNNs (1 = the table
+#: above; ``width`` w has about w^2 times the conv parameters) and the branch width / 64 for
+#: Par-32 and Seq-32.
+MODELS: dict[str, Callable[[int], nn.Module]] = {
+    "par32": lambda width: Par(32, WIDTH * width),
+    "seq32": lambda width: Seq(32, WIDTH * width),
+    "inception": lambda width: Inception(width=width),
+    "vgg": lambda width: _vgg(width=width),
+    "alexnet": lambda width: _alexnet(width=width),
 }
 
 
-def build(name: str, *, seed: int = 0, batch: int | None = None) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    """The model ``name`` (see :data:`MODELS`) in eval mode and a synthetic input batch."""
+def build(name: str, *, seed: int = 0, batch: int | None = None,
+          width: int = 1) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """The model ``name`` (see :data:`MODELS`) in eval mode and a synthetic input batch;
+    ``width`` scales its channels (parameters about x width^2: a bigger transfer per op)."""
     if name not in MODELS:
         raise KeyError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
+    if width < 1:
+        raise ValueError(f"width must be >= 1, got {width}")
     torch.manual_seed(seed)
-    model = MODELS[name]().eval()
+    model = MODELS[name](width).eval()
     g = torch.Generator().manual_seed(seed + 1)
     if name in ("par32", "seq32"):
-        inputs: tuple[torch.Tensor, ...] = (torch.randn(batch or 8, WIDTH, generator=g),)
+        inputs: tuple[torch.Tensor, ...] = (torch.randn(batch or 8, WIDTH * width, generator=g),)
     else:
         inputs = _image(batch or 4, g)
     return model, inputs

@@ -70,6 +70,8 @@ class PendingPull:
     arrived: float
     #: The worker asks to be answered by the server itself (its distributor was lost).
     direct: bool = False
+    #: An ordered pull (``mlfabric.ps.ordered``): per tensor, in this order; None: one flat reply.
+    order: str | None = None
 
 
 @dataclass
@@ -109,6 +111,8 @@ class _Shard:
         self.version = 0
         self.rounds: dict[int, _Round] = {}
         self.pulls: list[PendingPull] = []
+        #: Send order of the tensors for ordered pulls (key -> priority, lower first), if registered.
+        self.priorities: dict[str, int] | None = None
         self._snapshot: tuple[int, torch.Tensor] | None = None
 
     def snapshot(self) -> torch.Tensor:
@@ -380,6 +384,9 @@ class ParameterServer:
             if existing.spec != spec:
                 raise ValueError(f"init_model({spec.name!r}) with a layout that differs from the one registered "
                                  f"first ({existing.spec.to_json()} vs {spec.to_json()})")
+            if header.get("priorities") != existing.priorities:
+                raise ValueError(f"init_model({spec.name!r}) with other transfer priorities than the ones registered "
+                                 "first: every worker must register the same (or none)")
         else:
             values = payload_tensor(payload, spec.torch_dtype, length, f"init of {spec.name!r}").clone()
             lr, momentum = float(header["lr"]), float(header.get("momentum", 0.0))
@@ -387,6 +394,7 @@ class ParameterServer:
             if rule is None:
                 rule = SGDMomentum(lr, momentum)
             shard = self.shards[spec.name] = _Shard(spec, offset, length, values, rule, lr=lr, momentum=momentum)
+            shard.priorities = header.get("priorities")
             for replica in self._replicas:
                 self._send_snapshot(replica, shard)
         self.transport.send(rank, protocol.reply_tag(self.config.session, int(header["id"])), b"",
@@ -592,7 +600,7 @@ class ParameterServer:
                                        clock=int(header["clock"]),
                                        staleness=self.config.consistency.pull_staleness if staleness is None
                                        else float(staleness), arrived=time.monotonic(),
-                                       direct=bool(header.get("direct", False))))
+                                       direct=bool(header.get("direct", False)), order=header.get("order")))
 
     def _answer_pulls(self, now: float) -> None:
         if not self.routing.ready_to_answer(self):
@@ -613,6 +621,12 @@ class ParameterServer:
                 self.stats.pulls += 1
                 if model_clock != float("inf"):
                     self.stats.clock_lag[int(p.clock - model_clock)] += 1
+            ordered = [p for p in ready if p.order is not None]
+            if ordered:  # TicTac §5.1: per tensor, in the pull's order (ps/ordered.py)
+                ready = [p for p in ready if p.order is None]
+                self._answer_in_order(shard, ordered, model_clock)
+                if not ready:
+                    continue
             if self._request_callback is not None:
                 for p in ready:
                     answer = self._request_callback(shard.spec.name, p.worker, shard.values)
@@ -621,6 +635,17 @@ class ParameterServer:
                 continue
             snapshot = shard.snapshot()
             self._sending += [(h, snapshot) for h in self.routing.answer_pulls(self, ready, snapshot, header)]
+
+    def _answer_in_order(self, shard: _Shard, pulls: list[PendingPull], model_clock: float) -> None:
+        from .ordered import answer_in_order
+
+        clock = None if model_clock == float("inf") else int(model_clock)
+        for p in pulls:
+            answer = None if self._request_callback is None else self._request_callback(shard.spec.name, p.worker,
+                                                                                        shard.values)
+            values = shard.snapshot() if answer is None else answer.detach().reshape(-1).clone()
+            self._sending += answer_in_order(self, [p], shard.spec, shard.offset, values, shard.priorities,
+                                             shard.version, clock)
 
     def _register_replica(self, msg: Any) -> None:
         """register_as_replica: the replica gets every model as it is now (values, version and

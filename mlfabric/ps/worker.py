@@ -29,7 +29,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 
@@ -41,7 +41,8 @@ from . import protocol
 from .config import PSConfig
 from .layout import PSLayout
 from .model import ModelSpec, Tensors
-from .routing import RoutingPolicy, routing_policy
+from .ordered import ORDERS, ArrivingModel, check_priorities
+from .routing import RoutingPolicy, routing_policy, send_pulls_directly
 from .server import payload_tensor
 
 log = logging.getLogger("mlfabric.ps")
@@ -105,19 +106,24 @@ class PSWorker:
         self.serving: list[int] = list(layout.server_ranks)
         self.failovers = 0
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._arriving: dict[str, ArrivingModel] = {}  # the last ordered pull per model
 
     # -- registration ------------------------------------------------------------------------
 
-    def init_model(self, name: str, tensors: Tensors, *, lr: float = 0.01, momentum: float = 0.0) -> ModelSpec:
+    def init_model(self, name: str, tensors: Tensors, *, lr: float = 0.01, momentum: float = 0.0,
+                   priorities: Mapping[str, int] | None = None) -> ModelSpec:
         """Register model ``name`` with its initial values (every worker calls it with the same
         layout; the first values to reach a server win). ``lr``/``momentum``: the server's
-        eq. (1)-(2). Waits until every server has it."""
+        eq. (1)-(2). ``priorities`` (key -> int, lower first; TicTac's TIO/TAO from
+        :mod:`mlfabric.order`): the order in which servers send the tensors to
+        :meth:`pull_in_order` (:mod:`mlfabric.ps.ordered`). Waits until every server has it."""
         with self._lock:
             self._check_open("init_model")
             spec = ModelSpec.of(name, tensors)
             if name in self.models and self.models[name] != spec:
                 raise ValueError(f"{self.who}: init_model({name!r}) again with another layout")
             flat = spec.flatten(tensors, who=self.who, op="init_model")
+            extra = {} if priorities is None else {"priorities": check_priorities(spec, priorities, self.who)}
             ids = []
             for j, (offset, length) in enumerate(spec.shards(self.layout.servers)):
                 request_id = next(self._ids)
@@ -126,7 +132,8 @@ class PSWorker:
                 handle = self.transport.send(self.server_rank(j), protocol.request_tag(self.config.session),
                                              tensor_bytes(component), channel=self.channel,
                                              meta=protocol.encode(op=protocol.INIT, id=request_id,
-                                                                  spec=spec.to_json(), lr=lr, momentum=momentum))
+                                                                  spec=spec.to_json(), lr=lr, momentum=momentum,
+                                                                  **extra))
                 self._inflight.append((handle, component))
             versions = [int(self._await(j, request_id, f"init_model({name!r})")[0]["version"])
                         for j, request_id in enumerate(ids)]
@@ -253,6 +260,35 @@ class PSWorker:
 
     def pull_async(self, model: str, staleness: int | None = None) -> torch.futures.Future:
         return self._submit(lambda: self.pull(model, staleness))
+
+    def pull_in_order(self, model: str, into: torch.nn.Module | torch.Tensor, *, order: str = "priority",
+                      staleness: int | None = None) -> ArrivingModel:
+        """Pull ``model`` answered per tensor in ``order`` (``"priority"``: the priorities given
+        to :meth:`init_model`; ``"random"``: a fresh random order per pull), each tensor written
+        into ``into`` (a module whose parameters are the model's keys, or the flat tensor) as
+        it lands. Returns at once; :meth:`ArrivingModel.wait` blocks until tensors are in
+        (:class:`mlfabric.ps.overlap.ParameterGate` waits per module). The previous ordered
+        pull of ``model`` is finished first."""
+        with self._lock:
+            self._check_open("pull_in_order")
+            spec = self._model(model, "pull_in_order")
+            if order not in ORDERS:
+                raise ValueError(f"{self.who}: pull_in_order({model!r}, order={order!r}); choose one of {ORDERS}")
+            if staleness is not None and staleness < 0:
+                raise ValueError(f"{self.who}: pull_in_order({model!r}) with staleness {staleness}; it must be >= 0")
+            previous = self._arriving.get(model)
+            if previous is not None:
+                previous.join()
+            targets = _flat_targets(spec, into, self.who)
+            ids = [next(self._ids) for _ in range(self.layout.servers)]
+            requested = time.monotonic()
+            send_pulls_directly(self, [protocol.encode(op=protocol.PULL, id=request_id, model=model, order=order,
+                                                       clock=self.clock_value, staleness=staleness)
+                                       for request_id in ids])
+            arriving = self._arriving[model] = ArrivingModel(self, spec, targets, list(enumerate(ids)), order,
+                                                             requested)
+            self.stats.pulls += 1
+            return arriving
 
     def get(self, server: int, model: str) -> torch.Tensor:
         """MLfabric ``get(server, model)``: server ``server``'s shard of ``model`` (flat), at once
@@ -500,6 +536,27 @@ def _component(update: Tensors, spec: ModelSpec, length: int, who: str) -> torch
     if str(update.dtype).removeprefix("torch.") != spec.dtype:
         raise TypeError(f"{who}: component of dtype {update.dtype}, expected {spec.dtype}")
     return update.detach().to("cpu").reshape(-1).contiguous().clone()
+
+
+def _flat_targets(spec: ModelSpec, into: torch.nn.Module | torch.Tensor, who: str) -> dict[str, torch.Tensor]:
+    """Flat views, by key, of where an ordered pull writes each tensor (checked against ``spec``)."""
+    if isinstance(into, torch.nn.Module):
+        params = dict(into.named_parameters())
+        out = {}
+        for t in spec.tensors:
+            p = params.get(t.key)
+            if p is None or tuple(p.shape) != t.shape or p.dtype != spec.torch_dtype or not p.is_contiguous():
+                found = "missing" if p is None else f"{tuple(p.shape)} x {p.dtype}"
+                raise ValueError(f"{who}: pull_in_order into a module: parameter {t.key!r} must be a contiguous "
+                                 f"{t.shape} x {spec.dtype} tensor of model {spec.name!r}; found {found}")
+            out[t.key] = p.data.view(-1)
+        return out
+    if not isinstance(into, torch.Tensor) or into.numel() != spec.numel or into.dtype != spec.torch_dtype \
+            or not into.is_contiguous():
+        raise ValueError(f"{who}: pull_in_order of model {spec.name!r} needs a module or a contiguous {spec.numel} x "
+                         f"{spec.dtype} tensor")
+    flat = into.reshape(-1)
+    return {t.key: flat[t.offset:t.offset + t.numel] for t in spec.tensors}
 
 
 def _gradients(module: torch.nn.Module) -> dict[str, torch.Tensor]:
