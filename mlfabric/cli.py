@@ -20,7 +20,7 @@ module that does the work (``mlfabric.bench.allreduce``, ``mlfabric.demo``), run
 a rich table and optionally writes JSON. Every command that writes JSON takes ``--json PATH``
 (:data:`JsonOption`; ``--json -``: the JSON on standard output, the tables on standard error,
 so ``mlfabric simulate ... --json - | python -m json.tool`` works). Long commands show a
-progress bar (:func:`progress_bar`) on standard error when it is a terminal; ``--quiet``
+progress bar (:func:`mlfabric.progress.progress_bar`) on standard error when it is a terminal; ``--quiet``
 turns it off. A new command family is a sub-typer registered with
 ``app.add_typer`` (like ``bench_app``); a new benchmark is a command on ``bench_app``.
 Errors in the options exit with status 2, failures of a run with status 1.
@@ -29,16 +29,15 @@ Errors in the options exit with status 2, failures of a run with status 1.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional, TypeVar
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from mlfabric.emu.cli import LAUNCH_CONTEXT, emu_app
 from mlfabric.emu.cli import launch as emu_launch
+from mlfabric.progress import progress_bar, step_reporter
 
 __all__ = ["app", "bench_app", "main", "simulate_app"]
 
@@ -156,30 +155,6 @@ def run_or_exit(fn: Callable[[], T], errors: tuple[type[BaseException], ...] | N
     except errors as exc:
         console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
         raise typer.Exit(1) from None
-
-
-def progress_bar(*, quiet: bool = False) -> Progress:
-    """The progress display of every long command: on standard error, and only when that is a
-    terminal and not ``quiet`` (a pipe or a log file gets the results alone). It vanishes
-    when done. Standard output written meanwhile is shown above it when it is the terminal
-    too, and left alone when it goes elsewhere (a pipe keeps its bytes)."""
-    stderr = Console(stderr=True)
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=stderr, transient=True, disable=quiet or not stderr.is_terminal,
-                    redirect_stdout=sys.stdout.isatty())
-
-
-def step_reporter(progress: Progress, task: TaskID) -> Callable[[str], None]:
-    """``on_step(label)`` for work that announces each step before running it (simulations,
-    benchmark instances): the bar shows the step's label and counts the steps before it done."""
-    started = 0
-
-    def on_step(label: str) -> None:
-        nonlocal started
-        progress.update(task, description=label, completed=started)
-        started += 1
-
-    return on_step
 
 
 # --------------------------------------------------------------------------- bench
@@ -1290,6 +1265,7 @@ def train(
 def demo(
     quick: Annotated[bool, typer.Option("--quick", help="A smaller, faster run.")] = False,
     json_path: JsonOption = None,
+    quiet: QuietOption = False,
     plot: Annotated[Path, typer.Option("--plot", help="Where the straggler scenario draws its MSE-vs-time plot "
                                                      "(needs matplotlib).")] = Path("mlfabric-demo-stragglers.png"),
     stragglers: Annotated[bool, typer.Option("--stragglers/--no-stragglers", help="Run the straggler scenario "
@@ -1304,7 +1280,7 @@ def demo(
     config = dataclasses.replace(demo_config(quick=quick), plot_path=str(plot))
     if not stragglers:
         config = dataclasses.replace(config, stragglers=None)
-    result = run_or_exit(lambda: run_demo(config, console=console))
+    result = run_or_exit(lambda: run_demo(config, console=console, quiet=quiet))
     if json_path is not None:
         write_json(json_path, result.to_dict())
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from rich import box
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from rich.table import Table
 
 from mlfabric.bench.allreduce import (
@@ -35,6 +35,7 @@ from mlfabric.bench.allreduce import (
     render_table,
     run_allreduce_bench,
 )
+from mlfabric.progress import progress_bar
 from mlfabric.train import BASELINE, TrainConfig, TrainResult, run_training
 from mlfabric.train.eager import MODES, EagerTrainConfig, EagerTrainResult, run_eager_training
 from mlfabric.units import format_size
@@ -94,15 +95,16 @@ class DemoResult:
         }
 
 
-def run_demo(config: DemoConfig, *, console: Console | None = None) -> DemoResult:
-    """Run the benchmark and the training runs, printing progress and tables on ``console``."""
+def run_demo(config: DemoConfig, *, console: Console | None = None, quiet: bool = False) -> DemoResult:
+    """Run the benchmark and the training runs, printing what runs and the tables on
+    ``console``; progress bars go to standard error when it is a terminal, unless ``quiet``."""
     console = console or Console()
     console.rule("[bold]mlfabric demo")
     parts = 3 if config.stragglers is not None else 2
     console.print(f"[bold]1/{parts}[/]  allreduce on {config.bench.world_size} local ranks: "
                   f"{', '.join(format_size(s) for s in config.bench.sizes)}; "
                   f"{config.bench.iters} timed + {config.bench.warmup} warm-up reps")
-    with _progress(console) as progress:
+    with _progress(quiet) as progress:
         task = progress.add_task("allreduce", total=None)
         bench = run_allreduce_bench(
             config.bench, argv=["mlfabric", "demo"], capture_output=True,
@@ -117,7 +119,7 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> DemoResul
     training = []
     for run in runs:
         label = _label(run)
-        with _progress(console) as progress:
+        with _progress(quiet) as progress:
             task = progress.add_task(f"{label:<22} loss      ?", total=run.steps)
 
             def on_step(step: int, loss: float, task: Any = task, label: str = label, p: Progress = progress) -> None:
@@ -127,7 +129,7 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> DemoResul
                                          capture_output=True))
     stragglers, plot = None, None
     if config.stragglers is not None:
-        stragglers, plot = _run_stragglers(config, console)
+        stragglers, plot = _run_stragglers(config, console, quiet)
     result = DemoResult(config=config, bench=bench, training=tuple(training), stragglers=stragglers, plot=plot,
                         metadata=collect_metadata(config.bench, ["mlfabric", "demo"]))
     console.print(_training_table(result))
@@ -139,7 +141,7 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> DemoResul
     return result
 
 
-def _run_stragglers(config: DemoConfig, console: Console) -> tuple[EagerTrainResult, str | None]:
+def _run_stragglers(config: DemoConfig, console: Console, quiet: bool) -> tuple[EagerTrainResult, str | None]:
     from pathlib import Path
 
     from mlfabric.train.eager import plot_curves
@@ -149,7 +151,7 @@ def _run_stragglers(config: DemoConfig, console: Console) -> tuple[EagerTrainRes
     console.print(f"[bold]3/3[/]  stragglers: {eager.workload} ({eager.hyperplane.dim} dimensions) on {eager.workers} "
                   f"local ranks, one random worker delayed {eager.injects[0].split(':', 1)[1]} every step; "
                   f"{', '.join(eager.modes)}")
-    with _progress(console) as progress:
+    with _progress(quiet) as progress:
         task = progress.add_task("stragglers", total=len(eager.runs()))
         result = run_eager_training(eager, argv=["mlfabric", "demo"], capture_output=True,
                                     on_run=lambda done, total: progress.update(task, completed=done, total=total))
@@ -185,9 +187,9 @@ def _label(run: TrainConfig) -> str:
     return f"mlfabric {run.algorithm} hook"
 
 
-def _progress(console: Console) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), console=console, transient=False)
+def _progress(quiet: bool) -> Progress:
+    # The demo's bars stay once done: with the loss of each DDP run, they are part of its story.
+    return progress_bar(quiet=quiet, transient=False)
 
 
 def _training_table(result: DemoResult) -> Table:

@@ -70,6 +70,11 @@ def test_every_command_with_progress_has_quiet_and_the_one_helper() -> None:
             assert _option(command, "--quiet") is not None, f"{path} shows progress but has no --quiet"
             assert "progress_bar(quiet=quiet)" in source, path
     assert {"bench allreduce", "bench sim", "simulate bml", "simulate mlnet", "train"} <= set(with_progress)
+    import mlfabric.demo
+
+    demo_source = inspect.getsource(mlfabric.demo)
+    assert "Progress(" not in demo_source and "progress_bar(quiet=quiet" in demo_source
+    assert _option(dict(_commands())["demo"], "--quiet") is not None
 
 
 @pytest.mark.parametrize("args", [
