@@ -593,6 +593,7 @@ def simulate_collective_cmd(
     speed_range: SpeedRangeOption = None,
     straggler: StragglerOption = "none",
     json_path: JsonOption = None,
+    quiet: QuietOption = False,
     plot: PlotOption = None,
     links: LinksOption = "nonzero",
 ) -> None:
@@ -626,9 +627,12 @@ def simulate_collective_cmd(
 
         topo = topo.with_host_links(_parse_or_usage(parse_rate, host_rate))
     try:
-        result = _run_sim(lambda: simulate_collective(kind, topo, size_bytes=size_bytes, itemsize=itemsize, ranks=ranks,
-                                                      placement=rank_placement, compute=model, config=config,
-                                                      **options))
+        with progress_bar(quiet=quiet) as progress:
+            task = progress.add_task(f"simulating {kind}: tasks done", total=None)
+            result = _run_sim(lambda: simulate_collective(
+                kind, topo, size_bytes=size_bytes, itemsize=itemsize, ranks=ranks, placement=rank_placement,
+                compute=model, config=config, **options,
+                on_progress=lambda done, total: progress.update(task, completed=done, total=total)))
     except (ValueError, TypeError) as exc:
         raise typer.BadParameter(str(exc)) from None
     world = ranks or topo.n_hosts
@@ -688,6 +692,7 @@ def simulate_ps_cmd(
                                                                    "of each other finish together (speed vs "
                                                                    "accuracy; default exact to ~1e-9).")] = 1e-9,
     json_path: JsonOption = None,
+    quiet: QuietOption = False,
     plot: PlotOption = None,
     links: LinksOption = "nonzero",
 ) -> None:
@@ -712,7 +717,11 @@ def simulate_ps_cmd(
     if priorities == "random":
         prios = np.random.default_rng(np.random.SeedSequence([seed, 4])).permutation(jobs).tolist()
     try:
-        result = _run_sim(lambda: simulate_ps(topo, ps=ps, config=config, jobs=jobs, priorities=prios))
+        with progress_bar(quiet=quiet) as progress:
+            task = progress.add_task(f"simulating {strategy} PS: tasks done", total=None)
+            result = _run_sim(lambda: simulate_ps(
+                topo, ps=ps, config=config, jobs=jobs, priorities=prios,
+                on_progress=lambda done, total: progress.update(task, completed=done, total=total)))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     ends = iteration_times(result, iterations, workers) if jobs == 1 else None

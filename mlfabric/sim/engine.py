@@ -62,6 +62,7 @@ import heapq
 import math
 import time
 from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +94,8 @@ _STOP_TOP, _STOP_REFRESHED, _STOP_POPPED, _STOP_READY, _STOP_PAUSE = range(5)
 # At most this many events per call of the compiled loop (between calls the engine checks
 # its wall-time limit).
 _COMPILED_BUDGET = 4096
+#: Least wall time between two ``on_progress`` calls of a run (seconds).
+PROGRESS_INTERVAL_S = 0.1
 
 
 class SimulationStalled(RuntimeError):
@@ -462,10 +465,13 @@ class _FlowClass:
 class Engine:
     """Runs one :class:`TaskGraph` on one :class:`Topology`; see the module docstring."""
 
-    def __init__(self, graph: TaskGraph, topology: Topology, config: EngineConfig | None = None) -> None:
+    def __init__(self, graph: TaskGraph, topology: Topology, config: EngineConfig | None = None, *,
+                 on_progress: Callable[[int, int], None] | None = None) -> None:
         self.graph = graph
         self.topology = topology
         self.config = config or EngineConfig()
+        #: ``on_progress(tasks done, tasks)``, at most every PROGRESS_INTERVAL_S of wall time and at the end.
+        self.on_progress = on_progress
         transfers = graph.kind == TRANSFER
         if transfers.any():
             hosts = np.concatenate([graph.src[transfers], graph.dst[transfers]])
@@ -782,7 +788,11 @@ class Engine:
         self.state[initial] = _ACTIVE
         self._settle(initial)
         idle_events = 0
+        reported = wall0
         while self.done < n:
+            if self.on_progress is not None and time.perf_counter() - reported >= PROGRESS_INTERVAL_S:
+                self.on_progress(self.done, n)
+                reported = time.perf_counter()
             refreshed = False
             finished: list[np.ndarray] | None = None
             if self._compiled:
@@ -830,6 +840,8 @@ class Engine:
             idle_events = 0
             if batch.size:
                 self._settle(self._complete(batch))
+        if self.on_progress is not None:
+            self.on_progress(self.done, n)
         finish = np.nan_to_num(self.finish_s, nan=0.0)
         job_time = np.zeros(len(g.job_names))
         if n:
@@ -903,8 +915,10 @@ class Engine:
         return SimulationStalled(message, time_s=self.now, stuck=stuck)
 
 
-def run_graph(graph: TaskGraph, topology: Topology, config: EngineConfig | None = None, **options: Any) -> SimResult:
-    """Run ``graph`` on ``topology``; ``options`` are :class:`EngineConfig` fields."""
+def run_graph(graph: TaskGraph, topology: Topology, config: EngineConfig | None = None, *,
+              on_progress: Callable[[int, int], None] | None = None, **options: Any) -> SimResult:
+    """Run ``graph`` on ``topology``; ``options`` are :class:`EngineConfig` fields.
+    ``on_progress(tasks done, tasks)`` is called now and then while it runs (a progress display)."""
     if config is not None and options:
         raise ValueError("give either config or EngineConfig fields, not both")
-    return Engine(graph, topology, config or EngineConfig(**options)).run()
+    return Engine(graph, topology, config or EngineConfig(**options), on_progress=on_progress).run()

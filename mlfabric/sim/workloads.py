@@ -52,7 +52,7 @@ Exercise it with::
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -124,11 +124,13 @@ def collective_graph(kind: str, world_size: int, count: int, *, itemsize: int = 
 def simulate_collective(kind: str, topology: Topology | str, link_rate: float | str | None = None, *,
                         size_bytes: float, itemsize: int = 4, ranks: int | None = None,
                         placement: str | Sequence[int] = "sequential", compute: ComputeModel | None = None,
-                        config: EngineConfig | None = None, **options: Any) -> SimResult:
+                        config: EngineConfig | None = None, on_progress: Callable[[int, int], None] | None = None,
+                        **options: Any) -> SimResult:
     """Simulate one collective of ``size_bytes`` (``size_bytes // itemsize`` elements) over
     ``ranks`` ranks (default: every host), rank ``r`` on host ``r`` or as ``placement`` says
     (``"sequential"``, ``"random"`` with the config's seed, or one host per rank). BML's
-    ``n``/``k`` and hierarchical allreduce's ``radices`` default to the topology's shape."""
+    ``n``/``k`` and hierarchical allreduce's ``radices`` default to the topology's shape.
+    ``on_progress(tasks done, tasks)``: see :func:`~mlfabric.sim.engine.run_graph`."""
     topo = _topology(topology, link_rate)
     config = config or EngineConfig()
     world = topo.n_hosts if ranks is None else int(ranks)
@@ -153,7 +155,7 @@ def simulate_collective(kind: str, topology: Topology | str, link_rate: float | 
             options = {**shape_options(algorithm, topo.spec), **options}
     graph = collective_graph(kind, world, count, itemsize=itemsize, placement=hosts,
                              compute=compute, seed=config.seed, **options)
-    return run_graph(graph, topo, config)
+    return run_graph(graph, topo, config, on_progress=on_progress)
 
 
 def ring_closed_form_s(world_size: int, size_bytes: float, link_rate_bps: float) -> float:
@@ -365,9 +367,11 @@ def concurrent_ps_graph(topology: Topology, configs: Sequence[PSConfig], *, seed
 
 
 def simulate_ps(topology: Topology | str, link_rate: float | str | None = None, ps: PSConfig | None = None, *,
-                config: EngineConfig | None = None, jobs: int = 1, priorities: Sequence[int] | None = None) -> SimResult:
+                config: EngineConfig | None = None, jobs: int = 1, priorities: Sequence[int] | None = None,
+                on_progress: Callable[[int, int], None] | None = None) -> SimResult:
     """Simulate a parameter-server job (or ``jobs`` copies of it placed independently, with
-    ``priorities``) on a topology."""
+    ``priorities``) on a topology. ``on_progress(tasks done, tasks)``: see
+    :func:`~mlfabric.sim.engine.run_graph`."""
     if ps is None:
         raise ValueError("simulate_ps needs a PSConfig")
     topo = _topology(topology, link_rate)
@@ -377,7 +381,7 @@ def simulate_ps(topology: Topology | str, link_rate: float | str | None = None, 
     else:
         configs = [replace(ps, name=f"{ps.name}{i}") for i in range(jobs)]
         graph = concurrent_ps_graph(topo, configs, seed=config.seed, priorities=priorities)
-    return run_graph(graph, topo, config)
+    return run_graph(graph, topo, config, on_progress=on_progress)
 
 
 def iteration_times(result: SimResult, iterations: int, workers: int, job: int = 0) -> np.ndarray:

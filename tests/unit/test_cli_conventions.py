@@ -69,7 +69,8 @@ def test_every_command_with_progress_has_quiet_and_the_one_helper() -> None:
             with_progress.append(path)
             assert _option(command, "--quiet") is not None, f"{path} shows progress but has no --quiet"
             assert "progress_bar(quiet=quiet)" in source, path
-    assert {"bench allreduce", "bench sim", "simulate bml", "simulate mlnet", "train"} <= set(with_progress)
+    assert {"bench allreduce", "bench sim", "simulate collective", "simulate ps", "simulate bml", "simulate mlnet",
+            "train"} <= set(with_progress)
     import mlfabric.demo
 
     demo_source = inspect.getsource(mlfabric.demo)

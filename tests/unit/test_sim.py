@@ -891,3 +891,22 @@ def test_cli_collective_takes_worker_speeds() -> None:
     bad = CliRunner().invoke(app, ["simulate", "collective", "--topology", "star:n=4", "--link", "10Gbps",
                                    "--speed-range", "2"])
     assert bad.exit_code == 2 and "low,high" in bad.output
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_engine_reports_progress_without_changing_the_result(compiled: bool, monkeypatch) -> None:
+    from mlfabric.sim import engine
+
+    topo = parse_topology("fat-tree:k=4,oversub=4", 10e9)
+    ps = PSConfig(workers=8, servers=4, model_bytes=10e6, iterations=3)
+    config = EngineConfig(compiled_loop=compiled)
+    plain = simulate_ps(topo, ps=ps, config=config)
+    monkeypatch.setattr(engine, "PROGRESS_INTERVAL_S", 0.0)  # report at every turn of the loop
+    calls: list[tuple[int, int]] = []
+    watched = simulate_ps(topo, ps=ps, config=config, on_progress=lambda done, total: calls.append((done, total)))
+    assert watched.time_s == plain.time_s and watched.events == plain.events
+    tasks = plain.graph.n_tasks
+    assert len(calls) > 2 and calls[-1] == (tasks, tasks)
+    assert all(total == tasks for _, total in calls)
+    done = [d for d, _ in calls]
+    assert done == sorted(done) and done[0] < tasks  # counts up from before the end
