@@ -8,6 +8,8 @@
     mlfabric bench bml-job --iterations 100 --batches 32,128 --rate 500mbit --json out.json   # root: BML Fig. 6
     mlfabric bench sim [--quick] [--json out.json]
     mlfabric bench partial --world-size 32 --skew linear:1ms..32ms --iterations 64 --json out.json  # eager-SGD Fig. 9
+    mlfabric bench tictac --model inception --width 4 --workers 4 --ordering none,random,tio,tao --emulate \\
+        --rate 1gbit --forward-only --json out.json                  # root: TicTac §6 on the PS
     mlfabric train --workload hyperplane --workers 8 --sync allreduce,eager-solo --inject one-random:300ms
     mlfabric simulate collective --topology bcube:n=4,k=2 --link 10Gbps --algorithm ring --size 100MB [--json -]
     mlfabric simulate ps --topology fat-tree:k=16,oversub=4 --workers 800 --servers 50 --strategy rack [--json -]
@@ -423,6 +425,71 @@ def bench_ps(
         write_json(json_path, result.to_dict())
     if not result.summary()["correct"]:
         console.print("[bold red]error:[/] a pulled model differed from the exact BSP result")
+        raise typer.Exit(1)
+
+
+@bench_app.command("tictac")
+def bench_tictac(
+    model: Annotated[str, typer.Option(help="inception, vgg, alexnet, par32 or seq32 (mlfabric.order.models).")]
+    = "inception",
+    workers: Annotated[int, typer.Option(help="Workers (one server besides them).")] = 4,
+    ordering: Annotated[str, typer.Option(help="Comma-separated: none (one flat reply), random (per tensor, a fresh "
+                                          "random order), tio, tao (TicTac's priorities).")] = "none,random,tio,tao",
+    emulate: Annotated[bool, typer.Option("--emulate", help="Run on an emulated star (root): 1 + workers hosts, "
+                                          "NICs at --rate.")] = False,
+    rate: Annotated[str, typer.Option(help="NIC rate when emulated; also sizes the emulated device (S = 1).")]
+    = "1gbit",
+    forward_only: Annotated[bool, typer.Option("--forward-only", help="Forward passes only (inference); default: "
+                                               "forward + backward + push.")] = False,
+    width: Annotated[int, typer.Option(help="Channel multiplier of the model (parameters ~ width^2).")] = 1,
+    batch: Annotated[int, typer.Option(help="Synthetic batch size of the real compute.")] = 1,
+    device: Annotated[str, typer.Option(help="emulated: each module's forward padded to its device time (S = 1); "
+                                        "cpu: the real compute only.")] = "emulated",
+    iterations: Annotated[int, typer.Option(help="Iterations per ordering, warm-up included.")] = 50,
+    warmup: Annotated[int, typer.Option(help="Leading iterations not counted.")] = 5,
+    chrome: Annotated[Optional[Path], typer.Option(help="Write a Chrome/Perfetto trace per ordering (the last "
+                                                   "iterations of every worker) into this directory.")] = None,
+    seed: Annotated[int, typer.Option(help="Model weights, inputs and random orders.")] = 0,
+    json_path: JsonOption = None,
+    quiet: QuietOption = False,
+    timeout: Annotated[float, typer.Option(help="Seconds before the whole run is killed.")] = 1800.0,
+) -> None:
+    """TicTac on the PS (§6): step time, E and stragglers per transfer ordering, enforced at the sender.
+
+    Reports steps/s against none and random, p50/p95 step, median ordering efficiency E, the
+    straggler effect (max wait / step) and the simulated makespan under the traced oracle."""
+    from mlfabric.bench.procs import RankFailedError, RankTimeoutError
+    from mlfabric.bench.tictac import TicTacBenchConfig, render_table, run_tictac_bench
+    from mlfabric.emu.cmd import EmuUnavailableError
+    from mlfabric.units import parse_rate
+
+    orderings = tuple(split_list(ordering, "orderings"))
+    config = make_config(TicTacBenchConfig, model=model, workers=workers, orderings=orderings, emulate=emulate,
+                         rate_bps=make_config(parse_rate, value=rate), forward_only=forward_only, width=width,
+                         batch=batch, device=device, iterations=iterations, warmup=warmup, seed=seed,
+                         chrome_dir=None if chrome is None else str(chrome), timeout_s=timeout)
+    command = ["mlfabric", "bench", "tictac", "--model", model, "--workers", str(workers), "--ordering", ordering,
+               *(["--emulate"] if emulate else []), "--rate", rate, *(["--forward-only"] if forward_only else []),
+               "--width", str(width), "--batch", str(batch), "--device", device, "--iterations", str(iterations),
+               "--warmup", str(warmup), "--seed", str(seed)]
+    if json_path is not None:
+        command += ["--json", str(json_path)]
+    with progress_bar(quiet=quiet) as progress:
+        task = progress.add_task(f"tictac {model}", total=iterations * len(orderings))
+        done: dict[str, int] = {}
+
+        def on_progress(name: str, k: int) -> None:
+            done[name] = k
+            progress.update(task, description=f"tictac {model}: {name}", completed=sum(done.values()))
+
+        result = run_or_exit(lambda: run_tictac_bench(config, argv=command, capture_output=True,
+                                                      on_progress=on_progress),
+                             (RankFailedError, RankTimeoutError, EmuUnavailableError))
+    console.print(render_table(result))
+    if json_path is not None:
+        write_json(json_path, result.to_dict())
+    if not all(r.correct for r in result.results):
+        console.print("[bold red]error:[/] workers were handed different models in one BSP iteration")
         raise typer.Exit(1)
 
 

@@ -64,17 +64,19 @@ class Trace:
         return tuple(n for n, _, _ in sorted(self.transfers, key=lambda t: (t[1], t[2], t[0])))
 
 
-def to_chrome(trace: Trace, *, process: str = "worker") -> dict[str, Any]:
-    """The trace as a Chrome trace-event JSON object (``{"traceEvents": [...]}``)."""
-    t0 = trace.start
+def to_chrome(trace: Trace, *, process: str = "worker", pid: int = 0, origin: float | None = None) -> dict[str, Any]:
+    """The trace as a Chrome trace-event JSON object (``{"traceEvents": [...]}``). Several
+    traces (workers, iterations) share one file when each gets its ``pid`` and all the same
+    ``origin`` (seconds; default: this trace's start), their events concatenated."""
+    t0 = trace.start if origin is None else origin
     events: list[dict[str, Any]] = [
-        {"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": process}},
-        {"ph": "M", "name": "thread_name", "pid": 0, "tid": 0, "args": {"name": "compute"}},
-        {"ph": "M", "name": "thread_name", "pid": 0, "tid": 1, "args": {"name": "channel"}},
+        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": process}},
+        {"ph": "M", "name": "thread_name", "pid": pid, "tid": 0, "args": {"name": "compute"}},
+        {"ph": "M", "name": "thread_name", "pid": pid, "tid": 1, "args": {"name": "channel"}},
     ]
     for tid, cat, spans in ((0, "compute", trace.compute), (1, "recv", trace.transfers)):
         for name, s, e in spans:
-            events.append({"ph": "X", "name": name, "cat": cat, "pid": 0, "tid": tid,
+            events.append({"ph": "X", "name": name, "cat": cat, "pid": pid, "tid": tid,
                            "ts": (s - t0) * 1e6, "dur": (e - s) * 1e6})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {k: v for k, v in trace.meta.items() if isinstance(v, (str, int, float, bool))}}

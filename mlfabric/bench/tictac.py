@@ -1,0 +1,567 @@
+"""TicTac on the parameter server: step time, ordering efficiency and stragglers per transfer ordering.
+
+    mlfabric bench tictac --model inception --width 4 --workers 4 --ordering none,random,tio,tao \\
+        --emulate --rate 1gbit --forward-only --iterations 220 --json out.json          # root
+
+One PS job (1 server, ``workers`` workers, BSP, direct routing, the plain TCP transport),
+either on local processes or, with ``--emulate``, on an emulated star of ``1 + workers`` hosts
+whose NICs are shaped to ``rate`` (TicTac §6's setup: one PS and four workers on 1 GbE). Each
+ordering runs as its own PS session on the same ranks, ``iterations`` iterations of: pull,
+forward (``--forward-only``) or forward + backward + push, clock.
+
+Orderings (:mod:`mlfabric.ps.ordered`):
+
+* ``none``: the runtime's default pull, one flat reply; the forward starts when the whole
+  model is in (no enforced order, no overlap).
+* ``random``: per-tensor replies in a fresh random order per pull and worker, forward
+  pre-hooks overlapping (:class:`mlfabric.ps.overlap.ParameterGate`): TicTac's baseline,
+  the arbitrary order of a sender that enforces none.
+* ``tio`` / ``tao``: per-tensor replies in TIO's / TAO's priority order
+  (:mod:`mlfabric.order.heuristics`), computed once from the model's forward DAG; TAO's
+  oracle is the emulated device times below plus transfer times at the worker's share of
+  the rate (``rate / workers x 1448/1514``, the TCP payload of an Ethernet frame).
+
+**The emulated device.** The paper's compute runs on an accelerator; this machine's CPU is
+shared by every rank. By default (``--device emulated``) each leaf module's forward runs for
+real (on the small ``--batch``) and is then padded with a sleep up to its *device time*: the
+op's traced CPU minimum (:func:`mlfabric.order.oracle.trace_compute`, in this process before
+the launch) times one factor, chosen so that the forward's device time equals the transfer
+time of the model at the worker's share of the rate (training: forward + backward, the
+backward a single pad of ``backward_factor`` x the forward). That makes S (eq. 4) about 1,
+as the paper picks batch sizes for S > 0.9. ``--device cpu`` runs the real compute only.
+
+**Figures** (per ordering; timestamps on CLOCK_MONOTONIC, which local and emulated ranks
+share): the *step* of iteration k is from the first worker's pull request to the last
+worker's end of iteration (forward, or push); ``steps_per_s`` = timed iterations / their
+span; ``p50_step_s`` / ``p95_step_s`` over the timed steps; ``median_E``: E (eq. 3) of each
+worker's measured trace (:func:`mlfabric.order.metrics.trace_efficiency`: compute spans from
+the hooks, transfers from arrivals; for ``none`` the one flat transfer from request to
+arrival); ``straggler_effect`` (§6.3): per iteration, the longest time a worker waited for
+the slowest one (last end - its end) over the step, averaged. ``simulated_makespan_s``: the
+same ordering simulated (:func:`mlfabric.order.metrics.simulate`) under the oracle traced in
+this run (per-op minimum of the hooks' spans; transfers at the measured per-worker rate),
+against ``makespan_s``, the slowest worker's first byte to end of forward (median); for
+``random`` the mean over draws of the slowest of ``workers`` random orders. ``r2_E_vs_makespan``
+(Fig. 7): how well E predicts the worker's makespan, a linear fit over every timed
+(worker, iteration) of the per-tensor orderings pooled.
+
+Exercise it with ``.venv/bin/python -m pytest tests/local/test_bench_tictac.py -q``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import os
+import platform
+import random
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from mlfabric.bench.procs import LaunchConfig, check_choices, report, run_ranks
+
+__all__ = ["DEVICES", "ORDERINGS", "TicTacBenchConfig", "TicTacBenchError", "TicTacBenchResult", "TicTacPlan",
+           "plan", "render_table", "run_tictac_bench"]
+
+ORDERINGS = ("none", "random", "tio", "tao")
+DEVICES = ("emulated", "cpu")
+MODEL = "model"
+LR = 0.01
+#: A TCP payload's share of an Ethernet frame (1448 of 1514 bytes): what a shaped NIC carries.
+TCP_PAYLOAD_SHARE = 1448 / 1514
+#: Random orders simulated per draw of the slowest of ``workers`` (the ``random`` prediction).
+RANDOM_DRAWS = 200
+
+
+class TicTacBenchError(RuntimeError):
+    """The benchmark could not run, or a worker's model or trace was inconsistent."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TicTacBenchConfig:
+    """See the module docstring. ``iterations`` per ordering, the first ``warmup`` not counted."""
+
+    model: str = "inception"
+    width: int = 1
+    batch: int = 1
+    workers: int = 4
+    orderings: tuple[str, ...] = ORDERINGS
+    forward_only: bool = False
+    iterations: int = 50
+    warmup: int = 5
+    emulate: bool = False
+    rate_bps: float = 1e9
+    device: str = "emulated"
+    backward_factor: float = 2.0
+    transport: str = "tcp"
+    seed: int = 0
+    timeout_s: float = 1800.0
+    ps_timeout_s: float = 120.0
+    chrome_dir: str | None = None
+    #: Iterations per worker kept whole for the Chrome traces (the last timed ones).
+    chrome_iterations: int = 3
+
+    def __post_init__(self) -> None:
+        from mlfabric import TRANSPORTS
+        from mlfabric.order.models import MODELS
+
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(sorted(MODELS))}")
+        check_choices(list(self.orderings), ORDERINGS, "orderings", "ordering")
+        if self.device not in DEVICES:
+            raise ValueError(f"unknown device {self.device!r}; choose one of {', '.join(DEVICES)}")
+        if self.workers < 1 or self.width < 1 or self.batch < 1:
+            raise ValueError(f"workers, width and batch must be >= 1, got {self.workers}, {self.width}, {self.batch}")
+        if self.iterations < 2 or not 0 <= self.warmup < self.iterations - 1:
+            raise ValueError(f"need iterations >= 2 and 0 <= warmup < iterations - 1, got {self.iterations}, "
+                             f"{self.warmup}")
+        if not self.rate_bps >= 8000 or self.backward_factor < 0:
+            raise ValueError(f"rate must be >= 8 kbit/s and backward_factor >= 0, got {self.rate_bps}, "
+                             f"{self.backward_factor}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
+        if not (self.timeout_s > 0 and self.ps_timeout_s > 0):
+            raise ValueError("timeout_s and ps_timeout_s must be positive")
+
+    @property
+    def share_bytes_per_s(self) -> float:
+        """The payload rate one worker gets when all pull at once through the server's NIC."""
+        return self.rate_bps / 8 * TCP_PAYLOAD_SHARE / self.workers
+
+
+# --------------------------------------------------------------------------- the plan (parent)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TicTacPlan:
+    """What the parent computes before the launch and every rank receives."""
+
+    node_names: dict[str, list[str]]          # module -> DAG node names of its calls
+    device_time: dict[str, float]             # DAG node -> padded forward time (empty: --device cpu)
+    cpu_time: dict[str, float]                # DAG node -> traced CPU minimum
+    backward_time: float                      # the backward's pad (training)
+    transfer_time: dict[str, float]           # recv -> bytes at the worker's share of the rate
+    priorities: dict[str, dict[str, int]]     # "tio"/"tao" -> parameter -> priority
+    model_bytes: int
+    speedup_S: float                          # eq. 4 under the planning oracle
+
+
+def plan(config: TicTacBenchConfig) -> TicTacPlan:
+    """Trace the model's forward DAG, size the device times (module docstring), compute TIO and TAO."""
+    from mlfabric.order import TimeOracle, bounds, forward_dag, speedup, tao, tio, trace_compute, transfer_times
+    from mlfabric.order.models import build, param_bytes
+    from mlfabric.ps.overlap import call_names
+
+    model, x = build(config.model, seed=config.seed, batch=config.batch, width=config.width)
+    md = forward_dag(model, x)
+    dag = md.dag
+    cpu = trace_compute(md, model, x, iterations=10, warmup=2).minimum()
+    names = call_names(md.graph_module)
+    module_nodes = {n for calls in names.values() for n in calls}
+    transfer = transfer_times(dag, config.share_bytes_per_s)
+    total_transfer = math.fsum(transfer.values())
+    device: dict[str, float] = {}
+    backward = 0.0
+    if config.device == "emulated":
+        forward_target = total_transfer / (1.0 if config.forward_only else 1.0 + config.backward_factor)
+        others = math.fsum(t for n, t in cpu.items() if n not in module_nodes)
+        padded = math.fsum(cpu[n] for n in module_nodes)
+        factor = max(forward_target - others, 0.0) / padded
+        device = {n: cpu[n] * factor for n in module_nodes}
+        backward = 0.0 if config.forward_only else config.backward_factor * forward_target
+    compute = {n: device.get(n, cpu[n]) for n in dag.computes}
+    oracle = TimeOracle.combine(dag, compute, transfer)
+    b = bounds(dag, oracle)
+    by_param = {"tio": tio(dag), "tao": tao(dag, oracle)}
+    priorities = {k: {dag.node(r).param: p for r, p in pr.priority.items()} for k, pr in by_param.items()}
+    return TicTacPlan(node_names=names, device_time=device, cpu_time=cpu, backward_time=backward,
+                      transfer_time=transfer, priorities=priorities, model_bytes=param_bytes(model),
+                      speedup_S=speedup(b))
+
+
+# --------------------------------------------------------------------------- inside a rank
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Iteration:
+    requested: float
+    first_byte: float | None    # the server's header arrived (per-tensor pulls)
+    forward_end: float
+    end: float                  # forward (forward only) or push done
+    efficiency: float | None
+    makespan: float             # the worker's trace: first byte (or request) to end of forward
+    channel_s: float            # first byte to last arrival (per-tensor pulls)
+    waited_s: float             # pre-hook waits
+    reordered: int
+    overrun: int
+    checksum: float             # sum of the model's parameters as pulled (the same on every worker)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _WorkerRecord:
+    worker: int
+    iterations: list[_Iteration]
+    op_minimum: dict[str, float]            # per DAG node, min over timed iterations of its span
+    initial_checksum: float
+    traces: list[Any]                        # the last few timed iterations' Trace
+
+
+def _rank_main(config: TicTacBenchConfig, the_plan: TicTacPlan) -> Any:
+    import mlfabric.ps
+
+    job = mlfabric.ps.init(servers=1, consistency="bsp", transport=config.transport, timeout=config.ps_timeout_s,
+                           seed=config.seed)
+    try:
+        out = []
+        for i, ordering in enumerate(config.orderings):
+            session = job.session(i + 1)
+            if session.role == "server":
+                out.append(session.serve().as_dict())
+            else:
+                out.append(_work(session.worker, config, the_plan, ordering))
+                session.leave()
+        return out
+    finally:
+        job.close()
+
+
+def _work(worker: Any, config: TicTacBenchConfig, the_plan: TicTacPlan, ordering: str) -> _WorkerRecord:
+    import torch
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    from mlfabric.order.metrics import trace_efficiency
+    from mlfabric.order.models import build
+    from mlfabric.ps.overlap import ParameterGate, pad_to
+
+    torch.set_num_threads(1)
+    model, (x,) = build(config.model, seed=config.seed, batch=config.batch, width=config.width)
+    initial = parameters_to_vector(model.parameters()).detach().clone()
+    worker.init_model(MODEL, model, lr=LR, priorities=the_plan.priorities.get(ordering))
+    params = list(model.parameters())
+    flat = torch.empty_like(initial)
+    gate = ParameterGate(model, node_names=the_plan.node_names, device_time=the_plan.device_time)
+    iterations: list[_Iteration] = []
+    minimum: dict[str, float] = {}
+    traces = []
+    for k in range(config.iterations):
+        requested = time.monotonic()
+        arriving = None
+        if ordering == "none":
+            worker.pull_flat(MODEL, out=flat)
+            with torch.no_grad():
+                vector_to_parameters(flat, params)
+            transfers = [("recv:model", requested, time.monotonic())]
+            gate.attach(None)
+        else:
+            arriving = worker.pull_in_order(MODEL, model, order="random" if ordering == "random" else "priority")
+            gate.attach(arriving)
+            transfers = None
+        if config.forward_only:
+            with torch.no_grad():
+                out = model(x)
+            forward_end = time.monotonic()
+        else:
+            out = model(x)
+            forward_end = time.monotonic()
+            out.square().mean().backward()
+            pad_to(forward_end, the_plan.backward_time)
+        if arriving is not None:
+            arriving.join()
+        trace = gate.trace(transfers, worker=worker.index, iteration=k, ordering=ordering)
+        checksum = float(parameters_to_vector(params).double().sum())
+        if not config.forward_only:
+            worker.push(MODEL, model)
+            model.zero_grad(set_to_none=False)
+        worker.clock()
+        end = time.monotonic()
+        timed = k >= config.warmup
+        first = None if arriving is None else arriving.begins.get(0)
+        forward = forward_part(trace, forward_end)
+        try:
+            efficiency = trace_efficiency(forward)
+        except ValueError:
+            efficiency = None
+        iterations.append(_Iteration(
+            requested=requested, first_byte=first, forward_end=forward_end, end=end, efficiency=efficiency,
+            makespan=forward.makespan, channel_s=(max(a.at for a in arriving.arrivals) - first) if first else 0.0,
+            waited_s=sum(e - s for _, s, e in gate.waits), reordered=arriving.reordered if arriving else 0,
+            overrun=gate.overrun, checksum=checksum))
+        if timed:
+            for name, s, e in trace.compute:
+                minimum[name] = min(minimum.get(name, math.inf), e - s)
+            if k >= config.iterations - config.chrome_iterations:
+                traces.append(trace)
+        if worker.index == 0:
+            report((ordering, k + 1))
+    gate.remove()
+    return _WorkerRecord(worker=worker.index, iterations=iterations, op_minimum=minimum, traces=traces,
+                         initial_checksum=float(initial.double().sum()))
+
+
+def forward_part(trace: Any, forward_end: float) -> Any:
+    """The forward's part of an iteration's trace (its compute spans end by ``forward_end``)."""
+    from mlfabric.order.trace import Trace
+
+    return Trace.of([s for s in trace.compute if s[2] <= forward_end + 1e-9], trace.transfers, **trace.meta)
+
+
+# --------------------------------------------------------------------------- results (parent)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OrderingResult:
+    ordering: str
+    steps_per_s: float
+    p50_step_s: float
+    p95_step_s: float
+    median_E: float | None
+    straggler_effect: float
+    makespan_s: float
+    simulated_makespan_s: float | None
+    waited_s: float
+    reordered: int
+    overrun: int
+    correct: bool
+    steps_s: list[float] = field(repr=False)
+    samples: list[tuple[float, float]] = field(repr=False)  # (E, makespan) per timed (worker, iteration)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if k not in ("steps_s", "samples")}
+        out["p95_over_p50"] = self.p95_step_s / self.p50_step_s
+        out["sim_over_emulated"] = (None if self.simulated_makespan_s is None
+                                    else self.simulated_makespan_s / self.makespan_s)
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class TicTacBenchResult:
+    config: TicTacBenchConfig
+    plan: TicTacPlan
+    results: tuple[OrderingResult, ...]
+    r2_E_vs_makespan: float | None
+    r2_by_ordering: dict[str, float | None]
+    metadata: dict[str, Any]
+
+    def by(self, ordering: str) -> OrderingResult:
+        return next(r for r in self.results if r.ordering == ordering)
+
+    def speedups(self) -> dict[str, dict[str, float]]:
+        """steps/s of each ordering over none's and random's (where they ran)."""
+        out: dict[str, dict[str, float]] = {}
+        for base in ("none", "random"):
+            if base in self.config.orderings:
+                ref = self.by(base).steps_per_s
+                out[f"vs_{base}"] = {r.ordering: r.steps_per_s / ref for r in self.results}
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.plan
+        return {
+            "benchmark": "tictac", "command": self.metadata.get("command"), "date": self.metadata.get("date"),
+            "machine": self.metadata.get("machine"), "metadata": self.metadata,
+            "config": asdict(self.config),
+            "plan": {"model_bytes": p.model_bytes, "S": p.speedup_S, "transfer_s": math.fsum(p.transfer_time.values()),
+                     "forward_device_s": math.fsum(p.device_time.values()) or None,
+                     "forward_cpu_s": math.fsum(p.cpu_time.values()), "backward_device_s": p.backward_time,
+                     "tio_order": sorted(p.priorities["tio"], key=p.priorities["tio"].get),
+                     "tao_order": sorted(p.priorities["tao"], key=p.priorities["tao"].get)},
+            "results": [r.to_dict() for r in self.results],
+            "speedup": self.speedups(),
+            "r2_E_vs_makespan": self.r2_E_vs_makespan, "r2_by_ordering": self.r2_by_ordering,
+            "steps_s": {r.ordering: r.steps_s for r in self.results},
+        }
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def r_squared(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    """R^2 of the least-squares line y = a + b x (None with fewer than 3 points or no spread)."""
+    if len(xs) < 3:
+        return None
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = math.fsum((x - mx) ** 2 for x in xs)
+    syy = math.fsum((y - my) ** 2 for y in ys)
+    if sxx == 0 or syy == 0:
+        return None
+    sxy = math.fsum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    return sxy * sxy / (sxx * syy)
+
+
+def _simulated(config: TicTacBenchConfig, the_plan: TicTacPlan, ordering: str, records: list[_WorkerRecord],
+               measured_rate: float | None) -> float | None:
+    """The ordering's makespan under the oracle traced in this run (module docstring)."""
+    from mlfabric.order import TimeOracle, forward_dag, simulate
+    from mlfabric.order.models import build
+
+    if ordering == "none" or measured_rate is None:
+        return None
+    model, x = build(config.model, seed=config.seed, batch=config.batch, width=config.width)
+    dag = forward_dag(model, x).dag
+    compute = {n: min((r.op_minimum[n] for r in records if n in r.op_minimum), default=the_plan.cpu_time[n])
+               for n in dag.computes}
+    oracle = TimeOracle.combine(dag, compute, {r: dag.node(r).size_bytes / measured_rate for r in dag.recvs})
+    if ordering in ("tio", "tao"):
+        prio = the_plan.priorities[ordering]
+        idx = {r: i for i, r in enumerate(dag.recvs)}
+        order = sorted(dag.recvs, key=lambda r: (prio[dag.node(r).param], idx[r]))
+        return simulate(dag, oracle, order).makespan
+    rng = random.Random(config.seed)
+    draws = []
+    for _ in range(RANDOM_DRAWS):
+        spans = []
+        for _w in range(config.workers):
+            order = list(dag.recvs)
+            rng.shuffle(order)
+            spans.append(simulate(dag, oracle, order).makespan)
+        draws.append(max(spans))
+    return statistics.fmean(draws)
+
+
+def summarize(config: TicTacBenchConfig, the_plan: TicTacPlan, ordering: str,
+              records: list[_WorkerRecord]) -> OrderingResult:
+    timed = range(config.warmup, config.iterations)
+    steps, stragglers = [], []
+    for k in timed:
+        its = [r.iterations[k] for r in records]
+        last = max(i.end for i in its)
+        step = last - min(i.requested for i in its)
+        steps.append(step)
+        stragglers.append(max(last - i.end for i in its) / step)
+    first = min(r.iterations[config.warmup].requested for r in records)
+    span = max(r.iterations[-1].end for r in records) - first
+    samples = [(r.iterations[k].efficiency, r.iterations[k].makespan) for r in records for k in timed
+               if r.iterations[k].efficiency is not None]
+    per_tensor = ordering != "none"
+    makespans = [max(r.iterations[k].makespan for r in records) for k in timed]
+    rates = [the_plan.model_bytes / r.iterations[k].channel_s for r in records for k in timed
+             if per_tensor and r.iterations[k].channel_s > 0]
+    measured_rate = statistics.median(rates) if rates else None
+    return OrderingResult(
+        ordering=ordering, steps_per_s=len(timed) / span, p50_step_s=statistics.median(steps),
+        p95_step_s=_percentile(steps, 0.95),
+        median_E=statistics.median(e for e, _ in samples) if samples else None,
+        straggler_effect=statistics.fmean(stragglers), makespan_s=statistics.median(makespans),
+        simulated_makespan_s=_simulated(config, the_plan, ordering, records, measured_rate),
+        waited_s=statistics.fmean(r.iterations[k].waited_s for r in records for k in timed),
+        reordered=sum(i.reordered for r in records for i in r.iterations),
+        overrun=sum(r.iterations[-1].overrun for r in records), correct=_consistent(config, records),
+        steps_s=steps, samples=samples)
+
+
+def _consistent(config: TicTacBenchConfig, records: list[_WorkerRecord]) -> bool:
+    """BSP hands every worker the same model each iteration; forward only, the initial one."""
+    for k in range(config.iterations):
+        sums = {r.iterations[k].checksum for r in records}
+        if len(sums) != 1 or (config.forward_only and sums != {records[0].initial_checksum}):
+            return False
+    return True
+
+
+def collect_metadata(config: TicTacBenchConfig, argv: Sequence[str] | None) -> dict[str, Any]:
+    import torch
+
+    cores = os.cpu_count()
+    where = (f"emulated star:n={config.workers + 1} at {config.rate_bps / 1e6:g} Mbit/s per NIC (netns + veth + htb)"
+             if config.emulate else "local processes on loopback (no shaping)")
+    return {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": shlex.join(argv if argv is not None else sys.argv),
+            "machine": f"{cores}-core {platform.machine()} Linux VM, {where}",
+            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "loadavg_at_start": list(os.getloadavg())}
+
+
+def run_tictac_bench(config: TicTacBenchConfig, *, argv: Sequence[str] | None = None,
+                     on_progress: Callable[[str, int], None] | None = None,
+                     capture_output: bool = False) -> TicTacBenchResult:
+    """Plan, launch (locally or on the emulator: root), summarize; Chrome traces to ``chrome_dir``."""
+    metadata = collect_metadata(config, argv)
+    the_plan = plan(config)
+    world = 1 + config.workers
+
+    def on_report(rank: int, payload: Any) -> None:
+        if on_progress is not None:
+            on_progress(*payload)
+
+    args = (config, the_plan)
+    if config.emulate:
+        from mlfabric.emu.cmd import EmuUnavailableError, have_root
+        from mlfabric.emu.launcher import emulated_launch
+
+        if not have_root():
+            raise EmuUnavailableError("mlfabric bench tictac --emulate needs root (or CAP_NET_ADMIN + "
+                                      "CAP_SYS_ADMIN): run it under sudo, or drop --emulate")
+        with emulated_launch(f"star:n={world}", config.rate_bps, timeout_s=config.timeout_s,
+                             capture_output=capture_output) as launch:
+            records = run_ranks(_rank_main, config=launch, args=args, on_report=on_report)
+    else:
+        launch = LaunchConfig(world_size=world, timeout_s=config.timeout_s, capture_output=capture_output)
+        records = run_ranks(_rank_main, config=launch, args=args, on_report=on_report)
+    metadata["loadavg_at_end"] = list(os.getloadavg())
+    results = []
+    for i, ordering in enumerate(config.orderings):
+        workers: list[_WorkerRecord] = [records[rank][i] for rank in range(1, world)]
+        results.append(summarize(config, the_plan, ordering, workers))
+        if config.chrome_dir:
+            write_traces(Path(config.chrome_dir) / f"tictac-{config.model}-{ordering}.json", workers)
+    by_ordering = {r.ordering: r2 for r in results
+                   for r2 in [r_squared([e for e, _ in r.samples], [t for _, t in r.samples])]}
+    pooled = [s for r in results if r.ordering != "none" for s in r.samples]
+    return TicTacBenchResult(config=config, plan=the_plan, results=tuple(results),
+                             r2_E_vs_makespan=r_squared([e for e, _ in pooled], [t for _, t in pooled]),
+                             r2_by_ordering=by_ordering, metadata=metadata)
+
+
+def write_traces(path: Path, records: list[_WorkerRecord]) -> Path:
+    """The kept iterations of every worker as one Chrome/Perfetto file (a process per worker)."""
+    import json
+
+    from mlfabric.order.trace import to_chrome
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    origin = min((t.start for r in records for t in r.traces), default=0.0)
+    events: list[dict[str, Any]] = []
+    for r in records:
+        for t in r.traces:
+            events += to_chrome(t, process=f"worker {r.worker}", pid=r.worker, origin=origin)["traceEvents"]
+    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    return path
+
+
+# --------------------------------------------------------------------------- presentation
+
+
+def render_table(result: TicTacBenchResult) -> Any:
+    from rich import box
+    from rich.table import Table
+
+    c = result.config
+    where = f"emulated at {c.rate_bps / 1e6:g} Mbit/s" if c.emulate else "local"
+    tab = Table(title=f"tictac: {c.model} (width {c.width}, batch {c.batch}), {c.workers} workers + 1 server, "
+                      f"{'forward' if c.forward_only else 'training'}, {where}, device {c.device}, "
+                      f"S = {result.plan.speedup_S:.2f}",
+                caption=f"{len(range(c.warmup, c.iterations))} timed iterations per ordering; straggler = max "
+                        "wait / step (mean); sim: simulated makespan / measured",
+                title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD)
+    for name in ("ordering", "steps/s", "x none", "x random", "p50 ms", "p95/p50", "E", "straggler", "sim"):
+        tab.add_column(name, justify="right" if name != "ordering" else "left", no_wrap=True)
+    speed = result.speedups()
+    for r in result.results:
+        d = r.to_dict()
+        tab.add_row(r.ordering, f"{r.steps_per_s:.2f}", _opt(speed.get("vs_none", {}).get(r.ordering)),
+                    _opt(speed.get("vs_random", {}).get(r.ordering)), f"{r.p50_step_s * 1e3:.1f}",
+                    f"{d['p95_over_p50']:.3f}", _opt(r.median_E), f"{r.straggler_effect:.3f}",
+                    _opt(d["sim_over_emulated"]))
+    return tab
+
+
+def _opt(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
+
