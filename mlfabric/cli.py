@@ -132,17 +132,16 @@ QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress di
                                                                  "and only when it is a terminal).")]
 
 
-def write_json(path: Path, data: dict[str, Any], *, quiet: bool = False) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` as indented JSON to ``path``, or to standard output when ``path`` is
-    ``-`` (the ``--json`` convention); a file is announced on the console unless ``quiet``."""
+    ``-`` (the ``--json`` convention); a file is announced on the console."""
     text = json.dumps(data, indent=2) + "\n"
     if str(path) == STDOUT:
         typer.echo(text, nl=False)
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
-    if not quiet:
-        console.print(f"wrote {path}")
+    console.print(f"wrote {path}")
 
 
 def run_or_exit(fn: Callable[[], T], errors: tuple[type[BaseException], ...] | None = None) -> T:

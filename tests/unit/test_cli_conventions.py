@@ -126,5 +126,5 @@ def test_dash_on_a_command_with_progress_and_several_tables() -> None:
 def test_write_json_dash_and_file(tmp_path, capsys) -> None:
     cli.write_json("-", {"a": [1, 2]})
     assert json.loads(capsys.readouterr().out) == {"a": [1, 2]}
-    cli.write_json(tmp_path / "x.json", {"b": 1}, quiet=True)
-    assert json.loads((tmp_path / "x.json").read_text()) == {"b": 1} and capsys.readouterr().out == ""
+    cli.write_json(tmp_path / "deeper" / "x.json", {"b": 1})
+    assert json.loads((tmp_path / "deeper" / "x.json").read_text()) == {"b": 1}
