@@ -105,6 +105,12 @@ def make_config(factory: Callable[..., T], **fields: Any) -> T:
 STDOUT = "-"
 
 
+def to_stdout(json_path: Optional[Path]) -> bool:
+    """Whether ``--json`` sends the JSON to standard output: then nothing else may go there,
+    rank processes included (their output goes to log files, shown if a rank fails)."""
+    return json_path is not None and str(json_path) == STDOUT
+
+
 def _json_destination(ctx: typer.Context, value: Optional[Path]) -> Optional[Path]:
     """The ``--json`` option's check: a file, or ``-`` for standard output. With ``-`` the
     command's tables and messages go to standard error for this invocation, so that standard
@@ -112,7 +118,7 @@ def _json_destination(ctx: typer.Context, value: Optional[Path]) -> Optional[Pat
     if value is None:
         return None
     text = str(value)
-    if text == STDOUT:
+    if to_stdout(value):
         console.stderr = True
         ctx.call_on_close(lambda: setattr(console, "stderr", False))
     elif text.startswith("-"):
@@ -136,7 +142,7 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` as indented JSON to ``path``, or to standard output when ``path`` is
     ``-`` (the ``--json`` convention); a file is announced on the console."""
     text = json.dumps(data, indent=2) + "\n"
-    if str(path) == STDOUT:
+    if to_stdout(path):
         typer.echo(text, nl=False)
         return
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -250,7 +256,8 @@ def bench_allreduce(
 
         run = run_bml_comparison if compare_star else run_hierarchy_comparison if compare_flat else run_allreduce_bench
         result = run_or_exit(lambda: run(
-            config, argv=command, on_progress=lambda done, total: progress.update(task, completed=done, total=total)))
+            config, argv=command, capture_output=to_stdout(json_path),
+            on_progress=lambda done, total: progress.update(task, completed=done, total=total)))
     if compare_flat:
         console.print(render_hierarchy(result))
     elif compare_star:
@@ -287,8 +294,9 @@ def bench_bml_job(
         command += ["--json", str(json_path)]
     with progress_bar(quiet=quiet) as progress:
         task = progress.add_task("LeNet-5", total=iterations)
-        result = run_or_exit(lambda: run_bml_job(config, argv=command, on_step=lambda label, done, total: progress.update(
-            task, description=label, completed=done, total=total)))
+        result = run_or_exit(lambda: run_bml_job(
+            config, argv=command, capture_output=to_stdout(json_path),
+            on_step=lambda label, done, total: progress.update(task, description=label, completed=done, total=total)))
     console.print(render_job_table(result))
     if json_path is not None:
         write_json(json_path, result.to_dict())

@@ -79,11 +79,15 @@ def test_json_dash_pipes_into_json_tool_with_the_tables_on_stderr() -> None:
     assert "mlfabric simulate collective" in stderr and "2(N-1)/(kN)" in stderr
 
 
-def test_bench_json_dash_keeps_stdout_clean_of_the_ranks_and_tables() -> None:
-    """A benchmark with rank processes: stdout is exactly one JSON document."""
+def test_bench_json_dash_keeps_stdout_clean_of_the_ranks_and_tables(tmp_path: Path) -> None:
+    """A benchmark with rank processes: stdout is exactly one JSON document, even when the
+    ranks print (a sitecustomize makes every rank process print a line to its stdout)."""
+    (tmp_path / "sitecustomize.py").write_text("import os\nif 'RANK' in os.environ:\n    print('rank noise')\n")
+    env = {key: value for key, value in os.environ.items() if key != "RANK"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
     out = subprocess.run([MLFABRIC, "bench", "allreduce", "--world-size", "2", "--algorithms", "ring,gloo",
                           "--sizes", "4KB", "--iters", "1", "--warmup", "0", "--json", "-"],
-                         capture_output=True, text=True, timeout=180)
+                         capture_output=True, text=True, timeout=180, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     data = json.loads(out.stdout)
     assert data["metadata"]["command"].endswith("--json -")
