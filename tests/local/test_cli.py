@@ -26,7 +26,7 @@ def test_bench_allreduce_writes_consistent_json(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     meta = data["metadata"]
-    assert meta["world_size"] == 2 and meta["transport"] == "zmq" and meta["cpu_count"] >= 1
+    assert meta["world_size"] == 2 and meta["transport"] == "tcp" and meta["cpu_count"] >= 1  # the default
     assert meta["torch"] and meta["hostname"] and meta["date"]
     assert meta["command"].startswith("mlfabric bench allreduce --world-size 2")
     # Aligned starts by default: every call starts at one instant and is timed from it.
