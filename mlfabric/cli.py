@@ -22,8 +22,8 @@ module that does the work (``mlfabric.bench.allreduce``, ``mlfabric.demo``), run
 a rich table and optionally writes JSON. Every command that writes JSON takes ``--json PATH``
 (:data:`JsonOption`; ``--json -``: the JSON on standard output, the tables on standard error,
 so ``mlfabric simulate ... --json - | python -m json.tool`` works). Long commands show a
-progress bar (:func:`mlfabric.progress.progress_bar`) on standard error when it is a terminal; ``--quiet``
-turns it off. A new command family is a sub-typer registered with
+progress bar (:func:`mlfabric.progress.progress_bar`) on standard error when it is a
+terminal; ``--quiet`` turns it off. A new command family is a sub-typer registered with
 ``app.add_typer`` (like ``bench_app``); a new benchmark is a command on ``bench_app``.
 Errors in the options exit with status 2, failures of a run with status 1.
 """
