@@ -231,76 +231,93 @@ def _rank_main(config: TicTacBenchConfig, the_plan: TicTacPlan) -> Any:
 
 
 def _work(worker: Any, config: TicTacBenchConfig, the_plan: TicTacPlan, ordering: str) -> _WorkerRecord:
+    """The iterations of one ordering. The loop only pulls, computes, pushes and clocks (every
+    step in it delays the next pull, hence every worker under BSP); traces and E are made
+    from what it kept afterwards."""
     import torch
     from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-    from mlfabric.order.metrics import trace_efficiency
-    from mlfabric.order.models import build
     from mlfabric.ps.overlap import ParameterGate, pad_to
 
     torch.set_num_threads(1)
-    model, (x,) = build(config.model, seed=config.seed, batch=config.batch, width=config.width)
+    model, (x,) = build_model(config)
     initial = parameters_to_vector(model.parameters()).detach().clone()
     worker.init_model(MODEL, model, lr=LR, priorities=the_plan.priorities.get(ordering))
     params = list(model.parameters())
     flat = torch.empty_like(initial)
     gate = ParameterGate(model, node_names=the_plan.node_names, device_time=the_plan.device_time)
-    iterations: list[_Iteration] = []
-    minimum: dict[str, float] = {}
-    traces = []
+    kept: list[tuple[float, float, float, Any, list[Any], list[Any], float, int]] = []
     for k in range(config.iterations):
         requested = time.monotonic()
-        arriving = None
         if ordering == "none":
             worker.pull_flat(MODEL, out=flat)
             with torch.no_grad():
                 vector_to_parameters(flat, params)
-            transfers = [("recv:model", requested, time.monotonic())]
+            pulled: Any = time.monotonic()
             gate.attach(None)
         else:
-            arriving = worker.pull_in_order(MODEL, model, order="random" if ordering == "random" else "priority")
-            gate.attach(arriving)
-            transfers = None
+            pulled = worker.pull_in_order(MODEL, model, order="random" if ordering == "random" else "priority")
+            gate.attach(pulled)
         if config.forward_only:
             with torch.no_grad():
-                out = model(x)
+                model(x)
             forward_end = time.monotonic()
         else:
             out = model(x)
             forward_end = time.monotonic()
             out.square().mean().backward()
             pad_to(forward_end, the_plan.backward_time)
-        if arriving is not None:
-            arriving.join()
-        trace = gate.trace(transfers, worker=worker.index, iteration=k, ordering=ordering)
         checksum = float(parameters_to_vector(params).double().sum())
         if not config.forward_only:
             worker.push(MODEL, model)
             model.zero_grad(set_to_none=False)
         worker.clock()
-        end = time.monotonic()
-        timed = k >= config.warmup
-        first = None if arriving is None else arriving.begins.get(0)
+        kept.append((requested, forward_end, time.monotonic(), pulled, gate.spans, gate.waits, checksum,
+                     gate.overrun))
+        if worker.index == 0:
+            report((ordering, k + 1))
+    gate.remove()
+    return _record(worker.index, config, ordering, kept, float(initial.double().sum()))
+
+
+def build_model(config: TicTacBenchConfig) -> tuple[Any, tuple[Any, ...]]:
+    from mlfabric.order.models import build
+
+    return build(config.model, seed=config.seed, batch=config.batch, width=config.width)
+
+
+def _record(index: int, config: TicTacBenchConfig, ordering: str, kept: list[Any],
+            initial_checksum: float) -> _WorkerRecord:
+    from mlfabric.order.metrics import trace_efficiency
+    from mlfabric.order.trace import Trace
+
+    iterations: list[_Iteration] = []
+    minimum: dict[str, float] = {}
+    traces = []
+    for k, (requested, forward_end, end, pulled, spans, waits, checksum, overrun) in enumerate(kept):
+        if isinstance(pulled, float):  # a flat pull: one transfer, from the request to the whole model
+            transfers, first, channel, reordered = [("recv:model", requested, pulled)], None, 0.0, 0
+        else:
+            pulled.join()
+            transfers, first, reordered = pulled.transfer_spans(), pulled.begins.get(0), pulled.reordered
+            channel = max(a.at for a in pulled.arrivals) - first
+        trace = Trace.of(spans, transfers, worker=index, iteration=k, ordering=ordering)
         forward = forward_part(trace, forward_end)
         try:
-            efficiency = trace_efficiency(forward)
+            efficiency: float | None = trace_efficiency(forward)
         except ValueError:
             efficiency = None
         iterations.append(_Iteration(
             requested=requested, first_byte=first, forward_end=forward_end, end=end, efficiency=efficiency,
-            makespan=forward.makespan, channel_s=(max(a.at for a in arriving.arrivals) - first) if first else 0.0,
-            waited_s=sum(e - s for _, s, e in gate.waits), reordered=arriving.reordered if arriving else 0,
-            overrun=gate.overrun, checksum=checksum))
-        if timed:
+            makespan=forward.makespan, channel_s=channel, waited_s=sum(e - s for _, s, e in waits),
+            reordered=reordered, overrun=overrun, checksum=checksum))
+        if k >= config.warmup:
             for name, s, e in trace.compute:
                 minimum[name] = min(minimum.get(name, math.inf), e - s)
             if k >= config.iterations - config.chrome_iterations:
                 traces.append(trace)
-        if worker.index == 0:
-            report((ordering, k + 1))
-    gate.remove()
-    return _WorkerRecord(worker=worker.index, iterations=iterations, op_minimum=minimum, traces=traces,
-                         initial_checksum=float(initial.double().sum()))
+    return _WorkerRecord(worker=index, iterations=iterations, op_minimum=minimum, traces=traces,
+                         initial_checksum=initial_checksum)
 
 
 def forward_part(trace: Any, forward_end: float) -> Any:
@@ -399,11 +416,10 @@ def _simulated(config: TicTacBenchConfig, the_plan: TicTacPlan, ordering: str, r
                measured_rate: float | None) -> float | None:
     """The ordering's makespan under the oracle traced in this run (module docstring)."""
     from mlfabric.order import TimeOracle, forward_dag, simulate
-    from mlfabric.order.models import build
 
     if ordering == "none" or measured_rate is None:
         return None
-    model, x = build(config.model, seed=config.seed, batch=config.batch, width=config.width)
+    model, x = build_model(config)
     dag = forward_dag(model, x).dag
     compute = {n: min((r.op_minimum[n] for r in records if n in r.op_minimum), default=the_plan.cpu_time[n])
                for n in dag.computes}

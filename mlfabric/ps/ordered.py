@@ -127,34 +127,40 @@ def pull_rng(seed: int, worker: int, clock: int, server: int) -> random.Random:
 
 
 def answer_in_order(server: "ParameterServer", pulls: "list[PendingPull]", spec: ModelSpec, offset: int,
-                    values: torch.Tensor, priorities: Mapping[str, int] | None, version: int,
+                    values: list[torch.Tensor], priorities: Mapping[str, int] | None, version: int,
                     model_clock: int | None) -> list[tuple[SendHandle, torch.Tensor]]:
-    """Server side: answer each ordered pull of ``pulls`` with a header then one message per
-    piece of ``values`` (the shard's snapshot, untouched until the handles are done), in the
-    order the pull asked for. Returns the sends to keep alive."""
-    pieces = shard_pieces(spec, offset, values.numel())
+    """Server side: answer the ordered pulls of ``pulls`` (``values[i]``: the shard snapshot
+    for pull i, untouched until the handles are done) with a header each, then their pieces
+    in the order each pull asked for. The pulls of one round are served together, piece by
+    piece in turn (piece s to every puller before piece s + 1): each connection stays in its
+    own order, and no puller's first bytes wait for every piece of the others to be handed
+    over. Returns the sends to keep alive."""
+    pieces = shard_pieces(spec, offset, values[0].numel()) if values else []
     sending: list[tuple[SendHandle, torch.Tensor]] = []
     session, channel = server.config.session, server.channel
-    for p in pulls:
+    plans = []
+    for p, shard in zip(pulls, values):
         rng = pull_rng(server.config.seed, p.worker, p.clock, server.server) if p.order == "random" else None
+        tag = protocol.reply_tag(session, p.request_id)
         try:
             order = handoff_order(pieces, str(p.order), priorities, rng)
         except ValueError as exc:
             text = f"{server.who}: ordered pull of model {spec.name!r} from {server.layout.describe(p.rank)}: {exc}"
             server.stats.errors.append(text)
-            server.transport.send(p.rank, protocol.reply_tag(session, p.request_id), b"",
-                                  meta=protocol.encode(op="error", message=text), channel=channel)
+            server.transport.send(p.rank, tag, b"", meta=protocol.encode(op="error", message=text), channel=channel)
             continue
-        tag = protocol.reply_tag(session, p.request_id)
         server.transport.send(p.rank, tag, b"", channel=channel,
                               meta=protocol.encode(op="model", version=version, model_clock=model_clock,
                                                    pieces=len(order), order=p.order))
-        for seq, piece in enumerate(order):  # seq: §5.1's per-worker counter at hand-off
-            part = values[piece.start:piece.start + piece.hi - piece.lo]
-            handle = server.transport.send(p.rank, tag, tensor_bytes(part), channel=channel,
+        plans.append((p.rank, tag, shard, order))
+    for seq in range(len(pieces)):  # seq: §5.1's per-worker counter at hand-off
+        for rank, tag, shard, order in plans:
+            piece = order[seq]
+            part = shard[piece.start:piece.start + piece.hi - piece.lo]
+            handle = server.transport.send(rank, tag, tensor_bytes(part), channel=channel,
                                            meta=protocol.encode(op="piece", key=piece.key, lo=piece.lo,
                                                                 hi=piece.hi, seq=seq))
-            sending.append((handle, values))
+            sending.append((handle, shard))
     return sending
 
 

@@ -10,9 +10,12 @@ of the later ones. With no pull attached (a flat pull, or none) the hooks do not
 The same hooks record the iteration's **trace**: per leaf-module call, the span from the end
 of its wait to the end of its forward (named like the DAG's node of that call, so the time
 oracle and E of :mod:`mlfabric.order` read it), and the wait itself. With ``device_time``
-(seconds per DAG node), a leaf module's forward is padded with a sleep up to that time: an
-emulated accelerator, for machines whose CPU is shared (``mlfabric bench tictac`` documents
-when it uses it). :meth:`ParameterGate.trace` joins the spans with the pull's transfers into
+(seconds per DAG node), the leaf modules run on an emulated accelerator, for machines whose
+CPU is shared (``mlfabric bench tictac`` documents when it uses it): the op runs for real,
+then sleeps until ``start + device_time`` where ``start`` is when the device was free and the
+op's parameters were in; its span is that device interval. A late wake-up or a descheduled
+process is absorbed by the following pads instead of adding up (a real op that outlasts its
+device time ends the interval, and counts in ``overrun``). :meth:`ParameterGate.trace` joins the spans with the pull's transfers into
 an :class:`mlfabric.order.trace.Trace` (Chrome/Perfetto export: :func:`mlfabric.order.trace.write_chrome`).
 """
 
@@ -69,7 +72,8 @@ class ParameterGate:
         self.waits: list[Span] = []  # (module, wait start, wait end) of the waits that blocked
         self.overrun = 0  # leaf calls whose real compute took longer than their device time
         self._calls: dict[str, int] = {}
-        self._started: dict[str, float] = {}
+        self._started: dict[str, tuple[float, float]] = {}  # module -> (real start, its parameters' arrival)
+        self._device_free = 0.0  # when the emulated device finished its last op
 
     def attach(self, arriving: ArrivingModel | None) -> None:
         """Start an iteration: the hooks wait on ``arriving`` (None: no waiting); spans restart."""
@@ -77,6 +81,7 @@ class ParameterGate:
         self.spans, self.waits = [], []
         self._calls = {}
         self._started = {}
+        self._device_free = time.monotonic()
 
     def remove(self) -> None:
         for h in self._handles:
@@ -100,23 +105,37 @@ class ParameterGate:
     def _pre_hook(self, name: str, own: list[str]) -> Any:
         def hook(_module: nn.Module, _args: Any) -> None:
             arriving = self.arriving
-            if own and arriving is not None and any(k not in arriving.complete for k in own):
-                start = time.monotonic()
-                arriving.wait(own, timeout=self.timeout_s, who=f"module {name!r}")
-                self.waits.append((name, start, time.monotonic()))
-            self._started[name] = time.monotonic()
+            ready = 0.0
+            if own and arriving is not None:
+                if any(k not in arriving.complete for k in own):
+                    start = time.monotonic()
+                    arriving.wait(own, timeout=self.timeout_s, who=f"module {name!r}")
+                    self.waits.append((name, start, time.monotonic()))
+                ready = max(arriving.complete[k] for k in own)
+            self._started[name] = (time.monotonic(), ready)
         return hook
 
     def _post_hook(self, name: str) -> Any:
         def hook(_module: nn.Module, _args: Any, _out: Any) -> None:
-            start = self._started.pop(name, None)
-            if start is None:
+            started = self._started.pop(name, None)
+            if started is None:
                 return
+            start, ready = started
             node = self._node(name)
             target = self.device_time.get(node)
-            if target is not None and not pad_to(start, target):
-                self.overrun += 1
-            self.spans.append((node, start, time.monotonic()))
+            if target is None:
+                end = time.monotonic()
+            else:
+                # The emulated device runs the op from when it was free and the op's parameters
+                # were in, for its device time; a host that fell behind (a late wake-up, another
+                # process on the CPU) catches up in the next pads instead of adding up.
+                start = max(self._device_free, ready)
+                end = start + target
+                if not pad_to(end, 0.0):
+                    self.overrun += 1
+                    end = time.monotonic()
+            self._device_free = end
+            self.spans.append((node, start, end))
         return hook
 
     def trace(self, transfers: Sequence[Span] | None = None, **meta: Any) -> Trace:

@@ -640,12 +640,13 @@ class ParameterServer:
         from .ordered import answer_in_order
 
         clock = None if model_clock == float("inf") else int(model_clock)
+        values = []
         for p in pulls:
             answer = None if self._request_callback is None else self._request_callback(shard.spec.name, p.worker,
                                                                                         shard.values)
-            values = shard.snapshot() if answer is None else answer.detach().reshape(-1).clone()
-            self._sending += answer_in_order(self, [p], shard.spec, shard.offset, values, shard.priorities,
-                                             shard.version, clock)
+            values.append(shard.snapshot() if answer is None else answer.detach().reshape(-1).clone())
+        self._sending += answer_in_order(self, pulls, shard.spec, shard.offset, values, shard.priorities,
+                                         shard.version, clock)
 
     def _register_replica(self, msg: Any) -> None:
         """register_as_replica: the replica gets every model as it is now (values, version and
