@@ -1,0 +1,58 @@
+"""``mlfabric bench tictac`` on local processes (1 server + 2 workers over TCP, no shaping): the
+JSON's figures, the enforced order on every worker, the checks of the options.
+
+    .venv/bin/python -m pytest tests/local/test_bench_tictac.py -q
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mlfabric.bench.tictac import TicTacBenchConfig, r_squared, run_tictac_bench
+from mlfabric.cli import app
+
+pytestmark = pytest.mark.local
+
+
+def test_small_run_enforces_the_order_and_reports_every_figure(tmp_path: Path) -> None:
+    config = TicTacBenchConfig(model="inception", workers=2, iterations=6, warmup=1, forward_only=True,
+                               rate_bps=100e6, chrome_dir=str(tmp_path), chrome_iterations=2)
+    result = run_tictac_bench(config, capture_output=True)
+    data = result.to_dict()
+    assert [r["ordering"] for r in data["results"]] == ["none", "random", "tio", "tao"]
+    for r in data["results"]:
+        assert r["correct"] and r["reordered"] == 0
+        assert r["steps_per_s"] > 0 and 0 < r["p50_step_s"] <= r["p95_step_s"]
+        assert 0 <= r["straggler_effect"] < 1 and r["median_E"] is not None
+        assert 1 / r["steps_per_s"] <= r["p95_step_s"] * 1.5  # steps/s and the steps agree
+    assert data["plan"]["S"] == pytest.approx(1.0, abs=0.05)  # the emulated device balances the transfer
+    assert set(data["speedup"]["vs_none"]) == {"none", "random", "tio", "tao"}
+    # Every worker received TIO's order: its trace's channel lane lists the transfers in it.
+    tio_order = [f"recv:{k}" for k in data["plan"]["tio_order"]]
+    events = json.loads((tmp_path / "tictac-inception-tio.json").read_text())["traceEvents"]
+    for worker in (0, 1):
+        lane = sorted((e for e in events if e.get("ph") == "X" and e["pid"] == worker and e["tid"] == 1),
+                      key=lambda e: e["ts"])
+        assert [e["name"] for e in lane] == tio_order * 2  # two kept iterations
+        assert any(e["tid"] == 0 for e in events if e.get("ph") == "X" and e["pid"] == worker)
+    random_lanes = json.loads((tmp_path / "tictac-inception-random.json").read_text())["traceEvents"]
+    names = [e["name"] for e in random_lanes if e.get("ph") == "X" and e["pid"] == 0 and e["tid"] == 1]
+    assert sorted(names) == sorted(tio_order * 2) and names != tio_order * 2
+
+
+def test_r_squared() -> None:
+    assert r_squared([0, 1, 2, 3], [1, 3, 5, 7]) == pytest.approx(1.0)
+    assert r_squared([0, 1, 2, 3], [1, -1, 1, -1]) == pytest.approx(0.2)
+    assert r_squared([1, 1, 1], [1, 2, 3]) is None and r_squared([1, 2], [1, 2]) is None
+
+
+def test_cli_refuses_bad_options_with_usage_errors() -> None:
+    runner = CliRunner()
+    bad = runner.invoke(app, ["bench", "tictac", "--ordering", "none,fifo"])
+    assert bad.exit_code == 2 and "fifo" in bad.output
+    bad = runner.invoke(app, ["bench", "tictac", "--model", "resnet"])
+    assert bad.exit_code == 2 and "unknown model 'resnet'" in bad.output
