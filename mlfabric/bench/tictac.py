@@ -41,9 +41,11 @@ the slowest one (last end - its end) over the step, averaged. ``simulated_makesp
 same ordering simulated (:func:`mlfabric.order.metrics.simulate`) under the oracle traced in
 this run (per-op minimum of the hooks' spans; transfers at the measured per-worker rate),
 against ``makespan_s``, the slowest worker's first byte to end of forward (median); for
-``random`` the mean over draws of the slowest of ``workers`` random orders. ``r2_E_vs_makespan``
-(Fig. 7): how well E predicts the worker's makespan, a linear fit over every timed
-(worker, iteration) of the per-tensor orderings pooled.
+``random`` the mean over draws of the slowest of ``workers`` random orders. ``r2_E_vs_step``
+(Fig. 7): how well E predicts the normalised step time (a worker's makespan over its trace's
+eq. 1 upper bound), the R^2 of a linear fit over every timed (worker, iteration) of the
+per-tensor orderings pooled (``r2_by_ordering``: each alone; ``r2_E_vs_makespan``: the raw
+makespan in seconds); the samples are in the JSON.
 
 Exercise it with ``.venv/bin/python -m pytest tests/local/test_bench_tictac.py -q``.
 """
@@ -195,6 +197,7 @@ class _Iteration:
     end: float                  # forward (forward only) or push done
     efficiency: float | None
     makespan: float             # the worker's trace: first byte (or request) to end of forward
+    upper: float | None         # eq. 1's bound of that trace (compute + transfers, serialised)
     channel_s: float            # first byte to last arrival (per-tensor pulls)
     waited_s: float             # pre-hook waits
     reordered: int
@@ -288,7 +291,7 @@ def build_model(config: TicTacBenchConfig) -> tuple[Any, tuple[Any, ...]]:
 
 def _record(index: int, config: TicTacBenchConfig, ordering: str, kept: list[Any],
             initial_checksum: float) -> _WorkerRecord:
-    from mlfabric.order.metrics import trace_efficiency
+    from mlfabric.order.metrics import trace_bounds, trace_efficiency
     from mlfabric.order.trace import Trace
 
     iterations: list[_Iteration] = []
@@ -307,9 +310,10 @@ def _record(index: int, config: TicTacBenchConfig, ordering: str, kept: list[Any
             efficiency: float | None = trace_efficiency(forward)
         except ValueError:
             efficiency = None
+        upper = trace_bounds(forward).upper
         iterations.append(_Iteration(
             requested=requested, first_byte=first, forward_end=forward_end, end=end, efficiency=efficiency,
-            makespan=forward.makespan, channel_s=channel, waited_s=sum(e - s for _, s, e in waits),
+            makespan=forward.makespan, upper=upper, channel_s=channel, waited_s=sum(e - s for _, s, e in waits),
             reordered=reordered, overrun=overrun, checksum=checksum))
         if k >= config.warmup:
             for name, s, e in trace.compute:
@@ -345,7 +349,8 @@ class OrderingResult:
     overrun: int
     correct: bool
     steps_s: list[float] = field(repr=False)
-    samples: list[tuple[float, float]] = field(repr=False)  # (E, makespan) per timed (worker, iteration)
+    #: (E, makespan s, eq. 1 upper bound s) per timed (worker, iteration)
+    samples: list[tuple[float, float, float]] = field(repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in asdict(self).items() if k not in ("steps_s", "samples")}
@@ -360,8 +365,12 @@ class TicTacBenchResult:
     config: TicTacBenchConfig
     plan: TicTacPlan
     results: tuple[OrderingResult, ...]
-    r2_E_vs_makespan: float | None
+    #: Fig. 7: R^2 of the linear fit of normalised step time (makespan / eq. 1's upper bound)
+    #: on E, over the per-tensor orderings' samples pooled, and per ordering; and of the raw
+    #: makespan on E.
+    r2_E_vs_step: float | None
     r2_by_ordering: dict[str, float | None]
+    r2_E_vs_makespan: float | None
     metadata: dict[str, Any]
 
     def by(self, ordering: str) -> OrderingResult:
@@ -389,8 +398,12 @@ class TicTacBenchResult:
                      "tao_order": sorted(p.priorities["tao"], key=p.priorities["tao"].get)},
             "results": [r.to_dict() for r in self.results],
             "speedup": self.speedups(),
-            "r2_E_vs_makespan": self.r2_E_vs_makespan, "r2_by_ordering": self.r2_by_ordering,
+            "r2_E_vs_step": self.r2_E_vs_step, "r2_by_ordering": self.r2_by_ordering,
+            "r2_E_vs_makespan": self.r2_E_vs_makespan,
             "steps_s": {r.ordering: r.steps_s for r in self.results},
+            "samples": {r.ordering: {"E": [round(e, 6) for e, _, _ in r.samples],
+                                     "makespan_s": [round(t, 6) for _, t, _ in r.samples],
+                                     "upper_s": [round(u, 6) for _, _, u in r.samples]} for r in self.results},
         }
 
 
@@ -453,8 +466,8 @@ def summarize(config: TicTacBenchConfig, the_plan: TicTacPlan, ordering: str,
         stragglers.append(max(last - i.end for i in its) / step)
     first = min(r.iterations[config.warmup].requested for r in records)
     span = max(r.iterations[-1].end for r in records) - first
-    samples = [(r.iterations[k].efficiency, r.iterations[k].makespan) for r in records for k in timed
-               if r.iterations[k].efficiency is not None]
+    samples = [(r.iterations[k].efficiency, r.iterations[k].makespan, r.iterations[k].upper) for r in records
+               for k in timed if r.iterations[k].efficiency is not None]
     per_tensor = ordering != "none"
     makespans = [max(r.iterations[k].makespan for r in records) for k in timed]
     rates = [the_plan.model_bytes / r.iterations[k].channel_s for r in records for k in timed
@@ -463,7 +476,7 @@ def summarize(config: TicTacBenchConfig, the_plan: TicTacPlan, ordering: str,
     return OrderingResult(
         ordering=ordering, steps_per_s=len(timed) / span, p50_step_s=statistics.median(steps),
         p95_step_s=_percentile(steps, 0.95),
-        median_E=statistics.median(e for e, _ in samples) if samples else None,
+        median_E=statistics.median(s[0] for s in samples) if samples else None,
         straggler_effect=statistics.fmean(stragglers), makespan_s=statistics.median(makespans),
         simulated_makespan_s=_simulated(config, the_plan, ordering, records, measured_rate),
         waited_s=statistics.fmean(r.iterations[k].waited_s for r in records for k in timed),
@@ -527,12 +540,16 @@ def run_tictac_bench(config: TicTacBenchConfig, *, argv: Sequence[str] | None = 
         results.append(summarize(config, the_plan, ordering, workers))
         if config.chrome_dir:
             write_traces(Path(config.chrome_dir) / f"tictac-{config.model}-{ordering}.json", workers)
-    by_ordering = {r.ordering: r2 for r in results
-                   for r2 in [r_squared([e for e, _ in r.samples], [t for _, t in r.samples])]}
     pooled = [s for r in results if r.ordering != "none" for s in r.samples]
-    return TicTacBenchResult(config=config, plan=the_plan, results=tuple(results),
-                             r2_E_vs_makespan=r_squared([e for e, _ in pooled], [t for _, t in pooled]),
-                             r2_by_ordering=by_ordering, metadata=metadata)
+    return TicTacBenchResult(config=config, plan=the_plan, results=tuple(results), r2_E_vs_step=_fig7(pooled),
+                             r2_by_ordering={r.ordering: _fig7(r.samples) for r in results},
+                             r2_E_vs_makespan=r_squared([e for e, _, _ in pooled], [t for _, t, _ in pooled]),
+                             metadata=metadata)
+
+
+def _fig7(samples: Sequence[tuple[float, float, float]]) -> float | None:
+    """R^2 of normalised step time (makespan / upper bound) on E (TicTac Fig. 7)."""
+    return r_squared([e for e, _, _ in samples], [t / u for _, t, u in samples])
 
 
 def write_traces(path: Path, records: list[_WorkerRecord]) -> Path:

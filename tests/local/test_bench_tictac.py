@@ -31,6 +31,10 @@ def test_small_run_enforces_the_order_and_reports_every_figure(tmp_path: Path) -
         assert 1 / r["steps_per_s"] <= r["p95_step_s"] * 1.5  # steps/s and the steps agree
     assert data["plan"]["S"] == pytest.approx(1.0, abs=0.05)  # the emulated device balances the transfer
     assert set(data["speedup"]["vs_none"]) == {"none", "random", "tio", "tao"}
+    assert "r2_E_vs_step" in data and set(data["r2_by_ordering"]) == {"none", "random", "tio", "tao"}
+    for name, got in data["samples"].items():  # one (E, makespan, upper) per timed (worker, iteration)
+        assert len(got["E"]) == len(got["makespan_s"]) == len(got["upper_s"]) == 2 * 5
+        assert all(t <= u * 1.5 for t, u in zip(got["makespan_s"], got["upper_s"])), name
     # Every worker received TIO's order: its trace's channel lane lists the transfers in it.
     tio_order = [f"recv:{k}" for k in data["plan"]["tio_order"]]
     events = json.loads((tmp_path / "tictac-inception-tio.json").read_text())["traceEvents"]
