@@ -49,6 +49,10 @@ class RoutingPolicy(Protocol):
         """Whether the server answers the pulls that are ready now, or holds them to answer
         them in one batch later (MLfabric's model distribution batches requests)."""
 
+    def answer_at(self) -> float | None:
+        """When held pulls can be answered (``time.monotonic()``), so the server wakes then;
+        None: no time of its own."""
+
 
 def send_pulls_directly(worker: "PSWorker", headers: list[bytes]) -> None:
     """Pull header ``j`` to server ``j``."""
@@ -85,6 +89,9 @@ class DirectRouting:
 
     def ready_to_answer(self, server: "ParameterServer") -> bool:
         return True
+
+    def answer_at(self) -> float | None:
+        return None
 
 
 POLICIES = ("direct", "scheduled")

@@ -363,6 +363,9 @@ class ScheduledRouting:
         self._answering = [h for h in self._answering if not h.done()]
         return not self._answering and time.monotonic() >= self._busy_until
 
+    def answer_at(self) -> float | None:
+        return self._busy_until
+
     def answer_pulls(self, server: "ParameterServer", pulls: list[Any], shard: torch.Tensor,
                      header: bytes) -> list[SendHandle]:
         now = time.monotonic()

@@ -265,6 +265,9 @@ class ParameterServer:
                 break
             deadline = self.book.next_deadline(now)
             wait = _IDLE_S if deadline is None else min(_IDLE_S, max(0.0, deadline - now))
+            held = self.routing.answer_at() if self._pending_pulls() else None
+            if held is not None and held > now:  # pulls held for a batch: wake when it may go
+                wait = min(wait, held - now)
             self.transport.progress(version, wait)
         self._flush()
         after = self.transport.counters()
