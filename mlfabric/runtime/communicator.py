@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from mlfabric import collectives
 from mlfabric.collectives.bcube import hierarchy_of, shape_options
+from mlfabric.collectives.hierarchical import allreduce_options
 from mlfabric.collectives.partition import chunks_for
 from mlfabric.collectives.ring import MAX_CHUNKS
 from mlfabric.schedule import REDUCE_OPS, Schedule
@@ -182,11 +183,8 @@ class Communicator:
         each rank's slice (``auto``'s rule on the slice) and the ring phases' chunk."""
         if name != "host_hierarchical":
             return {}
-        layout = collectives.HostLayout(self._needs_hosts(name), self.world_size)
-        slice_bytes = flat.numel() * flat.element_size() // len(layout.members[0])
-        inter = collectives.choose_allreduce("auto", slice_bytes, layout.n_hosts)
         chunk = None if self.chunk_bytes is None else max(1, self.chunk_bytes // flat.element_size())
-        return {"hosts": self.hosts, "inter": inter, "chunk_elements": chunk}
+        return allreduce_options(flat.numel() * flat.element_size(), self._needs_hosts(name), chunk)
 
     def _needs_hosts(self, name: str) -> tuple[int, ...]:
         if self.hosts is None:
