@@ -25,7 +25,9 @@ without the network.
 and connecting all workers. Push: a tree node waits for its own gradient and for the messages
 of all its children, aggregates them and forwards *one* message of the shard's size to its
 parent; the server aggregates its children's messages. Pull: the same tree multicasts the new
-shard, each node forwarding it to its children once received.
+shard, each node forwarding it to its children once received. The trees are
+:func:`mlfabric.topo.trees.tree_parents`'s, the code the runtime's ``mlnet`` routing policy
+(``ps/mlnet.py``) builds its trees with, so simulated and real runs of a placement agree.
 
 * ``baseline``: every worker sends directly to every server (today's PS);
 * ``binary`` (``tree`` with ``degree=2``) and ``tree`` of in-degree ``d``: workers sorted by
@@ -62,6 +64,7 @@ from mlfabric.collectives import build
 from mlfabric.collectives.bcube import shape_options
 from mlfabric.collectives.partition import piece_sizes
 from mlfabric.topo import Topology, parse_topology
+from mlfabric.topo.trees import tree_parents as shared_tree_parents
 
 from .compute import ComputeModel
 from .engine import EngineConfig, SimResult, run_graph
@@ -256,46 +259,13 @@ def rack_of(topology: Topology, hosts: np.ndarray) -> np.ndarray:
     return topology.link_dst[topology.nic_links[np.asarray(hosts, dtype=np.int64), 0, 0]]
 
 
-def _split_tree(n: int, degree: int) -> np.ndarray:
-    """Parent position of each of ``n`` positions (-1: a child of the root): the recursive
-    contiguous split of the module docstring."""
-    parent = np.full(n, -1, dtype=np.int64)
-    stack = [(0, n, -1)]
-    while stack:
-        lo, hi, head = stack.pop()
-        sizes = piece_sizes(hi - lo, min(degree, hi - lo))
-        start = lo
-        for size in sizes:
-            parent[start] = head
-            if size > 1:
-                stack.append((start + 1, start + size, start))
-            start += size
-    return parent
-
-
 def tree_parents(topology: Topology, config: PSConfig, worker_hosts: np.ndarray, server_hosts: np.ndarray) -> np.ndarray:
-    """``(S, W)``: the parent worker of each worker in server ``j``'s tree (-1: the server)."""
-    w, s = worker_hosts.size, server_hosts.size
-    if config.strategy == "baseline":
-        return np.full((s, w), -1, dtype=np.int64)
-    order = np.argsort(worker_hosts, kind="stable")
-    parents = np.empty((s, w), dtype=np.int64)
-    if config.strategy == "rack":
-        racks = rack_of(topology, worker_hosts[order])
-        bounds = np.flatnonzero(np.diff(racks)) + 1
-        servers = np.arange(s)
-        for members in np.split(order, bounds):
-            aggregator = members[servers % members.size]
-            parents[:, members] = aggregator[:, None]
-            parents[servers, aggregator] = -1
-        return parents
-    base = _split_tree(w, int(config.tree_degree))  # type: ignore[arg-type]
-    positions = np.arange(w)
-    for j in range(s):
-        offset = j * w // s
-        at = order[(positions + offset) % w]  # worker at each position
-        parents[j, at] = np.where(base >= 0, at[np.maximum(base, 0)], -1)
-    return parents
+    """``(S, W)``: the parent worker of each worker in server ``j``'s tree (-1: the server):
+    :func:`mlfabric.topo.trees.tree_parents` (shared with the runtime's ``mlnet`` routing
+    policy) with the racks read off ``topology``."""
+    kind = "direct" if config.strategy == "baseline" else config.strategy
+    racks = rack_of(topology, worker_hosts) if kind == "rack" else None
+    return shared_tree_parents(kind, server_hosts.size, worker_hosts, degree=config.degree, racks=racks)
 
 
 def ps_graph(topology: Topology, config: PSConfig, *, seed: int = 0, job: int = 0) -> TaskGraph:
