@@ -31,6 +31,9 @@ class PSConfig:
     #: The ``scheduled`` policy's settings (:class:`mlfabric.ps.scheduling.ScheduledSettings`);
     #: None: the defaults.
     scheduled: Any = None
+    #: The ``mlnet`` policy's settings (:class:`mlfabric.ps.mlnet.MLNetSettings`: the trees);
+    #: None: binary trees.
+    mlnet: Any = None
     #: Checkpoint each shard to ``checkpoint_dir`` every ``checkpoint_every`` versions (0: never;
     #: :mod:`mlfabric.ps.checkpoint`, the baseline of MLfabric's replication).
     checkpoint_every: int = 0
@@ -40,6 +43,10 @@ class PSConfig:
         from .scheduling import ScheduledSettings
 
         return self.scheduled if self.scheduled is not None else ScheduledSettings()
+
+    def routing_settings(self) -> Any:
+        """The settings of the routing policy in use (``scheduled``'s or ``mlnet``'s)."""
+        return self.mlnet if self.routing == "mlnet" else self.scheduled
 
     def __post_init__(self) -> None:
         if isinstance(self.consistency, str):
@@ -60,3 +67,5 @@ class PSConfig:
                 self.consistency.kind == "async" and self.consistency.delay_bound is not None)):
             raise ValueError("routing 'scheduled' is MLfabric-A (consistency async:TAU, a delay bound) or "
                              f"MLfabric-S (consistency bsp), got {self.consistency}")
+        if self.routing == "mlnet" and self.consistency.kind not in ("bsp", "ssp"):
+            raise ValueError(f"routing 'mlnet' runs on MLNET's clocks: consistency bsp or ssp:S, got {self.consistency}")

@@ -29,6 +29,9 @@ REQUEST, REPLY, ALLREDUCE_PUSH, ALLREDUCE_RESULT, REPLICATE = 1, 2, 3, 4, 5
 # reports to the scheduler, its decisions back (seq = the update's id), and the traffic of
 # aggregators (group plans from the scheduler, members from workers).
 SCHEDULE, DECISION, AGGREGATE = 6, 7, 8
+# The mlnet routing policy (MLNET, ``ps/mlnet.py``): what tree nodes send their parents
+# (sums, clocks, leaves, pulls); answers come back on the reply tags.
+TREE = 9
 
 # Request kinds (meta["op"]).
 INIT, PUSH, CLOCK, PULL, LEAVE, STATS = "init", "push", "clock", "pull", "leave", "stats"

@@ -11,6 +11,8 @@ in: they replace this object, not the runtime.
 component of an update in one message, and each server answers each pull itself.
 ``scheduled`` (MLfabric, :mod:`mlfabric.ps.scheduling`): pushes as the scheduler decides, pulls
 answered in batches through distributors (§10.3).
+``mlnet`` (MLNET, :mod:`mlfabric.ps.mlnet`): pushes summed up per-server trees, pulls
+multicast down them, SSP's bound applied inside the tree.
 """
 
 from __future__ import annotations
@@ -94,13 +96,18 @@ class DirectRouting:
         return None
 
 
-POLICIES = ("direct", "scheduled")
+POLICIES = ("direct", "scheduled", "mlnet")
 
 
 def routing_policy(name: str, settings: object = None) -> RoutingPolicy:
-    """``direct`` or ``scheduled`` (MLfabric's scheduler: :mod:`mlfabric.ps.scheduling`)."""
+    """``direct``, ``scheduled`` (MLfabric's scheduler: :mod:`mlfabric.ps.scheduling`) or
+    ``mlnet`` (MLNET's trees, ``settings`` an :class:`mlfabric.ps.mlnet.MLNetSettings`)."""
     if name == "direct":
         return DirectRouting()
+    if name == "mlnet":
+        from .mlnet import MLNetRouting
+
+        return MLNetRouting(settings)  # type: ignore[arg-type]
     if name == "scheduled":
         from .scheduling import ScheduledRouting
 

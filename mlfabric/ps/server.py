@@ -187,7 +187,7 @@ class ParameterServer:
         elif layout.role(transport.rank) != "server" or self.server != transport.rank:
             raise ValueError(f"{layout.describe(transport.rank)} cannot serve shard {self.server}: server j is rank j")
         self.channel = channel or transport.channels[0]
-        self.routing = routing or routing_policy(config.routing, config.scheduled)
+        self.routing = routing or routing_policy(config.routing, config.routing_settings())
         self.who = f"{layout.describe(transport.rank)}"
         self.book = ClockBook(layout.workers, config.consistency, float(config.lost_worker_wait_s or 0.0))
         self.shards: dict[str, _Shard] = {}
@@ -346,13 +346,16 @@ class ParameterServer:
             if op == protocol.PUSH:
                 self._push(worker, header, msg.payload)
             elif op == protocol.CLOCK:
-                self.book.tick(worker, int(header["clock"]))
+                # An mlnet tree node (ps/mlnet.py) sends one clock for the workers it covers.
+                for w in header.get("workers", [worker]):
+                    self.book.tick(int(w), int(header["clock"]))
             elif op == protocol.PULL:
                 self._pull(msg.src, worker, header)
             elif op == protocol.INIT:
                 self._init(msg.src, header, msg.payload)
             elif op == protocol.LEAVE:
-                self._leave(worker)
+                for w in header.get("workers", [worker]):
+                    self._leave(int(w))
             elif op == protocol.ADOPT:
                 self.book.adopt(worker, int(header["clock"]))
             else:
@@ -426,6 +429,10 @@ class ParameterServer:
                 self.stats.dropped += len(workers)  # its round went on without it (a lost worker, a late update)
                 return
             self._add_to_round(shard, clock, gradient, workers, versions)
+            return
+        if "workers" in header:  # an mlnet tree node's sum (ssp): its workers' updates at once
+            self._apply(shard, gradient, tuple(int(w) for w in header["workers"]),
+                        tuple(int(v) for v in header["versions"]), weight=1.0 / self.layout.workers)
             return
         computed_from = int(header["version"])
         delay = shard.version - computed_from

@@ -89,7 +89,7 @@ class PSWorker:
         self.index = layout.worker_index(transport.rank)
         self.who = layout.describe(transport.rank)
         self.channel = channel or transport.channels[0]
-        self.routing = routing or routing_policy(config.routing, config.scheduled)
+        self.routing = routing or routing_policy(config.routing, config.routing_settings())
         self.models: dict[str, ModelSpec] = {}
         self.versions: dict[str, list[int]] = {}
         self.clock_value = 0
@@ -201,10 +201,14 @@ class PSWorker:
         """Finish this iteration: tell every server, and return the new clock."""
         with self._lock:
             self._check_open("clock")
-            tag = protocol.request_tag(self.config.session)
-            meta = protocol.encode(op=protocol.CLOCK, clock=self.clock_value)
-            for j in range(self.layout.servers):
-                self.transport.send(self.server_rank(j), tag, b"", meta=meta, channel=self.channel)
+            send_clock = getattr(self.routing, "send_clock", None)
+            if send_clock is not None:  # mlnet: the clock travels up the trees with the sums
+                send_clock(self, self.clock_value)
+            else:
+                tag = protocol.request_tag(self.config.session)
+                meta = protocol.encode(op=protocol.CLOCK, clock=self.clock_value)
+                for j in range(self.layout.servers):
+                    self.transport.send(self.server_rank(j), tag, b"", meta=meta, channel=self.channel)
             self.clock_value += 1
             return self.clock_value
 

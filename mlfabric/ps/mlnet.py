@@ -1,0 +1,503 @@
+"""MLNET's routing policy (MLNET §3): pushes aggregate up per-server trees, pulls multicast down.
+
+    .venv/bin/python -m pytest tests/unit/test_ps_mlnet.py -q
+    mlfabric train --workload hyperplane --workers 4 --servers 2 --sync ps-bsp,mlnet-binary,mlnet-rack+ssp:1
+
+``routing_policy("mlnet", MLNetSettings(tree="binary"))``, or ``PSConfig(routing="mlnet",
+mlnet=MLNetSettings(...))``. The worker's code does not change (``push``/``pull``/``clock``,
+``PSOptimizer``); the servers see one worker per subtree and answer as for direct routing.
+
+**Trees.** For every server ``j`` a spanning tree over the workers
+(:func:`mlfabric.topo.trees.tree_parents`, the code the simulator uses too): ``binary``
+(in-degree 2), ``rack`` (one aggregator per rack, from :attr:`MLNetSettings.racks`) or
+``tree:D`` (in-degree D).
+
+**Host proxy.** Each worker process runs one :class:`TreeNode` thread: the node of its host in
+every server's tree (one worker process per host here; with several per host the first one's
+node would serve them all, which this slice does not build). The worker hands its pushes,
+clocks, pulls and its leave to its own node (in-process); nodes talk to their parents and
+children over the job's transport on the ``TREE`` tag:
+
+* *push / clock* (up): for each clock ``c`` a node waits for its own worker's clock ``c`` and
+  each child's, sums the pushes of ``c`` (its own and its children's sums) per model, and
+  forwards one sum, then one clock naming every worker it covers, to its parent; a root-level
+  node sends them to server ``j`` as an aggregate update (``workers``/``versions`` in the
+  header: the server applies it like that many updates). Under BSP the round of ``c`` cannot
+  close before a sum arrives, because the forwarding node's own clock travels with it.
+* *pull* (down): a node answers a pull (its worker's or a child's) from the model copy it holds
+  when that copy's model clock ``c_model >= c_worker - s`` (SSP's bound, MLNET §3; ``s = 0``
+  under BSP), and otherwise asks its parent once for what the most demanding waiting pull
+  needs, then answers every pull the new copy satisfies. The node answers its own worker by
+  placing the reply in the worker's mailbox as from the server it stands for.
+* *leave*: a leaving worker's node keeps serving its children until their subtrees have left
+  (bounded by the job's timeout), and forwards each leave after the sums it covers.
+
+**Failures** (this slice): a lost child is dropped from the clocks the node waits for (its
+subtree's later updates are lost, logged naming it); a lost parent fails the worker's next
+call and every waiting pull with an error naming it. Heartbeat repair, re-attachment and the
+fall back to direct push/pull are MLNET's next steps (issue #24).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from mlfabric.errors import PeerLostError
+from mlfabric.runtime.executor import tensor_bytes
+from mlfabric.topo.trees import children_of, parse_tree_kind, tree_parents
+from mlfabric.transport.base import Message, SendHandle
+
+from . import protocol
+from .routing import answer_directly
+from .server import payload_tensor
+
+if TYPE_CHECKING:
+    from .server import ParameterServer, PendingPull
+    from .worker import PSWorker
+
+log = logging.getLogger("mlfabric.ps")
+
+#: Request ids of a node's own pulls to its parent start here, apart from its worker's ids
+#: (both share the rank's reply tags).
+_NODE_IDS = 1 << 38
+_IDLE_S = 0.05
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLNetSettings:
+    """``tree``: ``binary``, ``rack`` or ``tree:D``. ``hosts``: the host of each worker (its
+    order shapes the trees: rack-mates share subtrees; default: worker ``i`` on host ``i``).
+    ``racks``: the rack of each worker (``rack`` trees; default: every worker in one rack)."""
+
+    tree: str = "binary"
+    hosts: tuple[int, ...] | None = None
+    racks: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        kind, _degree = parse_tree_kind(self.tree)  # raises with the accepted forms
+        if kind == "direct":
+            raise ValueError("mlnet trees are binary, rack or tree:D; direct routing is routing='direct'")
+        for name in ("hosts", "racks"):
+            values = getattr(self, name)
+            if values is not None:
+                object.__setattr__(self, name, tuple(int(v) for v in values))
+
+    def parents(self, workers: int, servers: int) -> np.ndarray:
+        """The ``(servers, workers)`` parent table (:func:`mlfabric.topo.trees.tree_parents`)."""
+        kind, degree = parse_tree_kind(self.tree)
+        hosts = self.hosts if self.hosts is not None else tuple(range(workers))
+        if len(hosts) != workers:
+            raise ValueError(f"mlnet: hosts gives {len(hosts)} hosts for {workers} workers")
+        racks = (self.racks if self.racks is not None else (0,) * workers) if kind == "rack" else None
+        return tree_parents(kind, servers, hosts, degree=degree, racks=racks)
+
+
+@dataclass
+class NodeStats:
+    """What one worker's tree node did (summed over its servers' trees)."""
+
+    sums_forwarded: int = 0       # sums (one per clock, model and tree) sent up
+    updates_aggregated: int = 0   # worker updates inside them
+    pulls_from_cache: int = 0     # pulls answered from the node's copy
+    pulls_upstream: int = 0       # requests the node sent its parent (or server)
+    lost_children: list[int] = field(default_factory=list)
+    #: (this worker's clock, the model clock of the copy it got) for every pull, every tree.
+    pull_clocks: list[tuple[int, int | None]] = field(default_factory=list)
+
+    @property
+    def max_staleness(self) -> int | None:
+        """The largest c_worker - c_model any of this worker's pulls returned."""
+        lags = [c - m for c, m in self.pull_clocks if m is not None]
+        return max(lags) if lags else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"sums_forwarded": self.sums_forwarded, "updates_aggregated": self.updates_aggregated,
+                "pulls_from_cache": self.pulls_from_cache, "pulls_upstream": self.pulls_upstream,
+                "lost_children": self.lost_children, "max_staleness": self.max_staleness}
+
+
+@dataclass
+class _Sum:
+    total: torch.Tensor
+    workers: list[int]
+    versions: list[int]
+
+
+@dataclass
+class _Copy:
+    """The last model copy a node received for one model of one tree."""
+
+    model_clock: float
+    message: Message
+
+
+@dataclass
+class _Tree:
+    """This node's place in server ``server``'s tree and what it holds for it."""
+
+    server: int
+    parent: int                      # worker index, -1: the server
+    members: list[int]               # this worker, then its children (worker indices)
+    through: dict[int, int]          # member -> last clock whose unit arrived
+    final: set[int] = field(default_factory=set)    # members that left or were lost
+    pending: dict[int, tuple[dict[str, _Sum], list[int]]] = field(default_factory=dict)  # clock -> sums, clocked
+    next_clock: int = 0
+    leaves: list[tuple[int, list[int]]] = field(default_factory=list)  # (after clock, workers)
+    done: bool = False
+    cache: dict[str, _Copy] = field(default_factory=dict)
+    waiting: dict[str, list[tuple[float, Any]]] = field(default_factory=dict)  # model -> (need, reply to)
+    asked: dict[str, float] = field(default_factory=dict)  # model -> need of the request upstream
+
+
+class TreeNode:
+    """The host proxy of one worker process: its node in every server's tree (module docstring)."""
+
+    def __init__(self, worker: "PSWorker", parents: np.ndarray) -> None:
+        self.worker = worker
+        self.transport = worker.transport
+        self.layout = worker.layout
+        self.session = worker.config.session
+        self.channel = worker.channel
+        self.tag = protocol.tag(protocol.TREE, self.session)
+        me = worker.index
+        self.trees = [_Tree(server=j, parent=int(parents[j, me]), members=[me, *children_of(parents[j], me)],
+                            through={m: -1 for m in [me, *children_of(parents[j], me)]})
+                      for j in range(self.layout.servers)]
+        self.stats = NodeStats()
+        self.error: PeerLostError | None = None
+        self._events: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._ids = itertools.count(_NODE_IDS)
+        self._asking: dict[int, tuple[int, str, int]] = {}  # request id -> (tree, model, upstream rank)
+        self._sending: list[tuple[SendHandle, Any]] = []
+        self._stop = threading.Event()
+        self._finished = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"mlfabric-mlnet-node-{me}", daemon=True)
+        self._thread.start()
+
+    # -- from the worker's thread --------------------------------------------------------------
+
+    def submit(self, *event: Any) -> None:
+        if self.error is not None:
+            raise self.error
+        self._events.append(event)
+        self.transport.mailbox.notify()
+
+    def leave(self, timeout: float) -> None:
+        """The worker leaves: serve the children until their subtrees left, then stop."""
+        self._events.append(("leave",))
+        self.transport.mailbox.notify()
+        if not self._finished.wait(timeout):
+            waiting = sorted({self.layout.describe(self.layout.worker_rank(m)) for t in self.trees
+                              for m in t.members[1:] if m not in t.final})
+            log.error("%s: mlnet node stopped after %g s with children still in the job (%s); their later "
+                      "updates are lost", self.worker.who, timeout, ", ".join(waiting) or "none")
+        self._stop.set()
+        self.transport.mailbox.notify()
+        self._thread.join(timeout)
+
+    # -- the node's thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        mailbox = self.transport.mailbox
+        try:
+            while not self._stop.is_set():
+                version = mailbox.version
+                while self._events:
+                    self._event(*self._events.popleft())
+                while (msg := mailbox.take(self.channel, self.tag)) is not None:
+                    self._from_child(msg)
+                for request_id, (j, model, src) in list(self._asking.items()):
+                    msg = mailbox.take(self.channel, protocol.reply_tag(self.session, request_id), src)
+                    if msg is not None:
+                        del self._asking[request_id]
+                        self._copy_arrived(self.trees[j], model, msg)
+                self._watch_peers()
+                for tree in self.trees:
+                    self._forward(tree)
+                self._sending = [(h, x) for h, x in self._sending if not h.done()]
+                if all(t.done for t in self.trees) and not self._sending:
+                    self._finished.set()
+                    return
+                if not self._events:  # submit() bumps the mailbox's version: no wake-up is missed
+                    self.transport.progress(version, _IDLE_S)
+        except BaseException as exc:  # noqa: BLE001 - reported to the worker's next call
+            log.exception("%s: mlnet node failed", self.worker.who)
+            self._fail(PeerLostError(f"{self.worker.who}: its mlnet tree node failed ({exc!r}); restart the job",
+                                     rank=self.transport.rank))
+            self._finished.set()
+
+    def _event(self, kind: str, *args: Any) -> None:
+        me = self.worker.index
+        if kind == "push":
+            j, model, clock, component, header = args
+            self._add(self.trees[j], clock, model, component, [me], [int(header["version"])])
+        elif kind == "clock":
+            (clock,) = args
+            for tree in self.trees:
+                tree.pending.setdefault(clock, ({}, []))[1].append(me)
+                tree.through[me] = clock
+        elif kind == "pull":
+            j, header = args
+            self._pull(self.trees[j], header["model"], ("own", int(header["id"]), int(header["clock"])),
+                       int(header["clock"]) - self._staleness(header))
+        elif kind == "leave":
+            for tree in self.trees:
+                tree.final.add(me)
+                tree.leaves.append((tree.through[me], [me]))
+
+    def _staleness(self, header: dict[str, Any]) -> float:
+        s = header.get("staleness")
+        return self.worker.config.consistency.pull_staleness if s is None else float(s)
+
+    def _from_child(self, msg: Message) -> None:
+        header = protocol.decode(msg.meta)
+        tree = self.trees[int(header["tree"])]
+        child = self.layout.worker_index(msg.src)
+        if child not in tree.members[1:]:
+            log.error("%s: ignored mlnet %r from %s, not its child in server %d's tree", self.worker.who,
+                      header["op"], self.layout.describe(msg.src), tree.server)
+            return
+        op = header["op"]
+        if op == protocol.PUSH:
+            dtype = getattr(torch, header["dtype"])
+            numel = msg.payload.nbytes // torch.empty((), dtype=dtype).element_size()
+            part = payload_tensor(msg.payload, dtype, numel, f"mlnet sum from {self.layout.describe(msg.src)}")
+            self._add(tree, int(header["clock"]), header["model"], part, header["workers"], header["versions"])
+        elif op == protocol.CLOCK:
+            clock = int(header["clock"])
+            tree.pending.setdefault(clock, ({}, []))[1].extend(int(w) for w in header["workers"])
+            tree.through[child] = clock
+        elif op == protocol.LEAVE:
+            if header["workers"]:
+                tree.leaves.append((tree.through[child], [int(w) for w in header["workers"]]))
+            if header.get("final"):
+                tree.final.add(child)
+        elif op == protocol.PULL:
+            self._pull(tree, header["model"], ("child", msg.src, int(header["id"])), float(header["need"]))
+        else:
+            log.error("%s: ignored unknown mlnet op %r from %s", self.worker.who, op, self.layout.describe(msg.src))
+
+    def _add(self, tree: _Tree, clock: int, model: str, part: torch.Tensor, workers: list[int],
+             versions: list[int]) -> None:
+        sums = tree.pending.setdefault(clock, ({}, []))[0]
+        entry = sums.get(model)
+        if entry is None:
+            sums[model] = _Sum(part.clone(), list(workers), list(versions))
+        else:
+            entry.total.add_(part)
+            entry.workers += workers
+            entry.versions += versions
+
+    # -- up the tree -------------------------------------------------------------------------------
+
+    def _complete(self, tree: _Tree, clock: int) -> bool:
+        return all(m in tree.final or tree.through[m] >= clock for m in tree.members)
+
+    def _forward(self, tree: _Tree) -> None:
+        """Send up every clock all members finished, then the leaves they cover."""
+        while tree.pending and tree.next_clock <= max(tree.pending) and self._complete(tree, tree.next_clock):
+            sums, clocked = tree.pending.pop(tree.next_clock, ({}, []))
+            for model, entry in sums.items():
+                fields = {"model": model, "clock": tree.next_clock, "workers": entry.workers,
+                          "versions": entry.versions, "dtype": str(entry.total.dtype).removeprefix("torch.")}
+                if tree.parent < 0:  # to the server, as an aggregate update
+                    fields.update(version=min(entry.versions), norm=float(torch.linalg.vector_norm(entry.total)))
+                self._up(tree, protocol.PUSH, fields, entry.total)
+                self.stats.sums_forwarded += 1
+                self.stats.updates_aggregated += len(entry.workers)
+            if clocked:
+                self._up(tree, protocol.CLOCK, {"clock": tree.next_clock, "workers": clocked})
+            tree.next_clock += 1
+        ready = [workers for after, workers in tree.leaves if after < tree.next_clock]
+        tree.leaves = [(after, workers) for after, workers in tree.leaves if after >= tree.next_clock]
+        if ready:
+            self._up(tree, protocol.LEAVE, {"workers": [w for ws in ready for w in ws], "final": False})
+        if not tree.done and len(tree.final) == len(tree.members) and not tree.pending and not tree.leaves:
+            tree.done = True
+            if tree.parent >= 0:
+                self._up(tree, protocol.LEAVE, {"workers": [], "final": True})
+
+    def _up(self, tree: _Tree, op: str, fields: dict[str, Any], payload: torch.Tensor | None = None) -> None:
+        data = b"" if payload is None else tensor_bytes(payload)
+        if tree.parent < 0:
+            peer, tag = self.worker.server_rank(tree.server), protocol.request_tag(self.session)
+            meta = protocol.encode(op=op, **fields)
+        else:
+            peer, tag = self.layout.worker_rank(tree.parent), self.tag
+            meta = protocol.encode(op=op, tree=tree.server, **fields)
+        if peer in self.transport.lost_peers:
+            return  # _watch_peers reports it
+        self._sending.append((self.transport.send(peer, tag, data, meta=meta, channel=self.channel), payload))
+
+    # -- down the tree -----------------------------------------------------------------------------
+
+    def _pull(self, tree: _Tree, model: str, reply_to: Any, need: float) -> None:
+        copy = tree.cache.get(model)
+        if copy is not None and copy.model_clock >= need:
+            self.stats.pulls_from_cache += 1
+            self._answer(tree, reply_to, copy)
+            return
+        tree.waiting.setdefault(model, []).append((need, reply_to))
+        self._ask(tree, model)
+
+    def _ask(self, tree: _Tree, model: str) -> None:
+        """One request upstream for what the most demanding waiting pull needs (none if one
+        already on the way asks for as much)."""
+        need = max(n for n, _ in tree.waiting[model])
+        if tree.asked.get(model, -math.inf) >= need:
+            return
+        request_id = next(self._ids)
+        tree.asked[model] = need
+        self.stats.pulls_upstream += 1
+        if tree.parent < 0:
+            src = self.worker.server_rank(tree.server)
+            self._up(tree, protocol.PULL, {"id": request_id, "model": model, "clock": math.ceil(need),
+                                           "staleness": 0})
+        else:
+            src = self.layout.worker_rank(tree.parent)
+            self._up(tree, protocol.PULL, {"id": request_id, "model": model, "need": need})
+        self._asking[request_id] = (tree.server, model, src)
+
+    def _copy_arrived(self, tree: _Tree, model: str, msg: Message) -> None:
+        header = protocol.decode(msg.meta)
+        waiting = tree.waiting.pop(model, [])
+        tree.asked.pop(model, None)
+        if header["op"] == "error":
+            for _, reply_to in waiting:
+                self._answer(tree, reply_to, None, error=header["message"])
+            return
+        clock = header.get("model_clock")
+        copy = tree.cache[model] = _Copy(math.inf if clock is None else float(clock), msg)
+        still = []
+        for need, reply_to in waiting:
+            if copy.model_clock >= need:
+                self._answer(tree, reply_to, copy)
+            else:
+                still.append((need, reply_to))
+        if still:
+            tree.waiting[model] = still
+            self._ask(tree, model)
+
+    def _answer(self, tree: _Tree, reply_to: Any, copy: _Copy | None, error: str | None = None) -> None:
+        meta = protocol.encode(op="error", message=error) if copy is None else copy.message.meta
+        payload = memoryview(b"") if copy is None else copy.message.payload
+        if reply_to[0] == "own":
+            _, request_id, clock = reply_to
+            if copy is not None:
+                self.stats.pull_clocks.append((clock, None if math.isinf(copy.model_clock) else int(copy.model_clock)))
+            # To the worker as from the server this node stands for (what its pull waits on).
+            self.transport.mailbox.put(Message(src=self.worker.server_rank(tree.server),
+                                               tag=protocol.reply_tag(self.session, request_id),
+                                               channel=self.channel, meta=meta, payload=payload))
+            return
+        _, rank, request_id = reply_to
+        if rank not in self.transport.lost_peers:
+            handle = self.transport.send(rank, protocol.reply_tag(self.session, request_id), payload, meta=meta,
+                                         channel=self.channel)
+            self._sending.append((handle, copy))  # the received buffer stays alive until sent
+
+    # -- failures ----------------------------------------------------------------------------------
+
+    def _watch_peers(self) -> None:
+        lost = self.transport.lost_peers
+        for tree in self.trees:
+            for child in tree.members[1:]:
+                rank = self.layout.worker_rank(child)
+                if child not in tree.final and rank in lost:
+                    tree.final.add(child)
+                    self.stats.lost_children.append(child)
+                    log.warning("%s: mlnet child %s in server %d's tree was lost (%s); going on without its "
+                                "subtree's later updates", self.worker.who, self.layout.describe(rank), tree.server,
+                                lost[rank])
+            parent = (self.worker.server_rank(tree.server) if tree.parent < 0
+                      else self.layout.worker_rank(tree.parent))
+            if self.error is None and not tree.done and parent in lost:
+                role = "server" if tree.parent < 0 else "parent node"
+                self._fail(PeerLostError(
+                    f"{self.worker.who}: its mlnet {role} {self.layout.describe(parent)} in server {tree.server}'s "
+                    f"tree was lost ({lost[parent]}); tree repair is not built yet: restart the job",
+                    rank=self.transport.rank, peer=parent))
+
+    def _fail(self, error: PeerLostError) -> None:
+        """Every waiting pull and the worker's next call get ``error``."""
+        self.error = error
+        for tree in self.trees:
+            for waiting in tree.waiting.values():
+                for _, reply_to in waiting:
+                    self._answer(tree, reply_to, None, error=str(error))
+            tree.waiting.clear()
+            tree.done = True
+
+
+class MLNetRouting:
+    """The ``mlnet`` routing policy (module docstring)."""
+
+    name = "mlnet"
+
+    def __init__(self, settings: MLNetSettings | None = None) -> None:
+        self.settings = settings or MLNetSettings()
+        self.node: TreeNode | None = None
+        self._lock = threading.Lock()
+
+    def _node(self, worker: "PSWorker") -> TreeNode:
+        with self._lock:
+            if self.node is None:
+                if worker.config.consistency.kind not in ("bsp", "ssp"):
+                    raise ValueError(f"{worker.who}: mlnet routing runs BSP or SSP (MLNET's clocks), got "
+                                     f"consistency {worker.config.consistency}")
+                self.node = TreeNode(worker, self.settings.parents(worker.layout.workers, worker.layout.servers))
+            return self.node
+
+    def send_push(self, worker: "PSWorker", model: str, components: list[torch.Tensor],
+                  headers: list[bytes]) -> list[SendHandle]:
+        node = self._node(worker)
+        for j, (component, header) in enumerate(zip(components, headers)):
+            fields = protocol.decode(header)
+            node.submit("push", j, model, int(fields["clock"]), component.detach().clone(), fields)
+        return []  # the node holds copies: the worker may reuse its tensors at once
+
+    def send_clock(self, worker: "PSWorker", clock: int) -> None:
+        """The worker finished iteration ``clock``: its node sends it up with the sums."""
+        self._node(worker).submit("clock", clock)
+
+    def send_pull(self, worker: "PSWorker", headers: list[bytes]) -> None:
+        node = self._node(worker)
+        for j, header in enumerate(headers):
+            fields = protocol.decode(header)
+            if fields.get("order") is not None:
+                raise ValueError(f"{worker.who}: pull_in_order is not available with mlnet routing (the tree "
+                                 "multicasts whole shards); use pull/pull_flat or routing 'direct'")
+            node.submit("pull", j, fields)
+
+    def flush(self, timeout: float) -> None:
+        """The worker leaves: its node forwards what it holds and serves its children until
+        they have left (at most ``timeout`` s)."""
+        if self.node is not None:
+            self.node.leave(timeout)
+
+    def answer_pulls(self, server: "ParameterServer", pulls: "list[PendingPull]", shard: torch.Tensor,
+                     header: bytes) -> list[SendHandle]:
+        return answer_directly(server, pulls, shard, header)
+
+    def ready_to_answer(self, server: "ParameterServer") -> bool:
+        return True
+
+    def answer_at(self) -> float | None:
+        return None
+
+    @property
+    def stats(self) -> NodeStats:
+        return self.node.stats if self.node is not None else NodeStats()
+
+
+__all__ = ["MLNetRouting", "MLNetSettings", "NodeStats", "TreeNode"]
