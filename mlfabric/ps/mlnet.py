@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from mlfabric.errors import PeerLostError
+from mlfabric.errors import PeerLostError, TransportError
 from mlfabric.runtime.executor import tensor_bytes
 from mlfabric.topo.trees import children_of, parse_tree_kind, tree_parents
 from mlfabric.transport.base import Message, SendHandle
@@ -230,10 +230,14 @@ class TreeNode:
                     return
                 if not self._events:  # submit() bumps the mailbox's version: no wake-up is missed
                     self.transport.progress(version, _IDLE_S)
+        except TransportError:
+            if not self.transport._closed:  # closed under it: the worker's process is going away
+                raise
+            self._finished.set()
         except BaseException as exc:  # noqa: BLE001 - reported to the worker's next call
             log.exception("%s: mlnet node failed", self.worker.who)
-            self._fail(PeerLostError(f"{self.worker.who}: its mlnet tree node failed ({exc!r}); restart the job",
-                                     rank=self.transport.rank))
+            self.error = PeerLostError(f"{self.worker.who}: its mlnet tree node failed ({exc!r}); restart the job",
+                                       rank=self.transport.rank)
             self._finished.set()
 
     def _event(self, kind: str, *args: Any) -> None:
@@ -408,24 +412,34 @@ class TreeNode:
 
     # -- failures ----------------------------------------------------------------------------------
 
+    def _gone(self, rank: int) -> str | None:
+        """Why ``rank`` is gone (lost, or closed before its subtree's final leave), or None.
+        Called after the mailbox was drained, so its last messages are in."""
+        if rank in self.transport.lost_peers:
+            return f"lost: {self.transport.lost_peers[rank]}"
+        if rank in self.transport.departed_peers:
+            return "it closed its transport without leaving the tree"
+        return None
+
     def _watch_peers(self) -> None:
-        lost = self.transport.lost_peers
         for tree in self.trees:
             for child in tree.members[1:]:
                 rank = self.layout.worker_rank(child)
-                if child not in tree.final and rank in lost:
+                why = None if child in tree.final else self._gone(rank)
+                if why is not None:
                     tree.final.add(child)
                     self.stats.lost_children.append(child)
-                    log.warning("%s: mlnet child %s in server %d's tree was lost (%s); going on without its "
+                    log.warning("%s: mlnet child %s in server %d's tree is gone (%s); going on without its "
                                 "subtree's later updates", self.worker.who, self.layout.describe(rank), tree.server,
-                                lost[rank])
+                                why)
             parent = (self.worker.server_rank(tree.server) if tree.parent < 0
                       else self.layout.worker_rank(tree.parent))
-            if self.error is None and not tree.done and parent in lost:
+            why = None if self.error is not None or tree.done else self._gone(parent)
+            if why is not None:
                 role = "server" if tree.parent < 0 else "parent node"
                 self._fail(PeerLostError(
                     f"{self.worker.who}: its mlnet {role} {self.layout.describe(parent)} in server {tree.server}'s "
-                    f"tree was lost ({lost[parent]}); tree repair is not built yet: restart the job",
+                    f"tree is gone ({why}); tree repair is not built yet: restart the job",
                     rank=self.transport.rank, peer=parent))
 
     def _fail(self, error: PeerLostError) -> None:
