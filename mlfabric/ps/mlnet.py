@@ -44,17 +44,18 @@ import collections
 import itertools
 import logging
 import math
+import os
 import threading
-import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
 
+from mlfabric import TOPOLOGY_ENV
 from mlfabric.errors import PeerLostError, TransportError
 from mlfabric.runtime.executor import tensor_bytes
-from mlfabric.topo.trees import children_of, parse_tree_kind, tree_parents
+from mlfabric.topo.trees import children_of, parse_tree_kind, rack_of, tree_parents
 from mlfabric.transport.base import Message, SendHandle
 
 from . import protocol
@@ -76,8 +77,10 @@ _IDLE_S = 0.05
 @dataclass(frozen=True, kw_only=True)
 class MLNetSettings:
     """``tree``: ``binary``, ``rack`` or ``tree:D``. ``hosts``: the host of each worker (its
-    order shapes the trees: rack-mates share subtrees; default: worker ``i`` on host ``i``).
-    ``racks``: the rack of each worker (``rack`` trees; default: every worker in one rack)."""
+    order shapes the trees: rack-mates share subtrees); ``racks``: the rack of each worker
+    (``rack`` trees). Defaults: rank ``r`` on host ``r`` (the launchers' placement), racks
+    read off the launch's topology (``MLFABRIC_TOPOLOGY``, e.g. ``racks:r=2,h=6``), or every
+    worker in one rack when no topology is set (loopback runs: one aggregator per server)."""
 
     tree: str = "binary"
     hosts: tuple[int, ...] | None = None
@@ -92,13 +95,26 @@ class MLNetSettings:
             if values is not None:
                 object.__setattr__(self, name, tuple(int(v) for v in values))
 
-    def parents(self, workers: int, servers: int) -> np.ndarray:
-        """The ``(servers, workers)`` parent table (:func:`mlfabric.topo.trees.tree_parents`)."""
+    def parents(self, workers: int, servers: int, worker_ranks: Sequence[int] | None = None) -> np.ndarray:
+        """The ``(servers, workers)`` parent table (:func:`mlfabric.topo.trees.tree_parents`);
+        ``worker_ranks``: each worker's rank, its host by default."""
         kind, degree = parse_tree_kind(self.tree)
-        hosts = self.hosts if self.hosts is not None else tuple(range(workers))
+        hosts = self.hosts or tuple(worker_ranks if worker_ranks is not None else range(workers))
         if len(hosts) != workers:
             raise ValueError(f"mlnet: hosts gives {len(hosts)} hosts for {workers} workers")
-        racks = (self.racks if self.racks is not None else (0,) * workers) if kind == "rack" else None
+        racks = None
+        if kind == "rack":
+            racks = self.racks
+            spec = os.environ.get(TOPOLOGY_ENV)
+            if racks is None and spec:
+                from mlfabric.topo import parse_topology
+
+                topology = parse_topology(spec, "10Gbps")  # the rate does not change the racks
+                if max(hosts) >= topology.n_hosts:
+                    raise ValueError(f"mlnet rack trees: worker hosts up to {max(hosts)}, but {spec} "
+                                     f"({TOPOLOGY_ENV}) has {topology.n_hosts} hosts")
+                racks = tuple(rack_of(topology, hosts).tolist())
+            racks = racks if racks is not None else (0,) * workers
         return tree_parents(kind, servers, hosts, degree=degree, racks=racks)
 
 
@@ -469,7 +485,9 @@ class MLNetRouting:
                 if worker.config.consistency.kind not in ("bsp", "ssp"):
                     raise ValueError(f"{worker.who}: mlnet routing runs BSP or SSP (MLNET's clocks), got "
                                      f"consistency {worker.config.consistency}")
-                self.node = TreeNode(worker, self.settings.parents(worker.layout.workers, worker.layout.servers))
+                layout = worker.layout
+                self.node = TreeNode(worker, self.settings.parents(layout.workers, layout.servers,
+                                                                   list(layout.worker_ranks)))
             return self.node
 
     def send_push(self, worker: "PSWorker", model: str, components: list[torch.Tensor],

@@ -64,6 +64,7 @@ from mlfabric.collectives import build
 from mlfabric.collectives.bcube import shape_options
 from mlfabric.collectives.partition import piece_sizes
 from mlfabric.topo import Topology, parse_topology
+from mlfabric.topo.trees import rack_of
 from mlfabric.topo.trees import tree_parents as shared_tree_parents
 
 from .compute import ComputeModel
@@ -252,11 +253,6 @@ def ps_placement(topology: Topology, config: PSConfig, seed: int = 0, job: int =
         if hosts.size and (hosts.min() < 0 or hosts.max() >= n):
             raise ValueError(f"a {name} host is outside [0, {n}) of {topology.spec}")
     return workers.astype(np.int64), servers.astype(np.int64)
-
-
-def rack_of(topology: Topology, hosts: np.ndarray) -> np.ndarray:
-    """The rack of each host: the switch (or node) its NIC 0 plugs into."""
-    return topology.link_dst[topology.nic_links[np.asarray(hosts, dtype=np.int64), 0, 0]]
 
 
 def tree_parents(topology: Topology, config: PSConfig, worker_hosts: np.ndarray, server_hosts: np.ndarray) -> np.ndarray:

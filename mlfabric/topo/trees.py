@@ -24,13 +24,16 @@ worker ``w``'s pushes for server ``j`` (and answers its pulls), ``-1`` the serve
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from mlfabric.collectives.partition import piece_sizes
 
-__all__ = ["TREE_KINDS", "children_of", "parse_tree_kind", "split_tree", "subtree_of", "tree_parents"]
+if TYPE_CHECKING:
+    from mlfabric.topo.topology import Topology
+
+__all__ = ["TREE_KINDS", "children_of", "parse_tree_kind", "rack_of", "split_tree", "subtree_of", "tree_parents"]
 
 TREE_KINDS = ("direct", "binary", "rack", "tree")
 
@@ -50,6 +53,11 @@ def parse_tree_kind(text: str) -> tuple[str, int | None]:
     if kind not in TREE_KINDS or arg:
         raise ValueError(f"unknown tree kind {text!r}; choose binary, rack, tree:D (in-degree D >= 1) or direct")
     return kind, None
+
+
+def rack_of(topology: "Topology", hosts: Sequence[int] | np.ndarray) -> np.ndarray:
+    """The rack of each host: the switch (or node) its NIC 0 plugs into."""
+    return topology.link_dst[topology.nic_links[np.asarray(hosts, dtype=np.int64), 0, 0]]
 
 
 def split_tree(n: int, degree: int) -> np.ndarray:

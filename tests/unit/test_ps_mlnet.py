@@ -254,3 +254,15 @@ def test_a_lost_parent_is_named_within_the_timeout() -> None:
     assert isinstance(errors.get(w2), (PeerLostError, PSRequestError)), errors
     assert "its mlnet parent node rank 2 (worker 1)" in str(errors[w2]), errors[w2]
     assert set(errors) == {w2}, errors  # the root went on without the lost subtree
+
+
+def test_rack_trees_read_the_racks_off_the_launch_topology(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rank r on host r (the launchers' placement): 2 servers (ranks 0, 1), 8 workers (ranks 2-9)
+    # on racks:r=2,h=6: hosts 2-5 in rack 0, hosts 6-9 in rack 1.
+    monkeypatch.setenv("MLFABRIC_TOPOLOGY", "racks:r=2,h=6")
+    parents = MLNetSettings(tree="rack").parents(8, 2, list(range(2, 10)))
+    assert parents.tolist() == [[-1, 0, 0, 0, -1, 4, 4, 4], [1, -1, 1, 1, 5, -1, 5, 5]]
+    with pytest.raises(ValueError, match="has 12 hosts"):
+        MLNetSettings(tree="rack").parents(8, 2, list(range(10, 18)))
+    monkeypatch.delenv("MLFABRIC_TOPOLOGY")  # loopback: one rack, one aggregator per server
+    assert MLNetSettings(tree="rack").parents(4, 2).tolist() == [[-1, 0, 0, 0], [1, -1, 1, 1]]
