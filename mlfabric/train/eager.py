@@ -686,6 +686,9 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
     if isinstance(trainer, PSOptimizer):
         ps_worker = trainer.stats.as_dict()
         trainer.leave()
+        node = getattr(trainer.worker.routing, "node", None)  # mlnet: this worker's tree node
+        if node is not None:
+            ps_worker["mlnet"] = node.stats.as_dict()
     else:
         trainer.synchronize()
     stats = trainer.stats.as_dict() if isinstance(trainer, EagerSGD) else None

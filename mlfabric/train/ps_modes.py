@@ -9,7 +9,10 @@ arrival; ``--delay-bound TAU`` drops updates whose delay would exceed TAU, MLfab
 MLfabric's "vanilla Async"), ``mlfabric-a:TAU`` (MLfabric-A: asynchronous with delay bound
 TAU, every update scheduled by MLfabric's scheduler: ordering, drops, aggregation,
 :mod:`mlfabric.ps.scheduling`), ``mlfabric-s`` (MLfabric-S, §6: BSP rounds whose updates the
-scheduler orders and aggregates for the round's makespan).
+scheduler orders and aggregates for the round's makespan), ``mlnet-binary``, ``mlnet-rack`` and
+``mlnet-tree:D`` (MLNET's aggregation/multicast trees, :mod:`mlfabric.ps.mlnet`: BSP, or SSP
+inside the tree with ``+ssp:S``, e.g. ``mlnet-rack+ssp:2``; rack trees take the racks of the
+launch's topology).
 Workers train with :class:`mlfabric.torch.PSOptimizer`; servers (``--servers``, ranks
 ``0..S-1`` of the launch) serve one PS session per run (:meth:`mlfabric.ps.PSJob.session`).
 
@@ -32,17 +35,36 @@ if TYPE_CHECKING:
 PREFIX = "ps-"
 MLFABRIC_A = "mlfabric-a:"
 MLFABRIC_S = "mlfabric-s"
-PS_MODE_FORMS = ("ps-bsp", "ps-ssp:S", "ps-async", "mlfabric-a:TAU", MLFABRIC_S)
+MLNET = "mlnet-"
+PS_MODE_FORMS = ("ps-bsp", "ps-ssp:S", "ps-async", "mlfabric-a:TAU", MLFABRIC_S, "mlnet-binary[+ssp:S]",
+                 "mlnet-rack[+ssp:S]", "mlnet-tree:D[+ssp:S]")
 
 
 def is_ps_mode(mode: str) -> bool:
     """Whether ``mode`` runs on the parameter server (in the launch with server ranks)."""
-    return mode.startswith(PREFIX) or mode.startswith(MLFABRIC_A) or mode == MLFABRIC_S
+    return mode.startswith(PREFIX) or mode.startswith(MLFABRIC_A) or mode == MLFABRIC_S or mode.startswith(MLNET)
+
+
+def mlnet_options(mode: str) -> dict[str, Any]:
+    """``mlnet-rack+ssp:2`` -> consistency ssp:2, routing mlnet over rack trees."""
+    from mlfabric.ps.mlnet import MLNetSettings
+
+    tree, plus, consistency = mode.removeprefix(MLNET).partition("+")
+    try:
+        settings = MLNetSettings(tree=tree)
+        parsed = Consistency.parse(consistency) if plus else Consistency(kind="bsp")
+        if parsed.kind != "ssp" and plus:
+            raise ValueError(f"the staleness suffix is +ssp:S, got +{consistency}")
+    except ValueError as exc:
+        raise ValueError(f"sync mode {mode!r}: {exc}; the PS modes are {', '.join(PS_MODE_FORMS)}") from None
+    return {"consistency": parsed, "routing": "mlnet", "mlnet": settings}
 
 
 def session_options(mode: str, delay_bound: int | None = None, nic_rate_bps: float | None = None) -> dict[str, Any]:
     """The :meth:`mlfabric.ps.PSJob.session` options of a PS mode: its consistency and, for
     MLfabric-A, the scheduled routing policy (planning with the NIC rate when known)."""
+    if mode.startswith(MLNET):
+        return mlnet_options(mode)
     if mode == MLFABRIC_S:
         from mlfabric.ps.scheduling import DEFAULT_RATE_BPS, ScheduledSettings
 
@@ -64,7 +86,7 @@ def session_options(mode: str, delay_bound: int | None = None, nic_rate_bps: flo
 def ps_consistency(mode: str, delay_bound: int | None = None) -> Consistency:
     """``ps-bsp`` -> bsp, ``ps-ssp:2`` -> ssp:2, ``ps-async`` -> async (with ``delay_bound``),
     ``mlfabric-a:8`` -> async:8."""
-    if mode.startswith(MLFABRIC_A) or mode == MLFABRIC_S:
+    if mode.startswith(MLFABRIC_A) or mode == MLFABRIC_S or mode.startswith(MLNET):
         return session_options(mode)["consistency"]
     if not is_ps_mode(mode):
         raise ValueError(f"{mode!r} is not a parameter-server mode ({', '.join(PS_MODE_FORMS)})")
@@ -148,5 +170,19 @@ def summarize(server_stats: list[dict[str, Any]], worker_stats: list[dict[str, A
         "aggregated": sum(s.get("scheduler", {}).get("aggregated", 0) for s in server_stats),
         "scheduler_batches": sum(s.get("scheduler", {}).get("batches", 0) for s in server_stats),
         "lost_workers": sorted({w for s in server_stats for w in s["lost_workers"]}),
+        # mlnet (ps/mlnet.py): the largest c_worker - c_model any pull returned, the sums the
+        # tree nodes sent up, pulls answered from a node's copy, children lost by their node.
+        **_mlnet_figures([w["mlnet"] for w in worker_stats if w.get("mlnet")]),
         "missing_rounds": server_stats[0]["missing_rounds"] if server_stats else [],
     }
+
+
+def _mlnet_figures(nodes: list[dict[str, Any]]) -> dict[str, Any]:
+    if not nodes:
+        return {}
+    lags = [n["max_staleness"] for n in nodes if n["max_staleness"] is not None]
+    return {"max_staleness": max(lags) if lags else None,
+            "tree_sums": sum(n["sums_forwarded"] for n in nodes),
+            "pulls_from_cache": sum(n["pulls_from_cache"] for n in nodes),
+            "pulls_upstream": sum(n["pulls_upstream"] for n in nodes),
+            "lost_children": sorted({c for n in nodes for c in n["lost_children"]})}
