@@ -1,0 +1,41 @@
+"""``mlfabric train --sync mlnet-...``: MLNET's trees in a real training run (processes on loopback, tcp).
+
+    .venv/bin/python -m pytest tests/local/test_ps_mlnet_train.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_train_through_mlnet_trees_equals_bsp_and_cuts_server_traffic() -> None:
+    from mlfabric.train.eager import EagerTrainConfig, run_eager_training
+    from mlfabric.train.workloads import HyperplaneSpec
+
+    config = EagerTrainConfig(workload="hyperplane", workers=4, servers=2, epochs=2, batch_size=64,
+                              modes=("ps-bsp", "mlnet-binary", "mlnet-rack+ssp:1"),
+                              hyperplane=HyperplaneSpec(dim=256, train_samples=2048), transport="tcp", timeout_s=120.0)
+    runs = {run.mode: run for run in run_eager_training(config, argv=["test"]).runs}
+    bsp, binary, rack = (runs[m].ps for m in ("ps-bsp", "mlnet-binary", "mlnet-rack+ssp:1"))
+    for ps in (bsp, binary, rack):  # every worker's every update, at both servers
+        assert ps is not None and ps["worker_updates_applied"] == 2 * 4 * config.steps and ps["dropped"] == 0
+    # BSP through the trees is synchronous SGD: the model of direct BSP (up to float32 sums).
+    assert runs["mlnet-binary"].final_val_loss == pytest.approx(runs["ps-bsp"].final_val_loss, rel=1e-4)
+    assert runs["mlnet-rack+ssp:1"].final_val_loss < runs["mlnet-rack+ssp:1"].curve[0].val_loss
+    # Binary trees over 4 workers: 2 roots per server, so half of direct routing's bytes reach
+    # each server; rack trees on loopback (one rack): one aggregator, a quarter.
+    for j in range(2):
+        assert binary["server_bytes_in"][j] < 0.6 * bsp["server_bytes_in"][j]
+        assert rack["server_bytes_in"][j] < 0.35 * bsp["server_bytes_in"][j]
+    assert binary["max_staleness"] == 0 and 0 <= rack["max_staleness"] <= 1
+    assert binary["tree_sums"] == 2 * 4 * config.steps  # one sum per worker node, clock and server
+    assert binary["lost_children"] == [] and rack["pulls_from_cache"] > 0
+
+
+def test_train_rejects_bad_mlnet_modes_at_once() -> None:
+    from mlfabric.train.eager import EagerTrainConfig
+
+    with pytest.raises(ValueError, match="in-degree d must be >= 1"):
+        EagerTrainConfig(workers=2, servers=1, modes=("mlnet-tree:0",))
+    with pytest.raises(ValueError, match=r"the staleness suffix is \+ssp:S"):
+        EagerTrainConfig(workers=2, servers=1, modes=("mlnet-binary+async",))
