@@ -69,3 +69,6 @@ class PSConfig:
                              f"MLfabric-S (consistency bsp), got {self.consistency}")
         if self.routing == "mlnet" and self.consistency.kind not in ("bsp", "ssp"):
             raise ValueError(f"routing 'mlnet' runs on MLNET's clocks: consistency bsp or ssp:S, got {self.consistency}")
+        if getattr(self.scheduled, "replication", "chain") == "network" and self.consistency.kind == "bsp":
+            raise ValueError("replication 'network' (MLfabric §5.3) is planned for MLfabric-A (consistency async:TAU); "
+                             "under bsp use replication 'chain'")

@@ -7,15 +7,33 @@
 model as it is then (values, version, and the rule's update history so that the next updates
 give identical values), and afterwards every model it initialises and every update it
 applies, in the order it applies them; the replica applies them with the same rule, so its
-versions follow the server's exactly. That is chain
-replication; MLfabric's bounded-divergence replication, scheduled by the network, and the
-failover that promotes a replica are built on this by the replication issue.
+versions follow the server's exactly. That is chain replication.
+
+Under MLfabric's network replication (§5.3, ``ScheduledSettings(replication="network")``,
+:mod:`mlfabric.ps.scheduling`) the updates themselves come from the workers (or a replica
+aggregator's sum of a unit), sent when the scheduler planned them; the server only sends a
+small ``applied`` note per update, saying which unit it applied at which version, so the
+replica applies the units in exactly the server's order, each once its note and its payload
+are both in (a unit the network did not carry -- an unscheduled push, a group forwarded
+incomplete -- comes from the server as under chain). A payload that never comes is waited
+for ``timeout_s`` at most, then the replica stops with an error naming the unit.
+
+Divergence measurement (``measure_divergence``): at each of its batch ends the server sends
+its model, version and time; the replica compares it with its own model *as it was at that
+time* (it keeps its models since the last probe) -- the true ``||w_s - w_r||`` -- and puts
+the eq. (11) estimate beside it (its history norm then, the norms of the units the server
+led by): :class:`ReplicaStats`.
+
+    .venv/bin/python -m pytest tests/unit/test_ps_network_replication.py -q
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 
 import torch
@@ -24,6 +42,7 @@ from mlfabric.transport.base import Transport
 
 from . import protocol
 from .config import PSConfig
+from .divergence import estimate_divergence
 from .layout import PSLayout
 from .model import ModelSpec
 from .rules import SGDMomentum, UpdateInfo
@@ -37,6 +56,31 @@ if TYPE_CHECKING:
 FAILOVER_KINDS = ("async", "ssp")
 
 log = logging.getLogger("mlfabric.ps")
+
+
+@dataclass
+class ReplicaStats:
+    """What a replica measured. ``divergence``: per server batch end, ``(batch, true ||w_s -
+    w_r||, eq. (11) estimate, lead in versions)``."""
+
+    updates_applied: int = 0          # versions applied (chain updates and network units)
+    from_network: int = 0             # of which, units whose payload came from the workers
+    bytes_in: int = 0                 # every byte this replica received (models, updates, notes, probes)
+    probe_bytes: int = 0              # of which, the servers' models for measuring
+    divergence: list[tuple[int, float, float, int]] = field(default_factory=list)
+
+    @property
+    def max_divergence(self) -> float | None:
+        return max((d[1] for d in self.divergence), default=None)
+
+    @property
+    def max_divergence_estimate(self) -> float | None:
+        return max((d[2] for d in self.divergence), default=None)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"updates_applied": self.updates_applied, "from_network": self.from_network,
+                "bytes_in": self.bytes_in, "probe_bytes": self.probe_bytes, "max_divergence": self.max_divergence,
+                "max_divergence_estimate": self.max_divergence_estimate, "probes": len(self.divergence)}
 
 
 class Replica:
@@ -53,6 +97,17 @@ class Replica:
         self._registered = False
         self._specs: dict[str, tuple[ModelSpec, float, float]] = {}  # name -> (spec, lr, momentum)
         self.promoted: "ParameterServer | None" = None
+        self.stats = ReplicaStats()
+        self._stop = threading.Event()
+        # The server's notes and updates in its order, not applied yet: (header, payload or None,
+        # when it got here); the units' payloads from the network, by (model, unit).
+        self._queue: list[tuple[dict[str, Any], memoryview | None, float]] = []
+        self._units: dict[tuple[str, int], torch.Tensor] = {}
+        # Measuring (probes): per model, (time, version, values, history norm) since the last
+        # probe, and per version applied by the server the norm of its update and how many
+        # versions it spans.
+        self._trail: dict[str, list[tuple[float, int, torch.Tensor, float]]] = {}
+        self._norms: dict[str, dict[int, tuple[float, int]]] = {}
 
     def register_as_replica(self, server: int | None = None) -> None:
         """Start mirroring ``server`` (default: this replica's server in the layout)."""
@@ -78,6 +133,11 @@ class Replica:
             server.shards[name] = shard
         return server
 
+    def stop(self) -> None:
+        """End :meth:`serve` at its next turn (a replica going away)."""
+        self._stop.set()
+        self.transport.mailbox.notify()
+
     def register_update_callback(self, callback: UpdateCallback, model: str | None = None) -> None:
         """Must be the server's rule for the copies to stay equal."""
         self._callbacks[model] = callback
@@ -92,28 +152,133 @@ class Replica:
         tag = protocol.tag(protocol.REPLICATE, self.config.session)
         server_rank = self.layout.server_rank(self.server)
         mailbox = self.transport.mailbox
-        while True:
-            version = mailbox.version
-            while (msg := mailbox.take(self.channel, tag, server_rank)) is not None:
-                header = protocol.decode(msg.meta)
-                if header["op"] == "end":
-                    return dict(self.versions)
-                self._apply(header, msg.payload)
-            if server_rank in self.transport.lost_peers:
-                if self.config.consistency.kind in FAILOVER_KINDS and self.config.routing == "direct":
-                    log.warning("%s: server %d was lost; taking over its shards at versions %s", self.who,
-                                self.server, self.versions)
-                    self.promoted = self.promote()
-                    return self.promoted.serve()
-                log.warning("%s: server %d was lost; no failover under %s/%s routing: the replica holds "
-                            "versions %s", self.who, self.server, self.config.consistency, self.config.routing,
-                            self.versions)
-                return dict(self.versions)
-            if server_rank in self.transport.departed_peers:
-                return dict(self.versions)
-            self.transport.progress(version, 0.1)
+        before = self.transport.counters()
+        ending: float | None = None
+        try:
+            while not self._stop.is_set():
+                version = mailbox.version
+                # any source: the server, the scheduler (units), workers and replica aggregators
+                while (msg := mailbox.take(self.channel, tag)) is not None:
+                    if self._take(msg, server_rank):
+                        ending = ending or time.monotonic()
+                self._drain()
+                if ending is None and server_rank in self.transport.departed_peers:
+                    ending = time.monotonic()  # gone without its end: what is queued gets timeout_s
+                if ending is not None:
+                    if not self._queue:
+                        return dict(self.versions)
+                    if time.monotonic() - ending > self.config.timeout_s:
+                        log.error("%s: server %d ended; %d of its updates never reached this replica within %.0f s "
+                                  "(first: %s); the replica stops at versions %s", self.who, self.server,
+                                  len(self._queue), self.config.timeout_s, self._queue[0][0], self.versions)
+                        return dict(self.versions)
+                promoted = self._after_loss(server_rank)
+                if promoted is not None:
+                    return promoted
+                self.transport.progress(version, 0.1)
+            return dict(self.versions)
+        finally:
+            after = self.transport.counters()
+            self.stats.bytes_in = (sum(c.bytes_recv for c in after.values())
+                                   - sum(c.bytes_recv for c in before.values()))
 
-    def _apply(self, header: dict, payload: memoryview) -> None:
+    def _after_loss(self, server_rank: int) -> "dict[str, int] | ServerStats | None":
+        """The server is gone: take over (failover), or stop; None while it is there."""
+        if server_rank in self.transport.lost_peers:
+            if self.config.consistency.kind in FAILOVER_KINDS and self.config.routing == "direct":
+                log.warning("%s: server %d was lost; taking over its shards at versions %s", self.who,
+                            self.server, self.versions)
+                self.promoted = self.promote()
+                return self.promoted.serve()
+            log.warning("%s: server %d was lost; no failover under %s/%s routing: the replica holds "
+                        "versions %s", self.who, self.server, self.config.consistency, self.config.routing,
+                        self.versions)
+            return dict(self.versions)
+        if server_rank in self.transport.departed_peers and not self._queue:
+            return dict(self.versions)
+        return None
+
+    def _take(self, msg: Any, server_rank: int) -> bool:
+        """File one message; True if it is the server's end."""
+        header = protocol.decode(msg.meta)
+        op = header["op"]
+        if op == "refused":
+            raise RuntimeError(header["message"])
+        if op == "unit":  # a unit's payload, from a worker or a replica aggregator
+            name = header["model"]
+            spec = self._specs.get(name)
+            if spec is None:
+                log.error("%s: a unit of unknown model %r from %s dropped", self.who, name,
+                          self.layout.describe(msg.src))
+                return False
+            _, length = spec[0].shards(self.layout.servers)[self.server]
+            self._units[(name, int(header["unit"]))] = payload_tensor(msg.payload, spec[0].torch_dtype, length,
+                                                                       "replica unit").clone()
+            return False
+        if op == "units":  # the scheduler's plan for this replica: informative (the server's notes rule)
+            return False
+        if msg.src != server_rank:
+            log.error("%s: ignored %r from %s", self.who, op, self.layout.describe(msg.src))
+            return False
+        if op == "end":
+            return True
+        if op == "probe":
+            self.stats.probe_bytes += msg.payload.nbytes
+        if op in ("applied", "update"):
+            self._norms.setdefault(header["model"], {})[int(header["version"])] = (
+                float(header.get("norm", 0.0)), len(header["workers"]) if self._async else 1)
+        payload = memoryview(bytearray(msg.payload)) if msg.payload.nbytes else None
+        self._queue.append((header, payload, time.monotonic()))
+        return False
+
+    @property
+    def _async(self) -> bool:
+        return self.config.consistency.kind != "bsp"  # an aggregate of m async updates is m versions
+
+    def _drain(self) -> None:
+        """Apply what is in the server's order and has its payload; under network replication,
+        tell the server where this replica stands (it holds a batch's last update while that
+        would put the replica beyond Div_max)."""
+        before = dict(self.versions)
+        try:
+            self._apply_queued()
+        finally:
+            if (self.config.routing == "scheduled" and self.config.scheduled_settings().replication == "network"
+                    and not self._stop.is_set()):
+                for name in [n for n, v in self.versions.items() if before.get(n) != v]:
+                    history = getattr(self._rules[name], "history", None)
+                    h = float(torch.linalg.vector_norm(history.double())) if history is not None else 0.0
+                    self.transport.send(self.layout.server_rank(self.server), protocol.request_tag(self.config.session),
+                                        b"", meta=protocol.encode(op="ack", model=name, version=self.versions[name],
+                                                                  history_norm=h), channel=self.channel)
+
+    def _apply_queued(self) -> None:
+        while self._queue:
+            header, payload, since = self._queue[0]
+            op = header["op"]
+            if op == "applied":
+                unit = self._units.pop((header["model"], int(header["unit"])), None)
+                if unit is None:
+                    if time.monotonic() - since > self.config.timeout_s:
+                        raise RuntimeError(
+                            f"{self.who}: unit {header['unit']} (version {header['version']} of "
+                            f"{header['model']!r}, workers {header['workers']}) never came from the network within "
+                            f"{self.config.timeout_s:.0f} s: the replica can no longer follow server {self.server}; "
+                            "check the workers' logs (a copy freed, a lost worker) and restart the replica")
+                    return
+                self.stats.from_network += 1
+                self._apply(header, unit)
+                # the server applies units in increasing key order: an earlier one still here was
+                # skipped there (or came from the server itself), and is never needed
+                for key in [k for k in self._units if k[0] == header["model"] and k[1] < int(header["unit"])]:
+                    del self._units[key]
+            elif op == "probe":
+                self._measure(header, payload)
+            else:
+                self._apply(header, payload if payload is not None else memoryview(b""))
+            self._queue.pop(0)
+
+    def _apply(self, header: dict, payload: "memoryview | torch.Tensor") -> None:
         if header["op"] == "init":
             spec = ModelSpec.from_json(header["spec"])
             _, length = spec.shards(self.layout.servers)[self.server]
@@ -128,17 +293,56 @@ class Replica:
                 if with_history:
                     rule.history = data[length:].clone()
             self._rules[spec.name] = rule
+            self._remember(spec.name)
             return
         name = header["model"]
         values = self.values[name]
         if int(header["version"]) != self.versions[name]:
             raise RuntimeError(f"{self.who}: update {header['version']} of {name!r} arrived at version "
                                f"{self.versions[name]}: the server's order was not kept")
-        gradient = payload_tensor(payload, values.dtype, values.numel(), "replicated update")
+        gradient = (payload if isinstance(payload, torch.Tensor)
+                    else payload_tensor(payload, values.dtype, values.numel(), "replicated update"))
         info = UpdateInfo(model=name, server=self.server, version=self.versions[name],
                           workers=tuple(header["workers"]), computed_from=tuple(header["computed_from"]),
                           weight=float(header["weight"]))
         self._rules[name](values, gradient, info)
-        self.versions[name] += 1
+        # as the server counts: an aggregate of m asynchronous updates is m versions
+        self.versions[name] += len(info.workers) if self._async else 1
+        self.stats.updates_applied += 1
+        self._remember(name)
+
+    # -- measuring the divergence (probes) ---------------------------------------------------------
+
+    def _remember(self, name: str) -> None:
+        if not self.config.scheduled_settings().measure_divergence:
+            return
+        history = getattr(self._rules[name], "history", None)
+        h = float(torch.linalg.vector_norm(history.double())) if history is not None else 0.0
+        self._trail.setdefault(name, []).append((time.monotonic(), self.versions[name], self.values[name].clone(), h))
+
+    def _measure(self, header: dict[str, Any], payload: memoryview | None) -> None:
+        """The server's model at one of its batch ends against this replica's at that time."""
+        name = header["model"]
+        trail = self._trail.get(name)
+        if not trail or payload is None:
+            return
+        t_b, v_s = float(header["t"]), int(header["version"])
+        at = max((i for i, (t, *_rest) in enumerate(trail) if t <= t_b), default=0)
+        _, v_r, w_r, h_r = trail[at]
+        w_s = payload_tensor(payload, w_r.dtype, w_r.numel(), "server model (probe)")
+        true = float(torch.linalg.vector_norm((w_s.double() - w_r.double())))
+        norms, v = [], v_r
+        spans = self._norms.get(name, {})
+        while v < v_s and v in spans:
+            norm, span = spans[v]
+            norms.append(norm)
+            v += span
+        momentum = self._specs[name][2]
+        estimate = estimate_divergence(h_r, norms, momentum)
+        self.stats.divergence.append((int(header["batch"]), true, estimate, v_s - v_r))
+        # what the next probe (a later batch end) may still need: from this point on
+        del trail[:at]
+        for old in [k for k in spans if k < v_r]:
+            del spans[old]
 
 

@@ -62,9 +62,11 @@ from mlfabric.runtime.executor import tensor_bytes
 from mlfabric.transport.base import SendHandle, Transport
 
 from . import protocol
+from .divergence import DivergenceBound, update_norm
 from .monitor import Ledger, NetworkMonitor
 from .routing import answer_directly, send_pulls_directly
 from .scheduler import BatchSchedule, NetState, Scheduler, SchedulerConfig, UpdateRequest, distribute
+from .scheduler.replication import ReplicaUnit, ReplicationPlan, plan_replication
 from .server import payload_tensor
 
 if TYPE_CHECKING:
@@ -74,6 +76,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("mlfabric.ps")
 
 DEFAULT_RATE_BPS = 10e9  # what the scheduler assumes of a NIC nobody reported (bit/s)
+REPLICATION_MODES = ("chain", "network")
+_UNITS_PER_BATCH = 1_000_000  # a replica unit's key: batch * this + its entry's position
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,7 +87,16 @@ class ScheduledSettings:
     (``MLFABRIC_NIC_RATE``, the emulator's); ``monitor_lag_s``: how late the scheduler sees
     a NIC's measured rate (§7's t_lag). ``decision_timeout_s``: how long a worker waits for
     its decision before pushing unscheduled; ``slack_s``: how long a server waits past an
-    entry's planned commit before skipping it."""
+    entry's planned commit before skipping it.
+
+    Replicas (MLfabric-A only): ``replication`` ``"chain"`` (the baseline: the server forwards
+    every update it applies) or ``"network"`` (§5.3: the workers send copies of their
+    updates to the replica, through ``replica_aggregators`` k' worker hosts, as the scheduler
+    plans them so that the replica never lags the server by more than ``divergence``,
+    Div_max; module docstring "Replication"). ``measure_divergence``: the servers send their
+    model to their replicas at every batch end, which compare it with theirs (the true
+    divergence, and the eq. (11) estimate beside it; costs a model per batch on the server's
+    NIC, counted apart)."""
 
     interval_s: float = 0.1
     aggregators: int = 2
@@ -93,8 +106,19 @@ class ScheduledSettings:
     monitor_lag_s: float = 0.2
     decision_timeout_s: float = 2.0
     slack_s: float = 1.0
+    replication: str = "chain"
+    divergence: DivergenceBound | None = None
+    replica_aggregators: int = 1
+    measure_divergence: bool = False
 
     def __post_init__(self) -> None:
+        if self.replication not in REPLICATION_MODES:
+            raise ValueError(f"replication must be one of {', '.join(REPLICATION_MODES)}, got {self.replication!r}")
+        if self.replication == "network" and self.divergence is None:
+            raise ValueError("replication 'network' needs a divergence bound (Div_max: a norm such as 0.5, or a "
+                             "number of updates such as 30u)")
+        if self.replica_aggregators < 0:
+            raise ValueError(f"replica_aggregators must be >= 0, got {self.replica_aggregators}")
         for name in ("interval_s", "rate_bps", "decision_timeout_s", "slack_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -130,12 +154,21 @@ class SchedulerStats:
     dropped: int = 0
     aggregated: int = 0
     plan_ms: list[float] = field(default_factory=list)
+    #: Network replication (§5.3): units sent toward replicas, units punted to a later batch
+    #: (counted each time), batches whose last server update was delayed, and batches where
+    #: one unit alone exceeds Div_max (no schedule meets it).
+    replica_units: int = 0
+    replica_punted: int = 0
+    replica_delays: int = 0
+    replica_violations: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         ms = sorted(self.plan_ms)
         return {"batches": self.batches, "requests": self.requests, "dropped_by_scheduler": self.dropped,
                 "aggregated": self.aggregated, "plan_ms_p50": ms[len(ms) // 2] if ms else None,
-                "plan_ms_max": ms[-1] if ms else None}
+                "plan_ms_max": ms[-1] if ms else None, "replica_units": self.replica_units,
+                "replica_punted": self.replica_punted, "replica_delays": self.replica_delays,
+                "replica_violations": self.replica_violations}
 
 
 class SchedulerService:
@@ -170,6 +203,20 @@ class SchedulerService:
         self._batches = itertools.count(1)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: Network replication (§5.3): replica aggregators (k' worker hosts, taken from the end of
+        #: the workers so that they differ from the server's aggregators where there are enough),
+        #: and per (model, replica) the units punted to the next batch and the bound of the
+        #: replica's history norm where the frozen units leave it.
+        self.replicating = settings.replication == "network" and self.layout.replicas > 0
+        if self.replicating and self.sync:
+            raise ValueError("network replication is planned for MLfabric-A (async:TAU); under bsp use chain")
+        workers = self.layout.worker_ranks
+        self.replica_aggregators = aggregator_ranks(range(workers.stop - 1, workers.start - 1, -1),
+                                                    settings.replica_aggregators)
+        self._punted: dict[tuple[str, int], list[ReplicaUnit]] = {}
+        self._history_norm: dict[tuple[str, int], float] = {}
+        self._unit_members: dict[int, list[tuple[int, int]]] = {}  # unit key -> its (rank, update id)
+        self._warned_violation = False
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="mlfabric-ps-scheduler", daemon=True)
@@ -197,6 +244,9 @@ class SchedulerService:
                     except Exception:  # noqa: BLE001 - a failed plan must not kill the service
                         log.exception("%s: scheduler: planning a batch of %r failed; its workers fall back to "
                                       "unscheduled pushes", self.server.who, model)
+                if now >= next_batch and self._punted:
+                    # No batch to ride with: the punted units go now (the job may be ending).
+                    self._flush_replication(now)
                 next_batch = now + self.settings.interval_s
             self.transport.progress(version, max(0.0, min(0.05, next_batch - now)))
 
@@ -252,24 +302,42 @@ class SchedulerService:
         self.stats.requests += len(requests)
         if not self.sync:
             self._planned[model] = v_init + len(plan.applied())
-        self._dispatch(model, next(self._batches), plan, pending, v_init, now)
+        batch = next(self._batches)
+        entries, members, commits = self._entries(plan, pending, now)
+        if self.replicating:
+            self._replicate(model, batch, entries, members, commits, now)
+        self._dispatch(model, batch, plan, pending, entries, v_init, now)
 
-    def _dispatch(self, model: str, batch: int, plan: BatchSchedule, pending: list[tuple[int, dict[str, Any]]],
-                  v_init: int, now: float) -> None:
-        session, channel = self.server.config.session, self.server.channel
+    def _entries(self, plan: BatchSchedule, pending: list[tuple[int, dict[str, Any]]],
+                 now: float) -> tuple[list[list[Any]], list[list[tuple[int, dict[str, Any]]]], list[float]]:
+        """The server's application order: per entry (an update, or a group's aggregate)
+        ``[kind, key, key/count, deadline_in, ranks]``; beside it the entries' members (rank,
+        request header) and planned commit times."""
         slack = self.settings.slack_s
         entries: list[list[Any]] = []
+        members: list[list[tuple[int, dict[str, Any]]]] = []
+        commits: list[float] = []
         for d in plan.applied():  # application order
             rank, header = pending[d.update_id]
-            deadline = max(0.0, (d.commit or now) - now) + slack
-            if d.group == 0:
-                entries.append(["u", rank, int(header["id"]), deadline, [rank]])
-            elif not entries or entries[-1][0] != "g" or entries[-1][1] != d.group:
-                entries.append(["g", d.group, 1, deadline, [rank]])
+            commit = d.commit or now
+            deadline = max(0.0, commit - now) + slack
+            if d.group == 0 or not entries or entries[-1][0] != "g" or entries[-1][1] != d.group:
+                entries.append(["u", rank, int(header["id"]), deadline, [rank]] if d.group == 0
+                               else ["g", d.group, 1, deadline, [rank]])
+                members.append([(rank, header)])
+                commits.append(commit)
             else:
                 entries[-1][2] += 1
                 entries[-1][3] = max(entries[-1][3], deadline)
                 entries[-1][4].append(rank)
+                members[-1].append((rank, header))
+                commits[-1] = max(commits[-1], commit)
+        return entries, members, commits
+
+    def _dispatch(self, model: str, batch: int, plan: BatchSchedule, pending: list[tuple[int, dict[str, Any]]],
+                  entries: list[list[Any]], v_init: int, now: float) -> None:
+        session, channel = self.server.config.session, self.server.channel
+        slack = self.settings.slack_s
         # Orders first: server 0 then has its order before any update of the batch can arrive.
         order = {"op": protocol.ORDER, "batch": batch, "model": model, "v_init": v_init, "entries": entries,
                  "sync": self.sync, "clocks": sorted({int(h.get("clock", 0)) for _, h in pending})}
@@ -300,6 +368,102 @@ class SchedulerService:
                                        rates=[_avg_rate_bps(g.transfers[j]) if j < len(g.transfers) else None
                                               for j in servers])
                 self.transport.send(host, protocol.tag(protocol.AGGREGATE, session), b"", meta=meta, channel=channel)
+
+    # -- network replication (§5.3) ----------------------------------------------------------
+
+    def _replicate(self, model: str, batch: int, entries: list[list[Any]],
+                   members: list[list[tuple[int, dict[str, Any]]]], commits: list[float], now: float) -> None:
+        """Plan this batch's units toward every replica on the network the batch leaves, send
+        the frozen ones on their way, keep the punted ones for the next batch; each entry of
+        the server's order gains ``[unit key, norm bound, not-before]`` (the last entry's
+        not-before: §5.3 step 3's delay, seconds from now, or None)."""
+        shard = self.server.shards[model]
+        weight = 1.0 / self.layout.workers  # what the server applies a scheduled update with
+        delay_until: float | None = None
+        for i, entry in enumerate(entries):
+            key = batch * _UNITS_PER_BATCH + i
+            norm = update_norm(shard.lr, weight, [float(h.get("norm", 0.0)) for _, h in members[i]])
+            self._unit_members[key] = [(rank, int(h["id"])) for rank, h in members[i]]
+            entry += [key, norm, None]
+        for j in self.layout.server_ranks:
+            units = [ReplicaUnit(key=e[5], norm=e[6], members=tuple((rank, float(h["sizes"][j])) for rank, h in m))
+                     for e, m in zip(entries, members)]
+            for replica in self.layout.replicas_of(j):
+                if replica in self.transport.lost_peers or replica in self.transport.departed_peers:
+                    continue  # the server warns; nothing goes toward a replica that is gone
+                plan = self._plan_replica(model, j, replica, units, commits, now)
+                if plan.delay_last_until is not None:
+                    delay_until = max(delay_until or 0.0, plan.delay_last_until)
+        if delay_until is not None and entries:
+            self.stats.replica_delays += 1
+            entries[-1][7] = max(0.0, delay_until - now)
+            # the delayed entry may arrive later than planned: its skip deadline moves with it
+            entries[-1][3] = max(entries[-1][3], entries[-1][7] + self.settings.slack_s)
+
+    def _flush_replication(self, now: float) -> None:
+        """Send every punted unit now (no batch of server updates to schedule around)."""
+        with self._ledger_lock:
+            for (model, replica), units in list(self._punted.items()):
+                if units:
+                    j = self.layout.replicated_server(replica)
+                    self._plan_replica(model, j, replica, [], [], now, flush=True)
+
+    def _plan_replica(self, model: str, j: int, replica: int, units: list[ReplicaUnit], commits: list[float],
+                      now: float, *, flush: bool = False) -> ReplicationPlan:
+        """:func:`plan_replication` for one replica (the caller holds the ledger lock), then
+        reserve and dispatch what it froze."""
+        settings, shard = self.settings, self.server.shards[model]
+        punted = self._punted.pop((model, replica), [])
+        if flush:  # no server commit to beat: everything goes
+            units, punted, commits = punted, [], [float("inf")] * len(punted)
+        network = self.ledger.state(now, *self.monitor.capacities(now))
+        assert settings.divergence is not None  # ScheduledSettings checks it for "network"
+        plan = plan_replication(network, units=units, punted=punted, server_commit=commits, replica=replica,
+                                aggregators=self.replica_aggregators, bound=settings.divergence,
+                                momentum=shard.momentum, history_norm=self._history_norm.get((model, replica), 0.0),
+                                start=now)
+        self.ledger.add([t for k in plan.frozen for t in plan.transfers[k]])
+        self._history_norm[(model, replica)] = plan.history_norm
+        if plan.punted:
+            self._punted[(model, replica)] = list(plan.punted)
+        self.stats.replica_units += len(plan.frozen)
+        self.stats.replica_punted += len(plan.punted)
+        if plan.violated:
+            self.stats.replica_violations += 1
+            if not self._warned_violation:
+                self._warned_violation = True
+                log.warning("%s: scheduler: Div_max %s cannot be met for %s: a single update's norm bound is over "
+                            "it (estimate %.3g); the replica is kept as close as the schedule allows -- raise "
+                            "--div-max", self.server.who, settings.divergence, self.layout.describe(replica),
+                            plan.estimate)
+        self._send_replication(model, j, replica, plan, now)
+        return plan
+
+    def _send_replication(self, model: str, j: int, replica: int, plan: ReplicationPlan, now: float) -> None:
+        """The frozen units' orders: each member worker sends its copy (to the replica, or to
+        the unit's replica aggregator, which sums and forwards it); the replica hears the
+        units in the server's order."""
+        session, channel = self.server.config.session, self.server.channel
+        aggregate = protocol.tag(protocol.AGGREGATE, session)
+        for key in plan.frozen:
+            transfers = plan.transfers[key]
+            members = self._unit_members[key]
+            if len(members) > 1:  # transfers: one per member to the aggregator, then its sum's
+                out = transfers[-1]
+                self.transport.send(out.src, aggregate, b"", channel=channel, meta=protocol.encode(
+                    op="runit", unit=key, model=model, server=j, dest=replica, members=[list(m) for m in members],
+                    rate=_avg_rate_bps(out)))
+            for (rank, update_id), tr in zip(members, transfers):
+                self.transport.send(rank, aggregate, b"", channel=channel, meta=protocol.encode(
+                    op="replicate", unit=key, model=model, id=update_id, server=j, dest=tr.dst,
+                    start_in=max(0.0, tr.begin - now), rate=_avg_rate_bps(tr)))
+        if plan.frozen:
+            self.transport.send(replica, protocol.tag(protocol.REPLICATE, session), b"", channel=channel,
+                                meta=protocol.encode(op="units", model=model, units=list(plan.frozen),
+                                                     commit_in=[plan.replica_commit[k] - now for k in plan.frozen]))
+        for key in plan.frozen:
+            if all(key not in (u.key for u in units) for units in self._punted.values()):
+                self._unit_members.pop(key, None)
 
 
 # --------------------------------------------------------------------------- the worker's daemon
@@ -440,11 +604,18 @@ class ScheduledRouting:
         first = protocol.decode(headers[0])
         request_id = next(self._ids)
         self.stats.requested += 1
+        # Network replication: the copy is kept before the scheduler can ask for it (its
+        # "replicate" may reach the aggregator thread before this thread has the decision).
+        keeping = self.settings.replication == "network" and w.layout.replicas > 0 and self._aggregator is not None
+        if keeping:
+            self._aggregator.keep(model, request_id, components)
         transport.send(0, protocol.tag(protocol.SCHEDULE, session), b"", channel=w.channel, meta=protocol.encode(
             op="request", id=request_id, model=model, version=int(first["version"]), norm=float(first["norm"]),
             clock=int(first["clock"]),
             sizes=[c.numel() * c.element_size() for c in components]))
         decision = self._decision(request_id)
+        if (decision is None or decision["drop"]) and keeping:  # not a unit: no replica asks for it
+            self._aggregator.forget(model, request_id)
         if decision is None:  # no answer in time: push unscheduled (the server bounds its delay)
             self.stats.fallbacks += 1
             # Withdraw the request; if it was planned already, its entry is skipped at the server.
@@ -521,9 +692,51 @@ class _Group:
     sent: set[int] = field(default_factory=set)
 
 
+def _sum_in_order(tensors: list[torch.Tensor]) -> torch.Tensor:
+    total = tensors[0].clone()
+    for t in tensors[1:]:
+        total.add_(t)
+    return total
+
+
+@dataclass
+class _ReplicaSum:
+    """A replica unit this host sums (a replica aggregator, §5.3): who is in it, where it goes."""
+
+    model: str = ""
+    server: int = 0
+    dest: int = -1
+    members: list[tuple[int, int]] = field(default_factory=list)
+    rate: float | None = None
+    arrived: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    since: float = 0.0
+
+
+@dataclass
+class _Replication:
+    """A copy this worker sends toward a replica when its planned start comes."""
+
+    due: float
+    dest: int
+    tag: int
+    meta: bytes
+    tensor: torch.Tensor
+    rate: float | None
+
+
 class Aggregator:
     """Sums the members of the groups the scheduler assigns to this worker's host and forwards
-    each sum (per server component) once complete, or at the group's deadline with what came."""
+    each sum (per server component) once complete, or at the group's deadline with what came.
+
+    Network replication (§5.3) rides the same thread: it keeps a copy of each scheduled
+    update this worker pushed (:meth:`keep`, at most ``MAX_COPIES``: the oldest is freed with
+    a warning, its replica then waits for it in vain and says so), sends a copy when the
+    scheduler says (``replicate``: to the replica or a replica aggregator, at the planned
+    start and rate) and frees it once every replica of its server has had it; as a replica
+    aggregator it sums a unit's members (in the unit's member order) and forwards the sum.
+    Copies never asked for (their unit was never frozen) are freed when the worker leaves."""
+
+    MAX_COPIES = 256
 
     def __init__(self, worker: "PSWorker", settings: ScheduledSettings) -> None:
         self.worker = worker
@@ -534,6 +747,24 @@ class Aggregator:
         self._thread: threading.Thread | None = None
         self.forwarded = 0
         self.partial = 0
+        # network replication: (model, update id) -> [components, sends still to make]
+        self._copies: dict[tuple[str, int], list[Any]] = {}
+        self._replications: list[_Replication] = []
+        self._replicating: list[tuple[SendHandle, int, torch.Tensor, bool]] = []
+        self._replica_sums: dict[int, _ReplicaSum] = {}
+        self.copies_sent = 0
+        self.copies_evicted = 0
+
+    def keep(self, model: str, update_id: int, components: list[torch.Tensor]) -> None:
+        """Keep a copy of a scheduled update until the scheduler asks for it."""
+        with self._lock:
+            if len(self._copies) >= self.MAX_COPIES:
+                oldest = next(iter(self._copies))
+                del self._copies[oldest]
+                self.copies_evicted += 1
+                log.warning("%s: %d copies of updates kept for replicas and none asked for: freed update %d of %r "
+                            "(its replica will miss it)", self.worker.who, self.MAX_COPIES, oldest[1], oldest[0])
+            self._copies[(model, update_id)] = [[c.detach().clone() for c in components], self.worker.layout.replicas]
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"mlfabric-ps-aggregator-{self.worker.index}",
@@ -549,10 +780,23 @@ class Aggregator:
         self.worker.transport.mailbox.notify()
         if self._thread is not None:
             self._thread.join(2)
+        with self._lock:
+            self._copies.clear()  # the job is over for this worker: nobody will ask any more
+
+    def forget(self, model: str, update_id: int) -> None:
+        with self._lock:
+            self._copies.pop((model, update_id), None)
 
     def _open(self) -> bool:
+        transport = self.worker.transport
+        gone = set(transport.lost_peers) | set(transport.departed_peers)
         with self._lock:
-            return any(g.planned and len(g.sent) < len(g.servers) for g in self._groups.values())
+            if self._copies and all(r in gone for r in self.worker.layout.replica_ranks):
+                self._copies.clear()  # every replica is gone: nobody will ask for them
+            # copies still kept: their units were punted, the scheduler asks for them later
+            return (any(g.planned and len(g.sent) < len(g.servers) for g in self._groups.values())
+                    or bool(self._copies) or bool(self._replications) or any(not h.done() for h, *_ in self._replicating)
+                    or bool(self._replica_sums))
 
     def add_member(self, header: dict[str, Any], component: torch.Tensor) -> None:
         with self._lock:
@@ -576,6 +820,8 @@ class Aggregator:
                         group.servers = [int(j) for j in header["servers"]]
                         group.deadline = time.monotonic() + float(header["deadline_in"])
                         group.rates = list(header["rates"])
+                elif header["op"] in ("replicate", "runit", "rmember"):
+                    self._replication_message(header, msg.payload)
                 else:
                     spec = w.models.get(header["model"])
                     if spec is None:
@@ -584,7 +830,107 @@ class Aggregator:
                     self.add_member(header, payload_tensor(msg.payload, spec.torch_dtype, length,
                                                            "aggregated member").clone())
             self._forward_ready(time.monotonic())
-            w.transport.progress(version, 0.05)
+            wait = self._send_replications(time.monotonic())
+            w.transport.progress(version, min(0.05, wait))
+
+    # -- network replication -------------------------------------------------------------------
+
+    def _replication_message(self, header: dict[str, Any], payload: memoryview) -> None:
+        w = self.worker
+        session = w.config.session
+        now = time.monotonic()
+        key = int(header["unit"])
+        if header["op"] == "replicate":  # send our copy of update ``id`` toward ``dest``
+            with self._lock:
+                copy = self._copies.get((header["model"], int(header["id"])))
+                if copy is None:
+                    log.error("%s: asked to replicate update %d of %r (unit %d) but holds no copy of it "
+                              "(never pushed, or freed): the replica will wait for it in vain", w.who,
+                              int(header["id"]), header["model"], key)
+                    return
+                j = int(header["server"])
+                tensor = copy[0][j]
+                copy[1] -= 1
+                if copy[1] <= 0:
+                    del self._copies[(header["model"], int(header["id"]))]
+            dest = int(header["dest"])
+            if w.layout.role(dest) == "replica":
+                tag, meta = protocol.tag(protocol.REPLICATE, session), protocol.encode(
+                    op="unit", unit=key, model=header["model"])
+            else:
+                tag, meta = protocol.tag(protocol.AGGREGATE, session), protocol.encode(
+                    op="rmember", unit=key, model=header["model"], server=j, rank=w.transport.rank,
+                    id=int(header["id"]))
+            with self._lock:
+                self._replications.append(_Replication(due=now + float(header["start_in"]), dest=dest, tag=tag,
+                                                       meta=meta, tensor=tensor, rate=header.get("rate")))
+            return
+        with self._lock:
+            unit = self._replica_sums.setdefault(key, _ReplicaSum(since=now))
+            if header["op"] == "runit":
+                unit.model, unit.server, unit.dest = header["model"], int(header["server"]), int(header["dest"])
+                unit.members = [(int(r), int(i)) for r, i in header["members"]]
+                unit.rate = header.get("rate")
+            else:
+                spec = w.models.get(header["model"])
+                if spec is None:
+                    return
+                j = int(header.get("server", unit.server))
+                _, length = spec.shards(w.layout.servers)[j]
+                unit.arrived[(int(header["rank"]), int(header["id"]))] = payload_tensor(
+                    payload, spec.torch_dtype, length, "replica unit member").clone()
+
+    def _add_replica_member(self, key: int, rank: int, update_id: int, tensor: torch.Tensor) -> None:
+        with self._lock:
+            self._replica_sums.setdefault(key, _ReplicaSum(since=time.monotonic())).arrived[(rank, update_id)] = tensor
+
+    def _send_replications(self, now: float) -> float:
+        """Send the copies that are due and the replica units that are complete; returns how
+        long until the next copy is due."""
+        w = self.worker
+        channel = w.channel
+        with self._lock:
+            due = [r for r in self._replications if r.due <= now]
+            self._replications = [r for r in self._replications if r.due > now]
+            complete = [(k, u) for k, u in self._replica_sums.items() if u.members and len(u.arrived) >= len(u.members)]
+            stale = [k for k, u in self._replica_sums.items()
+                     if now - u.since > w.config.timeout_s and (k, u) not in complete]
+            for k, _ in complete:
+                del self._replica_sums[k]
+            for k in stale:
+                log.error("%s: replica aggregator: unit %d got %d of its members' copies in %.0f s; dropped (its "
+                          "replica will miss it)", w.who, k, len(self._replica_sums[k].arrived), w.config.timeout_s)
+                del self._replica_sums[k]
+            nxt = min((r.due for r in self._replications), default=now + 0.05)
+        gone = set(w.transport.lost_peers) | set(w.transport.departed_peers)
+        for r in due:
+            if r.dest in gone:
+                continue
+            if r.dest == w.transport.rank:  # this host is the unit's replica aggregator
+                header = protocol.decode(r.meta)
+                self._add_replica_member(int(header["unit"]), int(header["rank"]), int(header["id"]), r.tensor)
+                continue
+            paced = r.rate is not None and w.transport.pace_connection(r.dest, channel, r.rate)
+            handle = w.transport.send(r.dest, r.tag, tensor_bytes(r.tensor), meta=r.meta, channel=channel)
+            self._replicating.append((handle, r.dest, r.tensor, paced))
+            self.copies_sent += 1
+        for key, unit in complete:
+            if unit.dest in gone:
+                continue
+            total = _sum_in_order([unit.arrived[m] for m in unit.members])
+            paced = unit.rate is not None and w.transport.pace_connection(unit.dest, channel, unit.rate)
+            handle = w.transport.send(unit.dest, protocol.tag(protocol.REPLICATE, w.config.session), tensor_bytes(total),
+                                      meta=protocol.encode(op="unit", unit=key, model=unit.model), channel=channel)
+            self._replicating.append((handle, unit.dest, total, paced))
+        still = []
+        for handle, dest, tensor, paced in self._replicating:
+            if handle.done():
+                if paced:
+                    w.transport.pace_connection(dest, channel, None)
+            else:
+                still.append((handle, dest, tensor, paced))
+        self._replicating = still
+        return max(0.0, nxt - now)
 
     def _forward_ready(self, now: float) -> None:
         w = self.worker
@@ -602,9 +948,10 @@ class Aggregator:
                         and now >= g.deadline]:
                 del self._groups[key]
         for (batch, slot), group, j, got in ready:
-            total = got[0][1].clone()
-            for _, t in got[1:]:
-                total.add_(t)
+            # in the members' order, as a replica aggregator sums the same unit: equal bits
+            position = {m: i for i, m in enumerate(group.members)}
+            got.sort(key=lambda m: position.get((int(m[0]["rank"]), int(m[0]["id"])), len(position)))
+            total = _sum_in_order([t for _, t in got])
             if len(got) < len(group.members):
                 self.partial += 1
                 log.warning("%s: aggregator: group %d of batch %d forwarded with %d of %d members (deadline)",

@@ -16,7 +16,9 @@ registered); :meth:`register_request_callback` sees every pull before it is answ
 answer with another tensor. Every applied update bumps the shard's version; every applied
 update's delay (version when applied - version it was computed from) is recorded
 (:class:`ServerStats`). Replicas of this server (``PSLayout.replicas_of``) get every applied
-update forwarded (chain replication; MLfabric's scheduled replication is another issue's).
+update forwarded (chain replication), or, under MLfabric's network replication (scheduled
+policy, :mod:`mlfabric.ps.scheduling`), a small note per applied unit while the workers send
+the update itself; the batch's last entry waits for its not-before time (§5.3's delay).
 """
 
 from __future__ import annotations
@@ -90,6 +92,12 @@ class _Entry:
     count: int             # worker updates in it
     deadline: float        # skip it if not here by then
     ranks: frozenset[int]  # the workers whose updates it holds (their pulls wait for it)
+    #: Network replication (MLfabric §5.3): the replica unit this entry is, its norm bound,
+    #: and when it may be applied at the earliest (the batch's last entry, delayed so that the
+    #: replica catches up: 0 otherwise).
+    unit: int | None = None
+    norm: float | None = None
+    not_before: float = 0.0
 
 
 @dataclass
@@ -145,6 +153,12 @@ class ServerStats:
     skipped: int = 0
     unscheduled: int = 0
     replica_bytes: int = 0  # models and updates forwarded to replicas (chain replication)
+    probe_bytes: int = 0    # models sent to replicas to measure their divergence (not replication)
+    #: Network replication: batches whose last update waited for a replica to come within
+    #: Div_max, the time spent so, and waits that ran out (slack_s) with the bound overrun.
+    replica_waits: int = 0
+    replica_wait_s: float = 0.0
+    bound_overruns: int = 0
     checkpoints: int = 0           # PSConfig.checkpoint_every: shard files written,
     checkpoint_s: float = 0.0      # the time it took (in the serving loop: the overhead)
     checkpoint_bytes: int = 0      # and their size
@@ -163,7 +177,10 @@ class ServerStats:
                 "departed_workers": self.departed_workers,
                 "missing_rounds": [[t, list(w)] for t, w in self.missing_rounds], "errors": self.errors,
                 "skipped": self.skipped, "unscheduled": self.unscheduled, "scheduler": self.scheduler,
-                "replica_bytes": self.replica_bytes, "pulls_relayed": self.pulls_relayed,
+                "replica_bytes": self.replica_bytes, "probe_bytes": self.probe_bytes,
+                "replica_waits": self.replica_waits, "replica_wait_s": self.replica_wait_s,
+                "bound_overruns": self.bound_overruns,
+                "pulls_relayed": self.pulls_relayed,
                 "checkpoints": self.checkpoints, "checkpoint_s": self.checkpoint_s,
                 "checkpoint_bytes": self.checkpoint_bytes,
                 "pull_batches": self.pull_batches}
@@ -198,6 +215,12 @@ class ParameterServer:
         self._seen_lost: set[int] = set()
         self._stop = threading.Event()
         self._replicas: list[int] = []  # ranks registered with register_as_replica, in order
+        # Network replication: per replica and model, the version it has applied and its history
+        # norm there (its acks); per model, (version, versions spanned, norm bound) of what this
+        # server applied since -- the lead eq. (11) is computed on.
+        self._replica_at: dict[int, dict[str, tuple[int, float]]] = {}
+        self._lead: dict[str, list[tuple[int, int, float]]] = {}
+        self._held_since: float | None = None  # when the batch's last entry began waiting for replicas
         # The scheduled routing policy: batch orders from the scheduler (per model, in batch
         # order), the scheduled updates that arrived, and the scheduler itself on server 0.
         self._orders: dict[str, list[_BatchOrder]] = {}
@@ -326,7 +349,12 @@ class ParameterServer:
 
     def _handle(self, msg: Any) -> None:
         if self.layout.role(msg.src) == "replica":
-            self._register_replica(msg)
+            header = protocol.decode(msg.meta)
+            if header.get("op") == "ack":
+                self._replica_at.setdefault(msg.src, {})[header["model"]] = (int(header["version"]),
+                                                                             float(header["history_norm"]))
+            else:
+                self._register_replica(msg)
             return
         if self.layout.role(msg.src) == "server":
             header = protocol.decode(msg.meta)
@@ -457,7 +485,9 @@ class ParameterServer:
         for order, received in incoming:
             entries = [_Entry(kind=e[0], key=tuple(e[1:3]) if e[0] == "u" else (int(e[1]),),
                               count=1 if e[0] == "u" else int(e[2]), deadline=received + float(e[3]),
-                              ranks=frozenset(int(r) for r in e[4]))
+                              ranks=frozenset(int(r) for r in e[4]),
+                              unit=int(e[5]) if len(e) > 5 else None, norm=float(e[6]) if len(e) > 6 else None,
+                              not_before=received + float(e[7]) if len(e) > 7 and e[7] is not None else 0.0)
                        for e in order["entries"]]
             self._orders.setdefault(order["model"], []).append(
                 _BatchOrder(batch=int(order["batch"]), entries=entries))
@@ -468,6 +498,10 @@ class ParameterServer:
                 while order.next < len(order.entries):
                     entry = order.entries[order.next]
                     key = (model, order.batch, (entry.kind, *entry.key))
+                    if now < entry.not_before:
+                        break  # §5.3: the replica catches up before the batch's last update
+                    if order.next == len(order.entries) - 1 and self._replicas_too_far(shard, entry, now):
+                        break
                     arrived = self._arrived.pop(key, None)
                     if arrived is None:
                         if now < entry.deadline:
@@ -476,12 +510,13 @@ class ParameterServer:
                         log.warning("%s: batch %d of %r: %s %s did not arrive in time; skipped", self.who,
                                     order.batch, model, "update" if entry.kind == "u" else "group", entry.key)
                     else:
-                        self._apply_scheduled(shard, *arrived)
+                        self._apply_scheduled(shard, *arrived, entry=entry)
                     order.next += 1
                 if order.next < len(order.entries):
                     break
                 orders.pop(0)
                 self._finished_batch[model] = max(self._finished_batch.get(model, 0), order.batch)
+                self._probe_replicas(shard, order.batch)
         # Scheduled updates whose batch is over (their entry was skipped) are late: drop them.
         # A batch this server has no order for yet is not over: its order may still be on the
         # way (it travels from the scheduler on another connection than the update).
@@ -501,14 +536,20 @@ class ParameterServer:
                 ranks |= entry.ranks
         return ranks
 
-    def _apply_scheduled(self, shard: _Shard, gradient: torch.Tensor, header: dict[str, Any]) -> None:
+    def _apply_scheduled(self, shard: _Shard, gradient: torch.Tensor, header: dict[str, Any],
+                         entry: _Entry | None = None) -> None:
         workers = tuple(header["workers"]) if "workers" in header else (self.layout.worker_index(int(header["rank"])),)
         versions = tuple(int(v) for v in header["versions"]) if "versions" in header else (int(header["version"]),)
         bound = self.config.consistency.delay_bound
         if bound is not None and shard.version - min(versions) > bound:
             self.stats.dropped += len(workers)  # unscheduled updates moved the version past the plan
             return
-        self._apply(shard, gradient, workers, versions, weight=1.0 / self.layout.workers)
+        # a group forwarded at its deadline with some members missing is not the unit the
+        # replica gets from the network: that one goes the chain way
+        complete = entry is not None and len(workers) == entry.count
+        self._apply(shard, gradient, workers, versions, weight=1.0 / self.layout.workers,
+                    unit=entry.unit if entry is not None and complete else None,
+                    norm=entry.norm if entry is not None else None)
 
     def _add_to_round(self, shard: _Shard, clock: int, gradient: torch.Tensor, workers: list[int],
                       versions: list[int]) -> None:
@@ -572,7 +613,8 @@ class ParameterServer:
                                 weight=1.0 / len(entry.workers))
 
     def _apply(self, shard: _Shard, gradient: torch.Tensor, workers: tuple[int, ...],
-               computed_from: tuple[int, ...], *, weight: float) -> None:
+               computed_from: tuple[int, ...], *, weight: float, unit: int | None = None,
+               norm: float | None = None) -> None:
         info = UpdateInfo(model=shard.spec.name, server=self.server, version=shard.version, workers=workers,
                           computed_from=computed_from, weight=weight)
         shard.rule(shard.values, gradient, info)
@@ -587,10 +629,84 @@ class ParameterServer:
         every = self.config.checkpoint_every
         if every and shard.version // every > before // every:
             self._checkpoint(shard)
+        if not self._replicas:
+            return
+        if norm is None:  # eq. (1): ||u|| = lr weight ||g|| (the replica's divergence estimate uses it)
+            norm = abs(shard.lr * weight) * float(torch.linalg.vector_norm(gradient.double()))
+        if self._network_replication:
+            lead = self._lead.setdefault(shard.spec.name, [])
+            lead.append((info.version, shard.version - info.version, norm))
+            acked = min((self._replica_at.get(r, {}).get(shard.spec.name, (0, 0.0))[0] for r in self._replicas),
+                        default=0)
+            while lead and lead[0][0] < acked:
+                lead.pop(0)
+        fields = dict(model=shard.spec.name, version=info.version, workers=list(workers),
+                      computed_from=list(computed_from), weight=weight, norm=norm, t=time.monotonic())
         for replica in self._replicas:
-            self._send_replica(replica, protocol.encode(op="update", model=shard.spec.name, version=info.version,
-                                                        workers=list(workers), computed_from=list(computed_from),
-                                                        weight=weight), gradient.clone())
+            if unit is not None and self._network_replication:
+                # MLfabric §5.3: the update itself reaches the replica from the workers (the
+                # scheduler planned it); the server only says where it stands in its order
+                self._send_replica(replica, protocol.encode(op="applied", unit=unit, **fields), b"")
+            else:  # chain replication (and, under network replication, what the network did not carry)
+                self._send_replica(replica, protocol.encode(op="update", **fields), gradient.clone())
+
+    def _replicas_too_far(self, shard: _Shard, entry: _Entry, now: float) -> bool:
+        """§5.3 step 3 with the replicas' own word: the batch's last entry waits while applying
+        it would leave a live replica further than Div_max behind (eq. (11) on the acked version
+        and history norm, and the norms of what this server applied since, this entry included),
+        at most ``slack_s``; then it goes on, counted and warned (``bound_overruns``)."""
+        settings = self.config.scheduled_settings()
+        bound = settings.divergence
+        if not self._network_replication or bound is None or entry.norm is None:
+            return False
+        name = shard.spec.name
+        lead = self._lead.get(name, [])
+        gone = set(self.transport.lost_peers) | set(self.transport.departed_peers)
+        far = []
+        for replica in self._replicas:
+            if replica in gone:
+                continue
+            version, history_norm = self._replica_at.get(replica, {}).get(name, (0, 0.0))
+            norms = [n for v, _, n in lead if v >= version] + [entry.norm]
+            if not bound.allows(history_norm, norms, shard.momentum):
+                far.append(replica)
+        if not far:
+            if self._held_since is not None:
+                self.stats.replica_wait_s += now - self._held_since
+                self._held_since = None
+            return False
+        if self._held_since is None:
+            self._held_since = now
+            self.stats.replica_waits += 1
+        if now - self._held_since < settings.slack_s:
+            return True
+        self.stats.bound_overruns += 1
+        self.stats.replica_wait_s += now - self._held_since
+        self._held_since = None
+        log.warning("%s: %s still beyond Div_max %s after %.1f s; the batch's last update goes on (the bound is "
+                    "overrun: the replica's network path is slower than planned)", self.who,
+                    ", ".join(self.layout.describe(r) for r in far), bound, settings.slack_s)
+        return False
+
+    @property
+    def _network_replication(self) -> bool:
+        return self.config.routing == "scheduled" and self.config.scheduled_settings().replication == "network"
+
+    def _probe_replicas(self, shard: _Shard, batch: int) -> None:
+        """At a batch's end, with ``measure_divergence``: the replicas get this server's model
+        (and its time and version) to measure how far theirs is (:class:`mlfabric.ps.replica.Replica`)."""
+        if not self._replicas or not self.config.scheduled_settings().measure_divergence:
+            return
+        for replica in self._replicas:
+            if replica in self.transport.lost_peers or replica in self.transport.departed_peers:
+                continue
+            values = shard.values.clone()
+            handle = self.transport.send(replica, protocol.tag(protocol.REPLICATE, self.config.session),
+                                         tensor_bytes(values), channel=self.channel, meta=protocol.encode(
+                                             op="probe", model=shard.spec.name, batch=batch, version=shard.version,
+                                             t=time.monotonic()))
+            self._sending.append((handle, values))
+            self.stats.probe_bytes += values.numel() * values.element_size()
 
     def _checkpoint(self, shard: _Shard) -> None:
         from .checkpoint import checkpoint_path, write_checkpoint
@@ -670,6 +786,17 @@ class ParameterServer:
         if msg.src in self._replicas:
             log.warning("%s: %s registered twice; it stays registered once", self.who, name)
             return
+        if self._network_replication and self.layout.replicated_server(msg.src) != self.server:
+            # the scheduler plans units for the replicas of the layout (PSLayout.replicas_of):
+            # one that claims another server's slot would never get its updates
+            text = (f"{self.who}: {name} asked to replicate server {self.server}, but under network replication "
+                    f"it is server {self.layout.replicated_server(msg.src)}'s replica (replica i mirrors server "
+                    f"i % {self.layout.servers}); register without a server, or use replication 'chain'")
+            log.error("%s", text)
+            self.stats.errors.append(text)
+            self.transport.send(msg.src, protocol.tag(protocol.REPLICATE, self.config.session), b"",
+                                meta=protocol.encode(op="refused", message=text), channel=self.channel)
+            return
         self._replicas.append(msg.src)
         log.info("%s: %s replicates this server", self.who, name)
         for shard in self.shards.values():
@@ -684,6 +811,11 @@ class ParameterServer:
 
     def _send_replica(self, replica: int, header: bytes, values: torch.Tensor | bytes) -> None:
         if replica in self.transport.lost_peers or replica in self.transport.departed_peers:
+            if replica not in self._seen_lost:
+                self._seen_lost.add(replica)
+                log.warning("%s: %s is gone (%s); this server goes on without it -- the job has no standby for "
+                            "server %d now", self.who, self.layout.describe(replica),
+                            self.transport.lost_peers.get(replica, "departed"), self.server)
             return
         payload = values if isinstance(values, bytes) else tensor_bytes(values)
         self.stats.replica_bytes += len(payload) if isinstance(payload, bytes) else payload.nbytes
