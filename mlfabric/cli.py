@@ -1231,6 +1231,10 @@ def train(
                                                       "RATE:PROB,... relative to --rate.")] = None,
     churn_period: Annotated[Optional[str], typer.Option("--churn-period", help="With --churn: seconds between "
                                                                               "redraws, e.g. 5s (default).")] = None,
+    topology: Annotated[Optional[str], typer.Option(help="With --emulate: the parameter-server launch's topology "
+                                                         "instead of the star, e.g. racks:r=2,h=5,oversub=4 (one "
+                                                         "host per rank, servers first; MLNET's rack trees use its "
+                                                         "racks).")] = None,
 ) -> None:
     """eager-SGD and the parameter server vs synchronous SGD on local ranks (or, with --emulate,
     on an emulated network): throughput and validation metric vs wall time.
@@ -1274,13 +1278,14 @@ def train(
     out_dir = out if out is not None else Path("runs") / workload
     emulation = None
     if not emulate:
-        for flag, value in (("--rate", rate), ("--churn", churn), ("--churn-period", churn_period)):
+        for flag, value in (("--rate", rate), ("--churn", churn), ("--churn-period", churn_period),
+                            ("--topology", topology)):
             if value is not None:
                 raise typer.BadParameter(f"{flag} applies to an emulated run: add --emulate (root)")
     else:
         emulation = make_config(TrainEmulation, rate_bps=_parse_or_usage(parse_rate, rate or "1gbit"), churn=churn,
                                 churn_period_s=_parse_or_usage(parse_duration, churn_period or "5s"),
-                                trace_dir=str(out_dir))
+                                trace_dir=str(out_dir), ps_topology=topology)
         if churn_period is not None and churn is None:
             raise typer.BadParameter("--churn-period needs --churn N1|N2|N3")
     config = make_config(EagerTrainConfig, workload=workload, workers=workers, modes=modes, injects=injects,

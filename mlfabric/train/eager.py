@@ -134,12 +134,16 @@ class TrainEmulation:
     star with every NIC at ``rate_bps``; ``churn`` (``N1``/``N2``/``N3`` or ``RATE:PROB,...``)
     redraws every NIC's rates every ``churn_period_s`` seconds (seeded by the run's seed), as
     ``mlfabric launch --churn`` does. The churn traces (capacity-trace CSVs) go to
-    ``trace_dir`` (default: a new directory in the temp dir), one per launch."""
+    ``trace_dir`` (default: a new directory in the temp dir), one per launch. ``ps_topology``
+    (``--topology``): the parameter-server launch's topology instead of the star, e.g.
+    ``racks:r=2,h=5,oversub=4`` (rank ``r`` on host ``r``: servers first; its host count must
+    be servers + workers; MLNET's rack trees read their racks off it)."""
 
     rate_bps: float = 1e9
     churn: str | None = None
     churn_period_s: float = 5.0
     trace_dir: str | None = None
+    ps_topology: str | None = None
 
     def __post_init__(self) -> None:
         from mlfabric.emu.churn import churn_model
@@ -150,11 +154,27 @@ class TrainEmulation:
             raise ValueError(f"churn period must be a positive number of seconds, got {self.churn_period_s}")
         if self.churn is not None:
             churn_model(self.churn)  # raises with the accepted spellings
+        if self.ps_topology is not None:
+            from mlfabric.topo import TopologySpec
+
+            object.__setattr__(self, "ps_topology", str(TopologySpec.parse(self.ps_topology)))  # raises if bad
 
     @staticmethod
     def topology(ranks: int) -> str:
         """The emulated star of a launch of ``ranks`` ranks."""
         return f"star:n={ranks}"
+
+    def launch_topology(self, ranks: int, ps: bool) -> str:
+        """The parameter-server launch's ``ps_topology`` if given, else the star."""
+        if not ps or self.ps_topology is None:
+            return self.topology(ranks)
+        from mlfabric.topo import parse_topology
+
+        hosts = parse_topology(self.ps_topology, self.rate_bps).n_hosts
+        if hosts != ranks:
+            raise ValueError(f"--topology {self.ps_topology} has {hosts} hosts, but the parameter-server launch has "
+                             f"{ranks} ranks (servers + replicas + workers), one per host")
+        return self.ps_topology
 
 
 def parse_injection(text: str) -> Any:
@@ -840,7 +860,7 @@ def _launch_config(config: EagerTrainConfig, world: int, *, ps: bool, env: dict[
     from mlfabric.emu.launcher import emulated_launch
 
     name = "parameter-server" if ps else "collective"
-    record: dict[str, Any] = {"launch": name, "topology": emulation.topology(world), "hosts": world}
+    record: dict[str, Any] = {"launch": name, "topology": emulation.launch_topology(world, ps), "hosts": world}
     reduced: list[float] = []  # per redraw: the share of NIC directions below the full rate
     if emulation.churn is not None and trace_dir is not None:
         record["churn_trace"] = str(Path(trace_dir) / f"churn-{name}.csv")

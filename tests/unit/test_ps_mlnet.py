@@ -266,3 +266,15 @@ def test_rack_trees_read_the_racks_off_the_launch_topology(monkeypatch: pytest.M
         MLNetSettings(tree="rack").parents(8, 2, list(range(10, 18)))
     monkeypatch.delenv("MLFABRIC_TOPOLOGY")  # loopback: one rack, one aggregator per server
     assert MLNetSettings(tree="rack").parents(4, 2).tolist() == [[-1, 0, 0, 0], [1, -1, 1, 1]]
+
+
+def test_train_emulation_takes_a_topology_for_the_ps_launch() -> None:
+    from mlfabric.train.eager import TrainEmulation
+
+    emulation = TrainEmulation(ps_topology="racks:r=2,h=5,oversub=4", rate_bps=50e6)
+    assert emulation.launch_topology(10, ps=True) == "racks:r=2,h=5,oversub=4"
+    assert emulation.launch_topology(8, ps=False) == "star:n=8"  # the collective launch keeps the star
+    with pytest.raises(ValueError, match="has 10 hosts, but the parameter-server launch has 9 ranks"):
+        emulation.launch_topology(9, ps=True)
+    with pytest.raises(ValueError, match="unknown parameter"):
+        TrainEmulation(ps_topology="racks:q=1")
