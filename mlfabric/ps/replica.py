@@ -65,8 +65,8 @@ class ReplicaStats:
 
     updates_applied: int = 0          # versions applied (chain updates and network units)
     from_network: int = 0             # of which, units whose payload came from the workers
-    bytes_in: int = 0                 # every byte this replica received (models, updates, notes, probes)
-    probe_bytes: int = 0              # of which, the servers' models for measuring
+    bytes_in: int = 0                 # payload bytes it got to replicate (models, updates, units)
+    probe_bytes: int = 0              # and the servers' models for measuring (apart)
     divergence: list[tuple[int, float, float, int]] = field(default_factory=list)
 
     @property
@@ -152,35 +152,29 @@ class Replica:
         tag = protocol.tag(protocol.REPLICATE, self.config.session)
         server_rank = self.layout.server_rank(self.server)
         mailbox = self.transport.mailbox
-        before = self.transport.counters()
         ending: float | None = None
-        try:
-            while not self._stop.is_set():
-                version = mailbox.version
-                # any source: the server, the scheduler (units), workers and replica aggregators
-                while (msg := mailbox.take(self.channel, tag)) is not None:
-                    if self._take(msg, server_rank):
-                        ending = ending or time.monotonic()
-                self._drain()
-                if ending is None and server_rank in self.transport.departed_peers:
-                    ending = time.monotonic()  # gone without its end: what is queued gets timeout_s
-                if ending is not None:
-                    if not self._queue:
-                        return dict(self.versions)
-                    if time.monotonic() - ending > self.config.timeout_s:
-                        log.error("%s: server %d ended; %d of its updates never reached this replica within %.0f s "
-                                  "(first: %s); the replica stops at versions %s", self.who, self.server,
-                                  len(self._queue), self.config.timeout_s, self._queue[0][0], self.versions)
-                        return dict(self.versions)
-                promoted = self._after_loss(server_rank)
-                if promoted is not None:
-                    return promoted
-                self.transport.progress(version, 0.1)
-            return dict(self.versions)
-        finally:
-            after = self.transport.counters()
-            self.stats.bytes_in = (sum(c.bytes_recv for c in after.values())
-                                   - sum(c.bytes_recv for c in before.values()))
+        while not self._stop.is_set():
+            version = mailbox.version
+            # any source: the server, the scheduler (units), workers and replica aggregators
+            while (msg := mailbox.take(self.channel, tag)) is not None:
+                if self._take(msg, server_rank):
+                    ending = ending or time.monotonic()
+            self._drain()
+            if ending is None and server_rank in self.transport.departed_peers:
+                ending = time.monotonic()  # gone without its end: what is queued gets timeout_s
+            if ending is not None:
+                if not self._queue:
+                    return dict(self.versions)
+                if time.monotonic() - ending > self.config.timeout_s:
+                    log.error("%s: server %d ended; %d of its updates never reached this replica within %.0f s "
+                              "(first: %s); the replica stops at versions %s", self.who, self.server,
+                              len(self._queue), self.config.timeout_s, self._queue[0][0], self.versions)
+                    return dict(self.versions)
+            promoted = self._after_loss(server_rank)
+            if promoted is not None:
+                return promoted
+            self.transport.progress(version, 0.1)
+        return dict(self.versions)
 
     def _after_loss(self, server_rank: int) -> "dict[str, int] | ServerStats | None":
         """The server is gone: take over (failover), or stop; None while it is there."""
@@ -202,6 +196,10 @@ class Replica:
         """File one message; True if it is the server's end."""
         header = protocol.decode(msg.meta)
         op = header["op"]
+        if op == "probe":
+            self.stats.probe_bytes += msg.payload.nbytes
+        else:
+            self.stats.bytes_in += msg.payload.nbytes
         if op == "refused":
             raise RuntimeError(header["message"])
         if op == "unit":  # a unit's payload, from a worker or a replica aggregator
@@ -222,8 +220,6 @@ class Replica:
             return False
         if op == "end":
             return True
-        if op == "probe":
-            self.stats.probe_bytes += msg.payload.nbytes
         if op in ("applied", "update"):
             self._norms.setdefault(header["model"], {})[int(header["version"])] = (
                 float(header.get("norm", 0.0)), len(header["workers"]) if self._async else 1)
