@@ -841,7 +841,10 @@ def run_eager_training(config: EagerTrainConfig, *, argv: Sequence[str] | None =
             "rate_bps": emulation.rate_bps, "churn": emulation.churn,
             "churn_period_s": emulation.churn_period_s if emulation.churn is not None else None,
             "churn_seed": config.seed if emulation.churn is not None else None,
-            "placement": "one rank per host of a star of each launch's ranks (PS: servers on hosts 0..S-1)",
+            "placement": ("one rank per host of a star of each launch's ranks (PS: servers on hosts 0..S-1)"
+                          if emulation.ps_topology is None else
+                          f"one rank per host; the PS launch on {emulation.ps_topology} (servers on hosts "
+                          "0..S-1), the collective launch on a star"),
             "launches": emulated},
     }
     return EagerTrainResult(config=config, runs=tuple(runs), startup_s=startup, wall_s=wall, metadata=metadata)
@@ -978,7 +981,7 @@ def render_table(result: EagerTrainResult) -> Table:
     where = ""
     if config.emulation is not None:
         emu = config.emulation
-        where = (f", emulated star at {emu.rate_bps / 1e6:g} Mbit/s per NIC"
+        where = (f", emulated {emu.ps_topology or 'star'} at {emu.rate_bps / 1e6:g} Mbit/s per NIC"
                  + (f", churn {emu.churn} every {emu.churn_period_s:g}s" if emu.churn is not None else ""))
     table = Table(title=f"{config.workload}: {config.workers} workers, {config.epochs_} epochs x "
                         f"{config.steps_per_epoch} steps, batch {config.batch_size_} per worker, "
