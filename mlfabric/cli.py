@@ -747,8 +747,10 @@ def simulate_ps_cmd(
                                                "aggregator per rack) or tree (with --degree).")] = "baseline",
     degree: Annotated[Optional[int], typer.Option(help="In-degree d of --strategy tree.")] = None,
     model_size: Annotated[str, typer.Option("--model-size", help="Model (= gradient) size in bytes.")] = "100MB",
-    placement: Annotated[str, typer.Option(help="random (seeded, disjoint), sequential, or colocated "
-                                                "(worker i and server i on host i: the P2P PS).")] = "random",
+    placement: Annotated[str, typer.Option(help="random (seeded, disjoint), sequential, colocated "
+                                                "(worker i and server i on host i: the P2P PS), or launch "
+                                                "(servers on hosts 0..S-1, then the workers: an emulated "
+                                                "train launch's placement).")] = "random",
     routing: RoutingOption = "ecmp",
     seed: Annotated[int, typer.Option(help="Seed of placement, ECMP and compute draws.")] = 0,
     iterations: Annotated[int, typer.Option(help="Iterations to simulate.")] = 1,

@@ -89,7 +89,7 @@ __all__ = [
 ]
 
 PS_STRATEGIES = ("baseline", "binary", "rack", "tree")
-PLACEMENTS = ("random", "sequential", "colocated")
+PLACEMENTS = ("random", "sequential", "colocated", "launch")
 _PLACEMENT_STREAM = 3
 
 
@@ -188,6 +188,8 @@ class PSConfig:
     #: of the iteration arrived everywhere: a push phase, then a pull phase).
     barrier: str = "server"
     iterations: int = 1
+    #: ``launch`` (servers on hosts 0..S-1, then the workers: rank r on host r of
+    #: ``mlfabric launch`` and ``train --emulate``, whose PS ranks are servers first),
     #: ``random`` (disjoint hosts, seeded), ``sequential`` (workers then servers), ``colocated``
     #: (worker i and server i on host i: the P2P parameter server).
     placement: str = "random"
@@ -243,7 +245,9 @@ def ps_placement(topology: Topology, config: PSConfig, seed: int = 0, job: int =
         if w + s > n:
             raise ValueError(f"{w} workers + {s} servers do not fit on the {n} hosts of {topology.spec}; "
                              "use placement 'colocated' to put a worker and a server on one host")
-        if config.placement == "sequential":
+        if config.placement == "launch":  # listed workers first, as the other placements
+            hosts = np.r_[np.arange(s, s + w), np.arange(s)]
+        elif config.placement == "sequential":
             hosts = np.arange(n)
         else:
             rng = np.random.default_rng(np.random.SeedSequence([seed, _PLACEMENT_STREAM, job]))

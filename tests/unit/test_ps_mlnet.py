@@ -18,7 +18,7 @@ import torch
 from mlfabric.errors import PeerLostError
 from mlfabric.ps import PSConfig, PSLayout, PSRequestError, UpdateInfo, local_jobs
 from mlfabric.ps.mlnet import MLNetSettings
-from mlfabric.topo.trees import parse_tree_kind, subtree_of, tree_parents
+from mlfabric.topo.trees import parse_tree_kind, rack_of, subtree_of, tree_parents
 
 from tests.unit.test_ps import quadratic_gradient, run_job
 
@@ -278,3 +278,22 @@ def test_train_emulation_takes_a_topology_for_the_ps_launch() -> None:
         emulation.launch_topology(9, ps=True)
     with pytest.raises(ValueError, match="unknown parameter"):
         TrainEmulation(ps_topology="racks:q=1")
+
+
+def test_the_simulator_places_a_ps_as_the_launchers_do() -> None:
+    """``simulate ps --placement launch``: servers on hosts 0..S-1, workers after them (rank r on
+    host r of an emulated ``train`` launch), so emulated and simulated runs share the trees."""
+    from mlfabric.sim.workloads import PSConfig as SimPS
+    from mlfabric.sim.workloads import ps_placement
+    from mlfabric.sim.workloads import tree_parents as sim_tree_parents
+    from mlfabric.topo import parse_topology
+
+    topo = parse_topology("racks:r=2,h=5,oversub=4", 50e6)
+    config = SimPS(workers=8, servers=2, model_bytes=1e6, strategy="rack", placement="launch")
+    workers, servers = ps_placement(topo, config)
+    assert workers.tolist() == list(range(2, 10)) and servers.tolist() == [0, 1]
+    # The runtime's trees for that launch (rank r on host r, racks from the spec) are the simulator's.
+    runtime = MLNetSettings(tree="rack", racks=tuple(rack_of(topo, workers).tolist()))
+    assert np.array_equal(runtime.parents(8, 2, workers.tolist()), sim_tree_parents(topo, config, workers, servers))
+    with pytest.raises(ValueError, match="do not fit on the 10 hosts"):
+        ps_placement(topo, SimPS(workers=9, servers=2, model_bytes=1e6, placement="launch"))
