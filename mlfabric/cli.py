@@ -1204,6 +1204,8 @@ def train(
                                                                      "step (sleep after the CPU's), e.g. 60ms.")] = "0",
     image_size: Annotated[Optional[int], typer.Option("--image-size", help="lenet5: image side (default 28; 16 "
                                                                            "makes a 1.1M-parameter model).")] = None,
+    hidden: Annotated[Optional[int], typer.Option(help="mlp: the student's hidden width (default 256: 143k "
+                                                       "parameters; 1024: 2.1M).")] = None,
     topics: Annotated[Optional[int], typer.Option(help="lda: topics K (default 20).")] = None,
     vocabulary: Annotated[Optional[int], typer.Option(help="lda: vocabulary size V (default 4000).")] = None,
     documents: Annotated[Optional[int], typer.Option(help="lda: training documents, sharded over the workers "
@@ -1276,7 +1278,10 @@ def train(
         raise typer.BadParameter(f"--image-size applies to lenet5, not {workload}")
     lenet5 = make_config(LeNet5Spec, compute_time_s=compute_s, **({"image_size": image_size} if image_size else {}),
                          **(samples if workload == "lenet5" else {}))
-    mlp = make_config(MlpSpec, compute_time_s=compute_s, **(samples if workload == "mlp" else {}))
+    if hidden is not None and workload != "mlp":
+        raise typer.BadParameter(f"--hidden applies to mlp, not {workload}")
+    mlp = make_config(MlpSpec, compute_time_s=compute_s, **(samples if workload == "mlp" else {}),
+                      **({"hidden": hidden} if hidden else {}))
     out_dir = out if out is not None else Path("runs") / workload
     emulation = None
     if not emulate:
