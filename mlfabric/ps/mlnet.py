@@ -59,11 +59,10 @@ from mlfabric.topo.trees import children_of, parse_tree_kind, rack_of, tree_pare
 from mlfabric.transport.base import Message, SendHandle
 
 from . import protocol
-from .routing import answer_directly
+from .routing import DirectRouting
 from .server import payload_tensor
 
 if TYPE_CHECKING:
-    from .server import ParameterServer, PendingPull
     from .worker import PSWorker
 
 log = logging.getLogger("mlfabric.ps")
@@ -469,8 +468,9 @@ class TreeNode:
             tree.done = True
 
 
-class MLNetRouting:
-    """The ``mlnet`` routing policy (module docstring)."""
+class MLNetRouting(DirectRouting):
+    """The ``mlnet`` routing policy (module docstring). Servers answer the pulls that reach
+    them (the root-level nodes') as with direct routing."""
 
     name = "mlnet"
 
@@ -516,16 +516,6 @@ class MLNetRouting:
         they have left (at most ``timeout`` s)."""
         if self.node is not None:
             self.node.leave(timeout)
-
-    def answer_pulls(self, server: "ParameterServer", pulls: "list[PendingPull]", shard: torch.Tensor,
-                     header: bytes) -> list[SendHandle]:
-        return answer_directly(server, pulls, shard, header)
-
-    def ready_to_answer(self, server: "ParameterServer") -> bool:
-        return True
-
-    def answer_at(self) -> float | None:
-        return None
 
     @property
     def stats(self) -> NodeStats:
