@@ -80,16 +80,19 @@ class DivergenceBound:
     def parse(cls, text: str) -> "DivergenceBound":
         """``"0.5"`` (a norm) or ``"30u"`` / ``"30 updates"`` (a number of updates)."""
         key = text.strip().lower()
+        shape = f"Div_max {text!r}: expected a norm (0.5) or a number of updates (30u)"
         for suffix in ("updates", "update", "u"):
             if key.endswith(suffix):
                 try:
-                    return cls(updates=int(key.removesuffix(suffix).strip()))
+                    updates = int(key.removesuffix(suffix).strip())
                 except ValueError:
-                    break
+                    raise ValueError(shape) from None
+                return cls(updates=updates)  # its own error for 0u, -2u
         try:
-            return cls(norm=float(key))
+            norm = float(key)
         except ValueError:
-            raise ValueError(f"Div_max {text!r}: expected a norm (0.5) or a number of updates (30u)") from None
+            raise ValueError(shape) from None
+        return cls(norm=norm)  # its own error for 0, -1, nan, inf
 
     def allows(self, history_norm: float, update_norms: Sequence[float], momentum: float) -> bool:
         """Whether a replica this far behind is within the bound."""

@@ -203,16 +203,11 @@ class SchedulerService:
         self._batches = itertools.count(1)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        #: Network replication (§5.3): replica aggregators (k' worker hosts, taken from the end of
-        #: the workers so that they differ from the server's aggregators where there are enough),
-        #: and per (model, replica) the units punted to the next batch and the bound of the
-        #: replica's history norm where the frozen units leave it.
+        #: Network replication (§5.3): per (model, replica) the units punted to the next batch and
+        #: the bound of the replica's history norm where the frozen units leave it.
         self.replicating = settings.replication == "network" and self.layout.replicas > 0
         if self.replicating and self.sync:
             raise ValueError("network replication is planned for MLfabric-A (async:TAU); under bsp use chain")
-        workers = self.layout.worker_ranks
-        self.replica_aggregators = aggregator_ranks(range(workers.stop - 1, workers.start - 1, -1),
-                                                    settings.replica_aggregators)
         self._punted: dict[tuple[str, int], list[ReplicaUnit]] = {}
         self._history_norm: dict[tuple[str, int], float] = {}
         self._unit_members: dict[int, list[tuple[int, int]]] = {}  # unit key -> its (rank, update id)
@@ -400,6 +395,15 @@ class SchedulerService:
             # the delayed entry may arrive later than planned: its skip deadline moves with it
             entries[-1][3] = max(entries[-1][3], entries[-1][7] + self.settings.slack_s)
 
+    def replica_aggregators(self, now: float) -> list[int]:
+        """k' replica aggregators among the workers still in the job (one that left has stopped
+        its aggregator thread), taken from the end of the workers so that they differ from the
+        server's aggregators where there are enough."""
+        live = set(self.server.book.counted(now))
+        workers = [r for r in reversed(self.layout.worker_ranks) if self.layout.worker_index(r) in live]
+        workers = workers or list(reversed(self.layout.worker_ranks))  # none left: units have no member either
+        return [workers[i] for i in aggregator_ranks(range(len(workers)), self.settings.replica_aggregators)]
+
     def _flush_replication(self, now: float) -> None:
         """Send every punted unit now (no batch of server updates to schedule around)."""
         with self._ledger_lock:
@@ -419,7 +423,7 @@ class SchedulerService:
         network = self.ledger.state(now, *self.monitor.capacities(now))
         assert settings.divergence is not None  # ScheduledSettings checks it for "network"
         plan = plan_replication(network, units=units, punted=punted, server_commit=commits, replica=replica,
-                                aggregators=self.replica_aggregators, bound=settings.divergence,
+                                aggregators=self.replica_aggregators(now), bound=settings.divergence,
                                 momentum=shard.momentum, history_norm=self._history_norm.get((model, replica), 0.0),
                                 start=now)
         self.ledger.add([t for k in plan.frozen for t in plan.transfers[k]])
@@ -737,6 +741,7 @@ class Aggregator:
     Copies never asked for (their unit was never frozen) are freed when the worker leaves."""
 
     MAX_COPIES = 256
+    LINGER_S = 0.5
 
     def __init__(self, worker: "PSWorker", settings: ScheduledSettings) -> None:
         self.worker = worker
@@ -772,9 +777,19 @@ class Aggregator:
         self._thread.start()
 
     def stop(self, timeout: float) -> None:
-        """Forward what is complete (or due), then stop."""
+        """Forward what is complete (or due), then stop. Under network replication, linger
+        ``LINGER_S`` with nothing open first: this host may have been made a unit's replica
+        aggregator just before the scheduler heard that its worker leaves."""
         deadline = time.monotonic() + timeout
-        while self._open() and time.monotonic() < deadline:
+        linger = self.LINGER_S if self.settings.replication == "network" and self.worker.layout.replicas else 0.0
+        idle_since = None
+        while time.monotonic() < deadline:
+            if self._open():
+                idle_since = None
+            elif idle_since is None:
+                idle_since = time.monotonic()
+            if idle_since is not None and time.monotonic() - idle_since >= linger:
+                break
             time.sleep(0.02)
         self._stop.set()
         self.worker.transport.mailbox.notify()

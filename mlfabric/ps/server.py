@@ -667,8 +667,10 @@ class ParameterServer:
             if replica in gone:
                 continue
             version, history_norm = self._replica_at.get(replica, {}).get(name, (0, 0.0))
-            norms = [n for v, _, n in lead if v >= version] + [entry.norm]
-            if not bound.allows(history_norm, norms, shard.momentum):
+            behind = [n for v, _, n in lead if v >= version]
+            # waiting helps only while the replica has not got everything before this entry
+            # (one update over Div_max alone is the scheduler's 'violated', warned there)
+            if behind and not bound.allows(history_norm, behind + [entry.norm], shard.momentum):
                 far.append(replica)
         if not far:
             if self._held_since is not None:

@@ -13,6 +13,11 @@ scheduler orders and aggregates for the round's makespan), ``mlnet-binary``, ``m
 ``mlnet-tree:D`` (MLNET's aggregation/multicast trees, :mod:`mlfabric.ps.mlnet`: BSP, or SSP
 inside the tree with ``+ssp:S``, e.g. ``mlnet-rack+ssp:2``; rack trees take the racks of the
 launch's topology).
+Replicas (``--replicas R``): chain replication (the server forwards each update it applies),
+or under MLfabric-A ``--replication network --div-max X`` (§5.3: the workers send copies of
+their updates, scheduled so that the replica stays within Div_max X, a norm or ``Nu``
+updates); under MLfabric-A the replica measures its true divergence and the eq. (11) estimate
+at every batch end (``max_divergence``, ``max_divergence_estimate`` in runs[]).
 Workers train with :class:`mlfabric.torch.PSOptimizer`; servers (``--servers``, ranks
 ``0..S-1`` of the launch) serve one PS session per run (:meth:`mlfabric.ps.PSJob.session`).
 
@@ -60,9 +65,12 @@ def mlnet_options(mode: str) -> dict[str, Any]:
     return {"consistency": parsed, "routing": "mlnet", "mlnet": settings}
 
 
-def session_options(mode: str, delay_bound: int | None = None, nic_rate_bps: float | None = None) -> dict[str, Any]:
+def session_options(mode: str, delay_bound: int | None = None, nic_rate_bps: float | None = None, *,
+                    replicas: int = 0, replication: str = "chain", div_max: str | None = None) -> dict[str, Any]:
     """The :meth:`mlfabric.ps.PSJob.session` options of a PS mode: its consistency and, for
-    MLfabric-A, the scheduled routing policy (planning with the NIC rate when known)."""
+    MLfabric-A, the scheduled routing policy (planning with the NIC rate when known; with
+    ``replicas``, replicating as ``replication`` says within ``div_max`` and measuring the
+    replicas' divergence at batch ends)."""
     if mode.startswith(MLNET):
         return mlnet_options(mode)
     if mode == MLFABRIC_S:
@@ -78,8 +86,12 @@ def session_options(mode: str, delay_bound: int | None = None, nic_rate_bps: flo
             bound = int(tau)
         except ValueError:
             raise ValueError(f"sync mode {mode!r}: the delay bound must be an integer (mlfabric-a:8)") from None
+        from mlfabric.ps.divergence import DivergenceBound
+
+        replicating = {"replication": replication, "measure_divergence": True,
+                       "divergence": DivergenceBound.parse(div_max) if div_max else None} if replicas else {}
         return {"consistency": Consistency(kind="async", delay_bound=bound), "routing": "scheduled",
-                "scheduled": ScheduledSettings(rate_bps=nic_rate_bps or DEFAULT_RATE_BPS)}
+                "scheduled": ScheduledSettings(rate_bps=nic_rate_bps or DEFAULT_RATE_BPS, **replicating)}
     return {"consistency": ps_consistency(mode, delay_bound)}
 
 
@@ -126,8 +138,8 @@ def serve_run(session: "PSJob", numel: int, dtype: "torch.dtype") -> tuple[dict[
     thread.join()
     if "error" in outcome:
         raise outcome["error"]
-    if session.server is None:
-        return {}, final
+    if session.server is None:  # a replica: what it measured (it serves no shard of the final model)
+        return ({"replica": session.replica.stats.as_dict()} if session.replica is not None else {}), final
     stats = outcome["stats"]
     shard = session.server.shards.get("model")
     if shard is not None:
@@ -136,8 +148,10 @@ def serve_run(session: "PSJob", numel: int, dtype: "torch.dtype") -> tuple[dict[
 
 
 def summarize(server_stats: list[dict[str, Any]], worker_stats: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run's PS figures (``runs[]`` fields of train's JSON) from every server's statistics
-    and every worker's."""
+    """The run's PS figures (``runs[]`` fields of train's JSON) from every server's and
+    replica's statistics (serve_run's) and every worker's."""
+    replica_stats = [s["replica"] for s in server_stats if "replica" in s]
+    server_stats = [s for s in server_stats if "replica" not in s]
     delays: Counter = Counter()
     for s in server_stats:
         delays.update({int(k): v for k, v in s["delays"].items()})
@@ -160,7 +174,18 @@ def summarize(server_stats: list[dict[str, Any]], worker_stats: list[dict[str, A
         "pull_latency_ms": statistics.fmean(latencies) if latencies else None,
         "server_bytes_in": [s["bytes_in"] for s in server_stats],
         "server_bytes_out": [s["bytes_out"] for s in server_stats],
-        "replica_bytes": sum(s.get("replica_bytes", 0) for s in server_stats),
+        # bytes into the replicas (models, updates, notes; not the probes that measure them), and
+        # through each server's NIC (in + out, probes excluded): replication's cost
+        "replica_bytes": (sum(r["bytes_in"] for r in replica_stats) if replica_stats
+                          else sum(s.get("replica_bytes", 0) for s in server_stats)),
+        "server_nic_bytes": [s["bytes_in"] + s["bytes_out"] - s.get("probe_bytes", 0) for s in server_stats],
+        "max_divergence": max((r["max_divergence"] for r in replica_stats if r["max_divergence"] is not None),
+                              default=None),
+        "max_divergence_estimate": max((r["max_divergence_estimate"] for r in replica_stats
+                                        if r["max_divergence_estimate"] is not None), default=None),
+        "divergence_probes": sum(r["probes"] for r in replica_stats),
+        "replica_waits": sum(s.get("replica_waits", 0) for s in server_stats),
+        "bound_overruns": sum(s.get("bound_overruns", 0) for s in server_stats),
         "checkpoints": sum(s.get("checkpoints", 0) for s in server_stats),
         "checkpoint_s": sum(s.get("checkpoint_s", 0.0) for s in server_stats),
         # MLfabric (scheduled policy): pull answers relayed by distributors, worker updates

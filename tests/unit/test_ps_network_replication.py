@@ -110,9 +110,13 @@ def test_chain_replication_is_measured_the_same_way() -> None:
 # --- check 4: bad input -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text", ["0", "-1", "0u", "nan"])
-def test_div_max_must_be_positive(text: str) -> None:
-    with pytest.raises(ValueError, match="Div_max"):
+# (regression: parse("0") used to answer "expected a norm or a number of updates", hiding why)
+@pytest.mark.parametrize(("text", "message"), [("0", "Div_max must be a positive norm, got 0.0"),
+                                               ("-1", "must be a positive norm"), ("nan", "must be a positive norm"),
+                                               ("0u", "Div_max must be at least 1 update, got 0"),
+                                               ("-3 updates", "at least 1 update"), ("1.5u", "expected a norm")])
+def test_div_max_must_be_positive(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
         DivergenceBound.parse(text)
 
 
