@@ -1172,7 +1172,13 @@ def train(
                                            "allreduce,ps-async,mlfabric-a:8.")] = None,
     servers: Annotated[int, typer.Option(help="PS modes: server processes (beside --workers workers).")] = 1,
     replicas: Annotated[int, typer.Option(help="PS modes: replica processes (replica i mirrors server i % "
-                                               "servers; chain replication).")] = 0,
+                                               "servers).")] = 0,
+    replication: Annotated[str, typer.Option(
+        help="How replicas get the updates: chain (the server forwards each one) or network (mlfabric-a modes: "
+             "MLfabric §5.3, the workers send copies as the scheduler plans, within --div-max).")] = "chain",
+    div_max: Annotated[Optional[str], typer.Option(
+        "--div-max", help="--replication network: Div_max, the replica's largest divergence from its server at a "
+                          "batch end: a norm (0.5) or a number of updates (30u).")] = None,
     delay_bound: Annotated[Optional[int], typer.Option(
         "--delay-bound", help="ps-async: drop updates whose delay would exceed TAU (MLfabric's tau_max).")] = None,
     checkpoint_every: Annotated[int, typer.Option(
@@ -1299,7 +1305,8 @@ def train(
                          epochs=epochs, batch_size=batch_size, lr=lr, momentum=momentum,
                          sync_every_epochs=sync_every_epochs, algorithm=algorithm, hyperplane=hyper, lstm=lstm,
                          lenet5=lenet5, mlp=mlp, lda=lda, transport=transport, timeout_s=timeout, seed=seed, servers=servers,
-                         replicas=replicas, delay_bound=delay_bound, emulation=emulation, target=target,
+                         replicas=replicas, replication=replication, div_max=div_max, delay_bound=delay_bound,
+                         emulation=emulation, target=target,
                          checkpoint_every=checkpoint_every)
     if emulate:
         from mlfabric.emu.cmd import have_root
@@ -1316,6 +1323,10 @@ def train(
             command += ["--churn", churn, "--churn-period", churn_period or "5s"]
     if any(is_ps_mode(mode) for mode in modes):
         command += ["--servers", str(servers)] + (["--replicas", str(replicas)] if replicas else [])
+        if replication != "chain":
+            command += ["--replication", replication]
+        if div_max is not None:
+            command += ["--div-max", div_max]
     if checkpoint_every:
         command += ["--checkpoint-every", str(checkpoint_every)]
     for flag, value in (("--delay-bound", delay_bound), ("--epochs", epochs), ("--batch-size", batch_size), ("--lr", lr), ("--momentum", momentum),

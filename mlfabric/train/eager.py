@@ -241,6 +241,10 @@ class EagerTrainConfig:
     servers: int = 1
     replicas: int = 0
     delay_bound: int | None = None
+    #: How replicas are fed: "chain" (the server forwards each update) or, for mlfabric-a modes,
+    #: "network" (MLfabric §5.3, within Div_max ``div_max``: a norm, or "Nu" updates).
+    replication: str = "chain"
+    div_max: str | None = None
     #: PS modes: each server checkpoints its shard to a local file every N versions (0: never;
     #: MLfabric §7.3's baseline for replication), in a temporary directory removed after the run.
     checkpoint_every: int = 0
@@ -249,6 +253,25 @@ class EagerTrainConfig:
     #: The metric every run's time to target is measured at (MLfabric's Table 2: time to a
     #: target accuracy). None: allreduce's final metric, less the tolerance of TARGET_TOLERANCE.
     target: float | None = None
+
+    def _check_replication(self) -> None:
+        from mlfabric.ps.divergence import DivergenceBound
+        from mlfabric.ps.scheduling import REPLICATION_MODES
+
+        if self.replication not in REPLICATION_MODES:
+            raise ValueError(f"replication must be one of {', '.join(REPLICATION_MODES)}, got {self.replication!r}")
+        if self.div_max is not None:
+            DivergenceBound.parse(self.div_max)  # a clear error for 0, -1, nan, 0u, words
+            if self.replication != "network":
+                raise ValueError("--div-max bounds network replication: add --replication network")
+        if self.replication == "network":
+            if self.replicas < 1:
+                raise ValueError("--replication network needs --replicas 1 or more")
+            if self.div_max is None:
+                raise ValueError("--replication network needs --div-max X (a norm such as 0.5, or updates such as 30u)")
+            if not any(m.startswith("mlfabric-a:") for m in self.modes):
+                raise ValueError("--replication network is scheduled by MLfabric's scheduler: run a mlfabric-a:TAU "
+                                 "mode (the other PS modes replicate by chain)")
 
     def __post_init__(self) -> None:
         from mlfabric import TRANSPORTS
@@ -270,6 +293,7 @@ class EagerTrainConfig:
             raise ValueError(f"replicas must be >= 0, got {self.replicas}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0 versions (0: never), got {self.checkpoint_every}")
+        self._check_replication()
         if self.delay_bound is not None and self.delay_bound < 0:
             raise ValueError(f"delay_bound must be >= 0, got {self.delay_bound}")
         check_distinct(self.injects, "injections")
@@ -628,7 +652,10 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
 
             checkpoints = tempfile.mkdtemp(prefix="mlfabric-checkpoints-")
         session = ps_job.session(index + 1, **session_options(mode, config.delay_bound,
-                                                              rates.get(comm.transport.channels[0])),
+                                                              rates.get(comm.transport.channels[0]),
+                                                              replicas=config.replicas,
+                                                              replication=config.replication,
+                                                              div_max=config.div_max),
                                  **({"checkpoint_every": config.checkpoint_every, "checkpoint_dir": checkpoints}
                                     if checkpoints else {}))
         if session.role != "worker":
