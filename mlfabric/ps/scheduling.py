@@ -1,6 +1,6 @@
 """MLfabric's scheduler running for real: batches of update requests in, decisions out.
 
-    python -m pytest tests/unit/test_ps_scheduled.py -q
+    python -m pytest tests/unit/test_ps_scheduled.py tests/unit/test_ps_network_replication.py -q
 
 The ``scheduled`` routing policy (MLfabric §4) in three parts, each bounded in time. With
 consistency ``async:TAU`` it is MLfabric-A; with ``bsp`` it is MLfabric-S (§6): a round's
@@ -38,6 +38,24 @@ the server closes a round only when the updates the scheduler routed for it are 
   model from a distributor, which forwards it as soon as it has it (the worker's
   :meth:`~mlfabric.ps.worker.PSWorker.pull_flat`). A worker whose distributor is lost asks
   the server again, to be answered directly.
+
+**Replication** (MLfabric §5.3, ``ScheduledSettings(replication="network", divergence=...)``,
+MLfabric-A with replicas): the server no longer forwards what it applies. After each batch's
+plan the scheduler makes one *unit* per entry of the server's order (an update, or a group's
+aggregate; norm bound ``lr x weight x`` the members' gradient norms) and runs
+:func:`mlfabric.ps.scheduler.replication.plan_replication` per replica on the network the
+batch leaves (ledger + the batch's reservations): the frozen units' transfers are reserved and
+ordered -- each member worker gets a ``replicate`` (send your copy of update X, component j,
+to host H at start S and rate R), each replica aggregator its ``runit`` (members, replica),
+each replica the units' order -- the punted ones wait for the next batch (or, with no batch
+coming, go at the next tick), and the server order's last entry gets a not-before time when
+§5.3 step 3 delays it. Workers keep a copy of each scheduled update until asked (the
+:class:`Aggregator` thread: at most ``MAX_COPIES``, freed once sent to every replica, when the
+scheduler drops the update, or when the worker leaves). The server tells each replica, per
+applied unit, only its key and version (``applied``); the replica applies units in that order
+(:mod:`mlfabric.ps.replica`) and acks, and the server holds a batch's last entry while a
+replica would be beyond Div_max (eq. (11) on the acked state; ``slack_s`` at most, then it goes
+on and counts ``bound_overruns``): the plan's times are predictions, the acks are facts.
 
 Servers apply a batch's updates in the scheduler's order (``ParameterServer`` keeps the
 orders): an entry that has not arrived ``slack_s`` after its planned commit is skipped. A
