@@ -20,6 +20,7 @@ from mlfabric.ps import PSConfig, PSLayout, local_jobs
 from mlfabric.ps.divergence import DivergenceBound
 from mlfabric.ps.replica import Replica
 from mlfabric.ps.scheduling import ScheduledSettings
+from tests.unit.test_ps import run_job
 
 # Floating point: the replica sums and applies the same tensors in the same order as the
 # server (equal bits); the models are float32, so the eq. (11) estimate (in double, from the
@@ -39,14 +40,8 @@ def _train(layout: PSLayout, settings: ScheduledSettings, steps: int = 10, size:
     """Workers pull, push a gradient toward a different optimum each, and repeat; returns
     every rank's outcome (servers: stats, replica: versions) and the jobs."""
     config = PSConfig(consistency="async:6", timeout_s=timeout_s, routing="scheduled", scheduled=settings)
-    jobs = local_jobs(layout, config)
-    out: dict[int, Any] = {}
 
-    def serve(job: Any) -> None:
-        out[job.rank] = job.serve()
-
-    def work(job: Any) -> None:
-        w = job.worker
+    def work(w: Any) -> dict[str, int]:
         w.init_model("m", torch.zeros(size), lr=0.2, momentum=0.6)
         target = torch.linspace(-1, 1, size) * (1 + w.index)
         for _ in range(steps):
@@ -54,18 +49,9 @@ def _train(layout: PSLayout, settings: ScheduledSettings, steps: int = 10, size:
             w.push("m", params - target)
             w.clock()
         w.leave()
-        out[job.rank] = w.routing.stats.as_dict()
+        return w.routing.stats.as_dict()
 
-    threads = [threading.Thread(target=work if j.role == "worker" else serve, args=(j,), daemon=True) for j in jobs]
-    started = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(max(0.1, 60 - (time.monotonic() - started)))
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    for j in jobs:
-        j.comm.close()
-    return out, jobs
+    return run_job(layout, config, work)
 
 
 # tight: the server's last updates wait for the replica; loose, on NICs planned at 2 Mbit/s
@@ -172,12 +158,10 @@ def test_a_replica_that_dies_leaves_the_primary_going_with_a_warning(caplog: pyt
     layout = PSLayout(servers=1, replicas=1, workers=3)
     config = PSConfig(consistency="async:6", timeout_s=10, routing="scheduled",
                       scheduled=_settings("network", "5"))
-    jobs = local_jobs(layout, config)
-    out: dict[int, Any] = {}
+    jobs: list[Any] = []
     halfway = threading.Barrier(3)
 
-    def work(job: Any) -> None:
-        w = job.worker
+    def work(w: Any) -> torch.Tensor:
         w.init_model("m", torch.zeros(500), lr=0.1, momentum=0.5)
         for step in range(8):
             if step == 4:
@@ -187,24 +171,14 @@ def test_a_replica_that_dies_leaves_the_primary_going_with_a_warning(caplog: pyt
                     jobs[1].comm.transport.fabric.kill(1)
             w.push("m", w.pull_flat("m") - 1)
             w.clock()
-        out[job.rank] = w.pull_flat("m")
-        w.leave()
+        return w.pull_flat("m")
 
-    threads = [threading.Thread(target=lambda: out.__setitem__(0, jobs[0].serve()), daemon=True),
-               threading.Thread(target=jobs[1].serve, daemon=True)]
-    threads += [threading.Thread(target=work, args=(j,), daemon=True) for j in jobs[2:]]
     started = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="mlfabric.ps"):
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-    assert not any(t.is_alive() for t in threads), "a rank hung after the replica died"
+        out, _ = run_job(layout, config, work, setup=jobs.extend)  # asserts that no rank hung
     assert time.monotonic() - started < 20
     stats = out[0]
     assert stats.errors == [] and stats.worker_updates + stats.dropped + stats.skipped == 24
     assert any("replica 0" in r.getMessage() and "goes on without it" in r.getMessage() for r in caplog.records)
     for rank in (2, 3, 4):
         assert torch.all(out[rank] > 0.5)  # the workers kept training on the primary
-    for j in jobs:
-        j.comm.close()
