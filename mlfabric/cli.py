@@ -1179,6 +1179,11 @@ def train(
     div_max: Annotated[Optional[str], typer.Option(
         "--div-max", help="--replication network: Div_max, the replica's largest divergence from its server at a "
                           "batch end: a norm (0.5) or a number of updates (30u).")] = None,
+    measure_divergence: Annotated[bool, typer.Option(
+        "--measure-divergence/--no-measure-divergence",
+        help="mlfabric-a with --replicas: each server sends its model to its replicas at every batch end so that "
+             "they measure max_divergence (costs a model per batch on the server's NIC: off for overhead "
+             "measurements).")] = True,
     delay_bound: Annotated[Optional[int], typer.Option(
         "--delay-bound", help="ps-async: drop updates whose delay would exceed TAU (MLfabric's tau_max).")] = None,
     checkpoint_every: Annotated[int, typer.Option(
@@ -1305,7 +1310,8 @@ def train(
                          epochs=epochs, batch_size=batch_size, lr=lr, momentum=momentum,
                          sync_every_epochs=sync_every_epochs, algorithm=algorithm, hyperplane=hyper, lstm=lstm,
                          lenet5=lenet5, mlp=mlp, lda=lda, transport=transport, timeout_s=timeout, seed=seed, servers=servers,
-                         replicas=replicas, replication=replication, div_max=div_max, delay_bound=delay_bound,
+                         replicas=replicas, replication=replication, div_max=div_max,
+                         measure_divergence=measure_divergence, delay_bound=delay_bound,
                          emulation=emulation, target=target,
                          checkpoint_every=checkpoint_every)
     if emulate:
@@ -1327,6 +1333,8 @@ def train(
             command += ["--replication", replication]
         if div_max is not None:
             command += ["--div-max", div_max]
+        if not measure_divergence:
+            command += ["--no-measure-divergence"]
     if checkpoint_every:
         command += ["--checkpoint-every", str(checkpoint_every)]
     for flag, value in (("--delay-bound", delay_bound), ("--epochs", epochs), ("--batch-size", batch_size), ("--lr", lr), ("--momentum", momentum),

@@ -245,6 +245,9 @@ class EagerTrainConfig:
     #: "network" (MLfabric §5.3, within Div_max ``div_max``: a norm, or "Nu" updates).
     replication: str = "chain"
     div_max: str | None = None
+    #: mlfabric-a with replicas: the servers send their model at every batch end so that the
+    #: replicas measure their divergence (max_divergence); off for overhead measurements.
+    measure_divergence: bool = True
     #: PS modes: each server checkpoints its shard to a local file every N versions (0: never;
     #: MLfabric §7.3's baseline for replication), in a temporary directory removed after the run.
     checkpoint_every: int = 0
@@ -655,7 +658,8 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
                                                               rates.get(comm.transport.channels[0]),
                                                               replicas=config.replicas,
                                                               replication=config.replication,
-                                                              div_max=config.div_max),
+                                                              div_max=config.div_max,
+                                                              measure_divergence=config.measure_divergence),
                                  **({"checkpoint_every": config.checkpoint_every, "checkpoint_dir": checkpoints}
                                     if checkpoints else {}))
         if session.role != "worker":

@@ -66,7 +66,8 @@ def mlnet_options(mode: str) -> dict[str, Any]:
 
 
 def session_options(mode: str, delay_bound: int | None = None, nic_rate_bps: float | None = None, *,
-                    replicas: int = 0, replication: str = "chain", div_max: str | None = None) -> dict[str, Any]:
+                    replicas: int = 0, replication: str = "chain", div_max: str | None = None,
+                    measure_divergence: bool = True) -> dict[str, Any]:
     """The :meth:`mlfabric.ps.PSJob.session` options of a PS mode: its consistency and, for
     MLfabric-A, the scheduled routing policy (planning with the NIC rate when known; with
     ``replicas``, replicating as ``replication`` says within ``div_max`` and measuring the
@@ -88,7 +89,7 @@ def session_options(mode: str, delay_bound: int | None = None, nic_rate_bps: flo
             raise ValueError(f"sync mode {mode!r}: the delay bound must be an integer (mlfabric-a:8)") from None
         from mlfabric.ps.divergence import DivergenceBound
 
-        replicating = {"replication": replication, "measure_divergence": True,
+        replicating = {"replication": replication, "measure_divergence": measure_divergence,
                        "divergence": DivergenceBound.parse(div_max) if div_max else None} if replicas else {}
         return {"consistency": Consistency(kind="async", delay_bound=bound), "routing": "scheduled",
                 "scheduled": ScheduledSettings(rate_bps=nic_rate_bps or DEFAULT_RATE_BPS, **replicating)}
