@@ -251,8 +251,12 @@ class TreeNode:
             self._finished.set()
         except BaseException as exc:  # noqa: BLE001 - reported to the worker's next call
             log.exception("%s: mlnet node failed", self.worker.who)
-            self.error = PeerLostError(f"{self.worker.who}: its mlnet tree node failed ({exc!r}); restart the job",
-                                       rank=self.transport.rank)
+            error = PeerLostError(f"{self.worker.who}: its mlnet tree node failed ({exc!r}); restart the job",
+                                  rank=self.transport.rank)
+            try:
+                self._fail(error)  # the waiting pulls get it at once
+            except Exception:  # noqa: BLE001 - the worker's next call still raises it
+                self.error = error
             self._finished.set()
 
     def _event(self, kind: str, *args: Any) -> None:
@@ -407,8 +411,13 @@ class TreeNode:
             tree.waiting[model] = still
             self._ask(tree, model)
 
-    def _answer(self, tree: _Tree, reply_to: Any, copy: _Copy | None, error: str | None = None) -> None:
-        meta = protocol.encode(op="error", message=error) if copy is None else copy.message.meta
+    def _answer(self, tree: _Tree, reply_to: Any, copy: _Copy | None, error: str | None = None,
+                lost_peer: int | None = None) -> None:
+        """Send ``copy`` (or ``error``; ``lost_peer``: the worker raises PeerLostError naming it)."""
+        if copy is not None:
+            meta = copy.message.meta
+        else:
+            meta = protocol.encode(op="error", message=error, **({} if lost_peer is None else {"lost_peer": lost_peer}))
         payload = memoryview(b"") if copy is None else copy.message.payload
         if reply_to[0] == "own":
             _, request_id, clock = reply_to
@@ -463,7 +472,7 @@ class TreeNode:
         for tree in self.trees:
             for waiting in tree.waiting.values():
                 for _, reply_to in waiting:
-                    self._answer(tree, reply_to, None, error=str(error))
+                    self._answer(tree, reply_to, None, error=str(error), lost_peer=error.peer)
             tree.waiting.clear()
             tree.done = True
 

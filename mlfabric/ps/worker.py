@@ -489,6 +489,8 @@ class PSWorker:
         msg = self._take(self.server_rank(server), protocol.reply_tag(self.config.session, request_id), what)
         header = protocol.decode(msg.meta)
         if header["op"] == "error":
+            if "lost_peer" in header:  # an mlnet tree node lost its parent (ps/mlnet.py)
+                raise PeerLostError(header["message"], rank=self.transport.rank, peer=int(header["lost_peer"]))
             raise PSRequestError(header["message"])
         return header, msg
 

@@ -5,7 +5,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from typing import Any
+
 import pytest
+import torch
 
 
 def test_train_through_mlnet_trees_equals_bsp_and_cuts_server_traffic() -> None:
@@ -39,3 +45,47 @@ def test_train_rejects_bad_mlnet_modes_at_once() -> None:
         EagerTrainConfig(workers=2, servers=1, modes=("mlnet-tree:0",))
     with pytest.raises(ValueError, match=r"the staleness suffix is \+ssp:S"):
         EagerTrainConfig(workers=2, servers=1, modes=("mlnet-binary+async",))
+
+
+def _chain_with_a_killed_interior_node(steps: int) -> Any:
+    """server <- worker 0 <- worker 1 <- worker 2 <- worker 3 (mlnet tree:1); worker 1 is
+    SIGKILLed at clock 2. Returns what each worker saw: its steps, or the error and how long
+    the failing call waited."""
+    import mlfabric.ps
+    from mlfabric.ps.mlnet import MLNetSettings
+
+    first = mlfabric.ps.init(consistency="bsp", transport="tcp", timeout=20, lost_worker_wait_s=2.0)
+    job = first.session(1, routing="mlnet", mlnet=MLNetSettings(tree="tree:1"))
+    try:
+        if job.role != "worker":
+            return job.serve().as_dict()
+        w = job.worker
+        w.init_model("m", torch.zeros(1000), lr=0.1)
+        done = 0
+        for step in range(steps):
+            if w.index == 1 and step == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            started = time.monotonic()
+            try:
+                w.pull_flat("m")
+                w.push("m", torch.ones(1000))
+                w.clock()
+            except Exception as exc:  # noqa: BLE001 - what the test checks
+                return {"error": f"{type(exc).__name__}: {exc}", "waited_s": time.monotonic() - started}
+            done += 1
+        return {"steps": done}
+    finally:
+        first.close()
+
+
+def test_a_killed_interior_node_is_named_and_the_rest_finishes() -> None:
+    from mlfabric.bench.procs import run_ranks
+
+    results = run_ranks(_chain_with_a_killed_interior_node, 5, args=(6,), timeout=90, expect_failures={2})
+    assert results[1] == {"steps": 6}  # worker 0 (under the server) went on without the lost subtree
+    orphan = results[3]  # worker 2: its parent was worker 1
+    assert "PeerLostError" in orphan["error"] and "parent node rank 2 (worker 1)" in orphan["error"], orphan
+    assert orphan["waited_s"] < 5.0  # the loss is named within the transport's detection, not the 20 s timeout
+    assert "error" in results[4]  # worker 3: its parent (worker 2) left the tree without leaving it
+    server = results[0]
+    assert server["lost_workers"] == [1] and server["errors"] == []
