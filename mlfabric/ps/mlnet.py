@@ -395,9 +395,12 @@ class TreeNode:
         header = protocol.decode(msg.meta)
         waiting = tree.waiting.pop(model, [])
         tree.asked.pop(model, None)
-        if header["op"] == "error":
+        if header["op"] == "error":  # passed down: a lost ancestor is named to the whole subtree
+            lost = header.get("lost_peer")
+            message = header["message"] if lost is None else \
+                f"{self.worker.who}: its mlnet tree above it in server {tree.server}'s tree failed: {header['message']}"
             for _, reply_to in waiting:
-                self._answer(tree, reply_to, None, error=header["message"])
+                self._answer(tree, reply_to, None, error=message, lost_peer=lost)
             return
         clock = header.get("model_clock")
         copy = tree.cache[model] = _Copy(math.inf if clock is None else float(clock), msg)
