@@ -1168,7 +1168,9 @@ def train(
                                            "ring: MLfabric's RR-Sync), tree-allreduce (Tr-Sync), eager-solo, "
                                            "eager-majority; parameter server: ps-bsp, ps-ssp:S (staleness S), "
                                            "ps-async (vanilla Async), mlfabric-a:TAU (MLfabric-A, delay bound TAU), "
-                                           "mlfabric-s (MLfabric-S). Default: allreduce,eager-solo; lda: "
+                                           "mlfabric-s (MLfabric-S), mlnet-binary, mlnet-rack, mlnet-tree:D "
+                                           "(MLNET's trees; +ssp:S for SSP in the tree, e.g. mlnet-rack+ssp:2). "
+                                           "Default: allreduce,eager-solo; lda: "
                                            "allreduce,ps-async,mlfabric-a:8.")] = None,
     servers: Annotated[int, typer.Option(help="PS modes: server processes (beside --workers workers).")] = 1,
     replicas: Annotated[int, typer.Option(help="PS modes: replica processes (replica i mirrors server i % "
