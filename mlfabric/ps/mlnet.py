@@ -32,6 +32,9 @@ children over the job's transport on the ``TREE`` tag:
 * *leave*: a leaving worker's node keeps serving its children until their subtrees have left
   (bounded by the job's timeout), and forwards each leave after the sums it covers.
 
+``pull_in_order`` (TicTac's per-tensor order, ``ps/ordered.py``) does not go through the tree:
+the servers answer it directly, under the same clocks.
+
 **Failures** (this slice): a lost child is dropped from the clocks the node waits for (its
 subtree's later updates are lost, logged naming it); a lost parent fails the worker's next
 call and every waiting pull with an error naming it. Heartbeat repair, re-attachment and the
@@ -517,11 +520,7 @@ class MLNetRouting(DirectRouting):
     def send_pull(self, worker: "PSWorker", headers: list[bytes]) -> None:
         node = self._node(worker)
         for j, header in enumerate(headers):
-            fields = protocol.decode(header)
-            if fields.get("order") is not None:
-                raise ValueError(f"{worker.who}: pull_in_order is not available with mlnet routing (the tree "
-                                 "multicasts whole shards); use pull/pull_flat or routing 'direct'")
-            node.submit("pull", j, fields)
+            node.submit("pull", j, protocol.decode(header))
 
     def flush(self, timeout: float) -> None:
         """The worker leaves: its node forwards what it holds and serves its children until

@@ -297,3 +297,23 @@ def test_the_simulator_places_a_ps_as_the_launchers_do() -> None:
     assert np.array_equal(runtime.parents(8, 2, workers.tolist()), sim_tree_parents(topo, config, workers, servers))
     with pytest.raises(ValueError, match="do not fit on the 10 hosts"):
         ps_placement(topo, SimPS(workers=9, servers=2, model_bytes=1e6, placement="launch"))
+
+
+def test_ordered_pulls_bypass_the_tree_under_the_same_clocks() -> None:
+    """pull_in_order (TicTac) is answered by the servers directly; under BSP through the trees
+    it still sees every round: the model of synchronous SGD."""
+    layout = PSLayout(servers=2, workers=3)
+
+    def worker(w: Any) -> torch.Tensor:
+        w.init_model("m", {"a": torch.zeros(4), "b": torch.zeros(2)}, lr=1.0)
+        out = torch.zeros(6)
+        for _ in range(3):
+            w.pull_in_order("m", out, order="random").wait()
+            w.push("m", torch.full((6,), float(w.index + 1)))
+            w.clock()
+        w.pull_in_order("m", out, order="random").wait()
+        return out
+
+    results, _ = run_job(layout, PSConfig(consistency="bsp", timeout_s=10, routing="mlnet"), worker)
+    for rank in layout.worker_ranks:  # 3 rounds of the mean update (1 + 2 + 3) / 3 = 2, lr 1
+        assert results[rank].tolist() == [-6.0] * 6
