@@ -1071,7 +1071,10 @@ def render_ps_table(result: EagerTrainResult) -> Table:
     table = Table(title=f"parameter server: {result.config.servers} server(s){replicas}, "
                         f"{result.config.workers} workers",
                   title_justify="left", box=box.SIMPLE_HEAD)
-    for name in ("injection", "mode", "applied", "dropped", "max delay", "mean delay", "pull ms", "server MB in/out"):
+    measured = any(run.ps is not None and run.ps.get("max_divergence") is not None for run in result.runs)
+    divergence = ("divergence (est.)",) if measured else ()  # replicas measured at batch ends (mlfabric-a)
+    for name in ("injection", "mode", "applied", "dropped", "max delay", "mean delay", "pull ms", "server MB in/out",
+                 *divergence):
         table.add_column(name, justify="left" if name in ("injection", "mode") else "right", no_wrap=True)
     for run in result.runs:
         if run.ps is None:
@@ -1082,8 +1085,12 @@ def render_ps_table(result: EagerTrainResult) -> Table:
         table.add_row(run.inject, run.mode, str(ps["worker_updates_applied"]), str(ps["dropped"]),
                       "" if ps["max_delay"] is None else str(ps["max_delay"]),
                       "" if ps["mean_delay"] is None else f"{ps['mean_delay']:.2f}",
-                      "" if ps["pull_latency_ms"] is None else f"{ps['pull_latency_ms']:.1f}", traffic)
+                      "" if ps["pull_latency_ms"] is None else f"{ps['pull_latency_ms']:.1f}", traffic,
+                      *(("" if ps.get("max_divergence") is None else
+                         f"{ps['max_divergence']:.3g} ({ps['max_divergence_estimate']:.3g})",) if measured else ()))
     table.caption = ("applied = worker gradients applied; delay = server version when applied - version it was "
-                     "computed from (BSP rounds apply at their own version: 0)")
+                     "computed from (BSP rounds apply at their own version: 0)"
+                     + ("; divergence = largest ||w_server - w_replica|| at a batch end (eq. (11) estimate)"
+                        if measured else ""))
     table.caption_justify = "left"
     return table
