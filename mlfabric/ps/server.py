@@ -636,8 +636,10 @@ class ParameterServer:
         if self._network_replication:
             lead = self._lead.setdefault(shard.spec.name, [])
             lead.append((info.version, shard.version - info.version, norm))
-            acked = min((self._replica_at.get(r, {}).get(shard.spec.name, (0, 0.0))[0] for r in self._replicas),
-                        default=0)
+            gone = set(self.transport.lost_peers) | set(self.transport.departed_peers)
+            # what every live replica has applied is never needed again (none live: nothing is)
+            acked = min((self._replica_at.get(r, {}).get(shard.spec.name, (0, 0.0))[0] for r in self._replicas
+                         if r not in gone), default=shard.version)
             while lead and lead[0][0] < acked:
                 lead.pop(0)
         fields = dict(model=shard.spec.name, version=info.version, workers=list(workers),
