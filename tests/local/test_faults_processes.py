@@ -4,7 +4,7 @@ closes mid-collective, ranks with different algorithms, a wrong WORLD_SIZE, a ra
 starts, a MASTER_PORT held by another program. Each asserts the time to the error, measured
 inside the ranks (starting Python + torch on a loaded machine says nothing about detection).
 
-Run: python -m pytest tests/local/test_faults.py
+Run: python -m pytest tests/local/test_faults_processes.py
 """
 
 from __future__ import annotations
