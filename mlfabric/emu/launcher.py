@@ -227,7 +227,9 @@ def emulated_launch(topology: str | TopologySpec, rate_bps: float, *,
     plan = plan_cluster(spec, rate_bps, prefix=new_prefix())
     if churn is not None:
         churn_model(churn)  # a bad model fails before anything is built
-    with Cluster.create(plan) as cluster:
+    # SIGINT/SIGTERM (e.g. timeout(1) around a benchmark) raise inside the block, so the
+    # cluster is torn down on the way out instead of left behind (it was, by `mlfabric train`).
+    with _Signals(), Cluster.create(plan) as cluster:
         if on_built is not None:
             on_built(plan)
         config = cluster_launch_config(plan, **options)

@@ -58,3 +58,32 @@ def test_emulated_allreduce_and_ps_bsp_under_churn(no_leaks, tmp_path):
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     for entry in launches.values():
         assert entry["cluster"] not in namespaces
+
+
+@needs_root
+def test_sigterm_tears_the_emulated_cluster_down(no_leaks, tmp_path):
+    """Regression: `timeout 2400 mlfabric train --emulate ...` that ran out (SIGTERM) left its
+    cluster's namespaces behind; the emulated launch now tears down on SIGTERM."""
+    import signal
+    import sys
+
+    from tests.emu.conftest import our_leftovers
+
+    before = set(our_leftovers())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlfabric.cli", "train", "--workload", "mlp", "--workers", "2", "--sync", "allreduce",
+         "--epochs", "200", "--emulate", "--rate", "100mbit", "--transport", "tcp", "--no-plot",
+         "--out", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not set(our_leftovers()) - before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert set(our_leftovers()) - before, "the cluster never came up"
+        time.sleep(2)  # the ranks are running
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+    assert not set(our_leftovers()) - before
