@@ -297,9 +297,14 @@ def _semantics() -> dict[str, object]:
         error = None
     except mlfabric.CollectiveError as exc:
         error = str(exc)
-    return {"failures": check.failures, "checked": check.checked, "error": error,
-            "error_s": time.monotonic() - start, "exception": repr(work.exception()),
-            "bytes_sent": world.comm.transport.bytes_sent()}
+    out = {"failures": check.failures, "checked": check.checked, "error": error,
+           "error_s": time.monotonic() - start, "exception": repr(work.exception()),
+           "bytes_sent": world.comm.transport.bytes_sent()}
+    # Rank 0 hosts torch's store: it must not exit while another rank still uses it (rank 1
+    # once got "Connection reset by peer" from the store after rank 0 had returned).
+    dist.barrier(group=gloo)
+    dist.destroy_process_group()
+    return out
 
 
 def test_every_op_matches_gloo() -> None:
