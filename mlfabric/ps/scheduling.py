@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -83,7 +84,7 @@ from . import protocol
 from .divergence import DivergenceBound, update_norm
 from .monitor import Ledger, NetworkMonitor
 from .routing import answer_directly, send_pulls_directly
-from .scheduler import BatchSchedule, NetState, Scheduler, SchedulerConfig, UpdateRequest, distribute
+from .scheduler import BatchSchedule, NetState, Scheduler, SchedulerConfig, UpdateRequest, plan_pull_batch
 from .scheduler.replication import ReplicaUnit, ReplicationPlan, plan_replication
 from .server import payload_tensor
 
@@ -561,48 +562,21 @@ class ScheduledRouting:
         else:  # a server without the scheduler beside it plans on line rates
             rate = self.settings.rate_bps / 8
             net = NetState([rate] * server.layout.world_size, [rate] * server.layout.world_size, origin=now)
-        me, size = server.transport.rank, float(shard.numel() * shard.element_size())
-        lost = server.transport.lost_peers
-        direct = [p for p in pulls if p.direct or p.rank in lost]
-        batch = [p for p in pulls if p not in direct]
-        server.stats.pull_batches += 1
-        handles: list[SendHandle] = []
-        if self.settings.distributors >= 1 and len(batch) >= 3:
-            transfers, relayed, answered_by_server = self._distribute(server, net, batch, shard, header, now)
-            handles += relayed
-            direct += answered_by_server
-        else:
-            direct += batch
-            transfers = [net.reserve(me, p.rank, size, now) for p in direct]
-        handles += answer_directly(server, direct, shard, header)
-        if service is not None:
-            service.reserve(list(transfers))
-        self._busy_until = max((t.end for t in transfers if t.src == me), default=now)
-        self._answering = list(handles)
-        return handles
-
-    def _distribute(self, server: "ParameterServer", net: NetState, batch: list[Any], shard: torch.Tensor,
-                    header: bytes, now: float) -> tuple[list[Any], list[SendHandle], list[Any]]:
-        """Plan a batch's distribution and send what goes through distributors (the model with
-        its forward list to each, a "via" note to each of their workers); returns the plan's
-        transfers, those sends, and the pulls left for the server to answer itself (group 0,
-        and the earmarked distributors the plan did not use)."""
-        import random
-
         if self._draws is None:
             self._draws = random.Random(server.config.seed * 7_919 + server.server)
-        size = float(shard.numel() * shard.element_size())
         me = server.transport.rank
-        ranks = [p.rank for p in batch]
-        self._draws.shuffle(ranks)
-        ranks.sort(key=lambda r: net.t_en(me, r, size, now))  # stable: ties keep the seeded draw
-        k = min(self.settings.distributors, len(ranks) - 1)
-        plan = distribute(net, server=me, workers=ranks[k:], distributors=ranks[:k], model_size=size, start=now)
-        pull_of = {p.rank: p for p in batch}
-        session, channel, payload = server.config.session, server.channel, tensor_bytes(shard)
+        lost = server.transport.lost_peers
+        pull_of = {p.rank: p for p in pulls}
+        asked = [p.rank for p in pulls if p.direct or p.rank in lost]  # to be answered by the server itself
+        plan = plan_pull_batch(net, server=me, pullers=[r for r in pull_of if r not in asked],
+                               model_size=float(shard.numel() * shard.element_size()),
+                               distributors=self.settings.distributors, shuffle=self._draws.shuffle, start=now,
+                               answered_first=asked)
+        server.stats.pull_batches += 1
+        session, channel = server.config.session, server.channel
         fields = protocol.decode(header)
+        payload = tensor_bytes(shard)
         handles: list[SendHandle] = []
-        relays = {d for d, _ in plan.groups}
         for d, members in reversed(plan.groups):  # the paper's order: distributor k° first
             forward = [[w, pull_of[w].request_id] for w in members]
             handles.append(server.transport.send(d, protocol.reply_tag(session, pull_of[d].request_id), payload,
@@ -611,8 +585,12 @@ class ScheduledRouting:
                 server.transport.send(w, protocol.reply_tag(session, pull_of[w].request_id), b"",
                                       meta=protocol.encode(op="via", distributor=d), channel=channel)
             server.stats.pulls_relayed += len(members)
-        by_server = [pull_of[r] for r in (*plan.direct, *ranks[:k]) if r not in relays]
-        return list(plan.transfers), handles, by_server
+        handles += answer_directly(server, [pull_of[r] for r in plan.by_server], shard, header)
+        if service is not None:
+            service.reserve(list(plan.transfers))
+        self._busy_until = max((t.end for t in plan.transfers if t.src == me), default=now)
+        self._answering = list(handles)
+        return handles
 
     def flush(self, timeout: float) -> None:
         """A worker leaving: its aggregator forwards what is complete or due, then stops."""

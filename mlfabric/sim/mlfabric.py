@@ -48,7 +48,8 @@ import numpy as np
 
 from mlfabric.emu.churn import churn_model, churn_schedule
 from mlfabric.ps.monitor import Ledger, NetworkMonitor
-from mlfabric.ps.scheduler import Scheduler, SchedulerConfig, UpdateRequest, distribute
+from mlfabric.ps.scheduling import aggregator_ranks
+from mlfabric.ps.scheduler import Scheduler, SchedulerConfig, UpdateRequest, plan_pull_batch
 
 __all__ = ["MLfabricSimConfig", "PAPER_TABLE2", "SIM_MODES", "compare_with_emulation", "simulate_mlfabric",
            "simulate_mode", "simulate_table2", "table2", "updates_to_target"]
@@ -389,8 +390,7 @@ class _Scheduled(_PS):
         super().__init__(*args)
         c = self.config
         self.sync = tau is None
-        workers = list(range(1, c.workers + 1))
-        aggs = [workers[(i * c.workers) // min(c.aggregators, c.workers)] for i in range(min(c.aggregators, c.workers))]
+        aggs = aggregator_ranks(range(1, c.workers + 1), c.aggregators)  # worker hosts, as the runtime's
         self.scheduler = Scheduler(SchedulerConfig(tau_max=0 if self.sync else tau, mode="sync" if self.sync else "async",
                                                    aggregation=bool(aggs), seed=c.seed), servers=[0], aggregators=aggs)
         self.monitor = NetworkMonitor(hosts=c.workers + 1, default_bps=c.rate_bps / 8, lag_s=c.monitor_lag_s)
@@ -506,19 +506,11 @@ class _Scheduled(_PS):
         batch, self.pulls = self.pulls, []
         version, size = self.version, self.config.update_bytes
         network = self.ledger.state(t, *self.monitor.capacities(t))
-        hosts = [self.host(w) for w in batch]
-        k = min(self.config.distributors, len(hosts) - 1) if len(hosts) >= 3 else 0
-        if k:
-            order = list(hosts)
-            self.draws.shuffle(order)
-            order.sort(key=lambda h: network.t_en(0, h, size, t))
-            plan = distribute(network, server=0, workers=order[k:], distributors=order[:k], model_size=size, start=t)
-            relays = {d: list(ws) for d, ws in plan.groups}
-            direct = [h for h in (*plan.direct, *order[:k]) if h not in relays]
-            transfers = list(plan.transfers)
-        else:
-            relays, direct = {}, hosts
-            transfers = [network.reserve(0, h, size, t) for h in hosts]
+        plan = plan_pull_batch(network, server=0, pullers=[self.host(w) for w in batch], model_size=size,
+                               distributors=self.config.distributors, shuffle=self.draws.shuffle, start=t)
+        relays = {d: list(ws) for d, ws in plan.groups}
+        direct = list(plan.by_server)
+        transfers = list(plan.transfers)
         self.ledger.add(transfers)
         self.busy_until = max((tr.end for tr in transfers if tr.src == 0), default=t)
 

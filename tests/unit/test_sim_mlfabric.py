@@ -75,7 +75,7 @@ def test_mlfabric_modes_run_the_runtimes_scheduler_and_bound_delays(monkeypatch:
         return distribute(*args, **kwargs)
 
     monkeypatch.setattr(Scheduler, "schedule", counted)
-    monkeypatch.setattr("mlfabric.sim.mlfabric.distribute", counted_distribute)
+    monkeypatch.setattr("mlfabric.ps.scheduler.aggregation.distribute", counted_distribute)  # via plan_pull_batch
     config = MLfabricSimConfig(**{**SMALL, "workers": 6, "updates": 120, "straggler": "C2", "churn": "N2",
                                   "churn_period_s": 0.5})
     a = simulate_mode(config, "mlfabric-a:3")

@@ -8,8 +8,8 @@ reference, an exhaustive solver for small batches and the benchmark.
 See docs/mlfabric_scheduler.md for what the paper leaves open and what was decided.
 """
 
-from mlfabric.ps.scheduler.aggregation import (AggregationResult, DistributionResult, GroupPlan, aggregate, distribute,
-                                               objectives)
+from mlfabric.ps.scheduler.aggregation import (AggregationResult, DistributionResult, GroupPlan, PullBatchPlan, aggregate,
+                                               distribute, objectives, plan_pull_batch)
 from mlfabric.ps.scheduler.netstate import INF, NetState, Transfer, down_link, up_link
 from mlfabric.ps.scheduler.ordering import Batch, OrderDecision, OrderResult, order_updates
 from mlfabric.ps.scheduler.scheduler import (BatchSchedule, Decision, Plan, Scheduler, SchedulerConfig, UpdateRequest,
@@ -17,6 +17,7 @@ from mlfabric.ps.scheduler.scheduler import (BatchSchedule, Decision, Plan, Sche
 
 __all__ = [
     "INF", "AggregationResult", "Batch", "BatchSchedule", "Decision", "DistributionResult", "GroupPlan", "NetState",
-    "OrderDecision", "OrderResult", "Plan", "Scheduler", "SchedulerConfig", "Transfer", "UpdateRequest", "aggregate",
-    "distribute", "down_link", "objectives", "order_updates", "plan_batch", "up_link",
+    "OrderDecision", "OrderResult", "Plan", "PullBatchPlan", "Scheduler", "SchedulerConfig", "Transfer",
+    "UpdateRequest", "aggregate", "distribute", "down_link", "objectives", "order_updates", "plan_batch",
+    "plan_pull_batch", "up_link",
 ]

@@ -48,7 +48,7 @@ bounds; the byte bound with a rounding margin) unless ``native=False``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import numpy as np
 
@@ -56,8 +56,8 @@ from mlfabric.ps.scheduler.netstate import INF, NetState, Transfer
 from mlfabric.ps.scheduler.ordering import Batch, OrderResult
 
 __all__ = [
-    "AggregationResult", "DistributionResult", "GroupPlan", "Objective", "aggregate", "distribute",
-    "objectives",
+    "AggregationResult", "DistributionResult", "GroupPlan", "Objective", "PullBatchPlan", "aggregate", "distribute",
+    "objectives", "plan_pull_batch",
 ]
 
 Objective = Literal["async", "sync"]
@@ -400,3 +400,41 @@ def distribute(net: NetState, *, server: int, workers: Sequence[int], distributo
                                       received=received, makespan=makespan)
     assert best is not None
     return best
+
+
+@dataclass(frozen=True, kw_only=True)
+class PullBatchPlan:
+    """How one batch of pulls is answered (:func:`plan_pull_batch`)."""
+
+    groups: tuple[tuple[int, tuple[int, ...]], ...]
+    """(distributor host, the workers it forwards to), in group order 1..k°."""
+    by_server: tuple[int, ...]
+    """Pullers the server sends the model itself (group 0 and the distributors nobody needs)."""
+    transfers: tuple[Transfer, ...]
+    """Every transfer the answers reserve (for the ledger and the server's busy time)."""
+
+
+def plan_pull_batch(net: NetState, *, server: int, pullers: Sequence[int], model_size: float, distributors: int,
+                    shuffle: Callable[[list[int]], None], start: float,
+                    answered_first: Sequence[int] = ()) -> PullBatchPlan:
+    """§10.3 for one batch of pulls, as the runtime and the simulator answer it. The pullers of
+    ``answered_first`` (they asked the server itself) are sent the model first; then, with at
+    least three ``pullers`` and ``distributors`` (k°) >= 1, the k° pullers the server reaches
+    soonest are earmarked (ties in the order ``shuffle`` leaves them: a seeded draw) and
+    :func:`distribute` splits the others; otherwise they too are answered directly, one after
+    the other. ``net`` is not changed."""
+    state = net.fork()
+    first = tuple(state.reserve(server, h, model_size, start) for h in answered_first)
+    if distributors < 1 or len(pullers) < 3:
+        return PullBatchPlan(groups=(), by_server=(*answered_first, *pullers),
+                             transfers=first + tuple(state.reserve(server, h, model_size, start) for h in pullers))
+    order = list(pullers)
+    shuffle(order)
+    order.sort(key=lambda h: state.t_en(server, h, model_size, start))  # stable: ties keep the draw
+    k = min(distributors, len(order) - 1)
+    plan = distribute(state, server=server, workers=order[k:], distributors=order[:k], model_size=model_size,
+                      start=start)
+    relays = {d for d, _ in plan.groups}
+    return PullBatchPlan(groups=plan.groups,
+                         by_server=(*answered_first, *(h for h in (*plan.direct, *order[:k]) if h not in relays)),
+                         transfers=first + plan.transfers)
