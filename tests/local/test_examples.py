@@ -20,11 +20,20 @@ pytestmark = pytest.mark.local
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def _torchrun(script: str, *args: str, procs: int = 2) -> str:
+# torch 2.13's gloo sometimes aborts a process while it exits ("terminate called without an active
+# exception", exit code -6), after the script has finished; a plain gloo DDP script without mlfabric
+# does it in about 1 run in 6. Only the gloo *reference* run may be retried on exactly that.
+GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _torchrun(script: str, *args: str, procs: int = 2, gloo_reference: bool = False) -> str:
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([str(torchrun), f"--nproc-per-node={procs}", f"--master-port={free_port()}",
-                          str(EXAMPLES / script), *args], capture_output=True, text=True, timeout=240, env=env)
+    for attempt in range(3 if gloo_reference else 1):
+        out = subprocess.run([str(torchrun), f"--nproc-per-node={procs}", f"--master-port={free_port()}",
+                              str(EXAMPLES / script), *args], capture_output=True, text=True, timeout=240, env=env)
+        if out.returncode == 0 or not (gloo_reference and GLOO_TEARDOWN_ABORT in out.stderr):
+            break
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 
@@ -72,7 +81,8 @@ def test_ps_example_learns_through_the_server(consistency: str) -> None:
 
 
 def test_torch_backend_example_trains_as_on_gloo() -> None:
-    lines = {backend: _torchrun("torch_backend.py", "--backend", backend, "--epochs", "2") for backend in ("mlfabric", "gloo")}
+    lines = {backend: _torchrun("torch_backend.py", "--backend", backend, "--epochs", "2", gloo_reference=backend == "gloo")
+             for backend in ("mlfabric", "gloo")}
     pattern = r"backend=(\w+) ddp 2 ranks: loss per epoch ([\d.]+), ([\d.]+); parameter fingerprint ([\d.]+)"
     runs = {backend: re.search(pattern, stdout) for backend, stdout in lines.items()}
     assert all(runs.values()), lines
