@@ -55,6 +55,34 @@ if TYPE_CHECKING:
 #: workers' own (a BSP round in flight at the lost server cannot).
 FAILOVER_KINDS = ("async", "ssp")
 
+#: How long a replica whose server was lost waits for the payloads of units the server had
+#: applied (network replication: they come from the workers, and may still be on the way)
+#: before it takes over without them.
+PROMOTION_GRACE_S = 0.5
+
+
+def failover_refusal(config: PSConfig, layout: PSLayout) -> str | None:
+    """Why a replica of this job cannot take over a lost server (None: it can). The one rule
+    the workers (:meth:`PSWorker._fail_over`) and the replicas (:meth:`Replica.serve`) share."""
+    if config.consistency.kind not in FAILOVER_KINDS:
+        return (f"consistency {config.consistency}: a round in flight at the lost server cannot be rebuilt from "
+                "the replica (failover works under async and SSP)")
+    if config.routing == "direct":
+        return None
+    if config.routing == "scheduled" and layout.servers == 1:
+        return None  # the replica takes over the scheduler too (it lives beside server 0)
+    if config.routing == "scheduled":
+        return (f"the scheduled policy with {layout.servers} servers: the other servers follow server 0's "
+                "scheduler, which a replica does not take over (failover works with one server)")
+    return f"routing {config.routing!r} has no failover (its trees hold the server's place)"
+
+
+def live_replicas(layout: PSLayout, transport: Transport, server: int) -> list[int]:
+    """The replicas of shard ``server`` still in the job, in layout order: the first takes over
+    a lost server, the others follow it."""
+    gone = set(transport.lost_peers) | set(transport.departed_peers)
+    return [r for r in layout.replicas_of(server) if r not in gone]
+
 log = logging.getLogger("mlfabric.ps")
 
 
@@ -68,6 +96,13 @@ class ReplicaStats:
     bytes_in: int = 0                 # payload bytes it got to replicate (models, updates, units)
     probe_bytes: int = 0              # and the servers' models for measuring (apart)
     divergence: list[tuple[int, float, float, int]] = field(default_factory=list)
+    #: Failover: when this replica took over its lost server (wall clock, ``time.time()``), the
+    #: worker updates the server had applied that never reached it (notes whose payload did not
+    #: come within PROMOTION_GRACE_S; what the server applied without a note reaching the
+    #: replica cannot be counted), and how many times it followed a new primary.
+    promoted_at: float | None = None
+    lost_updates: int = 0
+    followed: int = 0
 
     @property
     def max_divergence(self) -> float | None:
@@ -80,7 +115,8 @@ class ReplicaStats:
     def as_dict(self) -> dict[str, Any]:
         return {"updates_applied": self.updates_applied, "from_network": self.from_network,
                 "bytes_in": self.bytes_in, "probe_bytes": self.probe_bytes, "max_divergence": self.max_divergence,
-                "max_divergence_estimate": self.max_divergence_estimate, "probes": len(self.divergence)}
+                "max_divergence_estimate": self.max_divergence_estimate, "probes": len(self.divergence),
+                "promoted_at": self.promoted_at, "lost_updates": self.lost_updates, "followed": self.followed}
 
 
 class Replica:
@@ -88,6 +124,8 @@ class Replica:
                  channel: str | None = None) -> None:
         self.transport, self.layout, self.config = transport, layout, config
         self.server = layout.replicated_server(transport.rank) if server is None else layout.server_rank(server)
+        #: The rank this replica mirrors: its server, or after a failover the replica that took over.
+        self.primary = layout.server_rank(self.server)
         self.channel = channel or transport.channels[0]
         self.who = layout.describe(transport.rank)
         self.values: dict[str, torch.Tensor] = {}
@@ -97,6 +135,9 @@ class Replica:
         self._registered = False
         self._specs: dict[str, tuple[ModelSpec, float, float]] = {}  # name -> (spec, lr, momentum)
         self.promoted: "ParameterServer | None" = None
+        #: After a takeover: each model as this replica took it over (what the lost work is
+        #: measured against).
+        self.takeover_values: dict[str, torch.Tensor] = {}
         self.stats = ReplicaStats()
         self._stop = threading.Event()
         # The server's notes and updates in its order, not applied yet: (header, payload or None,
@@ -115,7 +156,8 @@ class Replica:
             raise RuntimeError(f"{self.who}: already replicates server {self.server}")
         if server is not None:
             self.server = self.layout.server_rank(server)
-        self.transport.send(self.layout.server_rank(self.server), protocol.request_tag(self.config.session), b"",
+            self.primary = self.server
+        self.transport.send(self.primary, protocol.request_tag(self.config.session), b"",
                             meta=protocol.encode(op="register", server=self.server), channel=self.channel)
         self._registered = True
 
@@ -144,22 +186,20 @@ class Replica:
 
     def serve(self) -> "dict[str, int] | ServerStats":
         """Apply the server's updates until it ends; returns each model's version. If the
-        server is lost under async or SSP with direct routing, take over (:meth:`promote`) and
-        serve until the workers leave; returns the server statistics then. Registers first if
-        :meth:`register_as_replica` was not called."""
+        server is lost where a failover can be done (:func:`failover_refusal`), the first live
+        replica of the shard takes over (:meth:`promote`) and serves until the workers leave
+        (returns the server statistics then); the others follow it as their new primary.
+        Registers first if :meth:`register_as_replica` was not called."""
         if not self._registered:
             self.register_as_replica()
-        tag = protocol.tag(protocol.REPLICATE, self.config.session)
-        server_rank = self.layout.server_rank(self.server)
         mailbox = self.transport.mailbox
         ending: float | None = None
         while not self._stop.is_set():
             version = mailbox.version
-            # any source: the server, the scheduler (units), workers and replica aggregators
-            while (msg := mailbox.take(self.channel, tag)) is not None:
-                if self._take(msg, server_rank):
-                    ending = ending or time.monotonic()
+            if self._take_all():
+                ending = ending or time.monotonic()
             self._drain()
+            server_rank = self.primary
             if ending is None and server_rank in self.transport.departed_peers:
                 ending = time.monotonic()  # gone without its end: what is queued gets timeout_s
             if ending is not None:
@@ -176,21 +216,69 @@ class Replica:
             self.transport.progress(version, 0.1)
         return dict(self.versions)
 
+    def _take_all(self) -> bool:
+        """File every message waiting (any source: the primary, the scheduler's unit plans,
+        workers and replica aggregators with units); True if the primary's end was among them."""
+        tag = protocol.tag(protocol.REPLICATE, self.config.session)
+        ended = False
+        while (msg := self.transport.mailbox.take(self.channel, tag)) is not None:
+            ended = self._take(msg, self.primary) or ended
+        return ended
+
     def _after_loss(self, server_rank: int) -> "dict[str, int] | ServerStats | None":
-        """The server is gone: take over (failover), or stop; None while it is there."""
+        """The primary is gone: take over (failover), follow the replica that does, or stop;
+        None while it is there (or while following)."""
         if server_rank in self.transport.lost_peers:
-            if self.config.consistency.kind in FAILOVER_KINDS and self.config.routing == "direct":
-                log.warning("%s: server %d was lost; taking over its shards at versions %s", self.who,
-                            self.server, self.versions)
-                self.promoted = self.promote()
-                return self.promoted.serve()
-            log.warning("%s: server %d was lost; no failover under %s/%s routing: the replica holds "
-                        "versions %s", self.who, self.server, self.config.consistency, self.config.routing,
-                        self.versions)
+            refusal = failover_refusal(self.config, self.layout)
+            successors = live_replicas(self.layout, self.transport, self.server)
+            if refusal is None and successors and successors[0] == self.transport.rank:
+                return self._take_over()
+            if refusal is None and successors:
+                self._follow(successors[0])
+                return None
+            log.warning("%s: %s was lost; no failover (%s): the replica holds versions %s", self.who,
+                        self.layout.describe(server_rank), refusal or "no live replica", self.versions)
             return dict(self.versions)
         if server_rank in self.transport.departed_peers and not self._queue:
             return dict(self.versions)
         return None
+
+    def _take_over(self) -> "ServerStats":
+        """Failover: apply what of the lost server's order is here (waiting up to
+        PROMOTION_GRACE_S for units still on their way), count the rest as lost, and serve
+        the shard from this model (MLfabric §3.3: fresh updates make up the lost work)."""
+        deadline = time.monotonic() + PROMOTION_GRACE_S
+        while self._waiting_for_units() and time.monotonic() < deadline:
+            version = self.transport.mailbox.version
+            self._take_all()
+            self._drain()
+            self.transport.progress(version, 0.02)
+        lost = [h for h, _, _ in self._queue if h["op"] in ("applied", "update")]
+        self.stats.lost_updates = sum(len(h["workers"]) for h in lost)
+        self._queue.clear()
+        self.stats.promoted_at = time.time()
+        self.takeover_values = {name: values.clone() for name, values in self.values.items()}
+        log.warning("%s: %s was lost; taking over server %d's shards at versions %s (%d of its updates lost)",
+                    self.who, self.layout.describe(self.primary), self.server, self.versions,
+                    self.stats.lost_updates)
+        self.promoted = self.promote()
+        return self.promoted.serve()
+
+    def _waiting_for_units(self) -> bool:
+        return bool(self._queue) and self._queue[0][0]["op"] == "applied"
+
+    def _follow(self, successor: int) -> None:
+        """Another replica took over: mirror it from its model (it sends a fresh copy)."""
+        log.warning("%s: %s was lost; %s takes over, this replica follows it", self.who,
+                    self.layout.describe(self.primary), self.layout.describe(successor))
+        self.primary = successor
+        self._queue.clear()
+        self._units.clear()
+        self._trail.clear()
+        self._norms.clear()
+        self.stats.followed += 1
+        self.transport.send(successor, protocol.request_tag(self.config.session), b"",
+                            meta=protocol.encode(op="register", server=self.server), channel=self.channel)
 
     def _take(self, msg: Any, server_rank: int) -> bool:
         """File one message; True if it is the server's end."""
@@ -240,11 +328,11 @@ class Replica:
             self._apply_queued()
         finally:
             if (self.config.routing == "scheduled" and self.config.scheduled_settings().replication == "network"
-                    and not self._stop.is_set()):
+                    and not self._stop.is_set() and self.primary not in self.transport.lost_peers):
                 for name in [n for n, v in self.versions.items() if before.get(n) != v]:
                     history = getattr(self._rules[name], "history", None)
                     h = float(torch.linalg.vector_norm(history.double())) if history is not None else 0.0
-                    self.transport.send(self.layout.server_rank(self.server), protocol.request_tag(self.config.session),
+                    self.transport.send(self.primary, protocol.request_tag(self.config.session),
                                         b"", meta=protocol.encode(op="ack", model=name, version=self.versions[name],
                                                                   history_norm=h), channel=self.channel)
 

@@ -206,10 +206,14 @@ class SchedulerService:
             raise ValueError("the scheduled routing policy needs consistency async:TAU (MLfabric-A) or bsp "
                              f"(MLfabric-S), got {consistency}")
         self.aggregators = aggregator_ranks(self.layout.worker_ranks, settings.aggregators)
+        #: The rank serving each shard: the servers, except this one's shard after a failover
+        #: (a replica promoted to server 0 runs the scheduler, :mod:`mlfabric.ps.replica`).
+        self.serving = [self.transport.rank if j == server.server else rank
+                        for j, rank in enumerate(self.layout.server_ranks)]
         self.scheduler = Scheduler(SchedulerConfig(tau_max=0 if self.sync else int(consistency.delay_bound or 0),
                                                    mode="sync" if self.sync else "async",
                                                    aggregation=bool(self.aggregators), seed=server.config.seed),
-                                   servers=list(self.layout.server_ranks), aggregators=self.aggregators)
+                                   servers=list(self.serving), aggregators=self.aggregators)
         self.monitor = NetworkMonitor(hosts=self.layout.world_size, default_bps=settings.rate_bps / 8,
                                       lag_s=settings.monitor_lag_s)
         self.ledger = Ledger()
@@ -219,7 +223,10 @@ class SchedulerService:
         self.stats = SchedulerStats()
         self._pending: dict[str, list[tuple[int, dict[str, Any]]]] = {}
         self._planned: dict[str, int] = {}  # per model: the version after every planned update
-        self._batches = itertools.count(1)
+        # Batches are numbered from 1; a promoted replica's scheduler numbers its own apart, so
+        # that nothing the lost scheduler planned (a worker's group, a late update, a replica's
+        # unit) can be taken for one of its batches.
+        self._batches = itertools.count(1 + (self.transport.rank << 20))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         #: Network replication (§5.3): per (model, replica) the units punted to the next batch and
@@ -355,11 +362,11 @@ class SchedulerService:
         # Orders first: server 0 then has its order before any update of the batch can arrive.
         order = {"op": protocol.ORDER, "batch": batch, "model": model, "v_init": v_init, "entries": entries,
                  "sync": self.sync, "clocks": sorted({int(h.get("clock", 0)) for _, h in pending})}
-        for j in self.layout.server_ranks:
+        for j, rank in enumerate(self.serving):
             if j == self.server.server:
                 self.server.add_order(order, time.monotonic())
             else:
-                self.transport.send(j, protocol.request_tag(session), b"", meta=protocol.encode(**order),
+                self.transport.send(rank, protocol.request_tag(session), b"", meta=protocol.encode(**order),
                                     channel=channel)
         for d in plan.decisions:
             rank, header = pending[d.update_id]
@@ -399,15 +406,18 @@ class SchedulerService:
             norm = update_norm(shard.lr, weight, [float(h.get("norm", 0.0)) for _, h in members[i]])
             self._unit_members[key] = [(rank, int(h["id"])) for rank, h in members[i]]
             entry += [key, norm, None]
-        for j in self.layout.server_ranks:
+        for j, serving in enumerate(self.serving):
             units = [ReplicaUnit(key=e[5], norm=e[6], members=tuple((rank, float(h["sizes"][j])) for rank, h in m))
                      for e, m in zip(entries, members)]
             for replica in self.layout.replicas_of(j):
                 if replica in self.transport.lost_peers or replica in self.transport.departed_peers:
                     continue  # the server warns; nothing goes toward a replica that is gone
+                if replica == serving:
+                    continue  # it took over this shard: it is the server now
                 plan = self._plan_replica(model, j, replica, units, commits, now)
                 if plan.delay_last_until is not None:
                     delay_until = max(delay_until or 0.0, plan.delay_last_until)
+        self._forget_units([e[5] for e in entries])
         if delay_until is not None and entries:
             self.stats.replica_delays += 1
             entries[-1][7] = max(0.0, delay_until - now)
@@ -426,10 +436,21 @@ class SchedulerService:
     def _flush_replication(self, now: float) -> None:
         """Send every punted unit now (no batch of server updates to schedule around)."""
         with self._ledger_lock:
+            flushed = [u.key for units in self._punted.values() for u in units]
             for (model, replica), units in list(self._punted.items()):
                 if units:
                     j = self.layout.replicated_server(replica)
                     self._plan_replica(model, j, replica, [], [], now, flush=True)
+        self._forget_units(flushed)
+
+    def _forget_units(self, keys: list[int]) -> None:
+        """Units every replica's plan has sent on their way (none holds them punted) need
+        their members no more. (Only once every replica was planned: with two replicas of a
+        server, the second's plan needs the members the first's froze.)"""
+        punted = {u.key for units in self._punted.values() for u in units}
+        for key in keys:
+            if key not in punted:
+                self._unit_members.pop(key, None)
 
     def _plan_replica(self, model: str, j: int, replica: int, units: list[ReplicaUnit], commits: list[float],
                       now: float, *, flush: bool = False) -> ReplicationPlan:
@@ -484,9 +505,6 @@ class SchedulerService:
             self.transport.send(replica, protocol.tag(protocol.REPLICATE, session), b"", channel=channel,
                                 meta=protocol.encode(op="units", model=model, units=list(plan.frozen),
                                                      commit_in=[plan.replica_commit[k] - now for k in plan.frozen]))
-        for key in plan.frozen:
-            if all(key not in (u.key for u in units) for units in self._punted.values()):
-                self._unit_members.pop(key, None)
 
 
 # --------------------------------------------------------------------------- the worker's daemon
@@ -609,17 +627,17 @@ class ScheduledRouting:
         keeping = self.settings.replication == "network" and w.layout.replicas > 0 and self._aggregator is not None
         if keeping:
             self._aggregator.keep(model, request_id, components)
-        transport.send(0, protocol.tag(protocol.SCHEDULE, session), b"", channel=w.channel, meta=protocol.encode(
-            op="request", id=request_id, model=model, version=int(first["version"]), norm=float(first["norm"]),
-            clock=int(first["clock"]),
-            sizes=[c.numel() * c.element_size() for c in components]))
+        transport.send(w.server_rank(0), protocol.tag(protocol.SCHEDULE, session), b"", channel=w.channel,
+                       meta=protocol.encode(op="request", id=request_id, model=model, version=int(first["version"]),
+                                            norm=float(first["norm"]), clock=int(first["clock"]),
+                                            sizes=[c.numel() * c.element_size() for c in components]))
         decision = self._decision(request_id)
         if (decision is None or decision["drop"]) and keeping:  # not a unit: no replica asks for it
             self._aggregator.forget(model, request_id)
         if decision is None:  # no answer in time: push unscheduled (the server bounds its delay)
             self.stats.fallbacks += 1
             # Withdraw the request; if it was planned already, its entry is skipped at the server.
-            transport.send(0, protocol.tag(protocol.SCHEDULE, session), b"", channel=w.channel,
+            transport.send(w.server_rank(0), protocol.tag(protocol.SCHEDULE, session), b"", channel=w.channel,
                            meta=protocol.encode(op="cancel", id=request_id, model=model))
             handles = [transport.send(w.server_rank(j), protocol.request_tag(session), tensor_bytes(c),
                                       meta=h, channel=w.channel) for j, (c, h) in enumerate(zip(components, headers))]
@@ -635,7 +653,7 @@ class ScheduledRouting:
             rate = decision["rates"][j] if j < len(decision["rates"]) else None
             if hop != transport.rank and rate is not None and transport.pace_connection(hop, w.channel, rate):
                 paced.append(hop)
-            if w.layout.role(hop) == "server":
+            if hop in w.serving:  # a server (or the replica that took over one), else an aggregator
                 handles.append(transport.send(hop, protocol.request_tag(session), tensor_bytes(component),
                                               meta=protocol.encode(**fields), channel=w.channel))
             else:
@@ -660,10 +678,12 @@ class ScheduledRouting:
         deadline = time.monotonic() + self.settings.decision_timeout_s
         while time.monotonic() < deadline:
             version = transport.mailbox.version
-            msg = transport.mailbox.take(w.channel, tag, 0)
+            msg = transport.mailbox.take(w.channel, tag, w.server_rank(0))
             if msg is not None:
                 return protocol.decode(msg.meta)
-            if 0 in transport.lost_peers:
+            scheduler = w.server_rank(0)  # the scheduler lives beside server 0
+            if scheduler in transport.lost_peers:
+                w._fail_over(scheduler)  # a replica takes over (the fallback push goes to it)
                 return None
             transport.progress(version, 0.05)
         log.warning("%s: no decision from the scheduler within %.1f s for update %d: pushing it unscheduled",

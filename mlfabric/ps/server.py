@@ -167,6 +167,9 @@ class ServerStats:
     pulls_relayed: int = 0
     pull_batches: int = 0
     scheduler: dict[str, Any] = field(default_factory=dict)
+    #: When this server applied its first update (wall clock, ``time.time()``): for a replica
+    #: that took over, the end of the failover.
+    first_update_at: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"server": self.server, "updates_applied": self.updates_applied,
@@ -183,7 +186,7 @@ class ServerStats:
                 "pulls_relayed": self.pulls_relayed,
                 "checkpoints": self.checkpoints, "checkpoint_s": self.checkpoint_s,
                 "checkpoint_bytes": self.checkpoint_bytes,
-                "pull_batches": self.pull_batches}
+                "pull_batches": self.pull_batches, "first_update_at": self.first_update_at}
 
 
 class ParameterServer:
@@ -626,6 +629,8 @@ class ParameterServer:
         shard.version += 1 if self.config.consistency.kind == "bsp" else len(workers)
         self.stats.updates_applied += 1
         self.stats.worker_updates += len(workers)
+        if self.stats.first_update_at is None:
+            self.stats.first_update_at = time.time()
         every = self.config.checkpoint_every
         if every and shard.version // every > before // every:
             self._checkpoint(shard)

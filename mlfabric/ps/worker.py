@@ -410,18 +410,17 @@ class PSWorker:
         return self.serving[server]
 
     def _fail_over(self, peer: int) -> bool:
-        """``peer`` was lost: if it served a shard that a live replica can take over (async or
-        SSP, direct routing), send that shard's requests to the replica from now on, tell it
-        this worker's clock, and return True. The update in flight to ``peer`` is lost; fresh
-        ones make it up (MLfabric §3.3)."""
-        from .replica import FAILOVER_KINDS
+        """``peer`` was lost: if it served a shard that a live replica can take over
+        (:func:`~mlfabric.ps.replica.failover_refusal`), send that shard's requests (and, under
+        the scheduled policy, the scheduler's) to the replica from now on, tell it this
+        worker's clock, and return True. The update in flight to ``peer`` is lost; fresh ones
+        make it up (MLfabric §3.3)."""
+        from .replica import failover_refusal, live_replicas
 
-        if peer not in self.serving or self.config.consistency.kind not in FAILOVER_KINDS \
-                or self.config.routing != "direct":
+        if peer not in self.serving or failover_refusal(self.config, self.layout) is not None:
             return False
         j = self.serving.index(peer)
-        candidates = [r for r in self.layout.replicas_of(j)
-                      if r not in self.transport.lost_peers and r not in self.transport.departed_peers]
+        candidates = live_replicas(self.layout, self.transport, j)
         if not candidates:
             return False
         self.serving[j] = candidates[0]

@@ -1,0 +1,127 @@
+"""Server failover (MLfabric §3.3, issue #23): a replica takes over a lost server -- under the
+direct policy and under MLfabric-A's scheduler with network replication -- the workers
+redirect without restarting, and further replicas follow the one that took over.
+
+    .venv/bin/python -m pytest tests/unit/test_ps_failover.py -q
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from mlfabric.ps import PSConfig, PSLayout
+from mlfabric.ps.replica import failover_refusal
+from mlfabric.ps.server import ServerStats
+from tests.unit.test_ps import run_job
+from tests.unit.test_ps_network_replication import _settings
+
+
+def _kill(jobs: list[Any], rank: int) -> None:
+    """A server's process dies: its loop (and a scheduler beside it) stops first -- a dead
+    process does nothing more -- then its transport vanishes without a goodbye."""
+    job = jobs[rank]
+    (job.server or job.replica.promoted).stop()
+    job.comm.transport.fabric.kill(rank)
+
+
+def test_a_replica_takes_over_the_scheduler_and_the_other_replica_follows_it() -> None:
+    """MLfabric-A with network replication, one server, two replicas: the server dies between
+    two steps (its last batch over, so the replicas are within Div_max); replica 0 takes over
+    the shard and the scheduler, replica 1 mirrors it from then on, the workers go on."""
+    layout = PSLayout(servers=1, replicas=2, workers=3)
+    div_max = 5.0
+    config = PSConfig(consistency="async:6", timeout_s=10, routing="scheduled",
+                      scheduled=_settings("network", str(div_max)))
+    jobs: list[Any] = []
+    at_kill = threading.Barrier(3)
+    after_kill = threading.Barrier(3)
+    seen: dict[str, Any] = {}
+
+    def work(w: Any) -> tuple[int, torch.Tensor]:
+        w.init_model("m", torch.zeros(400), lr=0.1, momentum=0.5)
+        target = torch.linspace(-1, 1, 400) + 1
+        for step in range(10):
+            if step == 5:
+                at_kill.wait(10)
+                if w.index == 0:
+                    seen["server"] = jobs[0].server.shards["m"].values.clone()
+                    _kill(jobs, 0)
+                after_kill.wait(10)
+            w.push("m", w.pull_flat("m") - target)
+            w.clock()
+        return w.failovers, w.pull_flat("m")
+
+    out, _ = run_job(layout, config, work, setup=jobs.extend, killed={0})
+    promoted, follower = jobs[1].replica, jobs[2].replica
+    stats = out[1]
+    assert isinstance(stats, ServerStats) and stats.server == 0 and stats.errors == []
+    assert stats.scheduler["batches"] > 0  # the replica ran the scheduler after the takeover
+    assert stats.worker_updates + stats.dropped + stats.skipped + stats.unscheduled >= 1
+    assert promoted.stats.promoted_at is not None and stats.first_update_at >= promoted.stats.promoted_at
+    # the model lost with the server: within Div_max (its last batch had ended)
+    at_takeover = promoted.promoted.shards["m"]  # values moved on since; the version tells where it started
+    assert at_takeover.version > 0
+    assert follower.stats.followed == 1 and follower.primary == 1
+    # the follower ends with exactly the promoted server's model (replicated by the new scheduler)
+    assert out[2] == {"m": at_takeover.version}
+    assert torch.equal(follower.values["m"], at_takeover.values)
+    for rank in (3, 4, 5):
+        failovers, final = out[rank]
+        assert failovers == 1
+        target = torch.linspace(-1, 1, 400) + 1
+        # training went on on the promoted server: the model is near the workers' optimum
+        assert float(torch.linalg.vector_norm(final - target)) < 0.5 * float(torch.linalg.vector_norm(target))
+    # the lost model: the server's at its death against the replica's at its takeover
+    lost = promoted.stats.lost_updates
+    assert lost == 0  # every unit of the last batch had reached the replica within the grace
+    assert float(torch.linalg.vector_norm(seen["server"] - promoted.takeover_values["m"])) <= div_max
+
+
+def test_replicas_take_over_one_after_the_other_under_the_direct_policy() -> None:
+    """Chain replication, two replicas: the server dies, replica 0 takes over; then replica 0
+    dies too and replica 1 (which followed it) takes over. The workers redirect twice."""
+    layout = PSLayout(servers=1, replicas=2, workers=2)
+    jobs: list[Any] = []
+    barriers = [threading.Barrier(2), threading.Barrier(2), threading.Barrier(2), threading.Barrier(2)]
+
+    def work(w: Any) -> tuple[int, torch.Tensor]:
+        w.init_model("m", torch.zeros(64), lr=0.1, momentum=0.5)
+        for step in range(12):
+            if step in (4, 8):
+                first, second = barriers[:2] if step == 4 else barriers[2:]
+                w.pull_flat("m")  # answered after this worker's last push was applied: none in flight
+                first.wait(10)
+                if w.index == 0:
+                    _kill(jobs, 0 if step == 4 else 1)
+                second.wait(10)
+            w.push("m", w.pull_flat("m") - 1)
+            w.clock()
+        return w.failovers, w.pull_flat("m")
+
+    out, _ = run_job(layout, PSConfig(consistency="async", timeout_s=10), work, setup=jobs.extend, killed={0, 1})
+    last = out[2]
+    assert isinstance(last, ServerStats) and last.server == 0 and last.errors == []
+    assert last.worker_updates == 8  # steps 8..11 of both workers
+    assert jobs[2].replica.stats.followed == 1 and jobs[2].replica.promoted is not None
+    for rank in (3, 4):
+        failovers, final = out[rank]
+        assert failovers == 2 and torch.all(final > 0.5)
+    # no update was lost at either takeover (none was in flight at the barriers): 24 versions
+    assert jobs[2].replica.promoted.shards["m"].version == 24
+
+
+@pytest.mark.parametrize(("changes", "servers", "reason"), [
+    ({"consistency": "bsp"}, 1, "a round in flight"),
+    ({"consistency": "async:4", "routing": "scheduled"}, 2, "follow server 0's scheduler"),
+    ({"consistency": "ssp:1", "routing": "mlnet"}, 1, "no failover"),
+])
+def test_where_failover_cannot_be_done_the_reason_is_named(changes: dict, servers: int, reason: str) -> None:
+    layout = PSLayout(servers=servers, replicas=1, workers=2)
+    refusal = failover_refusal(PSConfig(**changes), layout)
+    assert refusal is not None and reason in refusal
+    assert failover_refusal(PSConfig(consistency="async:4", routing="scheduled"), PSLayout(servers=1, replicas=1, workers=2)) is None
+    assert failover_refusal(PSConfig(consistency="ssp:2"), PSLayout(servers=2, replicas=2, workers=2)) is None
