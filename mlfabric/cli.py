@@ -1191,6 +1191,9 @@ def train(
     checkpoint_every: Annotated[int, typer.Option(
         "--checkpoint-every", help="PS modes: each server checkpoints its shard to a local file every N versions "
                                    "(0: never; the baseline of MLfabric's replication).")] = 0,
+    fail: Annotated[Optional[str], typer.Option(
+        "--fail", help="server:AT: SIGKILL server 0's process AT seconds into the (one) PS run; its replica takes "
+                       "over (needs --replicas; reports failover_s, lost_divergence, lost_updates).")] = None,
     inject: Annotated[Optional[list[str]], typer.Option(
         help="Delay injection, repeatable (each runs every mode): one-random:300ms (one random worker per step), "
              "random:300ms,2, skew:50ms,50ms,rotate, C1|C2|C3 (MLfabric's compute stragglers), none.")] = None,
@@ -1315,7 +1318,7 @@ def train(
                          replicas=replicas, replication=replication, div_max=div_max,
                          measure_divergence=measure_divergence, delay_bound=delay_bound,
                          emulation=emulation, target=target,
-                         checkpoint_every=checkpoint_every)
+                         checkpoint_every=checkpoint_every, fail=fail)
     if emulate:
         from mlfabric.emu.cmd import have_root
 
@@ -1339,6 +1342,8 @@ def train(
             command += ["--no-measure-divergence"]
     if checkpoint_every:
         command += ["--checkpoint-every", str(checkpoint_every)]
+    if fail is not None:
+        command += ["--fail", fail]
     for flag, value in (("--delay-bound", delay_bound), ("--epochs", epochs), ("--batch-size", batch_size), ("--lr", lr), ("--momentum", momentum),
                         ("--train-samples", train_samples), ("--sync-every-epochs", sync_every_epochs),
                         ("--image-size", image_size), ("--target", target),
@@ -1355,6 +1360,7 @@ def train(
         command += ["--json", str(json_path)]
     from mlfabric.bench.procs import RankFailedError, RankTimeoutError
     from mlfabric.emu.cmd import EmuUnavailableError
+    from mlfabric.train.failover import FailoverError
 
     with progress_bar(quiet=quiet) as progress:
         task = progress.add_task(f"{workload} on {workers} ranks: {len(config.runs())} runs (start-up first)",
@@ -1362,7 +1368,7 @@ def train(
         result = run_or_exit(lambda: run_eager_training(
             config, argv=command, capture_output=True,
             on_run=lambda done, total: progress.update(task, completed=done, total=total)),
-            (RankFailedError, RankTimeoutError, EmuUnavailableError))
+            (RankFailedError, RankTimeoutError, EmuUnavailableError, FailoverError))
     files = write_outputs(result, out_dir, plot=plot)
     result = dataclasses.replace(result, files=files)
     console.print(render_table(result))

@@ -56,8 +56,8 @@ if TYPE_CHECKING:
 FAILOVER_KINDS = ("async", "ssp")
 
 #: How long a replica whose server was lost waits for the payloads of units the server had
-#: applied (network replication: they come from the workers, and may still be on the way)
-#: before it takes over without them.
+#: applied (network replication: they come from the workers -- on their way, or asked for
+#: again) before it takes over without them.
 PROMOTION_GRACE_S = 0.5
 
 
@@ -101,7 +101,9 @@ class ReplicaStats:
     #: come within PROMOTION_GRACE_S; what the server applied without a note reaching the
     #: replica cannot be counted), and how many times it followed a new primary.
     promoted_at: float | None = None
+    takeover_version: int | None = None
     lost_updates: int = 0
+    recovery_asked: int = 0  # units asked of the workers again at the takeover
     followed: int = 0
 
     @property
@@ -116,7 +118,9 @@ class ReplicaStats:
         return {"updates_applied": self.updates_applied, "from_network": self.from_network,
                 "bytes_in": self.bytes_in, "probe_bytes": self.probe_bytes, "max_divergence": self.max_divergence,
                 "max_divergence_estimate": self.max_divergence_estimate, "probes": len(self.divergence),
-                "promoted_at": self.promoted_at, "lost_updates": self.lost_updates, "followed": self.followed}
+                "promoted_at": self.promoted_at, "takeover_version": self.takeover_version,
+                "lost_updates": self.lost_updates, "recovery_asked": self.recovery_asked,
+                "followed": self.followed}
 
 
 class Replica:
@@ -248,6 +252,7 @@ class Replica:
         PROMOTION_GRACE_S for units still on their way), count the rest as lost, and serve
         the shard from this model (MLfabric §3.3: fresh updates make up the lost work)."""
         deadline = time.monotonic() + PROMOTION_GRACE_S
+        self._recover_units()
         while self._waiting_for_units() and time.monotonic() < deadline:
             version = self.transport.mailbox.version
             self._take_all()
@@ -257,12 +262,39 @@ class Replica:
         self.stats.lost_updates = sum(len(h["workers"]) for h in lost)
         self._queue.clear()
         self.stats.promoted_at = time.time()
+        self.stats.takeover_version = max(self.versions.values(), default=0)
         self.takeover_values = {name: values.clone() for name, values in self.values.items()}
         log.warning("%s: %s was lost; taking over server %d's shards at versions %s (%d of its updates lost)",
                     self.who, self.layout.describe(self.primary), self.server, self.versions,
                     self.stats.lost_updates)
         self.promoted = self.promote()
         return self.promoted.serve()
+
+    def _recover_units(self) -> None:
+        """Ask the workers for their copies of the units the lost server applied and this
+        replica has not got (punted ones had not been sent at all): each member sends its copy
+        here, or, for a unit of several updates, to its first member, which sums them in the
+        unit's order (the replica-aggregator path: equal bits to the server's sum)."""
+        tag = protocol.tag(protocol.AGGREGATE, self.config.session)
+        me = self.transport.rank
+        gone = set(self.transport.lost_peers) | set(self.transport.departed_peers)
+        for header, _, _ in self._queue:
+            if header["op"] != "applied" or (header["model"], int(header["unit"])) in self._units:
+                continue
+            members = [(int(r), int(i)) for r, i in header.get("members") or []]
+            if not members or any(rank in gone for rank, _ in members):
+                continue
+            unit, model = int(header["unit"]), header["model"]
+            dest = me if len(members) == 1 else members[0][0]
+            if len(members) > 1:
+                self.transport.send(dest, tag, b"", channel=self.channel, meta=protocol.encode(
+                    op="runit", unit=unit, model=model, server=self.server, dest=me,
+                    members=[list(m) for m in members], rate=None))
+            for rank, update_id in members:
+                self.transport.send(rank, tag, b"", channel=self.channel, meta=protocol.encode(
+                    op="replicate", unit=unit, model=model, id=update_id, server=self.server, dest=dest, replica=me,
+                    start_in=0.0, rate=None, recovery=True))
+            self.stats.recovery_asked += 1
 
     def _waiting_for_units(self) -> bool:
         return bool(self._queue) and self._queue[0][0]["op"] == "applied"

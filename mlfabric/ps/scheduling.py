@@ -499,7 +499,7 @@ class SchedulerService:
                     rate=_avg_rate_bps(out)))
             for (rank, update_id), tr in zip(members, transfers):
                 self.transport.send(rank, aggregate, b"", channel=channel, meta=protocol.encode(
-                    op="replicate", unit=key, model=model, id=update_id, server=j, dest=tr.dst,
+                    op="replicate", unit=key, model=model, id=update_id, server=j, dest=tr.dst, replica=replica,
                     start_in=max(0.0, tr.begin - now), rate=_avg_rate_bps(tr)))
         if plan.frozen:
             self.transport.send(replica, protocol.tag(protocol.REPLICATE, session), b"", channel=channel,
@@ -768,11 +768,14 @@ class Aggregator:
         self._thread: threading.Thread | None = None
         self.forwarded = 0
         self.partial = 0
-        # network replication: (model, update id) -> [components, sends still to make]
+        # network replication: (model, update id) -> [components, sends still to make, the
+        # scheduler's rank (copies it planned are asked for only while it lives)]
         self._copies: dict[tuple[str, int], list[Any]] = {}
         self._replications: list[_Replication] = []
         self._replicating: list[tuple[SendHandle, int, torch.Tensor, bool]] = []
-        self._replica_sums: dict[int, _ReplicaSum] = {}
+        # (unit key, replica) -> the unit being summed here: with several replicas of a server
+        # one unit goes to each, possibly through the same replica aggregator
+        self._replica_sums: dict[tuple[int, int], _ReplicaSum] = {}
         self.copies_sent = 0
         self.copies_evicted = 0
 
@@ -785,7 +788,16 @@ class Aggregator:
                 self.copies_evicted += 1
                 log.warning("%s: %d copies of updates kept for replicas and none asked for: freed update %d of %r "
                             "(its replica will miss it)", self.worker.who, self.MAX_COPIES, oldest[1], oldest[0])
-            self._copies[(model, update_id)] = [[c.detach().clone() for c in components], self.worker.layout.replicas]
+            askers = len(self._askers())
+            if askers:
+                self._copies[(model, update_id)] = [[c.detach().clone() for c in components], askers,
+                                                    self.worker.server_rank(0)]
+
+    def _askers(self) -> list[int]:
+        """The replicas that may still ask for copies: those in the job that have not taken over a shard."""
+        w = self.worker
+        gone = set(w.transport.lost_peers) | set(w.transport.departed_peers)
+        return [r for r in w.layout.replica_ranks if r not in gone and r not in w.serving]
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"mlfabric-ps-aggregator-{self.worker.index}",
@@ -822,8 +834,13 @@ class Aggregator:
         transport = self.worker.transport
         gone = set(transport.lost_peers) | set(transport.departed_peers)
         with self._lock:
-            if self._copies and all(r in gone for r in self.worker.layout.replica_ranks):
-                self._copies.clear()  # every replica is gone: nobody will ask for them
+            if self._copies and not self._askers():
+                self._copies.clear()  # every replica is gone (or serves): nobody will ask for them
+            # a lost scheduler's plans are over (a replica taking over asked for what it missed
+            # at once): their copies do not hold a leaving worker back
+            orphans = [k for k, (_, _, scheduler) in self._copies.items() if scheduler in gone]
+            for key in orphans:
+                del self._copies[key]
             # copies still kept: their units were punted, the scheduler asks for them later
             return (any(g.planned and len(g.sent) < len(g.servers) for g in self._groups.values())
                     or bool(self._copies) or bool(self._replications) or any(not h.done() for h, *_ in self._replicating)
@@ -875,9 +892,13 @@ class Aggregator:
             with self._lock:
                 copy = self._copies.get((header["model"], int(header["id"])))
                 if copy is None:
-                    log.error("%s: asked to replicate update %d of %r (unit %d) but holds no copy of it "
-                              "(never pushed, or freed): the replica will wait for it in vain", w.who,
-                              int(header["id"]), header["model"], key)
+                    if header.get("recovery"):  # a replica taking over asked; the copy went its way before
+                        log.info("%s: update %d of %r (unit %d): no copy left to resend to %s", w.who,
+                                 int(header["id"]), header["model"], key, w.layout.describe(int(header["dest"])))
+                    else:
+                        log.error("%s: asked to replicate update %d of %r (unit %d) but holds no copy of it "
+                                  "(never pushed, or freed): the replica will wait for it in vain", w.who,
+                                  int(header["id"]), header["model"], key)
                     return
                 j = int(header["server"])
                 tensor = copy[0][j]
@@ -891,13 +912,15 @@ class Aggregator:
             else:
                 tag, meta = protocol.tag(protocol.AGGREGATE, session), protocol.encode(
                     op="rmember", unit=key, model=header["model"], server=j, rank=w.transport.rank,
+                    replica=int(header["replica"]),
                     id=int(header["id"]))
             with self._lock:
                 self._replications.append(_Replication(due=now + float(header["start_in"]), dest=dest, tag=tag,
                                                        meta=meta, tensor=tensor, rate=header.get("rate")))
             return
         with self._lock:
-            unit = self._replica_sums.setdefault(key, _ReplicaSum(since=now))
+            replica = int(header["dest"] if header["op"] == "runit" else header["replica"])
+            unit = self._replica_sums.setdefault((key, replica), _ReplicaSum(since=now))
             if header["op"] == "runit":
                 unit.model, unit.server, unit.dest = header["model"], int(header["server"]), int(header["dest"])
                 unit.members = [(int(r), int(i)) for r, i in header["members"]]
@@ -911,9 +934,10 @@ class Aggregator:
                 unit.arrived[(int(header["rank"]), int(header["id"]))] = payload_tensor(
                     payload, spec.torch_dtype, length, "replica unit member").clone()
 
-    def _add_replica_member(self, key: int, rank: int, update_id: int, tensor: torch.Tensor) -> None:
+    def _add_replica_member(self, key: int, replica: int, rank: int, update_id: int, tensor: torch.Tensor) -> None:
         with self._lock:
-            self._replica_sums.setdefault(key, _ReplicaSum(since=time.monotonic())).arrived[(rank, update_id)] = tensor
+            self._replica_sums.setdefault((key, replica), _ReplicaSum(since=time.monotonic())).arrived[
+                (rank, update_id)] = tensor
 
     def _send_replications(self, now: float) -> float:
         """Send the copies that are due and the replica units that are complete; returns how
@@ -929,8 +953,9 @@ class Aggregator:
             for k, _ in complete:
                 del self._replica_sums[k]
             for k in stale:
-                log.error("%s: replica aggregator: unit %d got %d of its members' copies in %.0f s; dropped (its "
-                          "replica will miss it)", w.who, k, len(self._replica_sums[k].arrived), w.config.timeout_s)
+                log.error("%s: replica aggregator: unit %d for %s got %d of its members' copies in %.0f s; dropped "
+                          "(its replica will miss it)", w.who, k[0], w.layout.describe(k[1]),
+                          len(self._replica_sums[k].arrived), w.config.timeout_s)
                 del self._replica_sums[k]
             nxt = min((r.due for r in self._replications), default=now + 0.05)
         gone = set(w.transport.lost_peers) | set(w.transport.departed_peers)
@@ -939,13 +964,14 @@ class Aggregator:
                 continue
             if r.dest == w.transport.rank:  # this host is the unit's replica aggregator
                 header = protocol.decode(r.meta)
-                self._add_replica_member(int(header["unit"]), int(header["rank"]), int(header["id"]), r.tensor)
+                self._add_replica_member(int(header["unit"]), int(header["replica"]), int(header["rank"]),
+                                         int(header["id"]), r.tensor)
                 continue
             paced = r.rate is not None and w.transport.pace_connection(r.dest, channel, r.rate)
             handle = w.transport.send(r.dest, r.tag, tensor_bytes(r.tensor), meta=r.meta, channel=channel)
             self._replicating.append((handle, r.dest, r.tensor, paced))
             self.copies_sent += 1
-        for key, unit in complete:
+        for (key, _), unit in complete:
             if unit.dest in gone:
                 continue
             total = _sum_in_order([unit.arrived[m] for m in unit.members])
@@ -991,7 +1017,8 @@ class Aggregator:
             meta = protocol.encode(op=protocol.PUSH, model=group.model, batch=batch, slot=slot,
                                    clock=first["clock"], version=first["version"], norm=0.0,
                                    workers=[w.layout.worker_index(int(h["rank"])) for h, _ in got],
-                                   versions=[int(h["version"]) for h, _ in got])
+                                   versions=[int(h["version"]) for h, _ in got],
+                                   members=[[int(h["rank"]), int(h["id"])] for h, _ in got])
             rate = group.rates[group.servers.index(j)] if group.rates else None
             server = w.server_rank(j)
             paced = rate is not None and w.transport.pace_connection(server, w.channel, rate)

@@ -236,6 +236,9 @@ class ParameterServer:
         self._expected: dict[tuple[str, int], dict[int, float]] = {}
         self._routed_in: dict[tuple[str, int], set[int]] = {}  # (model, round) -> ranks whose update is in
         self.scheduler_service: Any = None
+        #: Called at every turn of the serving loop, between requests (fault injection:
+        #: ``mlfabric train --fail server:AT`` crashes the process there, its model whole).
+        self.on_turn: Callable[[], None] | None = None
         transport.on_peer_lost(lambda peer, reason: transport.mailbox.notify())
 
     # -- API (MLfabric Table 1) ----------------------------------------------------------------
@@ -278,6 +281,8 @@ class ParameterServer:
         before = self.transport.counters()  # the transport may have carried earlier sessions
         while not self._stop.is_set():
             version = mailbox.version
+            if self.on_turn is not None:
+                self.on_turn()
             while (msg := mailbox.take(self.channel, tag)) is not None:
                 self._handle(msg)
             now = time.monotonic()
@@ -552,6 +557,7 @@ class ParameterServer:
         complete = entry is not None and len(workers) == entry.count
         self._apply(shard, gradient, workers, versions, weight=1.0 / self.layout.workers,
                     unit=entry.unit if entry is not None and complete else None,
+                    members=header.get("members") or [[int(header["rank"]), int(header["id"])]],
                     norm=entry.norm if entry is not None else None)
 
     def _add_to_round(self, shard: _Shard, clock: int, gradient: torch.Tensor, workers: list[int],
@@ -617,6 +623,7 @@ class ParameterServer:
 
     def _apply(self, shard: _Shard, gradient: torch.Tensor, workers: tuple[int, ...],
                computed_from: tuple[int, ...], *, weight: float, unit: int | None = None,
+               members: list[list[int]] | None = None,
                norm: float | None = None) -> None:
         info = UpdateInfo(model=shard.spec.name, server=self.server, version=shard.version, workers=workers,
                           computed_from=computed_from, weight=weight)
@@ -653,7 +660,9 @@ class ParameterServer:
             if unit is not None and self._network_replication:
                 # MLfabric §5.3: the update itself reaches the replica from the workers (the
                 # scheduler planned it); the server only says where it stands in its order
-                self._send_replica(replica, protocol.encode(op="applied", unit=unit, **fields), b"")
+                # (with the unit's members, (rank, update id): a replica that takes over asks
+                # them for the copies of units the network had not delivered yet)
+                self._send_replica(replica, protocol.encode(op="applied", unit=unit, members=members, **fields), b"")
             else:  # chain replication (and, under network replication, what the network did not carry)
                 self._send_replica(replica, protocol.encode(op="update", **fields), gradient.clone())
 

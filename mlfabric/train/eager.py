@@ -251,6 +251,9 @@ class EagerTrainConfig:
     #: PS modes: each server checkpoints its shard to a local file every N versions (0: never;
     #: MLfabric §7.3's baseline for replication), in a temporary directory removed after the run.
     checkpoint_every: int = 0
+    #: ``"server:AT"``: server 0's process is SIGKILLed AT seconds into the (one) PS run and its
+    #: replica takes over (:mod:`mlfabric.train.failover`: failover_s, lost_divergence, ...).
+    fail: str | None = None
     #: None: local ranks on loopback; otherwise every rank on a host of an emulated star (root).
     emulation: TrainEmulation | None = None
     #: The metric every run's time to target is measured at (MLfabric's Table 2: time to a
@@ -276,6 +279,28 @@ class EagerTrainConfig:
                 raise ValueError("--replication network is scheduled by MLfabric's scheduler: run a mlfabric-a:TAU "
                                  "mode (the other PS modes replicate by chain)")
 
+    def _check_failure(self) -> None:
+        if self.fail is None:
+            return
+        from mlfabric.ps import PSConfig, PSLayout
+        from mlfabric.ps.replica import failover_refusal
+
+        from .failover import ServerFailure
+
+        ServerFailure.parse(self.fail)
+        ps_runs = [mode for _, mode in self.runs() if is_ps_mode(mode)]
+        if len(ps_runs) != 1:
+            raise ValueError(f"--fail {self.fail} kills a server for good: run exactly one parameter-server mode with "
+                             f"one --inject (got {len(ps_runs)} PS runs); run the unfailed baseline as its own command")
+        if self.replicas < 1:
+            raise ValueError(f"--fail {self.fail} needs --replicas 1 or more (a replica takes over the killed server)")
+        options = session_options(ps_runs[0], self.delay_bound, replicas=self.replicas, replication=self.replication,
+                                  div_max=self.div_max)
+        refusal = failover_refusal(PSConfig(**options), PSLayout(servers=self.servers, replicas=self.replicas,
+                                                                 workers=self.workers))
+        if refusal is not None:
+            raise ValueError(f"--fail {self.fail} with {ps_runs[0]}: no failover there ({refusal})")
+
     def __post_init__(self) -> None:
         from mlfabric import TRANSPORTS
         from mlfabric.collectives import ALLREDUCE_ALGORITHMS
@@ -297,6 +322,7 @@ class EagerTrainConfig:
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0 versions (0: never), got {self.checkpoint_every}")
         self._check_replication()
+        self._check_failure()
         if self.delay_bound is not None and self.delay_bound < 0:
             raise ValueError(f"delay_bound must be >= 0, got {self.delay_bound}")
         check_distinct(self.injects, "injections")
@@ -592,11 +618,24 @@ class _RankRun:
     ps_server: dict[str, Any] | None = None  # a PS server's statistics
     ps_worker: dict[str, Any] | None = None  # a PS worker's statistics
     is_worker: bool = True
+    #: A run whose server is killed (``--fail``): no collective over every rank at its end;
+    #: each rank hands its part to the parent, which evaluates (:func:`_evaluate_in_parent`).
+    parts: "_RunParts | None" = None
 
 
-def _rank_main(config: EagerTrainConfig, launched_at: float, ps: bool = False) -> tuple[float, list[_RankRun]]:
+@dataclass(frozen=True, kw_only=True)
+class _RunParts:
+    snapshots: Any            # epochs x numel, a worker's model at each epoch end (None: a server)
+    walls: Any                # float64 per epoch
+    train_losses: Any         # float64 per epoch
+    final_flat: Any           # this rank's part of the final model (None: none)
+
+
+def _rank_main(config: EagerTrainConfig, launched_at: float, ps: bool = False,
+               fault_dir: str | None = None) -> tuple[float, list[_RankRun]]:
     """One rank of a launch: the collective modes' (``ps=False``: every rank a worker) or the
-    parameter-server modes' (``ps=True``: ranks 0..servers-1 serve, the rest are workers)."""
+    parameter-server modes' (``ps=True``: ranks 0..servers-1 serve, the rest are workers).
+    ``fault_dir``: server 0 is killed in the PS run (``config.fail``), its record goes there."""
     import torch
 
     import mlfabric
@@ -622,17 +661,19 @@ def _rank_main(config: EagerTrainConfig, launched_at: float, ps: bool = False) -
         runs = []
         selected = [(i, run) for i, run in enumerate(config.runs()) if is_ps_mode(run[1]) == ps]
         for done, (index, (inject, mode)) in enumerate(selected):
-            runs.append(_train_one(config, comm, task, x, y, val, inject, mode, index, env.rank, ps_job=job))
+            runs.append(_train_one(config, comm, task, x, y, val, inject, mode, index, env.rank, ps_job=job,
+                                   fault_dir=fault_dir))
             if env.rank == 0:
                 report({"run": done + 1, "runs": len(selected), "ps": ps})
-        comm.barrier()
+        if fault_dir is None:  # with a server killed, the ranks end apart
+            comm.barrier()
         return startup, runs
     finally:
         comm.close()
 
 
 def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, val: Any, inject: str,
-               mode: str, index: int, rank: int, *, ps_job: Any = None) -> _RankRun:
+               mode: str, index: int, rank: int, *, ps_job: Any = None, fault_dir: str | None = None) -> _RankRun:
     import torch
 
     from mlfabric.torch import EagerSGD, PSOptimizer
@@ -667,7 +708,13 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
             if rule is not None:
                 (session.server or session.replica).register_update_callback(rule(config.workers), "model")
             try:
-                ps_server, final_flat = serve_run(session, numel, torch.float32)  # joins the start barrier
+                kill = None
+                if fault_dir is not None and config.fail is not None and session.role == "server" and rank == 0:
+                    from .failover import ServerFailure
+
+                    kill = (ServerFailure.parse(config.fail).at_s, fault_dir)
+                # joins the start barrier
+                ps_server, final_flat = serve_run(session, numel, torch.float32, kill=kill)
             finally:
                 if checkpoints is not None:
                     import shutil
@@ -675,7 +722,7 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
                     shutil.rmtree(checkpoints, ignore_errors=True)
             return _finish_run(config, comm, task, model, val, rank, numel, snapshots=None, walls=None,
                                train_losses=None, loop_s=0.0, injected=0.0, stats=None, ps_server=ps_server,
-                               final_flat=final_flat)
+                               final_flat=final_flat, apart=fault_dir is not None)
         trainer: Any = PSOptimizer(optimizer, model, session.worker,
                                    keep_dropped=getattr(task, "keep_dropped_updates", False))
         final_flat = torch.zeros(numel)
@@ -745,48 +792,82 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
     stats = trainer.stats.as_dict() if isinstance(trainer, EagerSGD) else None
     return _finish_run(config, comm, task, model, val, rank, numel, snapshots=torch.stack(snapshots), walls=walls,
                        train_losses=train_losses, loop_s=loop_s, injected=injected, stats=stats,
-                       ps_worker=ps_worker, final_flat=final_flat)
+                       ps_worker=ps_worker, final_flat=final_flat, apart=fault_dir is not None)
 
 
 def _finish_run(config: EagerTrainConfig, comm: Any, task: Any, model: Any, val: Any, rank: int, numel: int, *,
                 snapshots: Any, walls: list[float] | None, train_losses: list[float] | None, loop_s: float,
                 injected: float, stats: dict[str, Any] | None, ps_server: dict[str, Any] | None = None,
-                ps_worker: dict[str, Any] | None = None, final_flat: Any = None) -> _RankRun:
+                ps_worker: dict[str, Any] | None = None, final_flat: Any = None, apart: bool = False) -> _RankRun:
     """The curve: at every epoch boundary, the average of the workers' models (what a model
     synchronization there would give; the same as each rank's for allreduce) and rank 0's own.
     Every rank of the launch takes part; servers contribute zeros (and their shard of the
-    final model, which in the PS modes is what is evaluated)."""
+    final model, which in the PS modes is what is evaluated). ``apart`` (a server was killed):
+    no collective; the rank's parts go to the parent, which does the same sums."""
     import torch
 
     epochs = config.epochs_
     is_worker = snapshots is not None
     local = snapshots if is_worker else torch.zeros(epochs, numel)
-    summed = comm.allreduce(local.clone(), algorithm=config.algorithm, op="sum")
-    averaged = summed / config.workers
-    at = comm.allreduce(torch.tensor(walls if walls is not None else [0.0] * epochs, dtype=torch.float64),
-                        algorithm=config.algorithm, op="max")
-    mean_loss = comm.allreduce(torch.tensor(train_losses if train_losses is not None else [0.0] * epochs,
-                                            dtype=torch.float64), algorithm=config.algorithm, op="sum") / config.workers
+    walls_t = torch.tensor(walls if walls is not None else [0.0] * epochs, dtype=torch.float64)
+    losses_t = torch.tensor(train_losses if train_losses is not None else [0.0] * epochs, dtype=torch.float64)
+    if apart:
+        return _RankRun(loop_s=loop_s, injected_s=injected, curve=(), final=(math.nan, math.nan), stats=stats,
+                        ps_server=ps_server, ps_worker=ps_worker, is_worker=is_worker,
+                        parts=_RunParts(snapshots=snapshots, walls=walls_t, train_losses=losses_t,
+                                        final_flat=final_flat))
+    averaged = comm.allreduce(local.clone(), algorithm=config.algorithm, op="sum") / config.workers
+    at = comm.allreduce(walls_t, algorithm=config.algorithm, op="max")
+    mean_loss = comm.allreduce(losses_t, algorithm=config.algorithm, op="sum") / config.workers
     if final_flat is not None:
         final_flat = comm.allreduce(final_flat.clone(), algorithm=config.algorithm, op="sum")
-    curve: list[CurvePoint] = []
+    curve: tuple[CurvePoint, ...] = ()
     final = (math.nan, math.nan)
-    if rank == 0:
-        if final_flat is not None:
-            torch.nn.utils.vector_to_parameters(final_flat, model.parameters())
-        final = task.evaluate(model, *val)
-        own = local if is_worker else averaged  # rank 0 is a server in the PS modes: no model of its own
-        for epoch in range(epochs):
-            torch.nn.utils.vector_to_parameters(averaged[epoch], model.parameters())
-            val_loss, metric = task.evaluate(model, *val)
-            torch.nn.utils.vector_to_parameters(own[epoch], model.parameters())
-            _, metric_rank0 = task.evaluate(model, *val)
-            curve.append(CurvePoint(epoch=epoch + 1, step=(epoch + 1) * config.steps_per_epoch,
-                                    wall_s=float(at[epoch]), train_loss=float(mean_loss[epoch]),
-                                    val_loss=val_loss, val_metric=metric, val_metric_rank0=metric_rank0))
+    if rank == 0:  # rank 0 is a server in the PS modes: no model of its own
+        curve, final = _evaluate(config, task, model, val, averaged, local if is_worker else averaged, at,
+                                 mean_loss, final_flat)
     comm.barrier()
-    return _RankRun(loop_s=loop_s, injected_s=injected, curve=tuple(curve), final=final, stats=stats,
+    return _RankRun(loop_s=loop_s, injected_s=injected, curve=curve, final=final, stats=stats,
                     ps_server=ps_server, ps_worker=ps_worker, is_worker=is_worker)
+
+
+def _evaluate(config: EagerTrainConfig, task: Any, model: Any, val: Any, averaged: Any, own: Any, at: Any,
+              mean_loss: Any, final_flat: Any) -> tuple[tuple[CurvePoint, ...], tuple[float, float]]:
+    """The curve (per epoch: the averaged model's and rank 0's own model's metric) and the final
+    model's (val loss, metric)."""
+    import torch
+
+    if final_flat is not None:
+        torch.nn.utils.vector_to_parameters(final_flat, model.parameters())
+    final = task.evaluate(model, *val)
+    curve = []
+    for epoch in range(config.epochs_):
+        torch.nn.utils.vector_to_parameters(averaged[epoch], model.parameters())
+        val_loss, metric = task.evaluate(model, *val)
+        torch.nn.utils.vector_to_parameters(own[epoch], model.parameters())
+        _, metric_rank0 = task.evaluate(model, *val)
+        curve.append(CurvePoint(epoch=epoch + 1, step=(epoch + 1) * config.steps_per_epoch,
+                                wall_s=float(at[epoch]), train_loss=float(mean_loss[epoch]),
+                                val_loss=val_loss, val_metric=metric, val_metric_rank0=metric_rank0))
+    return tuple(curve), final
+
+
+def _evaluate_in_parent(config: EagerTrainConfig, runs: list[_RankRun]) -> _RankRun:
+    """A run whose server was killed: the sums :func:`_finish_run` does by collectives, over the
+    ranks that are left, then the evaluation; returns the run as rank 0 would have."""
+    import torch
+
+    task = config.task()
+    torch.manual_seed(config.seed)
+    model = task.model()
+    parts = [r.parts for r in runs if r.parts is not None]
+    averaged = sum(p.snapshots for p in parts if p.snapshots is not None) / config.workers
+    at = torch.stack([p.walls for p in parts]).max(dim=0).values
+    mean_loss = sum(p.train_losses for p in parts) / config.workers
+    finals = [p.final_flat for p in parts if p.final_flat is not None]
+    curve, final = _evaluate(config, task, model, task.val(), averaged, averaged, at, mean_loss,
+                             sum(finals) if finals else None)
+    return dataclasses.replace(runs[0], curve=curve, final=final)
 
 
 # --------------------------------------------------------------------------- in the parent
@@ -831,13 +912,24 @@ def run_eager_training(config: EagerTrainConfig, *, argv: Sequence[str] | None =
     per_run: dict[int, list[_RankRun]] = {}
     startup = 0.0
     emulated: list[dict[str, Any]] = []
+    failover: dict[str, Any] = {}
     for ps in config.launches():
         world = config.workers + (config.ps_ranks if ps else 0)
         started = launched if not per_run else time.time()
-        with _launch_config(config, world, ps=ps, env={SERVERS_ENV: str(config.servers), REPLICAS_ENV: str(config.replicas)} if ps else {},
-                            capture_output=capture_output, trace_dir=trace_dir, records=emulated) as launch:
-            per_rank: list[tuple[float, list[_RankRun]]] = run_ranks(_rank_main, config=launch,
-                                                                     args=(config, started, ps), on_report=on_report)
+        fault_dir = _fault_dir(config) if ps and config.fail is not None else None
+        try:
+            with _launch_config(config, world, ps=ps,
+                                env={SERVERS_ENV: str(config.servers), REPLICAS_ENV: str(config.replicas)} if ps else {},
+                                capture_output=capture_output, trace_dir=trace_dir, records=emulated) as launch:
+                per_rank: list[Any] = run_ranks(_rank_main, config=launch, args=(config, started, ps, fault_dir),
+                                                on_report=on_report, expect_failures={0} if fault_dir else ())
+            if fault_dir is not None:
+                per_rank, failover = _after_failure(config, per_rank, fault_dir)
+        finally:
+            if fault_dir is not None:
+                import shutil
+
+                shutil.rmtree(fault_dir, ignore_errors=True)
         startup = max(startup, max(r[0] for r in per_rank))
         indices = [i for i, (_, mode) in enumerate(config.runs()) if is_ps_mode(mode) == ps]
         for k, index in enumerate(indices):
@@ -851,6 +943,8 @@ def run_eager_training(config: EagerTrainConfig, *, argv: Sequence[str] | None =
         stats = [r.stats for r in workers if r.stats is not None]
         ps_figures = (summarize([r.ps_server for r in ranks if r.ps_server], [r.ps_worker for r in workers])
                       if is_ps_mode(mode) else None)
+        if ps_figures is not None and failover:
+            ps_figures.update(failover)
         runs.append(RunResult(
             inject=inject, mode=mode, metric=task_metric, steps=config.steps,
             loop_s=max(r.loop_s for r in workers), per_rank_loop_s=tuple(r.loop_s for r in workers),
@@ -879,6 +973,31 @@ def run_eager_training(config: EagerTrainConfig, *, argv: Sequence[str] | None =
             "launches": emulated},
     }
     return EagerTrainResult(config=config, runs=tuple(runs), startup_s=startup, wall_s=wall, metadata=metadata)
+
+
+def _fault_dir(config: EagerTrainConfig) -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="mlfabric-fail-")
+
+
+def _after_failure(config: EagerTrainConfig, per_rank: list[Any], fault_dir: str) -> tuple[list[Any], dict[str, Any]]:
+    """The PS launch whose server 0 was killed: its run evaluated over the ranks left, and the
+    failover figures (:func:`mlfabric.train.failover.failover_figures`)."""
+    from mlfabric.bench.procs import RankFailure
+
+    from .failover import FailoverError, failover_figures
+
+    survivors = [r for r in per_rank if not isinstance(r, RankFailure)]
+    if len(survivors) == len(per_rank):
+        raise FailoverError(f"--fail {config.fail}: server 0 was still alive at the end of the run (the run was "
+                           "shorter than the failure time): give an earlier time")
+    (run,) = zip(*[r[1] for r in survivors])  # one PS run (EagerTrainConfig checks it)
+    evaluated = _evaluate_in_parent(config, list(run))
+    promoted = next((r.ps_server for r in run if r.ps_server and "took_over" in r.ps_server), None)
+    figures = failover_figures(fault_dir, promoted)
+    startup = max(r[0] for r in survivors)
+    return [(startup, [evaluated])] + [(startup, [r]) for r in run[1:]], figures
 
 
 @contextlib.contextmanager
@@ -1061,6 +1180,10 @@ def render_table(result: EagerTrainResult) -> Table:
     return table
 
 
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} s"
+
+
 def render_ps_table(result: EagerTrainResult) -> Table:
     """One row per parameter-server run: updates applied and dropped, delays, pull latency,
     traffic through the servers' NICs."""
@@ -1088,9 +1211,13 @@ def render_ps_table(result: EagerTrainResult) -> Table:
                       "" if ps["pull_latency_ms"] is None else f"{ps['pull_latency_ms']:.1f}", traffic,
                       *(("" if ps.get("max_divergence") is None else
                          f"{ps['max_divergence']:.3g} ({ps['max_divergence_estimate']:.3g})",) if measured else ()))
+    failed = [run.ps for run in result.runs if run.ps is not None and "failover_s" in run.ps]
     table.caption = ("applied = worker gradients applied; delay = server version when applied - version it was "
                      "computed from (BSP rounds apply at their own version: 0)"
                      + ("; divergence = largest ||w_server - w_replica|| at a batch end (eq. (11) estimate)"
-                        if measured else ""))
+                        if measured else "")
+                     + "".join(f"; server 0 killed, its replica took over: failover {_seconds(f['failover_s'])} "
+                               f"(kill to its first update), model lost {f['lost_divergence']:.3g} "
+                               f"({f['lost_updates']} updates)" for f in failed))
     table.caption_justify = "left"
     return table

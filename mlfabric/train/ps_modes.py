@@ -114,12 +114,16 @@ def ps_consistency(mode: str, delay_bound: int | None = None) -> Consistency:
     return consistency
 
 
-def serve_run(session: "PSJob", numel: int, dtype: "torch.dtype") -> tuple[dict[str, Any], "torch.Tensor"]:
+def serve_run(session: "PSJob", numel: int, dtype: "torch.dtype", *,
+              kill: "tuple[float, str] | None" = None) -> tuple[dict[str, Any], "torch.Tensor"]:
     """A server's (or replica's) part of one run: serve until the workers leave, while taking
     part in the barrier that starts the workers' clocks (the workers register their model
     before it, so the server must already answer); returns the statistics and this server's
     shard of the final model placed in a zero flat vector (the ranks sum these to get the
-    whole model)."""
+    whole model). ``kill`` ``(at_s, fault_dir)``: this server's process crashes ``at_s`` after
+    the barrier (:mod:`mlfabric.train.failover`). A replica that took over returns the
+    statistics of the server it became, its own under ``took_over`` and its model at the
+    takeover under ``takeover_models``."""
     import threading
 
     import torch
@@ -136,22 +140,31 @@ def serve_run(session: "PSJob", numel: int, dtype: "torch.dtype") -> tuple[dict[
     thread = threading.Thread(target=serve, name=f"mlfabric-ps-serve-{session.rank}", daemon=True)
     thread.start()
     session.comm.barrier()
+    if kill is not None and session.server is not None:
+        from .failover import kill_on_turn
+
+        session.server.on_turn = kill_on_turn(session.server, *kill)
     thread.join()
     if "error" in outcome:
         raise outcome["error"]
-    if session.server is None:  # a replica: what it measured (it serves no shard of the final model)
-        return ({"replica": session.replica.stats.as_dict()} if session.replica is not None else {}), final
-    stats = outcome["stats"]
-    shard = session.server.shards.get("model")
+    replica = session.replica
+    server = session.server or (replica.promoted if replica is not None else None)
+    if server is None:  # a replica: what it measured (it serves no shard of the final model)
+        return ({"replica": replica.stats.as_dict()} if replica is not None else {}), final
+    stats = server.stats.as_dict()
+    if replica is not None:  # it took over its lost server
+        stats.update(took_over=replica.stats.as_dict(), takeover_models=replica.takeover_values)
+    shard = server.shards.get("model")
     if shard is not None:
         final[shard.offset:shard.offset + shard.length] = shard.values
-    return stats.as_dict(), final
+    return stats, final
 
 
 def summarize(server_stats: list[dict[str, Any]], worker_stats: list[dict[str, Any]]) -> dict[str, Any]:
     """The run's PS figures (``runs[]`` fields of train's JSON) from every server's and
     replica's statistics (serve_run's) and every worker's."""
-    replica_stats = [s["replica"] for s in server_stats if "replica" in s]
+    replica_stats = [s["replica"] if "replica" in s else s["took_over"] for s in server_stats
+                     if "replica" in s or "took_over" in s]
     server_stats = [s for s in server_stats if "replica" not in s]
     delays: Counter = Counter()
     for s in server_stats:

@@ -184,3 +184,18 @@ def test_a_replica_that_dies_leaves_the_primary_going_with_a_warning(caplog: pyt
         assert torch.all(out[rank] > 0.5)  # the workers kept training on the primary
     # with no live replica the server keeps no lead to check (it used to grow with every update)
     assert len(jobs[0].server._lead.get("m", [])) <= 1
+
+
+def test_two_replicas_of_a_server_both_follow_it_through_aggregated_units() -> None:
+    """Regression: with two replicas, a unit of several updates goes to each through the same
+    replica aggregator; it summed both replicas' copies as one unit (and sent it to one of
+    them), so the other waited for its unit in vain. On 2 Mbit/s NICs the scheduler
+    aggregates (groups of 2-4 updates)."""
+    out, jobs = _train(PSLayout(servers=1, replicas=2, workers=4), _settings("network", "400", 2e6), steps=8)
+    stats, server = out[0], jobs[0].server
+    assert stats.scheduler["aggregated"] > 0 and stats.errors == [] and stats.bound_overruns == 0
+    for rank in (1, 2):
+        replica = jobs[rank].replica
+        assert out[rank] == {"m": server.shards["m"].version}
+        assert replica.stats.from_network == stats.updates_applied
+        assert torch.equal(replica.values["m"], server.shards["m"].values)

@@ -1,0 +1,110 @@
+"""``mlfabric train --fail server:AT``: SIGKILL the primary server mid-run and measure the failover.
+
+    mlfabric train --workload hyperplane --workers 4 --sync mlfabric-a:8 --replicas 1 \\
+        --replication network --div-max 30u --fail server:6 --json -
+    python -m pytest tests/local/test_ps_failover_train.py -q
+
+Server 0's process kills itself ``AT`` seconds after the run's start barrier, at a turn of its
+serving loop (between two requests, so its model is whole): it first writes that model, its
+versions and the wall-clock time to ``killed-server.pt`` in the run's fault directory (a
+measurement only: nothing reads it back to recover), then sends itself SIGKILL -- no goodbye,
+no flush, exactly a crash. Its replica takes over (:mod:`mlfabric.ps.replica`); the workers
+redirect without restarting. Afterwards the parent compares:
+
+* ``failover_s``: the kill to the first update the promoted replica applied;
+* ``lost_divergence``: ``||w_server(kill) - w_replica(takeover)||``, the model lost with the
+  server (MLfabric §3.3: fresh updates on the replica's model make it up), beside Div_max;
+* ``lost_updates``: updates the server had applied whose copies never reached the replica.
+
+Only one parameter-server run per command can fail this way (its server is gone for the
+runs after it); run the unfailed baseline as another command.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from mlfabric.units import parse_duration
+
+if TYPE_CHECKING:
+    import torch
+
+    from mlfabric.ps.server import ParameterServer
+
+#: The file the killed server leaves in the fault directory.
+KILL_RECORD = "killed-server.pt"
+FAIL_FORM = "server:AT (seconds after the run's start, e.g. server:6 or server:2.5s)"
+
+
+class FailoverError(RuntimeError):
+    """The failure was not carried out as asked (the run ended first, no replica took over)."""
+
+
+@dataclass(frozen=True)
+class ServerFailure:
+    """Kill server ``server`` (its process) ``at_s`` seconds after the run's start barrier."""
+
+    at_s: float
+    server: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> "ServerFailure":
+        role, sep, when = text.partition(":")
+        if role != "server" or not sep:
+            raise ValueError(f"--fail {text!r}: expected {FAIL_FORM}")
+        try:
+            at_s = parse_duration(when)  # "6" is seconds
+        except ValueError:
+            raise ValueError(f"--fail {text!r}: expected {FAIL_FORM}") from None
+        if not at_s > 0:
+            raise ValueError(f"--fail {text!r}: the time must be positive, got {at_s}")
+        return cls(at_s=at_s)
+
+
+def kill_on_turn(server: "ParameterServer", at_s: float, fault_dir: str) -> Callable[[], None]:
+    """The serving loop's per-turn hook that crashes this process ``at_s`` seconds from now."""
+    deadline = time.monotonic() + at_s
+
+    def turn() -> None:
+        if time.monotonic() < deadline:
+            return
+        import torch
+
+        record = {"killed_at": time.time(), "versions": {n: s.version for n, s in server.shards.items()},
+                  "values": {n: s.values.clone() for n, s in server.shards.items()}}
+        path = Path(fault_dir) / KILL_RECORD
+        torch.save(record, path.with_suffix(".tmp"))
+        os.replace(path.with_suffix(".tmp"), path)  # whole or absent
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return turn
+
+
+def failover_figures(fault_dir: str, promoted: dict[str, Any] | None) -> dict[str, Any]:
+    """The run's failover fields from the killed server's record and what the promoted
+    replica reported (:func:`mlfabric.train.ps_modes.serve_run`'s statistics of the server it
+    became, with its own under ``took_over`` and its models at the takeover)."""
+    import torch
+
+    path = Path(fault_dir) / KILL_RECORD
+    if not path.exists():
+        raise FailoverError(f"--fail: server 0 left no {KILL_RECORD} in {fault_dir}: it was not killed (the run "
+                           "ended before the failure time? give an earlier --fail server:AT)")
+    record = torch.load(path)
+    if promoted is None:
+        raise FailoverError("--fail: server 0 was killed but no replica took over (see the ranks' logs)")
+    replica, models = promoted["took_over"], promoted["takeover_models"]
+    first = promoted["first_update_at"]
+    lost = [float(torch.linalg.vector_norm(record["values"][name].double() - models[name].double()))
+            for name in record["values"] if name in models]
+    return {"failover_s": (first - record["killed_at"]) if first is not None else None,
+            "takeover_s": replica["promoted_at"] - record["killed_at"],
+            "lost_divergence": max(lost) if lost else None,
+            "lost_updates": replica["lost_updates"],
+            "killed_version": max(record["versions"].values(), default=0),
+            "takeover_version": replica["takeover_version"]}
