@@ -782,7 +782,7 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
     loop_s = time.perf_counter() - start
     ps_worker = None
     if isinstance(trainer, PSOptimizer):
-        ps_worker = trainer.stats.as_dict()
+        ps_worker = {**trainer.stats.as_dict(), "failovers": trainer.worker.failovers}
         trainer.leave()
         node = getattr(trainer.worker.routing, "node", None)  # mlnet: this worker's tree node
         if node is not None:

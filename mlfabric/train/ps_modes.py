@@ -209,6 +209,8 @@ def summarize(server_stats: list[dict[str, Any]], worker_stats: list[dict[str, A
         "aggregated": sum(s.get("scheduler", {}).get("aggregated", 0) for s in server_stats),
         "scheduler_batches": sum(s.get("scheduler", {}).get("batches", 0) for s in server_stats),
         "lost_workers": sorted({w for s in server_stats for w in s["lost_workers"]}),
+        # per worker: the times it redirected to a replica that took over a lost server
+        "worker_failovers": [w.get("failovers", 0) for w in worker_stats],
         # mlnet (ps/mlnet.py): the largest c_worker - c_model any pull returned, the sums the
         # tree nodes sent up, pulls answered from a node's copy, children lost by their node.
         **_mlnet_figures([w["mlnet"] for w in worker_stats if w.get("mlnet")]),

@@ -39,6 +39,7 @@ def test_a_killed_server_is_replaced_by_its_replica_and_the_run_ends_as_unfailed
     assert ps["takeover_version"] <= ps["killed_version"]
     assert ps["killed_version"] - ps["takeover_version"] <= ps["lost_updates"] + 6  # what the notes did not name
     assert ps["worker_updates_applied"] > 0  # by the replica, after the takeover
+    assert ps["worker_failovers"] == [1, 1, 1] and baseline.ps["worker_failovers"] == [0, 0, 0]
     # the same accuracy (MSE) as the unfailed run, to 10 %
     assert failed.final_metric <= baseline.final_metric * 1.10, (failed.final_metric, baseline.final_metric)
     assert failed.curve[-1].val_metric < failed.curve[0].val_metric
