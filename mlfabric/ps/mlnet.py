@@ -49,6 +49,7 @@ import logging
 import math
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -58,7 +59,7 @@ import torch
 from mlfabric import TOPOLOGY_ENV
 from mlfabric.errors import PeerLostError, TransportError
 from mlfabric.runtime.executor import tensor_bytes
-from mlfabric.topo.trees import children_of, parse_tree_kind, rack_of, tree_parents
+from mlfabric.topo.trees import children_of, parse_tree_kind, rack_of, subtree_of, tree_parents
 from mlfabric.transport.base import Message, SendHandle
 
 from . import protocol
@@ -74,6 +75,10 @@ log = logging.getLogger("mlfabric.ps")
 #: (both share the rank's reply tags).
 _NODE_IDS = 1 << 38
 _IDLE_S = 0.05
+#: Two tree nodes lost within this many seconds are "several concurrent failures" (MLNET §3):
+#: the trees are torn down and every worker pushes and pulls directly.
+FALLBACK_WINDOW_S = 3.0
+FALL_BACK = "fall_back"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,6 +134,14 @@ class NodeStats:
     pulls_from_cache: int = 0     # pulls answered from the node's copy
     pulls_upstream: int = 0       # requests the node sent its parent (or server)
     lost_children: list[int] = field(default_factory=list)
+    #: Repairs: lost children whose children this node adopted, re-attachments to a new parent
+    #: (or the server), the fall back to direct push/pull, and clocks sent again on the way.
+    adopted: int = 0
+    repairs: int = 0
+    fallbacks: int = 0
+    resent_clocks: int = 0
+    #: When each re-attachment was answered (wall clock): the end of a repair or fall back.
+    attached_at: list[float] = field(default_factory=list)
     #: (this worker's clock, the model clock of the copy it got) for every pull, every tree.
     pull_clocks: list[tuple[int, int | None]] = field(default_factory=list)
 
@@ -141,7 +154,9 @@ class NodeStats:
     def as_dict(self) -> dict[str, Any]:
         return {"sums_forwarded": self.sums_forwarded, "updates_aggregated": self.updates_aggregated,
                 "pulls_from_cache": self.pulls_from_cache, "pulls_upstream": self.pulls_upstream,
-                "lost_children": self.lost_children, "max_staleness": self.max_staleness}
+                "lost_children": self.lost_children, "max_staleness": self.max_staleness,
+                "adopted": self.adopted, "repairs": self.repairs, "fallbacks": self.fallbacks,
+                "resent_clocks": self.resent_clocks, "attached_at": self.attached_at}
 
 
 @dataclass
@@ -149,6 +164,17 @@ class _Sum:
     total: torch.Tensor
     workers: list[int]
     versions: list[int]
+
+
+@dataclass
+class _Clock:
+    """What a node holds of one clock, per source member (itself or a child): its sums per
+    model, and the workers its clock message named. A member's part counts once its clock
+    arrived (``through``); a lost member's later parts are dropped (its subtree sends them again
+    to the node that adopts it)."""
+
+    parts: dict[int, dict[str, _Sum]] = field(default_factory=dict)
+    clocked: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -168,13 +194,19 @@ class _Tree:
     members: list[int]               # this worker, then its children (worker indices)
     through: dict[int, int]          # member -> last clock whose unit arrived
     final: set[int] = field(default_factory=set)    # members that left or were lost
-    pending: dict[int, tuple[dict[str, _Sum], list[int]]] = field(default_factory=dict)  # clock -> sums, clocked
+    pending: dict[int, _Clock] = field(default_factory=dict)
     next_clock: int = 0
     leaves: list[tuple[int, list[int]]] = field(default_factory=list)  # (after clock, workers)
     done: bool = False
     cache: dict[str, _Copy] = field(default_factory=dict)
     waiting: dict[str, list[tuple[float, Any]]] = field(default_factory=dict)  # model -> (need, reply to)
     asked: dict[str, float] = field(default_factory=dict)  # model -> need of the request upstream
+    #: The last clocks sent up (clock -> sums, workers clocked) and this node's own worker's
+    #: pushes (clock -> sums), kept to send again to a new parent (repair, fall back).
+    sent: dict[int, tuple[dict[str, _Sum], list[int]]] = field(default_factory=dict)
+    own: dict[int, dict[str, _Sum]] = field(default_factory=dict)
+    #: A re-attachment waiting for its answer (request id): nothing goes up meanwhile.
+    attaching: int | None = None
 
 
 class TreeNode:
@@ -188,6 +220,12 @@ class TreeNode:
         self.channel = worker.channel
         self.tag = protocol.tag(protocol.TREE, self.session)
         me = worker.index
+        self.parents = parents  # the trees as built: repairs walk them (first live ancestor)
+        # clocks kept to send again: BSP runs a round or two ahead of the server, SSP(s) s + 1
+        self.history = 4 + 2 * int(min(worker.config.consistency.pull_staleness, 16))
+        self.fallen_back = False
+        self._loss_seen: dict[int, float] = {}  # lost interior node rank -> when this node saw it
+        self._attaching: dict[int, tuple[int, int]] = {}  # request id -> (tree, new parent rank)
         self.trees = [_Tree(server=j, parent=int(parents[j, me]), members=[me, *children_of(parents[j], me)],
                             through={m: -1 for m in [me, *children_of(parents[j], me)]})
                       for j in range(self.layout.servers)]
@@ -239,6 +277,11 @@ class TreeNode:
                     if msg is not None:
                         del self._asking[request_id]
                         self._copy_arrived(self.trees[j], model, msg)
+                for request_id, (j, src) in list(self._attaching.items()):
+                    msg = mailbox.take(self.channel, protocol.reply_tag(self.session, request_id), src)
+                    if msg is not None:
+                        del self._attaching[request_id]
+                        self._attached(self.trees[j], request_id, int(protocol.decode(msg.meta)["through"]))
                 self._watch_peers()
                 for tree in self.trees:
                     self._forward(tree)
@@ -266,11 +309,11 @@ class TreeNode:
         me = self.worker.index
         if kind == "push":
             j, model, clock, component, header = args
-            self._add(self.trees[j], clock, model, component, [me], [int(header["version"])])
+            self._add(self.trees[j], clock, me, model, component, [me], [int(header["version"])])
         elif kind == "clock":
             (clock,) = args
             for tree in self.trees:
-                tree.pending.setdefault(clock, ({}, []))[1].append(me)
+                tree.pending.setdefault(clock, _Clock()).clocked[me] = [me]
                 tree.through[me] = clock
         elif kind == "pull":
             j, header = args
@@ -289,6 +332,13 @@ class TreeNode:
         header = protocol.decode(msg.meta)
         tree = self.trees[int(header["tree"])]
         child = self.layout.worker_index(msg.src)
+        if header["op"] == protocol.ATTACH:
+            self._attach_request(tree, child, header)
+            return
+        if header["op"] == FALL_BACK:
+            if not self.fallen_back:
+                self._fall_back(f"{self.layout.describe(msg.src)} fell back ({header['why']})")
+            return
         if child not in tree.members[1:]:
             log.error("%s: ignored mlnet %r from %s, not its child in server %d's tree", self.worker.who,
                       header["op"], self.layout.describe(msg.src), tree.server)
@@ -298,10 +348,10 @@ class TreeNode:
             dtype = getattr(torch, header["dtype"])
             numel = msg.payload.nbytes // torch.empty((), dtype=dtype).element_size()
             part = payload_tensor(msg.payload, dtype, numel, f"mlnet sum from {self.layout.describe(msg.src)}")
-            self._add(tree, int(header["clock"]), header["model"], part, header["workers"], header["versions"])
+            self._add(tree, int(header["clock"]), child, header["model"], part, header["workers"], header["versions"])
         elif op == protocol.CLOCK:
             clock = int(header["clock"])
-            tree.pending.setdefault(clock, ({}, []))[1].extend(int(w) for w in header["workers"])
+            tree.pending.setdefault(clock, _Clock()).clocked[child] = [int(w) for w in header["workers"]]
             tree.through[child] = clock
         elif op == protocol.LEAVE:
             if header["workers"]:
@@ -313,16 +363,14 @@ class TreeNode:
         else:
             log.error("%s: ignored unknown mlnet op %r from %s", self.worker.who, op, self.layout.describe(msg.src))
 
-    def _add(self, tree: _Tree, clock: int, model: str, part: torch.Tensor, workers: list[int],
+    def _add(self, tree: _Tree, clock: int, source: int, model: str, part: torch.Tensor, workers: list[int],
              versions: list[int]) -> None:
-        sums = tree.pending.setdefault(clock, ({}, []))[0]
-        entry = sums.get(model)
-        if entry is None:
-            sums[model] = _Sum(part.clone(), list(workers), list(versions))
-        else:
-            entry.total.add_(part)
-            entry.workers += workers
-            entry.versions += versions
+        """A member's sum of ``model`` for ``clock`` (it counts once the member's clock is in)."""
+        parts = tree.pending.setdefault(clock, _Clock()).parts.setdefault(source, {})
+        if model in parts:
+            raise ValueError(f"{self.worker.who}: two sums of {model!r} for clock {clock} from "
+                             f"{self.layout.describe(self.layout.worker_rank(source))} in server {tree.server}'s tree")
+        parts[model] = _Sum(part.clone(), list(workers), list(versions))
 
     # -- up the tree -------------------------------------------------------------------------------
 
@@ -330,19 +378,34 @@ class TreeNode:
         return all(m in tree.final or tree.through[m] >= clock for m in tree.members)
 
     def _forward(self, tree: _Tree) -> None:
-        """Send up every clock all members finished, then the leaves they cover."""
+        """Send up every clock all members finished, then the leaves they cover (nothing while
+        a re-attachment waits for its answer)."""
+        if tree.attaching is not None:
+            return
+        me = self.worker.index
         while tree.pending and tree.next_clock <= max(tree.pending) and self._complete(tree, tree.next_clock):
-            sums, clocked = tree.pending.pop(tree.next_clock, ({}, []))
-            for model, entry in sums.items():
-                fields = {"model": model, "clock": tree.next_clock, "workers": entry.workers,
-                          "versions": entry.versions, "dtype": str(entry.total.dtype).removeprefix("torch.")}
-                if tree.parent < 0:  # to the server, as an aggregate update
-                    fields.update(version=min(entry.versions), norm=float(torch.linalg.vector_norm(entry.total)))
-                self._up(tree, protocol.PUSH, fields, entry.total)
-                self.stats.sums_forwarded += 1
-                self.stats.updates_aggregated += len(entry.workers)
-            if clocked:
-                self._up(tree, protocol.CLOCK, {"clock": tree.next_clock, "workers": clocked})
+            clock = tree.next_clock
+            entry = tree.pending.pop(clock)
+            # the sources whose clock message for it came (a part counts only then), in the
+            # members' order (same bits for the same tree); a member lost after its clock still
+            # counts for that clock (its adopted children send only the later ones)
+            counted = [m for m in tree.members if m in entry.clocked]
+            counted += [m for m in entry.clocked if m not in tree.members]
+            sums: dict[str, _Sum] = {}
+            for m in counted:
+                for model, part in entry.parts.get(m, {}).items():
+                    total = sums.get(model)
+                    if total is None:
+                        sums[model] = _Sum(part.total.clone(), list(part.workers), list(part.versions))
+                    else:
+                        total.total.add_(part.total)
+                        total.workers += part.workers
+                        total.versions += part.versions
+            clocked = [w for m in counted for w in entry.clocked.get(m, [])]
+            self._send_clock(tree, clock, sums, clocked)
+            self._keep(tree.sent, clock, (sums, clocked))
+            if me in counted and me in entry.parts:
+                self._keep(tree.own, clock, entry.parts[me])
             tree.next_clock += 1
         ready = [workers for after, workers in tree.leaves if after < tree.next_clock]
         tree.leaves = [(after, workers) for after, workers in tree.leaves if after >= tree.next_clock]
@@ -352,6 +415,24 @@ class TreeNode:
             tree.done = True
             if tree.parent >= 0:
                 self._up(tree, protocol.LEAVE, {"workers": [], "final": True})
+
+    def _send_clock(self, tree: _Tree, clock: int, sums: dict[str, _Sum], clocked: list[int]) -> None:
+        """One clock up: its sums (one per model), then the clock naming the workers it covers."""
+        for model, entry in sums.items():
+            fields = {"model": model, "clock": clock, "workers": entry.workers,
+                      "versions": entry.versions, "dtype": str(entry.total.dtype).removeprefix("torch.")}
+            if tree.parent < 0:  # to the server, as an aggregate update
+                fields.update(version=min(entry.versions), norm=float(torch.linalg.vector_norm(entry.total)))
+            self._up(tree, protocol.PUSH, fields, entry.total)
+            self.stats.sums_forwarded += 1
+            self.stats.updates_aggregated += len(entry.workers)
+        if clocked:
+            self._up(tree, protocol.CLOCK, {"clock": clock, "workers": clocked})
+
+    def _keep(self, kept: dict[int, Any], clock: int, what: Any) -> None:
+        kept[clock] = what
+        for old in [c for c in kept if c <= clock - self.history]:
+            del kept[old]
 
     def _up(self, tree: _Tree, op: str, fields: dict[str, Any], payload: torch.Tensor | None = None) -> None:
         data = b"" if payload is None else tensor_bytes(payload)
@@ -452,25 +533,185 @@ class TreeNode:
         return None
 
     def _watch_peers(self) -> None:
+        """Repair (MLNET §3): a lost child's children are adopted; a lost parent is replaced by
+        the first live ancestor (or the server); two tree nodes lost within FALLBACK_WINDOW_S
+        tear the trees down (:meth:`_fall_back`). A lost server, or a peer that closed its
+        transport without leaving the tree, fails the worker's next call, naming it."""
+        if self.error is not None:
+            return
+        now = time.monotonic()
+        for rank in self.transport.lost_peers:
+            if self.layout.role(rank) == "worker" and self._interior(self.layout.worker_index(rank)):
+                self._loss_seen.setdefault(rank, now)
+        recent = [t for t in self._loss_seen.values() if now - t <= FALLBACK_WINDOW_S]
+        if not self.fallen_back and len(recent) >= 2:
+            self._fall_back(f"{len(recent)} tree nodes lost within {FALLBACK_WINDOW_S:g} s")
         for tree in self.trees:
-            for child in tree.members[1:]:
+            for child in list(tree.members[1:]):
                 rank = self.layout.worker_rank(child)
                 why = None if child in tree.final else self._gone(rank)
-                if why is not None:
+                if why is None:
+                    continue
+                if rank in self.transport.lost_peers:
+                    self._adopt(tree, child, why)
+                else:
                     tree.final.add(child)
                     self.stats.lost_children.append(child)
                     log.warning("%s: mlnet child %s in server %d's tree is gone (%s); going on without its "
                                 "subtree's later updates", self.worker.who, self.layout.describe(rank), tree.server,
                                 why)
+            if tree.done:
+                continue
             parent = (self.worker.server_rank(tree.server) if tree.parent < 0
                       else self.layout.worker_rank(tree.parent))
-            why = None if self.error is not None or tree.done else self._gone(parent)
-            if why is not None:
-                role = "server" if tree.parent < 0 else "parent node"
-                self._fail(PeerLostError(
-                    f"{self.worker.who}: its mlnet {role} {self.layout.describe(parent)} in server {tree.server}'s "
-                    f"tree is gone ({why}); tree repair is not built yet: restart the job",
-                    rank=self.transport.rank, peer=parent))
+            why = self._gone(parent)
+            if why is None:
+                continue
+            if tree.parent >= 0 and parent in self.transport.lost_peers:
+                self._reattach(tree, tree.parent, why)
+                continue
+            role = "server" if tree.parent < 0 else "parent node"
+            self._fail(PeerLostError(
+                f"{self.worker.who}: its mlnet {role} {self.layout.describe(parent)} in server {tree.server}'s "
+                f"tree is gone ({why}); restart the job", rank=self.transport.rank, peer=parent))
+            return
+
+    def _interior(self, worker: int) -> bool:
+        """Whether ``worker`` has children in some server's tree (as built)."""
+        return any(children_of(self.parents[j], worker) for j in range(len(self.trees)))
+
+    def _live_below(self, tree: _Tree, worker: int) -> list[int]:
+        """The children of ``worker`` in ``tree`` as built, a lost one replaced by its own."""
+        out = []
+        for child in children_of(self.parents[tree.server], worker):
+            if self.layout.worker_rank(child) in self.transport.lost_peers:
+                out += self._live_below(tree, child)
+            else:
+                out.append(child)
+        return out
+
+    def _adopt(self, tree: _Tree, lost: int, why: str) -> None:
+        """Child ``lost`` is gone: its children (or theirs, if lost too) become this node's
+        members, counted as through the lost child's last clock here; its later parts are
+        dropped (the adopted subtrees send them again, :meth:`_attached`)."""
+        last = tree.through.pop(lost)
+        tree.members.remove(lost)
+        tree.final.discard(lost)
+        for clock, entry in tree.pending.items():
+            if clock > last:
+                entry.parts.pop(lost, None)
+                entry.clocked.pop(lost, None)
+        orphans = [] if self.fallen_back else [o for o in self._live_below(tree, lost) if o not in tree.members]
+        for orphan in orphans:
+            tree.members.append(orphan)
+            tree.through[orphan] = last
+        self.stats.lost_children.append(lost)
+        self.stats.adopted += len(orphans)
+        log.warning("%s: mlnet child %s in server %d's tree is gone (%s); adopting %s (from clock %d on)",
+                    self.worker.who, self.layout.describe(self.layout.worker_rank(lost)), tree.server, why,
+                    ", ".join(self.layout.describe(self.layout.worker_rank(o)) for o in orphans) or "nobody",
+                    last + 1)
+
+    def _reattach(self, tree: _Tree, lost: int, why: str) -> None:
+        """The parent node is lost: attach to its first live ancestor as built (or the server)."""
+        new = int(self.parents[tree.server, lost])
+        while new >= 0 and self.layout.worker_rank(new) in self.transport.lost_peers:
+            new = int(self.parents[tree.server, new])
+        log.warning("%s: mlnet parent %s in server %d's tree is gone (%s); re-attaching to %s", self.worker.who,
+                    self.layout.describe(self.layout.worker_rank(lost)), tree.server, why,
+                    "the server" if new < 0 else self.layout.describe(self.layout.worker_rank(new)))
+        tree.parent = new
+        self.stats.repairs += 1
+        self._attach(tree)
+
+    def _attach(self, tree: _Tree) -> None:
+        """Ask the new parent (node or server) for the last clock it has of this subtree;
+        nothing goes up until the answer (:meth:`_attached`). Pulls asked of the old parent are
+        asked again."""
+        lost_asks = [rid for rid, (j, _, _) in self._asking.items() if j == tree.server]
+        for rid in lost_asks:
+            del self._asking[rid]
+        tree.asked.clear()
+        request_id = next(self._ids)
+        tree.attaching = request_id
+        if tree.parent < 0:
+            dest = self.worker.server_rank(tree.server)
+            covered = tree.sent[max(tree.sent)][1] if tree.sent and not self.fallen_back else [self.worker.index]
+            self.transport.send(dest, protocol.request_tag(self.session), b"", channel=self.channel,
+                                meta=protocol.encode(op=protocol.ATTACH, id=request_id, workers=covered))
+        else:
+            dest = self.layout.worker_rank(tree.parent)
+            self.transport.send(dest, self.tag, b"", channel=self.channel,
+                                meta=protocol.encode(op=protocol.ATTACH, tree=tree.server, id=request_id))
+        self._attaching[request_id] = (tree.server, dest)
+
+    def _attach_request(self, tree: _Tree, child: int, header: dict[str, Any]) -> None:
+        """A node re-attaches here: adopt the lost members above it if this node has not seen
+        them go yet, and answer with the last clock this node has of its subtree."""
+        while child not in tree.members:
+            above = next((m for m in tree.members[1:] if child in subtree_of(self.parents[tree.server], m)), None)
+            if above is None or self.fallen_back:
+                log.error("%s: ignored an mlnet re-attachment of %s in server %d's tree (not below this node%s)",
+                          self.worker.who, self.layout.describe(self.layout.worker_rank(child)), tree.server,
+                          "; the trees fell back" if self.fallen_back else "")
+                return
+            self._adopt(tree, above, "its child re-attached here")
+        self.transport.send(self.layout.worker_rank(child), protocol.reply_tag(self.session, int(header["id"])), b"",
+                            channel=self.channel, meta=protocol.encode(op="attached", through=tree.through[child]))
+
+    def _attached(self, tree: _Tree, request_id: int, through: int) -> None:
+        """The new parent has this subtree's clocks up to ``through``: send the later ones
+        again (the sums kept; after a fall back, this worker's own pushes), then go on."""
+        if tree.attaching != request_id:
+            return  # superseded by a later re-attachment
+        tree.attaching = None
+        self.stats.attached_at.append(time.time())
+        kept = tree.own if self.fallen_back else tree.sent
+        missing = list(range(through + 1, tree.next_clock))
+        if any(c not in kept for c in missing):
+            self._fail(PeerLostError(
+                f"{self.worker.who}: re-attached in server {tree.server}'s mlnet tree, which has this subtree's "
+                f"clocks up to {through}, but this node kept only clocks {min(kept, default='none')}.."
+                f"{max(kept, default='none')}: the updates in between are lost; restart the job",
+                rank=self.transport.rank))
+            return
+        me = self.worker.index
+        for clock in missing:
+            if self.fallen_back:
+                self._send_clock(tree, clock, kept[clock], [me] if tree.through.get(me, -1) >= clock else [])
+            else:
+                self._send_clock(tree, clock, *kept[clock])
+            self.stats.resent_clocks += 1
+        for model in list(tree.waiting):
+            self._ask(tree, model)
+
+    def _fall_back(self, why: str) -> None:
+        """Several tree nodes lost at once (MLNET §3): tear the trees down; every worker pushes
+        and pulls directly to the servers from now on, sending again what they lack of its own
+        updates. Every other node is told to do the same."""
+        self.fallen_back = True
+        self.stats.fallbacks += 1
+        me = self.worker.index
+        log.warning("%s: %s: the mlnet trees are torn down, every worker pushes and pulls directly to the servers",
+                    self.worker.who, why)
+        for tree in self.trees:
+            children = tree.members[1:]
+            tree.members = [me]
+            for entry in tree.pending.values():
+                for child in children:
+                    entry.parts.pop(child, None)
+                    entry.clocked.pop(child, None)
+            for child in children:
+                tree.through.pop(child, None)
+                tree.final.discard(child)
+            if tree.done:
+                continue
+            tree.parent = -1
+            self._attach(tree)
+        for rank in self.layout.worker_ranks:
+            if rank != self.transport.rank and rank not in self.transport.lost_peers:
+                self.transport.send(rank, self.tag, b"", channel=self.channel,
+                                    meta=protocol.encode(op=FALL_BACK, tree=0, why=why))
 
     def _fail(self, error: PeerLostError) -> None:
         """Every waiting pull and the worker's next call get ``error``."""

@@ -37,6 +37,7 @@ TREE = 9
 INIT, PUSH, CLOCK, PULL, LEAVE, STATS = "init", "push", "clock", "pull", "leave", "stats"
 ORDER = "order"  # from the scheduler to a server: a batch's application order
 ADOPT = "adopt"  # from a worker to a replica promoted to server: the worker's clock
+ATTACH = "attach"  # from an mlnet node to its new parent (node or server) after a repair
 
 
 def tag(kind: int, session: int, seq: int = 0) -> int:

@@ -236,6 +236,8 @@ class ParameterServer:
         self._expected: dict[tuple[str, int], dict[int, float]] = {}
         self._routed_in: dict[tuple[str, int], set[int]] = {}  # (model, round) -> ranks whose update is in
         self.scheduler_service: Any = None
+        #: mlnet: tree sums per (node rank, clock) waiting for that node's clock message.
+        self._staged: dict[tuple[int, int], list[tuple[dict[str, Any], memoryview]]] = {}
         #: Called at every turn of the serving loop, between requests (fault injection:
         #: ``mlfabric train --fail server:AT`` crashes the process there, its model whole).
         self.on_turn: Callable[[], None] | None = None
@@ -336,6 +338,9 @@ class ParameterServer:
             self._seen_lost.add(rank)
             worker = self.layout.worker_index(rank)
             self.book.lose(worker, now)
+            dropped = [key for key in self._staged if key[0] == rank]
+            for key in dropped:  # sums whose clock never came: its subtree sends them again
+                del self._staged[key]
             self.stats.lost_workers.append(worker)
             for shard in self.shards.values():
                 shard.pulls = [p for p in shard.pulls if p.rank != rank]
@@ -382,7 +387,11 @@ class ParameterServer:
             if op == protocol.PUSH:
                 self._push(worker, header, msg.payload)
             elif op == protocol.CLOCK:
-                # An mlnet tree node (ps/mlnet.py) sends one clock for the workers it covers.
+                # An mlnet tree node (ps/mlnet.py) sends one clock for the workers it covers,
+                # after the sums of that clock, which count from then on (a node that dies
+                # between the two leaves nothing half-applied: its subtree sends them again).
+                for staged_header, staged in self._staged.pop((msg.src, int(header["clock"])), []):
+                    self._push(worker, {**staged_header, "committed": True}, staged)
                 for w in header.get("workers", [worker]):
                     self.book.tick(int(w), int(header["clock"]))
             elif op == protocol.PULL:
@@ -394,6 +403,14 @@ class ParameterServer:
                     self._leave(int(w))
             elif op == protocol.ADOPT:
                 self.book.adopt(worker, int(header["clock"]))
+            elif op == protocol.ATTACH:
+                # an mlnet node re-attaching here after a repair or fall back: the last clock
+                # this server has of its subtree (it sends the later ones again)
+                workers = [int(w) for w in header["workers"]]
+                alive = [w for w in workers if w not in self.book.departed and w not in self.book.lost_at] or workers
+                through = min(self.book.clocks[w] for w in alive) - 1
+                self.transport.send(msg.src, protocol.reply_tag(self.config.session, int(header["id"])), b"",
+                                    meta=protocol.encode(op="attached", through=through), channel=self.channel)
             else:
                 raise ValueError(f"unknown request {op!r}")
         except (ValueError, KeyError, TypeError) as exc:
@@ -444,6 +461,11 @@ class ParameterServer:
                             channel=self.channel)
 
     def _push(self, worker: int, header: dict[str, Any], payload: memoryview) -> None:
+        if "workers" in header and self.config.routing == "mlnet" and not header.get("committed"):
+            # an mlnet node's sum: counted once the node's clock for it arrives (see CLOCK)
+            rank = self.layout.worker_rank(worker)
+            self._staged.setdefault((rank, int(header["clock"])), []).append((header, memoryview(bytes(payload))))
+            return
         shard = self._shard(header["model"], "push")
         gradient = payload_tensor(payload, shard.spec.torch_dtype, shard.length,
                                   f"push of model {shard.spec.name!r} to server {self.server}")

@@ -226,4 +226,10 @@ def _mlnet_figures(nodes: list[dict[str, Any]]) -> dict[str, Any]:
             "tree_sums": sum(n["sums_forwarded"] for n in nodes),
             "pulls_from_cache": sum(n["pulls_from_cache"] for n in nodes),
             "pulls_upstream": sum(n["pulls_upstream"] for n in nodes),
-            "lost_children": sorted({c for n in nodes for c in n["lost_children"]})}
+            "lost_children": sorted({c for n in nodes for c in n["lost_children"]}),
+            # MLNET §3's failure handling: re-attachments after a lost parent, orphans adopted,
+            # nodes that fell back to direct push/pull, clocks sent again to a new parent
+            "repairs": sum(n.get("repairs", 0) for n in nodes),
+            "adopted": sum(n.get("adopted", 0) for n in nodes),
+            "fallbacks": sum(n.get("fallbacks", 0) for n in nodes),
+            "resent_clocks": sum(n.get("resent_clocks", 0) for n in nodes)}
