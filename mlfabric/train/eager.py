@@ -285,13 +285,18 @@ class EagerTrainConfig:
         from mlfabric.ps import PSConfig, PSLayout
         from mlfabric.ps.replica import failover_refusal
 
-        from .failover import ServerFailure
+        from .failover import Failure
 
-        ServerFailure.parse(self.fail)
+        failure = Failure.parse(self.fail)
         ps_runs = [mode for _, mode in self.runs() if is_ps_mode(mode)]
         if len(ps_runs) != 1:
-            raise ValueError(f"--fail {self.fail} kills a server for good: run exactly one parameter-server mode with "
+            raise ValueError(f"--fail {self.fail} kills a process for good: run exactly one parameter-server mode with "
                              f"one --inject (got {len(ps_runs)} PS runs); run the unfailed baseline as its own command")
+        if failure.role == "aggregator":
+            if not ps_runs[0].startswith("mlnet-"):
+                raise ValueError(f"--fail {self.fail} kills an interior node of an mlnet tree: run an mlnet mode "
+                                 f"(got {ps_runs[0]})")
+            return
         if self.replicas < 1:
             raise ValueError(f"--fail {self.fail} needs --replicas 1 or more (a replica takes over the killed server)")
         options = session_options(ps_runs[0], self.delay_bound, replicas=self.replicas, replication=self.replication,
@@ -647,7 +652,9 @@ def _rank_main(config: EagerTrainConfig, launched_at: float, ps: bool = False,
         import mlfabric.ps
 
         job = mlfabric.ps.init(servers=config.servers, replicas=config.replicas, transport=config.transport,
-                               timeout=min(config.timeout_s, 120.0), seed=config.seed)
+                               timeout=min(config.timeout_s, 120.0), seed=config.seed,
+                               # --fail: the killed process is not coming back; BSP goes on 2 s after
+                               lost_worker_wait_s=2.0 if fault_dir is not None else None)
         comm = job.comm
     else:
         comm = mlfabric.init(transport=config.transport, timeout=config.timeout_s)
@@ -710,9 +717,10 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
             try:
                 kill = None
                 if fault_dir is not None and config.fail is not None and session.role == "server" and rank == 0:
-                    from .failover import ServerFailure
+                    from .failover import Failure
 
-                    kill = (ServerFailure.parse(config.fail).at_s, fault_dir)
+                    failure = Failure.parse(config.fail)
+                    kill = (failure.at_s, fault_dir) if failure.role == "server" else None
                 # joins the start barrier
                 ps_server, final_flat = serve_run(session, numel, torch.float32, kill=kill)
             finally:
@@ -750,6 +758,7 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
     if isinstance(trainer, PSOptimizer) and trainer.worker.config.consistency.kind == "async":
         budget = config.steps_per_epoch * config.workers
     perm, cursor = torch.randperm(n, generator=order), 0
+    kill_at = _aggregator_kill_at(config, trainer, worker) if fault_dir is not None else None
     comm.barrier()
     start = time.perf_counter()
     for epoch in range(config.epochs_):
@@ -762,6 +771,10 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
             picked = perm[cursor * batch:(cursor + 1) * batch]
             cursor += 1
             i += 1
+            if kill_at is not None and time.perf_counter() - start >= kill_at:
+                from .failover import kill_worker
+
+                kill_worker(str(fault_dir), worker)  # --fail aggregator:AT: this interior tree node dies
             computed = time.perf_counter()
             xb = task.batch(x, picked)
             trainer.zero_grad()
@@ -793,6 +806,19 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
     return _finish_run(config, comm, task, model, val, rank, numel, snapshots=torch.stack(snapshots), walls=walls,
                        train_losses=train_losses, loop_s=loop_s, injected=injected, stats=stats,
                        ps_worker=ps_worker, final_flat=final_flat, apart=fault_dir is not None)
+
+
+def _aggregator_kill_at(config: EagerTrainConfig, trainer: Any, worker: int) -> float | None:
+    """``--fail aggregator:AT``: AT if this worker is the interior tree node to kill, else None."""
+    from .failover import Failure, aggregator_victim
+
+    failure = Failure.parse(str(config.fail))
+    routing = getattr(getattr(trainer, "worker", None), "routing", None)
+    if failure.role != "aggregator" or routing is None or not hasattr(routing, "settings"):
+        return None
+    layout = trainer.worker.layout
+    parents = routing.settings.parents(layout.workers, layout.servers, list(layout.worker_ranks))
+    return failure.at_s if aggregator_victim(parents) == worker else None
 
 
 def _finish_run(config: EagerTrainConfig, comm: Any, task: Any, model: Any, val: Any, rank: int, numel: int, *,
@@ -861,9 +887,10 @@ def _evaluate_in_parent(config: EagerTrainConfig, runs: list[_RankRun]) -> _Rank
     torch.manual_seed(config.seed)
     model = task.model()
     parts = [r.parts for r in runs if r.parts is not None]
-    averaged = sum(p.snapshots for p in parts if p.snapshots is not None) / config.workers
+    workers = sum(p.snapshots is not None for p in parts)  # the workers left (a killed one is not)
+    averaged = sum(p.snapshots for p in parts if p.snapshots is not None) / workers
     at = torch.stack([p.walls for p in parts]).max(dim=0).values
-    mean_loss = sum(p.train_losses for p in parts) / config.workers
+    mean_loss = sum(p.train_losses for p in parts) / workers
     finals = [p.final_flat for p in parts if p.final_flat is not None]
     curve, final = _evaluate(config, task, model, task.val(), averaged, averaged, at, mean_loss,
                              sum(finals) if finals else None)
@@ -922,7 +949,7 @@ def run_eager_training(config: EagerTrainConfig, *, argv: Sequence[str] | None =
                                 env={SERVERS_ENV: str(config.servers), REPLICAS_ENV: str(config.replicas)} if ps else {},
                                 capture_output=capture_output, trace_dir=trace_dir, records=emulated) as launch:
                 per_rank: list[Any] = run_ranks(_rank_main, config=launch, args=(config, started, ps, fault_dir),
-                                                on_report=on_report, expect_failures={0} if fault_dir else ())
+                                                on_report=on_report, expect_failures=_may_die(config, world, fault_dir))
             if fault_dir is not None:
                 per_rank, failover = _after_failure(config, per_rank, fault_dir)
         finally:
@@ -981,21 +1008,40 @@ def _fault_dir(config: EagerTrainConfig) -> str:
     return tempfile.mkdtemp(prefix="mlfabric-fail-")
 
 
+def _may_die(config: EagerTrainConfig, world: int, fault_dir: str | None) -> set[int]:
+    """The ranks a ``--fail`` run lets die: server 0, or (aggregator: which one the ranks
+    work out from the tree) any worker -- :func:`_after_failure` checks it was just the one."""
+    if fault_dir is None:
+        return set()
+    from .failover import Failure
+
+    return {0} if Failure.parse(str(config.fail)).role == "server" else set(range(config.ps_ranks, world))
+
+
 def _after_failure(config: EagerTrainConfig, per_rank: list[Any], fault_dir: str) -> tuple[list[Any], dict[str, Any]]:
-    """The PS launch whose server 0 was killed: its run evaluated over the ranks left, and the
-    failover figures (:func:`mlfabric.train.failover.failover_figures`)."""
+    """The PS launch whose server 0 (or tree node) was killed: its run evaluated over the ranks
+    left, and the failover figures (:mod:`mlfabric.train.failover`)."""
     from mlfabric.bench.procs import RankFailure
 
-    from .failover import FailoverError, failover_figures
+    from .failover import Failure, FailoverError, failover_figures, repair_figures
 
+    failure = Failure.parse(str(config.fail))
+    failed = [r for r in per_rank if isinstance(r, RankFailure)]
     survivors = [r for r in per_rank if not isinstance(r, RankFailure)]
-    if len(survivors) == len(per_rank):
-        raise FailoverError(f"--fail {config.fail}: server 0 was still alive at the end of the run (the run was "
-                           "shorter than the failure time): give an earlier time")
+    if not failed:
+        raise FailoverError(f"--fail {config.fail}: the {failure.role} was still alive at the end of the run (the run "
+                            "was shorter than the failure time): give an earlier time")
+    if len(failed) > 1:
+        raise FailoverError(f"--fail {config.fail}: besides the one killed, ranks failed: " + "; ".join(
+            f"rank {f.rank}: {f.exc_type}: {f.message}" for f in failed))
     (run,) = zip(*[r[1] for r in survivors])  # one PS run (EagerTrainConfig checks it)
     evaluated = _evaluate_in_parent(config, list(run))
-    promoted = next((r.ps_server for r in run if r.ps_server and "took_over" in r.ps_server), None)
-    figures = failover_figures(fault_dir, promoted)
+    if failure.role == "server":
+        promoted = next((r.ps_server for r in run if r.ps_server and "took_over" in r.ps_server), None)
+        figures = failover_figures(fault_dir, promoted)
+    else:
+        figures = repair_figures(fault_dir, [r.ps_worker["mlnet"] for r in run
+                                             if r.ps_worker and r.ps_worker.get("mlnet")])
     startup = max(r[0] for r in survivors)
     return [(startup, [evaluated])] + [(startup, [r]) for r in run[1:]], figures
 

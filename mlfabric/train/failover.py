@@ -1,7 +1,8 @@
-"""``mlfabric train --fail server:AT``: SIGKILL the primary server mid-run and measure the failover.
+"""``mlfabric train --fail server:AT|aggregator:AT``: SIGKILL a process mid-run and measure the recovery.
 
     mlfabric train --workload hyperplane --workers 4 --sync mlfabric-a:8 --replicas 1 \\
         --replication network --div-max 30u --fail server:6 --json -
+    mlfabric train --workload hyperplane --workers 6 --sync mlnet-tree:1 --fail aggregator:2 --json -
     python -m pytest tests/local/test_ps_failover_train.py -q
 
 Server 0's process kills itself ``AT`` seconds after the run's start barrier, at a turn of its
@@ -16,7 +17,13 @@ redirect without restarting. Afterwards the parent compares:
   server (MLfabric §3.3: fresh updates on the replica's model make it up), beside Div_max;
 * ``lost_updates``: updates the server had applied whose copies never reached the replica.
 
-Only one parameter-server run per command can fail this way (its server is gone for the
+``aggregator:AT`` (mlnet modes, MLNET §3): an interior node of server 0's tree (a worker
+process whose node has children; one below another node where there is one) kills itself AT
+seconds into its training loop, after writing the time to ``killed-worker.json``; its
+children re-attach (:mod:`mlfabric.ps.mlnet`). The run reports ``killed_worker`` and
+``repaired_s``: the kill to the first re-attachment answered.
+
+Only one parameter-server run per command can fail this way (its process is gone for the
 runs after it); run the unfailed baseline as another command.
 """
 
@@ -38,24 +45,27 @@ if TYPE_CHECKING:
 
 #: The file the killed server leaves in the fault directory.
 KILL_RECORD = "killed-server.pt"
-FAIL_FORM = "server:AT (seconds after the run's start, e.g. server:6 or server:2.5s)"
+WORKER_KILL_RECORD = "killed-worker.json"
+FAIL_FORM = "server:AT or aggregator:AT (seconds after the run's start, e.g. server:6 or aggregator:2.5s)"
+ROLES = ("server", "aggregator")
 
 
 class FailoverError(RuntimeError):
-    """The failure was not carried out as asked (the run ended first, no replica took over)."""
+    """The failure was not carried out as asked (the run ended first, nobody took over)."""
 
 
 @dataclass(frozen=True)
-class ServerFailure:
-    """Kill server ``server`` (its process) ``at_s`` seconds after the run's start barrier."""
+class Failure:
+    """Kill server 0 (``role="server"``) or an interior node of server 0's mlnet tree
+    (``"aggregator"``) ``at_s`` seconds into the run."""
 
+    role: str
     at_s: float
-    server: int = 0
 
     @classmethod
-    def parse(cls, text: str) -> "ServerFailure":
+    def parse(cls, text: str) -> "Failure":
         role, sep, when = text.partition(":")
-        if role != "server" or not sep:
+        if role not in ROLES or not sep:
             raise ValueError(f"--fail {text!r}: expected {FAIL_FORM}")
         try:
             at_s = parse_duration(when)  # "6" is seconds
@@ -63,7 +73,43 @@ class ServerFailure:
             raise ValueError(f"--fail {text!r}: expected {FAIL_FORM}") from None
         if not at_s > 0:
             raise ValueError(f"--fail {text!r}: the time must be positive, got {at_s}")
-        return cls(at_s=at_s)
+        return cls(role=role, at_s=at_s)
+
+
+def aggregator_victim(parents: "Any") -> int:
+    """The worker an ``aggregator`` failure kills: in server 0's tree (a row of the parent
+    table), the first interior node below another node, else the first with children."""
+    row = [int(p) for p in parents[0]]
+    interior = [w for w in range(len(row)) if w in row]
+    if not interior:
+        raise ValueError("--fail aggregator: server 0's mlnet tree has no interior node (every worker is a leaf): "
+                         "use a deeper tree (mlnet-tree:1, mlnet-binary with 3+ workers)")
+    below = [w for w in interior if row[w] >= 0]
+    return (below or interior)[0]
+
+
+def kill_worker(fault_dir: str, worker: int) -> None:
+    """Record the time and crash this (worker) process."""
+    import json
+
+    path = Path(fault_dir) / WORKER_KILL_RECORD
+    path.with_suffix(".tmp").write_text(json.dumps({"killed_at": time.time(), "worker": worker}))
+    os.replace(path.with_suffix(".tmp"), path)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def repair_figures(fault_dir: str, nodes: list[dict[str, Any]]) -> dict[str, Any]:
+    """An aggregator failure's fields from the victim's record and the surviving nodes' stats."""
+    import json
+
+    path = Path(fault_dir) / WORKER_KILL_RECORD
+    if not path.exists():
+        raise FailoverError(f"--fail: the aggregator left no {WORKER_KILL_RECORD} in {fault_dir}: it was not killed "
+                            "(the run ended before the failure time? give an earlier --fail aggregator:AT)")
+    record = json.loads(path.read_text())
+    attached = [t for n in nodes for t in n.get("attached_at", []) if t >= record["killed_at"]]
+    return {"killed_worker": record["worker"],
+            "repaired_s": (min(attached) - record["killed_at"]) if attached else None}
 
 
 def kill_on_turn(server: "ParameterServer", at_s: float, fault_dir: str) -> Callable[[], None]:

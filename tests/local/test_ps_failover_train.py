@@ -13,7 +13,7 @@ import time
 import pytest
 
 from mlfabric.train.eager import EagerTrainConfig, run_eager_training
-from mlfabric.train.failover import ServerFailure
+from mlfabric.train.failover import Failure
 from mlfabric.train.workloads import HyperplaneSpec
 
 
@@ -66,6 +66,7 @@ def test_a_failure_after_the_run_is_reported_not_ignored() -> None:
 @pytest.mark.parametrize(("changes", "message"), [
     ({"fail": "server"}, "expected server:AT"),
     ({"fail": "worker:3"}, "expected server:AT"),
+    ({"fail": "aggregator:1", "replicas": 0, "replication": "chain", "div_max": None}, "run an mlnet mode"),
     ({"fail": "server:-1"}, "expected server:AT"),
     ({"fail": "server:0"}, "must be positive"),
     ({"fail": "server:2", "replicas": 0, "replication": "chain", "div_max": None}, "needs --replicas 1"),
@@ -79,6 +80,6 @@ def test_bad_failure_settings_are_refused_at_once(changes: dict, message: str) -
 
 
 def test_failure_times_parse_in_seconds() -> None:
-    assert ServerFailure.parse("server:6").at_s == 6.0
-    assert ServerFailure.parse("server:2.5s").at_s == 2.5
-    assert ServerFailure.parse("server:300ms").at_s == pytest.approx(0.3)
+    assert Failure.parse("server:6") == Failure(role="server", at_s=6.0)
+    assert Failure.parse("server:2.5s").at_s == 2.5
+    assert Failure.parse("aggregator:300ms") == Failure(role="aggregator", at_s=pytest.approx(0.3))

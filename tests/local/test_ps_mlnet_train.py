@@ -47,9 +47,9 @@ def test_train_rejects_bad_mlnet_modes_at_once() -> None:
         EagerTrainConfig(workers=2, servers=1, modes=("mlnet-binary+async",))
 
 
-def _chain_with_a_killed_interior_node(steps: int, kill_file: str) -> Any:
-    """server <- worker 0 <- worker 1 <- worker 2 <- worker 3 (mlnet tree:1, one server);
-    worker 1 is SIGKILLed at clock 2. Integer-valued pushes, summed raw by the server. Returns
+def _chain_with_a_killed_interior_node(steps: int, kill_file: str, victims: tuple[int, ...] = (1,)) -> Any:
+    """server <- worker 0 <- worker 1 <- worker 2 <- ... (mlnet tree:1, one server); the
+    ``victims`` are SIGKILLed at clock 2. Integer-valued pushes, summed raw by the server. Returns
     the server's statistics, model and per-worker count of applied updates, or a worker's
     steps, node statistics and its longest call."""
     import collections
@@ -74,7 +74,7 @@ def _chain_with_a_killed_interior_node(steps: int, kill_file: str) -> Any:
         w.init_model("m", torch.zeros(1000), lr=0.1)
         longest = 0.0
         for step in range(steps):
-            if w.index == 1 and step == 2:
+            if w.index in victims and step == 2:
                 with open(kill_file, "w") as fh:
                     fh.write(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -114,3 +114,41 @@ def test_a_killed_interior_node_is_repaired_and_the_sums_stay_exact(tmp_path: An
     assert applied[0] == applied[2] == applied[3] == steps and applied.get(1, 0) <= 2
     expected = sum(100 * (w + 1) + c for w, n in applied.items() for c in range(n))
     assert server["model"] == [float(expected)] * 1000
+
+
+def test_two_interior_nodes_killed_at_once_fall_back_and_finish(tmp_path: Any) -> None:
+    """Workers 1 and 3 of the chain die together: the trees are torn down, every survivor
+    pushes and pulls directly, and each survivor's update still reaches the server once."""
+    from mlfabric.bench.procs import run_ranks
+
+    steps = 6
+    results = run_ranks(_chain_with_a_killed_interior_node, 7, args=(steps, str(tmp_path / "killed_at"), (1, 3)),
+                        timeout=90, expect_failures={2, 4})
+    for rank in (1, 3, 5, 6):
+        assert results[rank]["steps"] == steps, results[rank]
+        assert results[rank]["node"]["fallbacks"] == 1, results[rank]
+    server = results[0]
+    assert sorted(server["stats"]["lost_workers"]) == [1, 3] and server["stats"]["errors"] == []
+    applied = {int(w): n for w, n in server["applied"].items()}
+    assert all(applied[w] == steps for w in (0, 2, 4, 5)) and applied.get(1, 0) <= 2 and applied.get(3, 0) <= 2
+    expected = sum(100 * (w + 1) + c for w, n in applied.items() for c in range(n))
+    assert server["model"] == [float(expected)] * 1000
+
+
+def test_train_fail_aggregator_repairs_the_tree_and_trains_on() -> None:
+    """``mlfabric train --sync mlnet-tree:1+ssp:1 --fail aggregator:AT``: the interior node
+    below worker 0 dies; its child re-attaches, the SSP bound holds on every pull, and the
+    run ends at the unfailed run's accuracy."""
+    from mlfabric.train.eager import EagerTrainConfig, run_eager_training
+    from mlfabric.train.workloads import HyperplaneSpec
+
+    options: dict = dict(workload="hyperplane", workers=5, modes=("mlnet-tree:1+ssp:1",), epochs=6, batch_size=64,
+                         hyperplane=HyperplaneSpec(dim=64, train_samples=4096), timeout_s=60.0)
+    (baseline,) = run_eager_training(EagerTrainConfig(**options), argv=["test"]).runs
+    (failed,) = run_eager_training(EagerTrainConfig(**options, fail="aggregator:0.3"), argv=["test"]).runs
+    ps = failed.ps
+    assert ps is not None and ps["killed_worker"] == 1 and ps["lost_workers"] == [1]
+    assert ps["repairs"] >= 1 and ps["fallbacks"] == 0
+    assert 0 < ps["repaired_s"] < 3 * 0.5 + 0.3  # within 3 detection periods of the transport
+    assert ps["max_staleness"] <= 1
+    assert failed.final_metric <= baseline.final_metric * 1.10, (failed.final_metric, baseline.final_metric)
