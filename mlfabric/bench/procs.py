@@ -170,9 +170,13 @@ def _send(kind: str, payload: Any) -> None:
             return
         _report_file = os.fdopen(int(fd), "wb", buffering=0)
     data = pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
+    frame = memoryview(_HEADER.pack(len(data)) + data)
     with _report_lock:
         try:
-            _report_file.write(_HEADER.pack(len(data)) + data)
+            # An unbuffered write is one write(2): a signal can cut it short on a pipe (a large
+            # result then arrived truncated and the rank looked dead): write the rest too.
+            while frame:
+                frame = frame[_report_file.write(frame) or 0:]
         except BrokenPipeError:
             os._exit(1)  # the parent is gone: nobody is left to run for
 

@@ -35,10 +35,12 @@ children over the job's transport on the ``TREE`` tag:
 ``pull_in_order`` (TicTac's per-tensor order, ``ps/ordered.py``) does not go through the tree:
 the servers answer it directly, under the same clocks.
 
-**Failures** (this slice): a lost child is dropped from the clocks the node waits for (its
-subtree's later updates are lost, logged naming it); a lost parent fails the worker's next
-call and every waiting pull with an error naming it. Heartbeat repair, re-attachment and the
-fall back to direct push/pull are MLNET's next steps (issue #24).
+**Failures** (MLNET §3, docs/parameter_server.md "Failures: repair and fall back"): a lost
+child's children are adopted by its node; a node whose parent is lost re-attaches to the first
+live ancestor (or the server) and sends again the clocks it lacks; two nodes lost within
+``FALLBACK_WINDOW_S`` tear the trees down (direct push/pull). Sums count only with their
+clock, at nodes and servers, so nothing is half-applied. A lost server fails the worker's
+next call, naming it.
 """
 
 from __future__ import annotations

@@ -385,3 +385,29 @@ def test_waiter_hands_over_a_result_or_an_error_across_threads() -> None:
         bad.wait()
     with pytest.raises(RuntimeError):
         ok.set_result(42)  # a result is set once
+
+
+def test_a_rank_message_cut_short_by_a_signal_is_written_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: a rank sent its result with one unbuffered write; a signal during a large
+    write to the pipe returns a short count, the rest was never written, and the launcher saw
+    a rank that 'exited with code 0 before returning a result' (an emulated --fail run)."""
+    import pickle
+
+    from mlfabric.bench import procs
+
+    class ShortWrites:
+        def __init__(self) -> None:
+            self.data = bytearray()
+
+        def write(self, chunk: memoryview) -> int:
+            n = min(len(chunk), 1000)  # as write(2) interrupted after 1,000 bytes
+            self.data += bytes(chunk[:n])
+            return n
+
+    pipe = ShortWrites()
+    monkeypatch.setattr(procs, "_report_file", pipe)
+    payload = list(range(10_000))
+    procs._send("result", payload)
+    (size,) = procs._HEADER.unpack(bytes(pipe.data[:procs._HEADER.size]))
+    assert size == len(pipe.data) - procs._HEADER.size
+    assert pickle.loads(bytes(pipe.data[procs._HEADER.size:])) == ("result", payload)
