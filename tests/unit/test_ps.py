@@ -152,7 +152,7 @@ def run_job(layout: PSLayout, config: PSConfig, worker_fn: Callable[[Any], Any],
         except BaseException as exc:  # noqa: BLE001 - re-raised below
             errors[job.rank] = exc
         finally:
-            if job.worker is not None:
+            if job.worker is not None and job.rank not in killed:  # a killed rank's transport is gone
                 job.worker.leave()
 
     threads = [threading.Thread(target=body, args=(j,), daemon=True) for j in jobs]
