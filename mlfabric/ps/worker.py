@@ -513,10 +513,14 @@ class PSWorker:
                     raise self._lost(peer, what)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                # init_model waits on nothing but the server's loop; pulls wait on clocks too
+                hint = ("it is alive but not serving: call serve() on its rank (PSJob.serve, or "
+                        "mlfabric.ps.init on every rank of the launch)" if what.startswith("init_model") else
+                        "it is alive; under BSP/SSP it waits for the slowest worker's clock: is a worker stuck or "
+                        "not calling clock()?")
                 raise CollectiveTimeoutError(
                     f"{self.who}: {what}: no answer from {self.layout.describe(src)} within "
-                    f"{self.config.timeout_s:g} s (it is alive; under BSP/SSP it waits for the slowest worker's "
-                    "clock: is a worker stuck or not calling clock()?)", rank=transport.rank, peer=src)
+                    f"{self.config.timeout_s:g} s ({hint})", rank=transport.rank, peer=src)
             transport.progress(version, min(remaining, 0.1))
 
     def _lost(self, peer: int, what: str) -> PeerLostError:

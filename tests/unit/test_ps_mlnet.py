@@ -317,3 +317,22 @@ def test_ordered_pulls_bypass_the_tree_under_the_same_clocks() -> None:
     results, _ = run_job(layout, PSConfig(consistency="bsp", timeout_s=10, routing="mlnet"), worker)
     for rank in layout.worker_ranks:  # 3 rounds of the mean update (1 + 2 + 3) / 3 = 2, lr 1
         assert results[rank].tolist() == [-6.0] * 6
+
+
+def test_a_tree_whose_server_never_serves_fails_within_the_timeout() -> None:
+    """Issue #24 check 5: a proxy whose server never comes -- a bounded wait, and an error
+    naming the server and what to do."""
+    from mlfabric.errors import CollectiveTimeoutError
+
+    layout = PSLayout(servers=1, workers=3)
+    jobs = local_jobs(layout, PSConfig(consistency="bsp", timeout_s=1.0, routing="mlnet",
+                                       mlnet=MLNetSettings(tree="binary")))
+    try:
+        started = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError, match=r"rank 0 \(server 0\) within 1 s \(it is alive but not "
+                                                         r"serving: call serve\(\)"):
+            jobs[1].worker.init_model("m", torch.zeros(4))
+        assert time.monotonic() - started < 2.0
+    finally:
+        for job in jobs:
+            job.comm.close()
