@@ -678,10 +678,10 @@ class ScheduledRouting:
         deadline = time.monotonic() + self.settings.decision_timeout_s
         while time.monotonic() < deadline:
             version = transport.mailbox.version
-            msg = transport.mailbox.take(w.channel, tag, w.server_rank(0))
+            scheduler = w.server_rank(0)  # the scheduler lives beside server 0
+            msg = transport.mailbox.take(w.channel, tag, scheduler)
             if msg is not None:
                 return protocol.decode(msg.meta)
-            scheduler = w.server_rank(0)  # the scheduler lives beside server 0
             if scheduler in transport.lost_peers:
                 w._fail_over(scheduler)  # a replica takes over (the fallback push goes to it)
                 return None

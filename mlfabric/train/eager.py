@@ -68,6 +68,8 @@ if TYPE_CHECKING:
     import torch
     from rich.table import Table
 
+    from .failover import Failure
+
 __all__ = [
     "MODES", "MODE_FORMS", "render_ps_table", "SYNCHRONOUS", "WORKLOADS", "CurvePoint", "EagerTrainConfig", "EagerTrainResult", "RunResult",
     "TrainEmulation",
@@ -285,9 +287,8 @@ class EagerTrainConfig:
         from mlfabric.ps import PSConfig, PSLayout
         from mlfabric.ps.replica import failover_refusal
 
-        from .failover import Failure
-
-        failure = Failure.parse(self.fail)
+        failure = self.failure
+        assert failure is not None
         ps_runs = [mode for _, mode in self.runs() if is_ps_mode(mode)]
         if len(ps_runs) != 1:
             raise ValueError(f"--fail {self.fail} kills a process for good: run exactly one parameter-server mode with "
@@ -305,6 +306,13 @@ class EagerTrainConfig:
                                                                  workers=self.workers))
         if refusal is not None:
             raise ValueError(f"--fail {self.fail} with {ps_runs[0]}: no failover there ({refusal})")
+
+    @property
+    def failure(self) -> "Failure | None":
+        """``fail`` parsed (:class:`mlfabric.train.failover.Failure`), None without one."""
+        from .failover import Failure
+
+        return None if self.fail is None else Failure.parse(self.fail)
 
     def __post_init__(self) -> None:
         from mlfabric import TRANSPORTS
@@ -715,12 +723,9 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
             if rule is not None:
                 (session.server or session.replica).register_update_callback(rule(config.workers), "model")
             try:
-                kill = None
-                if fault_dir is not None and config.fail is not None and session.role == "server" and rank == 0:
-                    from .failover import Failure
-
-                    failure = Failure.parse(config.fail)
-                    kill = (failure.at_s, fault_dir) if failure.role == "server" else None
+                failure = config.failure
+                kill = ((failure.at_s, fault_dir) if fault_dir is not None and failure is not None
+                        and failure.role == "server" and rank == 0 else None)  # rank 0: server 0
                 # joins the start barrier
                 ps_server, final_flat = serve_run(session, numel, torch.float32, kill=kill)
             finally:
@@ -810,11 +815,11 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
 
 def _aggregator_kill_at(config: EagerTrainConfig, trainer: Any, worker: int) -> float | None:
     """``--fail aggregator:AT``: AT if this worker is the interior tree node to kill, else None."""
-    from .failover import Failure, aggregator_victim
+    from .failover import aggregator_victim
 
-    failure = Failure.parse(str(config.fail))
+    failure = config.failure
     routing = getattr(getattr(trainer, "worker", None), "routing", None)
-    if failure.role != "aggregator" or routing is None or not hasattr(routing, "settings"):
+    if failure is None or failure.role != "aggregator" or routing is None or not hasattr(routing, "settings"):
         return None
     layout = trainer.worker.layout
     parents = routing.settings.parents(layout.workers, layout.servers, list(layout.worker_ranks))
@@ -1011,11 +1016,10 @@ def _fault_dir(config: EagerTrainConfig) -> str:
 def _may_die(config: EagerTrainConfig, world: int, fault_dir: str | None) -> set[int]:
     """The ranks a ``--fail`` run lets die: server 0, or (aggregator: which one the ranks
     work out from the tree) any worker -- :func:`_after_failure` checks it was just the one."""
-    if fault_dir is None:
+    failure = config.failure
+    if fault_dir is None or failure is None:
         return set()
-    from .failover import Failure
-
-    return {0} if Failure.parse(str(config.fail)).role == "server" else set(range(config.ps_ranks, world))
+    return {0} if failure.role == "server" else set(range(config.ps_ranks, world))
 
 
 def _after_failure(config: EagerTrainConfig, per_rank: list[Any], fault_dir: str) -> tuple[list[Any], dict[str, Any]]:
@@ -1023,9 +1027,10 @@ def _after_failure(config: EagerTrainConfig, per_rank: list[Any], fault_dir: str
     left, and the failover figures (:mod:`mlfabric.train.failover`)."""
     from mlfabric.bench.procs import RankFailure
 
-    from .failover import Failure, FailoverError, failover_figures, repair_figures
+    from .failover import FailoverError, failover_figures, repair_figures
 
-    failure = Failure.parse(str(config.fail))
+    failure = config.failure
+    assert failure is not None
     failed = [r for r in per_rank if isinstance(r, RankFailure)]
     survivors = [r for r in per_rank if not isinstance(r, RankFailure)]
     if not failed:

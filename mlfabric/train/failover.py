@@ -88,14 +88,20 @@ def aggregator_victim(parents: "Any") -> int:
     return (below or interior)[0]
 
 
+def _record_and_crash(path: Path, write: Callable[[Path], None]) -> None:
+    """``write`` the kill record (whole or absent: written aside, then renamed), then SIGKILL
+    this process: no goodbye, no flush, exactly a crash."""
+    write(path.with_suffix(".tmp"))
+    os.replace(path.with_suffix(".tmp"), path)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def kill_worker(fault_dir: str, worker: int) -> None:
     """Record the time and crash this (worker) process."""
     import json
 
-    path = Path(fault_dir) / WORKER_KILL_RECORD
-    path.with_suffix(".tmp").write_text(json.dumps({"killed_at": time.time(), "worker": worker}))
-    os.replace(path.with_suffix(".tmp"), path)
-    os.kill(os.getpid(), signal.SIGKILL)
+    record = json.dumps({"killed_at": time.time(), "worker": worker})
+    _record_and_crash(Path(fault_dir) / WORKER_KILL_RECORD, lambda tmp: tmp.write_text(record))
 
 
 def repair_figures(fault_dir: str, nodes: list[dict[str, Any]]) -> dict[str, Any]:
@@ -123,10 +129,7 @@ def kill_on_turn(server: "ParameterServer", at_s: float, fault_dir: str) -> Call
 
         record = {"killed_at": time.time(), "versions": {n: s.version for n, s in server.shards.items()},
                   "values": {n: s.values.clone() for n, s in server.shards.items()}}
-        path = Path(fault_dir) / KILL_RECORD
-        torch.save(record, path.with_suffix(".tmp"))
-        os.replace(path.with_suffix(".tmp"), path)  # whole or absent
-        os.kill(os.getpid(), signal.SIGKILL)
+        _record_and_crash(Path(fault_dir) / KILL_RECORD, lambda tmp: torch.save(record, tmp))
 
     return turn
 

@@ -142,6 +142,13 @@ def _sum_rule(log: list[tuple[int, ...]]) -> Any:
     return rule
 
 
+def register_sum_rules(jobs: list[Any], logs: dict[int, list[tuple[int, ...]]]) -> None:
+    """Every server of ``jobs`` sums raw and logs the workers of each update in ``logs[rank]``."""
+    for job in jobs:
+        if job.server is not None:
+            job.server.register_update_callback(_sum_rule(logs[job.rank]))
+
+
 @pytest.mark.parametrize("consistency", ["bsp", "ssp:2"])
 def test_sums_are_exact_nothing_lost_nothing_twice(consistency: str) -> None:
     layout = PSLayout(servers=2, workers=6)
@@ -149,9 +156,7 @@ def test_sums_are_exact_nothing_lost_nothing_twice(consistency: str) -> None:
     logs: dict[int, list[tuple[int, ...]]] = {0: [], 1: []}
 
     def setup(jobs: list[Any]) -> None:
-        for job in jobs:
-            if job.server is not None:
-                job.server.register_update_callback(_sum_rule(logs[job.rank]))
+        register_sum_rules(jobs, logs)
 
     def worker(w: Any) -> None:
         w.init_model("m", torch.zeros(10), lr=1.0)

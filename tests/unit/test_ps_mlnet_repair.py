@@ -19,7 +19,7 @@ import torch
 from mlfabric.ps import PSConfig, PSLayout
 from mlfabric.ps.mlnet import MLNetSettings
 from tests.unit.test_ps import run_job
-from tests.unit.test_ps_mlnet import _sum_rule
+from tests.unit.test_ps_mlnet import register_sum_rules
 
 STEPS = 8
 
@@ -40,9 +40,7 @@ def _run(tree: str, consistency: str, victims: tuple[int, ...], at_clock: int = 
 
     def setup(all_jobs: list[Any]) -> None:
         jobs.extend(all_jobs)
-        for job in all_jobs:
-            if job.server is not None:
-                job.server.register_update_callback(_sum_rule(logs[job.rank]))
+        register_sum_rules(all_jobs, logs)
 
     def work(w: Any) -> Any:
         w.init_model("m", torch.zeros(10), lr=1.0)
