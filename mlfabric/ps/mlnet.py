@@ -236,7 +236,8 @@ class TreeNode:
         self._events: collections.deque[tuple[Any, ...]] = collections.deque()
         self._ids = itertools.count(_NODE_IDS)
         self._asking: dict[int, tuple[int, str, int]] = {}  # request id -> (tree, model, upstream rank)
-        self._sending: list[tuple[SendHandle, Any]] = []
+        #: Sends not yet complete: (peer, handle, what must stay alive until then).
+        self._sending: list[tuple[int, SendHandle, Any]] = []
         self._stop = threading.Event()
         self._finished = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"mlfabric-mlnet-node-{me}", daemon=True)
@@ -270,25 +271,7 @@ class TreeNode:
         try:
             while not self._stop.is_set():
                 version = mailbox.version
-                while self._events:
-                    self._event(*self._events.popleft())
-                while (msg := mailbox.take(self.channel, self.tag)) is not None:
-                    self._from_child(msg)
-                for request_id, (j, model, src) in list(self._asking.items()):
-                    msg = mailbox.take(self.channel, protocol.reply_tag(self.session, request_id), src)
-                    if msg is not None:
-                        del self._asking[request_id]
-                        self._copy_arrived(self.trees[j], model, msg)
-                for request_id, (j, src) in list(self._attaching.items()):
-                    msg = mailbox.take(self.channel, protocol.reply_tag(self.session, request_id), src)
-                    if msg is not None:
-                        del self._attaching[request_id]
-                        self._attached(self.trees[j], request_id, int(protocol.decode(msg.meta)["through"]))
-                self._watch_peers()
-                for tree in self.trees:
-                    self._forward(tree)
-                self._sending = [(h, x) for h, x in self._sending if not h.done()]
-                if all(t.done for t in self.trees) and not self._sending:
+                if self._pass():
                     self._finished.set()
                     return
                 if not self._events:  # submit() bumps the mailbox's version: no wake-up is missed
@@ -306,6 +289,36 @@ class TreeNode:
             except Exception:  # noqa: BLE001 - the worker's next call still raises it
                 self.error = error
             self._finished.set()
+
+    def _pass(self) -> bool:
+        """One turn of the node: the worker's events, the children's messages, the replies,
+        the peers gone, then every clock ready goes up. True once every tree is done."""
+        mailbox = self.transport.mailbox
+        # Taken before the mailbox is drained: a peer's messages reach the mailbox before its
+        # goodbye or its connection's end, so every message of a peer seen gone here is
+        # handled below before _watch_peers acts on its going.
+        gone = self._gone_peers()
+        while self._events:
+            self._event(*self._events.popleft())
+        while (msg := mailbox.take(self.channel, self.tag)) is not None:
+            self._from_child(msg)
+        for request_id, (j, model, src) in list(self._asking.items()):
+            msg = mailbox.take(self.channel, protocol.reply_tag(self.session, request_id), src)
+            if msg is not None:
+                del self._asking[request_id]
+                self._copy_arrived(self.trees[j], model, msg)
+        for request_id, (j, src) in list(self._attaching.items()):
+            msg = mailbox.take(self.channel, protocol.reply_tag(self.session, request_id), src)
+            if msg is not None:
+                del self._attaching[request_id]
+                self._attached(self.trees[j], request_id, int(protocol.decode(msg.meta)["through"]))
+        self._watch_peers(gone)
+        for tree in self.trees:
+            self._forward(tree)
+        # A send to a peer gone never completes (the transports' contract): forget it.
+        gone = self._gone_peers()
+        self._sending = [(p, h, x) for p, h, x in self._sending if not h.done() and p not in gone]
+        return all(t.done for t in self.trees) and not self._sending
 
     def _event(self, kind: str, *args: Any) -> None:
         me = self.worker.index
@@ -346,6 +359,13 @@ class TreeNode:
                       header["op"], self.layout.describe(msg.src), tree.server)
             return
         op = header["op"]
+        if op in (protocol.PUSH, protocol.CLOCK) and int(header["clock"]) < tree.next_clock:
+            # Never in the protocol (a member's clock c holds back c here); kept out of
+            # `pending`, where it would hold the node's leave to the timeout.
+            log.error("%s: dropped mlnet %s of clock %s from %s in server %d's tree: this node already sent "
+                      "that clock up without it (its updates there are lost)", self.worker.who, op, header["clock"],
+                      self.layout.describe(msg.src), tree.server)
+            return
         if op == protocol.PUSH:
             dtype = getattr(torch, header["dtype"])
             numel = msg.payload.nbytes // torch.empty((), dtype=dtype).element_size()
@@ -446,7 +466,7 @@ class TreeNode:
             meta = protocol.encode(op=op, tree=tree.server, **fields)
         if peer in self.transport.lost_peers:
             return  # _watch_peers reports it
-        self._sending.append((self.transport.send(peer, tag, data, meta=meta, channel=self.channel), payload))
+        self._sending.append((peer, self.transport.send(peer, tag, data, meta=meta, channel=self.channel), payload))
 
     # -- down the tree -----------------------------------------------------------------------------
 
@@ -521,24 +541,23 @@ class TreeNode:
         if rank not in self.transport.lost_peers:
             handle = self.transport.send(rank, protocol.reply_tag(self.session, request_id), payload, meta=meta,
                                          channel=self.channel)
-            self._sending.append((handle, copy))  # the received buffer stays alive until sent
+            self._sending.append((rank, handle, copy))  # the received buffer stays alive until sent
 
     # -- failures ----------------------------------------------------------------------------------
 
-    def _gone(self, rank: int) -> str | None:
-        """Why ``rank`` is gone (lost, or closed before its subtree's final leave), or None.
-        Called after the mailbox was drained, so its last messages are in."""
-        if rank in self.transport.lost_peers:
-            return f"lost: {self.transport.lost_peers[rank]}"
-        if rank in self.transport.departed_peers:
-            return "it closed its transport without leaving the tree"
-        return None
+    def _gone_peers(self) -> dict[int, str]:
+        """Every peer gone now, with why (lost, or closed before its subtree's final leave)."""
+        gone = {rank: f"lost: {why}" for rank, why in self.transport.lost_peers.items()}
+        for rank in self.transport.departed_peers:
+            gone.setdefault(rank, "it closed its transport without leaving the tree")
+        return gone
 
-    def _watch_peers(self) -> None:
+    def _watch_peers(self, gone: dict[int, str]) -> None:
         """Repair (MLNET §3): a lost child's children are adopted; a lost parent is replaced by
         the first live ancestor (or the server); two tree nodes lost within FALLBACK_WINDOW_S
         tear the trees down (:meth:`_fall_back`). A lost server, or a peer that closed its
-        transport without leaving the tree, fails the worker's next call, naming it."""
+        transport without leaving the tree, fails the worker's next call, naming it. ``gone``:
+        :meth:`_gone_peers` before the mailbox was drained (their last messages are in)."""
         if self.error is not None:
             return
         now = time.monotonic()
@@ -551,7 +570,7 @@ class TreeNode:
         for tree in self.trees:
             for child in list(tree.members[1:]):
                 rank = self.layout.worker_rank(child)
-                why = None if child in tree.final else self._gone(rank)
+                why = None if child in tree.final else gone.get(rank)
                 if why is None:
                     continue
                 if rank in self.transport.lost_peers:
@@ -566,7 +585,7 @@ class TreeNode:
                 continue
             parent = (self.worker.server_rank(tree.server) if tree.parent < 0
                       else self.layout.worker_rank(tree.parent))
-            why = self._gone(parent)
+            why = gone.get(parent)
             if why is None:
                 continue
             if tree.parent >= 0 and parent in self.transport.lost_peers:

@@ -10,14 +10,18 @@ worker pushes and pulls directly, and the job finishes.
 from __future__ import annotations
 
 import collections
+import contextlib
+import logging
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
-from mlfabric.ps import PSConfig, PSLayout
+from mlfabric.ps import PSConfig, PSLayout, protocol
 from mlfabric.ps.mlnet import MLNetSettings
+from mlfabric.transport.base import CONTROL_CHANNEL, GOODBYE_TAG, Message, SendHandle
 from tests.unit.test_ps import run_job
 from tests.unit.test_ps_mlnet import register_sum_rules
 
@@ -107,25 +111,41 @@ def test_two_nodes_lost_at_once_fall_back_to_direct_push_and_pull() -> None:
     _check_exact(6, (1, 3), jobs, logs)
 
 
+@contextlib.contextmanager
+def _hand_driven_node(worker: int = 1) -> Iterator[tuple[Any, Any, list[tuple[str, dict]]]]:
+    """Worker ``worker``'s node of a chain (server <- w0 <- w1 <- w2 <- w3), its thread stopped so
+    the test drives it; yields the node, its tree and what it sent up (op, fields + payload)."""
+    from mlfabric.ps import local_jobs
+    from mlfabric.ps.mlnet import TreeNode
+
+    layout = PSLayout(servers=1, workers=4)
+    settings = MLNetSettings(tree="tree:1")
+    jobs = local_jobs(layout, PSConfig(consistency="bsp", timeout_s=5, routing="mlnet", mlnet=settings))
+    try:
+        node = TreeNode(jobs[layout.worker_rank(worker)].worker, settings.parents(4, 1))
+        node._stop.set()
+        node.transport.mailbox.notify()
+        node._thread.join(2)
+        sent: list[tuple[str, dict]] = []
+        node._up = lambda tree, op, fields, payload=None: sent.append((op, {**fields, "payload": payload}))
+        yield node, node.trees[0], sent
+    finally:
+        for job in jobs:
+            job.comm.close()
+
+
+def _from(node: Any, worker: int, op: str, **fields: Any) -> Message:
+    """An mlnet message to ``node`` from worker ``worker``'s node."""
+    return Message(node.layout.worker_rank(worker), node.tag, node.channel, protocol.encode(op=op, tree=0, **fields),
+                   memoryview(b""))
+
+
 def test_a_lost_childs_committed_clock_still_counts_after_its_children_are_adopted() -> None:
     """Regression: a child's clock arrived, then the child was lost before its parent could
     pass that clock on; the parent adopted the grandchild (as through that clock) but then
     summed only its members' parts, leaving out the lost child's committed one (and the
     workers it covered): the server waited for their clocks until the timeout."""
-    from mlfabric.ps import local_jobs
-    from mlfabric.ps.mlnet import TreeNode
-
-    layout = PSLayout(servers=1, workers=4)
-    settings = MLNetSettings(tree="tree:1")  # server <- w0 <- w1 <- w2 <- w3
-    jobs = local_jobs(layout, PSConfig(consistency="bsp", timeout_s=5, routing="mlnet", mlnet=settings))
-    try:
-        node = TreeNode(jobs[2].worker, settings.parents(4, 1))  # worker 1's node
-        node._stop.set()  # driven by hand below
-        node.transport.mailbox.notify()
-        node._thread.join(2)
-        sent: list[tuple[str, dict]] = []
-        node._up = lambda tree, op, fields, payload=None: sent.append((op, {**fields, "payload": payload}))
-        tree = node.trees[0]
+    with _hand_driven_node() as (node, tree, sent):
         # child 2's sum of clock 0 (covering workers 2 and 3) and its clock arrive ...
         node._add(tree, 0, 2, "m", torch.full((2,), 5.0), [2, 3], [0, 0])
         tree.pending[0].clocked[2] = [2, 3]
@@ -140,6 +160,63 @@ def test_a_lost_childs_committed_clock_still_counts_after_its_children_are_adopt
         (push, push_fields), (clock, clock_fields) = sent
         assert push == "push" and push_fields["payload"].tolist() == [6.0, 6.0] and push_fields["workers"] == [1, 2, 3]
         assert clock == "clock" and clock_fields["workers"] == [1, 2, 3]
-    finally:
-        for job in jobs:
-            job.comm.close()
+
+
+def test_a_child_that_leaves_and_closes_during_a_pass_is_not_taken_for_gone() -> None:
+    """Regression (a CI hang, 1 run in ~15): a leaf child's leave and its transport's goodbye
+    arrived after the node had drained its mailbox but before it looked at the peers gone; the
+    node took the child for gone without leaving ("its subtree's later updates are lost") and
+    never passed its workers' leave up. The peers gone are now read before the drain."""
+    with _hand_driven_node() as (node, tree, sent):
+        mailbox = node.transport.mailbox
+        take = mailbox.take
+        arrived: list[bool] = []
+
+        def take_then_arrive(channel: str, tag: int, *args: Any) -> Message | None:
+            msg = take(channel, tag, *args)
+            if msg is None and tag == node.tag and not arrived:  # the drain just ended: now they come
+                arrived.append(True)
+                node.transport._deliver(_from(node, 2, protocol.LEAVE, workers=[2, 3], final=False))
+                node.transport._deliver(_from(node, 2, protocol.LEAVE, workers=[], final=True))
+                child = node.layout.worker_rank(2)
+                node.transport._deliver(Message(child, GOODBYE_TAG, CONTROL_CHANNEL, b"", memoryview(b"")))
+            return msg
+
+        mailbox.take = take_then_arrive
+        node._pass()
+        assert arrived and node.stats.lost_children == [] and 2 not in tree.final
+        node._pass()  # the child's leave is read before its going is looked at
+        assert node.stats.lost_children == [] and 2 in tree.final
+        assert [(op, fields["workers"]) for op, fields in sent] == [("leave", [2, 3])]
+
+
+def test_a_send_to_a_lost_peer_does_not_hold_the_node_forever() -> None:
+    """Regression (a CI hang): a send to a peer that died never completes (the transports'
+    contract); the node waited for it and its worker's leave hung until the job's timeout."""
+    with _hand_driven_node(worker=3) as (node, tree, sent):  # a leaf: server <- ... <- w2 <- w3
+        node._event("leave")
+        node._forward(tree)
+        assert tree.done and [op for op, _ in sent] == ["leave", "leave"]  # its worker, then final
+        parent = node.layout.worker_rank(2)
+        node._sending.append((parent, SendHandle(done=False), None))  # queued when the parent died
+        assert node._pass() is False
+        node.transport._peer_lost(parent, "test: killed")
+        assert node._pass() is True and node._sending == []
+
+
+def test_a_clock_already_sent_up_is_dropped_not_kept_pending(caplog: pytest.LogCaptureFixture) -> None:
+    """A member's part for a clock the node already passed on (never in the protocol) is
+    dropped with an error naming it; kept in ``pending`` it held the node's leave to the timeout."""
+    with _hand_driven_node() as (node, tree, sent):
+        node._event("push", 0, "m", 0, torch.ones(2), {"version": 0})
+        node._event("clock", 0)
+        node._from_child(_from(node, 2, protocol.CLOCK, clock=0, workers=[2, 3]))
+        node._forward(tree)
+        assert tree.next_clock == 1 and [op for op, _ in sent] == ["push", "clock"]
+        with caplog.at_level(logging.ERROR, logger="mlfabric.ps"):
+            node._from_child(_from(node, 2, protocol.CLOCK, clock=0, workers=[2, 3]))
+        assert tree.pending == {} and "dropped mlnet clock of clock 0 from rank 3 (worker 2)" in caplog.text
+        node._event("leave")
+        node._from_child(_from(node, 2, protocol.LEAVE, workers=[2, 3], final=True))
+        node._forward(tree)
+        assert tree.done
