@@ -323,27 +323,72 @@ def _netns_list() -> list[str]:
     return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
 
 
+#: Traffic priorities of the emulated NICs (MLNET §3): 0 (unmarked traffic, the default) to
+#: :data:`mlfabric.transport.sockets.MAX_PRIORITY` (7, the highest). A packet whose IP
+#: precedence (the TOS byte's top three bits, :func:`mlfabric.transport.sockets.priority_tos`)
+#: is ``p`` lands in HTB class ``1:10p`` of every shaped NIC and uplink: the switches'
+#: priority queues.
+PRIORITY_CLASS_BASE = 0x100
+PRIORITIES = range(8)
+#: What a priority class is guaranteed; the rest of the NIC's rate it borrows, the highest
+#: priority first (HTB's ``prio``), so the sharing is strict priority above this floor.
+PRIORITY_FLOOR_BPS = 8000
+
+
+def _priority_class(priority: int) -> str:
+    return f"1:{PRIORITY_CLASS_BASE + priority:x}"
+
+
+def _priority_commands(dev: str, rate_bps: int, queue_bytes: int, priorities: Sequence[int]) -> list[str]:
+    """One HTB leaf (and byte FIFO) per priority under class 1:1, each guaranteed only the
+    floor and borrowing the rest of ``rate_bps`` in priority order (7 first); a queue each,
+    so a high-priority packet never waits behind a full low-priority queue."""
+    burst = _burst_bytes(rate_bps)
+    cmds = []
+    for p in priorities:
+        classid = _priority_class(p)
+        cmds += [
+            f"class add dev {dev} parent 1:1 classid {classid} htb rate {PRIORITY_FLOOR_BPS}bit ceil {rate_bps}bit "
+            f"burst {burst} cburst {burst} prio {max(PRIORITIES) - p} quantum 1514",
+            f"qdisc add dev {dev} parent {classid} handle {PRIORITY_CLASS_BASE + p:x}: bfifo limit {queue_bytes}",
+        ]
+        if p:  # before any other filter (prio 1): a marked packet goes by its mark alone
+            cmds.append(f"filter add dev {dev} parent 1: protocol ip prio 1 u32 match ip tos {p << 5:#x} 0xe0 "
+                        f"flowid {classid}")
+    return cmds
+
+
 def _htb_commands(dev: str, rate_bps: int, queue_bytes: int) -> list[str]:
-    """Root HTB with one class at ``rate_bps`` and a byte FIFO under it."""
+    """Root HTB with one class at ``rate_bps`` and a priority class (and byte FIFO) per
+    priority under it; unmarked traffic goes to priority 0's."""
     return [
-        f"qdisc replace dev {dev} root handle 1: htb default 1",
+        f"qdisc replace dev {dev} root handle 1: htb default {PRIORITY_CLASS_BASE:x}",
         f"class add dev {dev} parent 1: classid 1:1 htb {_htb_rate(rate_bps)}",
-        f"qdisc add dev {dev} parent 1:1 handle 10: bfifo limit {queue_bytes}",
+        *_priority_commands(dev, rate_bps, queue_bytes, PRIORITIES),
     ]
 
 
+def _burst_bytes(rate_bps: int) -> int:
+    # At least one 64 KiB GSO packet plus 1 ms at the rate, so that big segments do not make
+    # HTB undershoot; small enough that a rate change shows within milliseconds.
+    return max(64 * 1024 + 1514, rate_bps // 8 // 1000)
+
+
 def _htb_rate(rate_bps: int) -> str:
-    # Burst: at least one 64 KiB GSO packet plus 1 ms at the rate, so that big segments do
-    # not make HTB undershoot; small enough that a rate change shows within milliseconds.
-    burst = max(64 * 1024 + 1514, rate_bps // 8 // 1000)
+    burst = _burst_bytes(rate_bps)
     return f"rate {rate_bps}bit ceil {rate_bps}bit burst {burst} cburst {burst}"
 
 
 def _fair_uplink_commands(dev: str, rate_bps: int, addresses: Sequence[str], match: str, queue_bytes: int) -> list[str]:
-    """HTB at ``rate_bps`` split fairly between ``addresses`` (``match`` is ``src`` or ``dst``)."""
+    """HTB at ``rate_bps`` split fairly between ``addresses`` (``match`` is ``src`` or ``dst``)
+    for unmarked traffic; marked traffic (priority >= 1) goes to its priority class instead,
+    above every host's share (its filter comes first)."""
     shares = len(addresses) + 1  # one class per host plus one for everything else (ARP, ...)
+    if shares + 2 > PRIORITY_CLASS_BASE:
+        raise ValueError(f"a rack of {len(addresses)} hosts: the emulator shapes at most "
+                         f"{PRIORITY_CLASS_BASE - 3} per rack (one HTB class each, below the priority classes)")
     child_rate = max(8000, rate_bps // shares)
-    child = f"rate {child_rate}bit ceil {rate_bps}bit burst {max(64 * 1024 + 1514, rate_bps // 8 // 1000)}"
+    child = f"rate {child_rate}bit ceil {rate_bps}bit burst {_burst_bytes(rate_bps)} prio {max(PRIORITIES)}"
     cmds = [
         f"qdisc replace dev {dev} root handle 1: htb default 2",
         f"class add dev {dev} parent 1: classid 1:1 htb {_htb_rate(rate_bps)}",
@@ -355,9 +400,9 @@ def _fair_uplink_commands(dev: str, rate_bps: int, addresses: Sequence[str], mat
         cmds += [
             f"class add dev {dev} parent 1:1 classid {classid} htb {child}",
             f"qdisc add dev {dev} parent {classid} handle {i + 3:x}: bfifo limit {queue_bytes}",
-            f"filter add dev {dev} parent 1: protocol ip prio 1 u32 match ip {match} {address}/32 flowid {classid}",
+            f"filter add dev {dev} parent 1: protocol ip prio 2 u32 match ip {match} {address}/32 flowid {classid}",
         ]
-    return cmds
+    return cmds + _priority_commands(dev, rate_bps, queue_bytes, PRIORITIES[1:])
 
 
 def _sysctl_script(*, forwarding: bool) -> str:

@@ -68,15 +68,21 @@ def receive(bind: str, port: int, *, interval_s: float = 0.1, timeout_s: float =
     return {"bytes": total, "peer": peer[0], "samples": samples}
 
 
-def send(to: str, port: int, *, seconds: float, connect_timeout_s: float = 10.0) -> int:
-    """Send as fast as TCP allows for ``seconds``; return the bytes sent."""
+def send(to: str, port: int, *, seconds: float, connect_timeout_s: float = 10.0, tos: int = 0) -> int:
+    """Send as fast as TCP allows for ``seconds``; return the bytes sent. ``tos``: the
+    connection's IP TOS byte (:func:`mlfabric.transport.sockets.priority_tos`)."""
     payload = b"\0" * _CHUNK
     deadline = time.monotonic() + connect_timeout_s
     while True:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if tos:
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos)
+        sock.settimeout(connect_timeout_s)
         try:
-            sock = socket.create_connection((to, port), timeout=connect_timeout_s)
+            sock.connect((to, port))
             break
-        except (ConnectionRefusedError, OSError):
+        except OSError:
+            sock.close()
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
@@ -104,10 +110,12 @@ def goodput_bps(samples: Sequence[Sequence[float]], start: float | None = None, 
 
 
 def run_flows(plan: ClusterPlan, pairs: Sequence[tuple[int, int]], *, seconds: float = 2.5,
-              port: int = 5201, during: Callable[[], None] | None = None) -> list[dict]:
+              port: int = 5201, during: Callable[[], None] | None = None,
+              tos: Sequence[int] | None = None) -> list[dict]:
     """One TCP flow per ``(src, dst)`` host pair of a built cluster, all at once; the
     receivers' JSON (see :func:`receive`), in order. ``during`` (optional) is called once all
-    senders have started. Flow ``i`` uses port ``port + i`` on its receiver."""
+    senders have started. Flow ``i`` uses port ``port + i`` on its receiver and, with
+    ``tos``, the IP TOS byte ``tos[i]``."""
     # Run this file as a script: ``-m mlfabric...`` would import the package (and torch) per flow.
     command = [sys.executable, __file__]
     receivers: list[subprocess.Popen[str]] = []
@@ -126,7 +134,9 @@ def run_flows(plan: ClusterPlan, pairs: Sequence[tuple[int, int]], *, seconds: f
         for i, (src, dst) in enumerate(pairs):
             senders.append(subprocess.Popen(["ip", "netns", "exec", plan.hosts[src].netns, *command, "send",
                                              "--to", plan.hosts[dst].address, "--port", str(port + i),
-                                             "--seconds", str(seconds)], stdout=subprocess.DEVNULL))
+                                             "--seconds", str(seconds), "--tos",
+                                             str(tos[i] if tos else 0)],
+                                            stdout=subprocess.DEVNULL))
         if during is not None:
             during()
         for (src, dst), sender in zip(pairs, senders):
@@ -169,11 +179,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     snd.add_argument("--to", required=True)
     snd.add_argument("--port", type=int, required=True)
     snd.add_argument("--seconds", type=float, default=3.0)
+    snd.add_argument("--tos", type=int, default=0)
     args = parser.parse_args(argv)
     if args.mode == "recv":
         print(json.dumps(receive(args.bind, args.port, interval_s=args.interval, timeout_s=args.timeout)), flush=True)
     else:
-        print(json.dumps({"sent": send(args.to, args.port, seconds=args.seconds)}), flush=True)
+        print(json.dumps({"sent": send(args.to, args.port, seconds=args.seconds, tos=args.tos)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,41 @@ SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
 UNLIMITED_PACING = 0xFFFF_FFFF
 
 
+#: A job's traffic priority (MLNET §3): ``MLFABRIC_PRIORITY=p`` marks every TCP connection of
+#: the job's ranks; 0 (the default) leaves them unmarked, 7 is the highest.
+PRIORITY_ENV = "MLFABRIC_PRIORITY"
+MAX_PRIORITY = 7
+
+
+def parse_priority(value: object, source: str = "priority") -> int:
+    """A job priority, 0..:data:`MAX_PRIORITY` (7 highest); anything else is named."""
+    text = str(value).strip()
+    if not (text.isdigit() and 0 <= int(text) <= MAX_PRIORITY):
+        raise ValueError(f"{source} must be an integer from 0 (unmarked, the default) to {MAX_PRIORITY} "
+                         f"(the highest), got {value!r}")
+    return int(text)
+
+
+def priority_from_env() -> int:
+    """The job's priority from ``MLFABRIC_PRIORITY`` (0 when unset)."""
+    value = os.environ.get(PRIORITY_ENV, "")
+    return parse_priority(value, PRIORITY_ENV) if value.strip() else 0
+
+
+def priority_tos(priority: int) -> int:
+    """The IP TOS byte of a job with ``priority``: the priority in the three precedence bits
+    (what switches' priority queues read; the emulator's NICs match them,
+    ``mlfabric.emu.cluster``). The mark is in the packet, so it crosses every hop, unlike a
+    socket's ``SO_PRIORITY``, which Linux clears when a packet changes network namespace."""
+    return parse_priority(priority) << 5
+
+
+def set_priority(sock: socket.socket, priority: int) -> None:
+    """Mark every packet of ``sock`` with the job's ``priority`` (nothing for 0)."""
+    if priority:
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, priority_tos(priority))
+
+
 #: Whether the kernel can cap a socket's rate (SO_MAX_PACING_RATE is Linux's).
 KERNEL_PACING = sys.platform.startswith("linux")
 

@@ -32,6 +32,11 @@ Pacing: :meth:`TcpTransport.pace_connection` sets Linux's ``SO_MAX_PACING_RATE``
 outgoing socket (the runtime's fair shares, ``runtime/fair_share.py``); ``pace_bps`` paces
 channels in user space like the zmq transport (``transport/pacing.py``).
 
+Priority (MLNET §3): every connection of a job carries the job's priority
+(``MLFABRIC_PRIORITY``, 0-7) in its packets' IP precedence bits
+(:func:`mlfabric.transport.sockets.set_priority`), which the emulator's NICs and switches
+serve in strict priority order (``mlfabric.emu.cluster``).
+
 Exercise it with ``python -m pytest tests/local/test_socket_transports.py tests/local/test_tcp.py``.
 """
 
@@ -60,10 +65,13 @@ from .sockets import (
     check_endpoints,
     pacing_cap,
     pacing_cap_for,
+    parse_priority,
     peer_address,
+    priority_from_env,
     rendezvous,
     send_buffer,
     set_pacing,
+    set_priority,
 )
 
 log = logging.getLogger("mlfabric.transport.tcp")
@@ -330,8 +338,11 @@ class TcpTransport(Transport):
     def __init__(self, rank: int, world_size: int, token: bytes, *,
                  channels: tuple[str, ...] = ("0",), bind_addrs: Mapping[str, str] | None = None,
                  pace_bps: Mapping[str, float] | None = None, connect_timeout: float = 60.0,
-                 shared_memory: bool = False) -> None:
+                 shared_memory: bool = False, priority: int | None = None) -> None:
         super().__init__(rank, world_size, channels)
+        #: The job's traffic priority (MLNET §3), marked on every connection: ``priority``, or
+        #: ``MLFABRIC_PRIORITY`` (0, unmarked, when neither is given).
+        self.priority = priority_from_env() if priority is None else parse_priority(priority)
         if len(token) != TOKEN_BYTES:
             raise ValueError(f"job token must be {TOKEN_BYTES} bytes")
         # Payloads that cannot land in place get a fresh buffer each: reuse freed ones
@@ -385,13 +396,14 @@ class TcpTransport(Transport):
     @classmethod
     def create(cls, store, rank: int, world_size: int, *, channels: tuple[str, ...] = ("0",),
                bind_addrs: Mapping[str, str] | None = None, timeout: float = 60.0,
-               pace_bps: Mapping[str, float] | None = None, shared_memory: bool = True) -> "TcpTransport":
+               pace_bps: Mapping[str, float] | None = None, shared_memory: bool = True,
+               priority: int | None = None) -> "TcpTransport":
         """Bind, publish our endpoints in ``store`` (a torch.distributed Store), learn
         everyone else's and connect to all peers; peers on this host through shared memory
         unless ``shared_memory`` is False or ``MLFABRIC_SHM=0``."""
         return rendezvous(store, rank, world_size, lambda token: cls(
             rank, world_size, token, channels=channels, bind_addrs=bind_addrs,
-            pace_bps=pace_bps, connect_timeout=timeout, shared_memory=shared_memory))
+            pace_bps=pace_bps, connect_timeout=timeout, shared_memory=shared_memory, priority=priority))
 
     def connect(self, peers: Mapping[int, Mapping[str, str]]) -> None:
         """Open a connection to every peer on every channel (their listeners are up: the
@@ -427,6 +439,7 @@ class TcpTransport(Transport):
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+        set_priority(sock, self.priority)
         return sock
 
     # -- sending ---------------------------------------------------------------------------
@@ -533,6 +546,7 @@ class TcpTransport(Transport):
             return None
         sock.settimeout(None)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+        set_priority(sock, self.priority)  # its ACKs
         return src
 
     def _read_messages(self, sock: socket.socket, src: int) -> None:

@@ -60,6 +60,8 @@ from .sockets import (
     pacing_cap,
     pacing_cap_for,
     peer_address,
+    priority_from_env,
+    priority_tos,
     rendezvous,
     send_buffer,
     set_pacing,
@@ -86,6 +88,8 @@ class ZmqTransport(Transport):
         if len(token) != TOKEN_BYTES:
             raise ValueError(f"job token must be {TOKEN_BYTES} bytes")
         keep_freed_memory()  # libzmq's receive buffers: reuse them, do not fault in fresh pages
+        #: The job's traffic priority (``MLFABRIC_PRIORITY``, MLNET §3) in every packet's IP TOS.
+        self.priority = priority_from_env()
         self.token = token
         self._ctx = zmq.Context(io_threads=1)
         self._channel_index, self._index_channel = channel_indices(self.channels)
@@ -100,6 +104,7 @@ class ZmqTransport(Transport):
             router.setsockopt(zmq.RCVHWM, 0)
             router.setsockopt(zmq.RCVBUF, SOCKET_BUFFER_BYTES)
             router.setsockopt(zmq.LINGER, 0)
+            router.setsockopt(zmq.TOS, priority_tos(self.priority))  # the job's priority, on its ACKs
             host = bind_addrs.get(name, "127.0.0.1")
             port = router.bind_to_random_port(f"tcp://{host}")
             self._routers[name] = router
@@ -153,6 +158,7 @@ class ZmqTransport(Transport):
                 dealer.setsockopt(zmq.SNDBUF, SOCKET_BUFFER_BYTES)
                 dealer.setsockopt(zmq.LINGER, 2000)
                 dealer.setsockopt(zmq.IMMEDIATE, 0)
+                dealer.setsockopt(zmq.TOS, priority_tos(self.priority))  # the job's priority (MLNET §3)
                 monitor = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
                 self._monitors[monitor] = ("dealer", peer, name)
                 self._remote_addr[(peer, name)] = peer_address(endpoints[name])
