@@ -435,6 +435,53 @@ def bench_ps(
         raise typer.Exit(1)
 
 
+@bench_app.command("mlnet-priorities")
+def bench_mlnet_priorities(
+    jobs: Annotated[int, typer.Option(help="Concurrent PS jobs (2-7), each with its own priority in the priority "
+                                      "scenario.")] = 4,
+    workers: Annotated[int, typer.Option(help="Workers per job; worker i of every job on host 1 + i, every "
+                                         "server on host 0.")] = 3,
+    model_size: Annotated[str, typer.Option("--model-size", help="Model size (float32) of every job.")] = "1MB",
+    rate: Annotated[str, typer.Option(help="Rate of every emulated NIC.")] = "100mbit",
+    iterations: Annotated[int, typer.Option(help="BSP iterations of every job.")] = 8,
+    routing: Annotated[str, typer.Option(help="direct or mlnet (binary trees).")] = "direct",
+    scenario: Annotated[str, typer.Option(help="Comma-separated: fair, priority, alone.")] = "fair,priority,alone",
+    seed: Annotated[int, typer.Option(help="Draws the jobs' priorities (a permutation of J..1).")] = 0,
+    json_path: JsonOption = None,
+    quiet: QuietOption = False,
+    timeout: Annotated[float, typer.Option(help="Seconds any wait of a job may take.")] = 300.0,
+) -> None:
+    """MLNET's job priorities (root): J PS jobs at once on one emulated star, fair vs priority.
+
+    Reports every job's completion time per scenario, the median and tail JCT of priority
+    against fair sharing (paper: -25% / +2%) and the top job's iteration time against alone."""
+    from mlfabric.bench.mlnet_priorities import PriorityBenchConfig, render_table, run_priority_bench
+    from mlfabric.emu.cmd import EmuUnavailableError
+    from mlfabric.units import parse_rate, parse_size
+
+    config = make_config(PriorityBenchConfig, jobs=jobs, workers=workers,
+                         model_bytes=_parse_or_usage(parse_size, model_size),
+                         rate_bps=make_config(parse_rate, value=rate), iterations=iterations, routing=routing,
+                         scenarios=tuple(split_list(scenario, "scenarios")), seed=seed, timeout_s=timeout)
+    command = ["mlfabric", "bench", "mlnet-priorities", "--jobs", str(jobs), "--workers", str(workers),
+               "--model-size", model_size, "--rate", rate, "--iterations", str(iterations), "--routing", routing,
+               "--scenario", scenario, "--seed", str(seed)]
+    if json_path is not None:
+        command += ["--json", str(json_path)]
+    with progress_bar(quiet=quiet) as progress:
+        task = progress.add_task("mlnet priorities", total=len(config.scenarios))
+        result = run_or_exit(lambda: run_priority_bench(
+            config, argv=command, capture_output=True,
+            on_scenario=lambda name: progress.update(task, description=f"mlnet priorities: {name}", advance=1)),
+            (RuntimeError, EmuUnavailableError))
+    console.print(render_table(result))
+    if json_path is not None:
+        write_json(json_path, result.to_dict())
+    if not all(j.correct for s in result.scenarios.values() for j in s.jobs):
+        console.print("[bold red]error:[/] a pulled model differed from the exact BSP result")
+        raise typer.Exit(1)
+
+
 @bench_app.command("tictac")
 def bench_tictac(
     model: Annotated[str, typer.Option(help="inception, vgg, alexnet, par32 or seq32 (mlfabric.order.models).")]

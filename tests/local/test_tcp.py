@@ -279,3 +279,33 @@ def test_messages_for_posted_receives_skip_the_mailbox_and_nothing_stays_posted(
     finally:
         for comm in comms:
             comm.executor.close()
+
+
+def test_a_job_priority_marks_every_connection_both_ways(monkeypatch) -> None:
+    """MLNET §3: the job's priority (MLFABRIC_PRIORITY) is in the IP precedence bits of its
+    connections, data (outgoing) and ACKs (accepted) alike; an out-of-range one is named."""
+    import socket
+
+    from mlfabric.transport.sockets import PRIORITY_ENV
+
+    monkeypatch.setenv(PRIORITY_ENV, "5")
+    a = TcpTransport(0, 2, TOKEN)
+    b = TcpTransport(1, 2, TOKEN, priority=0)  # an explicit priority wins over the variable
+    try:
+        a.connect({1: b.endpoints})
+        b.connect({0: a.endpoints})
+        assert a.priority == 5 and b.priority == 0
+        a.send(1, 7, b"x" * 10).done()
+        _wait_for(b, 7, 0)
+        assert a._outgoing[(1, "0")].sock.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) == 5 << 5
+        assert b._outgoing[(0, "0")].sock.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) == 0
+        deadline = time.monotonic() + 5
+        while len(a._incoming) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [s.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) for s in a._incoming] == [5 << 5]
+    finally:
+        a.close()
+        b.close()
+    monkeypatch.setenv(PRIORITY_ENV, "8")
+    with pytest.raises(ValueError, match="MLFABRIC_PRIORITY must be an integer from 0 .* to 7 .* got '8'"):
+        TcpTransport(0, 2, TOKEN)
