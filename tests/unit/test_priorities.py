@@ -1,6 +1,6 @@
 """Job priorities (MLNET §3): the mark a job's packets carry, the emulator's priority queues
 that serve it, and the multi-job benchmark's settings (no root needed here; the emulated
-checks are in tests/emu/test_priorities.py).
+checks are in tests/emu/test_job_priorities.py).
 
     .venv/bin/python -m pytest tests/unit/test_priorities.py -q
 """

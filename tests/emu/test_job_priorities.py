@@ -2,7 +2,7 @@
 in strict priority order at a shared NIC, and PS jobs marked by MLFABRIC_PRIORITY finish in
 priority order with exact models.
 
-    sudo .venv/bin/python -m pytest tests/emu/test_priorities.py -q
+    sudo .venv/bin/python -m pytest tests/emu/test_job_priorities.py -q
 """
 
 from __future__ import annotations
