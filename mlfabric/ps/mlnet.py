@@ -39,8 +39,9 @@ the servers answer it directly, under the same clocks.
 child's children are adopted by its node; a node whose parent is lost re-attaches to the first
 live ancestor (or the server) and sends again the clocks it lacks; two nodes lost within
 ``FALLBACK_WINDOW_S`` tear the trees down (direct push/pull). Sums count only with their
-clock, at nodes and servers, so nothing is half-applied. A lost server fails the worker's
-next call, naming it.
+clock, at nodes and servers, so nothing is half-applied. A lost server whose replica takes
+over (SSP, ``PSLayout(replicas=...)``) is replaced: the root-level nodes attach to the replica
+and send again the clocks it lacks; without one, the worker's next call fails, naming it.
 """
 
 from __future__ import annotations
@@ -209,6 +210,10 @@ class _Tree:
     own: dict[int, dict[str, _Sum]] = field(default_factory=dict)
     #: A re-attachment waiting for its answer (request id): nothing goes up meanwhile.
     attaching: int | None = None
+    #: The server rank a root-level node sends to: the server, or the replica it re-attached
+    #: to after a failover (the worker's thread may redirect first; the node follows by
+    #: re-attaching, never in the middle of a clock).
+    server_rank: int = -1
 
 
 class TreeNode:
@@ -229,7 +234,8 @@ class TreeNode:
         self._loss_seen: dict[int, float] = {}  # lost interior node rank -> when this node saw it
         self._attaching: dict[int, tuple[int, int]] = {}  # request id -> (tree, new parent rank)
         self.trees = [_Tree(server=j, parent=int(parents[j, me]), members=[me, *children_of(parents[j], me)],
-                            through={m: -1 for m in [me, *children_of(parents[j], me)]})
+                            through={m: -1 for m in [me, *children_of(parents[j], me)]},
+                            server_rank=worker.server_rank(j))
                       for j in range(self.layout.servers)]
         self.stats = NodeStats()
         self.error: PeerLostError | None = None
@@ -459,7 +465,9 @@ class TreeNode:
     def _up(self, tree: _Tree, op: str, fields: dict[str, Any], payload: torch.Tensor | None = None) -> None:
         data = b"" if payload is None else tensor_bytes(payload)
         if tree.parent < 0:
-            peer, tag = self.worker.server_rank(tree.server), protocol.request_tag(self.session)
+            # the server this node is attached to, not the worker's current one: a sum and its
+            # clock must reach the same server (a failover re-attaches, then sends them again)
+            peer, tag = tree.server_rank, protocol.request_tag(self.session)
             meta = protocol.encode(op=op, **fields)
         else:
             peer, tag = self.layout.worker_rank(tree.parent), self.tag
@@ -489,7 +497,7 @@ class TreeNode:
         tree.asked[model] = need
         self.stats.pulls_upstream += 1
         if tree.parent < 0:
-            src = self.worker.server_rank(tree.server)
+            src = tree.server_rank
             self._up(tree, protocol.PULL, {"id": request_id, "model": model, "clock": math.ceil(need),
                                            "staleness": 0})
         else:
@@ -556,7 +564,8 @@ class TreeNode:
         """Repair (MLNET §3): a lost child's children are adopted; a lost parent is replaced by
         the first live ancestor (or the server); two tree nodes lost within FALLBACK_WINDOW_S
         tear the trees down (:meth:`_fall_back`). A lost server, or a peer that closed its
-        transport without leaving the tree, fails the worker's next call, naming it. ``gone``:
+        transport without leaving the tree, fails the worker's next call, naming it (a lost server
+        a replica takes over is re-attached to instead). ``gone``:
         :meth:`_gone_peers` before the mailbox was drained (their last messages are in)."""
         if self.error is not None:
             return
@@ -583,13 +592,22 @@ class TreeNode:
                                 why)
             if tree.done:
                 continue
-            parent = (self.worker.server_rank(tree.server) if tree.parent < 0
-                      else self.layout.worker_rank(tree.parent))
+            parent = tree.server_rank if tree.parent < 0 else self.layout.worker_rank(tree.parent)
             why = gone.get(parent)
             if why is None:
                 continue
             if tree.parent >= 0 and parent in self.transport.lost_peers:
                 self._reattach(tree, tree.parent, why)
+                continue
+            if tree.parent < 0 and parent in self.transport.lost_peers and self.worker._fail_over(parent):
+                # MLNET §3's failed root, waited for and reconnected: a replica takes the server's
+                # place (ps/replica.py); the node attaches to it and sends the clocks it lacks.
+                # (The worker's own thread may have failed over first: True here too.)
+                log.warning("%s: mlnet server %s of tree %d is gone (%s); re-attaching to %s, which takes over",
+                            self.worker.who, self.layout.describe(parent), tree.server, why,
+                            self.layout.describe(self.worker.server_rank(tree.server)))
+                self.stats.repairs += 1
+                self._attach(tree)
                 continue
             role = "server" if tree.parent < 0 else "parent node"
             self._fail(PeerLostError(
@@ -656,7 +674,7 @@ class TreeNode:
         request_id = next(self._ids)
         tree.attaching = request_id
         if tree.parent < 0:
-            dest = self.worker.server_rank(tree.server)
+            dest = tree.server_rank = self.worker.server_rank(tree.server)
             covered = tree.sent[max(tree.sent)][1] if tree.sent and not self.fallen_back else [self.worker.index]
             self.transport.send(dest, protocol.request_tag(self.session), b"", channel=self.channel,
                                 meta=protocol.encode(op=protocol.ATTACH, id=request_id, workers=covered))

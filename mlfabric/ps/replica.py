@@ -67,14 +67,12 @@ def failover_refusal(config: PSConfig, layout: PSLayout) -> str | None:
     if config.consistency.kind not in FAILOVER_KINDS:
         return (f"consistency {config.consistency}: a round in flight at the lost server cannot be rebuilt from "
                 "the replica (failover works under async and SSP)")
-    if config.routing == "direct":
-        return None
+    if config.routing in ("direct", "mlnet"):
+        return None  # mlnet: the root-level tree nodes re-attach to the replica (ps/mlnet.py)
     if config.routing == "scheduled" and layout.servers == 1:
         return None  # the replica takes over the scheduler too (it lives beside server 0)
-    if config.routing == "scheduled":
-        return (f"the scheduled policy with {layout.servers} servers: the other servers follow server 0's "
-                "scheduler, which a replica does not take over (failover works with one server)")
-    return f"routing {config.routing!r} has no failover (its trees hold the server's place)"
+    return (f"the scheduled policy with {layout.servers} servers: the other servers follow server 0's "
+            "scheduler, which a replica does not take over (failover works with one server)")
 
 
 def live_replicas(layout: PSLayout, transport: Transport, server: int) -> list[int]:
@@ -134,6 +132,9 @@ class Replica:
         self.who = layout.describe(transport.rank)
         self.values: dict[str, torch.Tensor] = {}
         self.versions: dict[str, int] = {}
+        #: mlnet: each worker's clock as the server counted it, the updates it covers applied here
+        self.clocks: dict[int, int] = {}
+        self._uncommitted: list[tuple[dict, Any]] = []  # mlnet: sums whose clock has not come yet
         self._rules: dict[str, UpdateCallback] = {}
         self._callbacks: dict[str | None, UpdateCallback] = {}
         self._registered = False
@@ -177,6 +178,8 @@ class Replica:
             shard = _Shard(spec, offset, length, values, self._rules[name], lr=lr, momentum=momentum)
             shard.version = self.versions[name]
             server.shards[name] = shard
+        for worker, clock in self.clocks.items():  # mlnet: the clocks of what it holds (workers adopt otherwise)
+            server.book.adopt(worker, clock)
         return server
 
     def stop(self) -> None:
@@ -259,6 +262,10 @@ class Replica:
             self._drain()
             self.transport.progress(version, 0.02)
         lost = [h for h, _, _ in self._queue if h["op"] in ("applied", "update")]
+        if self._uncommitted:  # mlnet: their clocks never came; the tree nodes send them again
+            log.info("%s: %d tree sums without their clock left out (the nodes send them again)", self.who,
+                     len(self._uncommitted))
+            self._uncommitted.clear()
         self.stats.lost_updates = sum(len(h["workers"]) for h in lost)
         self._queue.clear()
         self.stats.promoted_at = time.time()
@@ -308,6 +315,7 @@ class Replica:
         self._units.clear()
         self._trail.clear()
         self._norms.clear()
+        self._uncommitted.clear()
         self.stats.followed += 1
         self.transport.send(successor, protocol.request_tag(self.config.session), b"",
                             meta=protocol.encode(op="register", server=self.server), channel=self.channel)
@@ -390,6 +398,17 @@ class Replica:
                     del self._units[key]
             elif op == "probe":
                 self._measure(header, payload)
+            elif op == "clock":  # mlnet: the server counted these workers' clock: its sums count here now
+                for held, held_payload in self._uncommitted:
+                    self._apply(held, held_payload)
+                self._uncommitted.clear()
+                for w in header["workers"]:
+                    self.clocks[int(w)] = int(header["clock"]) + 1
+            elif op == "update" and self.config.routing == "mlnet":
+                # a tree node's sum: the server applies it when the node's clock comes and forwards
+                # that clock after it; held until then, so a server that dies between the two
+                # leaves nothing half-counted here (the node sends that clock again)
+                self._uncommitted.append((header, payload if payload is not None else memoryview(b"")))
             else:
                 self._apply(header, payload if payload is not None else memoryview(b""))
             self._queue.pop(0)
@@ -403,6 +422,8 @@ class Replica:
             self.values[spec.name] = data[:length].clone()
             self._specs[spec.name] = (spec, float(header["lr"]), float(header["momentum"]))
             self.versions[spec.name] = int(header.get("version", 0))
+            if self.config.routing == "mlnet":  # the clocks behind this copy (a follower's fresh one too)
+                self.clocks = {w: int(c) for w, c in enumerate(header.get("clocks") or [])}
             rule = self._callbacks.get(spec.name) or self._callbacks.get(None)
             if rule is None:
                 rule = SGDMomentum(float(header["lr"]), float(header["momentum"]))

@@ -392,8 +392,15 @@ class ParameterServer:
                 # between the two leaves nothing half-applied: its subtree sends them again).
                 for staged_header, staged in self._staged.pop((msg.src, int(header["clock"])), []):
                     self._push(worker, {**staged_header, "committed": True}, staged)
-                for w in header.get("workers", [worker]):
-                    self.book.tick(int(w), int(header["clock"]))
+                ticked = [int(w) for w in header.get("workers", [worker])]
+                for w in ticked:
+                    self.book.tick(w, int(header["clock"]))
+                if self.config.routing == "mlnet":
+                    # the replicas learn the clocks behind the updates they hold: one that takes
+                    # over tells re-attaching tree nodes which clocks to send again
+                    for replica in self._replicas:
+                        self._send_replica(replica, protocol.encode(op="clock", workers=ticked,
+                                                                    clock=int(header["clock"])), b"")
             elif op == protocol.PULL:
                 self._pull(msg.src, worker, header)
             elif op == protocol.INIT:
@@ -847,7 +854,8 @@ class ParameterServer:
         values = shard.values.clone() if history is None else torch.cat([shard.values, history])
         self._send_replica(replica, protocol.encode(op="init", spec=shard.spec.to_json(), lr=shard.lr,
                                                     momentum=shard.momentum, version=shard.version,
-                                                    history=history is not None), values)
+                                                    history=history is not None, clocks=list(self.book.clocks)),
+                           values)
 
     def _send_replica(self, replica: int, header: bytes, values: torch.Tensor | bytes) -> None:
         if replica in self.transport.lost_peers or replica in self.transport.departed_peers:

@@ -105,6 +105,10 @@ class PSWorker:
         #: The rank serving each shard: the server, or its replica after a failover.
         self.serving: list[int] = list(layout.server_ranks)
         self.failovers = 0
+        # Lost servers whose shard a replica serves now. The worker's thread and its mlnet tree
+        # node both fail over (whichever sees the loss first), once.
+        self._failed_over: set[int] = set()
+        self._failover_lock = threading.Lock()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._arriving: dict[str, ArrivingModel] = {}  # the last ordered pull per model
 
@@ -413,22 +417,28 @@ class PSWorker:
         """``peer`` was lost: if it served a shard that a live replica can take over
         (:func:`~mlfabric.ps.replica.failover_refusal`), send that shard's requests (and, under
         the scheduled policy, the scheduler's) to the replica from now on, tell it this
-        worker's clock, and return True. The update in flight to ``peer`` is lost; fresh ones
-        make it up (MLfabric §3.3)."""
+        worker's clock, and return True (True again for a peer already failed over). The update
+        in flight to ``peer`` is lost; fresh ones make it up (MLfabric §3.3). Under mlnet the
+        worker's tree node re-attaches to the replica and tells it the clocks instead."""
         from .replica import failover_refusal, live_replicas
 
-        if peer not in self.serving or failover_refusal(self.config, self.layout) is not None:
-            return False
-        j = self.serving.index(peer)
-        candidates = live_replicas(self.layout, self.transport, j)
-        if not candidates:
-            return False
-        self.serving[j] = candidates[0]
-        self.failovers += 1
+        with self._failover_lock:
+            if peer in self._failed_over:
+                return True
+            if peer not in self.serving or failover_refusal(self.config, self.layout) is not None:
+                return False
+            j = self.serving.index(peer)
+            candidates = live_replicas(self.layout, self.transport, j)
+            if not candidates:
+                return False
+            self.serving[j] = candidates[0]
+            self._failed_over.add(peer)
+            self.failovers += 1
         log.warning("%s: %s was lost; shard %d is now served by %s", self.who, self.layout.describe(peer), j,
                     self.layout.describe(candidates[0]))
-        self.transport.send(candidates[0], protocol.request_tag(self.config.session), b"", channel=self.channel,
-                            meta=protocol.encode(op=protocol.ADOPT, clock=self.clock_value))
+        if self.config.routing != "mlnet":
+            self.transport.send(candidates[0], protocol.request_tag(self.config.session), b"", channel=self.channel,
+                                meta=protocol.encode(op=protocol.ADOPT, clock=self.clock_value))
         return True
 
     def _model(self, model: str | None, op: str) -> ModelSpec:

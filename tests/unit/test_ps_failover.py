@@ -118,7 +118,7 @@ def test_replicas_take_over_one_after_the_other_under_the_direct_policy() -> Non
 @pytest.mark.parametrize(("changes", "servers", "reason"), [
     ({"consistency": "bsp"}, 1, "a round in flight"),
     ({"consistency": "async:4", "routing": "scheduled"}, 2, "follow server 0's scheduler"),
-    ({"consistency": "ssp:1", "routing": "mlnet"}, 1, "no failover"),
+    ({"consistency": "bsp", "routing": "mlnet"}, 1, "a round in flight"),
 ])
 def test_where_failover_cannot_be_done_the_reason_is_named(changes: dict, servers: int, reason: str) -> None:
     layout = PSLayout(servers=servers, replicas=1, workers=2)
@@ -126,3 +126,4 @@ def test_where_failover_cannot_be_done_the_reason_is_named(changes: dict, server
     assert refusal is not None and reason in refusal
     assert failover_refusal(PSConfig(consistency="async:4", routing="scheduled"), PSLayout(servers=1, replicas=1, workers=2)) is None
     assert failover_refusal(PSConfig(consistency="ssp:2"), PSLayout(servers=2, replicas=2, workers=2)) is None
+    assert failover_refusal(PSConfig(consistency="ssp:1", routing="mlnet"), PSLayout(servers=2, replicas=1, workers=2)) is None

@@ -220,3 +220,50 @@ def test_a_clock_already_sent_up_is_dropped_not_kept_pending(caplog: pytest.LogC
         node._from_child(_from(node, 2, protocol.LEAVE, workers=[2, 3], final=True))
         node._forward(tree)
         assert tree.done
+
+
+@pytest.mark.parametrize("tree", ["tree:1", "binary"])
+def test_a_lost_server_is_replaced_by_its_replica_and_nothing_is_lost_or_applied_twice(tree: str) -> None:
+    """MLNET §3's failed root, waited for and reconnected: the server dies mid-training; its
+    replica (chain replication, which now carries the clocks too) takes over, the root-level
+    nodes attach to it and send again the clocks it lacks. With integer-valued updates the
+    replica's model is exactly every update of every worker, once; the SSP bound holds."""
+    from tests.unit.test_ps_failover import _kill
+    from tests.unit.test_ps_mlnet import _sum_rule
+
+    layout = PSLayout(servers=1, replicas=1, workers=4)
+    logs: dict[int, list[tuple[int, ...]]] = {0: [], 1: []}
+    jobs: list[Any] = []
+    barrier = threading.Barrier(4)
+
+    def setup(all_jobs: list[Any]) -> None:
+        jobs.extend(all_jobs)
+        all_jobs[0].server.register_update_callback(_sum_rule(logs[0]))
+        all_jobs[1].replica.register_update_callback(_sum_rule(logs[1]))  # the promoted server's rule too
+
+    def work(w: Any) -> Any:
+        w.init_model("m", torch.zeros(10), lr=1.0)
+        for clock in range(STEPS):
+            if clock == 3:
+                barrier.wait(10)  # the server dies with the sums of clocks 0-2 anywhere on their way
+                if w.index == 0:
+                    _kill(jobs, 0)
+            w.pull_flat("m")
+            w.push("m", torch.full((10,), _value(w.index, clock)))
+            w.clock()
+        w.pull_flat("m")
+        return w.failovers, w.routing.stats
+
+    config = PSConfig(consistency="ssp:1", timeout_s=10, routing="mlnet", mlnet=MLNetSettings(tree=tree))
+    out, _ = run_job(layout, config, work, setup, killed={0})
+    promoted = jobs[1].replica.promoted
+    assert promoted is not None and promoted.stats.errors == []
+    results = [out[layout.worker_rank(w)] for w in range(4)]
+    assert all(failovers == 1 for failovers, _ in results)
+    assert sum(stats.repairs for _, stats in results) >= 1  # the root-level nodes re-attached
+    for _, stats in results:
+        assert stats.max_staleness is not None and stats.max_staleness <= 1
+    counts = collections.Counter(w for workers in logs[1] for w in workers)
+    assert counts == {w: STEPS for w in range(4)}, counts
+    expected = sum(_value(w, c) for w in range(4) for c in range(STEPS))
+    assert promoted.shards["m"].values.tolist() == [expected] * 10
