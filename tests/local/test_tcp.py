@@ -299,9 +299,8 @@ def test_a_job_priority_marks_every_connection_both_ways(monkeypatch) -> None:
         _wait_for(b, 7, 0)
         assert a._outgoing[(1, "0")].sock.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) == 5 << 5
         assert b._outgoing[(0, "0")].sock.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) == 0
-        deadline = time.monotonic() + 5
-        while len(a._incoming) < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        b.send(0, 8, b"y").done()
+        _wait_for(a, 8, 1)  # a message read on it: its connection's handshake (which marks it) is over
         assert [s.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) for s in a._incoming] == [5 << 5]
     finally:
         a.close()
