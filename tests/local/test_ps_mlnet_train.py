@@ -154,3 +154,26 @@ def test_train_fail_aggregator_repairs_the_tree_and_trains_on() -> None:
     assert ps["max_staleness"] <= 1
     assert failed.final_metric <= baseline.final_metric * 1.10, (failed.final_metric, baseline.final_metric)
     assert baseline.loop_s > 0.4  # the failure time was well inside the run
+
+
+def test_train_fail_server_under_mlnet_the_replica_takes_the_roots_place() -> None:
+    """``mlfabric train --sync mlnet-binary+ssp:1 --replicas 1 --fail server:AT`` (MLNET §3's
+    failed root, waited for and reconnected): server 0 is SIGKILLed mid-run, its replica takes
+    over, the root-level nodes re-attach to it; nothing the server had counted is lost, the SSP
+    bound holds, and the run ends at the unfailed run's accuracy."""
+    from mlfabric.train.eager import EagerTrainConfig, run_eager_training
+    from mlfabric.train.workloads import HyperplaneSpec
+
+    # ~1.5-2 s of training: the kill at 0.3 s falls inside it
+    options: dict = dict(workload="hyperplane", workers=4, modes=("mlnet-binary+ssp:1",), epochs=30, batch_size=64,
+                         replicas=1, replication="chain", hyperplane=HyperplaneSpec(dim=64, train_samples=4096),
+                         timeout_s=60.0)
+    (baseline,) = run_eager_training(EagerTrainConfig(**options), argv=["test"]).runs
+    (failed,) = run_eager_training(EagerTrainConfig(**options, fail="server:0.3"), argv=["test"]).runs
+    ps = failed.ps
+    assert ps is not None and 0 < ps["failover_s"] < 2.0
+    assert ps["worker_failovers"] == [1, 1, 1, 1] and ps["repairs"] >= 1  # the root-level nodes re-attached
+    assert ps["takeover_version"] == ps["killed_version"]  # the chain held every counted sum
+    assert ps["max_staleness"] <= 1
+    assert failed.final_metric <= baseline.final_metric * 1.10, (failed.final_metric, baseline.final_metric)
+    assert baseline.loop_s > 0.6
