@@ -304,7 +304,7 @@ class ArrivingModel:
                 continue
             for j, _ in self._requests:
                 rank = w.server_rank(j)
-                if rank in transport.lost_peers or rank in transport.departed_peers:
+                if rank in transport.gone_peers:
                     raise w._lost(rank, what)
             remaining = deadline - time.monotonic()
             if remaining <= 0:

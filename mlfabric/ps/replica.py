@@ -78,7 +78,7 @@ def failover_refusal(config: PSConfig, layout: PSLayout) -> str | None:
 def live_replicas(layout: PSLayout, transport: Transport, server: int) -> list[int]:
     """The replicas of shard ``server`` still in the job, in layout order: the first takes over
     a lost server, the others follow it."""
-    gone = set(transport.lost_peers) | set(transport.departed_peers)
+    gone = transport.gone_peers
     return [r for r in layout.replicas_of(server) if r not in gone]
 
 log = logging.getLogger("mlfabric.ps")
@@ -284,7 +284,7 @@ class Replica:
         unit's order (the replica-aggregator path: equal bits to the server's sum)."""
         tag = protocol.tag(protocol.AGGREGATE, self.config.session)
         me = self.transport.rank
-        gone = set(self.transport.lost_peers) | set(self.transport.departed_peers)
+        gone = self.transport.gone_peers
         for header, _, _ in self._queue:
             if header["op"] != "applied" or (header["model"], int(header["unit"])) in self._units:
                 continue

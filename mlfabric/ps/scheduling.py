@@ -410,7 +410,7 @@ class SchedulerService:
             units = [ReplicaUnit(key=e[5], norm=e[6], members=tuple((rank, float(h["sizes"][j])) for rank, h in m))
                      for e, m in zip(entries, members)]
             for replica in self.layout.replicas_of(j):
-                if replica in self.transport.lost_peers or replica in self.transport.departed_peers:
+                if replica in self.transport.gone_peers:
                     continue  # the server warns; nothing goes toward a replica that is gone
                 if replica == serving:
                     continue  # it took over this shard: it is the server now
@@ -796,7 +796,7 @@ class Aggregator:
     def _askers(self) -> list[int]:
         """The replicas that may still ask for copies: those in the job that have not taken over a shard."""
         w = self.worker
-        gone = set(w.transport.lost_peers) | set(w.transport.departed_peers)
+        gone = w.transport.gone_peers
         return [r for r in w.layout.replica_ranks if r not in gone and r not in w.serving]
 
     def start(self) -> None:
@@ -832,7 +832,7 @@ class Aggregator:
 
     def _open(self) -> bool:
         transport = self.worker.transport
-        gone = set(transport.lost_peers) | set(transport.departed_peers)
+        gone = transport.gone_peers
         with self._lock:
             if self._copies and not self._askers():
                 self._copies.clear()  # every replica is gone (or serves): nobody will ask for them
@@ -958,7 +958,7 @@ class Aggregator:
                           len(self._replica_sums[k].arrived), w.config.timeout_s)
                 del self._replica_sums[k]
             nxt = min((r.due for r in self._replications), default=now + 0.05)
-        gone = set(w.transport.lost_peers) | set(w.transport.departed_peers)
+        gone = w.transport.gone_peers
         for r in due:
             if r.dest in gone:
                 continue

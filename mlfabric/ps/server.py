@@ -677,7 +677,7 @@ class ParameterServer:
         if self._network_replication:
             lead = self._lead.setdefault(shard.spec.name, [])
             lead.append((info.version, shard.version - info.version, norm))
-            gone = set(self.transport.lost_peers) | set(self.transport.departed_peers)
+            gone = self.transport.gone_peers
             # what every live replica has applied is never needed again (none live: nothing is)
             acked = min((self._replica_at.get(r, {}).get(shard.spec.name, (0, 0.0))[0] for r in self._replicas
                          if r not in gone), default=shard.version)
@@ -706,7 +706,7 @@ class ParameterServer:
             return False
         name = shard.spec.name
         lead = self._lead.get(name, [])
-        gone = set(self.transport.lost_peers) | set(self.transport.departed_peers)
+        gone = self.transport.gone_peers
         far = []
         for replica in self._replicas:
             if replica in gone:
@@ -745,7 +745,7 @@ class ParameterServer:
         if not self._replicas or not self.config.scheduled_settings().measure_divergence:
             return
         for replica in self._replicas:
-            if replica in self.transport.lost_peers or replica in self.transport.departed_peers:
+            if replica in self.transport.gone_peers:
                 continue
             values = shard.values.clone()
             handle = self.transport.send(replica, protocol.tag(protocol.REPLICATE, self.config.session),
@@ -858,7 +858,7 @@ class ParameterServer:
                            values)
 
     def _send_replica(self, replica: int, header: bytes, values: torch.Tensor | bytes) -> None:
-        if replica in self.transport.lost_peers or replica in self.transport.departed_peers:
+        if replica in self.transport.gone_peers:
             if replica not in self._seen_lost:
                 self._seen_lost.add(replica)
                 log.warning("%s: %s is gone (%s); this server goes on without it -- the job has no standby for "

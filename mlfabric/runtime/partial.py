@@ -324,7 +324,7 @@ class PartialAllreduce:
             self._rearm(version)
         # While the group re-forms the next round is unknown: calls wait in the queue.
         progressed = self._take_commands() if self.agreeing is None else False
-        if (self.transport.lost_peers or self.transport.departed_peers) and self._gone() & set(self.members):
+        if (self.transport.lost_peers or self.transport.departed_peers) and self.transport.gone_peers & set(self.members):
             self._reform()
             progressed = True
         if self.agreeing is not None:
@@ -464,13 +464,9 @@ class PartialAllreduce:
 
     # -- failures ----------------------------------------------------------------------------
 
-    def _gone(self) -> set[int]:
-        """Members that crashed (lost) or closed their communicator (departed)."""
-        return set(self.transport.lost_peers) | set(self.transport.departed_peers)
-
     def _reform(self) -> None:
         """Drop the lost members, abandon the execution in flight, start agreeing on a round."""
-        gone = self._gone()
+        gone = self.transport.gone_peers
         crashed = sorted(peer for peer in gone & set(self.members) if peer in self.transport.lost_peers)
         self.lost = frozenset(gone)
         self.members = tuple(m for m in self.members if m not in self.lost)

@@ -166,6 +166,16 @@ def check_world(store: dist.Store, job: JobInfo, timeout: float) -> None:
                         f"WORLD_SIZE={job.world_size} but rank 0 with WORLD_SIZE={theirs}. Start every "
                         "rank with the same WORLD_SIZE (the number of ranks)"), deadline, publish=True)
             if store.check(keys):
+                # Every key is in, but a rank whose WORLD_SIZE differs may not have compared
+                # yet (it sets its key first): compare them all, or this rank would go on
+                # into a rendezvous that the odd rank never joins.
+                sizes = [int(store.get(key).decode()) for key in keys]
+                odd = [rank for rank, size in enumerate(sizes) if size != sizes[0]]
+                if odd:
+                    _fail_everyone(store, job, (
+                        f"the ranks disagree on the world size: rank {odd[0]} was started with "
+                        f"WORLD_SIZE={sizes[odd[0]]} but rank 0 with WORLD_SIZE={sizes[0]}. Start every "
+                        "rank with the same WORLD_SIZE (the number of ranks)"), deadline, publish=True)
                 return
             if time.monotonic() > deadline:
                 joined = [rank for rank, key in enumerate(keys) if store.check([key])]

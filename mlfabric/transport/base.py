@@ -362,6 +362,11 @@ class Transport(ABC):
 
     # -- accounting ------------------------------------------------------------------------
 
+    @property
+    def gone_peers(self) -> frozenset[int]:
+        """The peers nothing more will come from: lost (crashed) or departed (said goodbye)."""
+        return frozenset(self.lost_peers) | frozenset(self.departed_peers)
+
     def counters(self) -> dict[tuple[int, str], LinkCounters]:
         """Payload bytes and messages per (peer, channel), control traffic included."""
         with self._counter_lock:

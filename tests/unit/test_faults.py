@@ -132,6 +132,19 @@ def test_a_killed_rank_is_still_reported_as_lost() -> None:
         comm.close()
 
 
+def test_gone_peers_are_the_lost_and_the_departed() -> None:
+    from mlfabric.transport.local import LocalFabric
+
+    fabric = LocalFabric(4)
+    transports = fabric.transports()
+    fabric.kill(1)            # crashed: lost
+    transports[2].close()     # said goodbye: departed
+    assert transports[0].gone_peers == {1, 2} and transports[0].lost_peers.keys() == {1}
+    assert transports[0].departed_peers == {2}
+    for t in (transports[0], transports[3]):
+        t.close()
+
+
 # -- ranks that disagree -----------------------------------------------------------------------
 
 def test_broadcast_with_swapped_roots_is_a_mismatch_within_2s() -> None:
@@ -279,3 +292,20 @@ def test_status_explains_itself() -> None:
     assert status.explain(5).startswith("rank 5 has not called collective #3 yet (its last call was #2)")
     running = Status(seq=3, state="running", last_seq=3, waiting_on="recv from peer 1")
     assert running.explain(2) == "rank 2 runs collective #3 too, waiting for recv from peer 1"
+
+
+def test_a_rank_that_sees_every_key_still_finds_a_disagreeing_world_size() -> None:
+    """Regression (a CI failure, 1 run in ~30): rank 2, started with WORLD_SIZE=4, had set its
+    key but not yet compared; ranks 0 and 1 saw keys 0-2 all there and went on into a
+    rendezvous rank 2 never joined (rank 1 then died on a vanished store). Every rank now
+    compares every size once all keys are in."""
+    import torch.distributed as dist
+
+    from mlfabric.errors import RendezvousError
+    from mlfabric.runtime.rendezvous import JobInfo, check_world
+
+    store = dist.HashStore()
+    store.set("world/size/2", "4")  # rank 2's key, its own comparison still to come
+    store.set("world/size/0", "3")  # rank 0's (rank 1 sets its own)
+    with pytest.raises(RendezvousError, match="rank 2 was started with WORLD_SIZE=4 but rank 0 with WORLD_SIZE=3"):
+        check_world(store, JobInfo(rank=1, world_size=3, master_addr="127.0.0.1", master_port=0), timeout=0.3)
