@@ -322,8 +322,8 @@ class TreeNode:
         for tree in self.trees:
             self._forward(tree)
         # A send to a peer gone never completes (the transports' contract): forget it.
-        gone = self._gone_peers()
-        self._sending = [(p, h, x) for p, h, x in self._sending if not h.done() and p not in gone]
+        gone_now = self.transport.gone_peers
+        self._sending = [(p, h, x) for p, h, x in self._sending if not h.done() and p not in gone_now]
         return all(t.done for t in self.trees) and not self._sending
 
     def _event(self, kind: str, *args: Any) -> None:
