@@ -99,6 +99,12 @@ REPLICATION_MODES = ("chain", "network")
 _UNITS_PER_BATCH = 1_000_000  # a replica unit's key: batch * this + its entry's position
 
 
+def unit_scheduler(key: int) -> int:
+    """The rank of the scheduler that planned replica unit ``key`` (its batches are numbered
+    from ``1 + (rank << 20)``)."""
+    return (key // _UNITS_PER_BATCH) >> 20
+
+
 @dataclass(frozen=True, kw_only=True)
 class ScheduledSettings:
     """``interval_s``: batching period. ``aggregators``: k aggregators (worker hosts) per
@@ -833,6 +839,7 @@ class Aggregator:
     def _open(self) -> bool:
         transport = self.worker.transport
         gone = transport.gone_peers
+        w_serving = set(self.worker.serving)
         with self._lock:
             if self._copies and not self._askers():
                 self._copies.clear()  # every replica is gone (or serves): nobody will ask for them
@@ -841,6 +848,13 @@ class Aggregator:
             orphans = [k for k, (_, _, scheduler) in self._copies.items() if scheduler in gone]
             for key in orphans:
                 del self._copies[key]
+            # the same for the units this host sums for a replica: a lost scheduler's never
+            # complete (its members were told nothing more; a replica following the one that
+            # took over starts from a fresh copy), nor do units for a replica gone or serving
+            moot = [k for k in self._replica_sums
+                    if unit_scheduler(k[0]) in gone or k[1] in gone or k[1] in w_serving]
+            for key in moot:
+                del self._replica_sums[key]
             # copies still kept: their units were punted, the scheduler asks for them later
             return (any(g.planned and len(g.sent) < len(g.servers) for g in self._groups.values())
                     or bool(self._copies) or bool(self._replications) or any(not h.done() for h, *_ in self._replicating)

@@ -127,3 +127,32 @@ def test_where_failover_cannot_be_done_the_reason_is_named(changes: dict, server
     assert failover_refusal(PSConfig(consistency="async:4", routing="scheduled"), PSLayout(servers=1, replicas=1, workers=2)) is None
     assert failover_refusal(PSConfig(consistency="ssp:2"), PSLayout(servers=2, replicas=2, workers=2)) is None
     assert failover_refusal(PSConfig(consistency="ssp:1", routing="mlnet"), PSLayout(servers=2, replicas=1, workers=2)) is None
+
+
+def test_a_leaving_worker_does_not_wait_for_replica_units_that_can_no_longer_complete() -> None:
+    """Regression (a CI hang, 1 run in ~5 of test_a_killed_server_is_replaced_by_its_replica...):
+    a worker was the replica aggregator of a unit the lost scheduler had planned toward the
+    replica that then followed the promoted one; the unit's other members were told nothing
+    more, and the worker's leave waited for them until the timeout."""
+    from mlfabric.ps import local_jobs
+    from mlfabric.ps.scheduling import _UNITS_PER_BATCH, Aggregator, ScheduledSettings, _ReplicaSum, unit_scheduler
+
+    layout = PSLayout(servers=1, replicas=2, workers=2)
+    jobs = local_jobs(layout, PSConfig(consistency="async", timeout_s=5))
+    try:
+        worker = jobs[layout.worker_rank(0)].worker
+        aggregator = Aggregator(worker, ScheduledSettings(replication="network", divergence="2.0"))
+        old_unit = 23 * _UNITS_PER_BATCH + 1                     # batch 23 of the scheduler at rank 0
+        new_unit = ((1 << 20) + 4) * _UNITS_PER_BATCH + 2       # a batch of the one at rank 1
+        assert unit_scheduler(old_unit) == 0 and unit_scheduler(new_unit) == 1
+        follower = layout.replica_ranks[1]
+        for unit in (old_unit, new_unit):
+            aggregator._replica_sums[(unit, follower)] = _ReplicaSum(members=[(3, 1), (4, 1)], since=0.0)
+        assert aggregator._open()  # both wait for their members while every scheduler lives
+        jobs[0].comm.transport.fabric.kill(0)  # the server (and its scheduler) dies
+        worker.serving[0] = layout.replica_ranks[0]  # the worker failed over to replica 0
+        assert aggregator._open()  # the promoted scheduler's unit still completes
+        assert list(aggregator._replica_sums) == [(new_unit, follower)]
+    finally:
+        for job in jobs[1:]:
+            job.comm.close()
