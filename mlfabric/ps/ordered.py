@@ -304,7 +304,7 @@ class ArrivingModel:
                 continue
             for j, _ in self._requests:
                 rank = w.server_rank(j)
-                if rank in transport.gone_peers:
+                if transport.is_gone(rank):
                     raise w._lost(rank, what)
             remaining = deadline - time.monotonic()
             if remaining <= 0:

@@ -416,7 +416,7 @@ class SchedulerService:
             units = [ReplicaUnit(key=e[5], norm=e[6], members=tuple((rank, float(h["sizes"][j])) for rank, h in m))
                      for e, m in zip(entries, members)]
             for replica in self.layout.replicas_of(j):
-                if replica in self.transport.gone_peers:
+                if self.transport.is_gone(replica):
                     continue  # the server warns; nothing goes toward a replica that is gone
                 if replica == serving:
                     continue  # it took over this shard: it is the server now

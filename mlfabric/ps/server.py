@@ -745,7 +745,7 @@ class ParameterServer:
         if not self._replicas or not self.config.scheduled_settings().measure_divergence:
             return
         for replica in self._replicas:
-            if replica in self.transport.gone_peers:
+            if self.transport.is_gone(replica):
                 continue
             values = shard.values.clone()
             handle = self.transport.send(replica, protocol.tag(protocol.REPLICATE, self.config.session),
@@ -858,7 +858,7 @@ class ParameterServer:
                            values)
 
     def _send_replica(self, replica: int, header: bytes, values: torch.Tensor | bytes) -> None:
-        if replica in self.transport.gone_peers:
+        if self.transport.is_gone(replica):
             if replica not in self._seen_lost:
                 self._seen_lost.add(replica)
                 log.warning("%s: %s is gone (%s); this server goes on without it -- the job has no standby for "

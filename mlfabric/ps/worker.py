@@ -403,7 +403,7 @@ class PSWorker:
         for rank in list(self.serving):
             if rank in self.transport.lost_peers and self._fail_over(rank):
                 continue
-            if rank in self.transport.gone_peers:
+            if self.transport.is_gone(rank):
                 raise self._lost(rank, op)
         error = self.transport.mailbox.take(self.channel, protocol.reply_tag(self.config.session, 0))
         if error is not None:
@@ -519,7 +519,7 @@ class PSWorker:
             for peer in watched:
                 if peer in transport.lost_peers and self._fail_over(peer):
                     raise _Redirected(peer)
-                if peer in transport.gone_peers:
+                if transport.is_gone(peer):
                     raise self._lost(peer, what)
             remaining = deadline - time.monotonic()
             if remaining <= 0:

@@ -367,6 +367,10 @@ class Transport(ABC):
         """The peers nothing more will come from: lost (crashed) or departed (said goodbye)."""
         return frozenset(self.lost_peers) | frozenset(self.departed_peers)
 
+    def is_gone(self, peer: int) -> bool:
+        """Whether ``peer`` is in :attr:`gone_peers`, without building the set (per-message paths)."""
+        return peer in self.lost_peers or peer in self.departed_peers
+
     def counters(self) -> dict[tuple[int, str], LinkCounters]:
         """Payload bytes and messages per (peer, channel), control traffic included."""
         with self._counter_lock:

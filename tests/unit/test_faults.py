@@ -141,6 +141,7 @@ def test_gone_peers_are_the_lost_and_the_departed() -> None:
     transports[2].close()     # said goodbye: departed
     assert transports[0].gone_peers == {1, 2} and transports[0].lost_peers.keys() == {1}
     assert transports[0].departed_peers == {2}
+    assert [transports[0].is_gone(p) for p in range(4)] == [False, True, True, False]
     for t in (transports[0], transports[3]):
         t.close()
 
