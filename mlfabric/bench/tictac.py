@@ -23,12 +23,15 @@ Orderings (:mod:`mlfabric.ps.ordered`):
 
 **The emulated device.** The paper's compute runs on an accelerator; this machine's CPU is
 shared by every rank. By default (``--device emulated``) each leaf module's forward runs for
-real (on the small ``--batch``) and is then padded with a sleep up to its *device time*: the
-op's traced CPU minimum (:func:`mlfabric.order.oracle.trace_compute`, in this process before
-the launch) times one factor, chosen so that the forward's device time equals the transfer
-time of the model at the worker's share of the rate (training: forward + backward, the
-backward a single pad of ``backward_factor`` x the forward). That makes S (eq. 4) about 1,
-as the paper picks batch sizes for S > 0.9. ``--device cpu`` runs the real compute only.
+real (on the small ``--batch``) and on an emulated accelerator
+(:class:`mlfabric.ps.overlap.ParameterGate`: a stream the host launches ops into) for its
+*device time*: the op's traced CPU minimum (:func:`mlfabric.order.oracle.trace_compute`, in
+this process before the launch) times one factor, chosen so that the forward's device time
+equals the transfer time of the model at the worker's share of the rate (training: forward +
+backward, the backward a single pad of ``backward_factor`` x the forward). That makes S (eq.
+4) about 1, as the paper picks batch sizes for S > 0.9. ``--device cpu`` runs the real
+compute only. On an emulated star the server paces each worker's ordered answer at its share
+of its NIC (:func:`mlfabric.ps.ordered.pace_fairly`); ``none``'s flat answers are not paced.
 
 **Figures** (per ordering; timestamps on CLOCK_MONOTONIC, which local and emulated ranks
 share): the *step* of iteration k is from the first worker's pull request to the last
@@ -201,7 +204,7 @@ class _Iteration:
     channel_s: float            # first byte to last arrival (per-tensor pulls)
     waited_s: float             # pre-hook waits
     reordered: int
-    overrun: int
+    host_late: int
     checksum: float             # sum of the model's parameters as pulled (the same on every worker)
 
 
@@ -276,7 +279,7 @@ def _work(worker: Any, config: TicTacBenchConfig, the_plan: TicTacPlan, ordering
             model.zero_grad(set_to_none=False)
         worker.clock()
         kept.append((requested, forward_end, time.monotonic(), pulled, gate.spans, gate.waits, checksum,
-                     gate.overrun))
+                     gate.host_late))
         if worker.index == 0:
             report((ordering, k + 1))
     gate.remove()
@@ -297,7 +300,7 @@ def _record(index: int, config: TicTacBenchConfig, ordering: str, kept: list[Any
     iterations: list[_Iteration] = []
     minimum: dict[str, float] = {}
     traces = []
-    for k, (requested, forward_end, end, pulled, spans, waits, checksum, overrun) in enumerate(kept):
+    for k, (requested, forward_end, end, pulled, spans, waits, checksum, host_late) in enumerate(kept):
         if isinstance(pulled, float):  # a flat pull: one transfer, from the request to the whole model
             transfers, first, channel, reordered = [("recv:model", requested, pulled)], None, 0.0, 0
         else:
@@ -314,7 +317,7 @@ def _record(index: int, config: TicTacBenchConfig, ordering: str, kept: list[Any
         iterations.append(_Iteration(
             requested=requested, first_byte=first, forward_end=forward_end, end=end, efficiency=efficiency,
             makespan=forward.makespan, upper=upper, channel_s=channel, waited_s=sum(e - s for _, s, e in waits),
-            reordered=reordered, overrun=overrun, checksum=checksum))
+            reordered=reordered, host_late=host_late, checksum=checksum))
         if k >= config.warmup:
             for name, s, e in trace.compute:
                 minimum[name] = min(minimum.get(name, math.inf), e - s)
@@ -346,7 +349,7 @@ class OrderingResult:
     simulated_makespan_s: float | None
     waited_s: float
     reordered: int
-    overrun: int
+    host_late: int
     correct: bool
     steps_s: list[float] = field(repr=False)
     #: (E, makespan s, eq. 1 upper bound s) per timed (worker, iteration)
@@ -481,7 +484,7 @@ def summarize(config: TicTacBenchConfig, the_plan: TicTacPlan, ordering: str,
         simulated_makespan_s=_simulated(config, the_plan, ordering, records, measured_rate),
         waited_s=statistics.fmean(r.iterations[k].waited_s for r in records for k in timed),
         reordered=sum(i.reordered for r in records for i in r.iterations),
-        overrun=sum(r.iterations[-1].overrun for r in records), correct=_consistent(config, records),
+        host_late=sum(r.iterations[-1].host_late for r in records), correct=_consistent(config, records),
         steps_s=steps, samples=samples)
 
 

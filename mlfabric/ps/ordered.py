@@ -46,6 +46,7 @@ import torch
 from mlfabric.errors import CollectiveTimeoutError, PeerLostError
 from mlfabric.order.dag import recv_name
 from mlfabric.runtime.executor import tensor_bytes
+from mlfabric.runtime.fair_share import PAYLOAD_FRACTION
 from mlfabric.transport.base import SendHandle
 
 from . import protocol
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
     from .worker import PSWorker
 
 __all__ = ["ORDERS", "ArrivingModel", "Piece", "answer_in_order", "check_priorities", "handoff_order",
-           "shard_pieces"]
+           "lift_pacing", "pace_fairly", "shard_pieces"]
 
 #: What a pull may ask for: the registered priorities, or a fresh random order per pull.
 ORDERS = ("priority", "random")
@@ -153,6 +154,7 @@ def answer_in_order(server: "ParameterServer", pulls: "list[PendingPull]", spec:
                               meta=protocol.encode(op="model", version=version, model_clock=model_clock,
                                                    pieces=len(order), order=p.order))
         plans.append((p.rank, tag, shard, order))
+    pace_fairly(server, [rank for rank, _, _, _ in plans])
     for seq in range(len(pieces)):  # seq: §5.1's per-worker counter at hand-off
         for rank, tag, shard, order in plans:
             piece = order[seq]
@@ -162,6 +164,32 @@ def answer_in_order(server: "ParameterServer", pulls: "list[PendingPull]", spec:
                                                                 hi=piece.hi, seq=seq))
             sending.append((handle, shard))
     return sending
+
+
+def pace_fairly(server: "ParameterServer", ranks: list[int]) -> None:
+    """Pace the connections to ``ranks``, answered together, at equal shares of the server's
+    NIC (when its rate is known: ``ParameterServer.nic_rate_bps``). Each worker then receives
+    its pieces at a steady share, which is what TIO/TAO's order and the simulator assume;
+    unpaced, the TCP flows that leave one NIC together do not share it evenly (on the emulated
+    star one worker had its model in 17 ms and another in 46 ms), and the step waits for the
+    worker left behind. The caps follow the latest ordered round, like the collectives'
+    (``runtime/fair_share.py``, whose payload fraction they use); a flat answer lifts them
+    (:func:`lift_pacing`)."""
+    if server.nic_rate_bps is None or not ranks:
+        return
+    share = PAYLOAD_FRACTION * server.nic_rate_bps / len(ranks)
+    for rank in ranks:
+        if server.transport.pace_connection(rank, server.channel, share):
+            server.paced_for_pulls.add(rank)
+
+
+def lift_pacing(server: "ParameterServer", ranks: Iterable[int]) -> None:
+    """Lift the caps :func:`pace_fairly` left on the connections to ``ranks`` (before a flat
+    answer, which has no order to keep and should have the whole NIC to share)."""
+    for rank in ranks:
+        if rank in server.paced_for_pulls:
+            server.paced_for_pulls.discard(rank)
+            server.transport.pace_connection(rank, server.channel, None)
 
 
 @dataclass(frozen=True, slots=True)

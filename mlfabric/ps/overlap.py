@@ -7,16 +7,19 @@ hook waits (bounded) on the current :class:`~mlfabric.ps.ordered.ArrivingModel` 
 module's own parameters have landed, so the forward of the first layers overlaps the transfer
 of the later ones. With no pull attached (a flat pull, or none) the hooks do not wait.
 
-The same hooks record the iteration's **trace**: per leaf-module call, the span from the end
-of its wait to the end of its forward (named like the DAG's node of that call, so the time
-oracle and E of :mod:`mlfabric.order` read it), and the wait itself. With ``device_time``
-(seconds per DAG node), the leaf modules run on an emulated accelerator, for machines whose
-CPU is shared (``mlfabric bench tictac`` documents when it uses it): the op runs for real,
-then sleeps until ``start + device_time`` where ``start`` is when the device was free and the
-op's parameters were in; its span is that device interval. A late wake-up or a descheduled
-process is absorbed by the following pads instead of adding up (a real op that outlasts its
-device time ends the interval, and counts in ``overrun``). :meth:`ParameterGate.trace` joins the spans with the pull's transfers into
-an :class:`mlfabric.order.trace.Trace` (Chrome/Perfetto export: :func:`mlfabric.order.trace.write_chrome`).
+The same hooks record the iteration's **trace**: per leaf-module call, its span (named like
+the DAG's node of that call, so the time oracle and E of :mod:`mlfabric.order` read it), and
+each wait for parameters. With ``device_time`` (seconds per DAG node), the leaf modules run on
+an **emulated accelerator**, for machines whose CPU is shared (``mlfabric bench tictac``
+documents when it uses it). It behaves like a GPU stream: the host *launches* each op (runs it
+for real, for its output, without sleeping) and goes on to the next; the device runs the op
+from ``max(device free, parameters in, launch)`` for its device time, and that interval is
+the op's span. The host so runs ahead of the device, and a descheduled host only costs time
+when the device has caught up with it (counted in ``host_late``), as on an accelerator fed
+by a CPU. The root module's forward ends with a synchronize (the host sleeps until the device
+is done), so whoever times ``model(x)`` sees the device's time. :meth:`ParameterGate.trace`
+joins the spans with the pull's transfers into an :class:`mlfabric.order.trace.Trace`
+(Chrome/Perfetto export: :func:`mlfabric.order.trace.write_chrome`).
 """
 
 from __future__ import annotations
@@ -47,7 +50,9 @@ class ParameterGate:
     """Forward pre-hooks on ``module`` (module docstring). ``node_names``: module name -> DAG
     node names of its calls (:func:`call_names`), for the trace; ``device_time``: DAG node ->
     seconds a leaf's forward is padded to; ``timeout_s``: bound of each wait (default: the
-    pull's ``timeout_s``). Use :meth:`attach` per iteration, :meth:`remove` at the end."""
+    pull's ``timeout_s``). Use :meth:`attach` per iteration, :meth:`remove` at the end.
+    ``waits`` are the host's waits for parameters; ``host_late`` the leaf calls the emulated
+    device waited for the host to launch (neither busy nor waiting for parameters)."""
 
     def __init__(self, module: nn.Module, *, node_names: Mapping[str, Sequence[str]] | None = None,
                  device_time: Mapping[str, float] | None = None, timeout_s: float | None = None) -> None:
@@ -70,10 +75,12 @@ class ParameterGate:
         self.arriving: ArrivingModel | None = None
         self.spans: list[Span] = []
         self.waits: list[Span] = []  # (module, wait start, wait end) of the waits that blocked
-        self.overrun = 0  # leaf calls whose real compute took longer than their device time
+        self.host_late = 0
         self._calls: dict[str, int] = {}
-        self._started: dict[str, tuple[float, float]] = {}  # module -> (real start, its parameters' arrival)
-        self._device_free = 0.0  # when the emulated device finished its last op
+        self._started: dict[str, tuple[float, float, bool]] = {}  # module -> (launch, parameters in, waited)
+        self._device_free = 0.0  # when the emulated device finishes the last op launched
+        if self.device_time:
+            self._handles.append(module.register_forward_hook(self._synchronize))
 
     def attach(self, arriving: ArrivingModel | None) -> None:
         """Start an iteration: the hooks wait on ``arriving`` (None: no waiting); spans restart."""
@@ -105,14 +112,15 @@ class ParameterGate:
     def _pre_hook(self, name: str, own: list[str]) -> Any:
         def hook(_module: nn.Module, _args: Any) -> None:
             arriving = self.arriving
-            ready = 0.0
+            ready, waited = 0.0, False
             if own and arriving is not None:
                 if any(k not in arriving.complete for k in own):
                     start = time.monotonic()
                     arriving.wait(own, timeout=self.timeout_s, who=f"module {name!r}")
                     self.waits.append((name, start, time.monotonic()))
+                    waited = True
                 ready = max(arriving.complete[k] for k in own)
-            self._started[name] = (time.monotonic(), ready)
+            self._started[name] = (time.monotonic(), ready, waited)
         return hook
 
     def _post_hook(self, name: str) -> Any:
@@ -120,23 +128,26 @@ class ParameterGate:
             started = self._started.pop(name, None)
             if started is None:
                 return
-            start, ready = started
+            launch, ready, waited = started
             node = self._node(name)
             target = self.device_time.get(node)
-            if target is None:
-                end = time.monotonic()
+            if target is None:  # no emulated device for this op: its real interval
+                start, end = launch, time.monotonic()
+                self._device_free = max(self._device_free, end)
             else:
-                # The emulated device runs the op from when it was free and the op's parameters
-                # were in, for its device time; a host that fell behind (a late wake-up, another
-                # process on the CPU) catches up in the next pads instead of adding up.
-                start = max(self._device_free, ready)
-                end = start + target
-                if not pad_to(end, 0.0):
-                    self.overrun += 1
-                    end = time.monotonic()
-            self._device_free = end
+                # A stream: the op starts when the device is free, its parameters are in and
+                # the host has launched it. The real compute just done is the host's (it gives
+                # the output); it delays only the launches that follow.
+                start = max(self._device_free, ready, launch)
+                if self.spans and not waited and launch > max(self._device_free, ready):
+                    self.host_late += 1  # (not the first launch, nor the wake-up from a wait)
+                end = self._device_free = start + target
             self.spans.append((node, start, end))
         return hook
+
+    def _synchronize(self, _module: nn.Module, _args: Any, _out: Any) -> None:
+        """The root module's forward returns when the emulated device has run every op."""
+        pad_to(self._device_free, 0.0)
 
     def trace(self, transfers: Sequence[Span] | None = None, **meta: Any) -> Trace:
         """This iteration's compute spans with ``transfers`` (default: the attached pull's)."""

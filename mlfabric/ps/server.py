@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 from mlfabric.runtime.executor import tensor_bytes
+from mlfabric.runtime.fair_share import nic_rates_from
 from mlfabric.transport.base import SendHandle, Transport
 
 from . import protocol
@@ -207,6 +208,10 @@ class ParameterServer:
         elif layout.role(transport.rank) != "server" or self.server != transport.rank:
             raise ValueError(f"{layout.describe(transport.rank)} cannot serve shard {self.server}: server j is rank j")
         self.channel = channel or transport.channels[0]
+        #: The line rate (bit/s) of this server's NIC when known (``MLFABRIC_NIC_RATE``, set by
+        #: the emulator): ordered pulls are then paced at their fair share of it (ps/ordered.py).
+        self.nic_rate_bps: float | None = nic_rates_from(None, (self.channel,)).get(self.channel)
+        self.paced_for_pulls: set[int] = set()  # ranks whose connection an ordered round capped
         self.routing = routing or routing_policy(config.routing, config.routing_settings())
         self.who = f"{layout.describe(transport.rank)}"
         self.book = ClockBook(layout.workers, config.consistency, float(config.lost_worker_wait_s or 0.0))
@@ -800,6 +805,10 @@ class ParameterServer:
                 self._answer_in_order(shard, ordered, model_clock)
                 if not ready:
                     continue
+            if self.paced_for_pulls:
+                from .ordered import lift_pacing
+
+                lift_pacing(self, [p.rank for p in ready])
             if self._request_callback is not None:
                 for p in ready:
                     answer = self._request_callback(shard.spec.name, p.worker, shard.values)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,8 +17,9 @@ from torch import nn
 
 from mlfabric.errors import CollectiveTimeoutError
 from mlfabric.order import forward_dag, tio
-from mlfabric.ps import ModelSpec, PSConfig, PSLayout, PSRequestError
-from mlfabric.ps.ordered import handoff_order, shard_pieces
+from mlfabric.runtime.fair_share import NIC_RATE_ENV, PAYLOAD_FRACTION
+from mlfabric.ps import ModelSpec, PSConfig, PSLayout, PSRequestError, local_jobs
+from mlfabric.ps.ordered import handoff_order, lift_pacing, pace_fairly, shard_pieces
 from mlfabric.ps.overlap import ParameterGate, call_names
 from tests.unit.test_ps import run_job
 
@@ -201,20 +203,119 @@ def test_gate_without_a_pull_does_not_wait() -> None:
 
 class _Slow(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(0.03)  # a real op longer than its device time
+        time.sleep(0.03)  # the host busy (or descheduled) for 30 ms during this op
         return super().forward(x)
 
 
-def test_device_timeline_runs_ops_back_to_back_and_absorbs_a_late_host() -> None:
-    net = nn.Sequential(_Slow(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
-    device = {"0": 0.01, "1": 0.02, "2": 0.02}
+def _run_on_device(net: nn.Module, device: dict[str, float]) -> tuple[ParameterGate, float, float]:
     with ParameterGate(net, device_time=device) as gate:
         gate.attach(None)
         begin = time.monotonic()
         net(torch.zeros(1, 4))
         took = time.monotonic() - begin
-    (n0, s0, e0), (n1, s1, e1), (n2, s2, e2) = gate.spans
-    assert gate.overrun == 1 and e0 - s0 >= 0.03  # the slow op ends its interval
+    return gate, begin, took
+
+
+def test_emulated_device_absorbs_a_slow_host_while_it_is_busy() -> None:
+    """The device is busy with op 0 (50 ms) while the host spends 30 ms launching op 1: like
+    a GPU stream, the ops run back to back and the forward takes the device's 90 ms."""
+    net = nn.Sequential(nn.Linear(4, 4), _Slow(4, 4), nn.Linear(4, 4))
+    gate, begin, took = _run_on_device(net, {"0": 0.05, "1": 0.02, "2": 0.02})
+    (_, s0, e0), (_, s1, e1), (_, s2, e2) = gate.spans
+    assert gate.host_late == 0
     assert s1 == e0 and s2 == e1  # the device never idles between ready ops
-    assert e1 - s1 == pytest.approx(0.02) and e2 - s2 == pytest.approx(0.02)
-    assert took < 0.03 + 0.04 + 0.02  # a late wake-up would be caught up, not added
+    assert [e - s for s, e in ((s0, e0), (s1, e1), (s2, e2))] == pytest.approx([0.05, 0.02, 0.02])
+    assert e2 - begin == pytest.approx(0.09, abs=0.01)
+    assert took >= e2 - begin  # the root's forward returns once the device is done (synchronize)
+    assert took < 0.09 + 0.02  # the host's 30 ms were hidden, not added
+
+
+def test_emulated_device_waits_for_a_host_that_fell_behind() -> None:
+    """Op 0 runs 10 ms on the device but 30 ms on the host: op 1 cannot start before the host
+    launches it, and that wait counts in host_late (the old model ended op 0's span late)."""
+    net = nn.Sequential(_Slow(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
+    gate, begin, took = _run_on_device(net, {"0": 0.01, "1": 0.02, "2": 0.02})
+    (_, s0, e0), (_, s1, e1), (_, s2, e2) = gate.spans
+    assert gate.host_late == 1
+    assert e0 - s0 == pytest.approx(0.01)  # an op's span is its device time
+    assert s1 - begin >= 0.03 and s1 > e0  # the device idled until the host launched op 1
+    assert s2 == e1 and took >= e2 - begin
+
+
+class _PacingTransport:
+    """Records pace_connection calls; ``can_pace`` says what the transport answers."""
+
+    def __init__(self, can_pace: bool = True) -> None:
+        self.calls: list[tuple[int, str, float | None]] = []
+        self.can_pace = can_pace
+
+    def pace_connection(self, peer: int, channel: str, rate_bps: float | None) -> bool:
+        self.calls.append((peer, channel, rate_bps))
+        return self.can_pace
+
+
+def _pacing_server(nic_rate_bps: float | None, can_pace: bool = True) -> Any:
+    return SimpleNamespace(nic_rate_bps=nic_rate_bps, channel="0", transport=_PacingTransport(can_pace),
+                           paced_for_pulls=set())
+
+
+def test_an_ordered_round_is_paced_at_equal_shares_and_a_flat_answer_lifts_them() -> None:
+    server = _pacing_server(1e9)
+    pace_fairly(server, [1, 2, 3, 4])
+    assert server.transport.calls == [(r, "0", pytest.approx(PAYLOAD_FRACTION * 1e9 / 4)) for r in (1, 2, 3, 4)]
+    assert server.paced_for_pulls == {1, 2, 3, 4}
+    server.transport.calls.clear()
+    lift_pacing(server, [2, 5])  # 5 was never capped: nothing to lift
+    assert server.transport.calls == [(2, "0", None)] and server.paced_for_pulls == {1, 3, 4}
+
+
+def test_no_pacing_without_a_known_nic_rate_or_a_transport_that_paces() -> None:
+    unknown = _pacing_server(None)
+    pace_fairly(unknown, [1, 2])
+    assert unknown.transport.calls == [] and unknown.paced_for_pulls == set()
+    cannot = _pacing_server(1e9, can_pace=False)
+    pace_fairly(cannot, [1])
+    lift_pacing(cannot, [1])
+    assert cannot.transport.calls == [(1, "0", pytest.approx(PAYLOAD_FRACTION * 1e9))]  # nothing to lift
+    assert cannot.paced_for_pulls == set()
+
+
+def test_the_server_reads_its_nic_rate_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(NIC_RATE_ENV, "500mbit")
+    jobs = local_jobs(PSLayout(servers=1, workers=1), PSConfig(timeout_s=10))
+    try:
+        assert jobs[0].server is not None and jobs[0].server.nic_rate_bps == pytest.approx(500e6)
+    finally:
+        for job in jobs:
+            job.close()
+
+
+def test_the_server_paces_ordered_rounds_and_lifts_the_caps_for_a_flat_pull() -> None:
+    """Two workers under BSP: the ordered round is answered at half the NIC each; the flat
+    pull that follows gets its connection back uncapped."""
+    net = _net()
+    prio = {k: i for i, (k, _) in enumerate(net.named_parameters())}
+    calls: list[tuple[int, float | None]] = []
+
+    def setup(jobs: list[Any]) -> None:
+        server = jobs[0].server
+        server.nic_rate_bps = 1e9
+
+        def pace(peer: int, channel: str, rate_bps: float | None) -> bool:
+            calls.append((peer, rate_bps))
+            return True
+        server.transport.pace_connection = pace
+
+    def work(w: Any) -> Any:
+        w.init_model("net", net, priorities=prio)
+        w.clock()
+        replica = _net()
+        w.pull_in_order("net", replica).join()
+        w.clock()
+        w.pull("net")
+
+    run_job(PSLayout(servers=1, workers=2), PSConfig(consistency="bsp", timeout_s=20), work, setup=setup)
+    paced = sorted(c for c in calls if c[1] is not None)
+    assert paced == [(1, pytest.approx(PAYLOAD_FRACTION * 1e9 / 2)), (2, pytest.approx(PAYLOAD_FRACTION * 1e9 / 2))]
+    assert sorted(c for c in calls if c[1] is None) == [(1, None), (2, None)]
+    assert all(calls.index((r, None)) > calls.index(next(c for c in calls if c[0] == r)) for r in (1, 2))
