@@ -17,7 +17,9 @@ Orderings (:mod:`mlfabric.ps.ordered`):
   pre-hooks overlapping (:class:`mlfabric.ps.overlap.ParameterGate`): TicTac's baseline,
   the arbitrary order of a sender that enforces none.
 * ``tio`` / ``tao``: per-tensor replies in TIO's / TAO's priority order
-  (:mod:`mlfabric.order.heuristics`), computed once from the model's forward DAG; TAO's
+  (:mod:`mlfabric.order.heuristics`), computed once from the model's forward DAG (``--dag
+  eager``, the default: with the program-order edges of the eager PyTorch that runs it;
+  ``dataflow``: the paper's executor, docs/tictac.md decision 17); TAO's
   oracle is the emulated device times below plus transfer times at the worker's share of
   the rate (``rate / workers x 1448/1514``, the TCP payload of an Ethernet frame).
 
@@ -41,8 +43,8 @@ worker's measured trace (:func:`mlfabric.order.metrics.trace_efficiency`: comput
 the hooks, transfers from arrivals; for ``none`` the one flat transfer from request to
 arrival); ``straggler_effect`` (§6.3): per iteration, the longest time a worker waited for
 the slowest one (last end - its end) over the step, averaged. ``simulated_makespan_s``: the
-same ordering simulated (:func:`mlfabric.order.metrics.simulate`) under the oracle traced in
-this run (per-op minimum of the hooks' spans; transfers at the measured per-worker rate),
+same ordering simulated (:func:`mlfabric.order.metrics.simulate`, on the eager DAG) under
+the oracle traced in this run (per-op minimum of the hooks' spans; transfers at the measured per-worker rate),
 against ``makespan_s``, the slowest worker's first byte to end of forward (median); for
 ``random`` the mean over draws of the slowest of ``workers`` random orders. ``r2_E_vs_step``
 (Fig. 7): how well E predicts the normalised step time (a worker's makespan over its trace's
@@ -75,6 +77,10 @@ __all__ = ["DEVICES", "ORDERINGS", "TicTacBenchConfig", "TicTacBenchError", "Tic
 
 ORDERINGS = ("none", "random", "tio", "tao")
 DEVICES = ("emulated", "cpu")
+#: The DAG TIO and TAO are computed on: ``eager``, the one the workers run (the model's
+#: dataflow plus program-order edges, :meth:`mlfabric.order.dag.Dag.in_program_order`), or
+#: ``dataflow``, the paper's (an executor that runs any op whose inputs are in).
+DAGS = ("eager", "dataflow")
 MODEL = "model"
 LR = 0.01
 #: A TCP payload's share of an Ethernet frame (1448 of 1514 bytes): what a shaped NIC carries.
@@ -102,6 +108,7 @@ class TicTacBenchConfig:
     emulate: bool = False
     rate_bps: float = 1e9
     device: str = "emulated"
+    dag: str = "eager"
     backward_factor: float = 2.0
     transport: str = "tcp"
     seed: int = 0
@@ -120,6 +127,8 @@ class TicTacBenchConfig:
         check_choices(list(self.orderings), ORDERINGS, "orderings", "ordering")
         if self.device not in DEVICES:
             raise ValueError(f"unknown device {self.device!r}; choose one of {', '.join(DEVICES)}")
+        if self.dag not in DAGS:
+            raise ValueError(f"unknown dag {self.dag!r}; choose one of {', '.join(DAGS)}")
         if self.workers < 1 or self.width < 1 or self.batch < 1:
             raise ValueError(f"workers, width and batch must be >= 1, got {self.workers}, {self.width}, {self.batch}")
         if self.iterations < 2 or not 0 <= self.warmup < self.iterations - 1:
@@ -180,6 +189,8 @@ def plan(config: TicTacBenchConfig) -> TicTacPlan:
         device = {n: cpu[n] * factor for n in module_nodes}
         backward = 0.0 if config.forward_only else config.backward_factor * forward_target
     compute = {n: device.get(n, cpu[n]) for n in dag.computes}
+    if config.dag == "eager":
+        dag = dag.in_program_order()
     oracle = TimeOracle.combine(dag, compute, transfer)
     b = bounds(dag, oracle)
     by_param = {"tio": tio(dag), "tao": tao(dag, oracle)}
@@ -436,7 +447,7 @@ def _simulated(config: TicTacBenchConfig, the_plan: TicTacPlan, ordering: str, r
     if ordering == "none" or measured_rate is None:
         return None
     model, x = build_model(config)
-    dag = forward_dag(model, x).dag
+    dag = forward_dag(model, x).dag.in_program_order()  # the workers run it eagerly, whatever the orders assumed
     compute = {n: min((r.op_minimum[n] for r in records if n in r.op_minimum), default=the_plan.cpu_time[n])
                for n in dag.computes}
     oracle = TimeOracle.combine(dag, compute, {r: dag.node(r).size_bytes / measured_rate for r in dag.recvs})

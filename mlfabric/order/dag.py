@@ -165,6 +165,22 @@ class Dag:
             self._deps = deps
         return self._deps
 
+    def in_program_order(self) -> "Dag":
+        """This DAG as eager PyTorch executes it: each compute op also depends on the compute
+        op before it in program order (a control edge). A dataflow executor (the paper's
+        TensorFlow) runs any op whose inputs are in; eager PyTorch runs the forward's ops one
+        after the other, so an op whose parameters are in still waits for the ops written
+        before it. Heuristics and the simulator on this DAG see that constraint."""
+        out = Dag()
+        previous: str | None = None
+        for n in self._nodes.values():
+            if n.kind is Kind.COMPUTE:
+                if previous is not None and previous not in n.inputs:
+                    n = _replace_inputs(n, n.inputs + (previous,))
+                previous = n.name
+            out.add(n)
+        return out
+
     def summary(self) -> dict[str, int]:
         return {"nodes": len(self), "compute": len(self.computes), "recv": len(self.recvs),
                 "edges": len(self.edges()), "recv_bytes": self.recv_bytes()}

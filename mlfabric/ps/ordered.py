@@ -163,22 +163,26 @@ def answer_in_order(server: "ParameterServer", pulls: "list[PendingPull]", spec:
                                            meta=protocol.encode(op="piece", key=piece.key, lo=piece.lo,
                                                                 hi=piece.hi, seq=seq))
             sending.append((handle, shard))
+            server.ordered_in_flight[rank] = handle  # one connection: the last piece completes last
     return sending
 
 
 def pace_fairly(server: "ParameterServer", ranks: list[int]) -> None:
-    """Pace the connections to ``ranks``, answered together, at equal shares of the server's
-    NIC (when its rate is known: ``ParameterServer.nic_rate_bps``). Each worker then receives
-    its pieces at a steady share, which is what TIO/TAO's order and the simulator assume;
+    """Before the server answers ``ranks``' ordered pulls: pace every connection with an
+    ordered answer in flight, these included, at an equal share of the server's NIC (when
+    its rate is known: ``ParameterServer.nic_rate_bps``). Each worker then receives its
+    pieces at a steady share, which is what TIO/TAO's order and the simulator assume;
     unpaced, the TCP flows that leave one NIC together do not share it evenly (on the emulated
     star one worker had its model in 17 ms and another in 46 ms), and the step waits for the
-    worker left behind. The caps follow the latest ordered round, like the collectives'
-    (``runtime/fair_share.py``, whose payload fraction they use); a flat answer lifts them
+    worker left behind. Counting the answers in flight, not the round, matters: under BSP the
+    last worker's pull often comes just after the round of the others was answered.
+    ``runtime/fair_share.py`` gives the payload fraction; a flat answer lifts the caps
     (:func:`lift_pacing`)."""
     if server.nic_rate_bps is None or not ranks:
         return
-    share = PAYLOAD_FRACTION * server.nic_rate_bps / len(ranks)
-    for rank in ranks:
+    flowing = {r for r, last in server.ordered_in_flight.items() if not last.done()} | set(ranks)
+    share = PAYLOAD_FRACTION * server.nic_rate_bps / len(flowing)
+    for rank in sorted(flowing):
         if server.transport.pace_connection(rank, server.channel, share):
             server.paced_for_pulls.add(rank)
 

@@ -211,7 +211,8 @@ class ParameterServer:
         #: The line rate (bit/s) of this server's NIC when known (``MLFABRIC_NIC_RATE``, set by
         #: the emulator): ordered pulls are then paced at their fair share of it (ps/ordered.py).
         self.nic_rate_bps: float | None = nic_rates_from(None, (self.channel,)).get(self.channel)
-        self.paced_for_pulls: set[int] = set()  # ranks whose connection an ordered round capped
+        self.paced_for_pulls: set[int] = set()  # ranks whose connection an ordered answer capped
+        self.ordered_in_flight: dict[int, SendHandle] = {}  # rank -> last piece of its latest ordered answer
         self.routing = routing or routing_policy(config.routing, config.routing_settings())
         self.who = f"{layout.describe(transport.rank)}"
         self.book = ClockBook(layout.workers, config.consistency, float(config.lost_worker_wait_s or 0.0))

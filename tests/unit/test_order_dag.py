@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from mlfabric.order import (Kind, TimeOracle, forward_dag, makespan, measured_oracle, recv_name, tao, tio,
+from mlfabric.order import (Kind, TimeOracle, dag_from_edges, forward_dag, makespan, measured_oracle, recv_name, tao, tio,
                             trace_compute, training_dag, transfer_times)
 from mlfabric.order.models import MODELS, build, param_bytes, param_count
 
@@ -197,3 +197,30 @@ def test_worked_example_command(capsys, tmp_path):
     rows = {line.split()[0]: line.split() for line in text.splitlines() if line.split()[:1] in (["tao"], ["random"])}
     assert set(rows) == {"tao", "random"} and float(rows["tao"][2]) >= float(rows["random"][2])
     assert '"traceEvents"' in out.read_text()
+
+
+def test_in_program_order_chains_compute_ops_as_eager_pytorch_runs_them():
+    """Two branches, a (needs ra) then b (needs rb), joined by c. Dataflow: with rb first, b
+    runs while ra is still on the wire. Eager: b waits for a, so ra first is the best order,
+    and TIO/TAO on the eager DAG give it."""
+    d = dag_from_edges({"ra": 2.0, "rb": 2.0}, [("a", ["ra"], 2.0), ("b", ["rb"], 2.0), ("c", ["a", "b"], 1.0)])
+    eager = d.in_program_order()
+    assert eager.node("b").inputs == ("rb", "a") and eager.node("c").inputs == ("a", "b")  # (b is an input of c already)
+    assert eager.node("a").inputs == ("ra",) and d.node("b").inputs == ("rb",)  # the original is untouched
+    o, oe = TimeOracle.from_costs(d), TimeOracle.from_costs(eager)
+    assert makespan(d, o, ["rb", "ra"]) == makespan(d, o, ["ra", "rb"]) == 7.0
+    assert makespan(eager, oe, ["ra", "rb"]) == 7.0 and makespan(eager, oe, ["rb", "ra"]) == 9.0
+    assert tio(eager).order() == ("ra", "rb") and tao(eager, oe).order() == ("ra", "rb")
+
+
+def test_tio_on_the_eager_dag_is_the_order_of_first_use(forwards):
+    """The branchy model: on its eager DAG, TIO and TAO send the parameters in the order the
+    forward first uses them (the best order for an in-order executor on one channel)."""
+    model, x, md = forwards["inception"]
+    eager = md.dag.in_program_order()
+    first_use = tuple(dict.fromkeys(i for n in eager.computes for i in eager.node(n).inputs if i in eager.recvs))
+    o = _symmetric(md, 1.0, 1.0)
+    assert tio(eager).order() == first_use
+    assert tao(eager, TimeOracle.combine(eager, {n: o(n) for n in eager.computes},
+                                         {r: o(r) for r in eager.recvs})).order() == first_use
+    assert tio(md.dag).order() != first_use  # the dataflow DAG lets TIO send a later branch's first
