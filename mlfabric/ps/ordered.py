@@ -5,8 +5,8 @@
 The default pull is one flat message per shard: a worker can compute nothing until the whole
 shard is in. An *ordered* pull (``PSWorker.pull_in_order``) is answered per tensor: the
 server cuts its shard into pieces (one per tensor it holds; a tensor that straddles two
-servers is one piece on each) and hands them to the transport one after the other, in the
-order the pull asks for, after a small header message:
+servers is one piece on each) and hands them to the transport in one call (in the
+order the pull asks for), after a small header message:
 
 * ``"priority"``: the priorities the workers registered with ``init_model(...,
   priorities=...)`` (lower first; ties in registration order). TicTac's TIO/TAO give them
@@ -132,10 +132,10 @@ def answer_in_order(server: "ParameterServer", pulls: "list[PendingPull]", spec:
                     model_clock: int | None) -> list[tuple[SendHandle, torch.Tensor]]:
     """Server side: answer the ordered pulls of ``pulls`` (``values[i]``: the shard snapshot
     for pull i, untouched until the handles are done) with a header each, then their pieces
-    in the order each pull asked for. The pulls of one round are served together, piece by
-    piece in turn (piece s to every puller before piece s + 1): each connection stays in its
-    own order, and no puller's first bytes wait for every piece of the others to be handed
-    over. Returns the sends to keep alive."""
+    in the order each pull asked for. Every puller's header goes first; then each puller's
+    pieces are handed to the transport at once (``Transport.send_many``: one system call on
+    tcp), so no puller's first bytes wait for the others' pieces. Returns the sends to keep
+    alive."""
     pieces = shard_pieces(spec, offset, values[0].numel()) if values else []
     sending: list[tuple[SendHandle, torch.Tensor]] = []
     session, channel = server.config.session, server.channel
@@ -155,15 +155,13 @@ def answer_in_order(server: "ParameterServer", pulls: "list[PendingPull]", spec:
                                                    pieces=len(order), order=p.order))
         plans.append((p.rank, tag, shard, order))
     pace_fairly(server, [rank for rank, _, _, _ in plans])
-    for seq in range(len(pieces)):  # seq: §5.1's per-worker counter at hand-off
-        for rank, tag, shard, order in plans:
-            piece = order[seq]
-            part = shard[piece.start:piece.start + piece.hi - piece.lo]
-            handle = server.transport.send(rank, tag, tensor_bytes(part), channel=channel,
-                                           meta=protocol.encode(op="piece", key=piece.key, lo=piece.lo,
-                                                                hi=piece.hi, seq=seq))
-            sending.append((handle, shard))
-            server.ordered_in_flight[rank] = handle  # one connection: the last piece completes last
+    for rank, tag, shard, order in plans:
+        messages = [(tag, tensor_bytes(shard[piece.start:piece.start + piece.hi - piece.lo]),
+                     protocol.encode(op="piece", key=piece.key, lo=piece.lo, hi=piece.hi, seq=seq))
+                    for seq, piece in enumerate(order)]  # seq: §5.1's per-worker counter at hand-off
+        handle = server.transport.send_many(rank, messages, channel=channel)
+        sending.append((handle, shard))
+        server.ordered_in_flight[rank] = handle
     return sending
 
 

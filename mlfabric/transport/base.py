@@ -22,7 +22,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from mlfabric.errors import TransportError
 
@@ -69,6 +69,30 @@ class SendHandle:
 
 
 COMPLETED = SendHandle(done=True)
+
+
+class AllSent(SendHandle):
+    """Done once every one of ``handles`` is (:meth:`Transport.send_many`)."""
+
+    __slots__ = ("_handles",)
+
+    def __init__(self, handles: Sequence[SendHandle]) -> None:
+        super().__init__()
+        self._handles = list(handles)
+
+    def done(self) -> bool:
+        if not self._done and all(h.done() for h in self._handles):
+            self._done = True
+            self._handles = []
+        return self._done
+
+
+def byte_view(payload: memoryview | bytes) -> memoryview:
+    """``payload`` as a flat byte view (the runtime's payloads are byte views already:
+    executor.tensor_bytes; anything else is cast)."""
+    if type(payload) is memoryview and payload.ndim == 1 and payload.format == "B" and payload.c_contiguous:
+        return payload
+    return memoryview(payload).cast("B")
 
 
 @dataclass
@@ -227,22 +251,37 @@ class Transport(ABC):
     def send(self, peer: int, tag: int, payload: memoryview | bytes, *,
              channel: str = "0", meta: bytes = b"") -> SendHandle:
         """Queue ``payload`` for ``peer``; the returned handle says when it may be reused."""
+        self._check_send(peer, channel)
+        view = byte_view(payload)
+        self._count_sent(peer, channel, view.nbytes, 1)
+        return self._send(peer, tag, view, channel, meta)
+
+    def send_many(self, peer: int, messages: Sequence[tuple[int, memoryview | bytes, bytes]], *,
+                  channel: str = "0") -> SendHandle:
+        """Queue ``messages``, ``(tag, payload, meta)`` each, for ``peer`` in this order: the
+        same as one :meth:`send` per message, handed over at once where the transport can
+        (tcp: one system call for all of them, where a call per message cost ~35 µs and a
+        parameter server answering four workers 33 tensors each spent ~5 ms in them). The
+        returned handle is done once every payload may be reused. The default sends them one
+        by one."""
+        handles = [self.send(peer, tag, payload, channel=channel, meta=meta) for tag, payload, meta in messages]
+        pending = [h for h in handles if not h.done()]
+        return AllSent(pending) if pending else COMPLETED
+
+    def _check_send(self, peer: int, channel: str) -> None:
         if self._closed:
             raise TransportError(f"rank {self.rank}: transport is closed")
         if not 0 <= peer < self.world_size or peer == self.rank:
             raise ValueError(f"rank {self.rank}: cannot send to peer {peer} (world size {self.world_size})")
         if channel != CONTROL_CHANNEL and channel not in self.channels:
             raise ValueError(f"rank {self.rank}: unknown channel {channel!r}; this transport has {self.channels}")
-        # The runtime's payloads are byte views already (executor.tensor_bytes).
-        view = (payload if type(payload) is memoryview and payload.ndim == 1 and payload.format == "B"
-                and payload.c_contiguous
-                else memoryview(payload).cast("B"))
+
+    def _count_sent(self, peer: int, channel: str, nbytes: int, messages: int) -> None:
         with self._counter_lock:
             counters = (self._counters.get((peer, channel))
                         or self._counters.setdefault((peer, channel), LinkCounters()))
-            counters.bytes_sent += view.nbytes
-            counters.msgs_sent += 1
-        return self._send(peer, tag, view, channel, meta)
+            counters.bytes_sent += nbytes
+            counters.msgs_sent += messages
 
     @abstractmethod
     def _send(self, peer: int, tag: int, payload: memoryview, channel: str, meta: bytes) -> SendHandle:

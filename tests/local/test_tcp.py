@@ -308,3 +308,39 @@ def test_a_job_priority_marks_every_connection_both_ways(monkeypatch) -> None:
     monkeypatch.setenv(PRIORITY_ENV, "8")
     with pytest.raises(ValueError, match="MLFABRIC_PRIORITY must be an integer from 0 .* to 7 .* got '8'"):
         TcpTransport(0, 2, TOKEN)
+
+
+def test_send_many_delivers_each_message_in_order_with_its_tag_and_meta(pair) -> None:
+    """More messages than one sendmsg takes (MESSAGES_PER_CALL), empty metas and payloads
+    among them: every one arrives whole, in order, and the counters count each."""
+    from mlfabric.transport.tcp import MESSAGES_PER_CALL
+
+    a, b = pair
+    n = MESSAGES_PER_CALL * 2 + 7
+    payloads = [torch.full((i % 5,), float(i)) for i in range(n)]
+    messages = [(3, memoryview(p.numpy()).cast("B"), b"" if i % 3 == 0 else f"m{i}".encode())
+                for i, p in enumerate(payloads)]
+    before = a.counters().get((1, "0"))
+    sent_before = (before.msgs_sent, before.bytes_sent) if before else (0, 0)
+    handle = a.send_many(1, messages)
+    for i in range(n):
+        msg = _wait_for(b, 3, 0)
+        assert bytes(msg.meta) == (b"" if i % 3 == 0 else f"m{i}".encode())
+        got = torch.frombuffer(bytearray(msg.payload), dtype=torch.float32) if msg.nbytes else torch.zeros(0)
+        assert torch.equal(got, payloads[i])
+    deadline = time.monotonic() + 5
+    while not handle.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert handle.done()
+    after = a.counters()[(1, "0")]
+    assert (after.msgs_sent - sent_before[0], after.bytes_sent - sent_before[1]) == (
+        n, sum(p.numel() * 4 for p in payloads))
+
+
+def test_send_many_checks_like_send(pair) -> None:
+    a, _ = pair
+    with pytest.raises(ValueError, match="cannot send to peer 0"):
+        a.send_many(0, [(1, b"x", b"")])
+    with pytest.raises(ValueError, match="unknown channel 'nine'"):
+        a.send_many(1, [(1, b"x", b"")], channel="nine")
+    assert a.send_many(1, []).done()  # nothing to send is done at once

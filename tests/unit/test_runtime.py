@@ -411,3 +411,23 @@ def test_a_rank_message_cut_short_by_a_signal_is_written_whole(monkeypatch: pyte
     (size,) = procs._HEADER.unpack(bytes(pipe.data[:procs._HEADER.size]))
     assert size == len(pipe.data) - procs._HEADER.size
     assert pickle.loads(bytes(pipe.data[procs._HEADER.size:])) == ("result", payload)
+
+
+def test_send_many_default_sends_each_message_in_order_and_all_sent_waits_for_every_handle() -> None:
+    from mlfabric.transport.base import AllSent, SendHandle
+
+    fabric = LocalFabric(2)
+    a, b = fabric.transports()
+    handle = a.send_many(1, [(5, b"one", b"m1"), (5, b"", b""), (6, b"three", b"m3")])
+    assert handle.done()
+    first, second, third = b.mailbox.take("0", 5, 0), b.mailbox.take("0", 5, 0), b.mailbox.take("0", 6, 0)
+    assert (bytes(first.payload), bytes(first.meta)) == (b"one", b"m1")
+    assert (bytes(second.payload), bytes(second.meta)) == (b"", b"")
+    assert (bytes(third.payload), bytes(third.meta)) == (b"three", b"m3")
+    parts = [SendHandle(), SendHandle(done=True), SendHandle()]
+    together = AllSent(parts)
+    assert not together.done()
+    parts[0].set_done()
+    assert not together.done()
+    parts[2].set_done()
+    assert together.done()
