@@ -501,6 +501,8 @@ def bench_tictac(
                                         "cpu: the real compute only.")] = "emulated",
     dag: Annotated[str, typer.Option(help="The DAG TIO/TAO are computed on: eager (the one PyTorch runs: ops in "
                                      "program order) or dataflow (the paper's TensorFlow executor).")] = "eager",
+    pace: Annotated[str, typer.Option(help="Pace ordered answers at equal shares of the server's NIC: auto (forward "
+                                      "passes only), on, off.")] = "auto",
     iterations: Annotated[int, typer.Option(help="Iterations per ordering, warm-up included.")] = 50,
     warmup: Annotated[int, typer.Option(help="Leading iterations not counted.")] = 5,
     chrome: Annotated[Optional[Path], typer.Option(help="Write a Chrome/Perfetto trace per ordering (the last "
@@ -522,11 +524,12 @@ def bench_tictac(
     orderings = tuple(split_list(ordering, "orderings"))
     config = make_config(TicTacBenchConfig, model=model, workers=workers, orderings=orderings, emulate=emulate,
                          rate_bps=make_config(parse_rate, value=rate), forward_only=forward_only, width=width,
-                         batch=batch, device=device, dag=dag, iterations=iterations, warmup=warmup, seed=seed,
+                         batch=batch, device=device, dag=dag, pace=pace, iterations=iterations, warmup=warmup,
+                         seed=seed,
                          chrome_dir=None if chrome is None else str(chrome), timeout_s=timeout)
     command = ["mlfabric", "bench", "tictac", "--model", model, "--workers", str(workers), "--ordering", ordering,
                *(["--emulate"] if emulate else []), "--rate", rate, *(["--forward-only"] if forward_only else []),
-               "--width", str(width), "--batch", str(batch), "--device", device, "--dag", dag,
+               "--width", str(width), "--batch", str(batch), "--device", device, "--dag", dag, "--pace", pace,
                "--iterations", str(iterations),
                "--warmup", str(warmup), "--seed", str(seed)]
     if json_path is not None:

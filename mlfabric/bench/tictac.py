@@ -32,8 +32,9 @@ this process before the launch) times one factor, chosen so that the forward's d
 equals the transfer time of the model at the worker's share of the rate (training: forward +
 backward, the backward a single pad of ``backward_factor`` x the forward). That makes S (eq.
 4) about 1, as the paper picks batch sizes for S > 0.9. ``--device cpu`` runs the real
-compute only. On an emulated star the server paces each worker's ordered answer at its share
-of its NIC (:func:`mlfabric.ps.ordered.pace_fairly`); ``none``'s flat answers are not paced.
+compute only. ``--pace`` (auto: forward passes only): on an emulated star, the server paces
+each worker's ordered answer at its share of its NIC (:func:`mlfabric.ps.ordered.pace_fairly`);
+``none``'s flat answers are never paced.
 
 **Figures** (per ordering; timestamps on CLOCK_MONOTONIC, which local and emulated ranks
 share): the *step* of iteration k is from the first worker's pull request to the last
@@ -81,6 +82,10 @@ DEVICES = ("emulated", "cpu")
 #: dataflow plus program-order edges, :meth:`mlfabric.order.dag.Dag.in_program_order`), or
 #: ``dataflow``, the paper's (an executor that runs any op whose inputs are in).
 DAGS = ("eager", "dataflow")
+#: Whether the server paces ordered answers at equal shares of its NIC
+#: (``PSConfig.pace_ordered_pulls``): ``auto`` paces forward passes and not training
+#: (docs/tictac.md decision 16 has the figures both ways).
+PACING = ("auto", "on", "off")
 MODEL = "model"
 LR = 0.01
 #: A TCP payload's share of an Ethernet frame (1448 of 1514 bytes): what a shaped NIC carries.
@@ -109,6 +114,7 @@ class TicTacBenchConfig:
     rate_bps: float = 1e9
     device: str = "emulated"
     dag: str = "eager"
+    pace: str = "auto"
     backward_factor: float = 2.0
     transport: str = "tcp"
     seed: int = 0
@@ -129,6 +135,8 @@ class TicTacBenchConfig:
             raise ValueError(f"unknown device {self.device!r}; choose one of {', '.join(DEVICES)}")
         if self.dag not in DAGS:
             raise ValueError(f"unknown dag {self.dag!r}; choose one of {', '.join(DAGS)}")
+        if self.pace not in PACING:
+            raise ValueError(f"unknown pace {self.pace!r}; choose one of {', '.join(PACING)}")
         if self.workers < 1 or self.width < 1 or self.batch < 1:
             raise ValueError(f"workers, width and batch must be >= 1, got {self.workers}, {self.width}, {self.batch}")
         if self.iterations < 2 or not 0 <= self.warmup < self.iterations - 1:
@@ -141,6 +149,11 @@ class TicTacBenchConfig:
             raise ValueError(f"unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
         if not (self.timeout_s > 0 and self.ps_timeout_s > 0):
             raise ValueError("timeout_s and ps_timeout_s must be positive")
+
+    @property
+    def paced(self) -> bool:
+        """Whether the server paces the ordered answers (``pace``; auto: forward only)."""
+        return self.forward_only if self.pace == "auto" else self.pace == "on"
 
     @property
     def share_bytes_per_s(self) -> float:
@@ -232,7 +245,7 @@ def _rank_main(config: TicTacBenchConfig, the_plan: TicTacPlan) -> Any:
     import mlfabric.ps
 
     job = mlfabric.ps.init(servers=1, consistency="bsp", transport=config.transport, timeout=config.ps_timeout_s,
-                           seed=config.seed)
+                           seed=config.seed, pace_ordered_pulls=config.paced)
     try:
         out = []
         for i, ordering in enumerate(config.orderings):

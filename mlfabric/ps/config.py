@@ -38,6 +38,12 @@ class PSConfig:
     #: :mod:`mlfabric.ps.checkpoint`, the baseline of MLfabric's replication).
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
+    #: Pace the answers to ordered pulls (TicTac, :mod:`mlfabric.ps.ordered`) at equal shares
+    #: of the server's NIC when its rate is known (:func:`mlfabric.ps.ordered.pace_fairly`):
+    #: every worker then gets its tensors at a steady share, which suits forward passes that
+    #: all wait for the slowest worker; unpaced, the TCP flows share unevenly, which staggers
+    #: the workers, and training gains from that (the first ones push while the last pull).
+    pace_ordered_pulls: bool = False
 
     def scheduled_settings(self) -> Any:
         from .scheduling import ScheduledSettings

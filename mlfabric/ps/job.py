@@ -95,18 +95,19 @@ class PSJob:
 
 def init(*, servers: int | None = None, replicas: int | None = None, consistency: str | Consistency = "bsp",
          transport: str = "tcp", timeout: float = 60.0, lost_worker_wait_s: float | None = None,
-         routing: str = "direct", seed: int = 0, **init_options: Any) -> PSJob:
+         routing: str = "direct", seed: int = 0, pace_ordered_pulls: bool = False, **init_options: Any) -> PSJob:
     """Join the job (:func:`mlfabric.init`'s rendezvous and ``init_options``) and take this
     rank's role. ``servers``/``replicas`` default to ``MLFABRIC_PS_SERVERS`` (1) and
     ``MLFABRIC_PS_REPLICAS`` (0); the other ranks are workers. ``timeout`` bounds every wait;
-    ``lost_worker_wait_s`` (default: a sixth of it) is how long BSP waits for a lost worker."""
+    ``lost_worker_wait_s`` (default: a sixth of it) is how long BSP waits for a lost worker;
+    ``pace_ordered_pulls``: :class:`PSConfig`'s."""
     import mlfabric
 
     comm = mlfabric.init(transport=transport, timeout=timeout, **init_options)
     try:
         layout = PSLayout.for_world(comm.world_size, servers, replicas)
         config = PSConfig(consistency=consistency, timeout_s=timeout, routing=routing, seed=seed,
-                          lost_worker_wait_s=lost_worker_wait_s)
+                          lost_worker_wait_s=lost_worker_wait_s, pace_ordered_pulls=pace_ordered_pulls)
     except ValueError:
         comm.close()
         raise

@@ -166,17 +166,18 @@ def answer_in_order(server: "ParameterServer", pulls: "list[PendingPull]", spec:
 
 
 def pace_fairly(server: "ParameterServer", ranks: list[int]) -> None:
-    """Before the server answers ``ranks``' ordered pulls: pace every connection with an
-    ordered answer in flight, these included, at an equal share of the server's NIC (when
-    its rate is known: ``ParameterServer.nic_rate_bps``). Each worker then receives its
-    pieces at a steady share, which is what TIO/TAO's order and the simulator assume;
-    unpaced, the TCP flows that leave one NIC together do not share it evenly (on the emulated
-    star one worker had its model in 17 ms and another in 46 ms), and the step waits for the
-    worker left behind. Counting the answers in flight, not the round, matters: under BSP the
-    last worker's pull often comes just after the round of the others was answered.
-    ``runtime/fair_share.py`` gives the payload fraction; a flat answer lifts the caps
-    (:func:`lift_pacing`)."""
-    if server.nic_rate_bps is None or not ranks:
+    """Before the server answers ``ranks``' ordered pulls, with ``PSConfig.pace_ordered_pulls``
+    and a known NIC rate (``ParameterServer.nic_rate_bps``): pace every connection with an
+    ordered answer in flight, these included, at an equal share of the server's NIC. Each
+    worker then receives its pieces at a steady share, which is what TIO/TAO's oracle and the
+    simulator assume; unpaced, the TCP flows that leave one NIC together do not share it
+    evenly (on the emulated star one worker had its model in 17 ms and another in 46 ms).
+    The unevenness costs a forward pass, which waits for the slowest worker, and helps
+    training, whose first workers push while the last still pull (docs/tictac.md decision 16). Counting the
+    answers in flight, not the round, matters: under BSP the last worker's pull often comes
+    just after the round of the others was answered. ``runtime/fair_share.py`` gives the
+    payload fraction; a flat answer lifts the caps (:func:`lift_pacing`)."""
+    if not server.config.pace_ordered_pulls or server.nic_rate_bps is None or not ranks:
         return
     flowing = {r for r, last in server.ordered_in_flight.items() if not last.done()} | set(ranks)
     share = PAYLOAD_FRACTION * server.nic_rate_bps / len(flowing)

@@ -60,3 +60,30 @@ def test_cli_refuses_bad_options_with_usage_errors() -> None:
     assert bad.exit_code == 2 and "fifo" in bad.output
     bad = runner.invoke(app, ["bench", "tictac", "--model", "resnet"])
     assert bad.exit_code == 2 and "unknown model 'resnet'" in bad.output
+    bad = runner.invoke(app, ["bench", "tictac", "--dag", "tensorflow"])
+    assert bad.exit_code == 2 and "unknown dag 'tensorflow'" in bad.output
+    bad = runner.invoke(app, ["bench", "tictac", "--pace", "sometimes"])
+    assert bad.exit_code == 2 and "unknown pace 'sometimes'" in bad.output
+
+
+@pytest.mark.parametrize(("pace", "forward_only", "paced"), [("auto", True, True), ("auto", False, False),
+                                                             ("on", False, True), ("off", True, False)])
+def test_pacing_follows_the_option_and_auto_paces_forward_passes_only(pace: str, forward_only: bool,
+                                                                      paced: bool) -> None:
+    assert TicTacBenchConfig(pace=pace, forward_only=forward_only).paced is paced
+
+
+def test_the_orders_are_computed_on_the_eager_dag_unless_asked_for_the_papers() -> None:
+    """Inception: on the eager DAG TIO sends a block's 3x3 branch before its 1x1 projection
+    branch ``bp`` (the forward runs it first); on the dataflow DAG, ``bp`` goes early."""
+    from mlfabric.bench.tictac import plan
+
+    def position(order: list[str], name: str) -> int:
+        return order.index(name)
+
+    eager = plan(TicTacBenchConfig(model="inception", forward_only=True)).priorities["tio"]
+    dataflow = plan(TicTacBenchConfig(model="inception", forward_only=True, dag="dataflow")).priorities["tio"]
+    by = {name: sorted(p, key=lambda k: (p[k], list(p).index(k))) for name, p in (("eager", eager),
+                                                                                 ("dataflow", dataflow))}
+    assert position(by["eager"], "block1.b3.weight") < position(by["eager"], "block1.bp.weight")
+    assert position(by["dataflow"], "block1.bp.weight") < position(by["dataflow"], "block1.b3.weight")

@@ -255,9 +255,10 @@ class _PacingTransport:
         return self.can_pace
 
 
-def _pacing_server(nic_rate_bps: float | None, can_pace: bool = True) -> Any:
+def _pacing_server(nic_rate_bps: float | None, can_pace: bool = True, pace: bool = True) -> Any:
     return SimpleNamespace(nic_rate_bps=nic_rate_bps, channel="0", transport=_PacingTransport(can_pace),
-                           paced_for_pulls=set(), ordered_in_flight={})
+                           paced_for_pulls=set(), ordered_in_flight={},
+                           config=SimpleNamespace(pace_ordered_pulls=pace))
 
 
 def test_ordered_answers_in_flight_share_the_nic_equally_and_a_flat_answer_lifts_the_caps() -> None:
@@ -275,10 +276,13 @@ def test_ordered_answers_in_flight_share_the_nic_equally_and_a_flat_answer_lifts
     assert server.transport.calls == [(2, "0", None)] and server.paced_for_pulls == {1, 3, 4}
 
 
-def test_no_pacing_without_a_known_nic_rate_or_a_transport_that_paces() -> None:
+def test_no_pacing_unless_asked_with_a_known_nic_rate_and_a_transport_that_paces() -> None:
     unknown = _pacing_server(None)
     pace_fairly(unknown, [1, 2])
     assert unknown.transport.calls == [] and unknown.paced_for_pulls == set()
+    not_asked = _pacing_server(1e9, pace=False)
+    pace_fairly(not_asked, [1, 2])
+    assert not_asked.transport.calls == [] and not_asked.paced_for_pulls == set()
     cannot = _pacing_server(1e9, can_pace=False)
     pace_fairly(cannot, [1])
     lift_pacing(cannot, [1])
@@ -320,7 +324,8 @@ def test_the_server_paces_ordered_rounds_and_lifts_the_caps_for_a_flat_pull() ->
         w.clock()
         w.pull("net")
 
-    run_job(PSLayout(servers=1, workers=2), PSConfig(consistency="bsp", timeout_s=20), work, setup=setup)
+    run_job(PSLayout(servers=1, workers=2), PSConfig(consistency="bsp", timeout_s=20, pace_ordered_pulls=True), work,
+            setup=setup)
     # The two pulls come in one round or one after the other: a share of 1/2 or the whole NIC.
     shares = [pytest.approx(PAYLOAD_FRACTION * 1e9 / k) for k in (1, 2)]
     assert {r for r, rate in calls if rate is not None} == {1, 2} and all(rate in shares for _, rate in calls
