@@ -233,16 +233,19 @@ class _Outgoing:
         self.closing = False
         self.thread: threading.Thread | None = None
 
-    def send(self, parts: list[memoryview], handle: SendHandle | None = None, nbytes: int = -1) -> SendHandle:
+    def send(self, parts: list[memoryview], handle: SendHandle | None = None, nbytes: int = -1, *,
+             inline: bool = True) -> SendHandle:
         """Queue ``parts`` (``nbytes`` in all, if the caller knows) behind what is already
         queued; the returned handle (``handle`` when given: it is completed, and the mailbox
-        woken, once the kernel holds every byte) says when the payload may be reused."""
+        woken, once the kernel holds every byte) says when the payload may be reused. With
+        ``inline`` and nothing queued, the caller hands the kernel what fits at once; without,
+        the sender thread does (the caller is not held by the copy of a large batch)."""
         with self.mutex:
             if self.error is not None:
                 # The peer is gone (it is being reported lost, or it left): the message
                 # cannot be delivered and its send never completes.
                 return handle or SendHandle(done=False)
-            if not self.queue:
+            if inline and not self.queue:
                 # Nothing ahead of it: hand the kernel what fits without blocking.
                 try:
                     sent = self.sock.sendmsg(parts, (), socket.MSG_DONTWAIT)
@@ -486,7 +489,10 @@ class TcpTransport(Transport):
                 parts.append(view)
                 nbytes += FRAME.size + len(meta) + view.nbytes
                 payload_bytes += view.nbytes
-            handle = connection.send(parts, None, nbytes)  # one connection: the last completes last
+            # One connection: the last completes last. The sender thread copies the batch into
+            # the kernel (the copy releases the GIL), so the caller goes on at once: a server
+            # answering several workers does not hold the later ones' first bytes behind it.
+            handle = connection.send(parts, None, nbytes, inline=False)
         self._count_sent(peer, channel, payload_bytes, len(messages))
         return handle
 
