@@ -45,9 +45,13 @@ the hooks, transfers from arrivals; for ``none`` the one flat transfer from requ
 arrival); ``straggler_effect`` (§6.3): per iteration, the longest time a worker waited for
 the slowest one (last end - its end) over the step, averaged. ``simulated_makespan_s``: the
 same ordering simulated (:func:`mlfabric.order.metrics.simulate`, on the eager DAG) under
-the oracle traced in this run (per-op minimum of the hooks' spans; transfers at the measured per-worker rate),
-against ``makespan_s``, the slowest worker's first byte to end of forward (median); for
-``random`` the mean over draws of the slowest of ``workers`` random orders. ``r2_E_vs_step``
+the oracle traced in this run (per-op minimum of the hooks' spans): per iteration, each
+worker with the order it received at its measured rate in that iteration, the slowest;
+median over iterations (``sim_over_emulated``: over ``makespan_s``, the slowest worker's
+first byte to end of forward, median). ``simulated_even_share_s``: every worker at the
+median measured rate instead (for ``random``, the mean over draws of the slowest of
+``workers`` random orders): the prediction before the run knows how the NIC was shared.
+``r2_E_vs_step``
 (Fig. 7): how well E predicts the normalised step time (a worker's makespan over its trace's
 eq. 1 upper bound), the R^2 of a linear fit over every timed (worker, iteration) of the
 per-tensor orderings pooled (``r2_by_ordering``: each alone; ``r2_E_vs_makespan``: the raw
@@ -226,6 +230,7 @@ class _Iteration:
     makespan: float             # the worker's trace: first byte (or request) to end of forward
     upper: float | None         # eq. 1's bound of that trace (compute + transfers, serialised)
     channel_s: float            # first byte to last arrival (per-tensor pulls)
+    order: tuple[str, ...]      # the recvs in the order they arrived (per-tensor pulls)
     waited_s: float             # pre-hook waits
     reordered: int
     host_late: int
@@ -327,10 +332,12 @@ def _record(index: int, config: TicTacBenchConfig, ordering: str, kept: list[Any
     for k, (requested, forward_end, end, pulled, spans, waits, checksum, host_late) in enumerate(kept):
         if isinstance(pulled, float):  # a flat pull: one transfer, from the request to the whole model
             transfers, first, channel, reordered = [("recv:model", requested, pulled)], None, 0.0, 0
+            order: tuple[str, ...] = ()
         else:
             pulled.join()
             transfers, first, reordered = pulled.transfer_spans(), pulled.begins.get(0), pulled.reordered
             channel = max(a.at for a in pulled.arrivals) - first
+            order = tuple(dict.fromkeys(name for name, _, _ in transfers))
         trace = Trace.of(spans, transfers, worker=index, iteration=k, ordering=ordering)
         forward = forward_part(trace, forward_end)
         try:
@@ -340,7 +347,8 @@ def _record(index: int, config: TicTacBenchConfig, ordering: str, kept: list[Any
         upper = trace_bounds(forward).upper
         iterations.append(_Iteration(
             requested=requested, first_byte=first, forward_end=forward_end, end=end, efficiency=efficiency,
-            makespan=forward.makespan, upper=upper, channel_s=channel, waited_s=sum(e - s for _, s, e in waits),
+            makespan=forward.makespan, upper=upper, channel_s=channel, order=order,
+            waited_s=sum(e - s for _, s, e in waits),
             reordered=reordered, host_late=host_late, checksum=checksum))
         if k >= config.warmup:
             for name, s, e in trace.compute:
@@ -371,6 +379,7 @@ class OrderingResult:
     straggler_effect: float
     makespan_s: float
     simulated_makespan_s: float | None
+    simulated_even_share_s: float | None
     waited_s: float
     reordered: int
     host_late: int
@@ -382,8 +391,9 @@ class OrderingResult:
     def to_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in asdict(self).items() if k not in ("steps_s", "samples")}
         out["p95_over_p50"] = self.p95_step_s / self.p50_step_s
-        out["sim_over_emulated"] = (None if self.simulated_makespan_s is None
-                                    else self.simulated_makespan_s / self.makespan_s)
+        for key, value in (("sim_over_emulated", self.simulated_makespan_s),
+                           ("even_share_sim_over_emulated", self.simulated_even_share_s)):
+            out[key] = None if value is None else value / self.makespan_s
         return out
 
 
@@ -453,32 +463,53 @@ def r_squared(xs: Sequence[float], ys: Sequence[float]) -> float | None:
 
 
 def _simulated(config: TicTacBenchConfig, the_plan: TicTacPlan, ordering: str, records: list[_WorkerRecord],
-               measured_rate: float | None) -> float | None:
-    """The ordering's makespan under the oracle traced in this run (module docstring)."""
+               timed: range) -> tuple[float | None, float | None]:
+    """The ordering's makespan simulated on the eager DAG (the workers run it eagerly, whatever
+    DAG the orders were computed on) with the per-op minimum traced in this run, two ways:
+    every worker's iteration at that worker's measured rate in that iteration, with the order
+    it received, the slowest per iteration, median over iterations (what the run is compared
+    with: the shares of the server's NIC differ per worker when unpaced); and every worker at
+    the median measured rate (one even share), with the order the ordering gives (random:
+    the mean over draws of the slowest of ``workers`` random orders)."""
     from mlfabric.order import TimeOracle, forward_dag, simulate
 
-    if ordering == "none" or measured_rate is None:
-        return None
+    if ordering == "none":
+        return None, None
     model, x = build_model(config)
-    dag = forward_dag(model, x).dag.in_program_order()  # the workers run it eagerly, whatever the orders assumed
+    dag = forward_dag(model, x).dag.in_program_order()
     compute = {n: min((r.op_minimum[n] for r in records if n in r.op_minimum), default=the_plan.cpu_time[n])
                for n in dag.computes}
-    oracle = TimeOracle.combine(dag, compute, {r: dag.node(r).size_bytes / measured_rate for r in dag.recvs})
+
+    def makespan(order: Sequence[str], rate: float) -> float:
+        oracle = TimeOracle.combine(dag, compute, {r: dag.node(r).size_bytes / rate for r in dag.recvs})
+        return simulate(dag, oracle, order).makespan
+
+    slowest = []
+    for k in timed:
+        its = [r.iterations[k] for r in records if r.iterations[k].channel_s > 0]
+        if its:
+            slowest.append(max(makespan(i.order, the_plan.model_bytes / i.channel_s) for i in its))
+    rates = [the_plan.model_bytes / r.iterations[k].channel_s for r in records for k in timed
+             if r.iterations[k].channel_s > 0]
+    if not rates:
+        return None, None
+    even = statistics.median(rates)
     if ordering in ("tio", "tao"):
         prio = the_plan.priorities[ordering]
         idx = {r: i for i, r in enumerate(dag.recvs)}
-        order = sorted(dag.recvs, key=lambda r: (prio[dag.node(r).param], idx[r]))
-        return simulate(dag, oracle, order).makespan
-    rng = random.Random(config.seed)
-    draws = []
-    for _ in range(RANDOM_DRAWS):
-        spans = []
-        for _w in range(config.workers):
-            order = list(dag.recvs)
-            rng.shuffle(order)
-            spans.append(simulate(dag, oracle, order).makespan)
-        draws.append(max(spans))
-    return statistics.fmean(draws)
+        even_share = makespan(sorted(dag.recvs, key=lambda r: (prio[dag.node(r).param], idx[r])), even)
+    else:
+        rng = random.Random(config.seed)
+        draws = []
+        for _ in range(RANDOM_DRAWS):
+            spans = []
+            for _w in range(config.workers):
+                order = list(dag.recvs)
+                rng.shuffle(order)
+                spans.append(makespan(order, even))
+            draws.append(max(spans))
+        even_share = statistics.fmean(draws)
+    return statistics.median(slowest), even_share
 
 
 def summarize(config: TicTacBenchConfig, the_plan: TicTacPlan, ordering: str,
@@ -495,17 +526,14 @@ def summarize(config: TicTacBenchConfig, the_plan: TicTacPlan, ordering: str,
     span = max(r.iterations[-1].end for r in records) - first
     samples = [(r.iterations[k].efficiency, r.iterations[k].makespan, r.iterations[k].upper) for r in records
                for k in timed if r.iterations[k].efficiency is not None]
-    per_tensor = ordering != "none"
     makespans = [max(r.iterations[k].makespan for r in records) for k in timed]
-    rates = [the_plan.model_bytes / r.iterations[k].channel_s for r in records for k in timed
-             if per_tensor and r.iterations[k].channel_s > 0]
-    measured_rate = statistics.median(rates) if rates else None
+    simulated, even_share = _simulated(config, the_plan, ordering, records, timed)
     return OrderingResult(
         ordering=ordering, steps_per_s=len(timed) / span, p50_step_s=statistics.median(steps),
         p95_step_s=_percentile(steps, 0.95),
         median_E=statistics.median(s[0] for s in samples) if samples else None,
         straggler_effect=statistics.fmean(stragglers), makespan_s=statistics.median(makespans),
-        simulated_makespan_s=_simulated(config, the_plan, ordering, records, measured_rate),
+        simulated_makespan_s=simulated, simulated_even_share_s=even_share,
         waited_s=statistics.fmean(r.iterations[k].waited_s for r in records for k in timed),
         reordered=sum(i.reordered for r in records for i in r.iterations),
         host_late=sum(r.iterations[-1].host_late for r in records), correct=_consistent(config, records),

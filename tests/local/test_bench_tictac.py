@@ -29,6 +29,13 @@ def test_small_run_enforces_the_order_and_reports_every_figure(tmp_path: Path) -
         assert r["steps_per_s"] > 0 and 0 < r["p50_step_s"] <= r["p95_step_s"]
         assert 0 <= r["straggler_effect"] < 1 and r["median_E"] is not None
         assert 1 / r["steps_per_s"] <= r["p95_step_s"] * 1.5  # steps/s and the steps agree
+        simulated = (r["simulated_makespan_s"], r["simulated_even_share_s"], r["sim_over_emulated"],
+                     r["even_share_sim_over_emulated"])
+        if r["ordering"] == "none":  # one flat transfer: nothing to order
+            assert simulated == (None, None, None, None)
+        else:  # at least the model's compute (the per-op minimum), on loopback little more
+            assert all(v is not None and v > 0 for v in simulated), r["ordering"]
+            assert r["simulated_makespan_s"] == pytest.approx(r["sim_over_emulated"] * r["makespan_s"])
     assert data["plan"]["S"] == pytest.approx(1.0, abs=0.05)  # the emulated device balances the transfer
     assert set(data["speedup"]["vs_none"]) == {"none", "random", "tio", "tao"}
     assert "r2_E_vs_step" in data and set(data["r2_by_ordering"]) == {"none", "random", "tio", "tao"}
