@@ -139,6 +139,7 @@ class Replica:
         self._callbacks: dict[str | None, UpdateCallback] = {}
         self._registered = False
         self._specs: dict[str, tuple[ModelSpec, float, float]] = {}  # name -> (spec, lr, momentum)
+        self._priorities: dict[str, dict[str, int] | None] = {}  # name -> TicTac's, as registered
         self.promoted: "ParameterServer | None" = None
         #: After a takeover: each model as this replica took it over (what the lost work is
         #: measured against).
@@ -177,6 +178,7 @@ class Replica:
             offset, length = spec.shards(self.layout.servers)[self.server]
             shard = _Shard(spec, offset, length, values, self._rules[name], lr=lr, momentum=momentum)
             shard.version = self.versions[name]
+            shard.priorities = self._priorities.get(name)  # ordered pulls go on after failover
             server.shards[name] = shard
         for worker, clock in self.clocks.items():  # mlnet: the clocks of what it holds (workers adopt otherwise)
             server.book.adopt(worker, clock)
@@ -421,6 +423,7 @@ class Replica:
             data = payload_tensor(payload, spec.torch_dtype, 2 * length if with_history else length, "replica init")
             self.values[spec.name] = data[:length].clone()
             self._specs[spec.name] = (spec, float(header["lr"]), float(header["momentum"]))
+            self._priorities[spec.name] = header.get("priorities")
             self.versions[spec.name] = int(header.get("version", 0))
             if self.config.routing == "mlnet":  # the clocks behind this copy (a follower's fresh one too)
                 self.clocks = {w: int(c) for w, c in enumerate(header.get("clocks") or [])}

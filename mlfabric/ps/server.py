@@ -864,7 +864,8 @@ class ParameterServer:
         values = shard.values.clone() if history is None else torch.cat([shard.values, history])
         self._send_replica(replica, protocol.encode(op="init", spec=shard.spec.to_json(), lr=shard.lr,
                                                     momentum=shard.momentum, version=shard.version,
-                                                    history=history is not None, clocks=list(self.book.clocks)),
+                                                    history=history is not None, clocks=list(self.book.clocks),
+                                                    priorities=shard.priorities),
                            values)
 
     def _send_replica(self, replica: int, header: bytes, values: torch.Tensor | bytes) -> None:

@@ -156,3 +156,38 @@ def test_a_leaving_worker_does_not_wait_for_replica_units_that_can_no_longer_com
     finally:
         for job in jobs[1:]:
             job.comm.close()
+
+
+def test_ordered_pulls_keep_the_registered_priorities_after_failover() -> None:
+    """TicTac's priorities reach the replicas with the model: after the server dies, the
+    replica that takes over answers priority pulls in the registered order, and the replica
+    that follows it has them too (its own takeover would keep them)."""
+    from torch import nn
+
+    layout = PSLayout(servers=1, replicas=2, workers=2)
+    jobs: list[Any] = []
+    barrier = [threading.Barrier(2), threading.Barrier(2)]
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    order = ["2.bias", "0.weight", "2.weight", "0.bias"]  # not the registration order
+    priorities = {key: order.index(key) for key, _ in net.named_parameters()}
+
+    def work(w: Any) -> tuple[int, list[str]]:
+        w.init_model("net", net, priorities=priorities)
+        w.clock()
+        w.pull_flat("net")
+        barrier[0].wait(10)
+        if w.index == 0:
+            _kill(jobs, 0)
+        barrier[1].wait(10)
+        w.clock()
+        replica = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        arriving = w.pull_in_order("net", replica)
+        arriving.join()
+        return w.failovers, [a.key for a in arriving.arrivals]
+
+    out, _ = run_job(layout, PSConfig(consistency="async", timeout_s=10), work, setup=jobs.extend, killed={0})
+    for rank in (3, 4):
+        failovers, arrived = out[rank]
+        assert failovers == 1 and arrived == order
+    assert jobs[1].replica.promoted.shards["net"].priorities == priorities
+    assert jobs[2].replica._priorities["net"] == priorities  # the follower got them from the new server
