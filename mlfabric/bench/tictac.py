@@ -32,7 +32,7 @@ this process before the launch) times one factor, chosen so that the forward's d
 equals the transfer time of the model at the worker's share of the rate (training: forward +
 backward, the backward a single pad of ``backward_factor`` x the forward). That makes S (eq.
 4) about 1, as the paper picks batch sizes for S > 0.9. ``--device cpu`` runs the real
-compute only. ``--pace`` (auto: forward passes only): on an emulated star, the server paces
+compute only. ``--pace`` (auto: emulated forward passes): on an emulated star, the server paces
 each worker's ordered answer at its share of its NIC (:func:`mlfabric.ps.ordered.pace_fairly`);
 ``none``'s flat answers are never paced.
 
@@ -87,8 +87,8 @@ DEVICES = ("emulated", "cpu")
 #: ``dataflow``, the paper's (an executor that runs any op whose inputs are in).
 DAGS = ("eager", "dataflow")
 #: Whether the server paces ordered answers at equal shares of its NIC
-#: (``PSConfig.pace_ordered_pulls``): ``auto`` paces forward passes and not training
-#: (docs/tictac.md decision 16 has the figures both ways).
+#: (``PSConfig.pace_ordered_pulls``): ``auto`` paces forward passes and not training, on the
+#: emulator (docs/tictac.md decision 16 has the figures both ways).
 PACING = ("auto", "on", "off")
 MODEL = "model"
 LR = 0.01
@@ -141,6 +141,9 @@ class TicTacBenchConfig:
             raise ValueError(f"unknown dag {self.dag!r}; choose one of {', '.join(DAGS)}")
         if self.pace not in PACING:
             raise ValueError(f"unknown pace {self.pace!r}; choose one of {', '.join(PACING)}")
+        if self.pace == "on" and not self.emulate:
+            raise ValueError("pace on needs --emulate: pacing needs the NIC rate that the emulator gives the ranks "
+                             "(local processes share loopback)")
         if self.workers < 1 or self.width < 1 or self.batch < 1:
             raise ValueError(f"workers, width and batch must be >= 1, got {self.workers}, {self.width}, {self.batch}")
         if self.iterations < 2 or not 0 <= self.warmup < self.iterations - 1:
@@ -156,8 +159,9 @@ class TicTacBenchConfig:
 
     @property
     def paced(self) -> bool:
-        """Whether the server paces the ordered answers (``pace``; auto: forward only)."""
-        return self.forward_only if self.pace == "auto" else self.pace == "on"
+        """Whether the server paces the ordered answers (``pace``; auto: emulated forward
+        passes, the only runs whose ranks know their NIC's rate)."""
+        return self.forward_only and self.emulate if self.pace == "auto" else self.pace == "on"
 
     @property
     def share_bytes_per_s(self) -> float:

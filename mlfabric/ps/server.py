@@ -213,6 +213,10 @@ class ParameterServer:
         self.nic_rate_bps: float | None = nic_rates_from(None, (self.channel,)).get(self.channel)
         self.paced_for_pulls: set[int] = set()  # ranks whose connection an ordered answer capped
         self.ordered_in_flight: dict[int, SendHandle] = {}  # rank -> last piece of its latest ordered answer
+        if config.pace_ordered_pulls and self.nic_rate_bps is None:
+            log.warning("%s: pace_ordered_pulls is set but this server's NIC rate is unknown: ordered answers "
+                        "are not paced (set MLFABRIC_NIC_RATE, e.g. 1gbit; the emulator sets it)",
+                        layout.describe(transport.rank))
         self.routing = routing or routing_policy(config.routing, config.routing_settings())
         self.who = f"{layout.describe(transport.rank)}"
         self.book = ClockBook(layout.workers, config.consistency, float(config.lost_worker_wait_s or 0.0))

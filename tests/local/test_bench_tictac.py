@@ -77,7 +77,13 @@ def test_cli_refuses_bad_options_with_usage_errors() -> None:
                                                              ("on", False, True), ("off", True, False)])
 def test_pacing_follows_the_option_and_auto_paces_forward_passes_only(pace: str, forward_only: bool,
                                                                       paced: bool) -> None:
-    assert TicTacBenchConfig(pace=pace, forward_only=forward_only).paced is paced
+    assert TicTacBenchConfig(pace=pace, forward_only=forward_only, emulate=True).paced is paced
+    assert not TicTacBenchConfig(pace="auto", forward_only=True).paced  # local processes: no NIC rate
+
+
+def test_pacing_on_local_processes_is_refused() -> None:
+    with pytest.raises(ValueError, match="pace on needs --emulate"):
+        TicTacBenchConfig(pace="on")
 
 
 def test_the_orders_are_computed_on_the_eager_dag_unless_asked_for_the_papers() -> None:

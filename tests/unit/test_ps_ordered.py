@@ -290,6 +290,19 @@ def test_no_pacing_unless_asked_with_a_known_nic_rate_and_a_transport_that_paces
     assert cannot.paced_for_pulls == set()
 
 
+def test_pacing_asked_without_a_nic_rate_is_warned_about(monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delenv(NIC_RATE_ENV, raising=False)
+    jobs = local_jobs(PSLayout(servers=1, workers=1), PSConfig(timeout_s=10, pace_ordered_pulls=True))
+    try:
+        assert jobs[0].server is not None and jobs[0].server.nic_rate_bps is None
+        assert "pace_ordered_pulls is set but this server's NIC rate is unknown" in caplog.text
+        assert "rank 0 (server 0)" in caplog.text and "MLFABRIC_NIC_RATE" in caplog.text
+    finally:
+        for job in jobs:
+            job.close()
+
+
 def test_the_server_reads_its_nic_rate_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(NIC_RATE_ENV, "500mbit")
     jobs = local_jobs(PSLayout(servers=1, workers=1), PSConfig(timeout_s=10))
