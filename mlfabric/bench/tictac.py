@@ -215,7 +215,7 @@ def plan(config: TicTacBenchConfig) -> TicTacPlan:
     oracle = TimeOracle.combine(dag, compute, transfer)
     b = bounds(dag, oracle)
     by_param = {"tio": tio(dag), "tao": tao(dag, oracle)}
-    priorities = {k: {dag.node(r).param: p for r, p in pr.priority.items()} for k, pr in by_param.items()}
+    priorities = {k: pr.by_parameter(dag) for k, pr in by_param.items()}
     return TicTacPlan(node_names=names, device_time=device, cpu_time=cpu, backward_time=backward,
                       transfer_time=transfer, priorities=priorities, model_bytes=param_bytes(model),
                       speedup_S=speedup(b))

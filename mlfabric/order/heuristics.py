@@ -118,6 +118,17 @@ class Priorities:
         idx = {r: i for i, r in enumerate(self.dag_order)}
         return tuple(sorted(self.priority, key=lambda r: (self.priority[r], idx[r])))
 
+    def by_parameter(self, dag: Dag) -> dict[str, int]:
+        """The priorities keyed by the parameter each recv pulls (what
+        ``PSWorker.init_model(priorities=...)`` takes)."""
+        out = {}
+        for r, p in self.priority.items():
+            param = dag.node(r).param
+            if param is None:
+                raise ValueError(f"recv {r!r} names no parameter (a hand-made DAG?): nothing to key it by")
+            out[param] = p
+        return out
+
     def classes(self) -> list[tuple[str, ...]]:
         """The recvs grouped by priority, earliest class first (each class in DAG order)."""
         out: dict[int, list[str]] = {}

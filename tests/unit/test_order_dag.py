@@ -224,3 +224,43 @@ def test_tio_on_the_eager_dag_is_the_order_of_first_use(forwards):
     assert tao(eager, TimeOracle.combine(eager, {n: o(n) for n in eager.computes},
                                          {r: o(r) for r in eager.recvs})).order() == first_use
     assert tio(md.dag).order() != first_use  # the dataflow DAG lets TIO send a later branch's first
+
+
+def test_parameter_priorities_keys_tio_and_tao_by_parameter_name(forwards):
+    """The one call of a training script: eager TIO is the order of first use, keyed by the
+    parameter names init_model takes; TAO (rate given) agrees on the eager DAG; the
+    dataflow executor gives the paper's order, which differs on the branchy model."""
+    from mlfabric.order import parameter_priorities
+
+    model, x, md = forwards["inception"]
+    names = [k for k, _ in model.named_parameters()]
+    eager = md.dag.in_program_order()
+    first_use = [eager.node(r).param
+                 for r in dict.fromkeys(i for n in eager.computes for i in eager.node(n).inputs if i in eager.recvs)]
+    prio = parameter_priorities(model, x)
+    assert sorted(prio) == sorted(names)
+    assert sorted(prio, key=lambda k: (prio[k], first_use.index(k))) == first_use
+    tao_prio = parameter_priorities(model, x, heuristic="tao", rate_bytes_per_s=1e7, iterations=2)
+    assert sorted(tao_prio, key=tao_prio.__getitem__) == first_use
+    dataflow = parameter_priorities(model, x, executor="dataflow")
+    assert sorted(dataflow, key=lambda k: (dataflow[k], first_use.index(k))) != first_use
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"heuristic": "johnson"}, "unknown heuristic 'johnson'"),
+    ({"executor": "tensorflow"}, "unknown executor 'tensorflow'"),
+    ({"heuristic": "tao"}, "TAO needs rate_bytes_per_s > 0"),
+    ({"heuristic": "tao", "rate_bytes_per_s": -1.0}, "TAO needs rate_bytes_per_s > 0"),
+])
+def test_parameter_priorities_refuses_bad_options(forwards, kwargs, message):
+    from mlfabric.order import parameter_priorities
+
+    model, x, _ = forwards["seq32"]
+    with pytest.raises(ValueError, match=message):
+        parameter_priorities(model, x, **kwargs)
+
+
+def test_by_parameter_needs_recvs_that_name_their_parameter():
+    d = dag_from_edges({"ra": 1.0}, [("a", ["ra"], 1.0)])
+    with pytest.raises(ValueError, match="recv 'ra' names no parameter"):
+        tio(d).by_parameter(d)

@@ -132,7 +132,7 @@ def test_gate_waits_for_each_module_then_runs_and_traces() -> None:
     source = _net()
     x = torch.randn(2, 4)
     md = forward_dag(source, (x,))
-    prio = {md.dag.node(r).param: p for r, p in tio(md.dag).priority.items()}
+    prio = tio(md.dag).by_parameter(md.dag)
     delay = 0.4
 
     def work(w: Any) -> Any:
