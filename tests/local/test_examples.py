@@ -80,6 +80,16 @@ def test_ps_example_learns_through_the_server(consistency: str) -> None:
         assert applied + dropped == 80  # every worker gradient, applied or over the bound
 
 
+def test_tictac_example_trains_with_the_tensors_in_priority_order() -> None:
+    stdout = _torchrun("tictac_ps.py", "--steps", "12", procs=3)
+    lines = re.findall(r"loss ([\d.]+) -> ([\d.]+), (\d+) tensors out of order, last step in priority order: (\w+)",
+                       stdout)
+    assert len(lines) == 2, stdout
+    for first, last, reordered, in_order in lines:
+        assert float(last) < float(first) and reordered == "0" and in_order == "True", stdout
+    assert "rank 0 (server 0): 12 updates applied, 24 pulls" in stdout, stdout  # BSP: one averaged update per step
+
+
 def test_torch_backend_example_trains_as_on_gloo() -> None:
     lines = {backend: _torchrun("torch_backend.py", "--backend", backend, "--epochs", "2", gloo_reference=backend == "gloo")
              for backend in ("mlfabric", "gloo")}
