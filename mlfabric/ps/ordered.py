@@ -182,7 +182,9 @@ def pace_fairly(server: "ParameterServer", ranks: list[int]) -> None:
     payload fraction; a flat answer lifts the caps (:func:`lift_pacing`)."""
     if not server.config.pace_ordered_pulls or server.nic_rate_bps is None or not ranks:
         return
-    flowing = {r for r, last in server.ordered_in_flight.items() if not last.done()} | set(ranks)
+    # An answer to a worker that is gone never completes: it no longer takes a share.
+    flowing = {r for r, last in server.ordered_in_flight.items()
+               if not last.done() and not server.transport.is_gone(r)} | set(ranks)
     share = PAYLOAD_FRACTION * server.nic_rate_bps / len(flowing)
     for rank in sorted(flowing):
         if server.transport.pace_connection(rank, server.channel, share):

@@ -249,10 +249,14 @@ class _PacingTransport:
     def __init__(self, can_pace: bool = True) -> None:
         self.calls: list[tuple[int, str, float | None]] = []
         self.can_pace = can_pace
+        self.gone: set[int] = set()
 
     def pace_connection(self, peer: int, channel: str, rate_bps: float | None) -> bool:
         self.calls.append((peer, channel, rate_bps))
         return self.can_pace
+
+    def is_gone(self, peer: int) -> bool:
+        return peer in self.gone
 
 
 def _pacing_server(nic_rate_bps: float | None, can_pace: bool = True, pace: bool = True) -> Any:
@@ -274,6 +278,12 @@ def test_ordered_answers_in_flight_share_the_nic_equally_and_a_flat_answer_lifts
     server.transport.calls.clear()
     lift_pacing(server, [2, 5])  # 5 was never capped: nothing to lift
     assert server.transport.calls == [(2, "0", None)] and server.paced_for_pulls == {1, 3, 4}
+    # Rank 3 died mid-answer: its answer never completes, and it no longer takes a share.
+    server.ordered_in_flight[4] = SendHandle()
+    server.transport.gone.add(3)
+    server.transport.calls.clear()
+    pace_fairly(server, [2])
+    assert server.transport.calls == [(r, "0", pytest.approx(PAYLOAD_FRACTION * 1e9 / 3)) for r in (1, 2, 4)]
 
 
 def test_no_pacing_unless_asked_with_a_known_nic_rate_and_a_transport_that_paces() -> None:
