@@ -501,8 +501,8 @@ def bench_tictac(
                                         "cpu: the real compute only.")] = "emulated",
     dag: Annotated[str, typer.Option(help="The DAG TIO/TAO are computed on: eager (the one PyTorch runs: ops in "
                                      "program order) or dataflow (the paper's TensorFlow executor).")] = "eager",
-    pace: Annotated[str, typer.Option(help="Pace ordered answers at equal shares of the server's NIC: auto (emulated forward "
-                                      "passes only), on, off.")] = "auto",
+    pace: Annotated[str, typer.Option(help="Pace ordered answers at equal shares of the server's NIC: auto "
+                                      "(emulated forward passes only), on, off.")] = "auto",
     iterations: Annotated[int, typer.Option(help="Iterations per ordering, warm-up included.")] = 50,
     warmup: Annotated[int, typer.Option(help="Leading iterations not counted.")] = 5,
     chrome: Annotated[Optional[Path], typer.Option(help="Write a Chrome/Perfetto trace per ordering (the last "

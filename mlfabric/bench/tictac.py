@@ -82,10 +82,6 @@ __all__ = ["DEVICES", "ORDERINGS", "TicTacBenchConfig", "TicTacBenchError", "Tic
 
 ORDERINGS = ("none", "random", "tio", "tao")
 DEVICES = ("emulated", "cpu")
-#: The DAG TIO and TAO are computed on: ``eager``, the one the workers run (the model's
-#: dataflow plus program-order edges, :meth:`mlfabric.order.dag.Dag.in_program_order`), or
-#: ``dataflow``, the paper's (an executor that runs any op whose inputs are in).
-DAGS = ("eager", "dataflow")
 #: Whether the server paces ordered answers at equal shares of its NIC
 #: (``PSConfig.pace_ordered_pulls``): ``auto`` paces forward passes and not training, on the
 #: emulator (docs/tictac.md decision 16 has the figures both ways).
@@ -130,6 +126,7 @@ class TicTacBenchConfig:
 
     def __post_init__(self) -> None:
         from mlfabric import TRANSPORTS
+        from mlfabric.order.dag import EXECUTORS  # dag: the DAG TIO and TAO are computed on, as that executor runs it
         from mlfabric.order.models import MODELS
 
         if self.model not in MODELS:
@@ -137,8 +134,8 @@ class TicTacBenchConfig:
         check_choices(list(self.orderings), ORDERINGS, "orderings", "ordering")
         if self.device not in DEVICES:
             raise ValueError(f"unknown device {self.device!r}; choose one of {', '.join(DEVICES)}")
-        if self.dag not in DAGS:
-            raise ValueError(f"unknown dag {self.dag!r}; choose one of {', '.join(DAGS)}")
+        if self.dag not in EXECUTORS:
+            raise ValueError(f"unknown dag {self.dag!r}; choose one of {', '.join(EXECUTORS)}")
         if self.pace not in PACING:
             raise ValueError(f"unknown pace {self.pace!r}; choose one of {', '.join(PACING)}")
         if self.pace == "on" and not self.emulate:
@@ -210,8 +207,7 @@ def plan(config: TicTacBenchConfig) -> TicTacPlan:
         device = {n: cpu[n] * factor for n in module_nodes}
         backward = 0.0 if config.forward_only else config.backward_factor * forward_target
     compute = {n: device.get(n, cpu[n]) for n in dag.computes}
-    if config.dag == "eager":
-        dag = dag.in_program_order()
+    dag = dag.as_run_by(config.dag)
     oracle = TimeOracle.combine(dag, compute, transfer)
     b = bounds(dag, oracle)
     by_param = {"tio": tio(dag), "tao": tao(dag, oracle)}

@@ -25,7 +25,7 @@ from mlfabric.order.trace import Trace, to_chrome, write_chrome
 __all__ = [
     "Bounds", "ComputeTrace", "Dag", "Evaluation", "Kind", "ModelDag", "Node", "Priorities", "Properties", "TimeOracle",
     "Trace", "before", "bounds", "dag_from_edges", "efficiency", "evaluate", "exhaustive", "forward_dag",
-    "johnson_before", "makespan", "measured_oracle", "parameter_priorities", "priorities_from_order", "recv_name", "simulate", "speedup", "tao",
-    "tio", "to_chrome", "trace_bounds", "trace_compute", "trace_efficiency", "training_dag", "transfer_times",
+    "johnson_before", "makespan", "measured_oracle", "parameter_priorities", "priorities_from_order", "recv_name",
+    "simulate", "speedup", "tao", "tio", "to_chrome", "trace_bounds", "trace_compute", "trace_efficiency", "training_dag", "transfer_times",
     "update_properties", "write_chrome",
 ]

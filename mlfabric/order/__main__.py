@@ -19,7 +19,7 @@ import random
 import statistics
 import sys
 
-from mlfabric.order.dag import forward_dag, training_dag
+from mlfabric.order.dag import EXECUTORS, forward_dag, training_dag
 from mlfabric.order.heuristics import tao, tio
 from mlfabric.order.metrics import bounds, evaluate, speedup
 from mlfabric.order.models import MODELS, build
@@ -35,14 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iterations", type=int, default=5)
     ap.add_argument("--random", type=int, default=20, help="number of random orders (the no-ordering baseline)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dag", choices=("dataflow", "eager"), default="dataflow",
+    ap.add_argument("--dag", choices=EXECUTORS, default="dataflow",
                     help="dataflow: any op whose inputs are in may run (the paper's); eager: ops in program order")
     ap.add_argument("--chrome", default="", help="write the TAO schedule as a Chrome/Perfetto trace here")
     a = ap.parse_args(argv)
 
     model, x = build(a.model, seed=a.seed)
     md = forward_dag(model, x) if a.mode == "forward" else training_dag(model, x)
-    d = md.dag.in_program_order() if a.dag == "eager" else md.dag
+    d = md.dag.as_run_by(a.dag)
     compute = trace_compute(md, model, x, iterations=a.iterations).minimum()
     total_c = sum(compute.values())
     rate = d.recv_bytes() / total_c if a.rate == "balanced" else float(a.rate) * 1e6 / 8

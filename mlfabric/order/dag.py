@@ -40,8 +40,12 @@ from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, Sequence
 import torch
 from torch import fx, nn
 
-__all__ = ["Dag", "Kind", "ModelDag", "Node", "dag_from_edges", "default_loss", "forward_dag", "recv_name",
-           "training_dag"]
+__all__ = ["EXECUTORS", "Dag", "Kind", "ModelDag", "Node", "dag_from_edges", "default_loss", "forward_dag",
+           "recv_name", "training_dag"]
+
+#: How a worker runs its forward: ``eager`` (PyTorch: the ops in program order) or
+#: ``dataflow`` (the paper's TensorFlow: any op whose inputs are in), :meth:`Dag.as_run_by`.
+EXECUTORS = ("eager", "dataflow")
 
 Phase = Literal["forward", "backward"]
 
@@ -180,6 +184,13 @@ class Dag:
                 previous = n.name
             out.add(n)
         return out
+
+    def as_run_by(self, executor: str) -> "Dag":
+        """This DAG as ``executor`` (one of :data:`EXECUTORS`) runs it: eager adds the
+        program-order edges (:meth:`in_program_order`), dataflow is the DAG itself."""
+        if executor not in EXECUTORS:
+            raise ValueError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
+        return self.in_program_order() if executor == "eager" else self
 
     def summary(self) -> dict[str, int]:
         return {"nodes": len(self), "compute": len(self.computes), "recv": len(self.recvs),

@@ -16,16 +16,13 @@ from typing import Any
 
 from torch import nn
 
-from mlfabric.order.dag import forward_dag
+from mlfabric.order.dag import EXECUTORS, forward_dag
 from mlfabric.order.heuristics import tao, tio
 from mlfabric.order.oracle import measured_oracle
 
-__all__ = ["EXECUTORS", "HEURISTICS", "parameter_priorities"]
+__all__ = ["HEURISTICS", "parameter_priorities"]
 
 HEURISTICS = ("tio", "tao")
-#: ``eager``: PyTorch runs the forward's ops in program order; ``dataflow``: any op whose
-#: inputs are in may run (TensorFlow, the paper's).
-EXECUTORS = ("eager", "dataflow")
 
 
 def parameter_priorities(model: nn.Module, example_inputs: tuple[Any, ...], *, heuristic: str = "tio",
@@ -42,7 +39,7 @@ def parameter_priorities(model: nn.Module, example_inputs: tuple[Any, ...], *, h
         raise ValueError("TAO needs rate_bytes_per_s > 0: the rate each worker receives its parameters at "
                          f"(got {rate_bytes_per_s!r}); TIO needs no rate")
     md = forward_dag(model, tuple(example_inputs))
-    dag = md.dag.in_program_order() if executor == "eager" else md.dag
+    dag = md.dag.as_run_by(executor)
     if heuristic == "tio":
         return tio(dag).by_parameter(dag)
     oracle = measured_oracle(md, model, tuple(example_inputs), rate_bytes_per_s=float(rate_bytes_per_s or 0),

@@ -176,9 +176,9 @@ def pace_fairly(server: "ParameterServer", ranks: list[int]) -> None:
     simulator assume; unpaced, the TCP flows that leave one NIC together do not share it
     evenly (on the emulated star one worker had its model in 17 ms and another in 46 ms).
     The unevenness costs a forward pass, which waits for the slowest worker, and helps
-    training, whose first workers push while the last still pull (docs/tictac.md decision 16). Counting the
-    answers in flight, not the round, matters: under BSP the last worker's pull often comes
-    just after the round of the others was answered. ``runtime/fair_share.py`` gives the
+    training, whose first workers push while the last still pull (docs/tictac.md decision
+    16). Counting the answers in flight, not the round, matters: under BSP the last worker's
+    pull often comes just after the round of the others was answered. ``runtime/fair_share.py`` gives the
     payload fraction; a flat answer lifts the caps (:func:`lift_pacing`)."""
     if not server.config.pace_ordered_pulls or server.nic_rate_bps is None or not ranks:
         return

@@ -324,7 +324,8 @@ class PartialAllreduce:
             self._rearm(version)
         # While the group re-forms the next round is unknown: calls wait in the queue.
         progressed = self._take_commands() if self.agreeing is None else False
-        if (self.transport.lost_peers or self.transport.departed_peers) and self.transport.gone_peers & set(self.members):
+        transport = self.transport
+        if (transport.lost_peers or transport.departed_peers) and transport.gone_peers & set(self.members):
             self._reform()
             progressed = True
         if self.agreeing is not None:

@@ -97,6 +97,16 @@ _DONE = SendHandle(done=True)
 MESSAGES_PER_CALL = 300
 
 
+def _add_frame(parts: list[memoryview], tag: int, meta: bytes, payload: memoryview, channel_index: int) -> int:
+    """Append one message's parts (frame header, meta if any, payload) to ``parts``; returns
+    its bytes on the wire."""
+    parts.append(memoryview(FRAME.pack(FRAME_MAGIC, tag, len(meta), payload.nbytes, channel_index)))
+    if meta:
+        parts.append(memoryview(meta))
+    parts.append(payload)
+    return FRAME.size + len(meta) + payload.nbytes
+
+
 def _without_sent(parts: list[memoryview], sent: int) -> list[memoryview]:
     """``parts`` minus their first ``sent`` bytes."""
     rest = []
@@ -458,11 +468,11 @@ class TcpTransport(Transport):
         connection = self._outgoing.get((peer, socket_channel))
         if connection is None:
             raise TransportError(f"rank {self.rank}: no connection to peer {peer} on channel {channel!r}")
-        frame = FRAME.pack(FRAME_MAGIC, tag, len(meta), payload.nbytes, self._channel_index[channel])
-        parts = [memoryview(frame), memoryview(meta), payload] if meta else [memoryview(frame), payload]
+        parts: list[memoryview] = []
+        nbytes = _add_frame(parts, tag, meta, payload, self._channel_index[channel])
         if self._pacer is not None and self._pacer.clock.paced(channel):
             return self._send_paced(connection, parts, channel, payload.nbytes)
-        return connection.send(parts, None, FRAME.size + len(meta) + payload.nbytes)
+        return connection.send(parts, None, nbytes)
 
     def send_many(self, peer: int, messages: Sequence[tuple[int, memoryview | bytes, bytes]], *,
                   channel: str = "0") -> SendHandle:
@@ -483,11 +493,7 @@ class TcpTransport(Transport):
             nbytes = 0
             for tag, payload, meta in messages[first:first + MESSAGES_PER_CALL]:
                 view = byte_view(payload)
-                parts.append(memoryview(FRAME.pack(FRAME_MAGIC, tag, len(meta), view.nbytes, index)))
-                if meta:
-                    parts.append(memoryview(meta))
-                parts.append(view)
-                nbytes += FRAME.size + len(meta) + view.nbytes
+                nbytes += _add_frame(parts, tag, meta, view, index)
                 payload_bytes += view.nbytes
             # One connection: the last completes last. The sender thread copies the batch into
             # the kernel (the copy releases the GIL), so the caller goes on at once: a server

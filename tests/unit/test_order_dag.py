@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from mlfabric.order import (Kind, TimeOracle, dag_from_edges, forward_dag, makespan, measured_oracle, recv_name, tao, tio,
-                            trace_compute, training_dag, transfer_times)
+from mlfabric.order import (Kind, TimeOracle, dag_from_edges, forward_dag, makespan, measured_oracle, recv_name, tao,
+                            tio, trace_compute, training_dag, transfer_times)
 from mlfabric.order.models import MODELS, build, param_bytes, param_count
 
 # (params, recvs, forward compute ops): the table in mlfabric/order/models.py.
@@ -205,7 +205,11 @@ def test_in_program_order_chains_compute_ops_as_eager_pytorch_runs_them():
     and TIO/TAO on the eager DAG give it."""
     d = dag_from_edges({"ra": 2.0, "rb": 2.0}, [("a", ["ra"], 2.0), ("b", ["rb"], 2.0), ("c", ["a", "b"], 1.0)])
     eager = d.in_program_order()
-    assert eager.node("b").inputs == ("rb", "a") and eager.node("c").inputs == ("a", "b")  # (b is an input of c already)
+    assert eager.node("b").inputs == ("rb", "a")
+    assert eager.node("c").inputs == ("a", "b")  # (b is an input of c already)
+    assert d.as_run_by("dataflow") is d and d.as_run_by("eager").node("b").inputs == ("rb", "a")
+    with pytest.raises(ValueError, match="unknown executor 'tensorflow'"):
+        d.as_run_by("tensorflow")
     assert eager.node("a").inputs == ("ra",) and d.node("b").inputs == ("rb",)  # the original is untouched
     o, oe = TimeOracle.from_costs(d), TimeOracle.from_costs(eager)
     assert makespan(d, o, ["rb", "ra"]) == makespan(d, o, ["ra", "rb"]) == 7.0
