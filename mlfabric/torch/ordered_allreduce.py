@@ -1,0 +1,326 @@
+"""Priority-ordered gradient allreduce with per-parameter updates: TicTac's priorities on allreduce training.
+
+    priorities = mlfabric.order.parameter_priorities(model, (example_x,))      # TIO, from the DAG
+    opt = mlfabric.torch.OrderedAllreduce(model, comm, torch.optim.SGD, lr=0.01, priorities=priorities)
+    for x, y in batches:
+        loss_fn(model(x), y).backward()      # no optimizer.step() nor zero_grad(): done per parameter
+    opt.synchronize()                        # before reading the parameters (evaluation, checkpoint)
+    opt.close()
+
+Exercise it with ``.venv/bin/python -m pytest tests/local/test_ordered_allreduce.py -q``.
+
+What it does, ByteScheduler-style (docs/tictac.md, "Gradients of allreduce training"):
+
+* a post-accumulate-grad hook per parameter tells a background *comm thread* that the
+  parameter's gradient is ready;
+* the comm thread allreduces (average) the gradients in fixed partitions of at most
+  ``partition_bytes``, at most ``credit`` at a time, in one order for every iteration
+  (:mod:`mlfabric.order.gradients`). A first, calibration iteration takes the parameters in
+  reverse, one partition at a time, and measures when each gradient is ready and how long
+  each partition takes; from then on, the order is DDP's first come, first served without
+  ``priorities``, or with them the order a priority scheduler would serve them in. Rank 0
+  computes it and broadcasts it, so every rank issues the same collectives in the same
+  order by construction;
+* once all of a parameter's partitions are reduced, its own optimizer
+  (``optimizer_class([param], **defaults)``) steps and its gradient is cleared;
+* a forward pre-hook on every module that owns parameters waits (bounded) until that
+  module's parameters are updated, so the next forward starts as soon as the first layers
+  are, while the later layers' gradients are still on the wire.
+
+The communicator belongs to it while it is open: collectives the script issues on the same
+communicator would interleave with the comm thread's differently on each rank (call
+:meth:`OrderedAllreduce.synchronize` first). Every parameter that requires a gradient must get
+one in every backward (as DDP without ``find_unused_parameters``), and each backward must come
+after a forward through the gated model (no gradient accumulation across backward passes).
+Learning-rate schedulers see one optimizer per parameter: use :meth:`set_lr`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from mlfabric.order.gradients import Partition, fifo_order, partition_params, priority_order
+from mlfabric.runtime.communicator import Communicator
+
+__all__ = ["DEFAULT_PARTITION_BYTES", "OrderedAllreduce"]
+
+#: ByteScheduler's partitions are ~MBs on 10-100 Gbit/s; at 1 Gbit/s a smaller piece lets a
+#: first layer overtake a large tensor's remaining pieces within ~1 ms.
+DEFAULT_PARTITION_BYTES = 128 * 1024
+
+
+class OrderedAllreduce:
+    """See the module docstring. ``priorities``: parameter name -> priority (lower first, as
+    :func:`mlfabric.order.parameter_priorities` returns), None for DDP's order; ``gate``:
+    install the forward pre-hooks (False: the caller waits with :meth:`wait`, e.g. through
+    :class:`mlfabric.ps.overlap.ParameterGate`); ``timeout_s``: bound of those waits (default
+    the communicator's); ``grad_ready_at``: parameter -> the instant its gradient counts as
+    ready (an emulated accelerator's; default: when the hook runs)."""
+
+    def __init__(self, model: nn.Module, comm: Communicator,
+                 optimizer_class: Callable[..., torch.optim.Optimizer] = torch.optim.SGD, *,
+                 priorities: Mapping[str, float] | None = None, partition_bytes: int = DEFAULT_PARTITION_BYTES,
+                 credit: int = 2, algorithm: str = "ring", gate: bool = True, timeout_s: float | None = None,
+                 grad_ready_at: Callable[[str], float] | None = None, **defaults: Any) -> None:
+        if not isinstance(comm, Communicator):
+            raise TypeError(f"OrderedAllreduce needs an mlfabric Communicator, got {type(comm).__name__}")
+        if credit < 1:
+            raise ValueError(f"credit must be >= 1 partition in flight, got {credit}")
+        self.comm = comm
+        self.rank = comm.rank
+        self.params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        if not self.params:
+            raise ValueError("the model has no parameter that requires a gradient")
+        if priorities is not None:
+            missing = sorted(set(self.params) - set(priorities))
+            if missing:
+                raise ValueError(f"no priority for parameter(s) {missing[:5]}: priorities must cover every "
+                                 "parameter that requires a gradient (parameter_priorities(model, ...) does)")
+        self.priorities = None if priorities is None else {k: float(priorities[k]) for k in self.params}
+        self.partitions = partition_params([(k, p.numel(), p.element_size()) for k, p in self.params.items()],
+                                           partition_bytes)
+        self.partition_bytes = partition_bytes
+        self.credit = credit
+        self.algorithm = algorithm
+        self.timeout_s = comm.timeout if timeout_s is None else float(timeout_s)
+        self._grad_ready_at = grad_ready_at
+        self._check_same_everywhere(model)
+        self._optimizers = {k: optimizer_class([p], **defaults) for k, p in self.params.items()}
+        self._parts_of = {k: sum(1 for part in self.partitions if part.param == k) for k in self.params}
+        #: The order the comm thread issues partitions in: until calibrated, the parameters in
+        #: reverse (DDP's first guess at the backward's order); then the measured
+        #: first-come-first-served order, or the priority order when priorities were given.
+        position = {k: i for i, k in enumerate(self.params)}
+        self.order: list[Partition] = sorted(self.partitions, key=lambda p: -position[p.param])
+        self.calibrated = False
+        #: The calibration's oracle: ready offset (s) per parameter after the first one,
+        #: service time (s) per partition (keyed by parameter and offset).
+        self.ready_s: dict[str, float] = {}
+        self.service_s: dict[tuple[str, int], float] = {}
+        self.iterations = 0  # backward passes whose gradients are all reduced and applied
+        self._cond = threading.Condition()
+        self._produced = dict.fromkeys(self.params, 0)
+        self._reduced = dict.fromkeys(self.params, 0)
+        self._ready_at = dict.fromkeys(self.params, 0.0)
+        now = time.monotonic()
+        self._updated_at = dict.fromkeys(self.params, now)
+        self._doing = "waiting for the first backward"
+        self._error: BaseException | None = None
+        self._closed = False
+        self._handles = [p.register_post_accumulate_grad_hook(self._grad_hook(k)) for k, p in self.params.items()]
+        if gate:
+            key_of = {id(p): k for k, p in self.params.items()}
+            for name, sub in model.named_modules():
+                own = [key_of[id(p)] for p in sub.parameters(recurse=False) if id(p) in key_of]
+                if own:
+                    self._handles.append(sub.register_forward_pre_hook(self._gate_hook(name or "<root>", own)))
+        self._thread = threading.Thread(target=self._run, name=f"mlfabric-ordered-allreduce-{self.rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- the caller's side -------------------------------------------------------------------
+
+    @property
+    def complete(self) -> dict[str, float]:
+        """Parameter -> when it was last updated, for the parameters with no update pending
+        (what :class:`mlfabric.ps.overlap.ParameterGate` reads, as of a pull's arrivals)."""
+        with self._cond:
+            return {k: self._updated_at[k] for k in self.params if self._reduced[k] == self._produced[k]}
+
+    def wait(self, keys: Iterable[str] | None = None, *, timeout: float | None = None, who: str = "") -> None:
+        """Block until ``keys`` (default: every parameter) have no update pending; raises the
+        comm thread's error, or TimeoutError after ``timeout`` (default ``timeout_s``) naming
+        what is pending and what the comm thread is doing."""
+        keys = list(self.params if keys is None else keys)
+        unknown = [k for k in keys if k not in self.params]
+        if unknown:
+            raise KeyError(f"rank {self.rank}: no trainable parameter named {unknown[0]!r}")
+        limit = self.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        with self._cond:
+            while True:
+                if self._error is not None:
+                    raise self._error
+                pending = [k for k in keys if self._reduced[k] != self._produced[k]]
+                if not pending:
+                    return
+                if self._closed:
+                    raise RuntimeError(f"rank {self.rank}: OrderedAllreduce is closed with updates of "
+                                       f"{pending[:3]} pending")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"rank {self.rank}: {who or 'synchronize'} waited {limit:.1f}s for the reduced gradient of "
+                        f"parameter {pending[0]!r} ({len(pending)} pending); the comm thread is {self._doing}. "
+                        "A peer that is slow or gone fails its allreduce with its name; a parameter whose "
+                        "gradient never came means it was unused in the backward (unsupported)")
+                self._cond.wait(left)
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Wait until every gradient produced so far is reduced and applied."""
+        self.wait(timeout=timeout, who="synchronize")
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate of every per-parameter optimizer."""
+        for opt in self._optimizers.values():
+            for group in opt.param_groups:
+                group["lr"] = lr
+
+    def close(self) -> None:
+        """Stop the comm thread (after the updates in flight) and remove the hooks; idempotent."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.timeout_s)
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self) -> "OrderedAllreduce":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        kind = ("fifo" if self.priorities is None else "priority") if self.calibrated else "calibrating"
+        return (f"OrderedAllreduce(rank={self.rank}, params={len(self.params)}, partitions={len(self.partitions)}, "
+                f"order={kind}, credit={self.credit}, iterations={self.iterations})")
+
+    # -- hooks ---------------------------------------------------------------------------------
+
+    def _grad_hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            with self._cond:
+                if self._error is not None:
+                    raise self._error
+                if self._produced[name] != self._reduced[name]:
+                    raise RuntimeError(
+                        f"rank {self.rank}: parameter {name!r} got a new gradient before its previous one was "
+                        "reduced: run each backward after a forward through the gated model, or call "
+                        "synchronize() between backward passes (gradient accumulation is not supported)")
+                if param.grad is not None and not param.grad.is_contiguous():
+                    param.grad = param.grad.contiguous()  # the partitions are views of the flat gradient
+                self._ready_at[name] = time.monotonic() if self._grad_ready_at is None else self._grad_ready_at(name)
+                self._produced[name] += 1
+                self._cond.notify_all()
+        return hook
+
+    def _gate_hook(self, module: str, own: list[str]) -> Callable[[nn.Module, Any], None]:
+        def hook(_module: nn.Module, _args: Any) -> None:
+            self.wait(own, who=f"the forward of module {module!r}")
+        return hook
+
+    # -- the comm thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._run_iteration():
+                pass
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's next wait
+            with self._cond:
+                self._error = e
+                self._doing = f"stopped by {type(e).__name__}: {e}"
+                self._cond.notify_all()
+
+    def _run_iteration(self) -> bool:
+        """Reduce and apply one backward's gradients in ``self.order``; False once closed."""
+        calibrating = not self.calibrated
+        credit = 1 if calibrating else self.credit  # calibration times each partition alone
+        in_flight: deque[tuple[Partition, float, torch.futures.Future]] = deque()
+        left = dict(self._parts_of)
+        for part in self.order:
+            if not self._await_gradient(part.param):
+                return False
+            while len(in_flight) >= credit:
+                self._complete(in_flight.popleft(), left)
+            grad = self.params[part.param].grad
+            assert grad is not None  # the hook saw it
+            view = grad.view(-1)[part.offset:part.offset + part.numel]
+            in_flight.append((part, time.monotonic(), self.comm.allreduce_async(view, self.algorithm, "avg")))
+        while in_flight:
+            self._complete(in_flight.popleft(), left)
+        self.iterations += 1
+        if calibrating:
+            self._calibrate()
+        self._doing = "waiting for the next backward"
+        return True
+
+    def _await_gradient(self, name: str) -> bool:
+        """Wait (as long as the caller computes) for this iteration's gradient of ``name``,
+        then until the instant it counts as ready; False once closed."""
+        with self._cond:
+            while self._produced[name] == self._reduced[name]:
+                self._doing = f"waiting for this rank's backward to produce the gradient of parameter {name!r}"
+                if self._closed:
+                    return False
+                self._cond.wait()
+            ready_at = self._ready_at[name]
+        if not self.calibrated:  # kept now: once applied, the next backward overwrites _ready_at
+            self.ready_s[name] = ready_at
+        late = ready_at - time.monotonic()
+        if late > 0:  # an emulated accelerator's backward has not produced it yet
+            time.sleep(late)
+        return True
+
+    def _complete(self, item: tuple[Partition, float, torch.futures.Future], left: dict[str, int]) -> None:
+        part, started, future = item
+        self._doing = (f"in the allreduce of elements {part.offset}-{part.offset + part.numel} of parameter "
+                       f"{part.param!r}")
+        future.wait()
+        if not self.calibrated:
+            self.service_s[(part.param, part.offset)] = time.monotonic() - started
+        left[part.param] -= 1
+        if left[part.param]:
+            return
+        param = self.params[part.param]
+        self._optimizers[part.param].step()
+        param.grad = None
+        with self._cond:
+            self._reduced[part.param] += 1
+            self._updated_at[part.param] = time.monotonic()
+            self._cond.notify_all()
+
+    def _calibrate(self) -> None:
+        """After the first iteration: rank 0 computes the order from what it measured (as DDP
+        rebuilds its buckets in the order the first backward produced them) and broadcasts
+        it, so every rank issues the same order."""
+        start = min(self.ready_s.values())
+        self.ready_s = {k: t - start for k, t in self.ready_s.items()}
+        index = {(p.param, p.offset): i for i, p in enumerate(self.partitions)}
+        chosen = torch.zeros(len(self.partitions), dtype=torch.int64)
+        if self.rank == 0:
+            if self.priorities is None:
+                order = fifo_order(self.partitions, self.ready_s)
+            else:
+                order = priority_order(self.partitions, self.ready_s, self.priorities,
+                                       lambda p: self.service_s[(p.param, p.offset)])
+            chosen = torch.tensor([index[(p.param, p.offset)] for p in order], dtype=torch.int64)
+        self._doing = "receiving the calibrated order from rank 0"
+        self.comm.broadcast(chosen, root=0)
+        if sorted(chosen.tolist()) != list(range(len(self.partitions))):
+            raise RuntimeError(f"rank {self.rank}: the order broadcast by rank 0 is not a permutation of this "
+                               "rank's partitions (the ranks' models differ?)")
+        self.order = [self.partitions[i] for i in chosen.tolist()]
+        self.calibrated = True
+
+    def _check_same_everywhere(self, model: nn.Module) -> None:
+        """Every rank must cut and order the same partitions: compare a fingerprint of the
+        parameters and options (one allgather at construction) and name a rank that differs."""
+        text = repr(([(k, tuple(p.shape), str(p.dtype)) for k, p in self.params.items()], self.partition_bytes,
+                     self.credit, self.algorithm, sorted((self.priorities or {}).items())))
+        digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+        everyone = self.comm.allgather(torch.tensor([digest], dtype=torch.int64))[:, 0].tolist()
+        differ = [r for r, d in enumerate(everyone) if d != everyone[0]]
+        if differ:
+            raise ValueError(f"rank {self.rank}: OrderedAllreduce differs between ranks 0 and {differ[0]} "
+                             "(parameters, shapes, dtypes, priorities, partition_bytes, credit or algorithm): "
+                             "construct it with the same model and options on every rank")
