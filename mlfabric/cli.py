@@ -553,6 +553,72 @@ def bench_tictac(
         raise typer.Exit(1)
 
 
+@bench_app.command("grad-order")
+def bench_grad_order(
+    model: Annotated[str, typer.Option(help="inception, vgg, alexnet, par32 or seq32 (mlfabric.order.models).")]
+    = "vgg",
+    workers: Annotated[int, typer.Option(help="Data-parallel ranks (ring allreduce).")] = 4,
+    ordering: Annotated[str, typer.Option(help="Comma-separated: ddp (first come first served, step after every "
+                                          "update), fifo (same order, per-layer forward), tio, tao (priority order, "
+                                          "per-layer forward).")] = "ddp,fifo,tio,tao",
+    emulate: Annotated[bool, typer.Option("--emulate", help="Run on an emulated star (root): workers hosts, NICs "
+                                          "at --rate.")] = False,
+    rate: Annotated[str, typer.Option(help="NIC rate when emulated; also sizes the emulated device (S = 1).")]
+    = "1gbit",
+    width: Annotated[int, typer.Option(help="Channel multiplier of the model (parameters ~ width^2).")] = 1,
+    batch: Annotated[int, typer.Option(help="Synthetic batch size of the real compute.")] = 1,
+    device: Annotated[str, typer.Option(help="emulated: forward and backward padded to device times (S = 1); cpu: "
+                                        "the real compute only.")] = "emulated",
+    partition: Annotated[str, typer.Option(help="Partition size of the gradients (ByteScheduler's), e.g. 1MiB.")]
+    = "128KiB",
+    credit: Annotated[int, typer.Option(help="Partitions in flight at once.")] = 2,
+    iterations: Annotated[int, typer.Option(help="Iterations per ordering, warm-up (and calibration) included.")]
+    = 40,
+    warmup: Annotated[int, typer.Option(help="Leading iterations not counted (>= 1: the first calibrates).")] = 5,
+    seed: Annotated[int, typer.Option(help="Model weights and inputs.")] = 0,
+    json_path: JsonOption = None,
+    quiet: QuietOption = False,
+    timeout: Annotated[float, typer.Option(help="Seconds before the whole run is killed.")] = 1800.0,
+) -> None:
+    """TicTac's priorities on allreduce training (ByteScheduler-style): step time per gradient order.
+
+    Reports steps/s against ddp, p50/p95 step and the host's wait for updates per ordering;
+    fails if the orderings or the ranks end with different parameters."""
+    from mlfabric.bench.grad_order import GradOrderBenchConfig, render_table, run_grad_order_bench
+    from mlfabric.bench.procs import RankFailedError, RankTimeoutError
+    from mlfabric.emu.cmd import EmuUnavailableError
+    from mlfabric.units import parse_rate, parse_size
+
+    config = make_config(GradOrderBenchConfig, model=model, workers=workers,
+                         orderings=tuple(split_list(ordering, "orderings")), emulate=emulate,
+                         rate_bps=make_config(parse_rate, value=rate), width=width, batch=batch, device=device,
+                         partition_bytes=make_config(parse_size, value=partition), credit=credit,
+                         iterations=iterations, warmup=warmup, seed=seed, timeout_s=timeout)
+    command = ["mlfabric", "bench", "grad-order", "--model", model, "--workers", str(workers), "--ordering", ordering,
+               *(["--emulate"] if emulate else []), "--rate", rate, "--width", str(width), "--batch", str(batch),
+               "--device", device, "--partition", partition, "--credit", str(credit), "--iterations", str(iterations),
+               "--warmup", str(warmup), "--seed", str(seed)]
+    if json_path is not None:
+        command += ["--json", str(json_path)]
+    with progress_bar(quiet=quiet) as progress:
+        task = progress.add_task(f"grad-order {model}", total=iterations * len(config.orderings))
+        done: dict[str, int] = {}
+
+        def on_progress(name: str, k: int) -> None:
+            done[name] = k
+            progress.update(task, description=f"grad-order {model}: {name}", completed=sum(done.values()))
+
+        result = run_or_exit(lambda: run_grad_order_bench(config, argv=command, capture_output=True,
+                                                          on_progress=on_progress),
+                             (RankFailedError, RankTimeoutError, EmuUnavailableError))
+    console.print(render_table(result))
+    if json_path is not None:
+        write_json(json_path, result.to_dict())
+    if not all(r.correct for r in result.results):
+        console.print("[bold red]error:[/] the ranks or the orderings ended with different parameters")
+        raise typer.Exit(1)
+
+
 @bench_app.command("scheduler")
 def bench_scheduler(
     updates: Annotated[str, typer.Option(help="Comma-separated batch sizes |U| (MLfabric §7.4).")] = "100,500,1000",

@@ -201,10 +201,7 @@ def plan(config: TicTacBenchConfig) -> TicTacPlan:
     backward = 0.0
     if config.device == "emulated":
         forward_target = total_transfer / (1.0 if config.forward_only else 1.0 + config.backward_factor)
-        others = math.fsum(t for n, t in cpu.items() if n not in module_nodes)
-        padded = math.fsum(cpu[n] for n in module_nodes)
-        factor = max(forward_target - others, 0.0) / padded
-        device = {n: cpu[n] * factor for n in module_nodes}
+        device = emulated_device_times(cpu, module_nodes, forward_target)
         backward = 0.0 if config.forward_only else config.backward_factor * forward_target
     compute = {n: device.get(n, cpu[n]) for n in dag.computes}
     dag = dag.as_run_by(config.dag)
@@ -215,6 +212,15 @@ def plan(config: TicTacBenchConfig) -> TicTacPlan:
     return TicTacPlan(node_names=names, device_time=device, cpu_time=cpu, backward_time=backward,
                       transfer_time=transfer, priorities=priorities, model_bytes=param_bytes(model),
                       speedup_S=speedup(b))
+
+
+def emulated_device_times(cpu: dict[str, float], module_nodes: set[str], forward_s: float) -> dict[str, float]:
+    """Device time per module call: its traced CPU minimum times one factor, so that the
+    forward (the calls outside modules at their CPU time) lasts ``forward_s``."""
+    others = math.fsum(t for n, t in cpu.items() if n not in module_nodes)
+    padded = math.fsum(cpu[n] for n in module_nodes)
+    factor = max(forward_s - others, 0.0) / padded
+    return {n: cpu[n] * factor for n in module_nodes}
 
 
 # --------------------------------------------------------------------------- inside a rank
@@ -549,11 +555,13 @@ def _consistent(config: TicTacBenchConfig, records: list[_WorkerRecord]) -> bool
     return True
 
 
-def collect_metadata(config: TicTacBenchConfig, argv: Sequence[str] | None) -> dict[str, Any]:
+def collect_metadata(config: Any, argv: Sequence[str] | None, *, hosts: int | None = None) -> dict[str, Any]:
+    """Date, command, machine of a run of ``config`` (a benchmark's: ``workers``, ``emulate``,
+    ``rate_bps``) on ``hosts`` hosts (default: ``workers`` + the server)."""
     import torch
 
     cores = os.cpu_count()
-    where = (f"emulated star:n={config.workers + 1} at {config.rate_bps / 1e6:g} Mbit/s per NIC (netns + veth + htb)"
+    where = (f"emulated star:n={config.workers + 1 if hosts is None else hosts} at {config.rate_bps / 1e6:g} Mbit/s per NIC (netns + veth + htb)"
              if config.emulate else "local processes on loopback (no shaping)")
     return {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "command": shlex.join(argv if argv is not None else sys.argv),

@@ -4,7 +4,8 @@
 
 :class:`ParameterGate` puts a forward pre-hook on every submodule that owns parameters: the
 hook waits (bounded) on the current :class:`~mlfabric.ps.ordered.ArrivingModel` until that
-module's own parameters have landed, so the forward of the first layers overlaps the transfer
+module's own parameters have landed (or on any :class:`Arrivals`: an
+:class:`~mlfabric.torch.OrderedAllreduce`, until they are updated), so the forward of the first layers overlaps the transfer
 of the later ones. With no pull attached (a flat pull, or none) the hooks do not wait.
 
 The same hooks record the iteration's **trace**: per leaf-module call, its span (named like
@@ -25,16 +26,22 @@ joins the spans with the pull's transfers into an :class:`mlfabric.order.trace.T
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 from torch import fx, nn
 
 from mlfabric.order.trace import Span, Trace
 
-from .ordered import ArrivingModel
+__all__ = ["Arrivals", "ParameterGate", "call_names"]
 
-__all__ = ["ParameterGate", "call_names"]
 
+class Arrivals(Protocol):
+    """What the gate waits on: parameter -> when it became usable, and a bounded wait."""
+
+    @property
+    def complete(self) -> Mapping[str, float]: ...
+
+    def wait(self, keys: Iterable[str] | None = None, *, timeout: float | None = None, who: str = "") -> None: ...
 
 def call_names(graph_module: fx.GraphModule) -> dict[str, list[str]]:
     """Module name -> the fx node names of its calls, in program order (a module called
@@ -72,7 +79,7 @@ class ParameterGate:
             self._handles.append(sub.register_forward_pre_hook(self._pre_hook(name, own)))
             if leaf:
                 self._handles.append(sub.register_forward_hook(self._post_hook(name)))
-        self.arriving: ArrivingModel | None = None
+        self.arriving: Arrivals | None = None
         self.spans: list[Span] = []
         self.waits: list[Span] = []  # (module, wait start, wait end) of the waits that blocked
         self.host_late = 0
@@ -82,7 +89,7 @@ class ParameterGate:
         if self.device_time:
             self._handles.append(module.register_forward_hook(self._synchronize))
 
-    def attach(self, arriving: ArrivingModel | None) -> None:
+    def attach(self, arriving: Arrivals | None) -> None:
         """Start an iteration: the hooks wait on ``arriving`` (None: no waiting); spans restart."""
         self.arriving = arriving
         self.spans, self.waits = [], []
@@ -152,7 +159,8 @@ class ParameterGate:
     def trace(self, transfers: Sequence[Span] | None = None, **meta: Any) -> Trace:
         """This iteration's compute spans with ``transfers`` (default: the attached pull's)."""
         if transfers is None:
-            transfers = self.arriving.transfer_spans() if self.arriving is not None else ()
+            spans = getattr(self.arriving, "transfer_spans", None)  # a pull's (ArrivingModel) transfers
+            transfers = spans() if spans is not None else ()
         return Trace.of(self.spans, transfers, **meta)
 
 

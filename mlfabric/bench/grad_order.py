@@ -1,0 +1,335 @@
+"""TicTac's priorities on allreduce training: step time per gradient order (ByteScheduler-style).
+
+    mlfabric bench grad-order --model vgg --width 2 --workers 4 --ordering ddp,fifo,tio,tao \\
+        --emulate --rate 1gbit --iterations 60 --json out.json                      # root
+
+``workers`` ranks train one model with data-parallel SGD (ring allreduce, average), each on
+its own synthetic batch, through :class:`mlfabric.torch.OrderedAllreduce`, either as local
+processes or, with ``--emulate``, on an emulated star whose NICs are shaped to ``rate``.
+Each ordering trains the same initial model for ``iterations`` iterations:
+
+* ``ddp``: what DistributedDataParallel + ``optimizer.step()`` do: the gradients are reduced
+  first come, first served (overlapping the backward) and the next forward starts once every
+  update is applied;
+* ``fifo``: the same order, but each module's forward starts once its own parameters are
+  updated (the per-layer overlap alone: the first layer is still reduced last);
+* ``tio`` / ``tao``: ByteScheduler-style priority order (:mod:`mlfabric.order.gradients`)
+  with TIO's / TAO's priorities from the forward DAG (the eager DAG: TIO is the order the
+  forward first uses the parameters, ByteScheduler's layer order), and the per-layer overlap.
+
+**The emulated device** (``--device emulated``, as in ``mlfabric bench tictac``): each leaf
+module's forward runs for real and on an emulated accelerator for its device time
+(:class:`mlfabric.ps.overlap.ParameterGate`), scaled so that forward + backward (the backward
+``backward_factor`` x each module's forward, run last module first) equals the ring
+allreduce time of the model at ``rate`` (S = 1: the regime where the order matters). The
+gradient of a module's parameters counts as ready when the emulated backward has passed it
+(``OrderedAllreduce(grad_ready_at=...)``); the host waits for the emulated backward's end.
+
+**Figures** per ordering: ``steps_per_s`` (timed iterations over their span, the slowest
+rank, the last updates included), ``p50_step_s`` / ``p95_step_s`` (per iteration, the
+slowest rank's start-to-start time), ``comm_wait_s`` (per iteration, the time the host
+waited for updates: ``ddp``'s synchronize, the others' forward gates; median),
+``correct`` (every rank, and every ordering, ends with the same parameters: the order
+changes when the arithmetic happens, not what it is).
+
+Exercise it with ``.venv/bin/python -m pytest tests/local/test_bench_grad_order.py -q``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+from mlfabric.bench.procs import LaunchConfig, check_choices, report, run_ranks
+from mlfabric.bench.tictac import DEVICES, TCP_PAYLOAD_SHARE, _percentile, collect_metadata, emulated_device_times
+
+__all__ = ["GradOrderBenchConfig", "GradOrderBenchResult", "GradOrderPlan", "ORDERINGS", "plan", "render_table",
+           "run_grad_order_bench"]
+
+ORDERINGS = ("ddp", "fifo", "tio", "tao")
+LR = 0.01
+
+
+@dataclass(frozen=True, kw_only=True)
+class GradOrderBenchConfig:
+    """See the module docstring. ``iterations`` per ordering, the first ``warmup`` not counted
+    (the first is OrderedAllreduce's calibration)."""
+
+    model: str = "vgg"
+    width: int = 1
+    batch: int = 1
+    workers: int = 4
+    orderings: tuple[str, ...] = ORDERINGS
+    iterations: int = 40
+    warmup: int = 5
+    emulate: bool = False
+    rate_bps: float = 1e9
+    device: str = "emulated"
+    backward_factor: float = 2.0
+    partition_bytes: int = 128 * 1024
+    credit: int = 2
+    transport: str = "tcp"
+    seed: int = 0
+    timeout_s: float = 1800.0
+    comm_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        from mlfabric import TRANSPORTS
+        from mlfabric.order.models import MODELS
+
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(sorted(MODELS))}")
+        check_choices(list(self.orderings), ORDERINGS, "orderings", "ordering")
+        if self.device not in DEVICES:
+            raise ValueError(f"unknown device {self.device!r}; choose one of {', '.join(DEVICES)}")
+        if self.workers < 2 or self.width < 1 or self.batch < 1:
+            raise ValueError(f"need workers >= 2, width and batch >= 1, got {self.workers}, {self.width}, "
+                             f"{self.batch}")
+        if not 1 <= self.warmup < self.iterations - 1:
+            raise ValueError(f"need 1 <= warmup < iterations - 1 (the first iteration calibrates), got "
+                             f"{self.warmup}, {self.iterations}")
+        if not self.rate_bps >= 8000 or self.backward_factor < 0 or self.partition_bytes < 1 or self.credit < 1:
+            raise ValueError("rate must be >= 8 kbit/s, backward_factor >= 0, partition_bytes and credit >= 1")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
+
+    @property
+    def allreduce_bytes_per_s(self) -> float:
+        """Gradient bytes a ring allreduce averages per second: each rank sends 2(n-1)/n of them."""
+        n = self.workers
+        return self.rate_bps / 8 * TCP_PAYLOAD_SHARE * n / (2 * (n - 1))
+
+
+@dataclass(frozen=True, kw_only=True)
+class GradOrderPlan:
+    """What the parent computes before the launch and every rank receives."""
+
+    node_names: dict[str, list[str]]          # module -> DAG node names of its calls
+    device_time: dict[str, float]             # DAG node -> padded forward time (empty: --device cpu)
+    backward_time: float                      # the emulated backward, all modules
+    ready_offset: dict[str, float]            # parameter -> its gradient's readiness after the backward starts
+    priorities: dict[str, dict[str, int]]     # "tio"/"tao" -> parameter -> priority
+    model_bytes: int
+    allreduce_s: float                        # the model's ring allreduce at the rate
+
+
+def plan(config: GradOrderBenchConfig) -> GradOrderPlan:
+    """Trace the forward DAG, size the emulated device (module docstring), compute TIO and TAO
+    with allreduce times as the transfers."""
+    from mlfabric.order import TimeOracle, forward_dag, tao, tio, trace_compute, transfer_times
+    from mlfabric.order.models import build, param_bytes
+    from mlfabric.ps.overlap import call_names
+
+    model, x = build(config.model, seed=config.seed, batch=config.batch, width=config.width)
+    md = forward_dag(model, x)
+    cpu = trace_compute(md, model, x, iterations=10, warmup=2).minimum()
+    names = call_names(md.graph_module)
+    module_nodes = {n for calls in names.values() for n in calls}
+    transfer = transfer_times(md.dag, config.allreduce_bytes_per_s)
+    allreduce_s = math.fsum(transfer.values())
+    device: dict[str, float] = {}
+    if config.device == "emulated":
+        device = emulated_device_times(cpu, module_nodes, allreduce_s / (1.0 + config.backward_factor))
+    # The emulated backward runs the modules last first, each backward_factor x its forward.
+    backward_of = {m: config.backward_factor * math.fsum(device.get(n, 0.0) for n in calls)
+                   for m, calls in names.items()}
+    ready_module, passed = {}, 0.0
+    for m in reversed(list(names)):
+        passed += backward_of[m]
+        ready_module[m] = passed
+    ready_offset = {k: ready_module.get(k.rpartition(".")[0], passed) for k, _ in model.named_parameters()}
+    compute = {n: device.get(n, cpu[n]) for n in md.dag.computes}
+    dag = md.dag.as_run_by("eager")
+    oracle = TimeOracle.combine(dag, compute, transfer)
+    priorities = {"tio": tio(dag).by_parameter(dag), "tao": tao(dag, oracle).by_parameter(dag)}
+    return GradOrderPlan(node_names=names, device_time=device, backward_time=passed, ready_offset=ready_offset,
+                         priorities=priorities, model_bytes=param_bytes(model), allreduce_s=allreduce_s)
+
+
+# --------------------------------------------------------------------------- inside a rank
+
+
+@dataclass(frozen=True, kw_only=True)
+class _RankRecord:
+    starts: list[float]
+    end: float                 # after the last updates were applied
+    comm_wait: list[float]     # per iteration: host time waiting for updates
+    checksum: float
+    order: list[str]           # the calibrated order's parameters, partition by partition
+
+
+def _rank_main(config: GradOrderBenchConfig, the_plan: GradOrderPlan) -> list[_RankRecord]:
+    import mlfabric
+
+    comm = mlfabric.init(config.transport, timeout=config.comm_timeout_s)
+    try:
+        return [_train(comm, config, the_plan, ordering) for ordering in config.orderings]
+    finally:
+        comm.close()
+
+
+def _train(comm: Any, config: GradOrderBenchConfig, the_plan: GradOrderPlan, ordering: str) -> _RankRecord:
+    import torch
+
+    from mlfabric.order.models import build
+    from mlfabric.ps.overlap import ParameterGate, pad_to
+    from mlfabric.torch import OrderedAllreduce
+
+    torch.set_num_threads(1)
+    model, (x,) = build(config.model, seed=config.seed, batch=config.batch, width=config.width)
+    x = torch.randn(x.shape, generator=torch.Generator().manual_seed(config.seed + 100 + comm.rank))
+    backward_start = [0.0]
+    emulated = bool(the_plan.device_time)
+    opt = OrderedAllreduce(model, comm, torch.optim.SGD, lr=LR, priorities=the_plan.priorities.get(ordering),
+                           partition_bytes=config.partition_bytes, credit=config.credit, gate=False,
+                           grad_ready_at=(lambda k: backward_start[0] + the_plan.ready_offset[k]) if emulated else None)
+    gate = ParameterGate(model, node_names=the_plan.node_names, device_time=the_plan.device_time,
+                         timeout_s=config.comm_timeout_s)
+    starts: list[float] = []
+    comm_wait: list[float] = []
+    try:
+        for k in range(config.iterations):
+            start = time.monotonic()
+            starts.append(start)
+            if ordering == "ddp":
+                opt.synchronize()
+                gate.attach(None)
+            else:
+                gate.attach(opt)
+            waited = time.monotonic() - start
+            out = model(x)
+            backward_start[0] = forward_end = time.monotonic()
+            out.square().mean().backward()
+            pad_to(forward_end, the_plan.backward_time)  # the host waits for the emulated backward
+            comm_wait.append(waited + sum(e - s for _, s, e in gate.waits))
+            if comm.rank == 0:
+                report((ordering, k + 1))
+        opt.synchronize()
+        end = time.monotonic()
+        checksum = math.fsum(float(p.detach().double().sum()) for p in model.parameters())
+        return _RankRecord(starts=starts, end=end, comm_wait=comm_wait, checksum=checksum,
+                           order=[p.param for p in opt.order])
+    finally:
+        gate.remove()
+        opt.close()
+
+
+# --------------------------------------------------------------------------- results (parent)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OrderingResult:
+    ordering: str
+    steps_per_s: float
+    p50_step_s: float
+    p95_step_s: float
+    comm_wait_s: float
+    correct: bool
+    steps_s: list[float] = field(repr=False)
+    order: list[str] = field(repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k not in ("steps_s", "order")}
+
+
+@dataclass(frozen=True, kw_only=True)
+class GradOrderBenchResult:
+    config: GradOrderBenchConfig
+    plan: GradOrderPlan
+    results: tuple[OrderingResult, ...]
+    metadata: dict[str, Any]
+
+    def speedups(self) -> dict[str, float]:
+        """steps/s of each ordering over ddp's (when ddp ran)."""
+        base = next((r.steps_per_s for r in self.results if r.ordering == "ddp"), None)
+        return {} if base is None else {r.ordering: r.steps_per_s / base for r in self.results}
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.plan
+        return {
+            "benchmark": "grad-order", "command": self.metadata.get("command"), "date": self.metadata.get("date"),
+            "machine": self.metadata.get("machine"), "metadata": self.metadata, "config": asdict(self.config),
+            "plan": {"model_bytes": p.model_bytes, "allreduce_s": p.allreduce_s,
+                     "forward_device_s": math.fsum(p.device_time.values()) or None, "backward_device_s": p.backward_time,
+                     "tio_order": sorted(p.priorities["tio"], key=p.priorities["tio"].get)},
+            "results": [r.to_dict() for r in self.results], "speedup_vs_ddp": self.speedups(),
+            "steps_s": {r.ordering: r.steps_s for r in self.results},
+            "orders": {r.ordering: r.order for r in self.results},
+        }
+
+
+def summarize(config: GradOrderBenchConfig, ordering: str, records: Sequence[_RankRecord],
+              reference: float | None) -> OrderingResult:
+    timed = range(config.warmup, config.iterations)
+    ends = [r.starts[1:] + [r.end] for r in records]
+    steps = [max(e[k] - r.starts[k] for r, e in zip(records, ends)) for k in timed]
+    span = max(r.end - r.starts[config.warmup] for r in records)
+    checksums = [r.checksum for r in records]
+    agree = all(math.isclose(c, checksums[0], rel_tol=1e-9, abs_tol=1e-9) for c in checksums)
+    same_as_reference = reference is None or math.isclose(checksums[0], reference, rel_tol=1e-6, abs_tol=1e-6)
+    return OrderingResult(
+        ordering=ordering, steps_per_s=len(timed) / span, p50_step_s=statistics.median(steps),
+        p95_step_s=_percentile(steps, 0.95),
+        comm_wait_s=statistics.median(max(r.comm_wait[k] for r in records) for k in timed),
+        correct=agree and same_as_reference, steps_s=steps, order=records[0].order)
+
+
+def run_grad_order_bench(config: GradOrderBenchConfig, *, argv: Sequence[str] | None = None,
+                         on_progress: Callable[[str, int], None] | None = None,
+                         capture_output: bool = False) -> GradOrderBenchResult:
+    """Plan, launch (locally or on the emulator: root), summarize."""
+    metadata = collect_metadata(config, argv, hosts=config.workers)
+    the_plan = plan(config)
+
+    def on_report(rank: int, payload: Any) -> None:
+        if on_progress is not None:
+            on_progress(*payload)
+
+    args = (config, the_plan)
+    if config.emulate:
+        from mlfabric.emu.cmd import EmuUnavailableError, have_root
+        from mlfabric.emu.launcher import emulated_launch
+
+        if not have_root():
+            raise EmuUnavailableError("mlfabric bench grad-order --emulate needs root (or CAP_NET_ADMIN + "
+                                      "CAP_SYS_ADMIN): run it under sudo, or drop --emulate")
+        with emulated_launch(f"star:n={config.workers}", config.rate_bps, timeout_s=config.timeout_s,
+                             capture_output=capture_output) as launch:
+            records = run_ranks(_rank_main, config=launch, args=args, on_report=on_report)
+    else:
+        launch = LaunchConfig(world_size=config.workers, timeout_s=config.timeout_s, capture_output=capture_output)
+        records = run_ranks(_rank_main, config=launch, args=args, on_report=on_report)
+    metadata["loadavg_at_end"] = list(os.getloadavg())
+    results: list[OrderingResult] = []
+    for i, ordering in enumerate(config.orderings):
+        reference = records[0][0].checksum if i else None  # the first ordering's parameters
+        results.append(summarize(config, ordering, [records[r][i] for r in range(config.workers)], reference))
+    return GradOrderBenchResult(config=config, plan=the_plan, results=tuple(results), metadata=metadata)
+
+
+# --------------------------------------------------------------------------- presentation
+
+
+def render_table(result: GradOrderBenchResult) -> Any:
+    from rich import box
+    from rich.table import Table
+
+    c = result.config
+    where = f"emulated at {c.rate_bps / 1e6:g} Mbit/s" if c.emulate else "local"
+    tab = Table(title=f"grad-order: {c.model} (width {c.width}, batch {c.batch}), {c.workers} ranks, ring "
+                      f"allreduce, {where}, device {c.device}, partitions {c.partition_bytes} B, credit {c.credit}",
+                caption=f"{len(range(c.warmup, c.iterations))} timed iterations per ordering; comm wait: the "
+                        "host's wait for updates per iteration (median)",
+                title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD)
+    for name in ("ordering", "steps/s", "x ddp", "p50 ms", "p95 ms", "comm wait ms", "correct"):
+        tab.add_column(name, justify="right" if name != "ordering" else "left", no_wrap=True)
+    speed = result.speedups()
+    for r in result.results:
+        tab.add_row(r.ordering, f"{r.steps_per_s:.2f}", "" if r.ordering not in speed else f"{speed[r.ordering]:.3f}",
+                    f"{r.p50_step_s * 1e3:.1f}", f"{r.p95_step_s * 1e3:.1f}", f"{r.comm_wait_s * 1e3:.1f}",
+                    "yes" if r.correct else "NO")
+    return tab

@@ -1,0 +1,63 @@
+"""``mlfabric bench grad-order`` on local processes (2 ranks over TCP, no shaping): the plan's
+emulated backward, the orders each ordering ran, the JSON's figures, the checks of the options.
+
+    .venv/bin/python -m pytest tests/local/test_bench_grad_order.py -q
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mlfabric.bench.grad_order import GradOrderBenchConfig, plan
+from mlfabric.cli import app
+
+pytestmark = pytest.mark.local
+
+
+def test_the_plan_runs_the_backward_last_module_first_and_balances_compute_and_allreduce() -> None:
+    config = GradOrderBenchConfig(model="vgg", workers=4)
+    p = plan(config)
+    forward = sum(p.device_time.values())
+    assert p.backward_time == pytest.approx(2 * forward)
+    # S = 1: forward + backward = the model's ring allreduce at the rate (2(n-1)/n of it sent).
+    assert forward + p.backward_time == pytest.approx(p.allreduce_s, rel=0.02)
+    assert p.allreduce_s == pytest.approx(p.model_bytes * 1.5 / (1e9 / 8 * 1448 / 1514))
+    # The first layer's gradient is ready last, at the end of the backward; the last layer's first.
+    assert p.ready_offset["0.weight"] == pytest.approx(p.backward_time)
+    assert p.ready_offset["18.weight"] == min(p.ready_offset.values()) > 0
+    assert p.priorities["tio"]["0.weight"] < p.priorities["tio"]["18.weight"]
+
+
+def test_cli_runs_every_ordering_and_they_train_the_same_model(tmp_path: Path) -> None:
+    out = tmp_path / "go.json"
+    got = CliRunner().invoke(app, ["bench", "grad-order", "--model", "vgg", "--workers", "2", "--iterations", "6",
+                                   "--warmup", "2", "--partition", "256KiB", "-q", "--json", str(out)])
+    assert got.exit_code == 0, got.output
+    data = json.loads(out.read_text())
+    assert [r["ordering"] for r in data["results"]] == ["ddp", "fifo", "tio", "tao"]
+    for r in data["results"]:
+        assert r["correct"], r  # every rank and every ordering: the same parameters
+        assert r["steps_per_s"] > 0 and 0 < r["p50_step_s"] <= r["p95_step_s"] and r["comm_wait_s"] >= 0
+    assert set(data["speedup_vs_ddp"]) == {"ddp", "fifo", "tio", "tao"} and data["speedup_vs_ddp"]["ddp"] == 1.0
+    orders = data["orders"]
+    assert orders["ddp"] == orders["fifo"]  # first come, first served: the last layer first...
+    assert orders["ddp"][0].startswith("18.") and orders["ddp"][-1].startswith("0.")
+    # The priority order: the same partitions (on unshaped loopback the link keeps up with the
+    # backward, so little overtakes; tests/local/test_ordered_allreduce.py has a queue).
+    assert sorted(orders["tio"]) == sorted(orders["ddp"]) and orders["tio"][0].startswith("18.")
+    assert "--partition 256KiB" in data["command"]
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--ordering", "ddp,bogus"], "unknown ordering 'bogus'"),
+    (["--workers", "1"], "workers >= 2"),
+    (["--warmup", "0"], "the first iteration"),
+    (["--partition", "128kb"], "lower-case 'b'"),
+])
+def test_cli_refuses_bad_options(options: list[str], message: str) -> None:
+    got = CliRunner().invoke(app, ["bench", "grad-order", "-q", *options])
+    assert got.exit_code != 0 and message in got.output, got.output
