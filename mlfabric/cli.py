@@ -574,7 +574,7 @@ def bench_grad_order(
     credit: Annotated[int, typer.Option(help="Partitions in flight at once.")] = 2,
     iterations: Annotated[int, typer.Option(help="Iterations per ordering, warm-up (and calibration) included.")]
     = 40,
-    warmup: Annotated[int, typer.Option(help="Leading iterations not counted (>= 1: the first calibrates).")] = 5,
+    warmup: Annotated[int, typer.Option(help="Leading iterations not counted (>= 2: the first calibrate).")] = 5,
     seed: Annotated[int, typer.Option(help="Model weights and inputs.")] = 0,
     json_path: JsonOption = None,
     quiet: QuietOption = False,

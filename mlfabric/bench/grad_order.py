@@ -57,7 +57,7 @@ LR = 0.01
 @dataclass(frozen=True, kw_only=True)
 class GradOrderBenchConfig:
     """See the module docstring. ``iterations`` per ordering, the first ``warmup`` not counted
-    (the first is OrderedAllreduce's calibration)."""
+    (they include OrderedAllreduce's calibration)."""
 
     model: str = "vgg"
     width: int = 1
@@ -89,9 +89,11 @@ class GradOrderBenchConfig:
         if self.workers < 2 or self.width < 1 or self.batch < 1:
             raise ValueError(f"need workers >= 2, width and batch >= 1, got {self.workers}, {self.width}, "
                              f"{self.batch}")
-        if not 1 <= self.warmup < self.iterations - 1:
-            raise ValueError(f"need 1 <= warmup < iterations - 1 (the first iteration calibrates), got "
-                             f"{self.warmup}, {self.iterations}")
+        from mlfabric.torch.ordered_allreduce import CALIBRATION_ITERATIONS
+
+        if not CALIBRATION_ITERATIONS <= self.warmup < self.iterations - 1:
+            raise ValueError(f"need {CALIBRATION_ITERATIONS} <= warmup < iterations - 1 (the first iterations "
+                             f"calibrate), got {self.warmup}, {self.iterations}")
         if not self.rate_bps >= 8000 or self.backward_factor < 0 or self.partition_bytes < 1 or self.credit < 1:
             raise ValueError("rate must be >= 8 kbit/s, backward_factor >= 0, partition_bytes and credit >= 1")
         if self.transport not in TRANSPORTS:
@@ -212,7 +214,7 @@ def _train(comm: Any, config: GradOrderBenchConfig, the_plan: GradOrderPlan, ord
         end = time.monotonic()
         checksum = math.fsum(float(p.detach().double().sum()) for p in model.parameters())
         return _RankRecord(starts=starts, end=end, comm_wait=comm_wait, checksum=checksum,
-                           order=[p.param for p in opt.order])
+                           order=[p.name for p in opt.order])
     finally:
         gate.remove()
         opt.close()

@@ -19,7 +19,8 @@ long each partition's allreduce takes, measured in a calibration iteration. The 
 (:mod:`mlfabric.torch.ordered_allreduce`) then issues the partitions in that fixed order,
 waiting for each one's gradient if it is late, and every rank agrees by construction.
 
-* :func:`partition_params`: each parameter cut into pieces of at most ``partition_bytes``.
+* :func:`partition_params`: large parameters cut into pieces of at most ``partition_bytes``,
+  small consecutive ones fused up to it.
 * :func:`fifo_order`: DDP's order, by when each gradient is ready.
 * :func:`priority_order`: a serial link that, whenever it is free, takes the ready partition
   of the highest priority (lowest number; ties: the earlier-ready, then the earlier
@@ -40,82 +41,117 @@ __all__ = ["Partition", "fifo_order", "finish_times", "partition_params", "prior
 
 @dataclass(frozen=True)
 class Partition:
-    """Elements ``[offset, offset + numel)`` of parameter ``param``'s flattened gradient."""
+    """One allreduce: ``segments`` of flattened gradients, (parameter, offset, numel) each; a
+    piece of one large parameter, or several small consecutive parameters fused (as DDP's
+    buckets: a collective per 100-byte bias would cost far more than its bytes)."""
 
-    param: str
-    offset: int
-    numel: int
+    segments: tuple[tuple[str, int, int], ...]
     nbytes: int
 
+    @property
+    def params(self) -> tuple[str, ...]:
+        return tuple(name for name, _, _ in self.segments)
 
-def partition_params(params: Sequence[tuple[str, int, int]], partition_bytes: int) -> list[Partition]:
-    """``params``: (name, numel, element size) in a fixed order (the model's); each cut into
-    partitions of at most ``partition_bytes`` (at least one element each), in that order."""
+    @property
+    def name(self) -> str:
+        """``a+b`` for fused parameters, ``w[0:1024]`` for a piece of one."""
+        if len(self.segments) == 1:
+            param, offset, numel = self.segments[0]
+            return f"{param}[{offset}:{offset + numel}]"
+        return "+".join(self.params)
+
+
+def partition_params(params: Sequence[tuple[str, int, int, str]], partition_bytes: int) -> list[Partition]:
+    """``params``: (name, numel, element size, dtype) in a fixed order (the model's). A
+    parameter of ``partition_bytes`` or more is cut into pieces of at most that (at least
+    one element each); consecutive smaller ones of one dtype are fused while the sum stays
+    within it. The partitions follow the parameters' order."""
     if partition_bytes < 1:
         raise ValueError(f"partition_bytes must be >= 1, got {partition_bytes}")
-    names = [name for name, _, _ in params]
+    names = [name for name, _, _, _ in params]
     if len(set(names)) != len(names):
         raise ValueError(f"parameter names repeat: {sorted(n for n in set(names) if names.count(n) > 1)}")
     out: list[Partition] = []
-    for name, numel, element_size in params:
+    bucket: list[tuple[str, int, int]] = []
+    bucket_bytes, bucket_dtype = 0, ""
+
+    def flush() -> None:
+        nonlocal bucket, bucket_bytes
+        if bucket:
+            out.append(Partition(tuple(bucket), bucket_bytes))
+        bucket, bucket_bytes = [], 0
+
+    for name, numel, element_size, dtype in params:
         if numel < 1 or element_size < 1:
             raise ValueError(f"parameter {name!r} has {numel} elements of {element_size} bytes")
-        step = max(1, partition_bytes // element_size)
-        out.extend(Partition(name, offset, min(step, numel - offset), min(step, numel - offset) * element_size)
-                   for offset in range(0, numel, step))
+        nbytes = numel * element_size
+        if nbytes >= partition_bytes:
+            flush()
+            step = max(1, partition_bytes // element_size)
+            out.extend(Partition(((name, offset, min(step, numel - offset)),), min(step, numel - offset) * element_size)
+                       for offset in range(0, numel, step))
+            continue
+        if bucket and (bucket_bytes + nbytes > partition_bytes or dtype != bucket_dtype):
+            flush()
+        bucket.append((name, 0, numel))
+        bucket_bytes += nbytes
+        bucket_dtype = dtype
+    flush()
     return out
 
 
-def _ready(parts: Sequence[Partition], ready_s: Mapping[str, float]) -> None:
-    missing = sorted({p.param for p in parts} - set(ready_s))
+def _ready_times(parts: Sequence[Partition], ready_s: Mapping[str, float]) -> list[float]:
+    """Each partition's ready time: its last parameter's."""
+    missing = sorted({k for p in parts for k in p.params} - set(ready_s))
     if missing:
         raise ValueError(f"no ready time for parameter(s) {missing[:5]}")
+    return [max(ready_s[k] for k in p.params) for p in parts]
 
 
 def fifo_order(parts: Sequence[Partition], ready_s: Mapping[str, float]) -> list[Partition]:
     """First come, first served: by ready time, then the parameters' order (stable)."""
-    _ready(parts, ready_s)
-    return sorted(parts, key=lambda p: ready_s[p.param])
+    ready = _ready_times(parts, ready_s)
+    return [parts[i] for i in sorted(range(len(parts)), key=lambda i: ready[i])]
 
 
 def priority_order(parts: Sequence[Partition], ready_s: Mapping[str, float], priority: Mapping[str, float],
                    service_s: Callable[[Partition], float]) -> list[Partition]:
     """The order a serial link serves ``parts`` in when, each time it is free, it takes the
-    ready partition with the lowest ``priority`` (module docstring); ``service_s``: how long
-    one partition's allreduce holds the link."""
-    _ready(parts, ready_s)
-    missing = sorted({p.param for p in parts} - set(priority))
+    ready partition with the lowest ``priority`` (a fused partition: its most urgent
+    parameter's; module docstring); ``service_s``: how long a partition's allreduce holds
+    the link."""
+    ready = _ready_times(parts, ready_s)
+    missing = sorted({k for p in parts for k in p.params} - set(priority))
     if missing:
         raise ValueError(f"no priority for parameter(s) {missing[:5]}")
-    first_index = {}
-    for i, p in enumerate(parts):
-        first_index.setdefault(p.param, i)
-    arrivals = sorted(range(len(parts)), key=lambda i: (ready_s[parts[i].param], i))
-    queue: list[tuple[float, float, int, int]] = []
+    urgency = [min(priority[k] for k in p.params) for p in parts]
+    arrivals = sorted(range(len(parts)), key=lambda i: (ready[i], i))
+    queue: list[tuple[float, float, int]] = []
     out: list[Partition] = []
-    now, nxt = (ready_s[parts[arrivals[0]].param] if parts else 0.0), 0
+    now, nxt = (ready[arrivals[0]] if parts else 0.0), 0
     while len(out) < len(parts):
-        while nxt < len(arrivals) and ready_s[parts[arrivals[nxt]].param] <= now:
+        while nxt < len(arrivals) and ready[arrivals[nxt]] <= now:
             i = arrivals[nxt]
-            heapq.heappush(queue, (priority[parts[i].param], ready_s[parts[i].param], first_index[parts[i].param], i))
+            heapq.heappush(queue, (urgency[i], ready[i], i))
             nxt += 1
         if not queue:  # the link idles until the next gradient is ready
-            now = ready_s[parts[arrivals[nxt]].param]
+            now = ready[arrivals[nxt]]
             continue
-        p = parts[heapq.heappop(queue)[3]]
-        out.append(p)
-        now += service_s(p)
+        i = heapq.heappop(queue)[2]
+        out.append(parts[i])
+        now += service_s(parts[i])
     return out
 
 
 def finish_times(order: Sequence[Partition], ready_s: Mapping[str, float],
                  service_s: Callable[[Partition], float]) -> dict[str, float]:
     """Parameter -> when its last partition's allreduce ends, ``order`` served as given by a
-    serial link that starts each partition once the link is free and its gradient is ready."""
-    _ready(order, ready_s)
+    serial link that starts each partition once the link is free and its gradients are ready."""
+    ready = _ready_times(order, ready_s)
     now = -math.inf
     out: dict[str, float] = {}
-    for p in order:
-        now = max(now, ready_s[p.param]) + service_s(p)
-        out[p.param] = max(out.get(p.param, -math.inf), now)
+    for p, r in zip(order, ready):
+        now = max(now, r) + service_s(p)
+        for k in p.params:
+            out[k] = max(out.get(k, -math.inf), now)
     return out

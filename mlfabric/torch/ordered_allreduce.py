@@ -14,13 +14,15 @@ What it does, ByteScheduler-style (docs/tictac.md, "Gradients of allreduce train
 * a post-accumulate-grad hook per parameter tells a background *comm thread* that the
   parameter's gradient is ready;
 * the comm thread allreduces (average) the gradients in fixed partitions of at most
-  ``partition_bytes``, at most ``credit`` at a time, in one order for every iteration
-  (:mod:`mlfabric.order.gradients`). A first, calibration iteration takes the parameters in
-  reverse, one partition at a time, and measures when each gradient is ready and how long
-  each partition takes; from then on, the order is DDP's first come, first served without
-  ``priorities``, or with them the order a priority scheduler would serve them in. Rank 0
-  computes it and broadcasts it, so every rank issues the same collectives in the same
-  order by construction;
+  ``partition_bytes`` (large parameters cut, small consecutive ones fused, as DDP's buckets),
+  at most ``credit`` at a time, in one order for every iteration
+  (:mod:`mlfabric.order.gradients`). The first :data:`CALIBRATION_ITERATIONS` take the
+  parameters in reverse and measure when each gradient is ready and how long each partition
+  holds the link (its completion after the previous one's, the least over those
+  iterations: an optimistic link makes the order wait for a gradient less often); from then
+  on, the order is DDP's first come, first served without ``priorities``, or with them the
+  order a priority scheduler would serve them in. Rank 0 computes it and broadcasts it, so
+  every rank issues the same collectives in the same order by construction;
 * once all of a parameter's partitions are reduced, its own optimizer
   (``optimizer_class([param], **defaults)``) steps and its gradient is cleared;
 * a forward pre-hook on every module that owns parameters waits (bounded) until that
@@ -49,11 +51,14 @@ from torch import nn
 from mlfabric.order.gradients import Partition, fifo_order, partition_params, priority_order
 from mlfabric.runtime.communicator import Communicator
 
-__all__ = ["DEFAULT_PARTITION_BYTES", "OrderedAllreduce"]
+__all__ = ["CALIBRATION_ITERATIONS", "DEFAULT_PARTITION_BYTES", "OrderedAllreduce"]
 
 #: ByteScheduler's partitions are ~MBs on 10-100 Gbit/s; at 1 Gbit/s a smaller piece lets a
 #: first layer overtake a large tensor's remaining pieces within ~1 ms.
 DEFAULT_PARTITION_BYTES = 128 * 1024
+#: Iterations in DDP's reverse order that measure the oracle (the first also warms up the
+#: connections, so each partition's least time over them is kept).
+CALIBRATION_ITERATIONS = 2
 
 
 class OrderedAllreduce:
@@ -84,8 +89,8 @@ class OrderedAllreduce:
                 raise ValueError(f"no priority for parameter(s) {missing[:5]}: priorities must cover every "
                                  "parameter that requires a gradient (parameter_priorities(model, ...) does)")
         self.priorities = None if priorities is None else {k: float(priorities[k]) for k in self.params}
-        self.partitions = partition_params([(k, p.numel(), p.element_size()) for k, p in self.params.items()],
-                                           partition_bytes)
+        self.partitions = partition_params(
+            [(k, p.numel(), p.element_size(), str(p.dtype)) for k, p in self.params.items()], partition_bytes)
         self.partition_bytes = partition_bytes
         self.credit = credit
         self.algorithm = algorithm
@@ -93,17 +98,17 @@ class OrderedAllreduce:
         self._grad_ready_at = grad_ready_at
         self._check_same_everywhere(model)
         self._optimizers = {k: optimizer_class([p], **defaults) for k, p in self.params.items()}
-        self._parts_of = {k: sum(1 for part in self.partitions if part.param == k) for k in self.params}
+        self._parts_of = {k: sum(part.params.count(k) for part in self.partitions) for k in self.params}
         #: The order the comm thread issues partitions in: until calibrated, the parameters in
         #: reverse (DDP's first guess at the backward's order); then the measured
         #: first-come-first-served order, or the priority order when priorities were given.
         position = {k: i for i, k in enumerate(self.params)}
-        self.order: list[Partition] = sorted(self.partitions, key=lambda p: -position[p.param])
+        self.order: list[Partition] = sorted(self.partitions, key=lambda p: -position[p.params[-1]])
         self.calibrated = False
         #: The calibration's oracle: ready offset (s) per parameter after the first one,
-        #: service time (s) per partition (keyed by parameter and offset).
+        #: service time (s) per partition.
         self.ready_s: dict[str, float] = {}
-        self.service_s: dict[tuple[str, int], float] = {}
+        self.service_s: dict[Partition, float] = {}
         self.iterations = 0  # backward passes whose gradients are all reduced and applied
         self._cond = threading.Condition()
         self._produced = dict.fromkeys(self.params, 0)
@@ -234,23 +239,28 @@ class OrderedAllreduce:
     def _run_iteration(self) -> bool:
         """Reduce and apply one backward's gradients in ``self.order``; False once closed."""
         calibrating = not self.calibrated
-        credit = 1 if calibrating else self.credit  # calibration times each partition alone
-        in_flight: deque[tuple[Partition, float, torch.futures.Future]] = deque()
+        in_flight: deque[tuple[Partition, list[float], torch.futures.Future]] = deque()
         left = dict(self._parts_of)
+        timeline: list[tuple[Partition, float, list[float]]] = []  # calibration: issued, [done]
         for part in self.order:
-            if not self._await_gradient(part.param):
+            if not all(self._await_gradient(k) for k in part.params):
                 return False
-            while len(in_flight) >= credit:
+            while len(in_flight) >= self.credit:
                 self._complete(in_flight.popleft(), left)
-            grad = self.params[part.param].grad
-            assert grad is not None  # the hook saw it
-            view = grad.view(-1)[part.offset:part.offset + part.numel]
-            in_flight.append((part, time.monotonic(), self.comm.allreduce_async(view, self.algorithm, "avg")))
+            issued = time.monotonic()
+            future = self.comm.allreduce_async(self._buffer(part), self.algorithm, "avg")
+            done: list[float] = []  # when it completed (the first of the callback and the waiter)
+            if calibrating:
+                future.add_done_callback(lambda _f, done=done: done.append(time.monotonic()))
+                timeline.append((part, issued, done))
+            in_flight.append((part, done, future))
         while in_flight:
             self._complete(in_flight.popleft(), left)
         self.iterations += 1
         if calibrating:
-            self._calibrate()
+            self._measure(timeline)
+            if self.iterations >= CALIBRATION_ITERATIONS:
+                self._calibrate()
         self._doing = "waiting for the next backward"
         return True
 
@@ -271,39 +281,64 @@ class OrderedAllreduce:
             time.sleep(late)
         return True
 
-    def _complete(self, item: tuple[Partition, float, torch.futures.Future], left: dict[str, int]) -> None:
-        part, started, future = item
-        self._doing = (f"in the allreduce of elements {part.offset}-{part.offset + part.numel} of parameter "
-                       f"{part.param!r}")
-        future.wait()
-        if not self.calibrated:
-            self.service_s[(part.param, part.offset)] = time.monotonic() - started
-        left[part.param] -= 1
-        if left[part.param]:
-            return
-        param = self.params[part.param]
-        self._optimizers[part.param].step()
-        param.grad = None
+    def _complete(self, item: tuple[Partition, list[float], torch.futures.Future], left: dict[str, int]) -> None:
+        part, done, future = item
+        self._doing = f"in the allreduce of partition {part.name}"
+        reduced = future.wait()
+        done.append(time.monotonic())  # (a callback may not have run yet when the wait returns)
+        if len(part.segments) > 1:  # a fused partition: back into the gradients
+            at = 0
+            for name, _, numel in part.segments:
+                self._grad_view(name, 0, numel).copy_(reduced[at:at + numel])
+                at += numel
+        for name in part.params:
+            left[name] -= 1
+            if not left[name]:
+                self._apply(name)
+
+    def _grad_view(self, name: str, offset: int, numel: int) -> torch.Tensor:
+        grad = self.params[name].grad
+        assert grad is not None  # the hook saw it
+        return grad.view(-1)[offset:offset + numel]
+
+    def _buffer(self, part: Partition) -> torch.Tensor:
+        """What to allreduce in place: a view of the gradient, or the fused parameters' copy."""
+        if len(part.segments) == 1:
+            return self._grad_view(*part.segments[0])
+        return torch.cat([self._grad_view(*segment) for segment in part.segments])
+
+    def _apply(self, name: str) -> None:
+        """Every partition of ``name`` is reduced: its optimizer steps; the forward may use it."""
+        self._optimizers[name].step()
+        self.params[name].grad = None
         with self._cond:
-            self._reduced[part.param] += 1
-            self._updated_at[part.param] = time.monotonic()
+            self._reduced[name] += 1
+            self._updated_at[name] = time.monotonic()
             self._cond.notify_all()
 
+    def _measure(self, timeline: list[tuple[Partition, float, list[float]]]) -> None:
+        """One calibration iteration: each partition's hold on the link (its completion after
+        the previous one's, or after its issue if the link was idle), least so far."""
+        previous = -float("inf")
+        for part, issued, done in timeline:
+            held = done[0] - max(previous, issued)
+            self.service_s[part] = min(self.service_s.get(part, held), held)
+            previous = done[0]
+
     def _calibrate(self) -> None:
-        """After the first iteration: rank 0 computes the order from what it measured (as DDP
+        """After the calibration: rank 0 computes the order from what it measured (as DDP
         rebuilds its buckets in the order the first backward produced them) and broadcasts
         it, so every rank issues the same order."""
         start = min(self.ready_s.values())
         self.ready_s = {k: t - start for k, t in self.ready_s.items()}
-        index = {(p.param, p.offset): i for i, p in enumerate(self.partitions)}
+        index = {p: i for i, p in enumerate(self.partitions)}
         chosen = torch.zeros(len(self.partitions), dtype=torch.int64)
         if self.rank == 0:
             if self.priorities is None:
                 order = fifo_order(self.partitions, self.ready_s)
             else:
-                order = priority_order(self.partitions, self.ready_s, self.priorities,
-                                       lambda p: self.service_s[(p.param, p.offset)])
-            chosen = torch.tensor([index[(p.param, p.offset)] for p in order], dtype=torch.int64)
+                order = priority_order(self.partitions, self.ready_s, self.priorities, self.service_s.__getitem__)
+            chosen = torch.tensor([index[p] for p in order], dtype=torch.int64)
         self._doing = "receiving the calibrated order from rank 0"
         self.comm.broadcast(chosen, root=0)
         if sorted(chosen.tolist()) != list(range(len(self.partitions))):

@@ -81,13 +81,17 @@ def test_training_equals_synchronous_sgd_and_every_rank_shares_the_order(priorit
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     orders = [order for _, order, _ in results]
     assert orders[0] == orders[1] == orders[2]
-    names = [p.param for p in orders[0]]
-    if not prioritised:  # DDP's order: the last layer's 16 partitions first, the first layer last
-        assert set(names[:16]) <= {"4.weight", "4.bias"} and set(names[-2:]) == {"0.weight", "0.bias"}, names
-    else:  # the first layer overtakes the last layer's queue of partitions
-        first_layer = max(i for i, n in enumerate(names) if n.startswith("0."))
+    names = [p.params[-1] for p in orders[0]]
+    # The two small layers are fused into one partition (under 4096 bytes); the last layer's
+    # weight (256 KiB) is cut into 64 and its bias into 4.
+    assert [p.params for p in orders[0]].count(("0.weight", "0.bias", "2.weight", "2.bias")) == 1
+    assert names.count("4.weight") == 64 and names.count("4.bias") == 4 and len(names) == 69
+    if not prioritised:  # DDP's order: the last layer's partitions first, the first layers last
+        assert set(names[:68]) == {"4.weight", "4.bias"} and names[-1] == "2.bias", names
+    else:  # the first layers overtake the last layer's queue of partitions
+        first_layers = names.index("2.bias")
         last_layer = max(i for i, n in enumerate(names) if n == "4.weight")
-        assert names[0].startswith("4.") and first_layer < last_layer, names
+        assert names[0].startswith("4.") and first_layers < last_layer, names
 
 
 def test_the_forward_waits_for_its_own_layer_only() -> None:
@@ -180,8 +184,8 @@ def test_a_wait_that_times_out_says_what_is_pending_and_what_the_comm_thread_doe
     [t.start() for t in threads]
     [t.join() for t in threads]
     _loss(models[0], *_batch(0, 0)).backward()  # rank 1 never runs its backward
-    with pytest.raises(TimeoutError, match=r"rank 0: synchronize waited 0.3s .* parameter '0.weight' .* in the allreduce of elements 0-1024 of "
-                       r"parameter '4.bias'"):
+    with pytest.raises(TimeoutError, match=r"rank 0: synchronize waited 0.3s .* parameter '0.weight' .* in the allreduce of partition "
+                       r"4.bias\[0:1024\]"):
         opts[0].synchronize(timeout=0.3)
     for opt, comm in zip(opts, comms):
         comm.close()

@@ -9,19 +9,31 @@ import pytest
 
 from mlfabric.order.gradients import Partition, fifo_order, finish_times, partition_params, priority_order
 
+F32 = "float32"
 
-def test_partitions_cut_each_parameter_in_order_and_cover_it() -> None:
-    parts = partition_params([("w", 10, 4), ("b", 3, 4)], partition_bytes=16)
-    assert [(p.param, p.offset, p.numel, p.nbytes) for p in parts] == [
-        ("w", 0, 4, 16), ("w", 4, 4, 16), ("w", 8, 2, 8), ("b", 0, 3, 12)]
+
+def test_large_parameters_are_cut_and_small_consecutive_ones_fused() -> None:
+    parts = partition_params([("w", 10, 4, F32), ("b", 1, 4, F32), ("c", 2, 4, F32), ("d", 3, 4, F32)],
+                             partition_bytes=16)
+    assert [(p.segments, p.nbytes) for p in parts] == [
+        ((("w", 0, 4),), 16), ((("w", 4, 4),), 16), ((("w", 8, 2),), 8),   # w: 40 bytes in 16-byte pieces
+        ((("b", 0, 1), ("c", 0, 2)), 12),                                  # b + c fit in 16 bytes
+        ((("d", 0, 3),), 12)]                                              # d would overflow them
+    assert [p.name for p in parts] == ["w[0:4]", "w[4:8]", "w[8:10]", "b+c", "d[0:3]"]
+    assert parts[3].params == ("b", "c")
     # A partition smaller than one element still carries one element.
-    assert [p.numel for p in partition_params([("x", 3, 8)], partition_bytes=5)] == [1, 1, 1]
+    assert [p.segments[0][2] for p in partition_params([("x", 3, 8, "float64")], partition_bytes=5)] == [1, 1, 1]
+
+
+def test_only_one_dtype_is_fused() -> None:
+    parts = partition_params([("a", 1, 4, F32), ("b", 1, 4, "int32"), ("c", 1, 4, "int32")], partition_bytes=64)
+    assert [p.params for p in parts] == [("a",), ("b", "c")]
 
 
 @pytest.mark.parametrize("params, size, match", [
-    ([("w", 4, 4)], 0, "partition_bytes"),
-    ([("w", 4, 4), ("w", 2, 4)], 8, "repeat"),
-    ([("w", 0, 4)], 8, "0 elements"),
+    ([("w", 4, 4, F32)], 0, "partition_bytes"),
+    ([("w", 4, 4, F32), ("w", 2, 4, F32)], 8, "repeat"),
+    ([("w", 0, 4, F32)], 8, "0 elements"),
 ])
 def test_partition_params_rejects_bad_input(params, size, match) -> None:
     with pytest.raises(ValueError, match=match):
@@ -30,7 +42,7 @@ def test_partition_params_rejects_bad_input(params, size, match) -> None:
 
 # A 3-layer net: the backward hands over c (big, 4 partitions) first, then b, then a (the
 # layer the next forward needs first). Each partition holds the link 1 s.
-PARTS = partition_params([("a", 1, 4), ("b", 1, 4), ("c", 4, 4)], partition_bytes=4)
+PARTS = partition_params([("a", 1, 4, F32), ("b", 1, 4, F32), ("c", 4, 4, F32)], partition_bytes=4)
 READY = {"c": 0.0, "b": 0.5, "a": 1.5}
 PRIORITY = {"a": 0, "b": 1, "c": 2}
 
@@ -40,26 +52,36 @@ def one_second(_: Partition) -> float:
 
 
 def test_fifo_serves_in_backward_order() -> None:
-    assert [p.param for p in fifo_order(PARTS, READY)] == ["c", "c", "c", "c", "b", "a"]
+    assert [p.params[0] for p in fifo_order(PARTS, READY)] == ["c", "c", "c", "c", "b", "a"]
 
 
 def test_priority_lets_the_first_layer_overtake_the_queue() -> None:
     order = priority_order(PARTS, READY, PRIORITY, one_second)
     # t=0 only c is ready; t=1 b is (c's 3 others wait); t=2 a is.
-    assert [p.param for p in order] == ["c", "b", "a", "c", "c", "c"]
-    assert [p.offset for p in order if p.param == "c"] == [0, 1, 2, 3]
+    assert [p.params[0] for p in order] == ["c", "b", "a", "c", "c", "c"]
+    assert [p.segments[0][1] for p in order if p.params == ("c",)] == [0, 1, 2, 3]
     fifo, prio = finish_times(fifo_order(PARTS, READY), READY, one_second), finish_times(order, READY, one_second)
     # a, the first layer, is reduced at 3 s instead of 6 s; the last one finishes as late as before.
     assert (fifo["a"], prio["a"]) == (6.0, 3.0)
     assert max(fifo.values()) == max(prio.values()) == 6.0
 
 
+def test_a_fused_partition_waits_for_its_last_gradient_and_has_its_most_urgent_priority() -> None:
+    parts = partition_params([("a", 1, 4, F32), ("b", 1, 4, F32), ("c", 6, 4, F32)], partition_bytes=8)
+    assert [p.params for p in parts] == [("a", "b"), ("c",), ("c",), ("c",)]
+    order = priority_order(parts, READY, PRIORITY, one_second)
+    # a+b is ready at 1.5 s (a's time, not b's 0.5 s), with a's priority: at 2 s it
+    # overtakes c's last piece.
+    assert [p.name for p in order] == ["c[0:2]", "c[2:4]", "a+b", "c[4:6]"]
+    assert finish_times(order, READY, one_second) == {"c": 4.0, "a": 3.0, "b": 3.0}
+
+
 def test_priority_waits_for_late_gradients_and_breaks_ties_by_ready_time() -> None:
-    parts = partition_params([("x", 1, 4), ("y", 1, 4), ("z", 1, 4)], partition_bytes=4)
+    parts = partition_params([("x", 1, 4, F32), ("y", 1, 4, F32), ("z", 1, 4, F32)], partition_bytes=4)
     ready = {"x": 5.0, "y": 0.0, "z": 0.0}
     order = priority_order(parts, ready, {"x": 0, "y": 1, "z": 1}, one_second)
     # y and z tie (one TIO level): the model's order decides; x is not ready until 5 s.
-    assert [p.param for p in order] == ["y", "z", "x"]
+    assert [p.params[0] for p in order] == ["y", "z", "x"]
     assert finish_times(order, ready, one_second) == {"y": 1.0, "z": 2.0, "x": 6.0}
 
 
