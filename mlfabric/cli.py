@@ -570,7 +570,7 @@ def bench_grad_order(
     device: Annotated[str, typer.Option(help="emulated: forward and backward padded to device times (S = 1); cpu: "
                                         "the real compute only.")] = "emulated",
     partition: Annotated[str, typer.Option(help="Partition size of the gradients (ByteScheduler's), e.g. 1MiB.")]
-    = "128KiB",
+    = "512KiB",
     credit: Annotated[int, typer.Option(help="Partitions in flight at once.")] = 2,
     iterations: Annotated[int, typer.Option(help="Iterations per ordering, warm-up (and calibration) included.")]
     = 40,

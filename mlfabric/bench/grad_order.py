@@ -20,8 +20,9 @@ Each ordering trains the same initial model for ``iterations`` iterations:
 **The emulated device** (``--device emulated``, as in ``mlfabric bench tictac``): each leaf
 module's forward runs for real and on an emulated accelerator for its device time
 (:class:`mlfabric.ps.overlap.ParameterGate`), scaled so that forward + backward (the backward
-``backward_factor`` x each module's forward, run last module first) equals the ring
-allreduce time of the model at ``rate`` (S = 1: the regime where the order matters). The
+``backward_factor`` x each module's forward, run last module first) equals
+``compute_ratio`` x the ring allreduce time of the model at ``rate`` (1: S = 1; below 1, the
+network is the bottleneck, the regime where the order matters most). The
 gradient of a module's parameters counts as ready when the emulated backward has passed it
 (``OrderedAllreduce(grad_ready_at=...)``); the host waits for the emulated backward's end.
 
@@ -70,7 +71,10 @@ class GradOrderBenchConfig:
     rate_bps: float = 1e9
     device: str = "emulated"
     backward_factor: float = 2.0
-    partition_bytes: int = 128 * 1024
+    #: Emulated forward + backward over the model's allreduce time (1: S = 1; below 1 the
+    #: network is the bottleneck).
+    compute_ratio: float = 1.0
+    partition_bytes: int = 512 * 1024
     credit: int = 2
     transport: str = "tcp"
     seed: int = 0
@@ -94,8 +98,10 @@ class GradOrderBenchConfig:
         if not CALIBRATION_ITERATIONS <= self.warmup < self.iterations - 1:
             raise ValueError(f"need {CALIBRATION_ITERATIONS} <= warmup < iterations - 1 (the first iterations "
                              f"calibrate), got {self.warmup}, {self.iterations}")
-        if not self.rate_bps >= 8000 or self.backward_factor < 0 or self.partition_bytes < 1 or self.credit < 1:
-            raise ValueError("rate must be >= 8 kbit/s, backward_factor >= 0, partition_bytes and credit >= 1")
+        if not self.rate_bps >= 8000 or self.backward_factor < 0 or self.partition_bytes < 1 or self.credit < 1 \
+                or not self.compute_ratio > 0:
+            raise ValueError("rate must be >= 8 kbit/s, backward_factor >= 0, compute_ratio > 0, partition_bytes "
+                             "and credit >= 1")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
 
@@ -135,7 +141,8 @@ def plan(config: GradOrderBenchConfig) -> GradOrderPlan:
     allreduce_s = math.fsum(transfer.values())
     device: dict[str, float] = {}
     if config.device == "emulated":
-        device = emulated_device_times(cpu, module_nodes, allreduce_s / (1.0 + config.backward_factor))
+        device = emulated_device_times(cpu, module_nodes,
+                                       config.compute_ratio * allreduce_s / (1.0 + config.backward_factor))
     # The emulated backward runs the modules last first, each backward_factor x its forward.
     backward_of = {m: config.backward_factor * math.fsum(device.get(n, 0.0) for n in calls)
                    for m, calls in names.items()}

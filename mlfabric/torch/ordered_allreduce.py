@@ -53,9 +53,10 @@ from mlfabric.runtime.communicator import Communicator
 
 __all__ = ["CALIBRATION_ITERATIONS", "DEFAULT_PARTITION_BYTES", "OrderedAllreduce"]
 
-#: ByteScheduler's partitions are ~MBs on 10-100 Gbit/s; at 1 Gbit/s a smaller piece lets a
-#: first layer overtake a large tensor's remaining pieces within ~1 ms.
-DEFAULT_PARTITION_BYTES = 128 * 1024
+#: ByteScheduler tunes its partition size per job (MBs on 10-100 Gbit/s). On this TCP
+#: transport each collective costs ~1 ms of its own, so smaller pieces let a first layer
+#: overtake sooner but cost more than they save (docs/tictac.md has the figures).
+DEFAULT_PARTITION_BYTES = 512 * 1024
 #: Iterations in DDP's reverse order that measure the oracle (the first also warms up the
 #: connections, so each partition's least time over them is kept).
 CALIBRATION_ITERATIONS = 2
