@@ -31,7 +31,12 @@ rank, the last updates included), ``p50_step_s`` / ``p95_step_s`` (per iteration
 slowest rank's start-to-start time), ``comm_wait_s`` (per iteration, the time the host
 waited for updates: ``ddp``'s synchronize, the others' forward gates; median),
 ``correct`` (every rank, and every ordering, ends with the same parameters: the order
-changes when the arithmetic happens, not what it is).
+changes when the arithmetic happens, not what it is). ``predicted_step_s``: the step
+:func:`mlfabric.order.gradients.predicted_step` gives from rank 0's calibration (when its
+gradients were ready, how long each partition held the link) and the order it ran;
+``ideal_link_step_s``: the same on a link with no cost per collective (each partition its
+bytes at the allreduce's rate) and the order the ordering would pick there: what the
+ordering is worth where a collective costs little (NCCL, RDMA), not on this transport.
 
 Exercise it with ``.venv/bin/python -m pytest tests/local/test_bench_grad_order.py -q``.
 """
@@ -123,6 +128,8 @@ class GradOrderPlan:
     priorities: dict[str, dict[str, int]]     # "tio"/"tao" -> parameter -> priority
     model_bytes: int
     allreduce_s: float                        # the model's ring allreduce at the rate
+    param_sizes: list[tuple[str, int, int, str]]      # (name, numel, element size, dtype), the model's order
+    forward_ops: list[tuple[float, tuple[str, ...]]]  # per leaf-module call: (seconds, its own parameters)
 
 
 def plan(config: GradOrderBenchConfig) -> GradOrderPlan:
@@ -151,12 +158,17 @@ def plan(config: GradOrderBenchConfig) -> GradOrderPlan:
         passed += backward_of[m]
         ready_module[m] = passed
     ready_offset = {k: ready_module.get(k.rpartition(".")[0], passed) for k, _ in model.named_parameters()}
+    own = {m: tuple(f"{m}.{k}" for k, _ in sub.named_parameters(recurse=False)) for m, sub in model.named_modules()}
+    forward_ops = [(device.get(n.name, cpu[n.name]), own.get(str(n.target), ()))
+                   for n in md.graph_module.graph.nodes if n.op == "call_module"]
     compute = {n: device.get(n, cpu[n]) for n in md.dag.computes}
     dag = md.dag.as_run_by("eager")
     oracle = TimeOracle.combine(dag, compute, transfer)
     priorities = {"tio": tio(dag).by_parameter(dag), "tao": tao(dag, oracle).by_parameter(dag)}
     return GradOrderPlan(node_names=names, device_time=device, backward_time=passed, ready_offset=ready_offset,
-                         priorities=priorities, model_bytes=param_bytes(model), allreduce_s=allreduce_s)
+                         priorities=priorities, model_bytes=param_bytes(model), allreduce_s=allreduce_s,
+                         param_sizes=[(k, p.numel(), p.element_size(), str(p.dtype)) for k, p in model.named_parameters()],
+                         forward_ops=forward_ops)
 
 
 # --------------------------------------------------------------------------- inside a rank
@@ -168,7 +180,9 @@ class _RankRecord:
     end: float                 # after the last updates were applied
     comm_wait: list[float]     # per iteration: host time waiting for updates
     checksum: float
-    order: list[str]           # the calibrated order's parameters, partition by partition
+    order: list[str]           # the calibrated order, partition names
+    ready_s: dict[str, float]  # OrderedAllreduce's calibration: gradient ready offsets
+    service_s: dict[str, float]  # and each partition's hold on the link, by name
 
 
 def _rank_main(config: GradOrderBenchConfig, the_plan: GradOrderPlan) -> list[_RankRecord]:
@@ -221,7 +235,8 @@ def _train(comm: Any, config: GradOrderBenchConfig, the_plan: GradOrderPlan, ord
         end = time.monotonic()
         checksum = math.fsum(float(p.detach().double().sum()) for p in model.parameters())
         return _RankRecord(starts=starts, end=end, comm_wait=comm_wait, checksum=checksum,
-                           order=[p.name for p in opt.order])
+                           order=[p.name for p in opt.order], ready_s=dict(opt.ready_s),
+                           service_s={p.name: t for p, t in opt.service_s.items()})
     finally:
         gate.remove()
         opt.close()
@@ -238,6 +253,12 @@ class OrderingResult:
     p95_step_s: float
     comm_wait_s: float
     correct: bool
+    #: The step :func:`mlfabric.order.gradients.predicted_step` gives with rank 0's
+    #: calibration (its measured gradient times and partition holds) and the order it ran.
+    predicted_step_s: float
+    #: The same with a link that costs nothing per collective (each partition: its bytes at
+    #: the ring allreduce's rate) and the order the ordering picks for it.
+    ideal_link_step_s: float
     steps_s: list[float] = field(repr=False)
     order: list[str] = field(repr=False)
 
@@ -271,7 +292,30 @@ class GradOrderBenchResult:
         }
 
 
-def summarize(config: GradOrderBenchConfig, ordering: str, records: Sequence[_RankRecord],
+def predictions(config: GradOrderBenchConfig, the_plan: GradOrderPlan, ordering: str,
+                record: _RankRecord) -> tuple[float, float]:
+    """(predicted step with ``record``'s calibration and order, the step on an ideal link)."""
+    from mlfabric.order.gradients import fifo_order, partition_params, predicted_step, priority_order
+
+    parts = partition_params(the_plan.param_sizes, config.partition_bytes)
+    by_name = {p.name: p for p in parts}
+    forward = [(c, params) for c, params in the_plan.forward_ops]
+    overlap = ordering != "ddp"
+    ran = [by_name[name] for name in record.order]
+    measured = predicted_step(ran, record.ready_s, lambda p: record.service_s[p.name], forward,
+                              the_plan.backward_time, overlap=overlap)
+
+    def line_rate(p: Any) -> float:
+        return p.nbytes / config.allreduce_bytes_per_s
+
+    ready = the_plan.ready_offset
+    ideal_order = (fifo_order(parts, ready) if ordering in ("ddp", "fifo") else
+                   priority_order(parts, ready, the_plan.priorities[ordering], line_rate))
+    ideal = predicted_step(ideal_order, ready, line_rate, forward, the_plan.backward_time, overlap=overlap)
+    return measured, ideal
+
+
+def summarize(config: GradOrderBenchConfig, the_plan: GradOrderPlan, ordering: str, records: Sequence[_RankRecord],
               reference: float | None) -> OrderingResult:
     timed = range(config.warmup, config.iterations)
     ends = [r.starts[1:] + [r.end] for r in records]
@@ -280,8 +324,9 @@ def summarize(config: GradOrderBenchConfig, ordering: str, records: Sequence[_Ra
     checksums = [r.checksum for r in records]
     agree = all(math.isclose(c, checksums[0], rel_tol=1e-9, abs_tol=1e-9) for c in checksums)
     same_as_reference = reference is None or math.isclose(checksums[0], reference, rel_tol=1e-6, abs_tol=1e-6)
+    predicted, ideal = predictions(config, the_plan, ordering, records[0])
     return OrderingResult(
-        ordering=ordering, steps_per_s=len(timed) / span, p50_step_s=statistics.median(steps),
+        ordering=ordering, steps_per_s=len(timed) / span, predicted_step_s=predicted, ideal_link_step_s=ideal, p50_step_s=statistics.median(steps),
         p95_step_s=_percentile(steps, 0.95),
         comm_wait_s=statistics.median(max(r.comm_wait[k] for r in records) for k in timed),
         correct=agree and same_as_reference, steps_s=steps, order=records[0].order)
@@ -316,7 +361,8 @@ def run_grad_order_bench(config: GradOrderBenchConfig, *, argv: Sequence[str] | 
     results: list[OrderingResult] = []
     for i, ordering in enumerate(config.orderings):
         reference = records[0][0].checksum if i else None  # the first ordering's parameters
-        results.append(summarize(config, ordering, [records[r][i] for r in range(config.workers)], reference))
+        results.append(summarize(config, the_plan, ordering, [records[r][i] for r in range(config.workers)],
+                                 reference))
     return GradOrderBenchResult(config=config, plan=the_plan, results=tuple(results), metadata=metadata)
 
 
@@ -334,11 +380,12 @@ def render_table(result: GradOrderBenchResult) -> Any:
                 caption=f"{len(range(c.warmup, c.iterations))} timed iterations per ordering; comm wait: the "
                         "host's wait for updates per iteration (median)",
                 title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD)
-    for name in ("ordering", "steps/s", "x ddp", "p50 ms", "p95 ms", "comm wait ms", "correct"):
+    for name in ("ordering", "steps/s", "x ddp", "p50 ms", "p95 ms", "comm wait ms", "predicted ms", "ideal link ms",
+                 "correct"):
         tab.add_column(name, justify="right" if name != "ordering" else "left", no_wrap=True)
     speed = result.speedups()
     for r in result.results:
         tab.add_row(r.ordering, f"{r.steps_per_s:.2f}", "" if r.ordering not in speed else f"{speed[r.ordering]:.3f}",
                     f"{r.p50_step_s * 1e3:.1f}", f"{r.p95_step_s * 1e3:.1f}", f"{r.comm_wait_s * 1e3:.1f}",
-                    "yes" if r.correct else "NO")
+                    f"{r.predicted_step_s * 1e3:.1f}", f"{r.ideal_link_step_s * 1e3:.1f}", "yes" if r.correct else "NO")
     return tab

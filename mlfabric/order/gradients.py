@@ -27,6 +27,9 @@ waiting for each one's gradient if it is late, and every rank agrees by construc
   parameter), as ByteScheduler's scheduler does at run time.
 * :func:`finish_times`: when each parameter's last partition is reduced, the order run as
   given on a serial link (what the next forward waits for).
+* :func:`predicted_step`: the iteration that follows, with the next forward gated per op
+  (OrderedAllreduce) or waiting for every update (DDP): how ``mlfabric bench grad-order``
+  predicts each ordering and says what a link without a per-collective cost would give.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-__all__ = ["Partition", "fifo_order", "finish_times", "partition_params", "priority_order"]
+__all__ = ["Partition", "fifo_order", "finish_times", "partition_params", "predicted_step", "priority_order"]
 
 
 @dataclass(frozen=True)
@@ -155,3 +158,21 @@ def finish_times(order: Sequence[Partition], ready_s: Mapping[str, float],
         for k in p.params:
             out[k] = max(out.get(k, -math.inf), now)
     return out
+
+
+def predicted_step(order: Sequence[Partition], ready_s: Mapping[str, float],
+                   service_s: Callable[[Partition], float], forward: Sequence[tuple[float, Sequence[str]]],
+                   backward_s: float, *, overlap: bool) -> float:
+    """One steady-state iteration (backward start to the next backward start) of a device
+    that runs the backward for ``backward_s`` (gradients ready at ``ready_s`` after it
+    starts), reduces ``order`` on a serial link (:func:`finish_times`) and runs ``forward``
+    ((seconds, parameters it needs) per op, in program order). ``overlap``: each op starts
+    once its own parameters are updated (OrderedAllreduce's gate); else the forward starts
+    once every update is (DDP and ``optimizer.step()``)."""
+    finish = finish_times(order, ready_s, service_s)
+    if not overlap:
+        return max([backward_s, *finish.values()]) + math.fsum(c for c, _ in forward)
+    now = backward_s
+    for compute, params in forward:
+        now = max([now, *(finish[k] for k in params)]) + compute
+    return now

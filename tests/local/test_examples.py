@@ -90,6 +90,19 @@ def test_tictac_example_trains_with_the_tensors_in_priority_order() -> None:
     assert "rank 0 (server 0): 12 updates applied, 24 pulls" in stdout, stdout  # BSP: one averaged update per step
 
 
+@pytest.mark.parametrize("order", ["tio", "fifo"])
+def test_ordered_allreduce_example_trains_one_model_on_every_rank(order: str) -> None:
+    stdout = _torchrun("ordered_allreduce.py", "--steps", "12", "--order", order, procs=2)
+    lines = re.findall(r"rank (\d): loss ([\d.]+) -> ([\d.]+), (\w+) order starts (.+); parameter fingerprint "
+                       r"(-?[\d.]+)", stdout)
+    assert sorted(line[0] for line in lines) == ["0", "1"], stdout
+    for _, first, last, shown, starts, _ in lines:
+        assert float(last) < float(first) and shown == order, stdout
+        assert starts.startswith("16."), stdout  # the backward hands the classifier over first
+    assert lines[0][5] == lines[1][5], stdout  # one model: the ranks' parameters agree
+    assert lines[0][4] == lines[1][4], stdout  # and every rank issued the same order
+
+
 def test_torch_backend_example_trains_as_on_gloo() -> None:
     lines = {backend: _torchrun("torch_backend.py", "--backend", backend, "--epochs", "2", gloo_reference=backend == "gloo")
              for backend in ("mlfabric", "gloo")}

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from mlfabric.order.gradients import Partition, fifo_order, finish_times, partition_params, priority_order
+from mlfabric.order.gradients import (Partition, fifo_order, finish_times, partition_params, predicted_step,
+                                      priority_order)
 
 F32 = "float32"
 
@@ -90,3 +91,21 @@ def test_orders_need_a_time_and_priority_for_every_parameter() -> None:
         fifo_order(PARTS, {"a": 0.0})
     with pytest.raises(ValueError, match="no priority"):
         priority_order(PARTS, READY, {"a": 0}, one_second)
+
+
+def test_predicted_step_overlaps_the_next_forward_only_with_the_gate() -> None:
+    # The forward: a (1 s, needs a), b (1 s), a ReLU (0.5 s, no parameters), c (1 s); the
+    # backward takes 2 s.
+    forward = [(1.0, ["a"]), (1.0, ["b"]), (0.5, []), (0.5, ["c"])]
+    ready = {"c": 0.0, "b": 0.5, "a": 1.5}
+    fifo = fifo_order(PARTS, ready)
+    prio = priority_order(PARTS, ready, PRIORITY, one_second)
+    # DDP: everything reduced at 6 s, then the 3 s forward.
+    assert predicted_step(fifo, ready, one_second, forward, 2.0, overlap=False) == 9.0
+    # fifo with the gate: a is reduced last (6 s): no better.
+    assert predicted_step(fifo, ready, one_second, forward, 2.0, overlap=True) == 9.0
+    # priority: a at 3 s, b at 2 s, c at 6 s: a runs 3-4, b 4-5, the ReLU 5-5.5, c waits
+    # until 6: 6.5 s.
+    assert predicted_step(prio, ready, one_second, forward, 2.0, overlap=True) == 6.5
+    # With a free link (no transfer time) the backward and forward alone remain.
+    assert predicted_step(prio, ready, lambda _: 0.0, forward, 2.0, overlap=True) == 5.0
