@@ -559,8 +559,9 @@ def bench_grad_order(
     = "vgg",
     workers: Annotated[int, typer.Option(help="Data-parallel ranks (ring allreduce).")] = 4,
     ordering: Annotated[str, typer.Option(help="Comma-separated: ddp (first come first served, step after every "
-                                          "update), fifo (same order, per-layer forward), tio, tao (priority order, "
-                                          "per-layer forward).")] = "ddp,fifo,tio,tao",
+                                          "update), fifo (same order, per-layer forward), bytescheduler (priority = "
+                                          "declaration order), tio, tao (TicTac's priorities); the last three with "
+                                          "the per-layer forward.")] = "ddp,fifo,bytescheduler,tio,tao",
     emulate: Annotated[bool, typer.Option("--emulate", help="Run on an emulated star (root): workers hosts, NICs "
                                           "at --rate.")] = False,
     rate: Annotated[str, typer.Option(help="NIC rate when emulated; also sizes the emulated device (S = 1).")]

@@ -13,9 +13,12 @@ Each ordering trains the same initial model for ``iterations`` iterations:
   update is applied;
 * ``fifo``: the same order, but each module's forward starts once its own parameters are
   updated (the per-layer overlap alone: the first layer is still reduced last);
-* ``tio`` / ``tao``: ByteScheduler-style priority order (:mod:`mlfabric.order.gradients`)
-  with TIO's / TAO's priorities from the forward DAG (the eager DAG: TIO is the order the
-  forward first uses the parameters, ByteScheduler's layer order), and the per-layer overlap.
+* ``bytescheduler``: the priority order (:mod:`mlfabric.order.gradients`) with
+  ByteScheduler's priorities, each parameter's index in ``model.parameters()`` (the order
+  the model declares them), and the per-layer overlap: the peer;
+* ``tio`` / ``tao``: the same with TIO's / TAO's priorities from the forward DAG (the eager
+  DAG: TIO is the order in which the forward first uses the parameters, which is the
+  declaration order unless a model declares its layers in another order than it runs them).
 
 **The emulated device** (``--device emulated``, as in ``mlfabric bench tictac``): each leaf
 module's forward runs for real and on an emulated accelerator for its device time
@@ -56,7 +59,7 @@ from mlfabric.bench.tictac import DEVICES, TCP_PAYLOAD_SHARE, _percentile, colle
 __all__ = ["GradOrderBenchConfig", "GradOrderBenchResult", "GradOrderPlan", "ORDERINGS", "plan", "render_table",
            "run_grad_order_bench"]
 
-ORDERINGS = ("ddp", "fifo", "tio", "tao")
+ORDERINGS = ("ddp", "fifo", "bytescheduler", "tio", "tao")
 LR = 0.01
 
 
@@ -125,7 +128,7 @@ class GradOrderPlan:
     device_time: dict[str, float]             # DAG node -> padded forward time (empty: --device cpu)
     backward_time: float                      # the emulated backward, all modules
     ready_offset: dict[str, float]            # parameter -> its gradient's readiness after the backward starts
-    priorities: dict[str, dict[str, int]]     # "tio"/"tao" -> parameter -> priority
+    priorities: dict[str, dict[str, int]]     # "bytescheduler"/"tio"/"tao" -> parameter -> priority
     model_bytes: int
     allreduce_s: float                        # the model's ring allreduce at the rate
     param_sizes: list[tuple[str, int, int, str]]      # (name, numel, element size, dtype), the model's order
@@ -164,7 +167,8 @@ def plan(config: GradOrderBenchConfig) -> GradOrderPlan:
     compute = {n: device.get(n, cpu[n]) for n in md.dag.computes}
     dag = md.dag.as_run_by("eager")
     oracle = TimeOracle.combine(dag, compute, transfer)
-    priorities = {"tio": tio(dag).by_parameter(dag), "tao": tao(dag, oracle).by_parameter(dag)}
+    priorities = {"bytescheduler": {k: i for i, (k, _) in enumerate(model.named_parameters())},
+                  "tio": tio(dag).by_parameter(dag), "tao": tao(dag, oracle).by_parameter(dag)}
     return GradOrderPlan(node_names=names, device_time=device, backward_time=passed, ready_offset=ready_offset,
                          priorities=priorities, model_bytes=param_bytes(model), allreduce_s=allreduce_s,
                          param_sizes=[(k, p.numel(), p.element_size(), str(p.dtype)) for k, p in model.named_parameters()],

@@ -30,6 +30,10 @@ def test_the_plan_runs_the_backward_last_module_first_and_balances_compute_and_a
     assert p.ready_offset["0.weight"] == pytest.approx(p.backward_time)
     assert p.ready_offset["18.weight"] == min(p.ready_offset.values()) > 0
     assert p.priorities["tio"]["0.weight"] < p.priorities["tio"]["18.weight"]
+    # ByteScheduler's priorities: the declaration order (here also the order of first use).
+    assert list(p.priorities["bytescheduler"].values()) == list(range(16))
+    assert sorted(p.priorities["bytescheduler"], key=p.priorities["bytescheduler"].get) == \
+        sorted(p.priorities["tio"], key=p.priorities["tio"].get)
 
 
 def test_cli_runs_every_ordering_and_they_train_the_same_model(tmp_path: Path) -> None:
@@ -38,11 +42,12 @@ def test_cli_runs_every_ordering_and_they_train_the_same_model(tmp_path: Path) -
                                    "--warmup", "2", "--partition", "256KiB", "-q", "--json", str(out)])
     assert got.exit_code == 0, got.output
     data = json.loads(out.read_text())
-    assert [r["ordering"] for r in data["results"]] == ["ddp", "fifo", "tio", "tao"]
+    assert [r["ordering"] for r in data["results"]] == ["ddp", "fifo", "bytescheduler", "tio", "tao"]
     for r in data["results"]:
         assert r["correct"], r  # every rank and every ordering: the same parameters
         assert r["steps_per_s"] > 0 and 0 < r["p50_step_s"] <= r["p95_step_s"] and r["comm_wait_s"] >= 0
-    assert set(data["speedup_vs_ddp"]) == {"ddp", "fifo", "tio", "tao"} and data["speedup_vs_ddp"]["ddp"] == 1.0
+    assert set(data["speedup_vs_ddp"]) == {"ddp", "fifo", "bytescheduler", "tio", "tao"}
+    assert data["speedup_vs_ddp"]["ddp"] == 1.0
     orders = data["orders"]
     assert orders["ddp"] == orders["fifo"]  # first come, first served: the last layer first...
     # (16.weight in 1 MiB / 256 KiB pieces; 16.bias + the classifier fused: ready together)

@@ -109,3 +109,29 @@ def test_predicted_step_overlaps_the_next_forward_only_with_the_gate() -> None:
     assert predicted_step(prio, ready, one_second, forward, 2.0, overlap=True) == 6.5
     # With a free link (no transfer time) the backward and forward alone remain.
     assert predicted_step(prio, ready, lambda _: 0.0, forward, 2.0, overlap=True) == 5.0
+
+
+def test_tio_follows_the_first_use_where_bytescheduler_follows_the_declaration() -> None:
+    """ByteScheduler's priority is a parameter's index in model.parameters(); a model that
+    declares its head before its body gets the head's gradient first. TIO's, from the DAG
+    the forward runs, puts the body first."""
+    import torch
+    from torch import nn
+
+    from mlfabric.order import parameter_priorities
+
+    class HeadFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Linear(8, 2)
+            self.body = nn.Linear(4, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.relu(self.body(x)))
+
+    model = HeadFirst()
+    declared = [k for k, _ in model.named_parameters()]
+    prio = parameter_priorities(model, (torch.randn(2, 4),))
+    assert declared == ["head.weight", "head.bias", "body.weight", "body.bias"]
+    assert sorted(prio, key=lambda k: (prio[k], declared.index(k))) == [
+        "body.weight", "body.bias", "head.weight", "head.bias"]
