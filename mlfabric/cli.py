@@ -576,6 +576,8 @@ def bench_grad_order(
     iterations: Annotated[int, typer.Option(help="Iterations per ordering, warm-up (and calibration) included.")]
     = 40,
     warmup: Annotated[int, typer.Option(help="Leading iterations not counted (>= 2: the first calibrate).")] = 5,
+    rounds: Annotated[int, typer.Option(help="The orderings take turns, iterations / rounds at a time (a drift of "
+                                        "the machine falls on all).")] = 1,
     seed: Annotated[int, typer.Option(help="Model weights and inputs.")] = 0,
     json_path: JsonOption = None,
     quiet: QuietOption = False,
@@ -594,11 +596,11 @@ def bench_grad_order(
                          orderings=tuple(split_list(ordering, "orderings")), emulate=emulate,
                          rate_bps=make_config(parse_rate, value=rate), width=width, batch=batch, device=device,
                          partition_bytes=make_config(parse_size, value=partition), credit=credit,
-                         iterations=iterations, warmup=warmup, seed=seed, timeout_s=timeout)
+                         iterations=iterations, warmup=warmup, rounds=rounds, seed=seed, timeout_s=timeout)
     command = ["mlfabric", "bench", "grad-order", "--model", model, "--workers", str(workers), "--ordering", ordering,
                *(["--emulate"] if emulate else []), "--rate", rate, "--width", str(width), "--batch", str(batch),
                "--device", device, "--partition", partition, "--credit", str(credit), "--iterations", str(iterations),
-               "--warmup", str(warmup), "--seed", str(seed)]
+               "--warmup", str(warmup), "--rounds", str(rounds), "--seed", str(seed)]
     if json_path is not None:
         command += ["--json", str(json_path)]
     with progress_bar(quiet=quiet) as progress:

@@ -6,7 +6,9 @@
 ``workers`` ranks train one model with data-parallel SGD (ring allreduce, average), each on
 its own synthetic batch, through :class:`mlfabric.torch.OrderedAllreduce`, either as local
 processes or, with ``--emulate``, on an emulated star whose NICs are shaped to ``rate``.
-Each ordering trains the same initial model for ``iterations`` iterations:
+Each ordering trains its own copy of the same initial model for ``iterations`` iterations;
+with ``rounds`` > 1 the orderings take turns, ``iterations / rounds`` at a time, so that a
+slow drift of the shared machine falls on all of them:
 
 * ``ddp``: what DistributedDataParallel + ``optimizer.step()`` do: the gradients are reduced
   first come, first served (overlapping the backward) and the next forward starts once every
@@ -29,9 +31,9 @@ network is the bottleneck, the regime where the order matters most). The
 gradient of a module's parameters counts as ready when the emulated backward has passed it
 (``OrderedAllreduce(grad_ready_at=...)``); the host waits for the emulated backward's end.
 
-**Figures** per ordering: ``steps_per_s`` (timed iterations over their span, the slowest
-rank, the last updates included), ``p50_step_s`` / ``p95_step_s`` (per iteration, the
-slowest rank's start-to-start time), ``comm_wait_s`` (per iteration, the time the host
+**Figures** per ordering: ``steps_per_s`` (timed iterations over their spans, each round's
+the slowest rank's, its last updates included), ``p50_step_s`` / ``p95_step_s`` (per
+iteration, the slowest rank's start-to-start time, the last of a round to its updates), ``comm_wait_s`` (per iteration, the time the host
 waited for updates: ``ddp``'s synchronize, the others' forward gates; median),
 ``correct`` (every rank, and every ordering, ends with the same parameters: the order
 changes when the arithmetic happens, not what it is). ``predicted_step_s``: the step
@@ -75,6 +77,9 @@ class GradOrderBenchConfig:
     orderings: tuple[str, ...] = ORDERINGS
     iterations: int = 40
     warmup: int = 5
+    #: The orderings take turns: ``iterations / rounds`` iterations each per round (the
+    #: warm-up in the first).
+    rounds: int = 1
     emulate: bool = False
     rate_bps: float = 1e9
     device: str = "emulated"
@@ -103,15 +108,21 @@ class GradOrderBenchConfig:
                              f"{self.batch}")
         from mlfabric.torch.ordered_allreduce import CALIBRATION_ITERATIONS
 
-        if not CALIBRATION_ITERATIONS <= self.warmup < self.iterations - 1:
-            raise ValueError(f"need {CALIBRATION_ITERATIONS} <= warmup < iterations - 1 (the first iterations "
-                             f"calibrate), got {self.warmup}, {self.iterations}")
+        if self.rounds < 1 or self.iterations % self.rounds:
+            raise ValueError(f"rounds must be >= 1 and divide iterations, got {self.rounds} and {self.iterations}")
+        if not CALIBRATION_ITERATIONS <= self.warmup < self.per_round - 1:
+            raise ValueError(f"need {CALIBRATION_ITERATIONS} <= warmup < iterations / rounds - 1 (the first "
+                             f"iterations calibrate), got {self.warmup}, {self.per_round}")
         if not self.rate_bps >= 8000 or self.backward_factor < 0 or self.partition_bytes < 1 or self.credit < 1 \
                 or not self.compute_ratio > 0:
             raise ValueError("rate must be >= 8 kbit/s, backward_factor >= 0, compute_ratio > 0, partition_bytes "
                              "and credit >= 1")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {self.transport!r}; choose one of {', '.join(TRANSPORTS)}")
+
+    @property
+    def per_round(self) -> int:
+        return self.iterations // self.rounds
 
     @property
     def allreduce_bytes_per_s(self) -> float:
@@ -180,70 +191,97 @@ def plan(config: GradOrderBenchConfig) -> GradOrderPlan:
 
 @dataclass(frozen=True, kw_only=True)
 class _RankRecord:
-    starts: list[float]
-    end: float                 # after the last updates were applied
-    comm_wait: list[float]     # per iteration: host time waiting for updates
+    spans: list[tuple[float, float]]  # per iteration: its start, the next one's (or its round's end)
+    rounds: list[range]               # the iterations of each round
+    comm_wait: list[float]            # per iteration: host time waiting for updates
     checksum: float
-    order: list[str]           # the calibrated order, partition names
-    ready_s: dict[str, float]  # OrderedAllreduce's calibration: gradient ready offsets
-    service_s: dict[str, float]  # and each partition's hold on the link, by name
+    order: list[str]                  # the calibrated order, partition names
+    ready_s: dict[str, float]         # OrderedAllreduce's calibration: gradient ready offsets
+    service_s: dict[str, float]       # and each partition's hold on the link, by name
 
 
 def _rank_main(config: GradOrderBenchConfig, the_plan: GradOrderPlan) -> list[_RankRecord]:
+    """Every ordering trains its own copy of the model; they take turns, ``per_round``
+    iterations each per round, so that a slow drift of the shared machine falls on all."""
     import mlfabric
 
     comm = mlfabric.init(config.transport, timeout=config.comm_timeout_s)
     try:
-        return [_train(comm, config, the_plan, ordering) for ordering in config.orderings]
+        trainers = [_Trainer(comm, config, the_plan, ordering) for ordering in config.orderings]
+        try:
+            for _ in range(config.rounds):
+                for trainer in trainers:
+                    trainer.run_round(config.per_round)
+            return [trainer.record() for trainer in trainers]
+        finally:
+            for trainer in trainers:
+                trainer.close()
     finally:
         comm.close()
 
 
-def _train(comm: Any, config: GradOrderBenchConfig, the_plan: GradOrderPlan, ordering: str) -> _RankRecord:
-    import torch
+class _Trainer:
+    """One ordering's model, OrderedAllreduce and emulated device on this rank."""
 
-    from mlfabric.order.models import build
-    from mlfabric.ps.overlap import ParameterGate, pad_to
-    from mlfabric.torch import OrderedAllreduce
+    def __init__(self, comm: Any, config: GradOrderBenchConfig, the_plan: GradOrderPlan, ordering: str) -> None:
+        import torch
 
-    torch.set_num_threads(1)
-    model, (x,) = build(config.model, seed=config.seed, batch=config.batch, width=config.width)
-    x = torch.randn(x.shape, generator=torch.Generator().manual_seed(config.seed + 100 + comm.rank))
-    backward_start = [0.0]
-    emulated = bool(the_plan.device_time)
-    opt = OrderedAllreduce(model, comm, torch.optim.SGD, lr=LR, priorities=the_plan.priorities.get(ordering),
-                           partition_bytes=config.partition_bytes, credit=config.credit, gate=False,
-                           grad_ready_at=(lambda k: backward_start[0] + the_plan.ready_offset[k]) if emulated else None)
-    gate = ParameterGate(model, node_names=the_plan.node_names, device_time=the_plan.device_time,
-                         timeout_s=config.comm_timeout_s)
-    starts: list[float] = []
-    comm_wait: list[float] = []
-    try:
-        for k in range(config.iterations):
+        from mlfabric.order.models import build
+        from mlfabric.ps.overlap import ParameterGate
+        from mlfabric.torch import OrderedAllreduce
+
+        torch.set_num_threads(1)
+        self.comm, self.plan, self.ordering = comm, the_plan, ordering
+        self.model, (x,) = build(config.model, seed=config.seed, batch=config.batch, width=config.width)
+        self.x = torch.randn(x.shape, generator=torch.Generator().manual_seed(config.seed + 100 + comm.rank))
+        self.backward_start = 0.0
+        ready_at = (lambda k: self.backward_start + the_plan.ready_offset[k]) if the_plan.device_time else None
+        self.opt = OrderedAllreduce(self.model, comm, torch.optim.SGD, lr=LR,
+                                    priorities=the_plan.priorities.get(ordering),
+                                    partition_bytes=config.partition_bytes, credit=config.credit, gate=False,
+                                    grad_ready_at=ready_at)
+        self.gate = ParameterGate(self.model, node_names=the_plan.node_names, device_time=the_plan.device_time,
+                                  timeout_s=config.comm_timeout_s)
+        self.spans: list[tuple[float, float]] = []
+        self.rounds: list[range] = []
+        self.comm_wait: list[float] = []
+
+    def run_round(self, iterations: int) -> None:
+        """``iterations`` iterations, then every update applied (the round's end)."""
+        from mlfabric.ps.overlap import pad_to
+
+        first = len(self.spans)
+        starts = []
+        for _ in range(iterations):
             start = time.monotonic()
             starts.append(start)
-            if ordering == "ddp":
-                opt.synchronize()
-                gate.attach(None)
+            if self.ordering == "ddp":  # the step waits for every update
+                self.opt.synchronize()
+                self.gate.attach(None)
             else:
-                gate.attach(opt)
+                self.gate.attach(self.opt)
             waited = time.monotonic() - start
-            out = model(x)
-            backward_start[0] = forward_end = time.monotonic()
+            out = self.model(self.x)
+            self.backward_start = forward_end = time.monotonic()
             out.square().mean().backward()
-            pad_to(forward_end, the_plan.backward_time)  # the host waits for the emulated backward
-            comm_wait.append(waited + sum(e - s for _, s, e in gate.waits))
-            if comm.rank == 0:
-                report((ordering, k + 1))
-        opt.synchronize()
-        end = time.monotonic()
-        checksum = math.fsum(float(p.detach().double().sum()) for p in model.parameters())
-        return _RankRecord(starts=starts, end=end, comm_wait=comm_wait, checksum=checksum,
-                           order=[p.name for p in opt.order], ready_s=dict(opt.ready_s),
-                           service_s={p.name: t for p, t in opt.service_s.items()})
-    finally:
-        gate.remove()
-        opt.close()
+            pad_to(forward_end, self.plan.backward_time)  # the host waits for the emulated backward
+            self.comm_wait.append(waited + sum(e - s for _, s, e in self.gate.waits))
+            if self.comm.rank == 0:
+                report((self.ordering, first + len(starts)))
+        self.opt.synchronize()
+        starts.append(time.monotonic())
+        self.spans += list(zip(starts, starts[1:]))
+        self.rounds.append(range(first, len(self.spans)))
+
+    def record(self) -> _RankRecord:
+        checksum = math.fsum(float(p.detach().double().sum()) for p in self.model.parameters())
+        return _RankRecord(spans=self.spans, rounds=self.rounds, comm_wait=self.comm_wait, checksum=checksum,
+                           order=[p.name for p in self.opt.order], ready_s=dict(self.opt.ready_s),
+                           service_s={p.name: t for p, t in self.opt.service_s.items()})
+
+    def close(self) -> None:
+        self.gate.remove()
+        self.opt.close()
 
 
 # --------------------------------------------------------------------------- results (parent)
@@ -322,9 +360,9 @@ def predictions(config: GradOrderBenchConfig, the_plan: GradOrderPlan, ordering:
 def summarize(config: GradOrderBenchConfig, the_plan: GradOrderPlan, ordering: str, records: Sequence[_RankRecord],
               reference: float | None) -> OrderingResult:
     timed = range(config.warmup, config.iterations)
-    ends = [r.starts[1:] + [r.end] for r in records]
-    steps = [max(e[k] - r.starts[k] for r, e in zip(records, ends)) for k in timed]
-    span = max(r.end - r.starts[config.warmup] for r in records)
+    steps = [max(r.spans[k][1] - r.spans[k][0] for r in records) for k in timed]
+    span = math.fsum(max(r.spans[rnd[-1]][1] - r.spans[max(rnd[0], config.warmup)][0] for r in records)
+                     for rnd in records[0].rounds if rnd[-1] >= config.warmup)
     checksums = [r.checksum for r in records]
     agree = all(math.isclose(c, checksums[0], rel_tol=1e-9, abs_tol=1e-9) for c in checksums)
     same_as_reference = reference is None or math.isclose(checksums[0], reference, rel_tol=1e-6, abs_tol=1e-6)

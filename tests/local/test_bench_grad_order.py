@@ -38,11 +38,13 @@ def test_the_plan_runs_the_backward_last_module_first_and_balances_compute_and_a
 
 def test_cli_runs_every_ordering_and_they_train_the_same_model(tmp_path: Path) -> None:
     out = tmp_path / "go.json"
-    got = CliRunner().invoke(app, ["bench", "grad-order", "--model", "vgg", "--workers", "2", "--iterations", "6",
-                                   "--warmup", "2", "--partition", "256KiB", "-q", "--json", str(out)])
+    got = CliRunner().invoke(app, ["bench", "grad-order", "--model", "vgg", "--workers", "2", "--iterations", "8",
+                                   "--rounds", "2", "--warmup", "2", "--partition", "256KiB", "-q", "--json",
+                                   str(out)])
     assert got.exit_code == 0, got.output
     data = json.loads(out.read_text())
     assert [r["ordering"] for r in data["results"]] == ["ddp", "fifo", "bytescheduler", "tio", "tao"]
+    assert {k: len(v) for k, v in data["steps_s"].items()} == dict.fromkeys(data["speedup_vs_ddp"], 6)  # 8 - 2
     for r in data["results"]:
         assert r["correct"], r  # every rank and every ordering: the same parameters
         assert r["steps_per_s"] > 0 and 0 < r["p50_step_s"] <= r["p95_step_s"] and r["comm_wait_s"] >= 0
@@ -63,7 +65,9 @@ def test_cli_runs_every_ordering_and_they_train_the_same_model(tmp_path: Path) -
 @pytest.mark.parametrize("options, message", [
     (["--ordering", "ddp,bogus"], "unknown ordering 'bogus'"),
     (["--workers", "1"], "workers >= 2"),
-    (["--warmup", "1"], "the first iterations"),
+    (["--warmup", "1"], "need 2 <= warmup"),
+    (["--iterations", "40", "--rounds", "3"], "rounds must be >= 1"),
+    (["--iterations", "40", "--rounds", "10", "--warmup", "3"], "got 3, 4"),
     (["--partition", "128kb"], "lower-case 'b'"),
 ])
 def test_cli_refuses_bad_options(options: list[str], message: str) -> None:
