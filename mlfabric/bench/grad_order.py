@@ -31,8 +31,9 @@ network is the bottleneck, the regime where the order matters most). The
 gradient of a module's parameters counts as ready when the emulated backward has passed it
 (``OrderedAllreduce(grad_ready_at=...)``); the host waits for the emulated backward's end.
 
-**Figures** per ordering: ``steps_per_s`` (timed iterations over their spans, each round's
-the slowest rank's, its last updates included), ``p50_step_s`` / ``p95_step_s`` (per
+**Figures** per ordering, over the timed iterations (not the warm-up, nor the first of a
+later round): ``steps_per_s`` (timed iterations over their spans, each round's the slowest
+rank's, its last updates included), ``p50_step_s`` / ``p95_step_s`` (per
 iteration, the slowest rank's start-to-start time, the last of a round to its updates), ``comm_wait_s`` (per iteration, the time the host
 waited for updates: ``ddp``'s synchronize, the others' forward gates; median),
 ``correct`` (every rank, and every ordering, ends with the same parameters: the order
@@ -78,7 +79,7 @@ class GradOrderBenchConfig:
     iterations: int = 40
     warmup: int = 5
     #: The orderings take turns: ``iterations / rounds`` iterations each per round (the
-    #: warm-up in the first).
+    #: warm-up in the first; each later round's first iteration is not timed either).
     rounds: int = 1
     emulate: bool = False
     rate_bps: float = 1e9
@@ -123,6 +124,15 @@ class GradOrderBenchConfig:
     @property
     def per_round(self) -> int:
         return self.iterations // self.rounds
+
+    def timed_rounds(self) -> list[range]:
+        """The timed iterations of each round: the first round after the warm-up, the others
+        after their first iteration (it follows the other orderings' turns: cold again)."""
+        n = self.per_round
+        return [range(self.warmup if r == 0 else r * n + 1, (r + 1) * n) for r in range(self.rounds)]
+
+    def timed(self) -> list[int]:
+        return [k for rnd in self.timed_rounds() for k in rnd]
 
     @property
     def allreduce_bytes_per_s(self) -> float:
@@ -359,10 +369,9 @@ def predictions(config: GradOrderBenchConfig, the_plan: GradOrderPlan, ordering:
 
 def summarize(config: GradOrderBenchConfig, the_plan: GradOrderPlan, ordering: str, records: Sequence[_RankRecord],
               reference: float | None) -> OrderingResult:
-    timed = range(config.warmup, config.iterations)
+    timed = config.timed()
     steps = [max(r.spans[k][1] - r.spans[k][0] for r in records) for k in timed]
-    span = math.fsum(max(r.spans[rnd[-1]][1] - r.spans[max(rnd[0], config.warmup)][0] for r in records)
-                     for rnd in records[0].rounds if rnd[-1] >= config.warmup)
+    span = math.fsum(max(r.spans[rnd[-1]][1] - r.spans[rnd[0]][0] for r in records) for rnd in config.timed_rounds())
     checksums = [r.checksum for r in records]
     agree = all(math.isclose(c, checksums[0], rel_tol=1e-9, abs_tol=1e-9) for c in checksums)
     same_as_reference = reference is None or math.isclose(checksums[0], reference, rel_tol=1e-6, abs_tol=1e-6)
@@ -419,7 +428,7 @@ def render_table(result: GradOrderBenchResult) -> Any:
     where = f"emulated at {c.rate_bps / 1e6:g} Mbit/s" if c.emulate else "local"
     tab = Table(title=f"grad-order: {c.model} (width {c.width}, batch {c.batch}), {c.workers} ranks, ring "
                       f"allreduce, {where}, device {c.device}, partitions {c.partition_bytes} B, credit {c.credit}",
-                caption=f"{len(range(c.warmup, c.iterations))} timed iterations per ordering; comm wait: the "
+                caption=f"{len(c.timed())} timed iterations per ordering; comm wait: the "
                         "host's wait for updates per iteration (median)",
                 title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD)
     for name in ("ordering", "steps/s", "x ddp", "p50 ms", "p95 ms", "comm wait ms", "predicted ms", "ideal link ms",

@@ -44,7 +44,7 @@ def test_cli_runs_every_ordering_and_they_train_the_same_model(tmp_path: Path) -
     assert got.exit_code == 0, got.output
     data = json.loads(out.read_text())
     assert [r["ordering"] for r in data["results"]] == ["ddp", "fifo", "bytescheduler", "tio", "tao"]
-    assert {k: len(v) for k, v in data["steps_s"].items()} == dict.fromkeys(data["speedup_vs_ddp"], 6)  # 8 - 2
+    assert {k: len(v) for k, v in data["steps_s"].items()} == dict.fromkeys(data["speedup_vs_ddp"], 5)  # 2 + 3
     for r in data["results"]:
         assert r["correct"], r  # every rank and every ordering: the same parameters
         assert r["steps_per_s"] > 0 and 0 < r["p50_step_s"] <= r["p95_step_s"] and r["comm_wait_s"] >= 0
@@ -73,3 +73,10 @@ def test_cli_runs_every_ordering_and_they_train_the_same_model(tmp_path: Path) -
 def test_cli_refuses_bad_options(options: list[str], message: str) -> None:
     got = CliRunner().invoke(app, ["bench", "grad-order", "-q", *options])
     assert got.exit_code != 0 and message in got.output, got.output
+
+
+def test_timed_iterations_skip_the_warm_up_and_each_later_rounds_first() -> None:
+    config = GradOrderBenchConfig(iterations=100, rounds=5, warmup=5)
+    assert config.timed_rounds() == [range(5, 20), range(21, 40), range(41, 60), range(61, 80), range(81, 100)]
+    assert len(config.timed()) == 91
+    assert GradOrderBenchConfig(iterations=40, warmup=5).timed() == list(range(5, 40))
