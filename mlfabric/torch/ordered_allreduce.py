@@ -53,9 +53,9 @@ from mlfabric.runtime.communicator import Communicator
 
 __all__ = ["CALIBRATION_ITERATIONS", "DEFAULT_PARTITION_BYTES", "OrderedAllreduce"]
 
-#: ByteScheduler tunes its partition size per job (MBs on 10-100 Gbit/s). On this TCP
-#: transport each collective costs ~1 ms of its own, so smaller pieces let a first layer
-#: overtake sooner but cost more than they save (docs/tictac.md has the figures).
+#: ByteScheduler tunes its partition size per job (MBs on 10-100 Gbit/s). On the 2-core
+#: test machine each collective costs ~2.4 ms of its own, so smaller pieces let a first
+#: layer overtake sooner but cost more than they save (docs/tictac.md has the figures).
 DEFAULT_PARTITION_BYTES = 512 * 1024
 #: Iterations in DDP's reverse order that measure the oracle (the first also warms up the
 #: connections, so each partition's least time over them is kept).
