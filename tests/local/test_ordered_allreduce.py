@@ -47,10 +47,10 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(model(x), y)
 
 
-def _reference(world: int, steps: int) -> list[torch.Tensor]:
-    """Plain synchronous SGD on the mean of the ranks' losses (= the average gradient)."""
+def _reference(world: int, steps: int, optimizer: type = torch.optim.SGD, **options: float) -> list[torch.Tensor]:
+    """Plain synchronous training on the mean of the ranks' losses (= the average gradient)."""
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = optimizer(model.parameters(), **(options or {"lr": LR}))
     for step in range(steps):
         opt.zero_grad()
         sum(_loss(model, *_batch(r, step)) for r in range(world)).div(world).backward()
@@ -128,6 +128,26 @@ def test_ranks_that_disagree_fail_at_construction_naming_a_rank() -> None:
     assert all("differs between ranks 0 and 1" in m for m in messages), messages
 
 
+@pytest.mark.parametrize("optimizer, options", [(torch.optim.SGD, {"lr": LR, "momentum": 0.9}),
+                                                (torch.optim.Adam, {"lr": 1e-3})], ids=["sgd-momentum", "adam"])
+def test_per_parameter_optimizers_equal_the_whole_model_optimizer(optimizer: type, options: dict) -> None:
+    """One optimizer per parameter, stepped when that parameter is reduced, is the same as
+    one optimizer over the model for optimizers whose update is per parameter."""
+
+    def run(comm: mlfabric.Communicator) -> list[torch.Tensor]:
+        model = _model()
+        with OrderedAllreduce(model, comm, optimizer, partition_bytes=4096, **options) as opt:
+            for step in range(4):
+                _loss(model, *_batch(comm.rank, step)).backward()
+            opt.synchronize()
+        return [p.detach().clone() for p in model.parameters()]
+
+    expected = _reference(2, 4, optimizer, **options)
+    for params in mlfabric.run_threads(2, run, timeout=60):
+        for got, want in zip(params, expected):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_a_rank_that_leaves_is_named_by_the_others_within_seconds() -> None:
     def run(comm: mlfabric.Communicator) -> tuple[str, float]:
         model = _model()
@@ -200,4 +220,21 @@ def test_unknown_priorities_and_bad_options_are_refused() -> None:
         OrderedAllreduce(_model(), comm, credit=0)
     with pytest.raises(TypeError, match="Communicator"):
         OrderedAllreduce(_model(), object())  # type: ignore[arg-type]
+    comm.close()
+
+
+def test_set_lr_reaches_every_per_parameter_optimizer() -> None:
+    comm = mlfabric.local_world(1)[0]
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    with OrderedAllreduce(model, comm, lr=LR, partition_bytes=4096) as opt:
+        opt.set_lr(0.0)  # a learning rate of 0: a step changes nothing
+        _loss(model, *_batch(0, 0)).backward()
+        opt.synchronize()
+        assert opt.iterations == 1 and all(p.grad is None for p in model.parameters())  # applied and cleared
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+        opt.set_lr(LR)
+        _loss(model, *_batch(0, 1)).backward()
+        opt.synchronize()
+        assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
     comm.close()
