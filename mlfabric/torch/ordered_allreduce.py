@@ -31,7 +31,9 @@ What it does, ByteScheduler-style (docs/tictac.md, "Gradients of allreduce train
 
 The communicator belongs to it while it is open: collectives the script issues on the same
 communicator would interleave with the comm thread's differently on each rank (call
-:meth:`OrderedAllreduce.synchronize` first). Every parameter that requires a gradient must get
+:meth:`OrderedAllreduce.synchronize` first; several may share one communicator when they
+train in turns, each synchronized before the next trains, as ``mlfabric bench grad-order``
+does). Every parameter that requires a gradient must get
 one in every backward (as DDP without ``find_unused_parameters``), and each backward must come
 after a forward through the gated model (no gradient accumulation across backward passes).
 Learning-rate schedulers see one optimizer per parameter: use :meth:`set_lr`.
