@@ -428,11 +428,11 @@ def render_table(result: GradOrderBenchResult) -> Any:
     where = f"emulated at {c.rate_bps / 1e6:g} Mbit/s" if c.emulate else "local"
     tab = Table(title=f"grad-order: {c.model} (width {c.width}, batch {c.batch}), {c.workers} ranks, ring "
                       f"allreduce, {where}, device {c.device}, partitions {c.partition_bytes} B, credit {c.credit}",
-                caption=f"{len(c.timed())} timed iterations per ordering; comm wait: the "
-                        "host's wait for updates per iteration (median)",
+                caption=f"{len(c.timed())} timed iterations per ordering; times in ms; wait: the host's wait for "
+                        "updates per iteration (median); pred: the step predicted from the calibration; ideal: on "
+                        "a link without a per-collective cost; ok: every rank and ordering end with one model",
                 title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD)
-    for name in ("ordering", "steps/s", "x ddp", "p50 ms", "p95 ms", "comm wait ms", "predicted ms", "ideal link ms",
-                 "correct"):
+    for name in ("ordering", "step/s", "x ddp", "p50", "p95", "wait", "pred", "ideal", "ok"):
         tab.add_column(name, justify="right" if name != "ordering" else "left", no_wrap=True)
     speed = result.speedups()
     for r in result.results:
