@@ -18,6 +18,7 @@ rank: they trained one model).
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
@@ -50,8 +51,10 @@ def main() -> None:
         opt.synchronize()  # every update applied before the parameters are read
         first = ", ".join(p.name for p in opt.order[:3])
     fingerprint = sum(float(p.detach().double().sum()) for p in model.parameters())
-    print(f"rank {comm.rank}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, {args.order} order starts {first}; "
-          f"parameter fingerprint {fingerprint:.6f}")
+    # One write per line: the ranks share torchrun's stdout.
+    sys.stdout.write(f"rank {comm.rank}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, {args.order} order starts "
+                     f"{first}; parameter fingerprint {fingerprint:.6f}\n")
+    sys.stdout.flush()
     comm.close()
 
 
