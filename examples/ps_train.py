@@ -14,6 +14,7 @@ dropped, the delay histogram), the workers their final loss.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
@@ -49,8 +50,10 @@ def main() -> None:
             loss.backward()
             ps.step()
         error = float((model.weight.detach().squeeze(0) - w_true).norm())
-        print(f"{job.layout.describe(job.rank)}: last loss {loss.item():.4f}, |w - w_true| {error:.4f}, "
-              f"pulls {worker.stats.pulls}")
+        # One write per line: the workers share torchrun's stdout.
+        sys.stdout.write(f"{job.layout.describe(job.rank)}: last loss {loss.item():.4f}, |w - w_true| {error:.4f}, "
+                         f"pulls {worker.stats.pulls}\n")
+        sys.stdout.flush()
     finally:
         job.close()
 

@@ -16,6 +16,7 @@ server enforces the order) and whether the last step's tensors came in priority 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
@@ -63,8 +64,10 @@ def main() -> None:
         arriving.join()
         arrived = [a.key for a in arriving.arrivals]
         in_order = arrived == sorted(arrived, key=lambda k: (priorities[k], arrived.index(k)))
-        print(f"{job.layout.describe(job.rank)}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
-              f"{arriving.reordered} tensors out of order, last step in priority order: {in_order}")
+        # One write per line: the workers share torchrun's stdout.
+        sys.stdout.write(f"{job.layout.describe(job.rank)}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+                         f"{arriving.reordered} tensors out of order, last step in priority order: {in_order}\n")
+        sys.stdout.flush()
     finally:
         job.close()
 
