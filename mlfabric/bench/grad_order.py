@@ -56,8 +56,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
-from mlfabric.bench.procs import LaunchConfig, check_choices, report, run_ranks
-from mlfabric.bench.tictac import DEVICES, TCP_PAYLOAD_SHARE, _percentile, collect_metadata, emulated_device_times
+from mlfabric.bench.procs import check_choices, report
+from mlfabric.bench.tictac import (DEVICES, TCP_PAYLOAD_SHARE, _percentile, collect_metadata, emulated_device_times,
+                                   run_on_star)
 
 __all__ = ["GradOrderBenchConfig", "GradOrderBenchResult", "GradOrderPlan", "ORDERINGS", "plan", "render_table",
            "run_grad_order_bench"]
@@ -389,25 +390,9 @@ def run_grad_order_bench(config: GradOrderBenchConfig, *, argv: Sequence[str] | 
     """Plan, launch (locally or on the emulator: root), summarize."""
     metadata = collect_metadata(config, argv, hosts=config.workers)
     the_plan = plan(config)
-
-    def on_report(rank: int, payload: Any) -> None:
-        if on_progress is not None:
-            on_progress(*payload)
-
-    args = (config, the_plan)
-    if config.emulate:
-        from mlfabric.emu.cmd import EmuUnavailableError, have_root
-        from mlfabric.emu.launcher import emulated_launch
-
-        if not have_root():
-            raise EmuUnavailableError("mlfabric bench grad-order --emulate needs root (or CAP_NET_ADMIN + "
-                                      "CAP_SYS_ADMIN): run it under sudo, or drop --emulate")
-        with emulated_launch(f"star:n={config.workers}", config.rate_bps, timeout_s=config.timeout_s,
-                             capture_output=capture_output) as launch:
-            records = run_ranks(_rank_main, config=launch, args=args, on_report=on_report)
-    else:
-        launch = LaunchConfig(world_size=config.workers, timeout_s=config.timeout_s, capture_output=capture_output)
-        records = run_ranks(_rank_main, config=launch, args=args, on_report=on_report)
+    records = run_on_star(_rank_main, (config, the_plan), hosts=config.workers, emulate=config.emulate,
+                          rate_bps=config.rate_bps, timeout_s=config.timeout_s, command="mlfabric bench grad-order",
+                          on_progress=on_progress, capture_output=capture_output)
     metadata["loadavg_at_end"] = list(os.getloadavg())
     results: list[OrderingResult] = []
     for i, ordering in enumerate(config.orderings):

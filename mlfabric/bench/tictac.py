@@ -78,7 +78,7 @@ from typing import Any, Callable, Sequence
 from mlfabric.bench.procs import LaunchConfig, check_choices, report, run_ranks
 
 __all__ = ["DEVICES", "ORDERINGS", "TicTacBenchConfig", "TicTacBenchError", "TicTacBenchResult", "TicTacPlan",
-           "plan", "render_table", "run_tictac_bench"]
+           "plan", "render_table", "run_on_star", "run_tictac_bench"]
 
 ORDERINGS = ("none", "random", "tio", "tao")
 DEVICES = ("emulated", "cpu")
@@ -570,6 +570,30 @@ def collect_metadata(config: Any, argv: Sequence[str] | None, *, hosts: int | No
             "loadavg_at_start": list(os.getloadavg())}
 
 
+def run_on_star(fn: Callable[..., Any], args: tuple[Any, ...], *, hosts: int, emulate: bool, rate_bps: float,
+                timeout_s: float, command: str, on_progress: Callable[..., None] | None = None,
+                capture_output: bool = False) -> list[Any]:
+    """Run ``fn(*args)`` on ``hosts`` ranks: local processes, or with ``emulate`` one per host
+    of an emulated star at ``rate_bps`` (root; ``command`` names the benchmark in the
+    error). Each rank's ``report(payload)`` reaches ``on_progress(*payload)``."""
+    def on_report(rank: int, payload: Any) -> None:
+        if on_progress is not None:
+            on_progress(*payload)
+
+    if emulate:
+        from mlfabric.emu.cmd import EmuUnavailableError, have_root
+        from mlfabric.emu.launcher import emulated_launch
+
+        if not have_root():
+            raise EmuUnavailableError(f"{command} --emulate needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN): run it "
+                                      "under sudo, or drop --emulate")
+        with emulated_launch(f"star:n={hosts}", rate_bps, timeout_s=timeout_s,
+                             capture_output=capture_output) as launch:
+            return run_ranks(fn, config=launch, args=args, on_report=on_report)
+    launch = LaunchConfig(world_size=hosts, timeout_s=timeout_s, capture_output=capture_output)
+    return run_ranks(fn, config=launch, args=args, on_report=on_report)
+
+
 def run_tictac_bench(config: TicTacBenchConfig, *, argv: Sequence[str] | None = None,
                      on_progress: Callable[[str, int], None] | None = None,
                      capture_output: bool = False) -> TicTacBenchResult:
@@ -577,25 +601,9 @@ def run_tictac_bench(config: TicTacBenchConfig, *, argv: Sequence[str] | None = 
     metadata = collect_metadata(config, argv)
     the_plan = plan(config)
     world = 1 + config.workers
-
-    def on_report(rank: int, payload: Any) -> None:
-        if on_progress is not None:
-            on_progress(*payload)
-
-    args = (config, the_plan)
-    if config.emulate:
-        from mlfabric.emu.cmd import EmuUnavailableError, have_root
-        from mlfabric.emu.launcher import emulated_launch
-
-        if not have_root():
-            raise EmuUnavailableError("mlfabric bench tictac --emulate needs root (or CAP_NET_ADMIN + "
-                                      "CAP_SYS_ADMIN): run it under sudo, or drop --emulate")
-        with emulated_launch(f"star:n={world}", config.rate_bps, timeout_s=config.timeout_s,
-                             capture_output=capture_output) as launch:
-            records = run_ranks(_rank_main, config=launch, args=args, on_report=on_report)
-    else:
-        launch = LaunchConfig(world_size=world, timeout_s=config.timeout_s, capture_output=capture_output)
-        records = run_ranks(_rank_main, config=launch, args=args, on_report=on_report)
+    records = run_on_star(_rank_main, (config, the_plan), hosts=world, emulate=config.emulate,
+                          rate_bps=config.rate_bps, timeout_s=config.timeout_s, command="mlfabric bench tictac",
+                          on_progress=on_progress, capture_output=capture_output)
     metadata["loadavg_at_end"] = list(os.getloadavg())
     results = []
     for i, ordering in enumerate(config.orderings):
