@@ -48,17 +48,19 @@ def main() -> None:
         g = torch.Generator().manual_seed(100 + worker.index)  # each worker's own samples
         losses = []
         arriving = None
-        for _ in range(args.steps):
+        for step in range(args.steps):
             x = torch.randn(8, 3, 32, 32, generator=g)
             y = (x.mean(dim=(1, 2, 3)) > 0).long()  # a learnable synthetic label
-            arriving = worker.pull_in_order("net", model)  # returns at once; tensors land in model
+            # Returns at once; tensors land in model. clock=True: the previous step's clock goes
+            # with the pull, so the server that it lets answer finds this pull already there.
+            arriving = worker.pull_in_order("net", model, clock=step > 0)
             gate.attach(arriving)
             loss = torch.nn.functional.cross_entropy(model(x), y)  # each module waits for its own tensors
             model.zero_grad()
             loss.backward()
             worker.push("net", model)
-            worker.clock()
             losses.append(loss.item())
+        worker.clock()
         gate.remove()
         assert arriving is not None
         arriving.join()

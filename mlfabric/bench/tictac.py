@@ -7,7 +7,8 @@ One PS job (1 server, ``workers`` workers, BSP, direct routing, the plain TCP tr
 either on local processes or, with ``--emulate``, on an emulated star of ``1 + workers`` hosts
 whose NICs are shaped to ``rate`` (TicTac §6's setup: one PS and four workers on 1 GbE). Each
 ordering runs as its own PS session on the same ranks, ``iterations`` iterations of: pull,
-forward (``--forward-only``) or forward + backward + push, clock.
+forward (``--forward-only``) or forward + backward + push, clock (sent with the next pull,
+``PSWorker.pull_in_order(clock=True)``).
 
 Orderings (:mod:`mlfabric.ps.ordered`):
 
@@ -290,14 +291,16 @@ def _work(worker: Any, config: TicTacBenchConfig, the_plan: TicTacPlan, ordering
     kept: list[tuple[float, float, float, Any, list[Any], list[Any], float, int]] = []
     for k in range(config.iterations):
         requested = time.monotonic()
+        # The previous iteration's clock goes with this pull (PSWorker.pull_in_order says why).
         if ordering == "none":
-            worker.pull_flat(MODEL, out=flat)
+            worker.pull_flat(MODEL, out=flat, clock=k > 0)
             with torch.no_grad():
                 vector_to_parameters(flat, params)
             pulled: Any = time.monotonic()
             gate.attach(None)
         else:
-            pulled = worker.pull_in_order(MODEL, model, order="random" if ordering == "random" else "priority")
+            pulled = worker.pull_in_order(MODEL, model, order="random" if ordering == "random" else "priority",
+                                          clock=k > 0)
             gate.attach(pulled)
         if config.forward_only:
             with torch.no_grad():
@@ -312,11 +315,11 @@ def _work(worker: Any, config: TicTacBenchConfig, the_plan: TicTacPlan, ordering
         if not config.forward_only:
             worker.push(MODEL, model)
             model.zero_grad(set_to_none=False)
-        worker.clock()
         kept.append((requested, forward_end, time.monotonic(), pulled, gate.spans, gate.waits, checksum,
                      gate.host_late))
         if worker.index == 0:
             report((ordering, k + 1))
+    worker.clock()
     gate.remove()
     return _record(worker.index, config, ordering, kept, float(initial.double().sum()))
 

@@ -797,7 +797,9 @@ class MLNetRouting(DirectRouting):
         """The worker finished iteration ``clock``: its node sends it up with the sums."""
         self._node(worker).submit("clock", clock)
 
-    def send_pull(self, worker: "PSWorker", headers: list[bytes]) -> None:
+    def send_pull(self, worker: "PSWorker", headers: list[bytes], *, clocks: list[bytes] | None = None) -> None:
+        if clocks is not None:  # the worker hands clocks to send_clock here (they go with the sums)
+            raise ValueError(f"{worker.who}: under mlnet a clock travels up the trees, not with a pull")
         node = self._node(worker)
         for j, header in enumerate(headers):
             node.submit("pull", j, protocol.decode(header))

@@ -39,8 +39,9 @@ class RoutingPolicy(Protocol):
         """Send component ``j`` of an update (with header ``j``) toward server ``j``; None if
         the policy dropped the update instead (MLfabric's scheduler, Alg. 2)."""
 
-    def send_pull(self, worker: "PSWorker", headers: list[bytes]) -> None:
-        """Ask every server for its shard (header ``j`` to server ``j``)."""
+    def send_pull(self, worker: "PSWorker", headers: list[bytes], *, clocks: list[bytes] | None = None) -> None:
+        """Ask every server for its shard (header ``j`` to server ``j``), after the CLOCK
+        header ``clocks[j]`` where given (in the same hand-off, :func:`send_pulls_directly`)."""
 
     def answer_pulls(self, server: "ParameterServer", pulls: "list[PendingPull]", shard: torch.Tensor,
                      header: bytes) -> list[SendHandle]:
@@ -56,11 +57,16 @@ class RoutingPolicy(Protocol):
         None: no time of its own."""
 
 
-def send_pulls_directly(worker: "PSWorker", headers: list[bytes]) -> None:
-    """Pull header ``j`` to server ``j``."""
+def send_pulls_directly(worker: "PSWorker", headers: list[bytes], *, clocks: list[bytes] | None = None) -> None:
+    """Pull header ``j`` to server ``j``; with ``clocks``, CLOCK header ``clocks[j]`` just
+    before it, in one transport call (one segment on tcp, so the server takes both in one turn)."""
     tag = protocol.request_tag(worker.config.session)
     for j, header in enumerate(headers):
-        worker.transport.send(worker.server_rank(j), tag, b"", meta=header, channel=worker.channel)
+        if clocks is None:
+            worker.transport.send(worker.server_rank(j), tag, b"", meta=header, channel=worker.channel)
+        else:
+            worker.transport.send_many(worker.server_rank(j), [(tag, b"", clocks[j]), (tag, b"", header)],
+                                       channel=worker.channel)
 
 
 def answer_directly(server: "ParameterServer", pulls: "list[PendingPull]", shard: torch.Tensor,
@@ -82,8 +88,8 @@ class DirectRouting:
                                       channel=worker.channel)
                 for j, (component, header) in enumerate(zip(components, headers))]
 
-    def send_pull(self, worker: "PSWorker", headers: list[bytes]) -> None:
-        send_pulls_directly(worker, headers)
+    def send_pull(self, worker: "PSWorker", headers: list[bytes], *, clocks: list[bytes] | None = None) -> None:
+        send_pulls_directly(worker, headers, clocks=clocks)
 
     def answer_pulls(self, server: "ParameterServer", pulls: "list[PendingPull]", shard: torch.Tensor,
                      header: bytes) -> list[SendHandle]:

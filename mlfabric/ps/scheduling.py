@@ -560,8 +560,8 @@ class ScheduledRouting:
         self._start(worker)
         return [] if self._push(model, components, headers) else None
 
-    def send_pull(self, worker: "PSWorker", headers: list[bytes]) -> None:
-        send_pulls_directly(worker, headers)
+    def send_pull(self, worker: "PSWorker", headers: list[bytes], *, clocks: list[bytes] | None = None) -> None:
+        send_pulls_directly(worker, headers, clocks=clocks)
 
     # -- the server's side: model distribution (§10.3) ------------------------------------------
 

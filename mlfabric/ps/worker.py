@@ -205,16 +205,23 @@ class PSWorker:
         """Finish this iteration: tell every server, and return the new clock."""
         with self._lock:
             self._check_open("clock")
-            send_clock = getattr(self.routing, "send_clock", None)
-            if send_clock is not None:  # mlnet: the clock travels up the trees with the sums
-                send_clock(self, self.clock_value)
-            else:
+            clocks = self._clock_headers()
+            if clocks is not None:
                 tag = protocol.request_tag(self.config.session)
-                meta = protocol.encode(op=protocol.CLOCK, clock=self.clock_value)
-                for j in range(self.layout.servers):
+                for j, meta in enumerate(clocks):
                     self.transport.send(self.server_rank(j), tag, b"", meta=meta, channel=self.channel)
-            self.clock_value += 1
             return self.clock_value
+
+    def _clock_headers(self) -> list[bytes] | None:
+        """Finish this iteration (the lock held): the CLOCK header for each server, for the
+        caller to send, or None where the routing sent the clock itself (mlnet: up the trees
+        with the sums)."""
+        send_clock = getattr(self.routing, "send_clock", None)
+        clock, self.clock_value = self.clock_value, self.clock_value + 1
+        if send_clock is not None:
+            send_clock(self, clock)
+            return None
+        return [protocol.encode(op=protocol.CLOCK, clock=clock)] * self.layout.servers
 
     # -- pull / get -----------------------------------------------------------------------------
 
@@ -225,8 +232,11 @@ class PSWorker:
         spec = self._model(model, "pull")
         return spec.unflatten(self.pull_flat(model, staleness))
 
-    def pull_flat(self, model: str, staleness: int | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """:meth:`pull` as one flat tensor (written into ``out`` when given)."""
+    def pull_flat(self, model: str, staleness: int | None = None, *, out: torch.Tensor | None = None,
+                  clock: bool = False) -> torch.Tensor:
+        """:meth:`pull` as one flat tensor (written into ``out`` when given). ``clock=True``:
+        :meth:`clock` first, its message handed to the transport with the pull's (see
+        :meth:`pull_in_order`)."""
         with self._lock:
             self._check_open("pull")
             spec = self._model(model, "pull")
@@ -239,11 +249,13 @@ class PSWorker:
                                  f"{spec.dtype} tensor, got {tuple(out.shape)} x {out.dtype}")
             started = time.monotonic()
             flat = out.reshape(-1)
+            clocks = self._clock_headers() if clock else None
             for _attempt in range(self.layout.servers + 1):  # a failover restarts the pull
                 try:
-                    self._pull_into(spec, model, staleness, flat)
+                    self._pull_into(spec, model, staleness, flat, clocks)
                     break
                 except _Redirected:
+                    clocks = None  # they went with the first try (a promoted replica adopts clocks)
                     continue
             else:
                 raise PeerLostError(f"{self.who}: pull({model!r}): servers kept failing", rank=self.transport.rank)
@@ -252,11 +264,12 @@ class PSWorker:
             self.stats.versions_seen.append(self.versions[model][0])
             return out
 
-    def _pull_into(self, spec: ModelSpec, model: str, staleness: int | None, flat: torch.Tensor) -> None:
+    def _pull_into(self, spec: ModelSpec, model: str, staleness: int | None, flat: torch.Tensor,
+                   clocks: list[bytes] | None) -> None:
         ids = [next(self._ids) for _ in range(self.layout.servers)]
         self.routing.send_pull(self, [protocol.encode(op=protocol.PULL, id=request_id, model=model,
                                                       clock=self.clock_value, staleness=staleness)
-                                      for request_id in ids])
+                                      for request_id in ids], clocks=clocks)
         for j, ((offset, length), request_id) in enumerate(zip(spec.shards(self.layout.servers), ids)):
             header, msg = self._await_model(j, request_id, model, staleness,
                                             f"pull({model!r}) at clock {self.clock_value}")
@@ -270,13 +283,20 @@ class PSWorker:
         return self._submit(lambda: self.pull(model, staleness))
 
     def pull_in_order(self, model: str, into: torch.nn.Module | torch.Tensor, *, order: str = "priority",
-                      staleness: int | None = None) -> ArrivingModel:
+                      staleness: int | None = None, clock: bool = False) -> ArrivingModel:
         """Pull ``model`` answered per tensor in ``order`` (``"priority"``: the priorities given
         to :meth:`init_model`; ``"random"``: a fresh random order per pull), each tensor written
         into ``into`` (a module whose parameters are the model's keys, or the flat tensor) as
         it lands. Returns at once; :meth:`ArrivingModel.wait` blocks until tensors are in
         (:class:`mlfabric.ps.overlap.ParameterGate` waits per module). The previous ordered
-        pull of ``model`` is finished first."""
+        pull of ``model`` is finished first.
+
+        ``clock=True``: :meth:`clock` first (the previous iteration ends), its message handed
+        to the transport in one call with the pull's, so that a server finds both in one turn.
+        Sent apart, the clock of BSP's last worker closes the round and the server answers the
+        pulls waiting for it before this worker's pull is in: that pull is answered a server
+        turn later (1-3 ms on the emulated TicTac runs), and it is the one every worker waits
+        for."""
         with self._lock:
             self._check_open("pull_in_order")
             spec = self._model(model, "pull_in_order")
@@ -289,10 +309,11 @@ class PSWorker:
                 previous.join()
             targets = _flat_targets(spec, into, self.who)
             ids = [next(self._ids) for _ in range(self.layout.servers)]
+            clocks = self._clock_headers() if clock else None
             requested = time.monotonic()
             send_pulls_directly(self, [protocol.encode(op=protocol.PULL, id=request_id, model=model, order=order,
                                                        clock=self.clock_value, staleness=staleness)
-                                       for request_id in ids])
+                                       for request_id in ids], clocks=clocks)
             arriving = self._arriving[model] = ArrivingModel(self, spec, targets, list(enumerate(ids)), order,
                                                              requested)
             self.stats.pulls += 1

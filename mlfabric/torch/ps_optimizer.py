@@ -90,13 +90,13 @@ class PSOptimizer:
                 self._carried.zero_()
             else:
                 self._carried.copy_(self._grads)
-        self.worker.clock()
-        self.pull()
+        self.pull(clock=True)  # the clock goes with the pull (PSWorker.pull_in_order says why)
         self.steps += 1
 
-    def pull(self, staleness: int | None = None) -> None:
-        """Load the servers' model into the parameters (the consistency model's wait)."""
-        self.worker.pull_flat(self.name, staleness, out=self._flat)
+    def pull(self, staleness: int | None = None, *, clock: bool = False) -> None:
+        """Load the servers' model into the parameters (the consistency model's wait);
+        ``clock=True`` finishes the iteration first (:meth:`PSWorker.pull_flat`)."""
+        self.worker.pull_flat(self.name, staleness, out=self._flat, clock=clock)
         self._load()
 
     def _load(self) -> None:

@@ -201,6 +201,52 @@ def test_bsp_is_synchronous_sgd_exactly() -> None:
         assert dict(stats.delays) == {0: 3 * steps} and stats.dropped == 0 and stats.errors == []
 
 
+@pytest.mark.parametrize("routing", ["direct", "mlnet"])
+def test_a_clock_that_rides_with_the_pull_is_the_same_bsp(routing: str) -> None:
+    """pull_flat / pull_in_order(clock=True) = clock() then the pull: the same synchronous
+    SGD, the same clocks; on direct routes the CLOCK header is handed over with the pull, in
+    one call per server (mlnet's clocks climb the trees with the sums instead)."""
+    layout = PSLayout(servers=2, workers=3)
+    steps, lr = 5, 0.1
+    handed: dict[int, list[list[str]]] = {}
+
+    def worker(w: Any) -> tuple[torch.Tensor, int]:
+        calls = handed[w.index] = []
+        send_many = w.transport.send_many
+
+        def recording(peer: int, messages: Any, **kw: Any) -> Any:
+            calls.append([protocol.decode(meta)["op"] for _, _, meta in messages])
+            return send_many(peer, messages, **kw)
+
+        w.transport.send_many = recording
+        w.init_model("m", {"a": torch.zeros(4), "b": torch.zeros(3)}, lr=lr)
+        params = w.pull_flat("m")
+        for k in range(steps):
+            time.sleep(0.01 * w.index)  # arrive in different orders
+            w.push("m", quadratic_gradient(params, w.index))
+            if k % 2:
+                params = w.pull_flat("m", clock=True).clone()
+            else:
+                params = torch.empty(7)
+                w.pull_in_order("m", params, order="random", clock=True).join(timeout=10)
+        return params, w.clock_value
+
+    results, _ = run_job(layout, PSConfig(consistency="bsp", timeout_s=10, routing=routing), worker)
+    ref = torch.nn.Parameter(torch.zeros(7))
+    opt = torch.optim.SGD([ref], lr=lr)
+    for _ in range(steps):
+        ref.grad = torch.stack([quadratic_gradient(ref.detach(), i) for i in range(3)]).mean(0)
+        opt.step()
+    for rank in layout.worker_ranks:
+        params, clock = results[rank]
+        torch.testing.assert_close(params, ref.detach())
+        assert clock == steps
+    for index, calls in handed.items():
+        together = [c for c in calls if c == ["clock", "pull"]]
+        assert len(together) == (2 * steps if routing == "direct" else 0), (index, calls)
+        assert "clock" not in sum((c for c in calls if c != ["clock", "pull"]), [])
+
+
 @pytest.mark.parametrize("staleness", [0, 1, 2])
 def test_ssp_pull_never_older_than_the_bound(staleness: int) -> None:
     layout = PSLayout(servers=1, workers=3)
