@@ -50,6 +50,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
+from mlfabric.errors import CollectiveTimeoutError
 from mlfabric.order.gradients import Partition, fifo_order, partition_params, priority_order
 from mlfabric.runtime.communicator import Communicator
 
@@ -144,7 +145,8 @@ class OrderedAllreduce:
 
     def wait(self, keys: Iterable[str] | None = None, *, timeout: float | None = None, who: str = "") -> None:
         """Block until ``keys`` (default: every parameter) have no update pending; raises the
-        comm thread's error, or TimeoutError after ``timeout`` (default ``timeout_s``) naming
+        comm thread's error, or :class:`mlfabric.CollectiveTimeoutError` (a TimeoutError)
+        after ``timeout`` (default ``timeout_s``) naming
         what is pending and what the comm thread is doing."""
         keys = list(self.params if keys is None else keys)
         unknown = [k for k in keys if k not in self.params]
@@ -164,11 +166,11 @@ class OrderedAllreduce:
                                        f"{pending[:3]} pending")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(
+                    raise CollectiveTimeoutError(
                         f"rank {self.rank}: {who or 'synchronize'} waited {limit:.1f}s for the reduced gradient of "
                         f"parameter {pending[0]!r} ({len(pending)} pending); the comm thread is {self._doing}. "
                         "A peer that is slow or gone fails its allreduce with its name; a parameter whose "
-                        "gradient never came means it was unused in the backward (unsupported)")
+                        "gradient never came means it was unused in the backward (unsupported)", rank=self.rank)
                 self._cond.wait(left)
 
     def synchronize(self, timeout: float | None = None) -> None:

@@ -204,9 +204,11 @@ def test_a_wait_that_times_out_says_what_is_pending_and_what_the_comm_thread_doe
     [t.start() for t in threads]
     [t.join() for t in threads]
     _loss(models[0], *_batch(0, 0)).backward()  # rank 1 never runs its backward
-    with pytest.raises(TimeoutError, match=r"rank 0: synchronize waited 0.3s .* parameter '0.weight' .* in the allreduce of partition "
-                       r"4.bias\[0:1024\]"):
+    with pytest.raises(mlfabric.CollectiveTimeoutError,
+                       match=r"rank 0: synchronize waited 0.3s .* parameter '0.weight' .* in the allreduce of partition "
+                       r"4.bias\[0:1024\]") as raised:
         opts[0].synchronize(timeout=0.3)
+    assert raised.value.rank == 0 and isinstance(raised.value, TimeoutError)
     for opt, comm in zip(opts, comms):
         comm.close()
         opt.close()
