@@ -311,7 +311,8 @@ def _work(worker: Any, config: TicTacBenchConfig, the_plan: TicTacPlan, ordering
             forward_end = time.monotonic()
             out.square().mean().backward()
             pad_to(forward_end, the_plan.backward_time)
-        checksum = float(parameters_to_vector(params).double().sum())
+        with torch.no_grad():  # (a sum of parameters that require grad warns otherwise)
+            checksum = float(parameters_to_vector(params).double().sum())
         if not config.forward_only:
             worker.push(MODEL, model)
             model.zero_grad(set_to_none=False)
