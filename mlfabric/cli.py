@@ -496,7 +496,9 @@ def bench_tictac(
     forward_only: Annotated[bool, typer.Option("--forward-only", help="Forward passes only (inference); default: "
                                                "forward + backward + push.")] = False,
     width: Annotated[int, typer.Option(help="Channel multiplier of the model (parameters ~ width^2).")] = 1,
-    batch: Annotated[int, typer.Option(help="Synthetic batch size of the real compute.")] = 1,
+    batch: Annotated[Optional[int], typer.Option(help="Synthetic batch size of the real compute (default: 8 for vgg "
+                                                  "and alexnet, 1 for the others: bench/tictac.py "
+                                                  "DEFAULT_BATCH).")] = None,
     device: Annotated[str, typer.Option(help="emulated: each module's forward padded to its device time (S = 1); "
                                         "cpu: the real compute only.")] = "emulated",
     dag: Annotated[str, typer.Option(help="The DAG TIO/TAO are computed on: eager (the one PyTorch runs: ops in "
@@ -529,7 +531,7 @@ def bench_tictac(
                          chrome_dir=None if chrome is None else str(chrome), timeout_s=timeout)
     command = ["mlfabric", "bench", "tictac", "--model", model, "--workers", str(workers), "--ordering", ordering,
                *(["--emulate"] if emulate else []), "--rate", rate, *(["--forward-only"] if forward_only else []),
-               "--width", str(width), "--batch", str(batch), "--device", device, "--dag", dag, "--pace", pace,
+               "--width", str(width), "--batch", str(config.batch), "--device", device, "--dag", dag, "--pace", pace,
                "--iterations", str(iterations),
                "--warmup", str(warmup), "--seed", str(seed)]
     if json_path is not None:

@@ -89,6 +89,13 @@ DEVICES = ("emulated", "cpu")
 PACING = ("auto", "on", "off")
 MODEL = "model"
 LR = 0.01
+#: The synthetic batch per model when none is given: the largest power of two (up to 8) whose
+#: forward takes at most ~2 ms of this CPU, so that four workers' hosts keep up with their
+#: emulated devices on two cores (inception at 8: 11.5 ms, and 330 late launches in 110
+#: iterations), while each op's traced time is its compute more than its dispatch: at batch 1
+#: every op of the VGG-like model costs ~20 us, its classifier as much as its convolutions,
+#: unlike on the paper's accelerators (docs/tictac.md decision 14).
+DEFAULT_BATCH = {"vgg": 8, "alexnet": 8}
 #: Worker 0 reports progress at most this often: each report wakes the launcher, one more
 #: process on the shared cores while the ranks are timed.
 PROGRESS_EVERY_S = 0.5
@@ -108,7 +115,7 @@ class TicTacBenchConfig:
 
     model: str = "inception"
     width: int = 1
-    batch: int = 1
+    batch: int | None = None  # None: the model's DEFAULT_BATCH
     workers: int = 4
     orderings: tuple[str, ...] = ORDERINGS
     forward_only: bool = False
@@ -145,6 +152,8 @@ class TicTacBenchConfig:
         if self.pace == "on" and not self.emulate:
             raise ValueError("pace on needs --emulate: pacing needs the NIC rate that the emulator gives the ranks "
                              "(local processes share loopback)")
+        if self.batch is None:
+            object.__setattr__(self, "batch", DEFAULT_BATCH.get(self.model, 1))
         if self.workers < 1 or self.width < 1 or self.batch < 1:
             raise ValueError(f"workers, width and batch must be >= 1, got {self.workers}, {self.width}, {self.batch}")
         if self.iterations < 2 or not 0 <= self.warmup < self.iterations - 1:

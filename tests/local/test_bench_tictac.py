@@ -81,6 +81,14 @@ def test_pacing_follows_the_option_and_auto_paces_forward_passes_only(pace: str,
     assert not TicTacBenchConfig(pace="auto", forward_only=True).paced  # local processes: no NIC rate
 
 
+def test_the_batch_defaults_per_model_and_an_explicit_one_is_kept() -> None:
+    assert TicTacBenchConfig(model="vgg").batch == 8 and TicTacBenchConfig(model="alexnet").batch == 8
+    assert TicTacBenchConfig(model="inception").batch == 1 and TicTacBenchConfig(model="seq32").batch == 1
+    assert TicTacBenchConfig(model="vgg", batch=2).batch == 2
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        TicTacBenchConfig(model="vgg", batch=0)
+
+
 def test_pacing_on_local_processes_is_refused() -> None:
     with pytest.raises(ValueError, match="pace on needs --emulate"):
         TicTacBenchConfig(pace="on")
