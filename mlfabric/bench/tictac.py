@@ -93,8 +93,8 @@ LR = 0.01
 #: forward takes at most ~2 ms of this CPU, so that four workers' hosts keep up with their
 #: emulated devices on two cores (inception at 8: 11.5 ms, and 330 late launches in 110
 #: iterations), while each op's traced time is its compute more than its dispatch: at batch 1
-#: every op of the VGG-like model costs ~20 us, its classifier as much as its convolutions,
-#: unlike on the paper's accelerators (docs/tictac.md decision 14).
+#: the VGG-like model's ops cost 6-73 us and its classifier, which follows the last transfer,
+#: 11% of the forward (6% at batch 8), which capped its E near 0.9 (docs/tictac.md decision 14).
 DEFAULT_BATCH = {"vgg": 8, "alexnet": 8}
 #: Worker 0 reports progress at most this often: each report wakes the launcher, one more
 #: process on the shared cores while the ranks are timed.
