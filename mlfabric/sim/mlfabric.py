@@ -407,12 +407,18 @@ class _Scheduled(_PS):
         self.round_in = 0  # MLfabric-S: worker updates of the open round applied so far
         self.ids = itertools.count()
         self.draws = np.random.default_rng(np.random.SeedSequence([c.seed, 7_919]))
+        # where a worker's cycle goes (figures()): when it last moved on, and the waits so far
+        self.stamp = [0.0] * c.workers
+        self.waits: dict[str, list[float]] = {"batch": [], "commit": [], "model": []}
+        self.batch_sizes: list[int] = []
+        self.units = 0  # what the server received: direct updates and aggregates
 
     def start(self) -> None:
         super().start()
         self.clock.at(self.config.interval_s, self.tick)
 
     def computed(self, w: int, t: float) -> None:
+        self.stamp[w] = t
         self.pending.append((w, self.model_version[w]))
         if self.config.pull_after == "request" and not self.sync:
             self.pull_ready([w], t)
@@ -427,6 +433,10 @@ class _Scheduled(_PS):
 
     def plan(self, t: float) -> None:
         pending, self.pending = self.pending, []
+        for w, _ in pending:
+            self.waits["batch"].append(t - self.stamp[w])
+            self.stamp[w] = t
+        self.batch_sizes.append(len(pending))
         v_init = self.version + self.planned
         ids = {next(self.ids): p for p in pending}
         requests = [UpdateRequest(update_id=i, worker=self.host(w), sizes=(self.config.update_bytes,),
@@ -447,6 +457,7 @@ class _Scheduled(_PS):
             entry["expected"] = 1 if d.group == 0 else len(groups[d.group].members)
         order = list(entries.values())
         self.queue += order
+        self.units += len(order)
         if not self.sync:
             self.planned += len(order)
         for d in out.decisions:
@@ -479,6 +490,8 @@ class _Scheduled(_PS):
         # the server applies in the planned order
         while self.queue and self.queue[0]["arrived"]:
             e = self.queue.pop(0)
+            for w in e["workers"]:
+                self.waits["commit"].append(t - self.stamp[w])
             if self.sync:
                 self.applied += len(e["workers"])
                 self.round_in += len(e["workers"])
@@ -494,6 +507,8 @@ class _Scheduled(_PS):
                     self.pull_ready(e["workers"], t)
 
     def pull_ready(self, workers: Sequence[int], t: float) -> None:
+        for w in workers:
+            self.stamp[w] = t
         self.pulls += workers
         self.answer(t)
 
@@ -515,6 +530,7 @@ class _Scheduled(_PS):
         self.busy_until = max((tr.end for tr in transfers if tr.src == 0), default=t)
 
         def got(h: int, now: float) -> None:
+            self.waits["model"].append(now - self.stamp[h - 1])
             self.model_version[h - 1] = version
             self.compute(h - 1, now)
 
@@ -539,6 +555,22 @@ class _Scheduled(_PS):
         for h in direct:
             self.answering += 1
             self.clock.net.add(0, h, size, lambda now, h=h: direct_done(h, now))
+
+
+    def figures(self, t: float) -> dict[str, Any]:
+        """The PS figures, and where a worker's cycle went besides compute (means, seconds):
+        waiting for the scheduler's next batch, from the batch to its update applied at the
+        server, from its pull being answerable to the model received; and how much the
+        server's NIC was spared: worker updates per batch and server transfers per batch."""
+        batches = max(len(self.batch_sizes), 1)
+        return {**super().figures(t), "batches": len(self.batch_sizes),
+                "mean_batch": sum(self.batch_sizes) / batches, "server_transfers_per_batch": self.units / batches,
+                "batch_wait_s": _mean(self.waits["batch"]), "commit_wait_s": _mean(self.waits["commit"]),
+                "model_wait_s": _mean(self.waits["model"])}
+
+
+def _mean(values: Sequence[float]) -> float:
+    return float(np.mean(values)) if values else 0.0
 
 
 def _mean_rate(transfers: Sequence[Any]) -> float:

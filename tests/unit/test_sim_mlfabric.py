@@ -177,3 +177,20 @@ def test_emulated_cells_are_simulated_with_the_updates_they_needed(tmp_path: Any
     bad.write_text(json.dumps({"runs": []}))
     refused = CliRunner().invoke(app, ["simulate", "mlfabric", "--emulated", str(bad)], env={"COLUMNS": "200"})
     assert refused.exit_code == 2 and "not the JSON of an emulated" in refused.output
+
+
+def test_a_scheduled_run_says_where_a_workers_cycle_went() -> None:
+    # No stragglers, no churn: every cycle is compute + the three waits, so their means add
+    # up to the run's time per update; every computed update went into exactly one batch.
+    config = MLfabricSimConfig(**{**SMALL, "workers": 6, "updates": 120, "straggler": None, "churn": None})
+    run = simulate_mode(config, "mlfabric-a:20")
+    computed = run["applied"] + run["dropped"]
+    assert run["batches"] > 0
+    assert run["mean_batch"] * run["batches"] == pytest.approx(computed, abs=config.workers)
+    assert 1 <= run["server_transfers_per_batch"] <= run["mean_batch"]
+    assert run["server_transfers_per_batch"] * run["batches"] >= run["versions"]
+    assert 0 <= run["batch_wait_s"] <= config.interval_s + 1e-9
+    cycle = config.compute_s + run["batch_wait_s"] + run["commit_wait_s"] + run["model_wait_s"]
+    assert cycle == pytest.approx(run["time_s"] * config.workers / computed, rel=0.1)
+    transfer_s = config.update_bytes * 8 / config.rate_bps
+    assert run["commit_wait_s"] >= transfer_s and run["model_wait_s"] >= transfer_s * (1 - 1e-9)
