@@ -1107,9 +1107,12 @@ def simulate_mlfabric_cmd(
     names = [c or "none" for c in churns]
     for mode in [m for m in modes if m != "allreduce"]:
         grid = table2(rows, mode)
+        ceilings = {(r["inject"], r["churn"]): r.get("ceiling_one_level") for r in rows if r["mode"] == mode}
         table = Table(title=f"{mode} vs RR-Sync", title_justify="left", box=box.SIMPLE_HEAD,
                       caption="speedup in time to the same applied updates (simulated)"
-                              + ("; in brackets: the paper's MLfabric-A-30" if mode.startswith("mlfabric-a") else ""),
+                              + ("; after <=: the most one level of aggregation could reach with this pull "
+                                 "(docs/mlfabric_scheduler.md, Table 2); in brackets: the paper's MLfabric-A-30"
+                                 if mode.startswith("mlfabric-a") else ""),
                       caption_justify="left")
         table.add_column("compute")
         for name in names:
@@ -1119,7 +1122,9 @@ def simulate_mlfabric_cmd(
             for name in names:
                 value = grid.get(inj, {}).get(name)
                 paper = PAPER_TABLE2.get(inj, {}).get(name) if mode.startswith("mlfabric-a") else None
-                cells.append(("-" if value is None else f"{value:.2f}") + (f" [{paper:.2f}]" if paper else ""))
+                ceiling = ceilings.get((inj, name))
+                cells.append(("-" if value is None else f"{value:.2f}") + (f" <={ceiling:.2f}" if ceiling else "")
+                             + (f" [{paper:.2f}]" if paper else ""))
             table.add_row(inj, *cells)
         console.print(table)
     if json_path is not None:

@@ -51,7 +51,7 @@ from mlfabric.ps.monitor import Ledger, NetworkMonitor
 from mlfabric.ps.scheduling import aggregator_ranks
 from mlfabric.ps.scheduler import Scheduler, SchedulerConfig, UpdateRequest, plan_pull_batch
 
-__all__ = ["MLfabricSimConfig", "PAPER_TABLE2", "SIM_MODES", "compare_with_emulation", "simulate_mlfabric",
+__all__ = ["MLfabricSimConfig", "PAPER_TABLE2", "SIM_MODES", "compare_with_emulation", "cycle_floor_s", "simulate_mlfabric",
            "simulate_mode", "simulate_table2", "table2", "updates_to_target"]
 
 SIM_MODES = ("allreduce", "tree-allreduce", "ps-async", "mlfabric-a:TAU", "mlfabric-s")
@@ -604,13 +604,43 @@ def simulate_mode(config: MLfabricSimConfig, mode: str) -> dict[str, Any]:
     return {"mode": mode, **ps.figures(t)}
 
 
+def cycle_floor_s(config: MLfabricSimConfig) -> dict[str, float]:
+    """Lower bounds on a worker's mean cycle (compute to the next compute) under MLfabric-A
+    with the runtime's pull, answered once the worker's update is applied; from the mean
+    compute ``c`` (stragglers included) and the transfer time ``T`` of one update at the
+    nominal rate (churn only lowers rates, so the bounds hold under it):
+
+    * ``any``: ``c + 2T``, the update's transfer and the model's, however much is aggregated;
+    * ``one_level``: one level of aggregation (Alg. 3). The server's NIC takes one
+      update-sized transfer per ``T``, so ``W / y`` updates a second need aggregates of
+      ``m >= W T / y`` on average, and ``m`` members crossing their aggregator's NIC one after
+      another wait ``(m - 1) T / 2`` more on average (the member that starts i-th from last
+      has ``i`` transfers still to come in): ``y >= c + 1.5 T + W T^2 / (2 y)``.
+
+    docs/mlfabric_scheduler.md, "Table 2", reads them against RR-Sync."""
+    from mlfabric.sim.compute import straggler_preset
+
+    model = straggler_preset(config.straggler) if config.straggler is not None else None
+    c = config.compute_s * (1.0 + (model.probability * (model.slowdown - 1.0) if model else 0.0))
+    t = config.update_bytes * 8 / config.rate_bps
+    b = c + 1.5 * t
+    return {"any": c + 2 * t, "one_level": (b + math.sqrt(b * b + 2 * config.workers * t * t)) / 2}
+
+
 def simulate_mlfabric(config: MLfabricSimConfig, modes: Sequence[str]) -> list[dict[str, Any]]:
-    """Every mode on the same draws; adds ``speedup`` (allreduce's time over the mode's)."""
+    """Every mode on the same draws; adds ``speedup`` (allreduce's time over the mode's) and,
+    for MLfabric-A with the runtime's pull, the ceilings of that speedup
+    (:func:`cycle_floor_s`: ``ceiling_any``, ``ceiling_one_level``)."""
     runs = [simulate_mode(config, m) for m in modes]
     base = next((r["time_s"] for r in runs if r["mode"] == "allreduce"), None)
+    floors = cycle_floor_s(config)
     for r in runs:
         r["time_s"] = float(r["time_s"])
         r["speedup"] = base / r["time_s"] if base else None
+        if base and r["mode"].startswith("mlfabric-a:") and config.pull_after == "applied":
+            cycles = config.needed(r["mode"]) / config.workers  # each worker's cycles, at the least
+            r["ceiling_any"] = base / (cycles * floors["any"])
+            r["ceiling_one_level"] = base / (cycles * floors["one_level"])
     return runs
 
 

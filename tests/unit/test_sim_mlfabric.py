@@ -6,6 +6,7 @@ timing against closed forms, the runtime's scheduler in the loop, determinism, t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any
@@ -14,8 +15,8 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from mlfabric.sim.mlfabric import (MLfabricSimConfig, _StarNet, simulate_mlfabric, simulate_mode, simulate_table2,
-                                   table2)
+from mlfabric.sim.mlfabric import (MLfabricSimConfig, _StarNet, cycle_floor_s, simulate_mlfabric, simulate_mode,
+                                   simulate_table2, table2)
 
 MB = 1e6
 # 4 workers, 1 MB updates at 80 Mbit/s (10 MB/s): a transfer takes 0.1 s on an idle NIC.
@@ -194,3 +195,29 @@ def test_a_scheduled_run_says_where_a_workers_cycle_went() -> None:
     assert cycle == pytest.approx(run["time_s"] * config.workers / computed, rel=0.1)
     transfer_s = config.update_bytes * 8 / config.rate_bps
     assert run["commit_wait_s"] >= transfer_s and run["model_wait_s"] >= transfer_s * (1 - 1e-9)
+
+
+def test_the_cycle_floors_of_the_papers_setting() -> None:
+    # C2: 10% of draws 4x slower -> mean compute 0.13 s; 100 MB at 10 Gbit/s: T = 80 ms.
+    floors = cycle_floor_s(MLfabricSimConfig(straggler="C2", churn="N1"))
+    assert floors["any"] == pytest.approx(0.13 + 2 * 0.08)
+    b = 0.13 + 1.5 * 0.08
+    assert floors["one_level"] == pytest.approx((b + math.sqrt(b * b + 2 * 30 * 0.08 ** 2)) / 2)
+    assert floors["one_level"] == pytest.approx(0.459, abs=1e-3)
+    # the floor is a fixed point of y = c + 1.5 T + W T^2 / (2 y), above the aggregation-free bound
+    y = floors["one_level"]
+    assert y == pytest.approx(b + 30 * 0.08 ** 2 / (2 * y))
+    assert cycle_floor_s(MLfabricSimConfig(straggler=None, churn=None, workers=2))["any"] == pytest.approx(0.26)
+
+
+def test_no_simulated_run_beats_its_ceiling() -> None:
+    # The simulator's MLfabric-A obeys the floors: its measured cycle is at least the one-level
+    # floor and its speedup at most the ceilings it reports (a run above them would be a bug).
+    config = MLfabricSimConfig(**{**SMALL, "workers": 6, "updates": 120, "straggler": "C1", "churn": None})
+    runs = {r["mode"]: r for r in simulate_mlfabric(config, ["allreduce", "mlfabric-a:20"])}
+    a = runs["mlfabric-a:20"]
+    assert 0 < a["speedup"] <= a["ceiling_one_level"] <= a["ceiling_any"]
+    assert a["time_s"] * config.workers / a["applied"] >= cycle_floor_s(config)["one_level"]
+    assert "ceiling_any" not in runs["allreduce"]
+    request = simulate_mlfabric(dataclasses.replace(config, pull_after="request"), ["allreduce", "mlfabric-a:20"])
+    assert all("ceiling_any" not in r for r in request)  # the floors assume the runtime's pull
