@@ -26,7 +26,8 @@ requests) take no time. Modes:
   ``--delay-bound``-style drops when ``tau`` is given as ``ps-async:TAU``), pull;
 * ``mlfabric-a:TAU``: requests batched every ``interval_s`` (or once every worker waits),
   planned by the scheduler (order, drops, aggregation at ``aggregators`` worker hosts), applied
-  by the server in the planned order; a worker's pull is answered once its update is applied;
+  by the server in the planned order (an aggregate of m updates takes m versions, as in the
+  runtime); a worker's pull is answered once its update is applied;
 * ``mlfabric-s``: BSP rounds whose updates the scheduler orders and aggregates (obj_sync).
 
 "Time to target": the paper times each mode to a test accuracy; a flow-level simulator has no
@@ -344,9 +345,11 @@ class _PS:
         raise NotImplementedError
 
     def apply(self, workers: Sequence[int], versions: Sequence[int]) -> None:
-        for v in versions:
-            self.delays.append(self.version + 1 - v)
-        self.version += 1
+        """Apply one update, or an aggregate of asynchronous updates: as the runtime's server,
+        its m members take the m consecutive versions the scheduler planned for them."""
+        for i, v in enumerate(versions):
+            self.delays.append(self.version + 1 + i - v)
+        self.version += len(workers)
         self.applied += len(workers)
 
     def done(self) -> bool:
@@ -459,7 +462,7 @@ class _Scheduled(_PS):
         self.queue += order
         self.units += len(order)
         if not self.sync:
-            self.planned += len(order)
+            self.planned += sum(len(e["workers"]) for e in order)
         for d in out.decisions:
             w, v = ids[d.update_id]
             if d.dropped:
@@ -501,7 +504,7 @@ class _Scheduled(_PS):
                     self.delays += [0] * self.config.workers
                     self.pull_ready(range(self.config.workers), t)
             else:
-                self.planned -= 1
+                self.planned -= len(e["workers"])
                 self.apply(e["workers"], e["versions"])
                 if self.config.pull_after == "applied":
                     self.pull_ready(e["workers"], t)
@@ -605,10 +608,12 @@ def simulate_mode(config: MLfabricSimConfig, mode: str) -> dict[str, Any]:
 
 
 def cycle_floor_s(config: MLfabricSimConfig) -> dict[str, float]:
-    """Lower bounds on a worker's mean cycle (compute to the next compute) under MLfabric-A
-    with the runtime's pull, answered once the worker's update is applied; from the mean
-    compute ``c`` (stragglers included) and the transfer time ``T`` of one update at the
-    nominal rate (churn only lowers rates, so the bounds hold under it):
+    """Lower bounds on a worker's mean cycle (compute to the next compute) under MLfabric-A,
+    from the mean compute ``c`` (stragglers included) and the transfer time ``T`` of one
+    update (= model) at the nominal rate (churn only lowers rates, so they hold under it).
+
+    With the runtime's pull (``pull_after="applied"``: answered once the worker's update is
+    applied):
 
     * ``any``: ``c + 2T``, the update's transfer and the model's, however much is aggregated;
     * ``one_level``: one level of aggregation (Alg. 3). The server's NIC takes one
@@ -617,19 +622,24 @@ def cycle_floor_s(config: MLfabricSimConfig) -> dict[str, float]:
       another wait ``(m - 1) T / 2`` more on average (the member that starts i-th from last
       has ``i`` transfers still to come in): ``y >= c + 1.5 T + W T^2 / (2 y)``.
 
+    With the pull answered at once (``"request"``) the update leaves the cycle: ``any`` is
+    ``c + T`` and ``one_level`` the same argument on the model's way out through one level of
+    distributors (§10.3): ``y >= c + T / 2 + W T^2 / (2 y)``.
+
     docs/mlfabric_scheduler.md, "Table 2", reads them against RR-Sync."""
     from mlfabric.sim.compute import straggler_preset
 
     model = straggler_preset(config.straggler) if config.straggler is not None else None
     c = config.compute_s * (1.0 + (model.probability * (model.slowdown - 1.0) if model else 0.0))
     t = config.update_bytes * 8 / config.rate_bps
-    b = c + 1.5 * t
-    return {"any": c + 2 * t, "one_level": (b + math.sqrt(b * b + 2 * config.workers * t * t)) / 2}
+    transfers = 2 if config.pull_after == "applied" else 1  # in the cycle, besides compute
+    b = c + (transfers - 0.5) * t
+    return {"any": c + transfers * t, "one_level": (b + math.sqrt(b * b + 2 * config.workers * t * t)) / 2}
 
 
 def simulate_mlfabric(config: MLfabricSimConfig, modes: Sequence[str]) -> list[dict[str, Any]]:
     """Every mode on the same draws; adds ``speedup`` (allreduce's time over the mode's) and,
-    for MLfabric-A with the runtime's pull, the ceilings of that speedup
+    for MLfabric-A, the ceilings of that speedup under the config's pull
     (:func:`cycle_floor_s`: ``ceiling_any``, ``ceiling_one_level``)."""
     runs = [simulate_mode(config, m) for m in modes]
     base = next((r["time_s"] for r in runs if r["mode"] == "allreduce"), None)
@@ -637,7 +647,7 @@ def simulate_mlfabric(config: MLfabricSimConfig, modes: Sequence[str]) -> list[d
     for r in runs:
         r["time_s"] = float(r["time_s"])
         r["speedup"] = base / r["time_s"] if base else None
-        if base and r["mode"].startswith("mlfabric-a:") and config.pull_after == "applied":
+        if base and r["mode"].startswith("mlfabric-a:"):
             cycles = config.needed(r["mode"]) / config.workers  # each worker's cycles, at the least
             r["ceiling_any"] = base / (cycles * floors["any"])
             r["ceiling_one_level"] = base / (cycles * floors["one_level"])
