@@ -345,10 +345,12 @@ class _PS:
         raise NotImplementedError
 
     def apply(self, workers: Sequence[int], versions: Sequence[int]) -> None:
-        """Apply one update, or an aggregate of asynchronous updates: as the runtime's server,
-        its m members take the m consecutive versions the scheduler planned for them."""
-        for i, v in enumerate(versions):
-            self.delays.append(self.version + 1 + i - v)
+        """Apply one update, or an aggregate of asynchronous updates, as the runtime's server
+        does (ps/server.py): each member's delay is the version it is applied onto minus the
+        version it was computed from, and an aggregate of m takes m versions (its members
+        were planned at m consecutive ones)."""
+        for v in versions:
+            self.delays.append(self.version - v)
         self.version += len(workers)
         self.applied += len(workers)
 
@@ -373,7 +375,7 @@ class _Async(_PS):
         self.clock.net.add(self.host(w), 0, self.config.update_bytes, lambda now: self.arrived(w, v, now))
 
     def arrived(self, w: int, v: int, t: float) -> None:
-        if self.tau is not None and self.version + 1 - v > self.tau:
+        if self.tau is not None and self.version - v > self.tau:  # the server's async:TAU
             self.dropped += 1
         else:
             self.apply([w], [v])

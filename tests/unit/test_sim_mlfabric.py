@@ -58,7 +58,14 @@ def test_vanilla_async_on_one_worker_is_compute_push_and_pull() -> None:
     # the 10th update is applied when the 5th pair's pushes land (before their pulls)
     assert run["applied"] == 10 and run["dropped"] == 0
     assert run["time_s"] == pytest.approx(4 * (0.05 + 0.2 + 0.2) + 0.05 + 0.2, rel=1e-6)
-    assert run["max_delay"] == 2  # the other worker's update lands in between
+    # the other worker's update lands in between: applied onto the version after the one it
+    # was computed from, a delay of 1 as the runtime's server records it
+    assert run["max_delay"] == 1
+    # the delay bound is the server's async:TAU: a delay of TAU is applied, TAU + 1 dropped
+    bounded = simulate_mode(config, "ps-async:1")
+    assert bounded["dropped"] == 0 and bounded["max_delay"] == 1
+    strict = simulate_mode(config, "ps-async:0")
+    assert strict["dropped"] > 0 and strict["max_delay"] == 0 and strict["applied"] >= 10
 
 
 def test_mlfabric_modes_run_the_runtimes_scheduler_and_bound_delays(monkeypatch: pytest.MonkeyPatch) -> None:
