@@ -1110,8 +1110,9 @@ def simulate_mlfabric_cmd(
         ceilings = {(r["inject"], r["churn"]): r.get("ceiling_one_level") for r in rows if r["mode"] == mode}
         table = Table(title=f"{mode} vs RR-Sync", title_justify="left", box=box.SIMPLE_HEAD,
                       caption="speedup in time to the same applied updates (simulated)"
-                              + ("; after <=: the most one level of aggregation could reach with this pull "
-                                 "(docs/mlfabric_scheduler.md, Table 2); in brackets: the paper's MLfabric-A-30"
+                              + ("; after <=: the most any scheduler could reach with one level of aggregation "
+                                 "and distribution and this --pull-after (docs/mlfabric_scheduler.md, Table 2); "
+                                 "in brackets: the paper's MLfabric-A-30"
                                  if mode.startswith("mlfabric-a") else ""),
                       caption_justify="left")
         table.add_column("compute")

@@ -52,8 +52,8 @@ from mlfabric.ps.monitor import Ledger, NetworkMonitor
 from mlfabric.ps.scheduling import aggregator_ranks
 from mlfabric.ps.scheduler import Scheduler, SchedulerConfig, UpdateRequest, plan_pull_batch
 
-__all__ = ["MLfabricSimConfig", "PAPER_TABLE2", "SIM_MODES", "compare_with_emulation", "cycle_floor_s", "simulate_mlfabric",
-           "simulate_mode", "simulate_table2", "table2", "updates_to_target"]
+__all__ = ["MLfabricSimConfig", "PAPER_TABLE2", "SIM_MODES", "compare_with_emulation", "cycle_floor_s",
+           "simulate_mlfabric", "simulate_mode", "simulate_table2", "table2", "updates_to_target"]
 
 SIM_MODES = ("allreduce", "tree-allreduce", "ps-async", "mlfabric-a:TAU", "mlfabric-s")
 #: The paper's Table 2: MLfabric-A-30's speedup in time to 74% accuracy w.r.t. RR-Sync.
@@ -560,7 +560,6 @@ class _Scheduled(_PS):
         for h in direct:
             self.answering += 1
             self.clock.net.add(0, h, size, lambda now, h=h: direct_done(h, now))
-
 
     def figures(self, t: float) -> dict[str, Any]:
         """The PS figures, and where a worker's cycle went besides compute (means, seconds):
