@@ -60,9 +60,10 @@ on and counts ``bound_overruns``): the plan's times are predictions, the acks ar
 Servers apply a batch's updates in the scheduler's order (``ParameterServer`` keeps the
 orders): an entry that has not arrived ``slack_s`` after its planned commit is skipped. A
 version planned for an update is ``v_init + position``, with ``v_init`` the server's version
-plus what earlier batches planned and have not applied yet, so every planned delay is
-<= ``tau_max``; an update pushed outside any batch (a fallback) is checked against the bound
-at the server, as in vanilla async.
+plus the updates of earlier batches it has not applied or skipped yet
+(``ParameterServer.planned_ahead``: a skipped or dropped one no longer counts), so every
+planned delay is <= ``tau_max``; an update pushed outside any batch (a fallback) is checked
+against the bound at the server, as in vanilla async.
 """
 
 from __future__ import annotations
@@ -228,7 +229,6 @@ class SchedulerService:
         self._ledger_lock = threading.Lock()
         self.stats = SchedulerStats()
         self._pending: dict[str, list[tuple[int, dict[str, Any]]]] = {}
-        self._planned: dict[str, int] = {}  # per model: the version after every planned update
         # Batches are numbered from 1; a promoted replica's scheduler numbers its own apart, so
         # that nothing the lost scheduler planned (a worker's group, a late update, a replica's
         # unit) can be taken for one of its batches.
@@ -315,7 +315,7 @@ class SchedulerService:
             log.error("%s: scheduler: update requests for unknown model %r dropped", self.server.who, model)
             return
         started = time.perf_counter()
-        v_init = max(shard.version, self._planned.get(model, 0))
+        v_init = shard.version + self.server.planned_ahead(model)
         requests = [UpdateRequest(update_id=i, worker=rank, sizes=tuple(float(s) for s in h["sizes"]),
                                   version=min(int(h["version"]), v_init), norm=float(h.get("norm", 0.0)))
                     for i, (rank, h) in enumerate(pending)]
@@ -327,8 +327,6 @@ class SchedulerService:
         self.stats.plan_ms.append(1e3 * (time.perf_counter() - started))
         self.stats.batches += 1
         self.stats.requests += len(requests)
-        if not self.sync:
-            self._planned[model] = v_init + len(plan.applied())
         batch = next(self._batches)
         entries, members, commits = self._entries(plan, pending, now)
         if self.replicating:

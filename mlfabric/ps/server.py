@@ -101,6 +101,12 @@ class _Entry:
     not_before: float = 0.0
 
 
+def _entry_count(entry: list[Any]) -> int:
+    """Worker updates in one entry of a batch order as the scheduler sends it: ``["u", rank,
+    id, ...]`` one, ``["g", slot, count, ...]`` an aggregate's members."""
+    return 1 if entry[0] == "u" else int(entry[2])
+
+
 @dataclass
 class _BatchOrder:
     batch: int
@@ -239,6 +245,9 @@ class ParameterServer:
         self._orders: dict[str, list[_BatchOrder]] = {}
         self._incoming_orders: list[tuple[dict[str, Any], float]] = []
         self._order_lock = threading.Lock()
+        # MLfabric-A: per model, the worker updates in orders not yet applied or skipped (what
+        # the scheduler adds to the version to plan the next batch's delays: planned_ahead)
+        self._planned_ahead: Counter = Counter()
         self._arrived: dict[tuple[str, int, tuple[Any, ...]], tuple[torch.Tensor, dict[str, Any]]] = {}
         self._finished_batch: dict[str, int] = {}  # per model, the last batch fully applied
         # MLfabric-S: per (model, round) the workers whose routed update is not in yet, with
@@ -521,7 +530,18 @@ class ParameterServer:
         runs beside this loop)."""
         with self._order_lock:
             self._incoming_orders.append((order, received))
+            if not order.get("sync"):
+                self._planned_ahead[order["model"]] += sum(_entry_count(e) for e in order["entries"])
         self.transport.mailbox.notify()
+
+    def planned_ahead(self, model: str) -> int:
+        """Worker updates of ``model`` in batch orders this server has not applied or skipped
+        yet (MLfabric-A). The next batch's versions start at ``version + planned_ahead``: an
+        update that is skipped, dropped here, or missing from its aggregate leaves the count
+        without moving the version, so the versions planned next are the ones that will be
+        applied (counting it once planned would have shortened every later deadline)."""
+        with self._order_lock:
+            return self._planned_ahead[model]
 
     def _apply_batches(self, now: float) -> None:
         """Apply scheduled updates in their batch's order, batches one after the other; an
@@ -531,7 +551,7 @@ class ParameterServer:
             self._incoming_orders = [(o, t) for o, t in self._incoming_orders if o.get("sync")]
         for order, received in incoming:
             entries = [_Entry(kind=e[0], key=tuple(e[1:3]) if e[0] == "u" else (int(e[1]),),
-                              count=1 if e[0] == "u" else int(e[2]), deadline=received + float(e[3]),
+                              count=_entry_count(e), deadline=received + float(e[3]),
                               ranks=frozenset(int(r) for r in e[4]),
                               unit=int(e[5]) if len(e) > 5 else None, norm=float(e[6]) if len(e) > 6 else None,
                               not_before=received + float(e[7]) if len(e) > 7 and e[7] is not None else 0.0)
@@ -559,19 +579,21 @@ class ParameterServer:
                     else:
                         self._apply_scheduled(shard, *arrived, entry=entry)
                     order.next += 1
+                    with self._order_lock:  # after the version moved: a planner never counts too few
+                        self._planned_ahead[model] -= entry.count
                 if order.next < len(order.entries):
                     break
                 orders.pop(0)
                 self._finished_batch[model] = max(self._finished_batch.get(model, 0), order.batch)
                 self._probe_replicas(shard, order.batch)
-        # Scheduled updates whose batch is over (their entry was skipped) are late: drop them.
-        # A batch this server has no order for yet is not over: its order may still be on the
-        # way (it travels from the scheduler on another connection than the update).
+        # Scheduled updates whose batch is over (their entry was skipped) are late: drop them,
+        # counted once, as skipped. A batch this server has no order for yet is not over: its
+        # order may still be on the way (it travels from the scheduler on another connection
+        # than the update).
         live = {(m, o.batch) for m, orders in self._orders.items() for o in orders}
         for key in [k for k in self._arrived
                     if (k[0], k[1]) not in live and k[1] <= self._finished_batch.get(k[0], 0)]:
             self._arrived.pop(key)
-            self.stats.dropped += 1
 
     def _scheduled_ranks(self, model: str) -> set[int]:
         """Workers with an update in a batch entry not applied (or skipped) yet."""

@@ -130,6 +130,47 @@ def test_lost_decisions_make_workers_push_unscheduled_and_the_server_bounds_the_
     assert stats.unscheduled == 6 and stats.worker_updates + stats.dropped == 6 and max(stats.delays) <= 2
 
 
+def test_skipped_updates_do_not_shorten_the_deadlines_of_later_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: the scheduler planned each batch's versions from what it had planned
+    before, so every planned update that never reached the server (skipped past its slack)
+    moved all later deadlines one version closer for good: a few skips under a small TAU and
+    the scheduler dropped every later update. Now the versions start from the server's
+    version plus the planned updates it has not applied or skipped yet."""
+    import mlfabric.ps.scheduling as scheduling
+
+    delayed: dict[str, int] = {}
+
+    class SlowFirstPushes:
+        """time for the scheduling module: each worker thread's first two planned starts come
+        0.6 s late (an update stuck on its way), past the server's 0.1 s of slack."""
+
+        monotonic = staticmethod(time.monotonic)
+        perf_counter = staticmethod(time.perf_counter)
+
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            name = threading.current_thread().name
+            if delayed.get(name, 0) < 2:
+                delayed[name] = delayed.get(name, 0) + 1
+                seconds += 0.6
+            time.sleep(seconds)
+
+    monkeypatch.setattr(scheduling, "time", SlowFirstPushes)
+    layout = PSLayout(servers=1, workers=2)
+    tau = 2
+    config = PSConfig(consistency=f"async:{tau}", timeout_s=20, routing="scheduled",
+                      scheduled=ScheduledSettings(interval_s=0.02, aggregators=0, slack_s=0.1, rate_bps=1e9))
+    out, _ = _run(layout, config, steps=10, pause=0.01)
+    stats = out[0]
+    dropped_by_scheduler = sum(out[r]["dropped_by_scheduler"] for r in layout.worker_ranks)
+    # after the skips the later updates go through (with the skips counted as planned
+    # versions, every update after the second skip was dropped as doomed: none applied)
+    assert stats.worker_updates >= 10, (stats.worker_updates, stats.skipped, dropped_by_scheduler)
+    assert stats.skipped >= 3  # the late updates' entries; their late arrivals are not counted again
+    assert stats.worker_updates + stats.dropped + stats.skipped + dropped_by_scheduler == 20
+    assert max(stats.delays) <= tau
+
+
 def test_scheduled_policy_needs_a_delay_bound() -> None:
     with pytest.raises(ValueError, match="async:TAU"):
         PSConfig(consistency="async", routing="scheduled")
