@@ -22,11 +22,13 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 # torch 2.13's gloo sometimes aborts a process while it exits ("terminate called without an active
 # exception", exit code -6), after the script has finished; a plain gloo DDP script without mlfabric
-# does it in about 1 run in 6. Only the gloo *reference* run may be retried on exactly that.
+# does it in about 1 run in 6, more often on a loaded machine (a fresh-clone CI run met it three
+# times in a row). Only the gloo *reference* run may be retried on exactly that, and its last try
+# counts if the script printed its result line (``done``) before the abort.
 GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
 
 
-def _torchrun(script: str, *args: str, procs: int = 2, gloo_reference: bool = False) -> str:
+def _torchrun(script: str, *args: str, procs: int = 2, gloo_reference: bool = False, done: str = "") -> str:
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for attempt in range(3 if gloo_reference else 1):
@@ -34,7 +36,8 @@ def _torchrun(script: str, *args: str, procs: int = 2, gloo_reference: bool = Fa
                               str(EXAMPLES / script), *args], capture_output=True, text=True, timeout=240, env=env)
         if out.returncode == 0 or not (gloo_reference and GLOO_TEARDOWN_ABORT in out.stderr):
             break
-    assert out.returncode == 0, out.stderr[-3000:]
+    finished = gloo_reference and GLOO_TEARDOWN_ABORT in out.stderr and bool(done) and re.search(done, out.stdout)
+    assert out.returncode == 0 or finished, out.stderr[-3000:]
     return out.stdout
 
 
@@ -104,9 +107,10 @@ def test_ordered_allreduce_example_trains_one_model_on_every_rank(order: str) ->
 
 
 def test_torch_backend_example_trains_as_on_gloo() -> None:
-    lines = {backend: _torchrun("torch_backend.py", "--backend", backend, "--epochs", "2", gloo_reference=backend == "gloo")
-             for backend in ("mlfabric", "gloo")}
     pattern = r"backend=(\w+) ddp 2 ranks: loss per epoch ([\d.]+), ([\d.]+); parameter fingerprint ([\d.]+)"
+    lines = {backend: _torchrun("torch_backend.py", "--backend", backend, "--epochs", "2",
+                                gloo_reference=backend == "gloo", done=pattern)
+             for backend in ("mlfabric", "gloo")}
     runs = {backend: re.search(pattern, stdout) for backend, stdout in lines.items()}
     assert all(runs.values()), lines
     ours, gloo = runs["mlfabric"], runs["gloo"]
