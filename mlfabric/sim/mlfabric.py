@@ -360,7 +360,7 @@ class _PS:
     def figures(self, t: float) -> dict[str, Any]:
         return {"time_s": t, "applied": self.applied, "dropped": self.dropped, "versions": self.version,
                 "max_delay": max(self.delays, default=0),
-                "mean_delay": float(np.mean(self.delays)) if self.delays else 0.0}
+                "mean_delay": _mean(self.delays)}
 
 
 class _Async(_PS):
