@@ -49,17 +49,15 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 import numpy as np
 
 from mlfabric.errors import TransportError
 
 from .base import TOKEN_BYTES, SendHandle, decode_header, encode_header
-from .tcp import FRAME, FRAME_MAGIC, HANDSHAKE_TIMEOUT_S, _FrameReader, _Outgoing, _shut, _shut_and_join
-
-if TYPE_CHECKING:
-    from .tcp import TcpTransport
+from .framing import (DONE, FRAME, FRAME_MAGIC, HANDSHAKE_TIMEOUT_S, FrameReader, LinkOwner, OrderedLink, shut,
+                      shut_and_join)
 
 log = logging.getLogger("mlfabric.transport.shm")
 
@@ -81,7 +79,7 @@ MIN_PIECE_BYTES = 64 << 10
 #: Every blocking call wakes at least this often to notice a shutdown.
 POLL_S = 0.5
 
-# Writer -> reader records: a frame (tcp.FRAME with one of these magics), then for a ring
+# Writer -> reader records: a frame (framing.FRAME with one of these magics), then for a ring
 # payload one PIECE record per piece; reader -> writer: one CREDIT record per piece consumed.
 INLINE_MAGIC = FRAME_MAGIC  # the payload follows in the socket stream, as over TCP
 RING_MAGIC = b"MLFr"    # the payload follows in the ring, announced piece by piece
@@ -162,8 +160,8 @@ class _RingMessage:
     payload: memoryview
 
 
-class _Link(_Outgoing):
-    """The writer's side of one link: the tcp transport's ordered sender (messages leave in
+class _Link(OrderedLink):
+    """The writer's side of one link: an ordered link (``framing.OrderedLink``: messages leave in
     the order they were sent, a sender thread finishes what the calling thread could not),
     writing small messages to the socket and large payloads through the ring."""
 
@@ -220,8 +218,8 @@ class _Link(_Outgoing):
                         # Only the announcement's tail can be left, and it is ours to keep.
                         rest = self._announce([*header, memoryview(PIECE.pack(payload.nbytes))])
                         if rest:
-                            self._enqueue(rest, _DONE)
-                        return _DONE
+                            self._enqueue(rest, DONE)
+                        return DONE
                 except OSError as exc:
                     self._broken(exc)
                     return SendHandle(done=False)
@@ -294,8 +292,6 @@ class _Link(_Outgoing):
         self.sock.close()
 
 
-_DONE = SendHandle(done=True)
-
 
 def _bytes_after(parts: list[memoryview], sent: int) -> bytes:
     """The bytes of ``parts`` after the first ``sent`` (copied: the caller may reuse them)."""
@@ -312,7 +308,7 @@ def _bytes_after(parts: list[memoryview], sent: int) -> bytes:
 class SharedMemoryLinks:
     """The shared-memory links of one rank's tcp transport (see the module docstring)."""
 
-    def __init__(self, transport: "TcpTransport") -> None:
+    def __init__(self, transport: LinkOwner) -> None:
         self.transport = transport
         self.rank = transport.rank
         self.identity = host_identity()
@@ -404,20 +400,20 @@ class SharedMemoryLinks:
             data, fds, _, _ = socket.recv_fds(sock, size, 1)
         except OSError as exc:
             if not self.stopped:
-                transport._reject(f"no shared-memory handshake ({exc})")
+                transport.reject_link(f"no shared-memory handshake ({exc})")
             return None
         try:
             if len(data) != size or len(fds) != 1:
-                transport._reject(f"malformed shared-memory handshake ({len(data)} bytes, {len(fds)} fds)")
+                transport.reject_link(f"malformed shared-memory handshake ({len(data)} bytes, {len(fds)} fds)")
                 return None
             try:
                 src, _, _ = decode_header(data[:-_HANDSHAKE.size], transport.token)
             except ValueError as exc:
-                transport._reject(f"{exc} on a shared-memory link")
+                transport.reject_link(f"{exc} on a shared-memory link")
                 return None
             (ring_size,) = _HANDSHAKE.unpack(data[-_HANDSHAKE.size:])
             if not 0 <= src < transport.world_size or src == self.rank or ring_size < MIN_PIECE_BYTES:
-                transport._reject(f"bad source {src} or ring size {ring_size} on a shared-memory link")
+                transport.reject_link(f"bad source {src} or ring size {ring_size} on a shared-memory link")
                 return None
             ring = _Ring(mmap.mmap(fds[0], ring_size), ring_size)
         finally:
@@ -441,18 +437,18 @@ class SharedMemoryLinks:
         finally:
             sock.close()
         if src is not None and not self.stopped:
-            self.transport._connection_ended(src, "its shared-memory link closed without a goodbye (process died?)")
+            self.transport.link_ended(src, "its shared-memory link closed without a goodbye (process died?)")
 
     def _read_messages(self, sock: socket.socket, src: int, ring: _Ring) -> None:
         transport = self.transport
-        stream = _FrameReader(sock)
+        stream = FrameReader(sock)
         consumed = 0  # bytes ever taken out of the ring
         while True:
             frame = stream.frame(transport, src, (INLINE_MAGIC, RING_MAGIC))
             if frame is None:
                 return
             magic, tag, channel, meta, nbytes = frame
-            payload, in_place = transport._destination(channel, tag, src, meta, nbytes)
+            payload, in_place = transport.payload_destination(channel, tag, src, meta, nbytes)
             if magic == INLINE_MAGIC:
                 if nbytes and not stream.read_into(payload):
                     return
@@ -465,14 +461,14 @@ class SharedMemoryLinks:
                     (length,) = PIECE.unpack(record)
                     position = consumed % ring.size
                     if length > nbytes - filled or position + length > ring.size:
-                        transport._reject(f"shared-memory piece of {length} bytes from peer {src} does not fit; "
+                        transport.reject_link(f"shared-memory piece of {length} bytes from peer {src} does not fit; "
                                           "closing the link")
                         return
                     ctypes.memmove(_address_of(payload[filled:filled + length]), ring.base + position, length)
                     consumed += length
                     filled += length
                     sock.sendall(CREDIT.pack(length))
-            transport._received(src, tag, channel, meta, payload, in_place)
+            transport.payload_received(src, tag, channel, meta, payload, in_place)
 
     # -- shutdown ------------------------------------------------------------------------------
 
@@ -485,11 +481,11 @@ class SharedMemoryLinks:
         """Stop every thread; the rings are unmapped when the last reference goes (a thread
         still copying keeps its ring alive)."""
         self.stopped = True
-        _shut(self.listener)
+        shut(self.listener)
         self.listener.close()
         deadline = time.monotonic() + 1.0
         for link in self._outgoing.values():
             link.close(deadline)
         with self._lock:
             incoming = list(self._incoming.values())
-        _shut_and_join(incoming, [*self._threads, *(link.thread for link in self._outgoing.values())])
+        shut_and_join(incoming, [*self._threads, *(link.thread for link in self._outgoing.values())])

@@ -14,8 +14,8 @@ so that a host with k NICs binds k addresses). Every rank connects to every peer
 channel; a connection carries one direction only. It opens with a handshake (magic, job
 token, source rank, channel index: :func:`mlfabric.transport.base.encode_header`); anything
 else, or a wrong token, is logged, counted and closed before a byte can reach a tensor. Then
-each message is a frame header (:data:`FRAME`: tag, meta length, payload length, channel
-index), the meta bytes and the payload. Control messages ride the first channel.
+each message is a frame (``framing.py``: a header with tag, meta length, payload length and
+channel index, the meta bytes and the payload). Control messages ride the first channel.
 
 Threads: per listening socket one acceptor; per incoming connection one reader (blocking
 ``recv_into``, which releases the GIL, so reading overlaps the progress thread's
@@ -44,10 +44,8 @@ from __future__ import annotations
 
 import logging
 import socket
-import struct
 import threading
 import time
-from collections import deque
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -56,8 +54,11 @@ from mlfabric.errors import TransportError
 
 from .base import (CONTROL_CHANNEL, TOKEN_BYTES, Message, SendHandle, Transport, byte_view, decode_header,
                    encode_header)
+from .framing import (DONE, HANDSHAKE_TIMEOUT_S, FrameReader, Offer, OrderedLink, add_frame, recv_exactly, shut,
+                      shut_and_join)
 from .memory import keep_freed_memory
 from .pacing import Pacer
+from .shm import ENDPOINT_KEY, SharedMemoryLinks, host_layout, shm_enabled
 from .sockets import (
     GOODBYE_GRACE_S,
     KERNEL_PACING,
@@ -77,273 +78,12 @@ from .sockets import (
 
 log = logging.getLogger("mlfabric.transport.tcp")
 
-# Every message: magic, tag, meta length, payload length, channel index.
-FRAME = struct.Struct("<4sQIQH")
-FRAME_MAGIC = b"MLFm"
 HANDSHAKE_BYTES = len(encode_header(bytes(TOKEN_BYTES), 0, 0, 0))
-# A connection must present its handshake within this time or it is dropped.
-HANDSHAKE_TIMEOUT_S = 5.0
-# Meta is a short description of the collective; anything longer is not ours.
-MAX_META_BYTES = 1 << 16
 CONNECT_RETRY_S = 0.05
-# How much a reader takes from the kernel at once, beyond the frame it needs (_FrameReader):
-# enough for a burst of small messages, small enough that a large payload is mostly received
-# in place.
-READ_AHEAD_BYTES = 64 * 1024
 
-_DONE = SendHandle(done=True)
 #: Frames per ``sendmsg`` in :meth:`TcpTransport.send_many`: up to three parts each, under
 #: Linux's 1024 iovecs per call.
 MESSAGES_PER_CALL = 300
-
-
-def _add_frame(parts: list[memoryview], tag: int, meta: bytes, payload: memoryview, channel_index: int) -> int:
-    """Append one message's parts (frame header, meta if any, payload) to ``parts``; returns
-    its bytes on the wire."""
-    parts.append(memoryview(FRAME.pack(FRAME_MAGIC, tag, len(meta), payload.nbytes, channel_index)))
-    if meta:
-        parts.append(memoryview(meta))
-    parts.append(payload)
-    return FRAME.size + len(meta) + payload.nbytes
-
-
-def _without_sent(parts: list[memoryview], sent: int) -> list[memoryview]:
-    """``parts`` minus their first ``sent`` bytes."""
-    rest = []
-    for part in parts:
-        if sent >= part.nbytes:
-            sent -= part.nbytes
-            continue
-        rest.append(part[sent:] if sent else part)
-        sent = 0
-    return rest
-
-
-def _shut(sock: socket.socket) -> None:
-    """Shut both directions (unblocking a thread in recv/send); it may be closed already."""
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-
-
-def _shut_and_join(sockets: list[socket.socket], threads: list[threading.Thread | None]) -> None:
-    """Shut ``sockets`` (their readers return) and wait a moment for ``threads`` (not the
-    calling one: a reader thread may be the one closing the transport)."""
-    for sock in sockets:
-        _shut(sock)
-    current = threading.current_thread()
-    for thread in threads:
-        if thread is not None and thread is not current:
-            thread.join(timeout=1.0)
-
-
-def _recv_exactly(sock: socket.socket, view: memoryview) -> bool:
-    """Fill ``view`` from ``sock``; False if the connection ended first (at a message
-    boundary or not: the caller treats both as the end)."""
-    filled, size = 0, view.nbytes
-    while filled < size:
-        n = sock.recv_into(view[filled:], size - filled)
-        if n == 0:
-            return False
-        filled += n
-    return True
-
-
-class _FrameReader:
-    """Buffered reading of one connection's frames.
-
-    Small messages arrive in bursts (a collective's step sends several to the same peer), and
-    each ``recv`` costs a system call and a round trip through the GIL: one read here takes
-    every frame the kernel holds, up to :data:`READ_AHEAD_BYTES`. A large payload still lands
-    in its destination straight from the kernel: only what was read ahead is copied.
-    """
-
-    __slots__ = ("sock", "buffer", "view", "start", "end")
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.buffer = bytearray(max(READ_AHEAD_BYTES, FRAME.size + MAX_META_BYTES))
-        self.view = memoryview(self.buffer)
-        self.start = self.end = 0  # the unread bytes are buffer[start:end]
-
-    def take(self, size: int) -> memoryview | None:
-        """The next ``size`` bytes (a view valid until the next call); None if the connection
-        ended first. ``size`` must fit the buffer."""
-        while self.end - self.start < size:
-            if self.start:  # make room at the back: move the unread bytes to the front
-                unread = self.end - self.start
-                self.view[:unread] = self.view[self.start:self.end]
-                self.start, self.end = 0, unread
-            received = self.sock.recv_into(self.view[self.end:])
-            if received == 0:
-                return None
-            self.end += received
-        chunk = self.view[self.start:self.start + size]
-        self.start += size
-        return chunk
-
-    def frame(self, transport: "TcpTransport", src: int,
-              magics: tuple[bytes, ...] = (FRAME_MAGIC,)) -> tuple[bytes, int, str, bytes, int] | None:
-        """The next frame from ``src``: (magic, tag, channel, meta, payload length), its payload
-        still to read. None when the stream ended, or is out of step (a magic not in
-        ``magics``, an unknown channel, oversized meta: rejected, and nothing after it can be
-        trusted)."""
-        header = self.take(FRAME.size)
-        if header is None:
-            return None
-        magic, tag, meta_len, nbytes, channel_index = FRAME.unpack(header)
-        channel = transport._index_channel.get(channel_index)
-        if magic not in magics or channel is None or meta_len > MAX_META_BYTES:
-            transport._reject(f"corrupt frame from peer {src} (magic {magic!r}, channel index "
-                              f"{channel_index}); closing its connection")
-            return None
-        meta = self.take(meta_len) if meta_len else b""
-        if meta is None:
-            return None
-        return magic, tag, channel, bytes(meta), nbytes
-
-    def read_into(self, destination: memoryview) -> bool:
-        """Fill ``destination``: what was read ahead first, the rest straight from the
-        socket. False if the connection ended first."""
-        ahead = min(self.end - self.start, destination.nbytes)
-        destination[:ahead] = self.view[self.start:self.start + ahead]
-        self.start += ahead
-        if self.start == self.end:
-            self.start = self.end = 0
-        return _recv_exactly(self.sock, destination[ahead:]) if ahead < destination.nbytes else True
-
-
-class _Offer:
-    """A destination the runtime offers for one expected message (see ``take_or_offer``)."""
-
-    __slots__ = ("destination", "meta")
-
-    def __init__(self, destination: memoryview, meta: bytes) -> None:
-        self.destination = destination
-        self.meta = meta
-
-
-class _Outgoing:
-    """One outgoing connection: messages leave in the order they were sent. The shared-memory
-    link (``shm.py``) is one too, with its own first attempt (``send``) and way of writing a
-    queued message (``_write``)."""
-
-    def __init__(self, transport: "TcpTransport", peer: int, channel: str, sock: socket.socket) -> None:
-        self.transport = transport
-        self.peer = peer
-        self.channel = channel
-        self.sock = sock
-        # send() takes the plain lock (a C call); the sender thread waits on the condition.
-        self.mutex = threading.Lock()
-        self.lock = threading.Condition(self.mutex)
-        # Messages the sender thread still has to write; the head one is being written.
-        self.queue: deque[tuple[object, SendHandle]] = deque()
-        self.error: str | None = None
-        self.closing = False
-        self.thread: threading.Thread | None = None
-
-    def send(self, parts: list[memoryview], handle: SendHandle | None = None, nbytes: int = -1, *,
-             inline: bool = True) -> SendHandle:
-        """Queue ``parts`` (``nbytes`` in all, if the caller knows) behind what is already
-        queued; the returned handle (``handle`` when given: it is completed, and the mailbox
-        woken, once the kernel holds every byte) says when the payload may be reused. With
-        ``inline`` and nothing queued, the caller hands the kernel what fits at once; without,
-        the sender thread does (the caller is not held by the copy of a large batch)."""
-        with self.mutex:
-            if self.error is not None:
-                # The peer is gone (it is being reported lost, or it left): the message
-                # cannot be delivered and its send never completes.
-                return handle or SendHandle(done=False)
-            if inline and not self.queue:
-                # Nothing ahead of it: hand the kernel what fits without blocking.
-                try:
-                    sent = self.sock.sendmsg(parts, (), socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    sent = 0
-                except OSError as exc:
-                    # The peer's end is gone: it is reported lost, and the runtime fails what
-                    # waits on it with that reason (this send never completes).
-                    self._broken(exc)
-                    return handle or SendHandle(done=False)
-                if sent == nbytes and handle is None:  # the common case: the kernel took it all
-                    return _DONE
-                parts = _without_sent(parts, sent)
-                if not parts:
-                    if handle is None:
-                        return _DONE
-                    handle.set_done()
-                    self.transport.mailbox.notify()
-                    return handle
-            return self._enqueue(parts, handle or SendHandle(done=False))
-
-    def _enqueue(self, message: object, handle: SendHandle) -> SendHandle:
-        """Queue ``message`` for the sender thread (started on first need); holds ``mutex``."""
-        self.queue.append((message, handle))
-        if self.thread is None:
-            self.thread = threading.Thread(
-                target=self._drain, daemon=True,
-                name=f"mlfabric-tcp-send-{self.transport.rank}-{self.peer}-{self.channel}")
-            self.thread.start()
-        self.lock.notify()
-        return handle
-
-    def _write(self, parts: list[memoryview]) -> None:
-        """Write one queued message (blocking: releases the GIL while the kernel takes it)."""
-        while parts:
-            parts = _without_sent(parts, self.sock.sendmsg(parts))
-
-    def _lost_reason(self, exc: OSError) -> str:
-        return f"sending to it on channel {self.channel!r} failed ({exc}); process died?"
-
-    def _drain(self) -> None:
-        mailbox = self.transport.mailbox
-        while True:
-            with self.lock:
-                while not self.queue and not self.closing:
-                    self.lock.wait()
-                if not self.queue:
-                    return
-                message, handle = self.queue[0]
-            try:
-                self._write(message)
-            except OSError as exc:
-                with self.lock:
-                    self._broken(exc)
-                    self.queue.clear()
-                mailbox.notify()
-                return
-            with self.lock:
-                self.queue.popleft()
-                self.lock.notify_all()
-            handle.set_done()
-            mailbox.notify()
-
-    def _broken(self, exc: OSError) -> None:
-        if self.error is None:
-            self.error = str(exc)
-            if not self.closing:
-                # A peer that closed on purpose resets the connection too; its goodbye, on
-                # another connection, may still be on the way.
-                threading.Thread(target=self.transport._connection_ended, daemon=True,
-                                 args=(self.peer, self._lost_reason(exc)),
-                                 name=f"mlfabric-tcp-lost-{self.transport.rank}-{self.peer}").start()
-
-    def flush(self, deadline: float) -> None:
-        """Wait (until ``deadline``) for queued messages to reach the kernel."""
-        with self.lock:
-            while self.queue and self.error is None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return
-                self.lock.wait(remaining)
-
-    def close(self) -> None:
-        with self.lock:
-            self.closing = True
-            self.lock.notify_all()
-        _shut(self.sock)
-        self.sock.close()
 
 
 class TcpTransport(Transport):
@@ -372,9 +112,9 @@ class TcpTransport(Transport):
         self._threads: list[threading.Thread] = []
         self._incoming: set[socket.socket] = set()
         self._incoming_lock = threading.Lock()
-        self._outgoing: dict[tuple[int, str], _Outgoing] = {}
+        self._outgoing: dict[tuple[int, str], OrderedLink] = {}
         # Destinations offered for expected messages, by (channel, tag, source).
-        self._offers: dict[tuple[str, int, int], _Offer] = {}
+        self._offers: dict[tuple[str, int, int], Offer] = {}
         self._offer_lock = threading.Lock()
         # Payload bytes received straight into an offered destination (the rest were copied).
         self.bytes_in_place = 0
@@ -396,8 +136,6 @@ class TcpTransport(Transport):
         self._pacer = Pacer(pace_bps, name=f"mlfabric-pacer-{rank}") if pace_bps else None
         # Ranks paced in user space stand for hosts of their own (the emulator's fallback
         # without root): they keep to their paced TCP connections.
-        from .shm import ENDPOINT_KEY, SharedMemoryLinks, shm_enabled  # shm.py builds on this module
-
         self._shm = SharedMemoryLinks(self) if shared_memory and shm_enabled() and not pace_bps else None
         if self._shm is not None:
             self.endpoints[ENDPOINT_KEY] = self._shm.endpoint
@@ -425,8 +163,6 @@ class TcpTransport(Transport):
     def connect(self, peers: Mapping[int, Mapping[str, str]]) -> None:
         """Open a connection to every peer on every channel (their listeners are up: the
         endpoints were published after binding)."""
-        from .shm import ENDPOINT_KEY, host_layout
-
         self.hosts = host_layout({self.rank: self.endpoints.get(ENDPOINT_KEY),
                                   **{peer: endpoints.get(ENDPOINT_KEY) for peer, endpoints in peers.items()}},
                                  self.world_size)
@@ -439,7 +175,7 @@ class TcpTransport(Transport):
             for name in self.channels:
                 sock = self._dial(peer, endpoints[name])
                 sock.sendall(encode_header(self.token, self.rank, 0, self._channel_index[name]))
-                self._outgoing[(peer, name)] = _Outgoing(self, peer, name, sock)
+                self._outgoing[(peer, name)] = OrderedLink(self, peer, name, sock)
 
     def _dial(self, peer: int, endpoint: str) -> socket.socket:
         address = peer_address(endpoint)
@@ -469,7 +205,7 @@ class TcpTransport(Transport):
         if connection is None:
             raise TransportError(f"rank {self.rank}: no connection to peer {peer} on channel {channel!r}")
         parts: list[memoryview] = []
-        nbytes = _add_frame(parts, tag, meta, payload, self._channel_index[channel])
+        nbytes = add_frame(parts, tag, meta, payload, self._channel_index[channel])
         if self._pacer is not None and self._pacer.clock.paced(channel):
             return self._send_paced(connection, parts, channel, payload.nbytes)
         return connection.send(parts, None, nbytes)
@@ -486,14 +222,14 @@ class TcpTransport(Transport):
         if connection is None:
             raise TransportError(f"rank {self.rank}: no connection to peer {peer} on channel {channel!r}")
         index = self._channel_index[channel]
-        handle: SendHandle = _DONE
+        handle: SendHandle = DONE
         payload_bytes = 0
         for first in range(0, len(messages), MESSAGES_PER_CALL):
             parts: list[memoryview] = []
             nbytes = 0
             for tag, payload, meta in messages[first:first + MESSAGES_PER_CALL]:
                 view = byte_view(payload)
-                nbytes += _add_frame(parts, tag, meta, view, index)
+                nbytes += add_frame(parts, tag, meta, view, index)
                 payload_bytes += view.nbytes
             # One connection: the last completes last. The sender thread copies the batch into
             # the kernel (the copy releases the GIL), so the caller goes on at once: a server
@@ -502,7 +238,7 @@ class TcpTransport(Transport):
         self._count_sent(peer, channel, payload_bytes, len(messages))
         return handle
 
-    def _send_paced(self, connection: _Outgoing, parts: list[memoryview], channel: str,
+    def _send_paced(self, connection: OrderedLink, parts: list[memoryview], channel: str,
                     nbytes: int) -> SendHandle:
         """Hand the message to the connection when the channel's virtual link is done with it."""
         handle = SendHandle(done=False)
@@ -526,7 +262,7 @@ class TcpTransport(Transport):
         with self._offer_lock:
             msg = self.mailbox.take(channel, tag, src)
             if msg is None:
-                self._offers[key] = _Offer(destination, meta)
+                self._offers[key] = Offer(destination, meta)
             else:
                 # Its header may have been read before the offer was made: drop the offer.
                 self._offers.pop(key, None)
@@ -563,7 +299,7 @@ class TcpTransport(Transport):
                 self._incoming.discard(sock)
             sock.close()
         if src is not None and not self._stop.is_set():
-            self._connection_ended(src, "its connection closed without a goodbye (process died?)")
+            self.link_ended(src, "its connection closed without a goodbye (process died?)")
 
     def _handshake(self, sock: socket.socket, address: tuple) -> int | None:
         """The source rank of a connection that proves it belongs to the job; None (after
@@ -571,7 +307,7 @@ class TcpTransport(Transport):
         sock.settimeout(HANDSHAKE_TIMEOUT_S)
         raw = bytearray(HANDSHAKE_BYTES)
         try:
-            complete = _recv_exactly(sock, memoryview(raw))
+            complete = recv_exactly(sock, memoryview(raw))
         except OSError as exc:
             complete = False
             reason = f"no handshake ({exc})"
@@ -595,18 +331,26 @@ class TcpTransport(Transport):
         return src
 
     def _read_messages(self, sock: socket.socket, src: int) -> None:
-        stream = _FrameReader(sock)
+        stream = FrameReader(sock)
         while True:
             frame = stream.frame(self, src)
             if frame is None:
                 return
             _, tag, channel, meta, nbytes = frame
-            payload, in_place = self._destination(channel, tag, src, meta, nbytes)
+            payload, in_place = self.payload_destination(channel, tag, src, meta, nbytes)
             if nbytes and not stream.read_into(payload):
                 return
-            self._received(src, tag, channel, meta, payload, in_place)
+            self.payload_received(src, tag, channel, meta, payload, in_place)
 
-    def _destination(self, channel: str, tag: int, src: int, meta: bytes, nbytes: int) -> tuple[memoryview, bool]:
+    # -- what the links call (framing.LinkOwner) ---------------------------------------------
+
+    def channel_at(self, index: int) -> str | None:
+        return self._index_channel.get(index)
+
+    def reject_link(self, reason: str) -> None:
+        self._reject(reason)
+
+    def payload_destination(self, channel: str, tag: int, src: int, meta: bytes, nbytes: int) -> tuple[memoryview, bool]:
         """Where an arriving payload goes (its header was just read): the destination
         offered for it if size and meta match (True: in place), else a fresh buffer."""
         offer = None
@@ -620,14 +364,14 @@ class TcpTransport(Transport):
             return memoryview(np.empty(nbytes, dtype=np.uint8)), False
         return memoryview(b""), False
 
-    def _received(self, src: int, tag: int, channel: str, meta: bytes, payload: memoryview, in_place: bool) -> None:
+    def payload_received(self, src: int, tag: int, channel: str, meta: bytes, payload: memoryview, in_place: bool) -> None:
         """A payload has fully arrived (over TCP or shared memory): count and deliver it."""
         if in_place:
             with self._offer_lock:  # readers of several connections count here
                 self.bytes_in_place += payload.nbytes
         self._deliver(Message(src, tag, channel, meta, payload, in_place=in_place))
 
-    def _connection_ended(self, peer: int, reason: str) -> None:
+    def link_ended(self, peer: int, reason: str) -> None:
         """A connection with ``peer`` ended: a peer that said goodbye left; one that did not
         died. The goodbye rides the first channel and may still be in flight on it."""
         deadline = time.monotonic() + GOODBYE_GRACE_S
@@ -684,10 +428,10 @@ class TcpTransport(Transport):
         if self._pacer is not None:
             self._pacer.close()
         for listener in self._listeners.values():
-            _shut(listener)
+            shut(listener)
             listener.close()
         for connection in self._outgoing.values():
             connection.close()
         with self._incoming_lock:
             incoming = list(self._incoming)
-        _shut_and_join(incoming, self._threads)
+        shut_and_join(incoming, self._threads)

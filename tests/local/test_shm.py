@@ -160,7 +160,7 @@ def test_transports_on_one_host_share_memory_unless_told_not_to(monkeypatch) -> 
 def test_an_oversized_meta_on_a_link_is_rejected() -> None:
     """Regression: the shared-memory reader did not bound a frame's meta length (the tcp
     reader did); a meta larger than its buffer read as the link's end, not as junk."""
-    from mlfabric.transport.tcp import FRAME, MAX_META_BYTES
+    from mlfabric.transport.framing import FRAME, MAX_META_BYTES
 
     token = bytes(range(16))
     a = TcpTransport(0, 2, token, shared_memory=True)

@@ -212,7 +212,7 @@ def test_rejects_junk_and_wrong_token(transport: str, tmp_path) -> None:
         intruder.close(linger=500)
         ctx.term()
     else:
-        from mlfabric.transport.tcp import FRAME, FRAME_MAGIC
+        from mlfabric.transport.framing import FRAME, FRAME_MAGIC
 
         with socket.create_connection((host, int(port))) as intruder:
             intruder.sendall(header + FRAME.pack(FRAME_MAGIC, 1 << 24, 9, len(payload), 0)

@@ -21,7 +21,8 @@ import mlfabric
 from mlfabric.bench.procs import run_ranks
 from mlfabric.runtime.communicator import Communicator
 from mlfabric.transport.base import encode_header
-from mlfabric.transport.tcp import FRAME, READ_AHEAD_BYTES, TcpTransport, _FrameReader
+from mlfabric.transport.framing import FRAME, READ_AHEAD_BYTES, FrameReader
+from mlfabric.transport.tcp import TcpTransport
 
 pytestmark = pytest.mark.local
 
@@ -96,7 +97,7 @@ def test_frame_reader_splits_a_burst_and_joins_pieces_across_reads() -> None:
     try:
         big = bytes(i % 251 for i in range(3 * READ_AHEAD_BYTES))
         left.sendall(b"abc" + b"defgh")
-        reader = _FrameReader(right)
+        reader = FrameReader(right)
         assert bytes(reader.take(3)) == b"abc"
         assert bytes(reader.take(2)) == b"de"
         sender = threading.Thread(target=lambda: (left.sendall(b"XY"), time.sleep(0.05),
