@@ -40,6 +40,7 @@ from mlfabric.collectives.bcube import hierarchy_of, shape_options
 from mlfabric.collectives.hierarchical import allreduce_options
 from mlfabric.collectives.partition import chunks_for
 from mlfabric.collectives.ring import MAX_CHUNKS
+from mlfabric.errors import CollectiveError
 from mlfabric.schedule import REDUCE_OPS, Schedule
 from mlfabric.topo.spec import TopologySpec
 from mlfabric.transport.base import Transport
@@ -454,7 +455,8 @@ class Communicator:
         if quorum not in QUORUM_CHOICES:
             raise ValueError(f"unknown quorum {quorum!r}; choose one of {', '.join(QUORUM_CHOICES)}")
         if self._closed:
-            raise RuntimeError(f"rank {self.rank}: communicator is closed")
+            raise CollectiveError(f"rank {self.rank}: communicator is closed: create a new one "
+                                  "(or process group) to run more collectives", rank=self.rank)
         key = (quorum, tensor.numel(), tensor.dtype, algorithm, seed)
         with self._lock:
             handle = self._partials.get(key)
@@ -501,7 +503,8 @@ class Communicator:
         :class:`Waiter` stands in for the torch future. ``describe``: the description ranks
         compare, when this rank's buffer size differs from others' (rooted, all-to-all)."""
         if self._closed:
-            raise RuntimeError(f"rank {self.rank}: communicator is closed")
+            raise CollectiveError(f"rank {self.rank}: communicator is closed: create a new one "
+                                  "(or process group) to run more collectives", rank=self.rank)
         description = describe or f"{what} of {flat.numel()} x {_dtype_name(flat)}"
         with self._lock:
             seq = next(self._seq)

@@ -310,3 +310,87 @@ def test_a_rank_that_sees_every_key_still_finds_a_disagreeing_world_size() -> No
     store.set("world/size/0", "3")  # rank 0's (rank 1 sets its own)
     with pytest.raises(RendezvousError, match="rank 2 was started with WORLD_SIZE=4 but rank 0 with WORLD_SIZE=3"):
         check_world(store, JobInfo(rank=1, world_size=3, master_addr="127.0.0.1", master_port=0), timeout=0.3)
+
+
+# -- mlfabric's errors are torch.distributed's (issue #39, item 4) ------------------------------
+
+import importlib.util  # noqa: E402 - these tests only
+import sys  # noqa: E402
+
+import torch.distributed as dist  # noqa: E402
+
+from mlfabric.errors import MlfabricError, RendezvousError, TransportError  # noqa: E402
+
+# The mapping docs/faults.md documents, spelled out here (not read from mlfabric.errors).
+TORCH_TYPES = [
+    (MlfabricError, dist.DistError),
+    (TransportError, dist.DistNetworkError),
+    (CollectiveError, dist.DistBackendError),
+    (PeerLostError, dist.DistBackendError),
+    (PeerLostError, dist.DistNetworkError),
+    (PeerLeftError, dist.DistBackendError),
+    (PeerLeftError, dist.DistNetworkError),
+    (CollectiveTimeoutError, dist.DistBackendError),
+    (CollectiveMismatchError, dist.DistBackendError),
+    (RendezvousError, dist.DistStoreError),
+]
+
+
+@pytest.mark.parametrize("ours, theirs", TORCH_TYPES, ids=[f"{o.__name__}-{t.__name__}" for o, t in TORCH_TYPES])
+def test_torch_error_types_catch_mlfabric_errors(ours: type, theirs: type) -> None:
+    assert issubclass(ours, theirs) and issubclass(ours, dist.DistError) and issubclass(ours, RuntimeError)
+    error = ours("rank 1: collective #3 broke", **({"rank": 1, "peer": 2} if issubclass(ours, CollectiveError) else {}))
+    with pytest.raises(theirs) as caught:
+        raise error
+    assert type(caught.value) is ours and str(caught.value) == "rank 1: collective #3 broke"
+    assert mlfabric.errors.TORCH_ERROR_TYPES[ours] and theirs in mlfabric.errors.TORCH_ERROR_TYPES[ours]
+
+
+def test_torch_error_types_keep_the_python_types_mlfabric_had() -> None:
+    assert issubclass(CollectiveTimeoutError, TimeoutError) and issubclass(CollectiveMismatchError, ValueError)
+    assert issubclass(PeerLeftError, PeerLostError) and issubclass(PeerLostError, CollectiveError)
+    assert not issubclass(RendezvousError, dist.DistBackendError)  # a store failure, not a collective's
+    assert not issubclass(CollectiveMismatchError, dist.DistNetworkError)
+
+
+def test_torch_error_a_rank_that_left_is_caught_as_torch_catches_backend_errors() -> None:
+    """A real failure (a rank closes mid-job) caught by code written for torch's backends."""
+    comms = mlfabric.local_world(2, timeout=30)
+
+    def body(comm: mlfabric.Communicator) -> object:
+        comm.barrier()
+        if comm.rank == 1:
+            comm.close()
+            return "left"
+        time.sleep(0.2)
+        try:
+            comm.allreduce(torch.ones(10))
+        except dist.DistBackendError as exc:
+            return exc
+        return None
+
+    results = _on_threads(comms, body)
+    assert isinstance(results[0], PeerLeftError) and isinstance(results[0], dist.DistNetworkError), results
+    assert results[0].peer == 1 and "rank 1 left the job" in str(results[0])
+
+
+def test_torch_error_types_missing_from_torch_fall_back_to_their_parent(monkeypatch) -> None:
+    """torch >= 2.3 has all four types; a build without one still imports mlfabric.errors,
+    with the type's parent (DistError, else RuntimeError) in its place."""
+    def load_errors() -> object:
+        spec = importlib.util.spec_from_file_location("_errors_without_types", mlfabric.errors.__file__)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+        return module
+
+    for name in ("DistStoreError", "DistNetworkError", "DistBackendError"):
+        monkeypatch.delattr(dist, name)
+    partial = load_errors()
+    assert partial.DistStoreError is dist.DistError and partial.DistNetworkError is dist.DistError
+    assert issubclass(partial.PeerLeftError, dist.DistError) and issubclass(partial.RendezvousError, dist.DistError)
+    assert partial.TORCH_ERROR_TYPES[partial.PeerLostError] == (dist.DistError, dist.DistError)
+    monkeypatch.delattr(dist, "DistError")
+    bare = load_errors()
+    assert bare.DistError is RuntimeError and issubclass(bare.PeerLeftError, RuntimeError)
+    assert bare.MlfabricError.__bases__ == (RuntimeError,)
+    assert "_errors_without_types" not in sys.modules
