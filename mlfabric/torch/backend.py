@@ -189,7 +189,8 @@ class ProcessGroupMlfabric(dist.ProcessGroup):
         tensor = _single(tensors, "all_reduce", self.rank())
         op = _op_of(opts)
         wire, op = _wire(tensor, op, "all_reduce", self.rank())
-        future = self.comm.allreduce_async(wire, algorithm=self.algorithm, op=op, timeout=_timeout_of(opts))
+        future = self.comm.allreduce_async(wire, algorithm=self.algorithm, op=op, timeout=_timeout_of(opts),
+                                           call="all_reduce")
         return self._work(future, [tensor], f"all_reduce({self.algorithm}, {op})")
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: object = None) -> MlfabricWork:
@@ -207,27 +208,29 @@ class ProcessGroupMlfabric(dist.ProcessGroup):
             for tensor, piece in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
                 tensor.detach().copy_(piece.view(tensor.shape))
 
-        future = self.comm.allreduce_async(wire, algorithm=self.algorithm, op=op, timeout=_timeout_of(opts))
+        future = self.comm.allreduce_async(wire, algorithm=self.algorithm, op=op, timeout=_timeout_of(opts),
+                                           call=f"all_reduce_coalesced of {len(tensors)} tensors")
         return self._work(_then(future, unpack), list(tensors), f"all_reduce_coalesced({op})")
 
     def broadcast(self, tensors: list[torch.Tensor] | torch.Tensor, opts: object = None) -> MlfabricWork:
         tensor = _single(tensors, "broadcast", self.rank())
         root = _root_of(opts)
         future = self.comm.broadcast_async(_wire(tensor, None, "broadcast", self.rank())[0], root,
-                                           timeout=_timeout_of(opts))
+                                           timeout=_timeout_of(opts), call="broadcast")
         return self._work(future, [tensor], f"broadcast(root={root})")
 
     def reduce(self, tensors: list[torch.Tensor] | torch.Tensor, opts: object = None) -> MlfabricWork:
         tensor = _single(tensors, "reduce", self.rank())
         root, op = _root_of(opts), _op_of(opts)
         wire, op = _wire(tensor, op, "reduce", self.rank())
-        future = self.comm.reduce_async(wire, root, op, timeout=_timeout_of(opts))
+        future = self.comm.reduce_async(wire, root, op, timeout=_timeout_of(opts), call="reduce")
         return self._work(future, [tensor], f"reduce(root={root}, {op})")
 
     def barrier(self, opts: object = None) -> MlfabricWork:
         # A one-element allreduce: every rank has called it once every rank's element is in.
+        # Errors name the barrier, and the allreduce beside it (issue #39).
         future = self.comm.allreduce_async(torch.zeros(1, dtype=torch.int32), algorithm="halving_doubling",
-                                           timeout=_timeout_of(opts))
+                                           timeout=_timeout_of(opts), call="barrier")
         return self._work(future, [], "barrier")
 
     # -- allgather, gather, scatter --------------------------------------------------------------
@@ -238,14 +241,14 @@ class ProcessGroupMlfabric(dist.ProcessGroup):
         outputs = _single_list(output_lists, "all_gather", self.rank())
         self._check_pieces(outputs, tensor, "all_gather", "output")
         future = self.comm.allgather_async(_wire(tensor, None, "all_gather", self.rank())[0],
-                                           timeout=_timeout_of(opts))
+                                           timeout=_timeout_of(opts), call="all_gather")
         return self._work(_then(future, lambda rows: _copy_rows(rows, outputs)), outputs, "all_gather")
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: object = None) -> MlfabricWork:
         """``all_gather_into_tensor``: the ranks' tensors back to back in ``output``."""
         self._check_total(output, input, "all_gather_into_tensor", "output")
         future = self.comm.allgather_async(_wire(input, None, "all_gather_into_tensor", self.rank())[0],
-                                           timeout=_timeout_of(opts))
+                                           timeout=_timeout_of(opts), call="all_gather_into_tensor")
         return self._work(_then(future, lambda rows: _copy_into(output, rows)), [output], "all_gather_into_tensor")
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
@@ -276,7 +279,7 @@ class ProcessGroupMlfabric(dist.ProcessGroup):
             stacked = _wire(torch.stack([p.detach().cpu().reshape(output.shape) for p in pieces]),
                             None, "scatter", self.rank())[0]
         future = self.comm.scatter_async(_wire(output, None, "scatter", self.rank())[0], stacked, root,
-                                         timeout=_timeout_of(opts))
+                                         timeout=_timeout_of(opts), call="scatter")
         return self._work(future, [output], f"scatter(root={root})")
 
     # -- reduce_scatter ----------------------------------------------------------------------
@@ -301,7 +304,7 @@ class ProcessGroupMlfabric(dist.ProcessGroup):
 
     def _reduce_scatter_into(self, output: torch.Tensor, flat: torch.Tensor, opts: object, what: str) -> MlfabricWork:
         wire, op = _wire(flat, _op_of(opts), what, self.rank())
-        future = self.comm.reduce_scatter_async(wire, op, timeout=_timeout_of(opts))
+        future = self.comm.reduce_scatter_async(wire, op, timeout=_timeout_of(opts), call=what)
         return self._work(_then(future, lambda shard: _copy_into(output, shard)), [output], f"{what}({op})")
 
     # -- all-to-all ----------------------------------------------------------------------------
@@ -320,7 +323,7 @@ class ProcessGroupMlfabric(dist.ProcessGroup):
             raise ValueError(f"rank {self.rank()}: output_split_sizes {recv} add up to {sum(recv)} rows, the "
                              f"output has {output.shape[0]}")
         future = self.comm.all_to_all_async(_wire(input, None, "all_to_all_single", self.rank())[0], send, recv,
-                                            timeout=_timeout_of(opts))
+                                            timeout=_timeout_of(opts), call="all_to_all_single")
         return self._work(_then(future, lambda rows: _copy_into(output, rows)), [output], "all_to_all_single")
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
@@ -335,7 +338,8 @@ class ProcessGroupMlfabric(dist.ProcessGroup):
         flat = torch.cat([t.detach().reshape(-1).cpu() for t in input_tensors])
         future = self.comm.all_to_all_async(_wire(flat, None, "all_to_all", self.rank())[0],
                                             [t.numel() for t in input_tensors],
-                                            [t.numel() for t in output_tensors], timeout=_timeout_of(opts))
+                                            [t.numel() for t in output_tensors], timeout=_timeout_of(opts),
+                                            call="all_to_all")
 
         def unpack(received: torch.Tensor) -> None:
             pieces = torch.split(received, [t.numel() for t in output_tensors])

@@ -170,6 +170,24 @@ def test_different_algorithms_are_a_mismatch_on_every_rank_within_2s(other: str)
         assert elapsed < FAST_S, (rank, elapsed)
 
 
+@pytest.mark.parametrize("other", [torch.ones(4), torch.zeros(1, dtype=torch.int32)], ids=["4xfloat32", "1xint32"])
+def test_a_barrier_against_an_allreduce_names_the_barrier_and_what_it_runs_as(other: torch.Tensor) -> None:
+    """Issue #39: a mismatched barrier was reported as "allreduce(halving_doubling, sum) of
+    1 x int32", a call the user never made; an allreduce that looked like a barrier's even
+    matched it silently."""
+    comms = mlfabric.local_world(2, timeout=30)
+    results = _on_threads(comms, lambda c: _timed(
+        lambda: c.barrier() if c.rank == 0 else c.allreduce(other.clone(), algorithm="halving_doubling")))
+    theirs = f"allreduce(halving_doubling, sum) of {other.numel()} x {str(other.dtype).removeprefix('torch.')}"
+    barrier = "barrier (runs as allreduce(halving_doubling, sum) of 1 x int32)"
+    for rank, (error, elapsed) in enumerate(results):
+        assert isinstance(error, CollectiveMismatchError), (rank, error)
+        # Whichever rank noticed first words it (the other gets its abort notice).
+        assert (f"called {barrier}, rank 1 called {theirs}." in str(error)
+                or f"called {theirs}, rank 0 called {barrier}." in str(error)), str(error)
+        assert elapsed < FAST_S, (rank, elapsed)
+
+
 def test_a_mismatch_found_by_one_rank_is_a_mismatch_error_on_every_rank() -> None:
     # Sizes differ on rank 3 only; whichever rank notices tells the others, who used to get
     # the base CollectiveError.
