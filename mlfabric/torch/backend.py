@@ -42,7 +42,7 @@ import torch.distributed as dist
 import mlfabric
 from mlfabric._plugin import BACKEND_NAME, register_backend
 from mlfabric.collectives import choose_allreduce
-from mlfabric.errors import CollectiveTimeoutError
+from mlfabric.errors import CollectiveError, CollectiveTimeoutError
 from mlfabric.runtime.communicator import Communicator, reduce_op_name
 from mlfabric.runtime.p2p import PointToPoint
 
@@ -157,6 +157,8 @@ class ProcessGroupMlfabric(dist.ProcessGroup):
         self._group_name = group_name
         self._group_desc = ""
         self._closed = False
+        # The works started between _start_coalescing and _end_coalescing (None: not coalescing).
+        self._coalesced: list[MlfabricWork] | None = None
 
     # -- what torch asks about the group -----------------------------------------------------
 
@@ -233,6 +235,20 @@ class ProcessGroupMlfabric(dist.ProcessGroup):
                                            timeout=_timeout_of(opts), call="barrier")
         return self._work(future, [], "barrier")
 
+    def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
+        """``group.monitored_barrier(timeout)``, as gloo's: every rank reports to rank 0, which
+        waits for each one directly and then releases them, so that rank 0's timeout error
+        names every rank that has not called it ("waiting for recv from peer 2, ...; rank 2
+        has not called collective #7 yet"); the others time out waiting for rank 0. torch's
+        ``dist.monitored_barrier`` refuses every backend but gloo before it gets here; this
+        is for code that calls the group's method, as docs/torch_backend.md suggests.
+        ``wait_all_ranks``: rank 0 always names all the absent ranks."""
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) and timeout.total_seconds() > 0 else None
+        token = torch.zeros(1, dtype=torch.int32)
+        self.comm.gather_async(token, 0, timeout=seconds, call="monitored_barrier").wait()
+        # The others then wait for rank 0 (and time out naming it, as gloo's do).
+        self.comm.broadcast_async(token, 0, timeout=seconds, call="monitored_barrier's release").wait()
+
     # -- allgather, gather, scatter --------------------------------------------------------------
 
     def allgather(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor] | torch.Tensor,
@@ -250,6 +266,33 @@ class ProcessGroupMlfabric(dist.ProcessGroup):
         future = self.comm.allgather_async(_wire(input, None, "all_gather_into_tensor", self.rank())[0],
                                            timeout=_timeout_of(opts), call="all_gather_into_tensor")
         return self._work(_then(future, lambda rows: _copy_into(output, rows)), [output], "all_gather_into_tensor")
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
+                            opts: object = None) -> MlfabricWork:
+        """``all_gather_coalesced`` (deprecated in torch, still there): ``output_lists[r][i]``
+        := rank r's ``input_list[i]``; one allgather of the inputs back to back."""
+        what = "all_gather_coalesced"
+        if not input_list:
+            raise ValueError(f"rank {self.rank()}: {what} needs at least one input tensor")
+        if len(output_lists) != self.size():
+            raise ValueError(f"rank {self.rank()}: {what} needs {self.size()} output lists (one per rank), "
+                             f"got {len(output_lists)}")
+        counts = [t.numel() for t in input_list]
+        for peer, outputs in enumerate(output_lists):
+            if [t.numel() for t in outputs] != counts or any(o.dtype != input_list[0].dtype for o in outputs):
+                raise ValueError(f"rank {self.rank()}: {what}: output_tensor_lists[{peer}] must hold tensors "
+                                 f"of {counts} elements of {input_list[0].dtype} like input_tensor_list, got "
+                                 f"{[(tuple(o.shape), str(o.dtype)) for o in outputs]}")
+        flat = torch.cat([t.detach().reshape(-1).cpu() for t in input_list])
+
+        def unpack(rows: torch.Tensor) -> None:
+            for outputs, row in zip(output_lists, rows):
+                for out, piece in zip(outputs, torch.split(row, counts)):
+                    _copy_into(out, piece)
+
+        future = self.comm.allgather_async(_wire(flat, None, what, self.rank())[0], timeout=_timeout_of(opts),
+                                           call=f"{what} of {len(input_list)} tensors")
+        return self._work(_then(future, unpack), [t for outputs in output_lists for t in outputs], what)
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: object = None) -> MlfabricWork:
@@ -391,7 +434,26 @@ class ProcessGroupMlfabric(dist.ProcessGroup):
 
     def _work(self, future: torch.futures.Future, outputs: list[torch.Tensor], what: str, *,
               source_rank: Callable[[], int] | None = None) -> MlfabricWork:
-        return MlfabricWork(future, outputs, what, rank=self.rank(), source_rank=source_rank)
+        work = MlfabricWork(future, outputs, what, rank=self.rank(), source_rank=source_rank)
+        if self._coalesced is not None:
+            self._coalesced.append(work)
+        return work
+
+    # torch's ``_coalescing_manager(group, device)`` (NCCL-style coalescing) brackets ops with
+    # these; without them torch fails inside, with "No backend type associated with device
+    # type cpu". The ops run as they are issued; the end's work completes when all have.
+    def _start_coalescing(self, device: object = None) -> None:
+        if self._coalesced is not None:
+            raise CollectiveError(f"rank {self.rank()}: _coalescing_manager entered twice on one group: "
+                                  "finish the first block before starting another", rank=self.rank())
+        self._coalesced = []
+
+    def _end_coalescing(self, device: object = None) -> MlfabricWork:
+        works, self._coalesced = self._coalesced, None
+        if works is None:
+            raise CollectiveError(f"rank {self.rank()}: _end_coalescing without _start_coalescing: use "
+                                  "torch.distributed._coalescing_manager, which calls both", rank=self.rank())
+        return self._all_of(works, [t for w in works for t in w._outputs], f"{len(works)} coalesced ops")
 
     def _all_of(self, works: list[MlfabricWork], outputs: list[torch.Tensor], what: str) -> MlfabricWork:
         """One work for several (the coalesced variants); it fails with the first error."""
