@@ -15,8 +15,9 @@ connections, set up through the store torch hands the backend, plus a
 :class:`~mlfabric.runtime.p2p.PointToPoint` for send/recv. Every method maps torch's
 arguments onto the communicator's collectives and returns a :class:`MlfabricWork`, whose
 ``wait()``, ``is_completed()``, ``exception()`` and ``get_future()`` (resolving to the output
-tensors, as gloo's) behave as torch's; failures surface as mlfabric's errors, naming the rank,
-the peer and the collective.
+tensors, as gloo's) behave as torch's; failures surface as mlfabric's errors (each also the
+matching ``torch.distributed.DistError`` subclass), naming the rank, the peer and the torch
+call beside what it runs as ("barrier (runs as allreduce(halving_doubling, sum) of 1 x int32)").
 
 Options (``pg_options=ProcessGroupOptions(...)`` in ``init_process_group``/``new_group``, else
 environment variables): the allreduce algorithm (``MLFABRIC_ALGORITHM``: ring, bcube, auto,
@@ -25,7 +26,8 @@ mlfabric's topology, pipelining chunk and NIC rate (``MLFABRIC_TOPOLOGY``,
 ``MLFABRIC_CHUNK_BYTES``, ``MLFABRIC_NIC_RATE``). Collectives time out after the group's
 ``timeout``. See docs/torch_backend.md for what maps to what and what is not supported.
 
-Exercise it with ``python -m pytest tests/local/test_torch_backend.py tests/unit/test_torch_backend_options.py``.
+Exercise it with ``python -m pytest tests/local/test_torch_backend.py tests/unit/test_torch_backend_options.py``
+(and ``tests/local/test_torch_entry_points.py``: every torch.distributed entry point against gloo).
 """
 
 from __future__ import annotations
