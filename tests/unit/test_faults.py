@@ -1,23 +1,34 @@
 """Faults fail fast and name the culprit (issue #26, part 2), on in-process ranks (threads):
 a rank that leaves, ranks that disagree on a collective, the watchdog. Each test asserts the
-time to the error. The control messages' encoding is tested at the end.
+time to the error. The control messages' encoding is tested at the end, then that each error
+is also torch.distributed's type (issue #39).
 
 Run: python -m pytest tests/unit/test_faults.py
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import sys
 import threading
 import time
 from typing import Callable
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import mlfabric
 from mlfabric import CollectiveMismatchError, PeerLeftError
-from mlfabric.errors import CollectiveError, CollectiveTimeoutError, PeerLostError
+from mlfabric.errors import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    MlfabricError,
+    PeerLostError,
+    RendezvousError,
+    TransportError,
+)
 from mlfabric.runtime.communicator import DEFAULT_WATCHDOG_S, WATCHDOG_ENV, watchdog_seconds
 from mlfabric.runtime.control import ControlKind, Farewell, Status, abort_error, control_tag, encode_abort, split_control_tag
 
@@ -331,13 +342,6 @@ def test_a_rank_that_sees_every_key_still_finds_a_disagreeing_world_size() -> No
 
 
 # -- mlfabric's errors are torch.distributed's (issue #39, item 4) ------------------------------
-
-import importlib.util  # noqa: E402 - these tests only
-import sys  # noqa: E402
-
-import torch.distributed as dist  # noqa: E402
-
-from mlfabric.errors import MlfabricError, RendezvousError, TransportError  # noqa: E402
 
 # The mapping docs/faults.md documents, spelled out here (not read from mlfabric.errors).
 TORCH_TYPES = [
