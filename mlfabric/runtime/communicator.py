@@ -40,6 +40,7 @@ from mlfabric.collectives.bcube import hierarchy_of, shape_options
 from mlfabric.collectives.hierarchical import allreduce_options
 from mlfabric.collectives.partition import chunks_for
 from mlfabric.collectives.ring import MAX_CHUNKS
+from mlfabric.errors import CollectiveError
 from mlfabric.schedule import REDUCE_OPS, Schedule
 from mlfabric.topo.spec import TopologySpec
 from mlfabric.transport.base import Transport
@@ -132,14 +133,14 @@ class Communicator:
     # -- allreduce -------------------------------------------------------------------------
 
     def allreduce_async(self, tensor: torch.Tensor, algorithm: str = "ring", op: ReduceOpLike = "sum", *,
-                        timeout: float | None = None) -> torch.futures.Future:
+                        timeout: float | None = None, call: str | None = None) -> torch.futures.Future:
         """Reduce ``tensor`` across ranks in place; the future resolves to ``tensor``."""
-        future = self._allreduce(tensor, algorithm, op, timeout, blocking=False)
+        future = self._allreduce(tensor, algorithm, op, timeout, blocking=False, call=call)
         assert isinstance(future, torch.futures.Future)
         return future
 
     def _allreduce(self, tensor: torch.Tensor, algorithm: str, op: ReduceOpLike, timeout: float | None, *,
-                   blocking: bool) -> torch.futures.Future | Waiter:
+                   blocking: bool, call: str | None = None) -> torch.futures.Future | Waiter:
         _check_tensor(tensor, "allreduce")
         op = reduce_op_name(op)
         flat, write_back = _flat_work_buffer(tensor)
@@ -156,7 +157,7 @@ class Communicator:
             return tensor
 
         return self._run(f"allreduce:{name}", flat, f"allreduce({name}, {op})", finish,
-                         timeout, blocking=blocking, op=reduce_op, **options, **self.ring_options(name, flat))
+                         timeout, blocking=blocking, call=call, op=reduce_op, **options, **self.ring_options(name, flat))
 
     def ring_options(self, ring_kind: str, flat: torch.Tensor) -> dict[str, object]:
         """The pipelining options this communicator gives ring builder ``ring_kind`` ("ring",
@@ -234,7 +235,7 @@ class Communicator:
     # -- broadcast -------------------------------------------------------------------------
 
     def broadcast_async(self, tensor: torch.Tensor, root: int = 0, *, algorithm: str = "auto",
-                        timeout: float | None = None) -> torch.futures.Future:
+                        timeout: float | None = None, call: str | None = None) -> torch.futures.Future:
         _check_tensor(tensor, "broadcast")
         if not 0 <= root < self.world_size:
             raise ValueError(f"broadcast root {root} is outside world size {self.world_size}")
@@ -247,8 +248,8 @@ class Communicator:
 
         if name == "host_hierarchical":
             return self._run("broadcast:host_hierarchical", flat, f"broadcast(host_hierarchical, root={root})",
-                             finish, timeout, root=root, hosts=self.hosts)
-        return self._run("broadcast", flat, f"broadcast(root={root})", finish, timeout, root=root)
+                             finish, timeout, call=call, root=root, hosts=self.hosts)
+        return self._run("broadcast", flat, f"broadcast(root={root})", finish, timeout, call=call, root=root)
 
     def broadcast(self, tensor: torch.Tensor, root: int = 0, *, algorithm: str = "auto",
                   timeout: float | None = None) -> torch.Tensor:
@@ -259,7 +260,7 @@ class Communicator:
     # -- allgather / reduce_scatter ----------------------------------------------------------
 
     def allgather_async(self, tensor: torch.Tensor, *, algorithm: str = "auto",
-                        timeout: float | None = None) -> torch.futures.Future:
+                        timeout: float | None = None, call: str | None = None) -> torch.futures.Future:
         _check_tensor(tensor, "allgather")
         name = self._spread(algorithm, "ring", "allgather")
         n = tensor.numel()
@@ -272,8 +273,8 @@ class Communicator:
 
         if name == "host_hierarchical":
             return self._run("allgather:host_hierarchical", gathered, "allgather(host_hierarchical)", finish,
-                             timeout, hosts=self.hosts)
-        return self._run("allgather", gathered, "allgather", finish, timeout,
+                             timeout, call=call, hosts=self.hosts)
+        return self._run("allgather", gathered, "allgather", finish, timeout, call=call,
                          **self.ring_options("allgather", gathered))
 
     def allgather(self, tensor: torch.Tensor, *, algorithm: str = "auto",
@@ -283,7 +284,7 @@ class Communicator:
         return self.allgather_async(tensor, algorithm=algorithm, timeout=timeout).wait()
 
     def reduce_scatter_async(self, tensor: torch.Tensor, op: ReduceOpLike = "sum", *,
-                             timeout: float | None = None) -> torch.futures.Future:
+                             timeout: float | None = None, call: str | None = None) -> torch.futures.Future:
         _check_tensor(tensor, "reduce_scatter")
         op = reduce_op_name(op)
         work = tensor.detach().reshape(-1).to("cpu", copy=True)
@@ -295,7 +296,7 @@ class Communicator:
                 _divide(out, self.world_size)
             return out.clone().to(tensor.device)
 
-        return self._run("reduce_scatter", work, f"reduce_scatter({op})", finish, timeout,
+        return self._run("reduce_scatter", work, f"reduce_scatter({op})", finish, timeout, call=call,
                          op="sum" if op == "avg" else op, **self.ring_options("reduce_scatter", work))
 
     def reduce_scatter(self, tensor: torch.Tensor, op: ReduceOpLike = "sum", *,
@@ -310,7 +311,7 @@ class Communicator:
     # -- reduce, gather, scatter, all-to-all (collectives/tree.py, collectives/direct.py) ----
 
     def reduce_async(self, tensor: torch.Tensor, root: int = 0, op: ReduceOpLike = "sum", *,
-                     timeout: float | None = None) -> torch.futures.Future:
+                     timeout: float | None = None, call: str | None = None) -> torch.futures.Future:
         """Like :meth:`reduce`; the future resolves to ``tensor``."""
         _check_tensor(tensor, "reduce")
         _check_root(root, self.world_size, "reduce")
@@ -327,7 +328,7 @@ class Communicator:
                 write_back()
             return tensor
 
-        return self._run("reduce", flat, f"reduce(root={root}, {op})", finish, timeout,
+        return self._run("reduce", flat, f"reduce(root={root}, {op})", finish, timeout, call=call,
                          root=root, op="sum" if op == "avg" else op)
 
     def reduce(self, tensor: torch.Tensor, root: int = 0, op: ReduceOpLike = "sum", *,
@@ -337,7 +338,7 @@ class Communicator:
         return self.reduce_async(tensor, root, op, timeout=timeout).wait()
 
     def gather_async(self, tensor: torch.Tensor, root: int = 0, *,
-                     timeout: float | None = None) -> torch.futures.Future:
+                     timeout: float | None = None, call: str | None = None) -> torch.futures.Future:
         """Like :meth:`gather`."""
         _check_tensor(tensor, "gather")
         _check_root(root, self.world_size, "gather")
@@ -352,7 +353,7 @@ class Communicator:
         def finish() -> torch.Tensor | None:
             return flat.view(shape).to(tensor.device) if self.rank == root else None
 
-        return self._run("gather", flat, "gather", finish, timeout,
+        return self._run("gather", flat, "gather", finish, timeout, call=call,
                          describe=f"gather(root={root}) of {self.world_size} x {n} x {_dtype_name(flat)}",
                          root=root, counts=(n,) * self.world_size)
 
@@ -363,7 +364,7 @@ class Communicator:
         return self.gather_async(tensor, root, timeout=timeout).wait()
 
     def scatter_async(self, output: torch.Tensor, stacked: torch.Tensor | None = None, root: int = 0, *,
-                      timeout: float | None = None) -> torch.futures.Future:
+                      timeout: float | None = None, call: str | None = None) -> torch.futures.Future:
         """Like :meth:`scatter`; the future resolves to ``output``."""
         _check_tensor(output, "scatter")
         _check_root(root, self.world_size, "scatter")
@@ -386,7 +387,7 @@ class Communicator:
             output.detach().copy_(piece.view(output.shape))
             return output
 
-        return self._run("scatter", flat, "scatter", finish, timeout,
+        return self._run("scatter", flat, "scatter", finish, timeout, call=call,
                          describe=f"scatter(root={root}) of {self.world_size} x {n} x {_dtype_name(flat)}",
                          root=root, counts=(n,) * self.world_size)
 
@@ -398,7 +399,7 @@ class Communicator:
 
     def all_to_all_async(self, tensor: torch.Tensor, send_counts: Sequence[int] | None = None,
                          recv_counts: Sequence[int] | None = None, *,
-                         timeout: float | None = None) -> torch.futures.Future:
+                         timeout: float | None = None, call: str | None = None) -> torch.futures.Future:
         """Like :meth:`all_to_all`."""
         _check_tensor(tensor, "all_to_all")
         if tensor.dim() == 0:
@@ -414,7 +415,7 @@ class Communicator:
             return flat[sent:].view(sum(recv), *tensor.shape[1:]).to(tensor.device)
 
         # What agrees across ranks is the row; each message's size is checked on arrival.
-        return self._run("all_to_all", flat, "all_to_all", finish, timeout,
+        return self._run("all_to_all", flat, "all_to_all", finish, timeout, call=call,
                          describe=f"all_to_all of rows of {row} x {_dtype_name(flat)}",
                          send_counts=tuple(c * row for c in send), recv_counts=tuple(c * row for c in recv))
 
@@ -454,7 +455,8 @@ class Communicator:
         if quorum not in QUORUM_CHOICES:
             raise ValueError(f"unknown quorum {quorum!r}; choose one of {', '.join(QUORUM_CHOICES)}")
         if self._closed:
-            raise RuntimeError(f"rank {self.rank}: communicator is closed")
+            raise CollectiveError(f"rank {self.rank}: communicator is closed: create a new one "
+                                  "(or process group) to run more collectives", rank=self.rank)
         key = (quorum, tensor.numel(), tensor.dtype, algorithm, seed)
         with self._lock:
             handle = self._partials.get(key)
@@ -490,19 +492,25 @@ class Communicator:
 
     def barrier(self, *, timeout: float | None = None) -> None:
         """Wait until every rank reaches the barrier (a 1-element allreduce)."""
-        self.allreduce(torch.zeros(1, dtype=torch.int32), algorithm="halving_doubling", timeout=timeout)
+        self._allreduce(torch.zeros(1, dtype=torch.int32), "halving_doubling", "sum", timeout, blocking=True,
+                        call="barrier").wait()
 
     # -- plumbing ----------------------------------------------------------------------------
 
     def _run(self, kind: str, flat: torch.Tensor, what: str, finish: Callable[[], torch.Tensor],
              timeout: float | None, *, blocking: bool = False, describe: str | None = None,
-             **options: object) -> torch.futures.Future | Waiter:
+             call: str | None = None, **options: object) -> torch.futures.Future | Waiter:
         """Submit collective ``kind`` on ``flat``; ``blocking``: the caller waits at once, so a
         :class:`Waiter` stands in for the torch future. ``describe``: the description ranks
-        compare, when this rank's buffer size differs from others' (rooted, all-to-all)."""
+        compare, when this rank's buffer size differs from others' (rooted, all-to-all). ``call``:
+        the call the user made, when it is not the collective it runs as (a barrier is a
+        1-element allreduce): errors then name both, e.g. "barrier (runs as allreduce(...))"."""
         if self._closed:
-            raise RuntimeError(f"rank {self.rank}: communicator is closed")
+            raise CollectiveError(f"rank {self.rank}: communicator is closed: create a new one "
+                                  "(or process group) to run more collectives", rank=self.rank)
         description = describe or f"{what} of {flat.numel()} x {_dtype_name(flat)}"
+        if call is not None:
+            description = f"{call} (runs as {description})"
         with self._lock:
             seq = next(self._seq)
             if self.world_size == 1:

@@ -472,8 +472,8 @@ class _Run:
 
 def mismatch_error(rank: int, seq: int, peer: int, mine: bytes, theirs: bytes) -> CollectiveMismatchError:
     return CollectiveMismatchError(
-        f"rank {rank}: collective #{seq} mismatch with rank {peer}: this rank runs "
-        f"{mine.decode(errors='replace')}, rank {peer} runs {theirs.decode(errors='replace')}. "
+        f"rank {rank}: collective #{seq} mismatch with rank {peer}: this rank called "
+        f"{mine.decode(errors='replace')}, rank {peer} called {theirs.decode(errors='replace')}. "
         "Every rank must call the same collectives in the same order with the same arguments "
         "(algorithm, root, size, dtype, op).", rank=rank, peer=peer)
 

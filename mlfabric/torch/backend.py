@@ -15,8 +15,9 @@ connections, set up through the store torch hands the backend, plus a
 :class:`~mlfabric.runtime.p2p.PointToPoint` for send/recv. Every method maps torch's
 arguments onto the communicator's collectives and returns a :class:`MlfabricWork`, whose
 ``wait()``, ``is_completed()``, ``exception()`` and ``get_future()`` (resolving to the output
-tensors, as gloo's) behave as torch's; failures surface as mlfabric's errors, naming the rank,
-the peer and the collective.
+tensors, as gloo's) behave as torch's; failures surface as mlfabric's errors (each also the
+matching ``torch.distributed.DistError`` subclass), naming the rank, the peer and the torch
+call beside what it runs as ("barrier (runs as allreduce(halving_doubling, sum) of 1 x int32)").
 
 Options (``pg_options=ProcessGroupOptions(...)`` in ``init_process_group``/``new_group``, else
 environment variables): the allreduce algorithm (``MLFABRIC_ALGORITHM``: ring, bcube, auto,
@@ -25,7 +26,8 @@ mlfabric's topology, pipelining chunk and NIC rate (``MLFABRIC_TOPOLOGY``,
 ``MLFABRIC_CHUNK_BYTES``, ``MLFABRIC_NIC_RATE``). Collectives time out after the group's
 ``timeout``. See docs/torch_backend.md for what maps to what and what is not supported.
 
-Exercise it with ``python -m pytest tests/local/test_torch_backend.py tests/unit/test_torch_backend_options.py``.
+Exercise it with ``python -m pytest tests/local/test_torch_backend.py tests/unit/test_torch_backend_options.py``
+(and ``tests/local/test_torch_entry_points.py``: every torch.distributed entry point against gloo).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import torch.distributed as dist
 import mlfabric
 from mlfabric._plugin import BACKEND_NAME, register_backend
 from mlfabric.collectives import choose_allreduce
-from mlfabric.errors import CollectiveTimeoutError
+from mlfabric.errors import CollectiveError, CollectiveTimeoutError
 from mlfabric.runtime.communicator import Communicator, reduce_op_name
 from mlfabric.runtime.p2p import PointToPoint
 
@@ -157,6 +159,8 @@ class ProcessGroupMlfabric(dist.ProcessGroup):
         self._group_name = group_name
         self._group_desc = ""
         self._closed = False
+        # The works started between _start_coalescing and _end_coalescing (None: not coalescing).
+        self._coalesced: list[MlfabricWork] | None = None
 
     # -- what torch asks about the group -----------------------------------------------------
 
@@ -189,7 +193,8 @@ class ProcessGroupMlfabric(dist.ProcessGroup):
         tensor = _single(tensors, "all_reduce", self.rank())
         op = _op_of(opts)
         wire, op = _wire(tensor, op, "all_reduce", self.rank())
-        future = self.comm.allreduce_async(wire, algorithm=self.algorithm, op=op, timeout=_timeout_of(opts))
+        future = self.comm.allreduce_async(wire, algorithm=self.algorithm, op=op, timeout=_timeout_of(opts),
+                                           call="all_reduce")
         return self._work(future, [tensor], f"all_reduce({self.algorithm}, {op})")
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: object = None) -> MlfabricWork:
@@ -207,28 +212,44 @@ class ProcessGroupMlfabric(dist.ProcessGroup):
             for tensor, piece in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
                 tensor.detach().copy_(piece.view(tensor.shape))
 
-        future = self.comm.allreduce_async(wire, algorithm=self.algorithm, op=op, timeout=_timeout_of(opts))
+        future = self.comm.allreduce_async(wire, algorithm=self.algorithm, op=op, timeout=_timeout_of(opts),
+                                           call=f"all_reduce_coalesced of {len(tensors)} tensors")
         return self._work(_then(future, unpack), list(tensors), f"all_reduce_coalesced({op})")
 
     def broadcast(self, tensors: list[torch.Tensor] | torch.Tensor, opts: object = None) -> MlfabricWork:
         tensor = _single(tensors, "broadcast", self.rank())
         root = _root_of(opts)
         future = self.comm.broadcast_async(_wire(tensor, None, "broadcast", self.rank())[0], root,
-                                           timeout=_timeout_of(opts))
+                                           timeout=_timeout_of(opts), call="broadcast")
         return self._work(future, [tensor], f"broadcast(root={root})")
 
     def reduce(self, tensors: list[torch.Tensor] | torch.Tensor, opts: object = None) -> MlfabricWork:
         tensor = _single(tensors, "reduce", self.rank())
         root, op = _root_of(opts), _op_of(opts)
         wire, op = _wire(tensor, op, "reduce", self.rank())
-        future = self.comm.reduce_async(wire, root, op, timeout=_timeout_of(opts))
+        future = self.comm.reduce_async(wire, root, op, timeout=_timeout_of(opts), call="reduce")
         return self._work(future, [tensor], f"reduce(root={root}, {op})")
 
     def barrier(self, opts: object = None) -> MlfabricWork:
         # A one-element allreduce: every rank has called it once every rank's element is in.
+        # Errors name the barrier, and the allreduce beside it (issue #39).
         future = self.comm.allreduce_async(torch.zeros(1, dtype=torch.int32), algorithm="halving_doubling",
-                                           timeout=_timeout_of(opts))
+                                           timeout=_timeout_of(opts), call="barrier")
         return self._work(future, [], "barrier")
+
+    def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
+        """``group.monitored_barrier(timeout)``, as gloo's: every rank reports to rank 0, which
+        waits for each one directly and then releases them, so that rank 0's timeout error
+        names every rank that has not called it ("waiting for recv from peer 2, ...; rank 2
+        has not called collective #7 yet"); the others time out waiting for rank 0. torch's
+        ``dist.monitored_barrier`` refuses every backend but gloo before it gets here; this
+        is for code that calls the group's method, as docs/torch_backend.md suggests.
+        ``wait_all_ranks``: rank 0 always names all the absent ranks."""
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) and timeout.total_seconds() > 0 else None
+        token = torch.zeros(1, dtype=torch.int32)
+        self.comm.gather_async(token, 0, timeout=seconds, call="monitored_barrier").wait()
+        # The others then wait for rank 0 (and time out naming it, as gloo's do).
+        self.comm.broadcast_async(token, 0, timeout=seconds, call="monitored_barrier's release").wait()
 
     # -- allgather, gather, scatter --------------------------------------------------------------
 
@@ -238,15 +259,42 @@ class ProcessGroupMlfabric(dist.ProcessGroup):
         outputs = _single_list(output_lists, "all_gather", self.rank())
         self._check_pieces(outputs, tensor, "all_gather", "output")
         future = self.comm.allgather_async(_wire(tensor, None, "all_gather", self.rank())[0],
-                                           timeout=_timeout_of(opts))
+                                           timeout=_timeout_of(opts), call="all_gather")
         return self._work(_then(future, lambda rows: _copy_rows(rows, outputs)), outputs, "all_gather")
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: object = None) -> MlfabricWork:
         """``all_gather_into_tensor``: the ranks' tensors back to back in ``output``."""
         self._check_total(output, input, "all_gather_into_tensor", "output")
         future = self.comm.allgather_async(_wire(input, None, "all_gather_into_tensor", self.rank())[0],
-                                           timeout=_timeout_of(opts))
+                                           timeout=_timeout_of(opts), call="all_gather_into_tensor")
         return self._work(_then(future, lambda rows: _copy_into(output, rows)), [output], "all_gather_into_tensor")
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
+                            opts: object = None) -> MlfabricWork:
+        """``all_gather_coalesced`` (deprecated in torch, still there): ``output_lists[r][i]``
+        := rank r's ``input_list[i]``; one allgather of the inputs back to back."""
+        what = "all_gather_coalesced"
+        if not input_list:
+            raise ValueError(f"rank {self.rank()}: {what} needs at least one input tensor")
+        if len(output_lists) != self.size():
+            raise ValueError(f"rank {self.rank()}: {what} needs {self.size()} output lists (one per rank), "
+                             f"got {len(output_lists)}")
+        counts = [t.numel() for t in input_list]
+        for peer, outputs in enumerate(output_lists):
+            if [t.numel() for t in outputs] != counts or any(o.dtype != input_list[0].dtype for o in outputs):
+                raise ValueError(f"rank {self.rank()}: {what}: output_tensor_lists[{peer}] must hold tensors "
+                                 f"of {counts} elements of {input_list[0].dtype} like input_tensor_list, got "
+                                 f"{[(tuple(o.shape), str(o.dtype)) for o in outputs]}")
+        flat = torch.cat([t.detach().reshape(-1).cpu() for t in input_list])
+
+        def unpack(rows: torch.Tensor) -> None:
+            for outputs, row in zip(output_lists, rows):
+                for out, piece in zip(outputs, torch.split(row, counts)):
+                    _copy_into(out, piece)
+
+        future = self.comm.allgather_async(_wire(flat, None, what, self.rank())[0], timeout=_timeout_of(opts),
+                                           call=f"{what} of {len(input_list)} tensors")
+        return self._work(_then(future, unpack), [t for outputs in output_lists for t in outputs], what)
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: object = None) -> MlfabricWork:
@@ -276,7 +324,7 @@ class ProcessGroupMlfabric(dist.ProcessGroup):
             stacked = _wire(torch.stack([p.detach().cpu().reshape(output.shape) for p in pieces]),
                             None, "scatter", self.rank())[0]
         future = self.comm.scatter_async(_wire(output, None, "scatter", self.rank())[0], stacked, root,
-                                         timeout=_timeout_of(opts))
+                                         timeout=_timeout_of(opts), call="scatter")
         return self._work(future, [output], f"scatter(root={root})")
 
     # -- reduce_scatter ----------------------------------------------------------------------
@@ -301,7 +349,7 @@ class ProcessGroupMlfabric(dist.ProcessGroup):
 
     def _reduce_scatter_into(self, output: torch.Tensor, flat: torch.Tensor, opts: object, what: str) -> MlfabricWork:
         wire, op = _wire(flat, _op_of(opts), what, self.rank())
-        future = self.comm.reduce_scatter_async(wire, op, timeout=_timeout_of(opts))
+        future = self.comm.reduce_scatter_async(wire, op, timeout=_timeout_of(opts), call=what)
         return self._work(_then(future, lambda shard: _copy_into(output, shard)), [output], f"{what}({op})")
 
     # -- all-to-all ----------------------------------------------------------------------------
@@ -320,7 +368,7 @@ class ProcessGroupMlfabric(dist.ProcessGroup):
             raise ValueError(f"rank {self.rank()}: output_split_sizes {recv} add up to {sum(recv)} rows, the "
                              f"output has {output.shape[0]}")
         future = self.comm.all_to_all_async(_wire(input, None, "all_to_all_single", self.rank())[0], send, recv,
-                                            timeout=_timeout_of(opts))
+                                            timeout=_timeout_of(opts), call="all_to_all_single")
         return self._work(_then(future, lambda rows: _copy_into(output, rows)), [output], "all_to_all_single")
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
@@ -335,7 +383,8 @@ class ProcessGroupMlfabric(dist.ProcessGroup):
         flat = torch.cat([t.detach().reshape(-1).cpu() for t in input_tensors])
         future = self.comm.all_to_all_async(_wire(flat, None, "all_to_all", self.rank())[0],
                                             [t.numel() for t in input_tensors],
-                                            [t.numel() for t in output_tensors], timeout=_timeout_of(opts))
+                                            [t.numel() for t in output_tensors], timeout=_timeout_of(opts),
+                                            call="all_to_all")
 
         def unpack(received: torch.Tensor) -> None:
             pieces = torch.split(received, [t.numel() for t in output_tensors])
@@ -387,7 +436,26 @@ class ProcessGroupMlfabric(dist.ProcessGroup):
 
     def _work(self, future: torch.futures.Future, outputs: list[torch.Tensor], what: str, *,
               source_rank: Callable[[], int] | None = None) -> MlfabricWork:
-        return MlfabricWork(future, outputs, what, rank=self.rank(), source_rank=source_rank)
+        work = MlfabricWork(future, outputs, what, rank=self.rank(), source_rank=source_rank)
+        if self._coalesced is not None:
+            self._coalesced.append(work)
+        return work
+
+    # torch's ``_coalescing_manager(group, device)`` (NCCL-style coalescing) brackets ops with
+    # these; without them torch fails inside, with "No backend type associated with device
+    # type cpu". The ops run as they are issued; the end's work completes when all have.
+    def _start_coalescing(self, device: object = None) -> None:
+        if self._coalesced is not None:
+            raise CollectiveError(f"rank {self.rank()}: _coalescing_manager entered twice on one group: "
+                                  "finish the first block before starting another", rank=self.rank())
+        self._coalesced = []
+
+    def _end_coalescing(self, device: object = None) -> MlfabricWork:
+        works, self._coalesced = self._coalesced, None
+        if works is None:
+            raise CollectiveError(f"rank {self.rank()}: _end_coalescing without _start_coalescing: use "
+                                  "torch.distributed._coalescing_manager, which calls both", rank=self.rank())
+        return self._all_of(works, [t for w in works for t in w._outputs], f"{len(works)} coalesced ops")
 
     def _all_of(self, works: list[MlfabricWork], outputs: list[torch.Tensor], what: str) -> MlfabricWork:
         """One work for several (the coalesced variants); it fails with the first error."""

@@ -1,23 +1,34 @@
 """Faults fail fast and name the culprit (issue #26, part 2), on in-process ranks (threads):
 a rank that leaves, ranks that disagree on a collective, the watchdog. Each test asserts the
-time to the error. The control messages' encoding is tested at the end.
+time to the error. The control messages' encoding is tested at the end, then that each error
+is also torch.distributed's type (issue #39).
 
 Run: python -m pytest tests/unit/test_faults.py
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import sys
 import threading
 import time
 from typing import Callable
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import mlfabric
 from mlfabric import CollectiveMismatchError, PeerLeftError
-from mlfabric.errors import CollectiveError, CollectiveTimeoutError, PeerLostError
+from mlfabric.errors import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    MlfabricError,
+    PeerLostError,
+    RendezvousError,
+    TransportError,
+)
 from mlfabric.runtime.communicator import DEFAULT_WATCHDOG_S, WATCHDOG_ENV, watchdog_seconds
 from mlfabric.runtime.control import ControlKind, Farewell, Status, abort_error, control_tag, encode_abort, split_control_tag
 
@@ -170,6 +181,24 @@ def test_different_algorithms_are_a_mismatch_on_every_rank_within_2s(other: str)
         assert elapsed < FAST_S, (rank, elapsed)
 
 
+@pytest.mark.parametrize("other", [torch.ones(4), torch.zeros(1, dtype=torch.int32)], ids=["4xfloat32", "1xint32"])
+def test_a_barrier_against_an_allreduce_names_the_barrier_and_what_it_runs_as(other: torch.Tensor) -> None:
+    """Issue #39: a mismatched barrier was reported as "allreduce(halving_doubling, sum) of
+    1 x int32", a call the user never made; an allreduce that looked like a barrier's even
+    matched it silently."""
+    comms = mlfabric.local_world(2, timeout=30)
+    results = _on_threads(comms, lambda c: _timed(
+        lambda: c.barrier() if c.rank == 0 else c.allreduce(other.clone(), algorithm="halving_doubling")))
+    theirs = f"allreduce(halving_doubling, sum) of {other.numel()} x {str(other.dtype).removeprefix('torch.')}"
+    barrier = "barrier (runs as allreduce(halving_doubling, sum) of 1 x int32)"
+    for rank, (error, elapsed) in enumerate(results):
+        assert isinstance(error, CollectiveMismatchError), (rank, error)
+        # Whichever rank noticed first words it (the other gets its abort notice).
+        assert (f"called {barrier}, rank 1 called {theirs}." in str(error)
+                or f"called {theirs}, rank 0 called {barrier}." in str(error)), str(error)
+        assert elapsed < FAST_S, (rank, elapsed)
+
+
 def test_a_mismatch_found_by_one_rank_is_a_mismatch_error_on_every_rank() -> None:
     # Sizes differ on rank 3 only; whichever rank notices tells the others, who used to get
     # the base CollectiveError.
@@ -310,3 +339,80 @@ def test_a_rank_that_sees_every_key_still_finds_a_disagreeing_world_size() -> No
     store.set("world/size/0", "3")  # rank 0's (rank 1 sets its own)
     with pytest.raises(RendezvousError, match="rank 2 was started with WORLD_SIZE=4 but rank 0 with WORLD_SIZE=3"):
         check_world(store, JobInfo(rank=1, world_size=3, master_addr="127.0.0.1", master_port=0), timeout=0.3)
+
+
+# -- mlfabric's errors are torch.distributed's (issue #39, item 4) ------------------------------
+
+# The mapping docs/faults.md documents, spelled out here (not read from mlfabric.errors).
+TORCH_TYPES = [
+    (MlfabricError, dist.DistError),
+    (TransportError, dist.DistNetworkError),
+    (CollectiveError, dist.DistBackendError),
+    (PeerLostError, dist.DistBackendError),
+    (PeerLostError, dist.DistNetworkError),
+    (PeerLeftError, dist.DistBackendError),
+    (PeerLeftError, dist.DistNetworkError),
+    (CollectiveTimeoutError, dist.DistBackendError),
+    (CollectiveMismatchError, dist.DistBackendError),
+    (RendezvousError, dist.DistStoreError),
+]
+
+
+@pytest.mark.parametrize("ours, theirs", TORCH_TYPES, ids=[f"{o.__name__}-{t.__name__}" for o, t in TORCH_TYPES])
+def test_torch_error_types_catch_mlfabric_errors(ours: type, theirs: type) -> None:
+    assert issubclass(ours, theirs) and issubclass(ours, dist.DistError) and issubclass(ours, RuntimeError)
+    error = ours("rank 1: collective #3 broke", **({"rank": 1, "peer": 2} if issubclass(ours, CollectiveError) else {}))
+    with pytest.raises(theirs) as caught:
+        raise error
+    assert type(caught.value) is ours and str(caught.value) == "rank 1: collective #3 broke"
+    assert mlfabric.errors.TORCH_ERROR_TYPES[ours] and theirs in mlfabric.errors.TORCH_ERROR_TYPES[ours]
+
+
+def test_torch_error_types_keep_the_python_types_mlfabric_had() -> None:
+    assert issubclass(CollectiveTimeoutError, TimeoutError) and issubclass(CollectiveMismatchError, ValueError)
+    assert issubclass(PeerLeftError, PeerLostError) and issubclass(PeerLostError, CollectiveError)
+    assert not issubclass(RendezvousError, dist.DistBackendError)  # a store failure, not a collective's
+    assert not issubclass(CollectiveMismatchError, dist.DistNetworkError)
+
+
+def test_torch_error_a_rank_that_left_is_caught_as_torch_catches_backend_errors() -> None:
+    """A real failure (a rank closes mid-job) caught by code written for torch's backends."""
+    comms = mlfabric.local_world(2, timeout=30)
+
+    def body(comm: mlfabric.Communicator) -> object:
+        comm.barrier()
+        if comm.rank == 1:
+            comm.close()
+            return "left"
+        time.sleep(0.2)
+        try:
+            comm.allreduce(torch.ones(10))
+        except dist.DistBackendError as exc:
+            return exc
+        return None
+
+    results = _on_threads(comms, body)
+    assert isinstance(results[0], PeerLeftError) and isinstance(results[0], dist.DistNetworkError), results
+    assert results[0].peer == 1 and "rank 1 left the job" in str(results[0])
+
+
+def test_torch_error_types_missing_from_torch_fall_back_to_their_parent(monkeypatch) -> None:
+    """torch >= 2.3 has all four types; a build without one still imports mlfabric.errors,
+    with the type's parent (DistError, else RuntimeError) in its place."""
+    def load_errors() -> object:
+        spec = importlib.util.spec_from_file_location("_errors_without_types", mlfabric.errors.__file__)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+        return module
+
+    for name in ("DistStoreError", "DistNetworkError", "DistBackendError"):
+        monkeypatch.delattr(dist, name)
+    partial = load_errors()
+    assert partial.DistStoreError is dist.DistError and partial.DistNetworkError is dist.DistError
+    assert issubclass(partial.PeerLeftError, dist.DistError) and issubclass(partial.RendezvousError, dist.DistError)
+    assert partial.TORCH_ERROR_TYPES[partial.PeerLostError] == (dist.DistError, dist.DistError)
+    monkeypatch.delattr(dist, "DistError")
+    bare = load_errors()
+    assert bare.DistError is RuntimeError and issubclass(bare.PeerLeftError, RuntimeError)
+    assert bare.MlfabricError.__bases__ == (RuntimeError,)
+    assert "_errors_without_types" not in sys.modules
