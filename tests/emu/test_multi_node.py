@@ -12,12 +12,14 @@ Small jobs (a 2-layer MLP, 2 epochs; 40 PS steps): the machine here has 2 cores.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 from tests.emu.conftest import needs_root, our_leftovers
+from tests.unit.test_multi_node_examples import SBATCH, manifest_command, write_slurm_stand_ins
 
 ROOT = Path(__file__).resolve().parents[2]
 HOSTS = 4
@@ -25,12 +27,17 @@ HOSTS = 4
 
 def _torchrun_on_every_host(script: str, *args: str, rdzv_id: str) -> str:
     """``mlfabric launch --hosts 4 -- torchrun --nnodes 4 ...``: the launcher's output."""
+    return _on_every_host(["torchrun", "--nnodes", str(HOSTS), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                           "--rdzv-endpoint", "h0:29400", "--rdzv-id", rdzv_id, "--max-restarts", "0",
+                           str(ROOT / "examples" / script), *args])
+
+
+def _on_every_host(command: list[str], *, launch_options: tuple[str, ...] = (), env: dict[str, str] | None = None) -> str:
+    """``mlfabric launch --hosts 4 -- COMMAND`` from the repository root: the launcher's output."""
     cli = Path(sys.executable).with_name("mlfabric")
-    command = [str(cli), "launch", "--hosts", str(HOSTS), "--rate", "1gbit", "--timeout", "300s", "--",
-               "torchrun", "--nnodes", str(HOSTS), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", "h0:29400", "--rdzv-id", rdzv_id, "--max-restarts", "0",
-               str(ROOT / "examples" / script), *args]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=360, cwd=ROOT)
+    argv = [str(cli), "launch", "--hosts", str(HOSTS), "--rate", "1gbit", "--timeout", "300s", *launch_options, "--",
+            *command]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=360, cwd=ROOT, env={**os.environ, **(env or {})})
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
     # One agent per host: all four took part, each under its own name.
@@ -41,9 +48,7 @@ def _torchrun_on_every_host(script: str, *args: str, rdzv_id: str) -> str:
     return text
 
 
-@needs_root
-def test_ddp_on_the_mlfabric_backend_over_four_machines(no_leaks):
-    text = _torchrun_on_every_host("torch_backend.py", "--backend", "mlfabric", "--epochs", "2", rdzv_id="ddp")
+def _check_ddp(text: str) -> None:
     match = re.search(r"backend=mlfabric ddp (\d+) ranks: loss per epoch ([\d.]+), ([\d.]+); parameter fingerprint "
                       r"([\d.]+); replicas identical: (\w+)", text)
     assert match, text[-4000:]
@@ -52,11 +57,39 @@ def test_ddp_on_the_mlfabric_backend_over_four_machines(no_leaks):
     assert match[5] == "True", match[0]  # every rank holds exactly the same parameters
 
 
-@needs_root
-def test_parameter_server_over_four_machines(no_leaks):
-    text = _torchrun_on_every_host("ps_train.py", "--consistency", "ssp:2", "--steps", "40", rdzv_id="ps")
+def _check_ps(text: str) -> None:
     errors = [float(e) for e in re.findall(r"\(worker \d\): last loss [\d.]+, \|w - w_true\| ([\d.]+)", text)]
     assert len(errors) == HOSTS - 1 and max(errors) < 0.2, text[-4000:]  # every worker learned w_true
     match = re.search(r"\(server 0\): (\d+) updates applied, (\d+) dropped", text)
     assert match, text[-4000:]
     assert int(match[1]) + int(match[2]) == (HOSTS - 1) * 40  # every worker's every push reached the server
+
+
+@needs_root
+def test_ddp_on_the_mlfabric_backend_over_four_machines(no_leaks):
+    """The command docs/multi_node.md gives: one torchrun per host, c10d rendezvous at h0."""
+    _check_ddp(_torchrun_on_every_host("torch_backend.py", "--backend", "mlfabric", "--epochs", "2", rdzv_id="ddp"))
+
+
+@needs_root
+def test_parameter_server_through_the_slurm_recipe(no_leaks, tmp_path):
+    """examples/slurm/multi_node.sbatch on every host, as `sbatch` runs it on every node's
+    first task, with srun and scontrol stand-ins (srun: run the command on this host)."""
+    bin_dir = write_slurm_stand_ins(tmp_path / "bin")
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "MLFABRIC_VENV": str(Path(sys.executable).parents[1]),
+           "SLURM_JOB_NODELIST": ",".join(f"h{h}" for h in range(HOSTS)), "SLURM_JOB_NUM_NODES": str(HOSTS),
+           "SLURM_JOB_ID": "39"}
+    _check_ps(_on_every_host(["bash", str(SBATCH), "examples/ps_train.py", "--consistency", "ssp:2", "--steps", "40"],
+                             env=env))
+
+
+@needs_root
+def test_ddp_through_the_kubernetes_manifests_command(no_leaks):
+    """The command of examples/kubernetes/pytorchjob.yaml on every host, with the variables the
+    training operator sets (MASTER_ADDR: host 0, the launcher's; MASTER_PORT its port)."""
+    job = "examples/torch_backend.py --backend mlfabric"
+    command = manifest_command()
+    assert command.endswith(job), command
+    _check_ddp(_on_every_host(["sh", "-c", f"{command} --epochs 2"],  # 2 epochs: short, on 2 cores
+                              launch_options=("--master-port", "23456"),
+                              env={"PET_NNODES": str(HOSTS), "PET_NPROC_PER_NODE": "1"}))
