@@ -137,7 +137,7 @@ def test_run_directory_is_kept_when_asked(no_leaks, tmp_path):
 def test_run_directory_is_removed_when_the_cluster_cannot_be_built(no_leaks, tmp_path, monkeypatch):
     from mlfabric.emu import launcher
 
-    def refuse(plan):
+    def refuse(plan, **options):
         assert len(_run_dirs(tmp_path)) == 1  # made before the cluster
         raise RuntimeError("no bridge for you")
 
