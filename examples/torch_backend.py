@@ -10,8 +10,13 @@ with mlfabric installed, torch's entry point does it even without the import): D
 gradient buckets, its parameter broadcast, FSDP2's all-gathers and reduce-scatters and the
 final all_reduce all run on mlfabric's collectives. The model is a small MLP on the synthetic
 classification task of ``mlfabric.train.data`` (a random teacher network labels Gaussian
-inputs), so nothing is downloaded. Rank 0 prints the loss per epoch and a
-fingerprint of the trained parameters: the same on "mlfabric" and on "gloo".
+inputs), so nothing is downloaded. Rank 0 prints the loss per epoch, a
+fingerprint of the trained parameters (the same on "mlfabric" and on "gloo") and whether every
+rank holds exactly the same parameters. On several machines (one torchrun per machine,
+docs/multi_node.md)::
+
+    torchrun --nnodes 4 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HEAD:29400 --rdzv-id job1 \\
+        examples/torch_backend.py --backend mlfabric
 """
 
 from __future__ import annotations
@@ -67,9 +72,17 @@ def main() -> None:
 
     params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for p in model.parameters()]
     fingerprint = sum(float(p.double().abs().sum()) for p in params)
+    # Every rank must end with the same model: the element-wise max and min over the ranks
+    # (min as -max(-x)) both equal this rank's parameters exactly.
+    flat = torch.cat([p.reshape(-1) for p in params]).double()
+    high, low = flat.clone(), -flat
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    dist.all_reduce(low, op=dist.ReduceOp.MAX)
+    identical = torch.equal(high, flat) and torch.equal(-low, flat)
     if rank == 0:
         print(f"backend={dist.get_backend()} {'fsdp2' if args.fsdp else 'ddp'} {world_size} ranks: loss per epoch "
-              f"{', '.join(f'{loss:.4f}' for loss in losses)}; parameter fingerprint {fingerprint:.6f}")
+              f"{', '.join(f'{loss:.4f}' for loss in losses)}; parameter fingerprint {fingerprint:.6f}; "
+              f"replicas identical: {identical}")
     dist.destroy_process_group()
 
 

@@ -43,7 +43,8 @@ def cleanup_command(
     force: Annotated[bool, typer.Option("--force", help="Also remove clusters whose launcher is still running.")] = False,
     prefix: Annotated[Optional[str], typer.Option(help="Only this run (mf1a2b).")] = None,
 ) -> None:
-    """Remove namespaces, links and bridges left by emulator runs whose launcher died (kill -9)."""
+    """Remove namespaces, links, bridges, hosts files and temporary run directories left by
+    emulator runs whose launcher died (kill -9)."""
     from mlfabric.emu.cluster import cleanup
 
     removed = cleanup(force=force, prefix=prefix)
@@ -60,7 +61,8 @@ def list_command() -> None:
         typer.echo("no emulator runs")
     for prefix, entry in sorted(runs.items()):
         state = "running" if entry["alive"] else "leftover (mlfabric emu cleanup)"
-        typer.echo(f"{prefix}  pid={entry['pid']}  {state}  netns={' '.join(entry['netns'])}")  # type: ignore[arg-type]
+        run_dir = f"  run_dir={entry['temporary_dir']}" if entry["temporary_dir"] else ""
+        typer.echo(f"{prefix}  pid={entry['pid']}  {state}  netns={' '.join(entry['netns'])}{run_dir}")  # type: ignore[arg-type]
 
 
 def launch(

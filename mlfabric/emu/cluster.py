@@ -14,6 +14,10 @@ needed) and built by :class:`Cluster` (root / CAP_NET_ADMIN):
 * NIC ``l`` of host ``h`` has the address ``10.l.x.y/16`` with ``x.y = h + 1`` (subnet ``l`` is
   BCube level ``l``; star and racks use subnet 0 only); its bridge-side peer is
   ``<prefix>h<h>n<l>`` in the fabric namespace;
+* host ``h`` is named ``<prefix>-h<h>`` (alias ``h<h>``): its ranks run in a UTS namespace
+  of their own with that hostname, and every host sees an ``/etc/hosts``
+  (``/etc/netns/<prefix>-h<h>/hosts``, bind-mounted by ``ip netns exec``) naming every
+  host's addresses, so hostnames resolve both ways without DNS (:meth:`ClusterPlan.hosts_file`);
 * every host NIC is shaped with HTB in both directions: egress on ``eth<l>`` (inside the
   host), ingress on the bridge-side veth's egress (inside the fabric). :meth:`Cluster.set_rate`
   changes a rate at run time (``tc class change``: effective at once);
@@ -40,6 +44,7 @@ import math
 import os
 import re
 import secrets
+import shutil
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -51,7 +56,7 @@ from mlfabric.units import parse_rate
 
 __all__ = [
     "ClusterPlan", "HostPlan", "NicPlan", "UplinkPlan", "Cluster", "plan_cluster", "new_prefix",
-    "cleanup", "list_runs", "pipeline_chunk_bytes", "PREFIX_RE", "STATE_DIR", "DIRECTIONS",
+    "cleanup", "list_runs", "pipeline_chunk_bytes", "PREFIX_RE", "STATE_DIR", "DIRECTIONS", "ETC_NETNS",
 ]
 
 #: Per-run prefixes look like ``mf1a2b``.
@@ -60,6 +65,9 @@ _OWNED_NS_RE = re.compile(r"^(mf[0-9a-f]{4})-(sw|h\d+)$")
 _OWNED_LINK_RE = re.compile(r"^mf[0-9a-f]{4}")
 #: Where a live cluster records its owner pid (so ``cleanup`` leaves running clusters alone).
 STATE_DIR = Path(os.environ.get("MLFABRIC_EMU_STATE_DIR", "/run/mlfabric-emu"))
+#: ``ip netns exec NS`` bind-mounts every file of ``/etc/netns/NS/`` over its namesake in
+#: ``/etc`` for the program it runs: a host's ``hosts`` file goes there (fixed by iproute2).
+ETC_NETNS = Path("/etc/netns")
 DIRECTIONS = ("egress", "ingress")
 IFNAMSIZ = 15
 _QUEUE_S = 0.05  # bytes of buffer per shaped queue, in seconds at the base rate
@@ -110,6 +118,18 @@ class HostPlan:
     def address(self) -> str:
         """The host's NIC-0 address (MASTER_ADDR when it is rank 0)."""
         return self.nics[0].address
+
+    @property
+    def hostname(self) -> str:
+        """The host's name, what ``socket.gethostname()`` returns in its ranks: its namespace's
+        name (``mf1a2b-h3``), unique across runs; ``h3`` is an alias (:meth:`ClusterPlan.hosts_file`)."""
+        return self.netns
+
+    @property
+    def alias(self) -> str:
+        """The short name every host of the cluster resolves to this host's NIC-0 address:
+        ``h<rank>`` (``--rdzv-endpoint h0:29400`` needs no prefix)."""
+        return f"h{self.rank}"
 
     def channel_addrs(self) -> str:
         """``MLFABRIC_CHANNEL_ADDRS`` for this host: ``"0=10.0.0.1,1=10.1.0.1"``."""
@@ -196,15 +216,40 @@ class ClusterPlan:
         return [self.rank_env(rank, cluster_json=cluster_json) for rank in range(self.n_hosts)]
 
     def command_prefixes(self) -> list[list[str]]:
-        """Per rank, the prefix that runs its command inside its host (``ip netns exec ...``)."""
-        return [ns_exec_prefix(host.netns) for host in self.hosts]
+        """Per rank, the prefix that runs its command inside its host (``ip netns exec ...``)
+        under the host's name (:attr:`HostPlan.hostname`, a UTS namespace of its own)."""
+        return [ns_exec_prefix(host.netns, host.hostname) for host in self.hosts]
+
+    def hosts_file(self) -> str:
+        """The ``/etc/hosts`` every host of the cluster sees (:data:`ETC_NETNS`): localhost,
+        then per host its NIC-0 address with its :attr:`~HostPlan.hostname` and
+        :attr:`~HostPlan.alias`, and its other NICs' addresses as ``<hostname>-eth<l>``.
+
+        Every address a rank meets resolves to a name and back without DNS (unreachable
+        from a namespace): torch's TCPStore names each client by a reverse lookup (without
+        this file every rank printed ``[c10d] The hostname of the client socket cannot be
+        retrieved``) and torchrun's c10d rendezvous decides which agent serves the store by
+        resolving ``--rdzv-endpoint`` and its own hostname.
+        """
+        lines = ["127.0.0.1\tlocalhost"]
+        for host in self.hosts:
+            lines.append(f"{host.address}\t{host.hostname} {host.alias}")
+            lines += [f"{nic.address}\t{host.hostname}-{nic.host_dev}" for nic in host.nics[1:]]
+        # TCPStore listens on a dual-stack IPv6 socket: it sees its IPv4 clients as
+        # ::ffff:a.b.c.d, which glibc looks up as IPv6 (not in the lines above).
+        lines.append("::ffff:127.0.0.1\tlocalhost")
+        for host in self.hosts:
+            lines += [f"::ffff:{nic.address}\t{host.hostname}" + (f"-{nic.host_dev}" if nic.nic else "")
+                      for nic in host.nics]
+        return "\n".join(lines) + "\n"
 
     def describe(self) -> dict[str, object]:
-        """JSON-friendly description: spec, rate, and per host its namespace and NIC addresses."""
+        """JSON-friendly description: spec, rate, and per host its namespace, names and NIC addresses."""
         return {
             "prefix": self.prefix, "topology": str(self.spec), "rate_bps": self.rate_bps,
             "fabric_netns": self.fabric_ns, "master_addr": self.master_addr,
-            "hosts": [{"rank": h.rank, "netns": h.netns, "channel_addrs": h.channel_addrs(),
+            "hosts": [{"rank": h.rank, "netns": h.netns, "hostname": h.hostname, "alias": h.alias,
+                       "channel_addrs": h.channel_addrs(),
                        "nics": [{"nic": n.nic, "level": n.nic, "dev": n.host_dev, "address": n.address,
                                  "prefix_len": n.prefix_len, "switch": n.bridge} for n in h.nics]}
                       for h in self.hosts],
@@ -430,16 +475,22 @@ class Cluster:
 
     plan: ClusterPlan
     owner_pid: int = field(default_factory=os.getpid)
+    #: A directory of the run for :func:`cleanup` to remove once the owner has died (the
+    #: launcher's temporary run directory; the owner removes it itself on every other path).
+    temporary_dir: str | None = None
     _created: list[str] = field(default_factory=list)
     _rates: dict[tuple[int, int, str], int] = field(default_factory=dict)
 
     @classmethod
-    def create(cls, plan: ClusterPlan) -> Cluster:
-        """Build ``plan``; on any failure everything created so far is removed before raising."""
+    def create(cls, plan: ClusterPlan, *, temporary_dir: str | None = None) -> Cluster:
+        """Build ``plan``; on any failure everything created so far is removed before raising.
+
+        ``temporary_dir`` is recorded with the owner's pid, so that ``mlfabric emu cleanup``
+        removes it too after the owner was killed (``kill -9``)."""
         if not have_root():
             raise EmuUnavailableError("building an emulated cluster needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN); "
                                       "run under sudo, or use the loopback fallback of `mlfabric launch`")
-        cluster = cls(plan=plan)
+        cluster = cls(plan=plan, temporary_dir=temporary_dir)
         try:
             cluster._build()
         except BaseException:
@@ -459,10 +510,13 @@ class Cluster:
         plan = self.plan
         STATE_DIR.mkdir(parents=True, exist_ok=True)
         self._state_file().write_text(json.dumps({"pid": self.owner_pid, "created": time.time(),
-                                                  "netns": plan.namespaces()}))
+                                                  "netns": plan.namespaces(), "temporary_dir": self.temporary_dir}))
         for ns in plan.namespaces():
             run(["ip", "netns", "add", ns])
             self._created.append(ns)
+        hosts = plan.hosts_file()
+        for host in plan.hosts:
+            _write_etc_netns(host.netns, "hosts", hosts)
         for ns in plan.namespaces():
             forwarding = plan.forwarding and ns != plan.fabric_ns
             run(["ip", "netns", "exec", ns, "sh", "-c", _sysctl_script(forwarding=forwarding)])
@@ -564,6 +618,31 @@ class Cluster:
             raise RuntimeError("teardown left things behind; run `mlfabric emu cleanup`:\n" + "\n".join(errors))
 
 
+def _write_etc_netns(netns: str, name: str, text: str) -> None:
+    """Write ``/etc/netns/<netns>/<name>`` (what ``ip netns exec`` shows as ``/etc/<name>``)."""
+    for attempt in range(3):
+        # Another run's cleanup may remove an empty /etc/netns between the mkdir and the write.
+        try:
+            (ETC_NETNS / netns).mkdir(parents=True, exist_ok=True)
+            (ETC_NETNS / netns / name).write_text(text)
+            return
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
+
+
+def _remove_etc_netns(netns: str) -> bool:
+    """Remove ``/etc/netns/<netns>`` (and ``/etc/netns`` once empty); True if there was one."""
+    path = ETC_NETNS / netns
+    existed = path.exists()
+    shutil.rmtree(path, ignore_errors=True)
+    try:
+        ETC_NETNS.rmdir()  # only when no other run has files there
+    except OSError:
+        pass
+    return existed
+
+
 def _delete_namespaces(names: Sequence[str]) -> list[str]:
     errors = []
     for ns in names:
@@ -576,6 +655,7 @@ def _delete_namespaces(names: Sequence[str]) -> list[str]:
         proc = run(["ip", "netns", "del", ns], check=False)
         if proc.returncode != 0 and ns in _netns_list():
             errors.append(f"ip netns del {ns}: {proc.stderr.strip()}")
+        _remove_etc_netns(ns)
     return errors
 
 
@@ -592,32 +672,59 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _new_entry() -> dict[str, object]:
+    return {"netns": [], "pid": None, "alive": False, "etc_netns": [], "temporary_dir": None}
+
+
+def _run_temporary_dir(prefix: str, recorded: object) -> str | None:
+    """The temporary run directory a state file records, if it is one of this run's
+    (``.../mlfabric-emu-<prefix>-*``, as the launcher names them): a damaged or foreign state
+    file must not make ``cleanup`` remove anything else."""
+    if not isinstance(recorded, str) or not os.path.basename(recorded).startswith(f"mlfabric-emu-{prefix}-"):
+        return None
+    return recorded
+
+
 def list_runs() -> dict[str, dict[str, object]]:
-    """Emulator runs present on this machine: prefix -> {netns, pid, alive}."""
+    """Emulator runs present on this machine: prefix -> {netns, pid, alive, etc_netns,
+    temporary_dir} (``etc_netns``: the run's ``/etc/netns`` directories, its hosts files;
+    ``temporary_dir``: the launcher's temporary run directory, while it exists)."""
     runs: dict[str, dict[str, object]] = {}
     for ns in _netns_list():
         match = _OWNED_NS_RE.match(ns)
         if match:
-            runs.setdefault(match.group(1), {"netns": [], "pid": None, "alive": False})["netns"].append(ns)  # type: ignore[union-attr]
+            runs.setdefault(match.group(1), _new_entry())["netns"].append(ns)  # type: ignore[attr-defined]
+    if ETC_NETNS.is_dir():
+        for path in sorted(ETC_NETNS.iterdir()):
+            match = _OWNED_NS_RE.match(path.name)
+            if match:
+                runs.setdefault(match.group(1), _new_entry())["etc_netns"].append(path.name)  # type: ignore[attr-defined]
     if STATE_DIR.is_dir():
         for path in STATE_DIR.glob("mf*.json"):
             prefix = path.stem
             try:
-                pid = int(json.loads(path.read_text())["pid"])
+                state = json.loads(path.read_text())
+                pid = int(state["pid"])
             except (OSError, ValueError, KeyError, TypeError):
-                pid = 0
-            entry = runs.setdefault(prefix, {"netns": [], "pid": None, "alive": False})
+                state, pid = {}, 0
+            entry = runs.setdefault(prefix, _new_entry())
             entry["pid"] = pid or None
             entry["alive"] = bool(pid) and _pid_alive(pid)
+            temporary_dir = _run_temporary_dir(prefix, state.get("temporary_dir") if isinstance(state, dict) else None)
+            if temporary_dir is not None and os.path.isdir(temporary_dir):
+                entry["temporary_dir"] = temporary_dir
     return runs
 
 
 def cleanup(*, force: bool = False, prefix: str | None = None) -> list[str]:
-    """Remove namespaces (and their links and bridges) of runs whose owner died; return what went.
+    """Remove what runs whose owner died left behind; return what went.
 
-    Runs whose owner process is still alive are left alone unless ``force``. Also deletes any
-    link named ``mf<hex>...`` in the machine's own namespace (the emulator creates none, but
-    an interrupted older run might have).
+    That is their namespaces (and so their links and bridges), their hosts files
+    (``/etc/netns/<prefix>-*``) and the launcher's temporary run directory
+    (``$TMPDIR/mlfabric-emu-<prefix>-*``: ``cluster.json``, the churn trace; a kept or named
+    run directory is never recorded, so never removed). Runs whose owner process is still
+    alive are left alone unless ``force``. Also deletes any link named ``mf<hex>...`` in the
+    machine's own namespace (the emulator creates none, but an interrupted older run might have).
     """
     removed: list[str] = []
     errors: list[str] = []
@@ -629,6 +736,16 @@ def cleanup(*, force: bool = False, prefix: str | None = None) -> list[str]:
         names = sorted(entry["netns"], key=lambda ns: ns.endswith("-sw"))  # type: ignore[arg-type]
         errors += _delete_namespaces(names)
         removed += names
+        for ns in entry["etc_netns"]:  # type: ignore[attr-defined]
+            if _remove_etc_netns(ns):
+                removed.append(str(ETC_NETNS / ns))
+        temporary_dir = entry["temporary_dir"]
+        if isinstance(temporary_dir, str):
+            shutil.rmtree(temporary_dir, ignore_errors=True)
+            if os.path.exists(temporary_dir):
+                errors.append(f"could not remove the run directory {temporary_dir}")
+            else:
+                removed.append(temporary_dir)
         (STATE_DIR / f"{run_prefix}.json").unlink(missing_ok=True)
     proc = run(["ip", "-o", "link", "show"], check=False)
     for line in proc.stdout.splitlines():

@@ -54,10 +54,15 @@ def have_root() -> bool:
     return False
 
 
+#: The Debian package of each system tool the emulator runs (``ip``/``tc`` otherwise).
+_PACKAGES = {"unshare": "util-linux"}
+
+
 def _tool(name: str) -> str:
     path = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/bin:/bin")
     if path is None:
-        raise EmuUnavailableError(f"{name!r} not found: install iproute2 (Debian: apt-get install iproute2)")
+        package = _PACKAGES.get(name, "iproute2")
+        raise EmuUnavailableError(f"{name!r} not found: install {package} (Debian: apt-get install {package})")
     return path
 
 
@@ -90,6 +95,20 @@ def batch(tool: str, netns: str | None, commands: Sequence[str], *, force: bool 
     run(argv, stdin="\n".join(commands) + "\n", check=not force)
 
 
-def ns_exec_prefix(netns: str) -> list[str]:
-    """The command prefix that runs a program inside ``netns``."""
-    return [_tool("ip"), "netns", "exec", netns]
+#: Sets the new UTS namespace's hostname to ``$0`` and runs the rest: ``unshare --uts`` gives
+#: the program its own hostname without a ``hostname`` binary or any state to clean up.
+_SET_HOSTNAME = 'echo "$0" > /proc/sys/kernel/hostname && exec "$@"'
+
+
+def ns_exec_prefix(netns: str, hostname: str | None = None) -> list[str]:
+    """The command prefix that runs a program inside ``netns``, as ``hostname`` when given.
+
+    ``ip netns exec`` also bind-mounts ``/etc/netns/<netns>/hosts`` (if present) over
+    ``/etc/hosts`` for the program; with ``hostname`` the program gets a UTS namespace of its
+    own (``unshare --uts``) whose hostname is set before the command starts, so
+    ``socket.gethostname()`` names the emulated host instead of the machine.
+    """
+    prefix = [_tool("ip"), "netns", "exec", netns]
+    if hostname is None:
+        return prefix
+    return [*prefix, _tool("unshare"), "--uts", "--", "sh", "-c", _SET_HOSTNAME, hostname]

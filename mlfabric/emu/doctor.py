@@ -2,7 +2,8 @@
 
     mlfabric emu doctor            # or: .venv/bin/python -m mlfabric.emu doctor
 
-Checks root, iproute2 (``ip``, ``tc``), and then actually tries, in a throw-away namespace
+Checks root, iproute2 (``ip``, ``tc``), ``unshare --uts`` (util-linux: each rank gets its emulated
+host's hostname), and then actually tries, in a throw-away namespace
 named like any run (``mf<hex>-sw``, removed at once): creating a namespace, a veth pair, a
 bridge, and the ``htb``, ``tbf`` and ``bfifo`` qdiscs (``netem``, ``fq_codel`` and ``ifb`` are
 reported as optional: the emulator does not need them).
@@ -18,7 +19,7 @@ from mlfabric.emu.cmd import EmuCommandError, EmuUnavailableError, have_root, ru
 __all__ = ["Check", "doctor", "DEBIAN_PACKAGES"]
 
 #: What the emulator needs from the system, as Debian/Ubuntu packages.
-DEBIAN_PACKAGES = ("iproute2",)
+DEBIAN_PACKAGES = ("iproute2", "util-linux")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +51,9 @@ def doctor() -> list[Check]:
             version = (proc.stdout or proc.stderr).strip()
         checks.append(Check(name=f"iproute2: {tool}", ok=path is not None,
                             detail=f"{path} ({version})" if path else "missing: apt-get install iproute2"))
+    # Every rank runs under `unshare --uts` so that it has its emulated host's name.
+    ok, detail = _try(["unshare", "--uts", "--", "true"])
+    checks.append(Check(name="hostnames (unshare --uts)", ok=ok, detail=detail))
     if not all(c.ok for c in checks):
         return checks
     from mlfabric.emu.cluster import new_prefix

@@ -12,6 +12,17 @@ MASTER_PORT) plus what :meth:`ClusterPlan.rank_env` gives every rank of a cluste
 spec, which ``mlfabric.init`` reads: BML needs it), ``GLOO_SOCKET_IFNAME``,
 ``MLFABRIC_EMU_CLUSTER`` (the cluster description, JSON), ``MLFABRIC_EMU_PREFIX`` and
 ``MLFABRIC_EMU_NETNS``. Every output line of a rank is printed as ``[rank r] line``.
+
+Rank ``r`` runs as host ``<prefix>-h<r>`` (its hostname; ``h<r>`` is an alias that every host
+resolves, :meth:`ClusterPlan.hosts_file`), so torch's store and torchrun's c10d rendezvous
+resolve the hosts by name: ``-- torchrun --nnodes 4 --rdzv-backend c10d --rdzv-endpoint
+h0:29400 ...`` runs one torchrun agent per emulated host (docs/multi_node.md).
+
+The ranks run with this launcher's Python environment (:func:`rank_command`): a command
+that starts with a bare ``python`` or ``python3`` runs :data:`sys.executable` instead (under
+``sudo`` PATH is reset and ``python`` would be the system's, without torch), and the
+directory of :data:`sys.executable` comes first on the ranks' PATH (``torchrun`` and the
+script's own subprocesses find this environment's too); the launcher says both at start.
 :func:`emulated_launch` gives the same placement and environment to ranks started by
 :func:`mlfabric.bench.procs.run_ranks` (the emulated benchmarks and training jobs).
 
@@ -24,7 +35,8 @@ Exit status: 0 when every rank exits 0; otherwise the first failing rank's statu
 get ``grace_s`` seconds, then are killed); 124 on timeout; 128 + signal on SIGINT/SIGTERM.
 Namespaces, links, processes and the temporary run directory are removed on every one of
 these paths; after a ``kill -9`` of the launcher the ranks die with it (PR_SET_PDEATHSIG)
-and ``mlfabric emu cleanup`` removes the namespaces.
+and ``mlfabric emu cleanup`` removes the namespaces, the hosts files and the temporary run
+directory.
 
 Without root (or with ``emulate="never"``) the ranks run as plain local processes on loopback
 with ``MLFABRIC_TOPOLOGY``, one loopback channel per NIC and ``MLFABRIC_PACE`` (the zmq or
@@ -63,7 +75,8 @@ if TYPE_CHECKING:
     from mlfabric.topo.trace import TraceRow
 
 __all__ = ["LaunchSpec", "launch", "resolve_topology", "EMULATE_MODES", "RANK_PLACEMENTS", "churned_rank_envs",
-           "cluster_launch_config", "emulated_launch", "fallback_env", "rank_hosts", "start_churn"]
+           "cluster_launch_config", "emulated_launch", "fallback_env", "rank_hosts", "start_churn", "rank_command",
+           "rank_path", "PYTHON_NAMES"]
 
 EMULATE_MODES = ("auto", "always", "never")
 #: Where the ranks of a cluster with several ranks per host go: ``consecutive`` (ranks
@@ -136,6 +149,28 @@ def resolve_topology(topology: str, hosts: int | None) -> TopologySpec:
     if hosts is not None and hosts != n:
         raise ValueError(f"--hosts {hosts} contradicts topology {spec} which has {n} hosts")
     return spec
+
+
+#: Bare interpreter names that :func:`rank_command` replaces with :data:`sys.executable`.
+PYTHON_NAMES = ("python", "python3")
+
+
+def rank_command(command: Sequence[str]) -> tuple[str, ...]:
+    """``command`` as the ranks run it: a leading bare ``python``/``python3`` becomes this
+    launcher's interpreter (:data:`sys.executable`), so the ranks import the torch and
+    mlfabric the launcher runs with, whatever PATH says (``sudo`` resets it). A path
+    (``/usr/bin/python3``) or another program is left as given."""
+    if command and command[0] in PYTHON_NAMES:
+        return (sys.executable, *command[1:])
+    return tuple(command)
+
+
+def rank_path(path: str | None) -> str:
+    """The ranks' PATH: the directory of this launcher's interpreter first (its
+    environment's ``torchrun``, ``python``, ...), then ``path`` without that directory."""
+    own = os.path.dirname(sys.executable)
+    rest = [entry for entry in (path or os.defpath).split(os.pathsep) if entry and entry != own]
+    return os.pathsep.join([own, *rest])
 
 
 def fallback_env(topology: TopologySpec, rate_bps: float) -> dict[str, str]:
@@ -339,7 +374,7 @@ def launch(spec: LaunchSpec, *, out: IO[str] | None = None, err: IO[str] | None 
                 removed = " (removed at the end: --keep-run-dir or --run-dir PATH keeps it)" if temporary_dir else ""
                 trace_removed = (" (removed at the end: --trace FILE, --keep-run-dir or --run-dir PATH keeps it)"
                                  if temporary_dir and not spec.trace_path else "")
-                cluster = Cluster.create(plan)
+                cluster = Cluster.create(plan, temporary_dir=temporary_dir)
                 cluster_json = os.path.join(run_dir, "cluster.json")
                 with open(cluster_json, "w") as handle:
                     json.dump(plan.describe(), handle, indent=2)
@@ -376,16 +411,25 @@ def launch(spec: LaunchSpec, *, out: IO[str] | None = None, err: IO[str] | None 
                 port = free_port()
             if on_cluster is not None:
                 on_cluster(plan)
+            command = rank_command(spec.command)
+            if command[0] != spec.command[0]:
+                err.write(f"mlfabric launch: running `{spec.command[0]}` as {command[0]} (this launcher's interpreter; "
+                          f"give a path, e.g. /usr/bin/python3, to run another)\n")
+            path = rank_path(spec.env.get("PATH", os.environ.get("PATH")))
+            err.write(f"mlfabric launch: the ranks' PATH starts with {os.path.dirname(sys.executable)}"
+                      + (f"; hosts are named {plan.hosts[0].hostname} .. {plan.hosts[-1].hostname} "
+                         f"(aliases h0 .. h{n_hosts - 1})" if plan is not None else "") + "\n")
             for rank in range(n_hosts):
                 env = dict(os.environ)
                 env.update(spec.env)
+                env["PATH"] = path
                 env.update(extra[rank])
                 env.update({"RANK": str(rank), "WORLD_SIZE": str(n_hosts), "LOCAL_RANK": str(rank),
                             "LOCAL_WORLD_SIZE": str(n_hosts), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
                             "ROLE_WORLD_SIZE": str(n_hosts), "MASTER_ADDR": master_addr, "MASTER_PORT": str(port),
                             "PYTHONUNBUFFERED": "1"})
                 env.setdefault("OMP_NUM_THREADS", "1")
-                proc = subprocess.Popen([*prefixes[rank], *spec.command], stdin=subprocess.DEVNULL,
+                proc = subprocess.Popen([*prefixes[rank], *command], stdin=subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                                         start_new_session=True, preexec_fn=_pdeathsig)
                 threads = [threading.Thread(target=_pump, args=(stream, rank, sink, lock), daemon=True)

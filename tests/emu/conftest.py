@@ -6,6 +6,7 @@ hosts: :func:`mlfabric.emu.goodput.run_flows`).
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -46,16 +47,31 @@ def our_leftovers() -> list[str]:
     return [name for name in names if _OURS.match(name)]
 
 
+def _not_someone_elses(names: list[str]) -> list[str]:
+    """``names`` less those of runs another live process owns: other test sessions or users
+    may build clusters on this machine meanwhile, and they are neither leaks nor ours to remove."""
+    from mlfabric.emu.cluster import list_runs
+
+    runs = list_runs()
+
+    def others(name: str) -> bool:
+        entry = runs.get(name[:6])
+        return bool(entry and entry["alive"] and entry["pid"] != os.getpid())
+
+    return [name for name in names if not others(name)]
+
+
 @pytest.fixture
 def no_leaks():
     """Fails the test if it leaves namespaces or links behind (and removes them anyway)."""
     before = set(our_leftovers())
     yield
-    left = [name for name in our_leftovers() if name not in before]
+    left = _not_someone_elses([name for name in our_leftovers() if name not in before])
     if left:
         from mlfabric.emu.cluster import cleanup
 
-        cleanup(force=True)
+        for prefix in sorted({name[:6] for name in left}):  # only these runs, never all of them
+            cleanup(force=True, prefix=prefix)
         pytest.fail(f"the test left these behind (now removed): {left}")
 
 

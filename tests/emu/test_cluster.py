@@ -159,8 +159,10 @@ def test_cleanup_removes_orphans_but_not_live_clusters(no_leaks):
     orphan = Cluster.create(plan_cluster("star:n=2", 100e6, prefix=new_prefix()))
     orphan._state_file().write_text('{"pid": 999999999}')  # its owner is gone
     try:
-        removed = cleanup()
+        # Each run by its prefix: other runs on this machine (other users' tests) are not ours.
+        removed = cleanup(prefix=orphan.plan.prefix)
         assert sorted(removed) == sorted(orphan.plan.namespaces())
+        assert cleanup(prefix=live.plan.prefix) == []
         assert set(live.plan.namespaces()) <= set(our_leftovers())
     finally:
         live.teardown()

@@ -46,6 +46,26 @@ def test_fallback_runs_local_processes_with_a_warning(tmp_path):
     assert lines == ["[rank 0] 0 2 127.0.0.1 0=127.0.0.1", "[rank 1] 1 2 127.0.0.1 0=127.0.0.1"]
 
 
+#: A PATH without this environment's bin: what `sudo` (secure_path) or a shell without the
+#: venv activated gives; its `python` (if any) has no torch (#39 item 2).
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: A rank that needs this environment: torch and mlfabric, then where it runs and as what.
+IMPORTS_TORCH = ("import os, socket, sys, torch, mlfabric; "
+                 "print(os.environ['RANK'], sys.executable, socket.gethostname(), os.environ['PATH'].split(':')[0])")
+
+
+def test_fallback_runs_a_bare_python_as_the_launchers_interpreter():
+    out, err = io.StringIO(), io.StringIO()
+    code = launch(LaunchSpec(command=("python", "-c", IMPORTS_TORCH), hosts=2, emulate="never",
+                             env={"PATH": SYSTEM_PATH}), out=out, err=err)
+    assert code == 0, out.getvalue() + err.getvalue()
+    assert f"running `python` as {PY} (this launcher's interpreter" in err.getvalue()
+    bin_dir = os.path.dirname(PY)
+    assert f"the ranks' PATH starts with {bin_dir}" in err.getvalue()
+    lines = sorted(out.getvalue().splitlines())
+    assert [line.split()[2:4] + [line.split()[-1]] for line in lines] == [["0", PY, bin_dir], ["1", PY, bin_dir]]
+
+
 def test_fallback_env_paces_every_nic():
     from mlfabric.emu.launcher import fallback_env
     from mlfabric.topo.spec import TopologySpec
@@ -117,7 +137,7 @@ def test_run_directory_is_kept_when_asked(no_leaks, tmp_path):
 def test_run_directory_is_removed_when_the_cluster_cannot_be_built(no_leaks, tmp_path, monkeypatch):
     from mlfabric.emu import launcher
 
-    def refuse(plan):
+    def refuse(plan, **options):
         assert len(_run_dirs(tmp_path)) == 1  # made before the cluster
         raise RuntimeError("no bridge for you")
 
@@ -212,24 +232,77 @@ def test_signal_tears_everything_down(signum, no_leaks, tmp_path):
 
 
 @needs_root
-def test_sigkill_then_cleanup_leaves_nothing(no_leaks):
+def test_sigkill_then_cleanup_leaves_nothing(no_leaks, tmp_path):
+    from mlfabric.emu.cluster import ETC_NETNS
+
     before = set(our_leftovers())
     proc = _start_launcher(["--churn", "N1", "--period", "0.2s"])
+    try:
+        _wait_up(proc, 2)
+        [run_dir] = _run_dirs(tmp_path)
+        assert sorted(p.name for p in run_dir.iterdir()) == ["cluster.json", "trace.csv"]
+        proc.kill()
+        proc.wait(timeout=10)
+    finally:
+        _, stderr = proc.communicate()
+    prefix = re.search(r"cluster (mf[0-9a-f]{4}):", stderr).group(1)
+    leftover = set(our_leftovers()) - before
+    assert leftover, "a kill -9 cannot tear down; there must be something for cleanup to do"
+    hosts_files = sorted(p.name for p in ETC_NETNS.glob(f"{prefix}-*"))
+    assert hosts_files == [f"{prefix}-h0", f"{prefix}-h1"]  # left by the kill too
+    deadline = time.monotonic() + 5
+    while _rank_pids() and time.monotonic() < deadline:  # PR_SET_PDEATHSIG kills the ranks
+        time.sleep(0.05)
+    assert not _rank_pids()
+    removed = cleanup(prefix=prefix)  # only this run: other runs on the machine are not ours
+    assert leftover <= set(removed)
+    assert not set(our_leftovers()) - before
+    # The run directory (cluster.json, the churn trace) and the hosts files went too (#39 item 2).
+    assert str(run_dir) in removed and _run_dirs(tmp_path) == []
+    assert list(ETC_NETNS.glob(f"{prefix}-*")) == []
+
+
+@needs_root
+def test_cleanup_keeps_a_kept_run_directory(no_leaks, tmp_path):
+    """Only the temporary run directory is removed after a kill: --keep-run-dir's stays."""
+    proc = _start_launcher(["--keep-run-dir"])
     try:
         _wait_up(proc, 2)
         proc.kill()
         proc.wait(timeout=10)
     finally:
-        proc.communicate()
-    leftover = set(our_leftovers()) - before
-    assert leftover, "a kill -9 cannot tear down; there must be something for cleanup to do"
-    deadline = time.monotonic() + 5
-    while _rank_pids() and time.monotonic() < deadline:  # PR_SET_PDEATHSIG kills the ranks
-        time.sleep(0.05)
-    assert not _rank_pids()
-    removed = cleanup()
-    assert leftover <= set(removed)
-    assert not set(our_leftovers()) - before
+        _, stderr = proc.communicate()
+    prefix = re.search(r"cluster (mf[0-9a-f]{4}):", stderr).group(1)
+    [kept] = _run_dirs(tmp_path)
+    removed = cleanup(prefix=prefix)
+    assert f"{prefix}-h0" in removed and str(kept) not in removed
+    assert (kept / "cluster.json").is_file()
+
+
+@needs_root
+def test_bare_python_without_the_venv_on_path_runs_on_named_hosts(no_leaks):
+    """`mlfabric launch -- python ...` with a PATH that lacks the venv: the ranks import torch
+    and mlfabric (the launcher's interpreter), run under their host's name, resolve every
+    host, and torch's store names its clients without the c10d hostname warning (#39 item 2)."""
+    from pathlib import Path
+
+    script = IMPORTS_TORCH + ("; import torch.distributed as dist; dist.init_process_group('gloo'); "
+                              "print('resolved', socket.gethostbyname('h1'), socket.gethostbyname(socket.gethostname()), "
+                              "flush=True); dist.barrier(); dist.destroy_process_group()")
+    cli = Path(sys.executable).with_name("mlfabric")
+    env = {**os.environ, "PATH": SYSTEM_PATH}
+    out = subprocess.run([str(cli), "launch", "--hosts", "2", "--rate", "100mbit", "--", "python", "-c", script],
+                         capture_output=True, text=True, timeout=180, env=env)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    prefix = re.search(r"cluster (mf[0-9a-f]{4}):", out.stderr).group(1)
+    bin_dir = os.path.dirname(sys.executable)
+    for rank in (0, 1):
+        assert f"[rank {rank}] {rank} {sys.executable} {prefix}-h{rank} {bin_dir}" in out.stdout, text[-3000:]
+        assert f"[rank {rank}] resolved 10.0.0.2 10.0.0.{rank + 1}" in out.stdout, text[-3000:]
+    assert "hostname of the client socket cannot be retrieved" not in text
+    assert f"running `python` as {sys.executable}" in out.stderr
+    assert not [p for p in Path("/etc/netns").glob(f"{prefix}-*")]  # the hosts files are gone
 
 
 @needs_root

@@ -117,3 +117,5 @@ def test_torch_backend_example_trains_as_on_gloo() -> None:
     assert ours[1] == "mlfabric" and gloo[1] == "gloo"
     assert float(ours[3]) < 0.75 * float(ours[2])  # it learns (0.74 -> 0.46 in a quiet run)
     assert ours.groups()[1:] == gloo.groups()[1:]  # same losses and parameters, to the printed digits
+    for stdout in lines.values():  # and both ranks end with exactly the same parameters
+        assert "; replicas identical: True" in stdout, stdout

@@ -30,7 +30,9 @@ def test_rank_env_of_a_bcube_host():
     assert len(envs) == 9 and envs[4] == plan.rank_env(4)
     assert [env["MLFABRIC_EMU_NETNS"] for env in envs] == [f"mfabcd-h{h}" for h in range(9)]
     prefixes = plan.command_prefixes()
-    assert prefixes[4][-3:] == ["netns", "exec", "mfabcd-h4"] and prefixes[4][0].endswith("ip")
+    # ip netns exec <host's namespace>, then the host's own hostname (unshare --uts, #39 item 2).
+    assert prefixes[4][1:4] == ["netns", "exec", "mfabcd-h4"] and prefixes[4][0].endswith("ip")
+    assert prefixes[4][4].endswith("unshare") and prefixes[4][5] == "--uts" and prefixes[4][-1] == "mfabcd-h4"
     with pytest.raises(ValueError, match="rank 9 has no host"):
         plan.rank_env(9)
 
