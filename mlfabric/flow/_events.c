@@ -33,7 +33,7 @@
 enum { STOP_TOP, STOP_REFRESHED, STOP_POPPED, STOP_READY, STOP_PAUSE };
 
 
-#define MAX_VIEWS 40
+#define MAX_VIEWS 64
 
 typedef struct {
     Py_buffer view[MAX_VIEWS];
@@ -102,6 +102,213 @@ static int sort_order(int64_t *order, double *order_rates, Ranked *pairs, Py_ssi
     return 0;
 }
 
+
+/* The task mode's view of the graph and the engine (Engine._tasks_compiled): what it needs to
+ * start the flows of ready transfers itself (their routes, computed up front), queue them on
+ * FIFO connections, and complete zero-time tasks. */
+typedef struct {
+    const int8_t *kind;
+    const int64_t *connection;
+    const double *size_bytes, *duration_s;
+    const int64_t *route_of, *route_ptr, *route_links;
+    const double *route_weights;
+    Py_ssize_t n_routes, n_route_entries;
+    uint8_t *conn_busy;
+    int64_t *queue_head, *queue_tail, *queue_next;
+    Py_ssize_t n_conn;
+    double *start_s, *link_bytes;
+    /* Where new flows go: the network's slots and entries, the flow class's record. */
+    int64_t *start, *length, *links;
+    double *weights, *cap, *rate, *weight_sum;
+    int32_t *packed;
+    char *solved, *alive, *in_candidates;
+    int64_t *task;
+    double *record;
+    Py_ssize_t slot_capacity, entry_capacity, slots, entries;
+    /* Free slots: pool[0:n_pool] (at entry), then the ids freed in this call, in that order. */
+    const int64_t *pool, *freed;
+    Py_ssize_t n_pool, used;
+    int unit;
+    Py_ssize_t flows;
+} Tasks;
+
+/* A free slot for a new flow (the oldest freed first, as FlowNetwork.add_flows), or -1. */
+static int64_t take_slot(Tasks *t, Py_ssize_t n_freed) {
+    if (t->used < t->n_pool) return t->pool[t->used++];
+    if (t->used < t->n_pool + n_freed) return t->freed[t->used++ - t->n_pool];
+    if (t->slots < t->slot_capacity) return t->slots++;
+    return -1;
+}
+
+/* Room for n new flows of the given tasks (slots and entries)? */
+static int room_for(const Tasks *t, const int64_t *tasks, Py_ssize_t n, Py_ssize_t n_freed) {
+    Py_ssize_t entries = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t r = t->route_of[tasks[i]];
+        entries += t->route_ptr[r + 1] - t->route_ptr[r];
+    }
+    Py_ssize_t free_slots = (t->n_pool + n_freed - t->used) + (t->slot_capacity - t->slots);
+    return n <= free_slots && t->entries + entries <= t->entry_capacity;
+}
+
+/* Engine._start_flows + FlowNetwork.add_flows + _FlowClass.add for n transfers (room checked):
+ * the new flow ids go to new_ids[*n_new...]. */
+static void start_flows(Tasks *t, const int64_t *tasks, Py_ssize_t n, Py_ssize_t n_freed, double now,
+                        int64_t *new_ids, Py_ssize_t *n_new, Py_ssize_t *n_alive) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t task = tasks[i], r = t->route_of[task];
+        int64_t id = take_slot(t, n_freed);
+        int64_t first = t->route_ptr[r], len = t->route_ptr[r + 1] - first;
+        double size = t->size_bytes[task];
+        t->start[id] = t->entries;
+        t->length[id] = len;
+        int32_t *row = t->packed + id * PACKED;
+        row[0] = len < PACKED ? (int32_t)len : -1;
+        for (int64_t e = 0; e < len; e++) {
+            int64_t link = t->route_links[first + e];
+            double w = t->route_weights[first + e];
+            t->links[t->entries + e] = link;
+            t->weights[t->entries + e] = w;
+            if (w != 1.0) t->unit = 0;
+            if (len < PACKED) row[1 + e] = (int32_t)link;
+            t->weight_sum[link] += w;
+            t->link_bytes[link] += size * w;
+        }
+        t->entries += len;
+        t->cap[id] = INFINITY;
+        t->rate[id] = NAN;
+        t->alive[id] = 1;
+        t->solved[id] = 0;
+        t->task[id] = task;
+        double *rec = t->record + id * REC_WIDTH;
+        rec[REC_REMAINING] = size * 8.0;
+        rec[REC_RATE] = 0.0;
+        rec[REC_STAMP] = now;
+        rec[REC_FINISH] = INFINITY;
+        new_ids[(*n_new)++] = id;
+    }
+    *n_alive += n;
+    t->flows += n;
+}
+
+static inline int64_t t_connection(const Tasks *t, int64_t task) { return t->connection[task]; }
+
+static int pair_compare(const void *a, const void *b) {
+    const int64_t *x = a, *y = b;
+    if (x[0] != y[0]) return x[0] < y[0] ? -1 : 1;
+    return (x[1] > y[1]) - (x[1] < y[1]);
+}
+
+/* Engine._activate for a batch of ready tasks (sorted), when every one is a zero-time delay, a
+ * transfer that completes at once, or a routed transfer, and there is room for the flows: 1,
+ * with the tasks completing now in immediate[*n_immediate]; 0 (nothing changed) otherwise. */
+static int activate(Tasks *t, const int64_t *ready, Py_ssize_t n, Py_ssize_t n_freed, double now, int64_t *immediate,
+                    Py_ssize_t *n_immediate, int64_t *scratch, int64_t *pairs, int64_t *new_ids, Py_ssize_t *n_new,
+                    Py_ssize_t *n_alive) {
+    Py_ssize_t n_net = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t task = ready[i];
+        if (t->kind[task] != 0) { /* a delay */
+            if (t->duration_s[task] > 0) return 0;
+        } else if (t->route_of[task] == -2) {
+            return 0;
+        } else if (t->route_of[task] >= 0) {
+            scratch[n_net++] = task;
+        }
+    }
+    if (!room_for(t, scratch, n_net, n_freed)) return 0;
+    *n_immediate = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t task = ready[i];
+        t->start_s[task] = now;
+        if (t->kind[task] != 0 || t->route_of[task] == -1) immediate[(*n_immediate)++] = task;
+    }
+    /* Engine._admit: transfers on no connection first, then the first of each idle connection
+     * (by connection), the others queued behind it in task order. */
+    Py_ssize_t n_start = 0, n_pairs = 0;
+    for (Py_ssize_t i = 0; i < n_net; i++) {
+        int64_t task = scratch[i], key = t_connection(t, task);
+        if (key < 0) {
+            scratch[n_start++] = task;
+        } else if (t->conn_busy[key]) {
+            t->queue_next[task] = -1;
+            if (t->queue_tail[key] >= 0)
+                t->queue_next[t->queue_tail[key]] = task;
+            else
+                t->queue_head[key] = task;
+            t->queue_tail[key] = task;
+        } else {
+            t->conn_busy[key] = 1;
+            pairs[2 * n_pairs] = key;
+            pairs[2 * n_pairs + 1] = task;
+            n_pairs++;
+        }
+    }
+    if (n_pairs > 1) qsort(pairs, n_pairs, 2 * sizeof(int64_t), pair_compare);
+    for (Py_ssize_t i = 0; i < n_pairs; i++) scratch[n_start++] = pairs[2 * i + 1];
+    start_flows(t, scratch, n_start, n_freed, now, new_ids, n_new, n_alive);
+    return 1;
+}
+
+
+static int id_compare(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* The graph's dependency arrays and the engine's countdown state (Engine._complete). */
+typedef struct {
+    const int64_t *dep_ptr, *dep_dst;
+    const char *dep_any;
+    Py_ssize_t n_tasks, n_edges;
+    int64_t *need;
+    char *any_wait;
+    int8_t *state;
+    double *finish_s;
+} Deps;
+
+/* Engine._complete: the tasks are done now; their dependents made ready go to ready (sorted).
+ * Returns how many, or -1 with ValueError on a corrupt graph. */
+static Py_ssize_t complete_tasks(Deps *d, const int64_t *tasks, Py_ssize_t n, double now, int64_t *ready) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t t = tasks[i];
+        d->state[t] = 2; /* engine._DONE */
+        d->finish_s[t] = now;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t t = tasks[i];
+        if (d->dep_ptr[t] < 0 || d->dep_ptr[t + 1] > d->n_edges) {
+            PyErr_Format(PyExc_ValueError, "_fill.run_events: task %lld's edges are out of range", (long long)t);
+            return -1;
+        }
+        for (int64_t e = d->dep_ptr[t]; e < d->dep_ptr[t + 1]; e++) {
+            int64_t after = d->dep_dst[e];
+            if (after < 0 || after >= d->n_tasks) {
+                PyErr_Format(PyExc_ValueError, "_fill.run_events: edge %lld leads to task %lld, not in the graph",
+                             (long long)e, (long long)after);
+                return -1;
+            }
+            if (d->dep_any[e])
+                d->any_wait[after] = 0;
+            else
+                d->need[after] -= 1;
+        }
+    }
+    Py_ssize_t n_ready = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t t = tasks[i];
+        for (int64_t e = d->dep_ptr[t]; e < d->dep_ptr[t + 1]; e++) {
+            int64_t after = d->dep_dst[e];
+            if (d->state[after] == 0 && d->need[after] == 0 && !d->any_wait[after]) {
+                d->state[after] = 1; /* engine._ACTIVE */
+                ready[n_ready++] = after;
+            }
+        }
+    }
+    if (n_ready > 1) qsort(ready, n_ready, sizeof(int64_t), id_compare);
+    return n_ready;
+}
+
 /* run_events(network, flow_class, engine, cand_buf, freed, out_tasks, t_timer, max_events, budget)
  *     -> (stop, events run, partial updates, "none" updates, freed ids, tasks out, candidates)
  *
@@ -116,12 +323,18 @@ static int sort_order(int64_t *order, double *order_rates, Ranked *pairs, Py_ssi
 PyObject *run_events(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *network, *flow_class, *engine, *graph = NULL, *config = NULL;
-    Py_buffer b_cand, b_freed, b_out;
+    Py_buffer b_cand, b_freed, b_out, b_pool, b_pending;
     double t_timer;
     Py_ssize_t max_events, budget;
-    if (!PyArg_ParseTuple(args, "OOOw*w*w*dnn", &network, &flow_class, &engine, &b_cand, &b_freed, &b_out, &t_timer,
-                          &max_events, &budget))
+    if (!PyArg_ParseTuple(args, "OOOw*w*w*dnny*w*", &network, &flow_class, &engine, &b_cand, &b_freed, &b_out, &t_timer,
+                          &max_events, &budget, &b_pool, &b_pending))
         return NULL;
+    int64_t *scratch = NULL, *pairbuf = NULL, *immediate = NULL, *new_ids = NULL, *rbuf = NULL;
+    char *mark = NULL;
+    Tasks T;
+    memset(&T, 0, sizeof(T));
+    int tasks_mode = 0;
+    Py_ssize_t n_new = 0, n_full = 0;
     PyObject *result = NULL;
     Views v = {.n = 0};
     int64_t *changed = NULL, *near = NULL;
@@ -206,6 +419,91 @@ PyObject *run_events(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "_fill.run_events: the flow class or the graph is inconsistent");
         goto done;
     }
+    {
+        PyObject *flag = PyObject_GetAttrString(engine, "_tasks_compiled");
+        if (!flag) goto done;
+        tasks_mode = PyObject_IsTrue(flag);
+        Py_DECREF(flag);
+        if (tasks_mode < 0) goto done;
+    }
+    if (tasks_mode) {
+        double slots_d, flows_d;
+        Py_ssize_t n_route_ptr, n_conn_q;
+        T.kind = array_attr(&v, graph, "kind", 1, n_tasks, 0, NULL);
+        T.connection = connection;
+        T.size_bytes = T.kind ? array_attr(&v, graph, "size_bytes", 8, n_tasks, 0, NULL) : NULL;
+        T.duration_s = T.size_bytes ? array_attr(&v, graph, "duration_s", 8, n_tasks, 0, NULL) : NULL;
+        T.route_of = T.duration_s ? array_attr(&v, engine, "_route_of", 8, n_tasks, 0, NULL) : NULL;
+        T.route_ptr = T.route_of ? array_attr(&v, engine, "_route_ptr", 8, 1, 0, &n_route_ptr) : NULL;
+        T.route_links = T.route_ptr ? array_attr(&v, engine, "_route_links", 8, 0, 0, &T.n_route_entries) : NULL;
+        T.route_weights = T.route_links ? array_attr(&v, engine, "_route_weights", 8, T.n_route_entries, 0, NULL) : NULL;
+        T.conn_busy = T.route_weights ? array_attr(&v, engine, "_connection_busy", 1, 0, 1, &T.n_conn) : NULL;
+        T.queue_head = T.conn_busy ? array_attr(&v, engine, "_queue_head", 8, T.n_conn, 1, &n_conn_q) : NULL;
+        T.queue_tail = T.queue_head ? array_attr(&v, engine, "_queue_tail", 8, T.n_conn, 1, NULL) : NULL;
+        T.queue_next = T.queue_tail ? array_attr(&v, engine, "_queue_next", 8, n_tasks, 1, NULL) : NULL;
+        T.start_s = T.queue_next ? array_attr(&v, engine, "start_s", 8, n_tasks, 1, NULL) : NULL;
+        T.link_bytes = T.start_s ? array_attr(&v, engine, "link_bytes", 8, n_links, 1, NULL) : NULL;
+        if (!T.link_bytes) goto done;
+        T.n_routes = n_route_ptr - 1;
+        if (T.route_ptr[T.n_routes] > T.n_route_entries) {
+            PyErr_SetString(PyExc_ValueError, "_fill.run_events: the routes are inconsistent");
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < T.n_route_entries; i++)
+            if (T.route_links[i] < 0 || T.route_links[i] >= n_links) {
+                PyErr_SetString(PyExc_ValueError, "_fill.run_events: a route crosses a link out of range");
+                goto done;
+            }
+        for (Py_ssize_t i = 0; i < n_tasks; i++)
+            if (T.route_of[i] >= T.n_routes || (connection[i] >= T.n_conn)) {
+                PyErr_SetString(PyExc_ValueError, "_fill.run_events: a task's route or connection is out of range");
+                goto done;
+            }
+        /* The same arrays FlowNetwork.add_flows writes (checked above for their sizes). */
+        T.start = (int64_t *)net.s.start;
+        T.length = (int64_t *)net.s.length;
+        T.links = (int64_t *)net.s.links;
+        T.weights = (double *)net.s.weights;
+        T.packed = (int32_t *)net.s.packed;
+        T.cap = (double *)net.cap;
+        T.rate = net.rate;
+        T.solved = net.solved;
+        T.alive = (char *)net.alive;
+        T.weight_sum = weight_sum;
+        T.in_candidates = in_candidates;
+        T.task = task;
+        T.record = record;
+        T.slot_capacity = slots;
+        T.entry_capacity = n_entries;
+        if (number_attr(network, "_slots", &slots_d) || number_attr(engine, "flows", &flows_d)) goto done;
+        T.slots = (Py_ssize_t)slots_d;
+        T.entries = entries;
+        T.flows = (Py_ssize_t)flows_d;
+        T.unit = net.s.unit;
+        T.pool = b_pool.buf;
+        T.n_pool = b_pool.len / 8;
+        T.freed = b_freed.buf;
+        if (T.slots > slots || b_pending.len / 8 < slots) {
+            PyErr_SetString(PyExc_ValueError, "_fill.run_events: the network's slots are inconsistent");
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < T.n_pool; i++)
+            if (T.pool[i] < 0 || T.pool[i] >= T.slots || net.alive[T.pool[i]]) {
+                PyErr_SetString(PyExc_ValueError, "_fill.run_events: a free slot is in use");
+                goto done;
+            }
+        scratch = malloc((n_tasks + 1) * sizeof(int64_t));
+        pairbuf = malloc((2 * n_tasks + 2) * sizeof(int64_t));
+        immediate = malloc((n_tasks + 1) * sizeof(int64_t));
+        new_ids = malloc((slots + 1) * sizeof(int64_t));
+        rbuf = malloc((order_cap + slots + 1) * sizeof(int64_t));
+        mark = calloc(slots + 1, 1);
+        if (!scratch || !pairbuf || !immediate || !new_ids || !rbuf || !mark) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    Deps deps = {dep_ptr, dep_dst, dep_any, n_tasks, n_edges, need, any_wait, state, finish_s};
     double now, events_d, done_d, horizon, rtol;
     if (number_attr(engine, "now", &now) || number_attr(engine, "events", &events_d) ||
         number_attr(engine, "done", &done_d) || number_attr(flow_class, "horizon", &horizon) ||
@@ -213,6 +511,7 @@ PyObject *run_events(PyObject *self, PyObject *args) {
         goto done;
     Py_ssize_t events = (Py_ssize_t)events_d, n_done_tasks = (Py_ssize_t)done_d;
     int64_t *cand = b_cand.buf, *freed = b_freed.buf, *out_tasks = b_out.buf;
+    const Py_ssize_t freed_cap = b_freed.len / 8;
     Py_ssize_t n_cand, n_freed = 0, n_out = 0;
     PyObject *n_cand_obj = PyObject_GetAttrString(flow_class, "candidates");
     if (!n_cand_obj) goto done;
@@ -242,12 +541,104 @@ PyObject *run_events(PyObject *self, PyObject *args) {
         /* The re-solve (FlowNetwork.update, partial path with no new flows) and the new finish
          * times (_FlowClass.refresh). */
         if (!can_refresh) break;
-        if (run >= budget) {
+        if (run >= budget && !n_new) {
             stop = STOP_PAUSE;
             break;
         }
         Py_ssize_t n_changed = 0;
-        if (dirty) {
+        if (n_new) {
+            /* FlowNetwork.update with new flows (started by this loop). Below c_l / W_l no link
+             * of a new flow can fill, so nothing else changes there. */
+            for (Py_ssize_t i = 0; i < n_new; i++) {
+                int64_t f = new_ids[i];
+                for (int64_t e = net.s.start[f]; e < net.s.start[f] + net.s.length[f]; e++) {
+                    int64_t link = net.s.links[e];
+                    double w = weight_sum[link];
+                    if (w > 0 && net.capacity[link] / w < divergence) divergence = net.capacity[link] / w;
+                }
+            }
+            Py_ssize_t split =
+                divergence < INFINITY ? lower_bound(order_rates, 0, order_n, divergence * (1.0 - keep_margin)) : order_n;
+            Py_ssize_t n_suffix = order_n - split, n_resolve, n_filter;
+            double full_above = full_solve_fraction * (double)n_alive;
+            int reach_only = reach_d != 0 && (double)n_new <= fmin(64.0, 0.01 * (double)n_alive) && !capacity_changed;
+            int full = 0;
+            if ((double)(n_suffix + n_new) <= full_above || reach_only) {
+                memcpy(rbuf, order + split, n_suffix * sizeof(int64_t));
+                memcpy(rbuf + n_suffix, new_ids, n_new * sizeof(int64_t));
+                n_resolve = n_suffix + n_new;
+                n_filter = n_suffix;
+            } else {
+                /* The live solved flows of the suffix, each once (the last of repeats, as
+                 * FlowNetwork._distinct keeps), then the new ones. */
+                Py_ssize_t m = 0;
+                for (Py_ssize_t i = order_n - 1; i >= split; i--) {
+                    int64_t f = order[i];
+                    if (f >= 0 && f < slots && net.alive[f] && net.solved[f] && !mark[f]) {
+                        mark[f] = 1;
+                        rbuf[m++] = f;
+                    }
+                }
+                for (Py_ssize_t i = 0; i < m; i++) mark[rbuf[i]] = 0;
+                for (Py_ssize_t i = 0; i < m / 2; i++) {
+                    int64_t x = rbuf[i];
+                    rbuf[i] = rbuf[m - 1 - i];
+                    rbuf[m - 1 - i] = x;
+                }
+                memcpy(rbuf + m, new_ids, n_new * sizeof(int64_t));
+                m += n_new;
+                full = (double)m > full_above;
+                if (full) {
+                    m = 0;
+                    for (Py_ssize_t f = 0; f < T.slots; f++)
+                        if (net.alive[f]) rbuf[m++] = f;
+                    split = 0;
+                }
+                n_resolve = m;
+                n_filter = 0;
+            }
+            if (split + n_resolve > order_cap) {
+                PyErr_SetString(PyExc_RuntimeError, "_fill.run_events: the rate order is too small (engine bug)");
+                goto done;
+            }
+            Resolve r = {rbuf, n_resolve, order_rates + split, n_filter, order + split, order_rates + split, changed,
+                         changed_rates, full, 0, reach_d != 0 && !full, 1.0 + tie_rtol};
+            if (fill_resolve(&net, &r) < 0) goto done;
+            order_n = split + r.n_out;
+            n_changed = r.n_changed;
+            if (0 < split && split < order_n && order_rates[split] < order_rates[split - 1]) {
+                pairs = realloc(pairs, (order_n + 1) * sizeof(Ranked));
+                if (!pairs) {
+                    PyErr_NoMemory();
+                    goto done;
+                }
+                for (Py_ssize_t i = 0; i < order_n; i++) pairs[i] = (Ranked){order_rates[i], i};
+                if (sort_order(order, order_rates, pairs, order_n, 1) < 0) goto done;
+            }
+            if (full)
+                n_full++;
+            else if (r.n_resolved)
+                n_partial++;
+            else
+                n_none++;
+            n_new = 0;
+            if (order_n > 2 * n_alive + 1024) {
+                pairs = realloc(pairs, (slots + 1) * sizeof(Ranked));
+                if (!pairs) {
+                    PyErr_NoMemory();
+                    goto done;
+                }
+                Py_ssize_t n = 0;
+                for (Py_ssize_t f = 0; f < slots; f++)
+                    if (net.alive[f] && net.solved[f]) pairs[n++] = (Ranked){net.rate[f], f};
+                if (sort_order(order, order_rates, pairs, n, 0) < 0) goto done;
+                order_n = n;
+            }
+            divergence = INFINITY;
+            memset(net.perturbed, 0, n_links);
+            dirty = 0;
+            capacity_changed = 0;
+        } else if (dirty) {
             Py_ssize_t split =
                 divergence < INFINITY ? lower_bound(order_rates, 0, order_n, divergence * (1.0 - keep_margin)) : order_n;
             Py_ssize_t n_resolve = order_n - split;
@@ -312,6 +703,8 @@ PyObject *run_events(PyObject *self, PyObject *args) {
         double at = now > first ? now : first;
         double threshold = at + rtol * fabs(at);
         if (threshold > horizon || t_timer <= threshold) break;
+        /* The ids freed in this call must fit their buffer (flows come and go in task mode). */
+        if (n_freed + n_cand > freed_cap) break;
 
         /* The event: take the finished flows (_FlowClass.pop_finished) and remove them. */
         events++;
@@ -341,60 +734,57 @@ PyObject *run_events(PyObject *self, PyObject *args) {
         dirty = 1;
         run++;
         if (on_connection) {
-            stop = STOP_POPPED;
-            break;
+            /* Engine._release: the next transfer queued on each freed connection starts. */
+            Py_ssize_t n_follow = 0;
+            if (tasks_mode)
+                for (Py_ssize_t i = 0; i < n_out; i++) {
+                    int64_t key = connection[out_tasks[i]];
+                    if (key >= 0 && T.queue_head[key] >= 0) scratch[n_follow++] = T.queue_head[key];
+                }
+            if (!tasks_mode || !room_for(&T, scratch, n_follow, n_freed)) {
+                stop = STOP_POPPED;
+                break;
+            }
+            for (Py_ssize_t i = 0; i < n_out; i++) {
+                int64_t key = connection[out_tasks[i]];
+                if (key < 0) continue;
+                int64_t head = T.queue_head[key];
+                if (head >= 0) {
+                    T.queue_head[key] = T.queue_next[head];
+                    if (T.queue_head[key] < 0) T.queue_tail[key] = -1;
+                } else {
+                    T.conn_busy[key] = 0;
+                }
+            }
+            start_flows(&T, scratch, n_follow, n_freed, now, new_ids, &n_new, &n_alive);
         }
 
         /* Complete the transfers and release their dependents (Engine._complete). */
-        Py_ssize_t n_ready = 0;
-        for (Py_ssize_t i = 0; i < n_out; i++) {
-            int64_t t = out_tasks[i];
-            state[t] = 2; /* engine._DONE */
-            finish_s[t] = now;
-        }
         n_done_tasks += n_out;
-        for (Py_ssize_t i = 0; i < n_out; i++) {
-            int64_t t = out_tasks[i];
-            if (dep_ptr[t] < 0 || dep_ptr[t + 1] > n_edges) {
-                PyErr_Format(PyExc_ValueError, "_fill.run_events: task %lld's edges are out of range", (long long)t);
-                goto done;
-            }
-            for (int64_t e = dep_ptr[t]; e < dep_ptr[t + 1]; e++) {
-                int64_t after = dep_dst[e];
-                if (after < 0 || after >= n_tasks) {
-                    PyErr_Format(PyExc_ValueError, "_fill.run_events: edge %lld leads to task %lld, not in the graph",
-                                 (long long)e, (long long)after);
-                    goto done;
-                }
-                if (dep_any[e])
-                    any_wait[after] = 0;
-                else
-                    need[after] -= 1;
-            }
-        }
-        for (Py_ssize_t i = 0; i < n_out; i++) {
-            int64_t t = out_tasks[i];
-            for (int64_t e = dep_ptr[t]; e < dep_ptr[t + 1]; e++) {
-                int64_t after = dep_dst[e];
-                if (state[after] == 0 && need[after] == 0 && !any_wait[after]) {
-                    state[after] = 1; /* engine._ACTIVE */
-                    near[n_ready++] = after;
-                }
-            }
-        }
+        Py_ssize_t n_ready = complete_tasks(&deps, out_tasks, n_out, now, near);
+        if (n_ready < 0) goto done;
         stop = STOP_TOP;
         if (n_ready) {
-            pairs = realloc(pairs, (n_ready + 1) * sizeof(Ranked));
-            if (!pairs) {
-                PyErr_NoMemory();
-                goto done;
-            }
-            for (Py_ssize_t i = 0; i < n_ready; i++) pairs[i] = (Ranked){0.0, near[i]};
-            qsort(pairs, n_ready, sizeof(Ranked), ranked_compare);
-            for (Py_ssize_t i = 0; i < n_ready; i++) out_tasks[i] = pairs[i].id;
+            memcpy(out_tasks, near, n_ready * sizeof(int64_t));
             n_out = n_ready;
             stop = STOP_READY;
-            break;
+            if (!tasks_mode) break;
+            /* Engine._settle: run what can run now, until a batch needs Python (a timer, a
+             * transfer without a route, no room for its flows). */
+            int handed = 0;
+            while (n_out) {
+                Py_ssize_t n_imm = 0;
+                if (!activate(&T, out_tasks, n_out, n_freed, now, immediate, &n_imm, scratch, pairbuf, new_ids, &n_new,
+                              &n_alive)) {
+                    handed = 1;
+                    break;
+                }
+                n_done_tasks += n_imm;
+                n_out = n_imm ? complete_tasks(&deps, immediate, n_imm, now, out_tasks) : 0;
+                if (n_out < 0) goto done;
+            }
+            if (handed) break;
+            stop = STOP_TOP;
         }
         n_out = 0;
         if (n_done_tasks >= n_tasks) { /* the graph is done: Python ends the run */
@@ -402,7 +792,7 @@ PyObject *run_events(PyObject *self, PyObject *args) {
             break;
         }
         /* FlowNetwork.adopt_removed compacts the entry array (the layout only: results do not change). */
-        if ((double)dead_entries > fmax((double)(entries / 2), compact_min_dead)) {
+        if ((double)dead_entries > fmax((double)((tasks_mode ? T.entries : entries) / 2), compact_min_dead)) {
             stop = STOP_PAUSE;
             break;
         }
@@ -418,18 +808,35 @@ PyObject *run_events(PyObject *self, PyObject *args) {
         set_attr(engine, "done", PyLong_FromSsize_t(n_done_tasks)) ||
         set_attr(flow_class, "horizon", PyFloat_FromDouble(horizon)))
         goto done;
-    result = Py_BuildValue("innnnnn", stop, run, n_partial, n_none, n_freed, n_out, n_cand);
+    if (tasks_mode) {
+        memcpy(b_pending.buf, new_ids, n_new * sizeof(int64_t));
+        if (set_attr(network, "_slots", PyLong_FromSsize_t(T.slots)) ||
+            set_attr(network, "_entries", PyLong_FromSsize_t(T.entries)) ||
+            set_attr(network, "_unit_weights", PyBool_FromLong(T.unit)) ||
+            set_attr(engine, "flows", PyLong_FromSsize_t(T.flows)) ||
+            (n_new && set_attr(network, "_dirty", PyBool_FromLong(1))))
+            goto done;
+    }
+    result = Py_BuildValue("innnnnnnnn", stop, run, n_partial, n_none, n_freed, n_out, n_cand, n_full, T.used, n_new);
 
 done:
     free(changed);
     free(changed_rates);
     free(near);
     free(pairs);
+    free(scratch);
+    free(pairbuf);
+    free(immediate);
+    free(new_ids);
+    free(rbuf);
+    free(mark);
     views_release(&v);
     Py_XDECREF(graph);
     Py_XDECREF(config);
     PyBuffer_Release(&b_cand);
     PyBuffer_Release(&b_freed);
     PyBuffer_Release(&b_out);
+    PyBuffer_Release(&b_pool);
+    PyBuffer_Release(&b_pending);
     return result;
 }

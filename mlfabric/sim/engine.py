@@ -132,6 +132,13 @@ class EngineConfig:
     #: per-event overhead. Used when the kernel is built, with one priority class and
     #: ``latency_s == 0``; False runs every event in Python (tests compare the two).
     compiled_loop: bool = True
+    #: With the compiled loop: it also runs the tasks that become ready (zero-time tasks
+    #: complete, transfers start their flows on routes computed once up front, FIFO
+    #: connections queue and release) and hands back to Python only for timers and for what
+    #: it has no room for (issue #37: a ring event cost ~0.7 ms of Python, now a few us).
+    #: False: the engine as it was before (every event that starts a flow runs in Python),
+    #: kept for the side-by-side benchmark and the equality tests.
+    compiled_tasks: bool = True
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
@@ -494,9 +501,14 @@ class Engine:
         self.start_s = np.full(n, math.nan)
         self.finish_s = np.full(n, math.nan)
         self.link_bytes = np.zeros(topology.n_links)
-        # FIFO connections: whether one has a flow on the wire, and the transfers queued behind it.
-        self._connection_busy = np.zeros(int(graph.connection.max(initial=-1)) + 1, dtype=bool)
-        self._connection_queue: dict[int, deque[int]] = defaultdict(deque)
+        # FIFO connections: whether one has a flow on the wire, and the transfers queued behind
+        # it (a linked list in arrays, which the compiled loop reads too: head and tail per
+        # connection, next per task; -1 = none).
+        n_connections = int(graph.connection.max(initial=-1)) + 1
+        self._connection_busy = np.zeros(n_connections, dtype=bool)
+        self._queue_head = np.full(n_connections, -1, dtype=np.int64)
+        self._queue_tail = np.full(n_connections, -1, dtype=np.int64)
+        self._queue_next = np.full(n, -1, dtype=np.int64)
         self.flows = 0
         self.events = 0
         self.done = 0
@@ -504,7 +516,54 @@ class Engine:
                           and self._classes[0]._native and hasattr(_fill, "run_events"))
         self._freed_buffer = np.zeros(0, dtype=np.int64)
         self._candidate_buffer = np.zeros(0, dtype=np.int64)
+        self._pending_buffer = np.zeros(0, dtype=np.int64)
         self._task_buffer = np.empty(n, dtype=np.int64)
+        self._tasks_compiled = self._compiled and self.config.compiled_tasks and self.config.solver == "flow"
+        if self._tasks_compiled:
+            self._route_all()
+
+    def _route_all(self) -> None:
+        """Every transfer's route, computed once (the compiled loop starts flows from them):
+        ``_route_of[task]`` indexes the rows ``_route_ptr``/``_route_links``/``_route_weights``
+        (-1: the transfer completes at once: empty, or same-host without a host link).
+
+        The transfers of one FIFO connection share one route (same hosts, NIC and ECMP key:
+        a 1,024-rank ring's 2 M messages are 1,024 routes); any other transfer gets its own.
+        The rows are what ``_route`` gives when the flows start (routing is per row)."""
+        g = self.graph
+        n = g.n_tasks
+        route_of = np.full(n, -1, dtype=np.int64)
+        network = (g.kind == TRANSFER) & (g.size_bytes > 0)
+        if self.topology.host_links is None:
+            network &= g.src != g.dst
+        tasks = np.flatnonzero(network)
+        conn = g.connection[tasks]
+        on_conn = conn >= 0
+        rep_of_conn = np.full(self._connection_busy.size, -1, dtype=np.int64)
+        # The first task of each connection represents it; the others must agree with it.
+        rep_of_conn[conn[on_conn][::-1]] = tasks[on_conn][::-1]
+        reps = rep_of_conn[conn[on_conn]]
+        same = np.ones(reps.size, dtype=bool)
+        for column in (g.src, g.dst, g.nic, g.flow_key):
+            same &= column[reps] == column[tasks[on_conn]]
+        shared = tasks[on_conn][same]
+        own = np.concatenate([tasks[~on_conn], tasks[on_conn][~same]])
+        connections = np.flatnonzero(rep_of_conn >= 0)
+        routed = np.concatenate([rep_of_conn[connections], np.sort(own)])
+        if routed.size:
+            incidence = self._route(routed)
+            self._route_ptr = incidence.indptr.astype(np.int64)
+            self._route_links = incidence.links.astype(np.int64)
+            self._route_weights = incidence.weight_array().astype(np.float64)
+        else:
+            self._route_ptr = np.zeros(1, dtype=np.int64)
+            self._route_links = np.zeros(0, dtype=np.int64)
+            self._route_weights = np.zeros(0)
+        index_of_conn = np.full(self._connection_busy.size, -1, dtype=np.int64)
+        index_of_conn[connections] = np.arange(connections.size)
+        route_of[shared] = index_of_conn[g.connection[shared]]
+        route_of[routed[connections.size:]] = connections.size + np.arange(routed.size - connections.size)
+        self._route_of = route_of
 
     # ------------------------------------------------------------------ routing
 
@@ -658,8 +717,15 @@ class Engine:
         first = np.ones(keys.size, dtype=bool)
         first[1:] = keys[1:] != keys[:-1]
         start = first & ~self._connection_busy[keys]
+        head, tail, after = self._queue_head, self._queue_tail, self._queue_next
         for task, key in zip(queued[~start].tolist(), keys[~start].tolist()):
-            self._connection_queue[key].append(task)
+            after[task] = -1
+            last = tail[key]
+            if last >= 0:
+                after[last] = task
+            else:
+                head[key] = task
+            tail[key] = task
         self._connection_busy[keys[start]] = True
         return np.concatenate([tasks[~fifo], queued[start]])
 
@@ -670,10 +736,14 @@ class Engine:
         if not keys.size:
             return
         following = []
+        head, tail, after = self._queue_head, self._queue_tail, self._queue_next
         for key in keys.tolist():
-            queue = self._connection_queue.get(key)
-            if queue:
-                following.append(queue.popleft())
+            first = int(head[key])
+            if first >= 0:
+                following.append(first)
+                head[key] = after[first]
+                if head[key] < 0:
+                    tail[key] = -1
             else:
                 self._connection_busy[key] = False
         if following:
@@ -862,20 +932,41 @@ class Engine:
         flow_class = self._classes[0]
         network = flow_class.network
         assert isinstance(network, FlowNetwork)
+        pool = np.zeros(0, dtype=np.int64)
+        if self._tasks_compiled:
+            # Room for the flows the loop starts (it hands back to Python when out of it).
+            network._grow_slots(network._slots + max(256, network._n_alive // 2))
+            network._grow_entries(network._entries + max(4096, 4 * network._n_alive))
+            network._reserve_order(3 * network.slot_capacity + 2048)
+            flow_class._grow(network.slot_capacity)
+            if network._free:
+                pool = np.concatenate(network._free)
+            if self._pending_buffer.size < network.slot_capacity:
+                self._pending_buffer = np.empty(network.slot_capacity, dtype=np.int64)
         rows = flow_class.record.shape[0]
         if self._candidate_buffer.size < rows:
             self._candidate_buffer = np.empty(max(rows, 2 * self._candidate_buffer.size), dtype=np.int64)
-        if self._freed_buffer.size < network.slot_capacity:
-            self._freed_buffer = np.empty(max(network.slot_capacity, 2 * self._freed_buffer.size), dtype=np.int64)
+        # In task mode flows come and go inside one call: room for many generations of them.
+        freed = 4 * network.slot_capacity + (1 << 16) if self._tasks_compiled else network.slot_capacity
+        if self._freed_buffer.size < freed:
+            self._freed_buffer = np.empty(max(freed, 2 * self._freed_buffer.size), dtype=np.int64)
         candidates = flow_class.candidates
         self._candidate_buffer[: candidates.size] = candidates
         t_timer = self._timers[0][0] if self._timers else math.inf
-        stop, _, partial, none, n_freed, n_tasks, n_candidates = _fill.run_events(
+        stop, _, partial, none, n_freed, n_tasks, n_candidates, full, used, n_pending = _fill.run_events(
             network, flow_class, self, self._candidate_buffer, self._freed_buffer, self._task_buffer, t_timer,
-            max_events, _COMPILED_BUDGET)
+            max_events, _COMPILED_BUDGET, pool, self._pending_buffer)
         flow_class.candidates = self._candidate_buffer[:n_candidates].copy()
-        network.adopt_removed(self._freed_buffer[:n_freed])
-        for kind, count in (("partial", partial), ("none", none)):
+        if self._tasks_compiled:
+            # The loop took free slots from the pool, then from the ids it freed, in order.
+            rest = [pool[used:], self._freed_buffer[max(0, used - pool.size):n_freed]]
+            network._free = [np.concatenate(rest).copy()] if rest[0].size + rest[1].size else []
+            network.adopt_removed(np.zeros(0, dtype=np.int64))
+            if n_pending:
+                network._pending_new = [self._pending_buffer[:n_pending].copy()]
+        else:
+            network.adopt_removed(self._freed_buffer[:n_freed])
+        for kind, count in (("partial", partial), ("none", none), ("full", full)):
             if count:
                 flow_class.updates[kind] = flow_class.updates.get(kind, 0) + count
         return stop, self._task_buffer[:n_tasks].copy()
