@@ -535,6 +535,24 @@ PyObject *run_events(PyObject *self, PyObject *args) {
 
     int stop = STOP_TOP;
     Py_ssize_t run = 0, n_partial = 0, n_none = 0;
+    if (tasks_mode) {
+        /* The flows Python started since the last update come in the pending buffer. */
+        double count_d;
+        if (number_attr(engine, "_pending_count", &count_d)) goto done;
+        n_new = (Py_ssize_t)count_d;
+        if (n_new < 0 || n_new > slots) {
+            PyErr_SetString(PyExc_ValueError, "_fill.run_events: too many pending flows");
+            goto done;
+        }
+        memcpy(new_ids, b_pending.buf, n_new * sizeof(int64_t));
+        for (Py_ssize_t i = 0; i < n_new; i++)
+            if (new_ids[i] < 0 || new_ids[i] >= T.slots || !net.alive[new_ids[i]] || net.solved[new_ids[i]]) {
+                PyErr_SetString(PyExc_ValueError, "_fill.run_events: a pending flow is not a new live flow");
+                goto done;
+            }
+        if (n_new) dirty = 1;
+        n_pending = 0;
+    }
     const int can_refresh = n_pending == 0 && caps_changed_d == 0 && incremental_d != 0;
     int capacity_changed = capacity_changed_d != 0; /* since the last update (reset by one) */
     for (;;) {
@@ -702,16 +720,32 @@ PyObject *run_events(PyObject *self, PyObject *args) {
         if (!n_cand || !isfinite(first) || events + 1 > max_events) break;
         double at = now > first ? now : first;
         double threshold = at + rtol * fabs(at);
-        if (threshold > horizon || t_timer <= threshold) break;
+        if ((threshold > horizon && !tasks_mode) || t_timer <= threshold) break;
         /* The ids freed in this call must fit their buffer (flows come and go in task mode). */
-        if (n_freed + n_cand > freed_cap) break;
+        if (n_freed + (threshold > horizon ? n_alive : n_cand) > freed_cap) break;
 
         /* The event: take the finished flows (_FlowClass.pop_finished) and remove them. */
         events++;
         now = at;
         Py_ssize_t taken;
         int64_t *finished = freed + n_freed;
-        n_cand = fill_take(cand, n_cand, record, in_candidates, threshold, finished, &taken);
+        if (threshold <= horizon) {
+            n_cand = fill_take(cand, n_cand, record, in_candidates, threshold, finished, &taken);
+        } else {
+            /* _FlowClass.pop_finished past the horizon: every flow due by the threshold, in id
+             * order; the candidates keep those that are not. */
+            Py_ssize_t kept = 0;
+            for (Py_ssize_t i = 0; i < n_cand; i++)
+                if (record[cand[i] * REC_WIDTH + REC_FINISH] > threshold) cand[kept++] = cand[i];
+            n_cand = kept;
+            taken = 0;
+            for (Py_ssize_t f = 0; f < rows; f++)
+                if (record[f * REC_WIDTH + REC_FINISH] <= threshold) {
+                    finished[taken++] = f;
+                    in_candidates[f] = 0;
+                    record[f * REC_WIDTH + REC_FINISH] = INFINITY;
+                }
+        }
         int on_connection = 0;
         n_out = 0;
         for (Py_ssize_t i = 0; i < taken; i++) {

@@ -517,10 +517,15 @@ class Engine:
         self._freed_buffer = np.zeros(0, dtype=np.int64)
         self._candidate_buffer = np.zeros(0, dtype=np.int64)
         self._pending_buffer = np.zeros(0, dtype=np.int64)
+        self._pending_count = 0
         self._task_buffer = np.empty(n, dtype=np.int64)
         self._tasks_compiled = self._compiled and self.config.compiled_tasks and self.config.solver == "flow"
+        #: Wall time spent in __init__ routing every transfer up front (counted in wall_s).
+        self._setup_wall_s = 0.0
         if self._tasks_compiled:
+            wall0 = time.perf_counter()
             self._route_all()
+            self._setup_wall_s = time.perf_counter() - wall0
 
     def _route_all(self) -> None:
         """Every transfer's route, computed once (the compiled loop starts flows from them):
@@ -923,7 +928,7 @@ class Engine:
         return SimResult(
             graph=g, topology=self.topology, config=cfg, time_s=float(finish.max(initial=0.0)), job_time_s=job_time,
             task_start_s=self.start_s, task_finish_s=self.finish_s, link_bytes=self.link_bytes, flows=self.flows,
-            events=self.events, solver_updates=updates, wall_s=time.perf_counter() - wall0,
+            events=self.events, solver_updates=updates, wall_s=time.perf_counter() - wall0 + self._setup_wall_s,
         )
 
     def _run_compiled(self, max_events: int) -> tuple[int, np.ndarray]:
@@ -943,6 +948,14 @@ class Engine:
                 pool = np.concatenate(network._free)
             if self._pending_buffer.size < network.slot_capacity:
                 self._pending_buffer = np.empty(network.slot_capacity, dtype=np.int64)
+            # Flows Python started since the last update: the loop re-solves them first.
+            self._pending_count = 0
+            if network._pending_new:
+                pending = np.concatenate(network._pending_new)
+                pending = network._distinct(pending[network._alive[pending] & ~network._solved[pending]])
+                self._pending_buffer[: pending.size] = pending
+                self._pending_count = pending.size
+                network._pending_new = []
         rows = flow_class.record.shape[0]
         if self._candidate_buffer.size < rows:
             self._candidate_buffer = np.empty(max(rows, 2 * self._candidate_buffer.size), dtype=np.int64)
