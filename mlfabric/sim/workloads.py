@@ -120,6 +120,14 @@ def collective_graph(kind: str, world_size: int, count: int, *, itemsize: int = 
                      seed: int = 0, priority: int = 0, **options: Any) -> TaskGraph:
     """The task graph of one collective: ``collectives.build(kind, world_size, r, count, **options)``
     for every rank ``r``, compiled with the given placement (rank -> host)."""
+    if kind == "allreduce:ring":
+        # A ring is rank 0's schedule rotated: its graph without a schedule per rank (#37).
+        from .regular import ring_graph
+
+        graph = ring_graph(world_size, count, itemsize=itemsize, placement=placement, compute=compute, seed=seed,
+                           priority=priority, name=kind, **options)
+        if graph is not None:
+            return graph
     schedules = [build(kind, world_size, r, count, **options) for r in range(world_size)]
     return compile_schedules(schedules, placement=placement, itemsize=itemsize, compute=compute, seed=seed,
                              priority=priority, name=kind)
