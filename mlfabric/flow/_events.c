@@ -309,6 +309,88 @@ static Py_ssize_t complete_tasks(Deps *d, const int64_t *tasks, Py_ssize_t n, do
     return n_ready;
 }
 
+
+/* Saturation as the kernel sees it (_fill.c's TIGHT_RTOL). */
+#define ISOLATED_RTOL 1e-9
+
+/* An event whose change stays local (issue #37): the flows that finished left no other flow
+ * tight on their links (each link was below capacity, or is now empty), and each new flow,
+ * given the others' rates, gets the least residual capacity of its links, on a link where it
+ * is then the fastest (the link's other load is at most its rate) and with no saturated link
+ * on its way. Then every other flow keeps its rate, and this is the max-min allocation the
+ * re-solve would find (a ring's step: each flow alone on its NICs, below capacity elsewhere).
+ * Unit weights and no caps only. Returns 1 with the new flows solved (rates, loads, shares,
+ * rate order; changed lists them), 0 with nothing changed when a flow is not so isolated. */
+static int solve_isolated(Net *net, const int64_t *ids, Py_ssize_t n, int64_t *order, double *order_rates,
+                          Py_ssize_t *order_n, Py_ssize_t order_cap, double *r_out, int64_t *changed,
+                          double *changed_rates) {
+    if (*order_n + n > order_cap) return 0;
+    double *load = net->load;
+    const double *capacity = net->capacity;
+    Py_ssize_t k;
+    /* Check, adding the loads tentatively (a later new flow sees the earlier ones). */
+    for (k = 0; k < n; k++) {
+        int64_t f = ids[k], first = net->s.start[f], len = net->s.length[f];
+        if (len <= 0) break;
+        double best = INFINITY, other = 0.0;
+        int ok = 1;
+        for (int64_t e = first; e < first + len; e++) {
+            int64_t l = net->s.links[e];
+            if (!(load[l] < capacity[l] * (1.0 - ISOLATED_RTOL))) {
+                ok = 0; /* a saturated link: someone may be tight there */
+                break;
+            }
+            double residual = capacity[l] - load[l];
+            if (residual < best) {
+                best = residual;
+                other = load[l];
+            }
+        }
+        if (!ok || !(best > 0) || !isfinite(best) || other > best) break;
+        r_out[k] = best;
+        for (int64_t e = first; e < first + len; e++) load[net->s.links[e]] += best;
+    }
+    if (k < n) { /* undo */
+        for (Py_ssize_t j = 0; j < k; j++) {
+            int64_t f = ids[j];
+            for (int64_t e = net->s.start[f]; e < net->s.start[f] + net->s.length[f]; e++) load[net->s.links[e]] -= r_out[j];
+        }
+        return 0;
+    }
+    for (k = 0; k < n; k++) {
+        int64_t f = ids[k];
+        double r = r_out[k];
+        net->rate[f] = r;
+        net->solved[f] = 1;
+        for (int64_t e = net->s.start[f]; e < net->s.start[f] + net->s.length[f]; e++) {
+            int64_t l = net->s.links[e];
+            /* The new flow is the fastest on a link it saturates (its other load is at most
+             * its rate): that is the link's share; elsewhere the link keeps slack. */
+            if (load[l] < capacity[l] * (1.0 - ISOLATED_RTOL))
+                net->share[l] = INFINITY;
+            else if (net->share[l] == INFINITY || net->share[l] < r)
+                net->share[l] = r;
+        }
+        /* Into the rate order after the equal rates (a stable sort's place for it). */
+        Py_ssize_t lo = 0, hi = *order_n;
+        while (lo < hi) {
+            Py_ssize_t mid = lo + (hi - lo) / 2;
+            if (order_rates[mid] <= r)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        memmove(order + lo + 1, order + lo, (*order_n - lo) * sizeof(int64_t));
+        memmove(order_rates + lo + 1, order_rates + lo, (*order_n - lo) * sizeof(double));
+        order[lo] = f;
+        order_rates[lo] = r;
+        (*order_n)++;
+        changed[k] = f;
+        changed_rates[k] = r;
+    }
+    return 1;
+}
+
 /* run_events(network, flow_class, engine, cand_buf, freed, out_tasks, t_timer, max_events, budget)
  *     -> (stop, events run, partial updates, "none" updates, freed ids, tasks out, candidates)
  *
@@ -334,7 +416,10 @@ PyObject *run_events(PyObject *self, PyObject *args) {
     Tasks T;
     memset(&T, 0, sizeof(T));
     int tasks_mode = 0;
-    Py_ssize_t n_new = 0, n_full = 0;
+    Py_ssize_t n_new = 0, n_full = 0, n_isolated = 0;
+    /* The last removal left nobody tight on its links (see solve_isolated). */
+    int removal_isolated = 0;
+    double *iso_rates = NULL;
     PyObject *result = NULL;
     Views v = {.n = 0};
     int64_t *changed = NULL, *near = NULL;
@@ -498,7 +583,8 @@ PyObject *run_events(PyObject *self, PyObject *args) {
         new_ids = malloc((slots + 1) * sizeof(int64_t));
         rbuf = malloc((order_cap + slots + 1) * sizeof(int64_t));
         mark = calloc(slots + 1, 1);
-        if (!scratch || !pairbuf || !immediate || !new_ids || !rbuf || !mark) {
+        iso_rates = malloc((slots + 1) * sizeof(double));
+        if (!scratch || !pairbuf || !immediate || !new_ids || !rbuf || !mark || !iso_rates) {
             PyErr_NoMemory();
             goto done;
         }
@@ -564,7 +650,28 @@ PyObject *run_events(PyObject *self, PyObject *args) {
             break;
         }
         Py_ssize_t n_changed = 0;
-        if (n_new) {
+        if (dirty && removal_isolated && T.unit && !net.has_caps && !capacity_changed &&
+            (n_new == 0 || solve_isolated(&net, new_ids, n_new, order, order_rates, &order_n, order_cap, iso_rates,
+                                          changed, changed_rates))) {
+            n_changed = n_new;
+            n_new = 0;
+            n_isolated++;
+            if (order_n > 2 * n_alive + 1024) {
+                pairs = realloc(pairs, (slots + 1) * sizeof(Ranked));
+                if (!pairs) {
+                    PyErr_NoMemory();
+                    goto done;
+                }
+                Py_ssize_t n = 0;
+                for (Py_ssize_t f = 0; f < slots; f++)
+                    if (net.alive[f] && net.solved[f]) pairs[n++] = (Ranked){net.rate[f], f};
+                if (sort_order(order, order_rates, pairs, n, 0) < 0) goto done;
+                order_n = n;
+            }
+            divergence = INFINITY;
+            memset(net.perturbed, 0, n_links);
+            dirty = 0;
+        } else if (n_new) {
             /* FlowNetwork.update with new flows (started by this loop). Below c_l / W_l no link
              * of a new flow can fill, so nothing else changes there. */
             for (Py_ssize_t i = 0; i < n_new; i++) {
@@ -760,7 +867,23 @@ PyObject *run_events(PyObject *self, PyObject *args) {
         }
         double lowest;
         Py_ssize_t dead;
+        /* Links the finished flows saturated: someone else may be tight there (unless emptied). */
+        Py_ssize_t n_sat = 0;
+        if (tasks_mode)
+            for (Py_ssize_t i = 0; i < taken && n_sat <= n_tasks; i++) {
+                int64_t f = finished[i];
+                if (f < 0 || f >= slots) break;
+                for (int64_t e = net.s.start[f]; e < net.s.start[f] + net.s.length[f]; e++) {
+                    int64_t l = net.s.links[e];
+                    if (!(net.load[l] < net.capacity[l] * (1.0 - ISOLATED_RTOL)) && n_sat <= n_tasks) scratch[n_sat++] = l;
+                }
+            }
         if (fill_remove(&net, weight_sum, finished, taken, &lowest, &dead) < 0) goto done;
+        removal_isolated = tasks_mode && n_sat <= n_tasks && (!dirty || removal_isolated);
+        for (Py_ssize_t i = 0; i < n_sat && removal_isolated; i++) {
+            if (weight_sum[scratch[i]] > 0) removal_isolated = 0;
+            else net.share[scratch[i]] = INFINITY; /* empty now */
+        }
         if (lowest < divergence) divergence = lowest;
         n_alive -= taken;
         n_freed += taken;
@@ -864,6 +987,7 @@ done:
     free(new_ids);
     free(rbuf);
     free(mark);
+    free(iso_rates);
     views_release(&v);
     Py_XDECREF(graph);
     Py_XDECREF(config);
