@@ -103,6 +103,22 @@ static int sort_order(int64_t *order, double *order_rates, Ranked *pairs, Py_ssi
 }
 
 
+/* Buffers kept between calls of run_events (grow-only; the module holds the GIL). */
+enum { K_SCRATCH, K_PAIRS, K_IMMEDIATE, K_NEW, K_RESOLVE, K_MARK, K_ISO, K_CHANGED, K_CHANGED_RATES, K_NEAR, K_COUNT };
+static void *kept_buf[K_COUNT];
+static size_t kept_size[K_COUNT];
+
+static void *keep(int which, size_t bytes) {
+    if (bytes > kept_size[which]) {
+        size_t size = bytes > 2 * kept_size[which] ? bytes : 2 * kept_size[which];
+        void *grown = realloc(kept_buf[which], size);
+        if (!grown) return NULL;
+        kept_buf[which] = grown;
+        kept_size[which] = size;
+    }
+    return kept_buf[which];
+}
+
 /* The task mode's view of the graph and the engine (Engine._tasks_compiled): what it needs to
  * start the flows of ready transfers itself (their routes, computed up front), queue them on
  * FIFO connections, and complete zero-time tasks. */
@@ -208,6 +224,7 @@ static int activate(Tasks *t, const int64_t *ready, Py_ssize_t n, Py_ssize_t n_f
     Py_ssize_t n_net = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t task = ready[i];
+        if (t->route_of[task] >= t->n_routes || t->connection[task] >= t->n_conn) return 0; /* Python raises */
         if (t->kind[task] != 0) { /* a delay */
             if (t->duration_s[task] > 0) return 0;
         } else if (t->route_of[task] == -2) {
@@ -539,11 +556,8 @@ PyObject *run_events(PyObject *self, PyObject *args) {
                 PyErr_SetString(PyExc_ValueError, "_fill.run_events: a route crosses a link out of range");
                 goto done;
             }
-        for (Py_ssize_t i = 0; i < n_tasks; i++)
-            if (T.route_of[i] >= T.n_routes || (connection[i] >= T.n_conn)) {
-                PyErr_SetString(PyExc_ValueError, "_fill.run_events: a task's route or connection is out of range");
-                goto done;
-            }
+        /* (Each task's route and connection are checked when it becomes ready: a pass over
+         * every task per call cost more than the events of a 1,024-rank ring.) */
         /* The same arrays FlowNetwork.add_flows writes (checked above for their sizes). */
         T.start = (int64_t *)net.s.start;
         T.length = (int64_t *)net.s.length;
@@ -577,13 +591,16 @@ PyObject *run_events(PyObject *self, PyObject *args) {
                 PyErr_SetString(PyExc_ValueError, "_fill.run_events: a free slot is in use");
                 goto done;
             }
-        scratch = malloc((n_tasks + 1) * sizeof(int64_t));
-        pairbuf = malloc((2 * n_tasks + 2) * sizeof(int64_t));
-        immediate = malloc((n_tasks + 1) * sizeof(int64_t));
-        new_ids = malloc((slots + 1) * sizeof(int64_t));
-        rbuf = malloc((order_cap + slots + 1) * sizeof(int64_t));
-        mark = calloc(slots + 1, 1);
-        iso_rates = malloc((slots + 1) * sizeof(double));
+        /* Kept between calls (grown when too small): fresh pages for the task-sized ones at
+         * every call cost more than the events between two calls. */
+        scratch = keep(K_SCRATCH, (n_tasks + 1) * sizeof(int64_t));
+        pairbuf = keep(K_PAIRS, (2 * n_tasks + 2) * sizeof(int64_t));
+        immediate = keep(K_IMMEDIATE, (n_tasks + 1) * sizeof(int64_t));
+        new_ids = keep(K_NEW, (slots + 1) * sizeof(int64_t));
+        rbuf = keep(K_RESOLVE, (order_cap + slots + 1) * sizeof(int64_t));
+        mark = keep(K_MARK, slots + 1);
+        if (mark) memset(mark, 0, slots + 1);
+        iso_rates = keep(K_ISO, (slots + 1) * sizeof(double));
         if (!scratch || !pairbuf || !immediate || !new_ids || !rbuf || !mark || !iso_rates) {
             PyErr_NoMemory();
             goto done;
@@ -610,10 +627,10 @@ PyObject *run_events(PyObject *self, PyObject *args) {
     }
     if (fill_ids_in_range(cand, n_cand, rows, "_fill.run_events: candidate flow") < 0) goto done;
 
-    changed = malloc((order_cap + 1) * sizeof(int64_t));
-    changed_rates = malloc((order_cap + 1) * sizeof(double));
+    changed = keep(K_CHANGED, (order_cap + 1) * sizeof(int64_t));
+    changed_rates = keep(K_CHANGED_RATES, (order_cap + 1) * sizeof(double));
     /* The flows newly near (at most the re-solved ones), then the tasks made ready. */
-    near = malloc(((order_cap > n_tasks ? order_cap : n_tasks) + 1) * sizeof(int64_t));
+    near = keep(K_NEAR, ((order_cap > n_tasks ? order_cap : n_tasks) + 1) * sizeof(int64_t));
     if (!changed || !changed_rates || !near) {
         PyErr_NoMemory();
         goto done;
@@ -977,17 +994,7 @@ PyObject *run_events(PyObject *self, PyObject *args) {
     result = Py_BuildValue("innnnnnnnn", stop, run, n_partial, n_none, n_freed, n_out, n_cand, n_full, T.used, n_new);
 
 done:
-    free(changed);
-    free(changed_rates);
-    free(near);
     free(pairs);
-    free(scratch);
-    free(pairbuf);
-    free(immediate);
-    free(new_ids);
-    free(rbuf);
-    free(mark);
-    free(iso_rates);
     views_release(&v);
     Py_XDECREF(graph);
     Py_XDECREF(config);
