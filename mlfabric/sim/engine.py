@@ -75,7 +75,8 @@ from mlfabric.topo.routing import incidence_from_entries
 
 from .graph import DELAY, TRANSFER, TaskGraph
 
-__all__ = ["EngineConfig", "Engine", "NaiveNetwork", "SimResult", "SimulationStalled", "run_graph", "ROUTINGS", "SOLVERS"]
+__all__ = ["EngineConfig", "Engine", "NaiveNetwork", "SimResult", "SimStatus", "SimulationStalled", "run_graph", "ROUTINGS",
+           "SOLVERS"]
 
 ROUTINGS = ("ecmp", "spray")
 SOLVERS = ("flow", "naive")
@@ -96,6 +97,22 @@ _STOP_TOP, _STOP_REFRESHED, _STOP_POPPED, _STOP_READY, _STOP_PAUSE = range(5)
 _COMPILED_BUDGET = 4096
 #: Least wall time between two ``on_progress`` calls of a run (seconds).
 PROGRESS_INTERVAL_S = 0.1
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimStatus:
+    """Where a run stands (``on_status``; ``mlfabric simulate ... --progress`` prints it)."""
+
+    tasks_done: int
+    tasks: int
+    events: int
+    flows: int
+    #: Simulated time reached (seconds).
+    sim_time_s: float
+    #: Wall time since the run started (seconds).
+    wall_s: float
+    #: True on the last call, when the run is over.
+    finished: bool = False
 
 
 class SimulationStalled(RuntimeError):
@@ -473,12 +490,15 @@ class Engine:
     """Runs one :class:`TaskGraph` on one :class:`Topology`; see the module docstring."""
 
     def __init__(self, graph: TaskGraph, topology: Topology, config: EngineConfig | None = None, *,
-                 on_progress: Callable[[int, int], None] | None = None) -> None:
+                 on_progress: Callable[[int, int], None] | None = None,
+                 on_status: Callable[[SimStatus], None] | None = None) -> None:
         self.graph = graph
         self.topology = topology
         self.config = config or EngineConfig()
         #: ``on_progress(tasks done, tasks)``, at most every PROGRESS_INTERVAL_S of wall time and at the end.
         self.on_progress = on_progress
+        #: ``on_status(SimStatus)``, as often as ``on_progress``: events, flows, simulated time.
+        self.on_status = on_status
         transfers = graph.kind == TRANSFER
         if transfers.any():
             hosts = np.concatenate([graph.src[transfers], graph.dst[transfers]])
@@ -865,8 +885,9 @@ class Engine:
         idle_events = 0
         reported = wall0
         while self.done < n:
-            if self.on_progress is not None and time.perf_counter() - reported >= PROGRESS_INTERVAL_S:
-                self.on_progress(self.done, n)
+            if (self.on_progress is not None or self.on_status is not None) \
+                    and time.perf_counter() - reported >= PROGRESS_INTERVAL_S:
+                self._report(wall0)
                 reported = time.perf_counter()
             refreshed = False
             finished: list[np.ndarray] | None = None
@@ -915,8 +936,7 @@ class Engine:
             idle_events = 0
             if batch.size:
                 self._settle(self._complete(batch))
-        if self.on_progress is not None:
-            self.on_progress(self.done, n)
+        self._report(wall0, finished=True)
         finish = np.nan_to_num(self.finish_s, nan=0.0)
         job_time = np.zeros(len(g.job_names))
         if n:
@@ -930,6 +950,14 @@ class Engine:
             task_start_s=self.start_s, task_finish_s=self.finish_s, link_bytes=self.link_bytes, flows=self.flows,
             events=self.events, solver_updates=updates, wall_s=time.perf_counter() - wall0 + self._setup_wall_s,
         )
+
+    def _report(self, wall0: float, *, finished: bool = False) -> None:
+        if self.on_progress is not None:
+            self.on_progress(self.done, self.graph.n_tasks)
+        if self.on_status is not None:
+            self.on_status(SimStatus(tasks_done=self.done, tasks=self.graph.n_tasks, events=self.events, flows=self.flows,
+                                     sim_time_s=self.now, wall_s=time.perf_counter() - wall0 + self._setup_wall_s,
+                                     finished=finished))
 
     def _run_compiled(self, max_events: int) -> tuple[int, np.ndarray]:
         """Run events in the compiled loop until it stops (see ``_STOP_*``); returns where it
@@ -1020,9 +1048,12 @@ class Engine:
 
 
 def run_graph(graph: TaskGraph, topology: Topology, config: EngineConfig | None = None, *,
-              on_progress: Callable[[int, int], None] | None = None, **options: Any) -> SimResult:
+              on_progress: Callable[[int, int], None] | None = None,
+              on_status: Callable[[SimStatus], None] | None = None, **options: Any) -> SimResult:
     """Run ``graph`` on ``topology``; ``options`` are :class:`EngineConfig` fields.
-    ``on_progress(tasks done, tasks)`` is called now and then while it runs (a progress display)."""
+    ``on_progress(tasks done, tasks)`` is called now and then while it runs (a progress display);
+    ``on_status(SimStatus)`` with events, flows and simulated time too (``--progress``)."""
     if config is not None and options:
         raise ValueError("give either config or EngineConfig fields, not both")
-    return Engine(graph, topology, config or EngineConfig(**options), on_progress=on_progress).run()
+    return Engine(graph, topology, config or EngineConfig(**options), on_progress=on_progress,
+                  on_status=on_status).run()

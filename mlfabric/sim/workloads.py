@@ -68,7 +68,7 @@ from mlfabric.topo.trees import rack_of
 from mlfabric.topo.trees import tree_parents as shared_tree_parents
 
 from .compute import ComputeModel
-from .engine import EngineConfig, SimResult, run_graph
+from .engine import EngineConfig, SimResult, SimStatus, run_graph
 from .graph import GraphBuilder, TaskGraph, compile_schedules, merge_graphs
 
 __all__ = [
@@ -137,6 +137,7 @@ def simulate_collective(kind: str, topology: Topology | str, link_rate: float | 
                         size_bytes: float, itemsize: int = 4, ranks: int | None = None,
                         placement: str | Sequence[int] = "sequential", compute: ComputeModel | None = None,
                         config: EngineConfig | None = None, on_progress: Callable[[int, int], None] | None = None,
+                        on_status: Callable[[SimStatus], None] | None = None,
                         **options: Any) -> SimResult:
     """Simulate one collective of ``size_bytes`` (``size_bytes // itemsize`` elements) over
     ``ranks`` ranks (default: every host), rank ``r`` on host ``r`` or as ``placement`` says
@@ -167,7 +168,7 @@ def simulate_collective(kind: str, topology: Topology | str, link_rate: float | 
             options = {**shape_options(algorithm, topo.spec), **options}
     graph = collective_graph(kind, world, count, itemsize=itemsize, placement=hosts,
                              compute=compute, seed=config.seed, **options)
-    return run_graph(graph, topo, config, on_progress=on_progress)
+    return run_graph(graph, topo, config, on_progress=on_progress, on_status=on_status)
 
 
 def ring_closed_form_s(world_size: int, size_bytes: float, link_rate_bps: float) -> float:
@@ -346,7 +347,8 @@ def concurrent_ps_graph(topology: Topology, configs: Sequence[PSConfig], *, seed
 
 def simulate_ps(topology: Topology | str, link_rate: float | str | None = None, ps: PSConfig | None = None, *,
                 config: EngineConfig | None = None, jobs: int = 1, priorities: Sequence[int] | None = None,
-                on_progress: Callable[[int, int], None] | None = None) -> SimResult:
+                on_progress: Callable[[int, int], None] | None = None,
+                on_status: Callable[[SimStatus], None] | None = None) -> SimResult:
     """Simulate a parameter-server job (or ``jobs`` copies of it placed independently, with
     ``priorities``) on a topology. ``on_progress(tasks done, tasks)``: see
     :func:`~mlfabric.sim.engine.run_graph`."""
@@ -359,7 +361,7 @@ def simulate_ps(topology: Topology | str, link_rate: float | str | None = None, 
     else:
         configs = [replace(ps, name=f"{ps.name}{i}") for i in range(jobs)]
         graph = concurrent_ps_graph(topo, configs, seed=config.seed, priorities=priorities)
-    return run_graph(graph, topo, config, on_progress=on_progress)
+    return run_graph(graph, topo, config, on_progress=on_progress, on_status=on_status)
 
 
 def iteration_times(result: SimResult, iterations: int, workers: int, job: int = 0) -> np.ndarray:
