@@ -14,6 +14,13 @@ cases against it on every test run, and the large ones with ``--large``::
 
     .venv/bin/python -m mlfabric.sim.reference --check docs/bench/sim-reference.json [--large]
     .venv/bin/python -m mlfabric.sim.reference --record out.json [--large]   # what an engine answers now
+
+``--speed`` runs cases side by side with the engine as it was before #37
+(``EngineConfig(compiled_tasks=False)``: every event that starts a flow runs in Python) and
+as it is, in one process, alternating, and prints events and flows per second of each and
+their ratio (the issue's check 2; figures in docs/results.md)::
+
+    .venv/bin/python -m mlfabric.sim.reference --speed --only ring-ft8-100MB,ring-ft12-64MB [--repeat 2]
 """
 
 from __future__ import annotations
@@ -167,6 +174,31 @@ def compare(reference: dict[str, Any], result: SimResult, rtol: float = RTOL) ->
     return problems
 
 
+def speed(name: str, *, repeat: int = 1) -> dict[str, Any]:
+    """Case ``name`` run by the pre-#37 path and the current one, alternating ``repeat`` times
+    (same graph, built once): the best wall time of each, events and flows per second, and
+    the largest relative difference of their task finish times."""
+    graph, topo, cfg = build_case(name)
+    best: dict[str, SimResult] = {}
+    for _ in range(repeat):
+        for label, config in (("before", replace(cfg, compiled_tasks=False)), ("now", cfg)):
+            result = run_graph(graph, topo, config)
+            if label not in best or result.wall_s < best[label].wall_s:
+                best[label] = result
+    old, new = best["before"], best["now"]
+    scale = max(abs(old.time_s), 1e-300)
+    diff = np.abs(np.nan_to_num(new.task_finish_s) - np.nan_to_num(old.task_finish_s)).max(initial=0.0) / scale
+    row = {"case": name, "tasks": graph.n_tasks, "flows": new.flows, "events_before": old.events, "events_now": new.events,
+           "wall_before_s": old.wall_s, "wall_now_s": new.wall_s,
+           "events_per_s_before": old.events / old.wall_s, "events_per_s_now": new.events / new.wall_s,
+           "flows_per_s_before": old.flows / old.wall_s, "flows_per_s_now": new.flows / new.wall_s,
+           "speedup": old.wall_s / new.wall_s, "max_rel_diff": float(diff), "time_s": new.time_s}
+    print(f"{name}: {old.events:,} events, {new.flows:,} flows; before {old.wall_s:.3f} s "
+          f"({row['events_per_s_before']:,.0f} events/s), now {new.wall_s:.3f} s ({row['events_per_s_now']:,.0f} "
+          f"events/s): x{row['speedup']:.1f}; finish times differ by <= {diff:.2g} (relative)", flush=True)
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = parser.add_mutually_exclusive_group(required=True)
@@ -174,12 +206,21 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--check", metavar="PATH", help="run the cases and compare with the answers here")
     parser.add_argument("--large", action="store_true", help="also the large cases (minutes)")
     parser.add_argument("--only", help="comma-separated case names")
+    mode.add_argument("--speed", action="store_true", help="time the pre-#37 path and the current one side by side")
     parser.add_argument("--old", action="store_true", help="run with the pre-#37 engine path (compiled_tasks=False)")
+    parser.add_argument("--repeat", type=int, default=1, help="with --speed: runs of each path")
+    parser.add_argument("--json", metavar="PATH", help="with --speed: write the figures here")
     args = parser.parse_args(argv)
     names = list(SMALL) + (list(LARGE) if args.large else [])
     if args.only:
         names = [n for n in args.only.split(",") if n]
     overrides = {"compiled_tasks": False} if args.old else {}
+    if args.speed:
+        rows = [speed(name, repeat=args.repeat) for name in names]
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump({"benchmark": "sim-engine-speed", "command": " ".join(sys.argv), "cases": rows}, handle, indent=1)
+        return 0
     if args.record:
         out = {}
         for name in names:
