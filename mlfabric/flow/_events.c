@@ -17,6 +17,11 @@
  *                  FIFO connection (Python releases the connection and completes them);
  *   STOP_READY     tasks became ready (Python activates them: routing, new flows, timers).
  *
+ * With the engine's task mode (issue #37, see run_events' comment) it does the last two
+ * itself as well: a ring step's event (a flow finishes, the next message of the connection
+ * starts) no longer goes through ~0.7 ms of Python, and STOP_POPPED / STOP_READY remain for
+ * timers and for batches with no room.
+ *
  * Every step is the compiled helper the Python path calls too (fill_resolve, fill_remove,
  * fill_progress), in the same order on the same arrays, so results are bit-identical; the
  * engine tests run both paths. The arrays are read from the objects by attribute name (the
@@ -408,8 +413,21 @@ static int solve_isolated(Net *net, const int64_t *ids, Py_ssize_t n, int64_t *o
     return 1;
 }
 
-/* run_events(network, flow_class, engine, cand_buf, freed, out_tasks, t_timer, max_events, budget)
- *     -> (stop, events run, partial updates, "none" updates, freed ids, tasks out, candidates)
+/* run_events(network, flow_class, engine, cand_buf, freed, out_tasks, t_timer, max_events, budget[, pool, pending])
+ *     -> (stop, events run, partial updates, "none" updates, freed ids, tasks out, candidates,
+ *         full updates, free slots used, pending new flows)
+ *
+ * Task mode (engine._tasks_compiled, pool and pending given): the loop also runs what
+ * Engine._settle would with the tasks made ready (zero-time delays and transfers complete,
+ * routed transfers start flows from engine._route_of/_route_ptr/_route_links/_route_weights,
+ * FIFO connections queue on engine._queue_head/_tail/_next and release), re-solves with
+ * the new flows (FlowNetwork.update's rules, or solve_isolated where the change stays
+ * local), and takes past-horizon finishes itself. It hands a batch of ready tasks back
+ * (STOP_READY) only when one needs a timer or has no room for its flow. pool (int64): the
+ * network's free slots at entry, taken first (then the ids freed in this call); pending
+ * (int64, >= the network's slots): engine._pending_count new flows from Python on entry,
+ * the new flows not yet solved on return. Also written back in task mode: the network's
+ * _slots, _entries, _unit_weights (_dirty when flows are pending); the engine's flows.
  *
  * network: a FlowNetwork (native, no new flows pending); flow_class: its engine._FlowClass;
  * engine: the Engine (one priority class, no message latency). cand_buf (int64, >= the flow
@@ -423,9 +441,13 @@ PyObject *run_events(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *network, *flow_class, *engine, *graph = NULL, *config = NULL;
     Py_buffer b_cand, b_freed, b_out, b_pool, b_pending;
+    memset(&b_pool, 0, sizeof(b_pool));
+    memset(&b_pending, 0, sizeof(b_pending));
     double t_timer;
     Py_ssize_t max_events, budget;
-    if (!PyArg_ParseTuple(args, "OOOw*w*w*dnny*w*", &network, &flow_class, &engine, &b_cand, &b_freed, &b_out, &t_timer,
+    /* pool and pending (the task mode's free slots and new flows) are optional: without them
+     * the loop hands tasks made ready back to Python, as before #37. */
+    if (!PyArg_ParseTuple(args, "OOOw*w*w*dnn|y*w*", &network, &flow_class, &engine, &b_cand, &b_freed, &b_out, &t_timer,
                           &max_events, &budget, &b_pool, &b_pending))
         return NULL;
     int64_t *scratch = NULL, *pairbuf = NULL, *immediate = NULL, *new_ids = NULL, *rbuf = NULL;
@@ -527,6 +549,7 @@ PyObject *run_events(PyObject *self, PyObject *args) {
         tasks_mode = PyObject_IsTrue(flag);
         Py_DECREF(flag);
         if (tasks_mode < 0) goto done;
+        if (!b_pending.obj) tasks_mode = 0;
     }
     if (tasks_mode) {
         double slots_d, flows_d;
