@@ -685,6 +685,9 @@ PyObject *run_events(PyObject *self, PyObject *args) {
         /* The re-solve (FlowNetwork.update, partial path with no new flows) and the new finish
          * times (_FlowClass.refresh). */
         if (!can_refresh) break;
+        /* Flows this loop started may have split weights (spraying): the re-solve and the
+         * removal must then read the weights, not the packed unit rows. */
+        if (tasks_mode) net.s.unit = T.unit;
         if (run >= budget && !n_new) {
             stop = STOP_PAUSE;
             break;

@@ -110,6 +110,8 @@ SMALL: dict[str, Case] = {
     "hd-ft4-straggler": _collective("halving_doubling", "fat-tree:k=4", 99_999_999, compute=_STRAGGLE, seed=5),
     "ring-star4-hostlinks": _collective("ring", "star:n=4", 40e6, host_rate=32e9, ranks_per_host=2),
     "bcube-4-2": _collective("bcube", "bcube:n=4,k=2", 64e6),
+    "bcube-4-2-spray": _collective("bcube", "bcube:n=4,k=2", 64e6, routing="spray"),
+    "hier-ft4-spray": _collective("hierarchical", "fat-tree:k=4", 100e6, routing="spray"),
     "ring-bcube-4-1": _collective("ring", "bcube:n=4,k=1", 64e6),
     "allgather-ft4": _collective("allgather", "fat-tree:k=4", 16e6),
     "broadcast-ft4": _collective("broadcast", "fat-tree:k=4", 16e6),
