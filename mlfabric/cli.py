@@ -855,7 +855,8 @@ def simulate_collective_cmd(
 
         topo = topo.with_host_links(_parse_or_usage(parse_rate, host_rate))
     try:
-        with progress_bar(quiet=quiet or progress_lines) as progress:
+        quiet = quiet or progress_lines  # --progress prints lines instead of the bar
+        with progress_bar(quiet=quiet) as progress:
             task = progress.add_task(f"simulating {kind}: tasks done", total=None)
             result = _run_sim(lambda: simulate_collective(
                 kind, topo, size_bytes=size_bytes, itemsize=itemsize, ranks=ranks, placement=rank_placement,
@@ -952,7 +953,8 @@ def simulate_ps_cmd(
     if priorities == "random":
         prios = np.random.default_rng(np.random.SeedSequence([seed, 4])).permutation(jobs).tolist()
     try:
-        with progress_bar(quiet=quiet or progress_lines) as progress:
+        quiet = quiet or progress_lines  # --progress prints lines instead of the bar
+        with progress_bar(quiet=quiet) as progress:
             task = progress.add_task(f"simulating {strategy} PS: tasks done", total=None)
             result = _run_sim(lambda: simulate_ps(
                 topo, ps=ps, config=config, jobs=jobs, priorities=prios,

@@ -32,6 +32,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "_fill.h"
 
@@ -107,6 +108,12 @@ static int sort_order(int64_t *order, double *order_rates, Ranked *pairs, Py_ssi
     return 0;
 }
 
+
+static double seconds_since(const struct timespec *t0) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)(now.tv_sec - t0->tv_sec) + 1e-9 * (double)(now.tv_nsec - t0->tv_nsec);
+}
 
 /* Buffers kept between calls of run_events (grow-only; the module holds the GIL). */
 enum { K_SCRATCH, K_PAIRS, K_IMMEDIATE, K_NEW, K_RESOLVE, K_MARK, K_ISO, K_CHANGED, K_CHANGED_RATES, K_NEAR, K_COUNT };
@@ -413,9 +420,14 @@ static int solve_isolated(Net *net, const int64_t *ids, Py_ssize_t n, int64_t *o
     return 1;
 }
 
-/* run_events(network, flow_class, engine, cand_buf, freed, out_tasks, t_timer, max_events, budget[, pool, pending])
+/* run_events(network, flow_class, engine, cand_buf, freed, out_tasks, t_timer, max_events, budget[, pool, pending,
+ *            pause_after_s])
  *     -> (stop, events run, partial updates, "none" updates, freed ids, tasks out, candidates,
  *         full updates, free slots used, pending new flows)
+ *
+ * pause_after_s (optional): the loop also pauses (STOP_PAUSE) once this much wall time has
+ * passed (checked every 64 events; every event when <= 0), so that progress is reported on
+ * time however long the events are.
  *
  * Task mode (engine._tasks_compiled, pool and pending given): the loop also runs what
  * Engine._settle would with the tasks made ready (zero-time delays and transfers complete,
@@ -447,9 +459,12 @@ PyObject *run_events(PyObject *self, PyObject *args) {
     Py_ssize_t max_events, budget;
     /* pool and pending (the task mode's free slots and new flows) are optional: without them
      * the loop hands tasks made ready back to Python, as before #37. */
-    if (!PyArg_ParseTuple(args, "OOOw*w*w*dnn|y*w*", &network, &flow_class, &engine, &b_cand, &b_freed, &b_out, &t_timer,
-                          &max_events, &budget, &b_pool, &b_pending))
+    double pause_after_s = INFINITY; /* wall seconds after which the loop pauses (progress reports) */
+    if (!PyArg_ParseTuple(args, "OOOw*w*w*dnn|y*w*d", &network, &flow_class, &engine, &b_cand, &b_freed, &b_out, &t_timer,
+                          &max_events, &budget, &b_pool, &b_pending, &pause_after_s))
         return NULL;
+    struct timespec started;
+    clock_gettime(CLOCK_MONOTONIC, &started);
     int64_t *scratch = NULL, *pairbuf = NULL, *immediate = NULL, *new_ids = NULL, *rbuf = NULL;
     char *mark = NULL;
     Tasks T;
@@ -688,7 +703,9 @@ PyObject *run_events(PyObject *self, PyObject *args) {
         /* Flows this loop started may have split weights (spraying): the re-solve and the
          * removal must then read the weights, not the packed unit rows. */
         if (tasks_mode) net.s.unit = T.unit;
-        if (run >= budget && !n_new) {
+        if (!n_new && (run >= budget || (pause_after_s < INFINITY && run > 0 &&
+                                          (pause_after_s <= 0 || run % 64 == 0) &&
+                                          seconds_since(&started) >= pause_after_s))) {
             stop = STOP_PAUSE;
             break;
         }

@@ -951,6 +951,13 @@ class Engine:
             events=self.events, solver_updates=updates, wall_s=time.perf_counter() - wall0 + self._setup_wall_s,
         )
 
+    def _pause_after_s(self) -> float:
+        """Wall time after which the compiled loop hands back, so progress is reported on time
+        (it runs thousands of events per call: seconds on a large halving-doubling)."""
+        if self.on_progress is None and self.on_status is None:
+            return math.inf
+        return PROGRESS_INTERVAL_S
+
     def _report(self, wall0: float, *, finished: bool = False) -> None:
         if self.on_progress is not None:
             self.on_progress(self.done, self.graph.n_tasks)
@@ -996,7 +1003,7 @@ class Engine:
         t_timer = self._timers[0][0] if self._timers else math.inf
         stop, _, partial, none, n_freed, n_tasks, n_candidates, full, used, n_pending = _fill.run_events(
             network, flow_class, self, self._candidate_buffer, self._freed_buffer, self._task_buffer, t_timer,
-            max_events, _COMPILED_BUDGET, pool, self._pending_buffer)
+            max_events, _COMPILED_BUDGET, pool, self._pending_buffer, self._pause_after_s())
         flow_class.candidates = self._candidate_buffer[:n_candidates].copy()
         if self._tasks_compiled:
             # The loop took free slots from the pool, then from the ids it freed, in order.
