@@ -20,11 +20,16 @@ The engine repeats:
    ``batch_rtol`` (relative) of that instant completes in the same batch, so flows that
    finish together in exact arithmetic cost one re-solve, not one each.
 
-Most events of a large run only finish flows and count down dependencies; with the compiled
-kernel built, one priority class and no message latency, those run whole in a compiled loop
-(``_fill.run_events``, ``mlfabric/flow/_events.c``) that hands back to Python at anything
-else (tasks made ready, FIFO connections, timers, full solves). Results are bit-identical
-to the Python loop (``EngineConfig(compiled_loop=False)``).
+Most events of a large run only finish flows, count down dependencies and start the flows
+of the transfers made ready; with the compiled kernel built, one priority class and no
+message latency, those run whole in a compiled loop (``_fill.run_events``,
+``mlfabric/flow/_events.c``): every transfer's route is computed once up front, and the
+loop completes zero-time tasks, queues and releases FIFO connections, starts flows and
+re-solves, handing back to Python only for timers, full solves it cannot do, and batches it
+has no room for (issue #37: a ring event went from ~0.7 ms of Python to a few us). Events
+whose change stays local (a ring step) skip the re-solve (see ``solve_isolated``). Results
+are bit-identical to the Python loop (``EngineConfig(compiled_loop=False)``) on the tests'
+runs; ``EngineConfig(compiled_tasks=False)`` is the loop as it was before #37.
 
 Transfers between ranks on the same host use the host's host-internal link when the topology
 has one (:meth:`Topology.with_host_links <mlfabric.topo.Topology.with_host_links>`: the
@@ -53,7 +58,7 @@ times and byte counts (wall times aside).
 
 Exercise it with::
 
-    .venv/bin/python -m pytest tests/unit/test_sim.py -q
+    .venv/bin/python -m pytest tests/unit/test_sim.py tests/unit/test_sim_scale.py -q
 """
 
 from __future__ import annotations
