@@ -173,6 +173,7 @@ static int room_for(const Tasks *t, const int64_t *tasks, Py_ssize_t n, Py_ssize
     Py_ssize_t entries = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t r = t->route_of[tasks[i]];
+        if (r < 0 || r >= t->n_routes) return 0; /* no route: Python starts it (and says why not) */
         entries += t->route_ptr[r + 1] - t->route_ptr[r];
     }
     Py_ssize_t free_slots = (t->n_pool + n_freed - t->used) + (t->slot_capacity - t->slots);
