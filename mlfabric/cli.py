@@ -677,6 +677,30 @@ def _sim_topology(spec: str, link: str) -> Any:
         raise typer.BadParameter(str(exc)) from None
 
 
+ProgressLinesOption = Annotated[bool, typer.Option("--progress", help="Print a status line (events, simulated "
+                                                "time, rate) every 2 s on standard error, also into a pipe.")]
+
+
+def _check_sim_limits(estimate: Callable[[], Any]) -> None:
+    """Refuse, before building anything, a simulation that will not fit in memory (exit code 2;
+    mlfabric.sim.limits sizes it from the arguments)."""
+    from mlfabric.sim.limits import SimulationTooLarge, check_fits
+
+    try:
+        check_fits(estimate())
+    except SimulationTooLarge as exc:
+        console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+        raise typer.Exit(2) from None
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+def _status_lines(progress: bool, what: str) -> Any:
+    from mlfabric.progress import status_lines
+
+    return status_lines(what) if progress else None
+
+
 def _compute_model(compute: str, straggler: str, speed_range: Optional[str]) -> Any:
     from mlfabric.sim import ComputeModel, straggler_preset
     from mlfabric.units import parse_duration
@@ -792,6 +816,7 @@ def simulate_collective_cmd(
     straggler: StragglerOption = "none",
     json_path: JsonOption = None,
     quiet: QuietOption = False,
+    progress_lines: ProgressLinesOption = False,
     plot: PlotOption = None,
     links: LinksOption = "nonzero",
 ) -> None:
@@ -802,8 +827,13 @@ def simulate_collective_cmd(
 
     _check_sim_output(plot, routing, links)
     _check_choice(placement, ("sequential", "random"), "--placement")
-    topo = _sim_topology(topology, link)
     size_bytes = _parse_or_usage(parse_size, size)
+    from mlfabric.sim.limits import estimate_collective, topology_size
+
+    _check_sim_limits(lambda: estimate_collective(
+        topology, collective_kind(algorithm), size_bytes=size_bytes, itemsize=itemsize, chunks=chunks,
+        ranks=ranks if ranks_per_host <= 1 else topology_size(topology)[0] * ranks_per_host))
+    topo = _sim_topology(topology, link)
     config = make_config(EngineConfig, routing=routing, seed=seed, latency_s=_parse_or_usage(parse_duration, latency))
     model = _compute_model(compute, straggler, speed_range)
     kind = collective_kind(algorithm)
@@ -825,12 +855,14 @@ def simulate_collective_cmd(
 
         topo = topo.with_host_links(_parse_or_usage(parse_rate, host_rate))
     try:
+        quiet = quiet or progress_lines  # --progress prints lines instead of the bar
         with progress_bar(quiet=quiet) as progress:
             task = progress.add_task(f"simulating {kind}: tasks done", total=None)
             result = _run_sim(lambda: simulate_collective(
                 kind, topo, size_bytes=size_bytes, itemsize=itemsize, ranks=ranks, placement=rank_placement,
                 compute=model, config=config, **options,
-                on_progress=lambda done, total: progress.update(task, completed=done, total=total)))
+                on_progress=lambda done, total: progress.update(task, completed=done, total=total),
+                on_status=_status_lines(progress_lines, f"simulate collective {kind}")))
     except (ValueError, TypeError) as exc:
         raise typer.BadParameter(str(exc)) from None
     world = ranks or topo.n_hosts
@@ -893,6 +925,7 @@ def simulate_ps_cmd(
                                                                    "accuracy; default exact to ~1e-9).")] = 1e-9,
     json_path: JsonOption = None,
     quiet: QuietOption = False,
+    progress_lines: ProgressLinesOption = False,
     plot: PlotOption = None,
     links: LinksOption = "nonzero",
 ) -> None:
@@ -906,6 +939,9 @@ def simulate_ps_cmd(
     _check_choice(priorities, ("none", "random"), "--priorities")
     if jobs < 1:
         raise typer.BadParameter(f"--jobs must be >= 1, got {jobs}")
+    from mlfabric.sim.limits import estimate_ps
+
+    _check_sim_limits(lambda: estimate_ps(topology, workers=workers, servers=servers, iterations=iterations, jobs=jobs))
     topo = _sim_topology(topology, link)
     model_bytes = _parse_or_usage(parse_size, model_size)
     config = make_config(EngineConfig, routing=routing, seed=seed, latency_s=_parse_or_usage(parse_duration, latency),
@@ -917,11 +953,13 @@ def simulate_ps_cmd(
     if priorities == "random":
         prios = np.random.default_rng(np.random.SeedSequence([seed, 4])).permutation(jobs).tolist()
     try:
+        quiet = quiet or progress_lines  # --progress prints lines instead of the bar
         with progress_bar(quiet=quiet) as progress:
             task = progress.add_task(f"simulating {strategy} PS: tasks done", total=None)
             result = _run_sim(lambda: simulate_ps(
                 topo, ps=ps, config=config, jobs=jobs, priorities=prios,
-                on_progress=lambda done, total: progress.update(task, completed=done, total=total)))
+                on_progress=lambda done, total: progress.update(task, completed=done, total=total),
+                on_status=_status_lines(progress_lines, f"simulate ps {strategy}")))
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     ends = iteration_times(result, iterations, workers) if jobs == 1 else None

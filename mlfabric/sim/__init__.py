@@ -19,7 +19,7 @@ See ``docs/simulator.md``. Exercise it with::
 """
 
 from .compute import STRAGGLER_PRESETS, ComputeModel, StragglerModel, straggler_preset
-from .engine import ROUTINGS, Engine, EngineConfig, SimResult, SimulationStalled, run_graph
+from .engine import ROUTINGS, Engine, EngineConfig, SimResult, SimStatus, SimulationStalled, run_graph
 from .graph import DELAY, TRANSFER, GraphBuilder, TaskGraph, compile_schedules, merge_graphs
 from .workloads import (
     PLACEMENTS,
@@ -41,7 +41,7 @@ from .workloads import (
 __all__ = [
     "DELAY", "PLACEMENTS", "PS_STRATEGIES", "ROUTINGS", "STRAGGLER_PRESETS", "TRANSFER",
     "ComputeModel", "Engine", "EngineConfig", "GraphBuilder", "PSConfig", "SimResult",
-    "SimulationStalled", "StragglerModel", "TaskGraph", "collective_graph", "collective_kind",
+    "SimStatus", "SimulationStalled", "StragglerModel", "TaskGraph", "collective_graph", "collective_kind",
     "compile_schedules", "concurrent_ps_graph", "iteration_times", "merge_graphs", "ps_graph",
     "ps_placement", "rack_of", "ring_closed_form_s", "run_graph", "simulate_collective",
     "simulate_ps", "straggler_preset", "tree_parents",

@@ -20,11 +20,16 @@ The engine repeats:
    ``batch_rtol`` (relative) of that instant completes in the same batch, so flows that
    finish together in exact arithmetic cost one re-solve, not one each.
 
-Most events of a large run only finish flows and count down dependencies; with the compiled
-kernel built, one priority class and no message latency, those run whole in a compiled loop
-(``_fill.run_events``, ``mlfabric/flow/_events.c``) that hands back to Python at anything
-else (tasks made ready, FIFO connections, timers, full solves). Results are bit-identical
-to the Python loop (``EngineConfig(compiled_loop=False)``).
+Most events of a large run only finish flows, count down dependencies and start the flows
+of the transfers made ready; with the compiled kernel built, one priority class and no
+message latency, those run whole in a compiled loop (``_fill.run_events``,
+``mlfabric/flow/_events.c``): every transfer's route is computed once up front, and the
+loop completes zero-time tasks, queues and releases FIFO connections, starts flows and
+re-solves, handing back to Python only for timers, full solves it cannot do, and batches it
+has no room for (issue #37: a ring event went from ~0.7 ms of Python to a few us). Events
+whose change stays local (a ring step) skip the re-solve (see ``solve_isolated``). Results
+are bit-identical to the Python loop (``EngineConfig(compiled_loop=False)``) on the tests'
+runs; ``EngineConfig(compiled_tasks=False)`` is the loop as it was before #37.
 
 Transfers between ranks on the same host use the host's host-internal link when the topology
 has one (:meth:`Topology.with_host_links <mlfabric.topo.Topology.with_host_links>`: the
@@ -53,7 +58,7 @@ times and byte counts (wall times aside).
 
 Exercise it with::
 
-    .venv/bin/python -m pytest tests/unit/test_sim.py -q
+    .venv/bin/python -m pytest tests/unit/test_sim.py tests/unit/test_sim_scale.py -q
 """
 
 from __future__ import annotations
@@ -75,7 +80,8 @@ from mlfabric.topo.routing import incidence_from_entries
 
 from .graph import DELAY, TRANSFER, TaskGraph
 
-__all__ = ["EngineConfig", "Engine", "NaiveNetwork", "SimResult", "SimulationStalled", "run_graph", "ROUTINGS", "SOLVERS"]
+__all__ = ["EngineConfig", "Engine", "NaiveNetwork", "SimResult", "SimStatus", "SimulationStalled", "run_graph", "ROUTINGS",
+           "SOLVERS"]
 
 ROUTINGS = ("ecmp", "spray")
 SOLVERS = ("flow", "naive")
@@ -96,6 +102,22 @@ _STOP_TOP, _STOP_REFRESHED, _STOP_POPPED, _STOP_READY, _STOP_PAUSE = range(5)
 _COMPILED_BUDGET = 4096
 #: Least wall time between two ``on_progress`` calls of a run (seconds).
 PROGRESS_INTERVAL_S = 0.1
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimStatus:
+    """Where a run stands (``on_status``; ``mlfabric simulate ... --progress`` prints it)."""
+
+    tasks_done: int
+    tasks: int
+    events: int
+    flows: int
+    #: Simulated time reached (seconds).
+    sim_time_s: float
+    #: Wall time since the run started (seconds).
+    wall_s: float
+    #: True on the last call, when the run is over.
+    finished: bool = False
 
 
 class SimulationStalled(RuntimeError):
@@ -132,6 +154,13 @@ class EngineConfig:
     #: per-event overhead. Used when the kernel is built, with one priority class and
     #: ``latency_s == 0``; False runs every event in Python (tests compare the two).
     compiled_loop: bool = True
+    #: With the compiled loop: it also runs the tasks that become ready (zero-time tasks
+    #: complete, transfers start their flows on routes computed once up front, FIFO
+    #: connections queue and release) and hands back to Python only for timers and for what
+    #: it has no room for (issue #37: a ring event cost ~0.7 ms of Python, now a few us).
+    #: False: the engine as it was before (every event that starts a flow runs in Python),
+    #: kept for the side-by-side benchmark and the equality tests.
+    compiled_tasks: bool = True
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTINGS:
@@ -466,12 +495,15 @@ class Engine:
     """Runs one :class:`TaskGraph` on one :class:`Topology`; see the module docstring."""
 
     def __init__(self, graph: TaskGraph, topology: Topology, config: EngineConfig | None = None, *,
-                 on_progress: Callable[[int, int], None] | None = None) -> None:
+                 on_progress: Callable[[int, int], None] | None = None,
+                 on_status: Callable[[SimStatus], None] | None = None) -> None:
         self.graph = graph
         self.topology = topology
         self.config = config or EngineConfig()
         #: ``on_progress(tasks done, tasks)``, at most every PROGRESS_INTERVAL_S of wall time and at the end.
         self.on_progress = on_progress
+        #: ``on_status(SimStatus)``, as often as ``on_progress``: events, flows, simulated time.
+        self.on_status = on_status
         transfers = graph.kind == TRANSFER
         if transfers.any():
             hosts = np.concatenate([graph.src[transfers], graph.dst[transfers]])
@@ -494,9 +526,14 @@ class Engine:
         self.start_s = np.full(n, math.nan)
         self.finish_s = np.full(n, math.nan)
         self.link_bytes = np.zeros(topology.n_links)
-        # FIFO connections: whether one has a flow on the wire, and the transfers queued behind it.
-        self._connection_busy = np.zeros(int(graph.connection.max(initial=-1)) + 1, dtype=bool)
-        self._connection_queue: dict[int, deque[int]] = defaultdict(deque)
+        # FIFO connections: whether one has a flow on the wire, and the transfers queued behind
+        # it (a linked list in arrays, which the compiled loop reads too: head and tail per
+        # connection, next per task; -1 = none).
+        n_connections = int(graph.connection.max(initial=-1)) + 1
+        self._connection_busy = np.zeros(n_connections, dtype=bool)
+        self._queue_head = np.full(n_connections, -1, dtype=np.int64)
+        self._queue_tail = np.full(n_connections, -1, dtype=np.int64)
+        self._queue_next = np.full(n, -1, dtype=np.int64)
         self.flows = 0
         self.events = 0
         self.done = 0
@@ -504,7 +541,59 @@ class Engine:
                           and self._classes[0]._native and hasattr(_fill, "run_events"))
         self._freed_buffer = np.zeros(0, dtype=np.int64)
         self._candidate_buffer = np.zeros(0, dtype=np.int64)
+        self._pending_buffer = np.zeros(0, dtype=np.int64)
+        self._pending_count = 0
         self._task_buffer = np.empty(n, dtype=np.int64)
+        self._tasks_compiled = self._compiled and self.config.compiled_tasks and self.config.solver == "flow"
+        #: Wall time spent in __init__ routing every transfer up front (counted in wall_s).
+        self._setup_wall_s = 0.0
+        if self._tasks_compiled:
+            wall0 = time.perf_counter()
+            self._route_all()
+            self._setup_wall_s = time.perf_counter() - wall0
+
+    def _route_all(self) -> None:
+        """Every transfer's route, computed once (the compiled loop starts flows from them):
+        ``_route_of[task]`` indexes the rows ``_route_ptr``/``_route_links``/``_route_weights``
+        (-1: the transfer completes at once: empty, or same-host without a host link).
+
+        The transfers of one FIFO connection share one route (same hosts, NIC and ECMP key:
+        a 1,024-rank ring's 2 M messages are 1,024 routes); any other transfer gets its own.
+        The rows are what ``_route`` gives when the flows start (routing is per row)."""
+        g = self.graph
+        n = g.n_tasks
+        route_of = np.full(n, -1, dtype=np.int64)
+        network = (g.kind == TRANSFER) & (g.size_bytes > 0)
+        if self.topology.host_links is None:
+            network &= g.src != g.dst
+        tasks = np.flatnonzero(network)
+        conn = g.connection[tasks]
+        on_conn = conn >= 0
+        rep_of_conn = np.full(self._connection_busy.size, -1, dtype=np.int64)
+        # The first task of each connection represents it; the others must agree with it.
+        rep_of_conn[conn[on_conn][::-1]] = tasks[on_conn][::-1]
+        reps = rep_of_conn[conn[on_conn]]
+        same = np.ones(reps.size, dtype=bool)
+        for column in (g.src, g.dst, g.nic, g.flow_key):
+            same &= column[reps] == column[tasks[on_conn]]
+        shared = tasks[on_conn][same]
+        own = np.concatenate([tasks[~on_conn], tasks[on_conn][~same]])
+        connections = np.flatnonzero(rep_of_conn >= 0)
+        routed = np.concatenate([rep_of_conn[connections], np.sort(own)])
+        if routed.size:
+            incidence = self._route(routed)
+            self._route_ptr = incidence.indptr.astype(np.int64)
+            self._route_links = incidence.links.astype(np.int64)
+            self._route_weights = incidence.weight_array().astype(np.float64)
+        else:
+            self._route_ptr = np.zeros(1, dtype=np.int64)
+            self._route_links = np.zeros(0, dtype=np.int64)
+            self._route_weights = np.zeros(0)
+        index_of_conn = np.full(self._connection_busy.size, -1, dtype=np.int64)
+        index_of_conn[connections] = np.arange(connections.size)
+        route_of[shared] = index_of_conn[g.connection[shared]]
+        route_of[routed[connections.size:]] = connections.size + np.arange(routed.size - connections.size)
+        self._route_of = route_of
 
     # ------------------------------------------------------------------ routing
 
@@ -658,8 +747,15 @@ class Engine:
         first = np.ones(keys.size, dtype=bool)
         first[1:] = keys[1:] != keys[:-1]
         start = first & ~self._connection_busy[keys]
+        head, tail, after = self._queue_head, self._queue_tail, self._queue_next
         for task, key in zip(queued[~start].tolist(), keys[~start].tolist()):
-            self._connection_queue[key].append(task)
+            after[task] = -1
+            last = tail[key]
+            if last >= 0:
+                after[last] = task
+            else:
+                head[key] = task
+            tail[key] = task
         self._connection_busy[keys[start]] = True
         return np.concatenate([tasks[~fifo], queued[start]])
 
@@ -670,10 +766,14 @@ class Engine:
         if not keys.size:
             return
         following = []
+        head, tail, after = self._queue_head, self._queue_tail, self._queue_next
         for key in keys.tolist():
-            queue = self._connection_queue.get(key)
-            if queue:
-                following.append(queue.popleft())
+            first = int(head[key])
+            if first >= 0:
+                following.append(first)
+                head[key] = after[first]
+                if head[key] < 0:
+                    tail[key] = -1
             else:
                 self._connection_busy[key] = False
         if following:
@@ -790,8 +890,9 @@ class Engine:
         idle_events = 0
         reported = wall0
         while self.done < n:
-            if self.on_progress is not None and time.perf_counter() - reported >= PROGRESS_INTERVAL_S:
-                self.on_progress(self.done, n)
+            if (self.on_progress is not None or self.on_status is not None) \
+                    and time.perf_counter() - reported >= PROGRESS_INTERVAL_S:
+                self._report(wall0)
                 reported = time.perf_counter()
             refreshed = False
             finished: list[np.ndarray] | None = None
@@ -840,8 +941,7 @@ class Engine:
             idle_events = 0
             if batch.size:
                 self._settle(self._complete(batch))
-        if self.on_progress is not None:
-            self.on_progress(self.done, n)
+        self._report(wall0, finished=True)
         finish = np.nan_to_num(self.finish_s, nan=0.0)
         job_time = np.zeros(len(g.job_names))
         if n:
@@ -853,8 +953,23 @@ class Engine:
         return SimResult(
             graph=g, topology=self.topology, config=cfg, time_s=float(finish.max(initial=0.0)), job_time_s=job_time,
             task_start_s=self.start_s, task_finish_s=self.finish_s, link_bytes=self.link_bytes, flows=self.flows,
-            events=self.events, solver_updates=updates, wall_s=time.perf_counter() - wall0,
+            events=self.events, solver_updates=updates, wall_s=time.perf_counter() - wall0 + self._setup_wall_s,
         )
+
+    def _pause_after_s(self) -> float:
+        """Wall time after which the compiled loop hands back, so progress is reported on time
+        (it runs thousands of events per call: seconds on a large halving-doubling)."""
+        if self.on_progress is None and self.on_status is None:
+            return math.inf
+        return PROGRESS_INTERVAL_S
+
+    def _report(self, wall0: float, *, finished: bool = False) -> None:
+        if self.on_progress is not None:
+            self.on_progress(self.done, self.graph.n_tasks)
+        if self.on_status is not None:
+            self.on_status(SimStatus(tasks_done=self.done, tasks=self.graph.n_tasks, events=self.events, flows=self.flows,
+                                     sim_time_s=self.now, wall_s=time.perf_counter() - wall0 + self._setup_wall_s,
+                                     finished=finished))
 
     def _run_compiled(self, max_events: int) -> tuple[int, np.ndarray]:
         """Run events in the compiled loop until it stops (see ``_STOP_*``); returns where it
@@ -862,20 +977,49 @@ class Engine:
         flow_class = self._classes[0]
         network = flow_class.network
         assert isinstance(network, FlowNetwork)
+        pool = np.zeros(0, dtype=np.int64)
+        if self._tasks_compiled:
+            # Room for the flows the loop starts (it hands back to Python when out of it).
+            network._grow_slots(network._slots + max(256, network._n_alive // 2))
+            network._grow_entries(network._entries + max(4096, 4 * network._n_alive))
+            network._reserve_order(3 * network.slot_capacity + 2048)
+            flow_class._grow(network.slot_capacity)
+            if network._free:
+                pool = np.concatenate(network._free)
+            if self._pending_buffer.size < network.slot_capacity:
+                self._pending_buffer = np.empty(network.slot_capacity, dtype=np.int64)
+            # Flows Python started since the last update: the loop re-solves them first.
+            self._pending_count = 0
+            if network._pending_new:
+                pending = np.concatenate(network._pending_new)
+                pending = network._distinct(pending[network._alive[pending] & ~network._solved[pending]])
+                self._pending_buffer[: pending.size] = pending
+                self._pending_count = pending.size
+                network._pending_new = []
         rows = flow_class.record.shape[0]
         if self._candidate_buffer.size < rows:
             self._candidate_buffer = np.empty(max(rows, 2 * self._candidate_buffer.size), dtype=np.int64)
-        if self._freed_buffer.size < network.slot_capacity:
-            self._freed_buffer = np.empty(max(network.slot_capacity, 2 * self._freed_buffer.size), dtype=np.int64)
+        # In task mode flows come and go inside one call: room for many generations of them.
+        freed = 4 * network.slot_capacity + (1 << 16) if self._tasks_compiled else network.slot_capacity
+        if self._freed_buffer.size < freed:
+            self._freed_buffer = np.empty(max(freed, 2 * self._freed_buffer.size), dtype=np.int64)
         candidates = flow_class.candidates
         self._candidate_buffer[: candidates.size] = candidates
         t_timer = self._timers[0][0] if self._timers else math.inf
-        stop, _, partial, none, n_freed, n_tasks, n_candidates = _fill.run_events(
+        stop, _, partial, none, n_freed, n_tasks, n_candidates, full, used, n_pending = _fill.run_events(
             network, flow_class, self, self._candidate_buffer, self._freed_buffer, self._task_buffer, t_timer,
-            max_events, _COMPILED_BUDGET)
+            max_events, _COMPILED_BUDGET, pool, self._pending_buffer, self._pause_after_s())
         flow_class.candidates = self._candidate_buffer[:n_candidates].copy()
-        network.adopt_removed(self._freed_buffer[:n_freed])
-        for kind, count in (("partial", partial), ("none", none)):
+        if self._tasks_compiled:
+            # The loop took free slots from the pool, then from the ids it freed, in order.
+            rest = [pool[used:], self._freed_buffer[max(0, used - pool.size):n_freed]]
+            network._free = [np.concatenate(rest).copy()] if rest[0].size + rest[1].size else []
+            network.adopt_removed(np.zeros(0, dtype=np.int64))
+            if n_pending:
+                network._pending_new = [self._pending_buffer[:n_pending].copy()]
+        else:
+            network.adopt_removed(self._freed_buffer[:n_freed])
+        for kind, count in (("partial", partial), ("none", none), ("full", full)):
             if count:
                 flow_class.updates[kind] = flow_class.updates.get(kind, 0) + count
         return stop, self._task_buffer[:n_tasks].copy()
@@ -916,9 +1060,12 @@ class Engine:
 
 
 def run_graph(graph: TaskGraph, topology: Topology, config: EngineConfig | None = None, *,
-              on_progress: Callable[[int, int], None] | None = None, **options: Any) -> SimResult:
+              on_progress: Callable[[int, int], None] | None = None,
+              on_status: Callable[[SimStatus], None] | None = None, **options: Any) -> SimResult:
     """Run ``graph`` on ``topology``; ``options`` are :class:`EngineConfig` fields.
-    ``on_progress(tasks done, tasks)`` is called now and then while it runs (a progress display)."""
+    ``on_progress(tasks done, tasks)`` is called now and then while it runs (a progress display);
+    ``on_status(SimStatus)`` with events, flows and simulated time too (``--progress``)."""
     if config is not None and options:
         raise ValueError("give either config or EngineConfig fields, not both")
-    return Engine(graph, topology, config or EngineConfig(**options), on_progress=on_progress).run()
+    return Engine(graph, topology, config or EngineConfig(**options), on_progress=on_progress,
+                  on_status=on_status).run()

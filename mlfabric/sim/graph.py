@@ -206,10 +206,11 @@ class GraphBuilder:
         has_any = np.bincount(after[any_of], minlength=n) > 0
         labels = tuple(sorted(self._labels, key=self._labels.__getitem__)) or ("task",)
         return TaskGraph(
-            kind=columns["kind"].astype(np.int8), src=columns["src"], dst=columns["dst"],
-            size_bytes=columns["size_bytes"].astype(np.float64), duration_s=columns["duration_s"].astype(np.float64),
+            kind=columns["kind"].astype(np.int8, copy=False), src=columns["src"], dst=columns["dst"],
+            size_bytes=columns["size_bytes"].astype(np.float64, copy=False),
+            duration_s=columns["duration_s"].astype(np.float64, copy=False),
             nic=columns["nic"], priority=columns["priority"], job=columns["job"], rank=columns["rank"],
-            peer=columns["peer"], op=columns["op"], label=columns["label"].astype(np.int16),
+            peer=columns["peer"], op=columns["op"], label=columns["label"].astype(np.int16, copy=False),
             label_names=labels, job_names=(self.job_name,), flow_key=np.arange(n, dtype=np.int64),
             connection=columns["connection"], dep_ptr=dep_ptr, dep_dst=after[order], dep_any=any_of[order],
             need_all=need_all, has_any=has_any,
