@@ -19,6 +19,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import torch
+
+from mlfabric.errors import MlfabricError
+
 NAMESPACE = 1 << 60
 _KIND_SHIFT, _SESSION_SHIFT = 52, 40
 _SEQ_MASK = (1 << _SESSION_SHIFT) - 1
@@ -38,6 +42,10 @@ INIT, PUSH, CLOCK, PULL, LEAVE, STATS = "init", "push", "clock", "pull", "leave"
 ORDER = "order"  # from the scheduler to a server: a batch's application order
 ADOPT = "adopt"  # from a worker to a replica promoted to server: the worker's clock
 ATTACH = "attach"  # from an mlnet node to its new parent (node or server) after a repair
+
+
+class PSRequestError(MlfabricError, ValueError):
+    """A server refused a request (the message says which server, why and what to do)."""
 
 
 def tag(kind: int, session: int, seq: int = 0) -> int:
@@ -66,3 +74,15 @@ def decode(meta: bytes) -> dict[str, Any]:
     if not isinstance(data, dict) or "op" not in data:
         raise ValueError(f"malformed parameter-server header: {data!r}")
     return data
+
+
+def payload_tensor(payload: memoryview, dtype: torch.dtype, numel: int, what: str) -> torch.Tensor:
+    """The received ``payload`` as a 1-D tensor of ``numel`` x ``dtype`` (no copy when the
+    transport's buffer is writable); ValueError naming ``what`` if the size is wrong."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if payload.nbytes != numel * itemsize:
+        raise ValueError(f"{what}: {payload.nbytes} bytes, expected {numel} x {dtype} = {numel * itemsize}")
+    if numel == 0:
+        return torch.empty(0, dtype=dtype)
+    buf = payload if not payload.readonly else memoryview(bytearray(payload))
+    return torch.frombuffer(buf, dtype=dtype)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
+import math
 import random
 import threading
 import time
@@ -33,17 +34,16 @@ from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 
-from mlfabric.errors import CollectiveTimeoutError, MlfabricError, PeerLostError
-from mlfabric.runtime.executor import tensor_bytes
-from mlfabric.transport.base import Message, SendHandle, Transport
+from mlfabric.errors import CollectiveTimeoutError, PeerLostError
+from mlfabric.transport.base import Message, SendHandle, Transport, tensor_bytes
 
 from . import protocol
 from .config import PSConfig
 from .layout import PSLayout
 from .model import ModelSpec, Tensors
-from .ordered import ORDERS, ArrivingModel, check_priorities
-from .routing import RoutingPolicy, routing_policy, send_pulls_directly
-from .server import payload_tensor
+from .policies.ordered import ORDERS, ArrivingModel, check_priorities
+from .policy import Policy, make_policy, send_pulls_directly
+from .protocol import PSRequestError, payload_tensor
 
 log = logging.getLogger("mlfabric.ps")
 T = TypeVar("T")
@@ -51,10 +51,6 @@ T = TypeVar("T")
 
 class _Redirected(Exception):
     """A server was lost and its replica took over: the waiting call asks again."""
-
-
-class PSRequestError(MlfabricError, ValueError):
-    """A server refused a request (the message says which server, why and what to do)."""
 
 
 @dataclass
@@ -82,14 +78,15 @@ class PSWorker:
     """Worker ``layout.worker_index(transport.rank)`` of a PS job (module docstring)."""
 
     def __init__(self, transport: Transport, layout: PSLayout, config: PSConfig, *,
-                 routing: RoutingPolicy | None = None, channel: str | None = None) -> None:
+                 routing: Policy | None = None, channel: str | None = None) -> None:
         self.transport = transport
         self.layout = layout
         self.config = config
         self.index = layout.worker_index(transport.rank)
         self.who = layout.describe(transport.rank)
         self.channel = channel or transport.channels[0]
-        self.routing = routing or routing_policy(config.routing, config.routing_settings())
+        #: The routing policy (:mod:`mlfabric.ps.policy`): how pushes, pulls and clocks leave.
+        self.routing: Policy = routing or make_policy(config)
         self.models: dict[str, ModelSpec] = {}
         self.versions: dict[str, list[int]] = {}
         self.clock_value = 0
@@ -120,7 +117,7 @@ class PSWorker:
         layout; the first values to reach a server win). ``lr``/``momentum``: the server's
         eq. (1)-(2). ``priorities`` (key -> int, lower first; TicTac's TIO/TAO from
         :mod:`mlfabric.order`): the order in which servers send the tensors to
-        :meth:`pull_in_order` (:mod:`mlfabric.ps.ordered`). Waits until every server has it."""
+        :meth:`pull_in_order` (:mod:`mlfabric.ps.policies.ordered`). Waits until every server has it."""
         with self._lock:
             self._check_open("init_model")
             spec = ModelSpec.of(name, tensors)
@@ -174,8 +171,10 @@ class PSWorker:
             return self._send_push(spec, components, update_norm)
 
     def _send_push(self, spec: ModelSpec, components: dict[int, torch.Tensor], norm: float | None) -> bool:
-        if norm is None:
-            norm = float(torch.linalg.vector_norm(torch.cat([c.double() for c in components.values()])))
+        if norm is None and self.routing.needs_push_norm:
+            # one float64 pass over the update, without a copy of it (only the scheduled policy reads it)
+            norm = math.sqrt(sum(float(torch.linalg.vector_norm(c, dtype=torch.float64)) ** 2
+                                 for c in components.values()))
         headers = [protocol.encode(op=protocol.PUSH, model=spec.name, clock=self.clock_value,
                                    version=self.versions[spec.name][j], norm=norm) for j in components]
         servers = list(components)
@@ -216,10 +215,8 @@ class PSWorker:
         """Finish this iteration (the lock held): the CLOCK header for each server, for the
         caller to send, or None where the routing sent the clock itself (mlnet: up the trees
         with the sums)."""
-        send_clock = getattr(self.routing, "send_clock", None)
         clock, self.clock_value = self.clock_value, self.clock_value + 1
-        if send_clock is not None:
-            send_clock(self, clock)
+        if self.routing.send_clock(self, clock):
             return None
         return [protocol.encode(op=protocol.CLOCK, clock=clock)] * self.layout.servers
 
@@ -378,9 +375,8 @@ class PSWorker:
             if self._left:
                 return
             self._left = True
-            flush = getattr(self.routing, "flush", None)
-            if flush is not None:  # updates a policy still holds leave before the leave message
-                flush(self.config.timeout_s)
+            # updates a policy still holds leave before the leave message
+            self.routing.flush(self.config.timeout_s)
             # Replicas hear it too: one that takes over later must not wait for this worker.
             for rank in dict.fromkeys([*self.serving, *self.layout.replica_ranks]):
                 if rank not in self.transport.lost_peers:
@@ -422,26 +418,30 @@ class PSWorker:
         if self._left:
             raise RuntimeError(f"{self.who}: {op} after leave()")
         for rank in list(self.serving):
-            if rank in self.transport.lost_peers and self._fail_over(rank):
+            if rank in self.transport.lost_peers and self.fail_over(rank):
                 continue
             if self.transport.is_gone(rank):
-                raise self._lost(rank, op)
+                raise self.lost_error(rank, op)
         error = self.transport.mailbox.take(self.channel, protocol.reply_tag(self.config.session, 0))
         if error is not None:
             raise PSRequestError(protocol.decode(error.meta).get("message", "a server refused a request"))
+
+    def track(self, handle: SendHandle, source: Any) -> None:
+        """Keep ``source`` (a tensor, a received message) alive until ``handle`` is done."""
+        self._inflight.append((handle, source))
 
     def server_rank(self, server: int) -> int:
         """The rank serving shard ``server`` now (its replica after a failover)."""
         return self.serving[server]
 
-    def _fail_over(self, peer: int) -> bool:
+    def fail_over(self, peer: int) -> bool:
         """``peer`` was lost: if it served a shard that a live replica can take over
         (:func:`~mlfabric.ps.replica.failover_refusal`), send that shard's requests (and, under
         the scheduled policy, the scheduler's) to the replica from now on, tell it this
         worker's clock, and return True (True again for a peer already failed over). The update
         in flight to ``peer`` is lost; fresh ones make it up (MLfabric §3.3). Under mlnet the
         worker's tree node re-attaches to the replica and tells it the clocks instead."""
-        from .replica import failover_refusal, live_replicas
+        from .failover import failover_refusal, live_replicas
 
         with self._failover_lock:
             if peer in self._failed_over:
@@ -457,9 +457,7 @@ class PSWorker:
             self.failovers += 1
         log.warning("%s: %s was lost; shard %d is now served by %s", self.who, self.layout.describe(peer), j,
                     self.layout.describe(candidates[0]))
-        if self.config.routing != "mlnet":
-            self.transport.send(candidates[0], protocol.request_tag(self.config.session), b"", channel=self.channel,
-                                meta=protocol.encode(op=protocol.ADOPT, clock=self.clock_value))
+        self.routing.after_failover(self, candidates[0])
         return True
 
     def _model(self, model: str | None, op: str) -> ModelSpec:
@@ -538,10 +536,10 @@ class PSWorker:
             if msg is not None:
                 return msg
             for peer in watched:
-                if peer in transport.lost_peers and self._fail_over(peer):
+                if peer in transport.lost_peers and self.fail_over(peer):
                     raise _Redirected(peer)
                 if transport.is_gone(peer):
-                    raise self._lost(peer, what)
+                    raise self.lost_error(peer, what)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 # init_model waits on nothing but the server's loop; pulls wait on clocks too
@@ -554,7 +552,8 @@ class PSWorker:
                     f"{self.config.timeout_s:g} s ({hint})", rank=transport.rank, peer=src)
             transport.progress(version, min(remaining, 0.1))
 
-    def _lost(self, peer: int, what: str) -> PeerLostError:
+    def lost_error(self, peer: int, what: str) -> PeerLostError:
+        """The error a call during ``what`` raises because ``peer`` was lost or left (naming it)."""
         transport = self.transport
         name = self.layout.describe(peer)
         if peer in transport.lost_peers:

@@ -10,7 +10,7 @@ The scheduled modes run the runtime's own code, not a copy: every batch is plann
 :class:`~mlfabric.ps.monitor.Ledger` builds from capacities the
 :class:`~mlfabric.ps.monitor.NetworkMonitor` reports ``t_lag`` late, and pulls are answered
 in batches through :func:`mlfabric.ps.scheduler.distribute` (model distribution, §10.3), as
-:mod:`mlfabric.ps.scheduling` does.
+:mod:`mlfabric.ps.policies.scheduled` does.
 
 The network is a star of hosts (host 0 the server, hosts ``1..W`` the workers) whose NICs
 have an up and a down capacity, redrawn every ``churn_period_s`` from the churn model (the
@@ -49,7 +49,7 @@ import numpy as np
 
 from mlfabric.emu.churn import churn_model, churn_schedule
 from mlfabric.ps.monitor import Ledger, NetworkMonitor
-from mlfabric.ps.scheduling import aggregator_ranks
+from mlfabric.ps.policies.scheduled.settings import aggregator_ranks
 from mlfabric.ps.scheduler import Scheduler, SchedulerConfig, UpdateRequest, plan_pull_batch
 
 __all__ = ["MLfabricSimConfig", "PAPER_TABLE2", "SIM_MODES", "compare_with_emulation", "cycle_floor_s",

@@ -8,9 +8,9 @@ Modes: ``ps-bsp`` (bulk synchronous: synchronous SGD through the servers), ``ps-
 arrival; ``--delay-bound TAU`` drops updates whose delay would exceed TAU, MLfabric §3.1;
 MLfabric's "vanilla Async"), ``mlfabric-a:TAU`` (MLfabric-A: asynchronous with delay bound
 TAU, every update scheduled by MLfabric's scheduler: ordering, drops, aggregation,
-:mod:`mlfabric.ps.scheduling`), ``mlfabric-s`` (MLfabric-S, §6: BSP rounds whose updates the
+:mod:`mlfabric.ps.policies.scheduled`), ``mlfabric-s`` (MLfabric-S, §6: BSP rounds whose updates the
 scheduler orders and aggregates for the round's makespan), ``mlnet-binary``, ``mlnet-rack`` and
-``mlnet-tree:D`` (MLNET's aggregation/multicast trees, :mod:`mlfabric.ps.mlnet`: BSP, or SSP
+``mlnet-tree:D`` (MLNET's aggregation/multicast trees, :mod:`mlfabric.ps.policies.mlnet`: BSP, or SSP
 inside the tree with ``+ssp:S``, e.g. ``mlnet-rack+ssp:2``; rack trees take the racks of the
 launch's topology).
 Replicas (``--replicas R``): chain replication (the server forwards each update it applies),
@@ -52,7 +52,7 @@ def is_ps_mode(mode: str) -> bool:
 
 def mlnet_options(mode: str) -> dict[str, Any]:
     """``mlnet-rack+ssp:2`` -> consistency ssp:2, routing mlnet over rack trees."""
-    from mlfabric.ps.mlnet import MLNetSettings
+    from mlfabric.ps.policies.mlnet import MLNetSettings
 
     tree, plus, consistency = mode.removeprefix(MLNET).partition("+")
     try:
@@ -75,12 +75,12 @@ def session_options(mode: str, delay_bound: int | None = None, nic_rate_bps: flo
     if mode.startswith(MLNET):
         return mlnet_options(mode)
     if mode == MLFABRIC_S:
-        from mlfabric.ps.scheduling import DEFAULT_RATE_BPS, ScheduledSettings
+        from mlfabric.ps.policies.scheduled.settings import DEFAULT_RATE_BPS, ScheduledSettings
 
         return {"consistency": Consistency(kind="bsp"), "routing": "scheduled",
                 "scheduled": ScheduledSettings(rate_bps=nic_rate_bps or DEFAULT_RATE_BPS)}
     if mode.startswith(MLFABRIC_A):
-        from mlfabric.ps.scheduling import DEFAULT_RATE_BPS, ScheduledSettings
+        from mlfabric.ps.policies.scheduled.settings import DEFAULT_RATE_BPS, ScheduledSettings
 
         tau = mode.removeprefix(MLFABRIC_A)
         try:

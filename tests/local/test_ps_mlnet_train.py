@@ -55,7 +55,7 @@ def _chain_with_a_killed_interior_node(steps: int, kill_file: str, victims: tupl
     import collections
 
     import mlfabric.ps
-    from mlfabric.ps.mlnet import MLNetSettings
+    from mlfabric.ps.policies.mlnet import MLNetSettings
 
     first = mlfabric.ps.init(consistency="bsp", transport="tcp", timeout=20, lost_worker_wait_s=1.0)
     job = first.session(1, routing="mlnet", mlnet=MLNetSettings(tree="tree:1"))

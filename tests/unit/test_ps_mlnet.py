@@ -17,7 +17,7 @@ import torch
 
 from mlfabric.errors import PeerLostError
 from mlfabric.ps import PSConfig, PSLayout, UpdateInfo, local_jobs
-from mlfabric.ps.mlnet import MLNetSettings
+from mlfabric.ps.policies.mlnet import MLNetSettings
 from mlfabric.topo.trees import parse_tree_kind, rack_of, subtree_of, tree_parents
 
 from tests.unit.test_ps import quadratic_gradient, run_job
