@@ -160,18 +160,21 @@ class Policy:
     # -- worker side ---------------------------------------------------------------------------
 
     def send_push(self, worker: WorkerPort, model: str, components: list[torch.Tensor],
-                  headers: list[bytes]) -> list[SendHandle] | None:
-        """Send component ``j`` of an update (with header ``j``) toward server ``j``; None if
-        the policy dropped the update instead (MLfabric's scheduler, Alg. 2)."""
+                  pushes: "list[protocol.Push]") -> list[SendHandle] | None:
+        """Send component ``j`` of an update (with header ``pushes[j]``, encoded once here)
+        toward server ``j``; None if the policy dropped the update instead (MLfabric's
+        scheduler, Alg. 2)."""
         tag = protocol.request_tag(worker.config.session)
-        return [worker.transport.send(worker.server_rank(j), tag, tensor_bytes(component), meta=header,
-                                      channel=worker.channel)
-                for j, (component, header) in enumerate(zip(components, headers))]
+        handles = []
+        for j, (component, push) in enumerate(zip(components, pushes)):  # a loop, not a comprehension: one frame less
+            handles.append(worker.transport.send(worker.server_rank(j), tag, tensor_bytes(component),
+                                                 meta=push.encode(), channel=worker.channel))
+        return handles
 
-    def send_pull(self, worker: WorkerPort, headers: list[bytes], *, clocks: list[bytes] | None = None) -> None:
-        """Ask every server for its shard (header ``j`` to server ``j``), after the CLOCK
+    def send_pull(self, worker: WorkerPort, pulls: "list[protocol.Pull]", *, clocks: list[bytes] | None = None) -> None:
+        """Ask every server for its shard (``pulls[j]`` to server ``j``), after the CLOCK
         header ``clocks[j]`` where given (in the same hand-off, :func:`send_pulls_directly`)."""
-        send_pulls_directly(worker, headers, clocks=clocks)
+        send_pulls_directly(worker, pulls, clocks=clocks)
 
     def send_clock(self, worker: WorkerPort, clock: int) -> bool:
         """The worker finished iteration ``clock``: True if the policy sent it (mlnet: up the
@@ -283,11 +286,13 @@ class ReplicationFeed(Protocol):
 # --------------------------------------------------------------------------- direct sends
 
 
-def send_pulls_directly(worker: WorkerPort, headers: list[bytes], *, clocks: list[bytes] | None = None) -> None:
-    """Pull header ``j`` to server ``j``; with ``clocks``, CLOCK header ``clocks[j]`` just
-    before it, in one transport call (one segment on tcp, so the server takes both in one turn)."""
+def send_pulls_directly(worker: WorkerPort, pulls: "list[protocol.Pull]", *,
+                        clocks: list[bytes] | None = None) -> None:
+    """Pull ``j`` to server ``j``; with ``clocks``, CLOCK header ``clocks[j]`` just before it,
+    in one transport call (one segment on tcp, so the server takes both in one turn)."""
     tag = protocol.request_tag(worker.config.session)
-    for j, header in enumerate(headers):
+    for j, pull in enumerate(pulls):
+        header = pull.encode()
         if clocks is None:
             worker.transport.send(worker.server_rank(j), tag, b"", meta=header, channel=worker.channel)
         else:

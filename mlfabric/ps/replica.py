@@ -51,6 +51,7 @@ from .protocol import payload_tensor
 from .rules import SGDMomentum, UpdateInfo
 from .server import UpdateCallback
 from .shard import Shard
+from .waits import wait_until
 
 if TYPE_CHECKING:
     from .server import ParameterServer, ServerStats
@@ -234,13 +235,17 @@ class Replica:
         """Failover: apply what of the lost server's order is here (waiting up to
         PROMOTION_GRACE_S for units still on their way), count the rest as lost, and serve
         the shard from this model (MLfabric §3.3: fresh updates make up the lost work)."""
-        deadline = time.monotonic() + PROMOTION_GRACE_S
         self._recover_units()
-        while self._waiting_for_units() and time.monotonic() < deadline:
-            version = self.transport.mailbox.version
+
+        def caught_up() -> bool:
+            if not self._waiting_for_units():
+                return True
             self._take_all()
             self._drain()
-            self.transport.progress(version, 0.02)
+            return not self._waiting_for_units()
+
+        wait_until(self.transport, caught_up, time.monotonic() + PROMOTION_GRACE_S, who=self.who,
+                   what="the units of the lost server's order", required=False, poll=0.02)
         lost = [h for h, _, _ in self._queue if h["op"] in ("applied", "update")]
         if self._uncommitted:  # mlnet: their clocks never came; the tree nodes send them again
             log.info("%s: %d tree sums without their clock left out (the nodes send them again)", self.who,

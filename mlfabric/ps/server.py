@@ -44,6 +44,7 @@ from .policy import Policy, make_policy
 from .protocol import payload_tensor
 from .rules import SGDMomentum, UpdateInfo
 from .shard import PendingPull, Round, Shard
+from .waits import wait_until
 
 log = logging.getLogger("mlfabric.ps")
 
@@ -237,11 +238,12 @@ class ParameterServer:
 
     def _flush(self, timeout: float = 5.0) -> None:
         """Let the last replies leave before the caller closes the transport."""
-        deadline = time.monotonic() + timeout
-        while self._sending and time.monotonic() < deadline:
+        def sent() -> bool:
             self._sending = [(h, t) for h, t in self._sending if not h.done()]
-            if self._sending:
-                self.transport.progress(self.transport.mailbox.version, 0.01)
+            return not self._sending
+
+        wait_until(self.transport, sent, time.monotonic() + timeout, who=self.who, what="the last replies",
+                   required=False, poll=0.01)
 
     def _pending_pulls(self) -> bool:
         return any(shard.pulls for shard in self.shards.values())

@@ -44,6 +44,7 @@ from .model import ModelSpec, Tensors
 from .policies.ordered import ORDERS, ArrivingModel, check_priorities
 from .policy import Policy, make_policy, send_pulls_directly
 from .protocol import PSRequestError, payload_tensor
+from .waits import wait_until
 
 log = logging.getLogger("mlfabric.ps")
 T = TypeVar("T")
@@ -159,39 +160,38 @@ class PSWorker:
                 spec = self._model(model, "push")
                 server = self._server(target, "push")
                 offset, length = spec.shards(self.layout.servers)[server]
-                component = _component(update, spec, length, f"{self.who}: push to server {server}")
-                return self._send_push(spec, {server: component}, update_norm)
-            if model is not None:
-                raise TypeError(f"{self.who}: push(model, gradients) names the model once; drop model=")
-            spec = self._model(target, "push")
-            flat = spec.flatten(_gradients(update) if isinstance(update, torch.nn.Module) else update,
-                                who=self.who, op="push")
-            components = {j: flat[offset:offset + length]
-                          for j, (offset, length) in enumerate(spec.shards(self.layout.servers))}
-            return self._send_push(spec, components, update_norm)
-
-    def _send_push(self, spec: ModelSpec, components: dict[int, torch.Tensor], norm: float | None) -> bool:
-        if norm is None and self.routing.needs_push_norm:
-            # one float64 pass over the update, without a copy of it (only the scheduled policy reads it)
-            norm = math.sqrt(sum(float(torch.linalg.vector_norm(c, dtype=torch.float64)) ** 2
-                                 for c in components.values()))
-        headers = [protocol.encode(op=protocol.PUSH, model=spec.name, clock=self.clock_value,
-                                   version=self.versions[spec.name][j], norm=norm) for j in components]
-        servers = list(components)
-        parts = [components[j] for j in servers]
-        if servers == list(range(self.layout.servers)):
-            handles = self.routing.send_push(self, spec.name, parts, headers)
-            if handles is None:
-                self.stats.pushes_dropped += 1
-                return False
-        else:  # one component (MLfabric's push(server, ...)): straight to that server
-            tag = protocol.request_tag(self.config.session)
-            handles = [self.transport.send(self.server_rank(j), tag, tensor_bytes(c), meta=h,
-                                           channel=self.channel) for j, c, h in zip(servers, parts, headers)]
-        self._inflight += list(zip(handles, parts))
-        self._inflight = [(h, t) for h, t in self._inflight if not h.done()]
-        self.stats.pushes += 1
-        return True
+                components = {server: _component(update, spec, length, f"{self.who}: push to server {server}")}
+            else:
+                if model is not None:
+                    raise TypeError(f"{self.who}: push(model, gradients) names the model once; drop model=")
+                spec = self._model(target, "push")
+                flat = spec.flatten(_gradients(update) if isinstance(update, torch.nn.Module) else update,
+                                    who=self.who, op="push")
+                components = {j: flat[offset:offset + length]
+                              for j, (offset, length) in enumerate(spec.shards(self.layout.servers))}
+            # (one function from here to the policy's send: issue 35's check 6 counts the stops)
+            norm = update_norm
+            if norm is None and self.routing.needs_push_norm:
+                # one float64 pass over the update, without a copy of it (only the scheduled policy reads it)
+                norm = math.sqrt(sum(float(torch.linalg.vector_norm(c, dtype=torch.float64)) ** 2
+                                     for c in components.values()))
+            pushes = [protocol.Push(model=spec.name, clock=self.clock_value, version=self.versions[spec.name][j],
+                                    norm=norm) for j in components]
+            servers = list(components)
+            parts = [components[j] for j in servers]
+            if len(servers) == self.layout.servers:  # every component (keyed 0..S-1 then): the policy's
+                handles = self.routing.send_push(self, spec.name, parts, pushes)
+                if handles is None:
+                    self.stats.pushes_dropped += 1
+                    return False
+            else:  # one component (MLfabric's push(server, ...)): straight to that server
+                tag = protocol.request_tag(self.config.session)
+                handles = [self.transport.send(self.server_rank(j), tag, tensor_bytes(c), meta=p.encode(),
+                                               channel=self.channel) for j, c, p in zip(servers, parts, pushes)]
+            self._inflight += list(zip(handles, parts))
+            self._inflight = [(h, t) for h, t in self._inflight if not h.done()]
+            self.stats.pushes += 1
+            return True
 
     def push_async(self, target: str | int, update: Tensors, update_norm: float | None = None, *,
                    model: str | None = None) -> torch.futures.Future:
@@ -264,9 +264,8 @@ class PSWorker:
     def _pull_into(self, spec: ModelSpec, model: str, staleness: int | None, flat: torch.Tensor,
                    clocks: list[bytes] | None) -> None:
         ids = [next(self._ids) for _ in range(self.layout.servers)]
-        self.routing.send_pull(self, [protocol.encode(op=protocol.PULL, id=request_id, model=model,
-                                                      clock=self.clock_value, staleness=staleness)
-                                      for request_id in ids], clocks=clocks)
+        self.routing.send_pull(self, [protocol.Pull(id=request_id, model=model, clock=self.clock_value,
+                                                    staleness=staleness) for request_id in ids], clocks=clocks)
         for j, ((offset, length), request_id) in enumerate(zip(spec.shards(self.layout.servers), ids)):
             header, msg = self._await_model(j, request_id, model, staleness,
                                             f"pull({model!r}) at clock {self.clock_value}")
@@ -308,9 +307,8 @@ class PSWorker:
             ids = [next(self._ids) for _ in range(self.layout.servers)]
             clocks = self._clock_headers() if clock else None
             requested = time.monotonic()
-            send_pulls_directly(self, [protocol.encode(op=protocol.PULL, id=request_id, model=model, order=order,
-                                                       clock=self.clock_value, staleness=staleness)
-                                       for request_id in ids], clocks=clocks)
+            send_pulls_directly(self, [protocol.Pull(id=request_id, model=model, order=order, clock=self.clock_value,
+                                                     staleness=staleness) for request_id in ids], clocks=clocks)
             arriving = self._arriving[model] = ArrivingModel(self, spec, targets, list(enumerate(ids)), order,
                                                              requested)
             self.stats.pulls += 1
@@ -382,11 +380,12 @@ class PSWorker:
                 if rank not in self.transport.lost_peers:
                     self.transport.send(rank, protocol.request_tag(self.config.session), b"",
                                         meta=protocol.encode(op=protocol.LEAVE), channel=self.channel)
-            deadline = time.monotonic() + self.config.timeout_s
-            while self._inflight and time.monotonic() < deadline:
+            def sent() -> bool:
                 self._inflight = [(h, t) for h, t in self._inflight if not h.done()]
-                if self._inflight:
-                    self.transport.progress(self.transport.mailbox.version, 0.01)
+                return not self._inflight
+
+            wait_until(self.transport, sent, time.monotonic() + self.config.timeout_s, who=self.who,
+                       what="leave: the sends in flight", required=False, poll=0.01)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 
@@ -517,7 +516,7 @@ class PSWorker:
         msg = self._take(self.server_rank(server), protocol.reply_tag(self.config.session, request_id), what)
         header = protocol.decode(msg.meta)
         if header["op"] == "error":
-            if "lost_peer" in header:  # an mlnet tree node lost its parent (ps/mlnet.py)
+            if "lost_peer" in header:  # an mlnet tree node lost its parent (ps/policies/mlnet.py)
                 raise PeerLostError(header["message"], rank=self.transport.rank, peer=int(header["lost_peer"]))
             raise PSRequestError(header["message"])
         return header, msg
@@ -527,30 +526,27 @@ class PSWorker:
         ``src`` or any server is lost or has left: a worker cannot go on without every shard,
         and a call waiting on a live server (a BSP pull held for a round) must not wait out
         the timeout because another server died."""
-        transport, mailbox = self.transport, self.transport.mailbox
-        deadline = time.monotonic() + self.config.timeout_s
-        watched = (src, *self.serving)
-        while True:
-            version = mailbox.version
-            msg = mailbox.take(self.channel, tag, src)
-            if msg is not None:
-                return msg
-            for peer in watched:
-                if peer in transport.lost_peers and self.fail_over(peer):
-                    raise _Redirected(peer)
-                if transport.is_gone(peer):
-                    raise self.lost_error(peer, what)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                # init_model waits on nothing but the server's loop; pulls wait on clocks too
-                hint = ("it is alive but not serving: call serve() on its rank (PSJob.serve, or "
-                        "mlfabric.ps.init on every rank of the launch)" if what.startswith("init_model") else
-                        "it is alive; under BSP/SSP it waits for the slowest worker's clock: is a worker stuck or "
-                        "not calling clock()?")
-                raise CollectiveTimeoutError(
-                    f"{self.who}: {what}: no answer from {self.layout.describe(src)} within "
-                    f"{self.config.timeout_s:g} s ({hint})", rank=transport.rank, peer=src)
-            transport.progress(version, min(remaining, 0.1))
+        transport = self.transport
+
+        def gone(peer: int) -> BaseException:
+            if peer in transport.lost_peers and self.fail_over(peer):
+                return _Redirected(peer)
+            return self.lost_error(peer, what)
+
+        def late() -> BaseException:
+            # init_model waits on nothing but the server's loop; pulls wait on clocks too
+            hint = ("it is alive but not serving: call serve() on its rank (PSJob.serve, or "
+                    "mlfabric.ps.init on every rank of the launch)" if what.startswith("init_model") else
+                    "it is alive; under BSP/SSP it waits for the slowest worker's clock: is a worker stuck or "
+                    "not calling clock()?")
+            return CollectiveTimeoutError(f"{self.who}: {what}: no answer from {self.layout.describe(src)} within "
+                                          f"{self.config.timeout_s:g} s ({hint})", rank=transport.rank, peer=src)
+
+        msg = wait_until(transport, lambda: transport.mailbox.take(self.channel, tag, src),
+                         time.monotonic() + self.config.timeout_s, who=self.who, what=what,
+                         watch=(src, *self.serving), on_gone=gone, on_timeout=late)
+        assert msg is not None  # required: a timeout raised
+        return msg
 
     def lost_error(self, peer: int, what: str) -> PeerLostError:
         """The error a call during ``what`` raises because ``peer`` was lost or left (naming it)."""

@@ -58,10 +58,10 @@ class _DropOddClocks(Policy):
 
     name = "drop-odd"
 
-    def send_push(self, worker: Any, model: str, components: list[torch.Tensor], headers: list[bytes]) -> Any:
+    def send_push(self, worker: Any, model: str, components: list[torch.Tensor], pushes: list[Any]) -> Any:
         if worker.clock_value % 2:
             return None  # dropped: push() returns False
-        return super().send_push(worker, model, components, headers)
+        return super().send_push(worker, model, components, pushes)
 
 
 def test_a_registered_policy_runs_through_the_runtime() -> None:

@@ -32,7 +32,7 @@ children over the job's transport on the ``TREE`` tag:
 * *leave*: a leaving worker's node keeps serving its children until their subtrees have left
   (bounded by the job's timeout), and forwards each leave after the sums it covers.
 
-``pull_in_order`` (TicTac's per-tensor order, ``ps/ordered.py``) does not go through the tree:
+``pull_in_order`` (TicTac's per-tensor order, ``ps/policies/ordered.py``) does not go through the tree:
 the servers answer it directly, under the same clocks.
 
 **Failures** (MLNET §3, docs/parameter_server.md "Failures: repair and fall back"): a lost
@@ -65,7 +65,7 @@ from mlfabric.topo.trees import children_of, parse_tree_kind, rack_of, subtree_o
 from mlfabric.transport.base import Message, SendHandle, tensor_bytes
 
 from .. import protocol
-from ..policy import Policy, register_policy, send_pulls_directly
+from ..policy import Policy, register_policy
 from ..protocol import payload_tensor
 
 if TYPE_CHECKING:
@@ -801,11 +801,10 @@ class MLNetRouting(Policy):
             return self.node
 
     def send_push(self, worker: "WorkerPort", model: str, components: list[torch.Tensor],
-                  headers: list[bytes]) -> list[SendHandle]:
+                  pushes: list[protocol.Push]) -> list[SendHandle]:
         node = self._node(worker)
-        for j, (component, header) in enumerate(zip(components, headers)):
-            fields = protocol.decode(header)
-            node.submit("push", j, model, int(fields["clock"]), component.detach().clone(), fields)
+        for j, (component, push) in enumerate(zip(components, pushes)):
+            node.submit("push", j, model, push.clock, component.detach().clone(), push.fields())
         return []  # the node holds copies: the worker may reuse its tensors at once
 
     def send_clock(self, worker: "WorkerPort", clock: int) -> bool:
@@ -813,12 +812,13 @@ class MLNetRouting(Policy):
         self._node(worker).submit("clock", clock)
         return True
 
-    def send_pull(self, worker: "WorkerPort", headers: list[bytes], *, clocks: list[bytes] | None = None) -> None:
+    def send_pull(self, worker: "WorkerPort", pulls: list[protocol.Pull], *,
+                  clocks: list[bytes] | None = None) -> None:
         if clocks is not None:  # the worker hands clocks to send_clock here (they go with the sums)
             raise ValueError(f"{worker.who}: under mlnet a clock travels up the trees, not with a pull")
         node = self._node(worker)
-        for j, header in enumerate(headers):
-            node.submit("pull", j, protocol.decode(header))
+        for j, pull in enumerate(pulls):
+            node.submit("pull", j, pull.fields())
 
     def after_failover(self, worker: "WorkerPort", replica: int) -> None:
         """The worker's tree node re-attaches to the replica and tells it the clocks (no ADOPT)."""

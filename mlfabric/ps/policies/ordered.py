@@ -52,6 +52,7 @@ from .. import protocol
 from ..model import ModelSpec
 from ..policy import Policy
 from ..protocol import PSRequestError, payload_tensor
+from ..waits import wait_until
 
 if TYPE_CHECKING:
     from ..policy import ServerPort, WorkerPort
@@ -361,17 +362,15 @@ class ArrivingModel:
         expected: dict[int, int | None] = {j: None for j, _ in self._requests}  # pieces per server, from its header
         got = {j: 0 for j, _ in self._requests}
         next_seq = {j: 0 for j, _ in self._requests}
-        deadline = time.monotonic() + w.config.timeout_s
         what = f"ordered pull of {self.spec.name!r} at clock {self.clock}"
-        while any(expected[j] is None or got[j] < expected[j] for j in expected):
-            version = mailbox.version
-            progressed = False
+
+        def complete() -> bool:
+            """Land every piece that is in; True once every server's pieces are."""
             for j, request_id in self._requests:
                 rank = w.server_rank(j)
                 while (expected[j] is None or got[j] < expected[j]) and (
                         msg := mailbox.take(w.channel, protocol.reply_tag(session, request_id), rank)) is not None:
                     now = time.monotonic()
-                    progressed = True
                     header = protocol.decode(msg.meta)
                     if header["op"] == "error":
                         raise PSRequestError(header["message"])
@@ -384,18 +383,14 @@ class ArrivingModel:
                         continue
                     self._land(j, header, msg.payload, now, next_seq)
                     got[j] += 1
-            if progressed:
-                continue
-            for j, _ in self._requests:
-                rank = w.server_rank(j)
-                if transport.is_gone(rank):
-                    raise w.lost_error(rank, what)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise CollectiveTimeoutError(
-                    f"{w.who}: {what}: {sum(got.values())} pieces in, the rest not within {w.config.timeout_s:g} s "
-                    "(under BSP/SSP the answer waits for the slowest worker's clock)", rank=transport.rank)
-            transport.progress(version, min(remaining, 0.1))
+            return all(expected[j] is not None and got[j] >= expected[j] for j in expected)
+
+        wait_until(transport, complete, time.monotonic() + w.config.timeout_s, who=w.who, what=what,
+                   watch=lambda: [w.server_rank(j) for j, _ in self._requests],
+                   on_gone=lambda rank: w.lost_error(rank, what),
+                   on_timeout=lambda: CollectiveTimeoutError(
+                       f"{w.who}: {what}: {sum(got.values())} pieces in, the rest not within {w.config.timeout_s:g} s "
+                       "(under BSP/SSP the answer waits for the slowest worker's clock)", rank=transport.rank))
         for j, version in self.versions.items():
             w.versions[self.spec.name][j] = version
         with self._cond:

@@ -19,6 +19,7 @@ from mlfabric.transport.base import SendHandle, Transport, tensor_bytes
 
 from ... import protocol
 from ...protocol import payload_tensor
+from ...waits import sends_done
 from .settings import ScheduledSettings, unit_scheduler
 
 if TYPE_CHECKING:
@@ -28,9 +29,8 @@ log = logging.getLogger("mlfabric.ps")
 
 
 def wait_sent(transport: Transport, handles: list[SendHandle], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while any(not h.done() for h in handles) and time.monotonic() < deadline:
-        transport.progress(transport.mailbox.version, 0.01)
+    """Best effort: the sends leave (paced ones at their rate) before the caller goes on."""
+    sends_done(transport, handles, timeout, who=f"rank {transport.rank}", what="scheduled sends")
 
 
 

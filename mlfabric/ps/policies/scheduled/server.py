@@ -16,11 +16,9 @@
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,7 +28,8 @@ from mlfabric.transport.base import SendHandle, tensor_bytes
 from ... import protocol
 from ...policy import answer_directly
 from ...protocol import payload_tensor
-from ...scheduler import NetState, plan_pull_batch
+from ...scheduler import NetState
+from .core import Entry, OrderBook, PullBatcher, entry_count, entry_key
 from .service import SchedulerService
 from .settings import ScheduledSettings
 
@@ -41,54 +40,24 @@ if TYPE_CHECKING:
 log = logging.getLogger("mlfabric.ps")
 
 
-@dataclass
-class _Entry:
-    kind: str              # "u": one worker's update (key: rank, id); "g": an aggregate (key: slot)
-    key: tuple[Any, ...]
-    count: int             # worker updates in it
-    deadline: float        # skip it if not here by then
-    ranks: frozenset[int]  # the workers whose updates it holds (their pulls wait for it)
-    #: Network replication (MLfabric §5.3): the replica unit this entry is, its norm bound,
-    #: and when it may be applied at the earliest (the batch's last entry, delayed so that the
-    #: replica catches up: 0 otherwise).
-    unit: int | None = None
-    norm: float | None = None
-    not_before: float = 0.0
-
-
-def _entry_count(entry: list[Any]) -> int:
-    """Worker updates in one entry of a batch order as the scheduler sends it: ``["u", rank,
-    id, ...]`` one, ``["g", slot, count, ...]`` an aggregate's members."""
-    return 1 if entry[0] == "u" else int(entry[2])
-
-
-@dataclass
-class _BatchOrder:
-    batch: int
-    entries: list[_Entry]
-    next: int = 0
-
-
 class ScheduledServerSide:
     """The server side of the ``scheduled`` policy (module docstring)."""
 
     def __init__(self, settings: ScheduledSettings) -> None:
         self.settings = settings
         self._answering: list[SendHandle] = []  # the last batch of pull answers
-        self._busy_until = 0.0  # ... and when the up-link is planned to be done with them
-        self._draws: Any = None  # seeded tie-breaks among distributors
+        self._pulls: PullBatcher | None = None  # model distribution's core (made with the server's seed)
         #: The scheduler, on server 0 (or the replica that took server 0 over).
         self.scheduler_service: SchedulerService | None = None
-        # Batch orders from the scheduler (per model, in batch order) and the scheduled
-        # updates that arrived.
-        self._orders: dict[str, list[_BatchOrder]] = {}
+        # MLfabric-A: the batch orders and the scheduled updates that arrived (the core), and
+        # the orders handed over by the scheduler's thread, not taken into the core yet.
+        self.book = OrderBook()
         self._incoming_orders: list[tuple[dict[str, Any], float]] = []
         self._order_lock = threading.Lock()
-        # MLfabric-A: per model, the worker updates in orders not yet applied or skipped (what
-        # the scheduler adds to the version to plan the next batch's delays: planned_ahead)
+        # per model, the worker updates in orders not yet applied or skipped (what the scheduler
+        # adds to the version to plan the next batch's delays: planned_ahead); counted here, under
+        # the lock, as soon as an order is handed over
         self._planned_ahead: Counter = Counter()
-        self._arrived: dict[tuple[str, int, tuple[Any, ...]], tuple[torch.Tensor, dict[str, Any]]] = {}
-        self._finished_batch: dict[str, int] = {}  # per model, the last batch fully applied
         # MLfabric-S: per (model, round) the workers whose routed update is not in yet, with
         # the time after which the round goes on without it.
         self._expected: dict[tuple[str, int], dict[int, float]] = {}
@@ -125,8 +94,7 @@ class ScheduledServerSide:
         shard = server.shard(header["model"], "push")
         gradient = payload_tensor(payload, shard.spec.torch_dtype, shard.length,
                                   f"push of model {shard.spec.name!r} to server {server.server}")
-        key = ("g", int(header["slot"])) if "slot" in header else ("u", int(header["rank"]), int(header["id"]))
-        self._arrived[(shard.spec.name, int(header["batch"]), key)] = (gradient.clone(), header)
+        self.book.arrived(shard.spec.name, int(header["batch"]), entry_key(header), (gradient.clone(), header))
         return True
 
     def step(self, server: "ServerPort", now: float) -> None:
@@ -141,7 +109,7 @@ class ScheduledServerSide:
         with self._order_lock:
             self._incoming_orders.append((order, received))
             if not order.get("sync"):
-                self._planned_ahead[order["model"]] += sum(_entry_count(e) for e in order["entries"])
+                self._planned_ahead[order["model"]] += sum(entry_count(e) for e in order["entries"])
         server.wake()
 
     def planned_ahead(self, model: str) -> int:
@@ -155,68 +123,27 @@ class ScheduledServerSide:
 
     def apply_batches(self, server: "ServerPort", now: float) -> None:
         """Apply scheduled updates in their batch's order, batches one after the other; an
-        entry still missing ``slack`` after its planned commit is skipped."""
-        with self._order_lock:  # MLfabric-A's orders; MLfabric-S's are _round_limit's
+        entry still missing ``slack`` after its planned commit is skipped (:class:`~.core.OrderBook`)."""
+        with self._order_lock:  # MLfabric-A's orders; MLfabric-S's are round_limit's
             incoming = [(o, t) for o, t in self._incoming_orders if not o.get("sync")]
             self._incoming_orders = [(o, t) for o, t in self._incoming_orders if o.get("sync")]
         for order, received in incoming:
-            entries = [_Entry(kind=e[0], key=tuple(e[1:3]) if e[0] == "u" else (int(e[1]),),
-                              count=_entry_count(e), deadline=received + float(e[3]),
-                              ranks=frozenset(int(r) for r in e[4]),
-                              unit=int(e[5]) if len(e) > 5 else None, norm=float(e[6]) if len(e) > 6 else None,
-                              not_before=received + float(e[7]) if len(e) > 7 and e[7] is not None else 0.0)
-                       for e in order["entries"]]
-            self._orders.setdefault(order["model"], []).append(
-                _BatchOrder(batch=int(order["batch"]), entries=entries))
-        for model, orders in self._orders.items():
-            shard = server.shards.get(model)
-            while orders and shard is not None:
-                order = orders[0]
-                while order.next < len(order.entries):
-                    entry = order.entries[order.next]
-                    key = (model, order.batch, (entry.kind, *entry.key))
-                    if now < entry.not_before:
-                        break  # §5.3: the replica catches up before the batch's last update
-                    if order.next == len(order.entries) - 1 and server.feed.hold_last(server, shard, entry.norm, now):
-                        break
-                    arrived = self._arrived.pop(key, None)
-                    if arrived is None:
-                        if now < entry.deadline:
-                            break
-                        server.stats.skipped += entry.count
-                        log.warning("%s: batch %d of %r: %s %s did not arrive in time; skipped", server.who,
-                                    order.batch, model, "update" if entry.kind == "u" else "group", entry.key)
-                    else:
-                        self._apply_scheduled(server, shard, *arrived, entry=entry)
-                    order.next += 1
-                    with self._order_lock:  # after the version moved: a planner never counts too few
-                        self._planned_ahead[model] -= entry.count
-                if order.next < len(order.entries):
-                    break
-                orders.pop(0)
-                self._finished_batch[model] = max(self._finished_batch.get(model, 0), order.batch)
-                server.feed.probe(server, shard, order.batch)
-        # Scheduled updates whose batch is over (their entry was skipped) are late: drop them,
-        # counted once, as skipped. A batch this server has no order for yet is not over: its
-        # order may still be on the way (it travels from the scheduler on another connection
-        # than the update).
-        live = {(m, o.batch) for m, orders in self._orders.items() for o in orders}
-        for key in [k for k in self._arrived
-                    if (k[0], k[1]) not in live and k[1] <= self._finished_batch.get(k[0], 0)]:
-            self._arrived.pop(key)
+            self.book.add_order(order, received)
+        self.book.step(now, _OrderPort(self, server), models=lambda m: m in server.shards,
+                       on_applied=self._applied)
+
+    def _applied(self, model: str, count: int) -> None:
+        with self._order_lock:  # after the version moved: a planner never counts too few
+            self._planned_ahead[model] -= count
 
     def held_ranks(self, server: "ServerPort", model: str) -> set[int]:
         """Workers with an update in a batch entry not applied (or skipped) yet."""
         with self._order_lock:
             incoming = [o for o, _ in self._incoming_orders if o["model"] == model and not o.get("sync")]
-        ranks = {int(r) for o in incoming for e in o["entries"] for r in e[4]}
-        for order in self._orders.get(model, []):
-            for entry in order.entries[order.next:]:
-                ranks |= entry.ranks
-        return ranks
+        return {int(r) for o in incoming for e in o["entries"] for r in e[4]} | self.book.held_ranks(model)
 
     def _apply_scheduled(self, server: "ServerPort", shard: "Shard", gradient: torch.Tensor, header: dict[str, Any],
-                         entry: _Entry | None = None) -> None:
+                         entry: Entry | None = None) -> None:
         workers = tuple(header["workers"]) if "workers" in header else (server.layout.worker_index(int(header["rank"])),)
         versions = tuple(int(v) for v in header["versions"]) if "versions" in header else (int(header["version"]),)
         bound = server.config.consistency.delay_bound
@@ -282,10 +209,11 @@ class ScheduledServerSide:
         a distributor instead of each taking the server's up-link. (The transport's handles
         alone would not do: a socket takes a few MB into its buffer at once.)"""
         self._answering = [h for h in self._answering if not h.done()]
-        return not self._answering and time.monotonic() >= self._busy_until
+        busy_until = self._pulls.answer_at() if self._pulls is not None else 0.0
+        return not self._answering and time.monotonic() >= busy_until
 
     def answer_at(self) -> float | None:
-        return self._busy_until
+        return self._pulls.answer_at() if self._pulls is not None else 0.0
 
 
     def answer_pulls(self, server: "ServerPort", pulls: "list[PendingPull]", shard: torch.Tensor,
@@ -297,16 +225,16 @@ class ScheduledServerSide:
         else:  # a server without the scheduler beside it plans on line rates
             rate = self.settings.rate_bps / 8
             net = NetState([rate] * server.layout.world_size, [rate] * server.layout.world_size, origin=now)
-        if self._draws is None:
-            self._draws = random.Random(server.config.seed * 7_919 + server.server)
+        if self._pulls is None:
+            self._pulls = PullBatcher(distributors=self.settings.distributors, seed=server.config.seed,
+                                      server=server.server)
         me = server.transport.rank
         lost = server.transport.lost_peers
         pull_of = {p.rank: p for p in pulls}
         asked = [p.rank for p in pulls if p.direct or p.rank in lost]  # to be answered by the server itself
-        plan = plan_pull_batch(net, server=me, pullers=[r for r in pull_of if r not in asked],
-                               model_size=float(shard.numel() * shard.element_size()),
-                               distributors=self.settings.distributors, shuffle=self._draws.shuffle, start=now,
-                               answered_first=asked)
+        plan = self._pulls.plan(net, me=me, pullers=[r for r in pull_of if r not in asked],
+                                model_size=float(shard.numel() * shard.element_size()), now=now,
+                                answered_first=asked)
         server.stats.pull_batches += 1
         session, channel = server.config.session, server.channel
         fields = protocol.decode(header)
@@ -323,10 +251,33 @@ class ScheduledServerSide:
         handles += answer_directly(server, [pull_of[r] for r in plan.by_server], shard, header)
         if service is not None:
             service.reserve(list(plan.transfers))
-        self._busy_until = max((t.end for t in plan.transfers if t.src == me), default=now)
         self._answering = list(handles)
         return handles
 
 
 
 __all__ = ["ScheduledServerSide"]
+
+
+class _OrderPort:
+    """The :class:`~.core.OrderPort` of one server: what the order book applies goes through
+    the server's ``apply``; skips are counted and warned; the replication feed may hold a
+    batch's last entry and probes the replicas at a batch's end."""
+
+    def __init__(self, side: ScheduledServerSide, server: "ServerPort") -> None:
+        self.side, self.server = side, server
+
+    def apply(self, model: str, entry: Entry, arrived: Any) -> None:
+        gradient, header = arrived
+        self.side._apply_scheduled(self.server, self.server.shards[model], gradient, header, entry=entry)
+
+    def skipped(self, model: str, batch: int, entry: Entry) -> None:
+        self.server.stats.skipped += entry.count
+        log.warning("%s: batch %d of %r: %s %s did not arrive in time; skipped", self.server.who, batch, model,
+                    "update" if entry.kind == "u" else "group", entry.key)
+
+    def hold_last(self, model: str, entry: Entry, now: float) -> bool:
+        return self.server.feed.hold_last(self.server, self.server.shards[model], entry.norm, now)
+
+    def batch_done(self, model: str, batch: int) -> None:
+        self.server.feed.probe(self.server, self.server.shards[model], batch)

@@ -11,20 +11,20 @@ orders; under network replication it plans the replica units too (module docstri
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from mlfabric.transport.base import Transport
 
 from ... import protocol
 from ...divergence import update_norm
 from ...monitor import Ledger, NetworkMonitor
-from ...scheduler import BatchSchedule, NetState, Scheduler, SchedulerConfig, UpdateRequest
+from ...scheduler import NetState
 from ...scheduler.replication import ReplicaUnit, ReplicationPlan, plan_replication
+from .core import BatchingCore, BatchPlan, Request
 from .settings import UNITS_PER_BATCH, ScheduledSettings, aggregator_ranks, avg_rate_bps
 
 if TYPE_CHECKING:
@@ -58,9 +58,12 @@ class SchedulerStats:
 
 
 class SchedulerService:
-    """The scheduler thread of one PS session (module docstring); lives beside server 0."""
+    """The scheduler thread of one PS session (module docstring): the runtime's driver of the
+    :class:`~.core.BatchingCore`, on server 0's transport. ``clock``: where it reads the time
+    (a test hands it a recorded one)."""
 
-    def __init__(self, server: "ServerPort", settings: ScheduledSettings, *, orders: Any) -> None:
+    def __init__(self, server: "ServerPort", settings: ScheduledSettings, *, orders: Any,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.server = server
         #: Where server 0's own orders go (its :class:`~.server.ScheduledServerSide`), and whose
         #: ``planned_ahead`` sets each batch's first version.
@@ -68,6 +71,7 @@ class SchedulerService:
         self.transport: Transport = server.transport
         self.layout = server.layout
         self.settings = settings
+        self.clock = clock
         consistency = server.config.consistency
         #: MLfabric-A (async:TAU: Alg. 2's deadlines and drops) or MLfabric-S (bsp, §6: a round's
         #: updates ordered and aggregated for the makespan, obj_sync, nothing dropped).
@@ -80,22 +84,23 @@ class SchedulerService:
         #: (a replica promoted to server 0 runs the scheduler, :mod:`mlfabric.ps.replica`).
         self.serving = [self.transport.rank if j == server.server else rank
                         for j, rank in enumerate(self.layout.server_ranks)]
-        self.scheduler = Scheduler(SchedulerConfig(tau_max=0 if self.sync else int(consistency.delay_bound or 0),
-                                                   mode="sync" if self.sync else "async",
-                                                   aggregation=bool(self.aggregators), seed=server.config.seed),
-                                   servers=list(self.serving), aggregators=self.aggregators)
-        self.monitor = NetworkMonitor(hosts=self.layout.world_size, default_bps=settings.rate_bps / 8,
-                                      lag_s=settings.monitor_lag_s)
-        self.ledger = Ledger()
+        # Batches are numbered from 1; a promoted replica's scheduler numbers its own apart, so
+        # that nothing the lost scheduler planned (a worker's group, a late update, a replica's
+        # unit) can be taken for one of its batches.
+        self.core = BatchingCore(servers=self.serving, aggregators=self.aggregators, hosts=self.layout.world_size,
+                                 tau=None if self.sync else int(consistency.delay_bound or 0),
+                                 seed=server.config.seed, interval_s=settings.interval_s, slack_s=settings.slack_s,
+                                 rate_bps=settings.rate_bps, monitor_lag_s=settings.monitor_lag_s,
+                                 first_batch=1 + (self.transport.rank << 20))
+        self.monitor, self.ledger = self.core.monitor, self.core.ledger
         # The ledger is read and extended by this thread (pushes) and by server 0's loop
         # (model distribution, :meth:`network`).
         self._ledger_lock = threading.Lock()
         self.stats = SchedulerStats()
-        self._pending: dict[str, list[tuple[int, dict[str, Any]]]] = {}
-        # Batches are numbered from 1; a promoted replica's scheduler numbers its own apart, so
-        # that nothing the lost scheduler planned (a worker's group, a late update, a replica's
-        # unit) can be taken for one of its batches.
-        self._batches = itertools.count(1 + (self.transport.rank << 20))
+        #: Every plan made, when ``record`` is set (tests compare them with the simulator's), and
+        #: the turns of the loop so far.
+        self.record: list[BatchPlan] | None = None
+        self.turns = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         #: Network replication (§5.3): per (model, replica) the units punted to the next batch and
@@ -120,170 +125,132 @@ class SchedulerService:
 
     def _run(self) -> None:
         mailbox = self.transport.mailbox
-        tag = protocol.tag(protocol.SCHEDULE, self.server.config.session)
-        next_batch = time.monotonic() + self.settings.interval_s
         while not self._stop.is_set():
             version = mailbox.version
-            while (msg := mailbox.take(self.server.channel, tag)) is not None:
-                self._take(msg)
-            now = time.monotonic()
-            if now >= next_batch or self._everyone_waiting(now):
-                for model in [m for m, reqs in self._pending.items() if reqs]:
-                    try:
-                        self._plan(model, self._pending.pop(model), now)
-                    except Exception:  # noqa: BLE001 - a failed plan must not kill the service
-                        log.exception("%s: scheduler: planning a batch of %r failed; its workers fall back to "
-                                      "unscheduled pushes", self.server.who, model)
-                if now >= next_batch and self._punted:
-                    # No batch to ride with: the punted units go now (the job may be ending).
-                    self._flush_replication(now)
-                next_batch = now + self.settings.interval_s
-            self.transport.progress(version, max(0.0, min(0.05, next_batch - now)))
+            now = self.turn()
+            wake = self.core.wake_at()
+            self.transport.progress(version, max(0.0, min(0.05, (wake if wake is not None else now) - now)))
+
+    def turn(self) -> float:
+        """One turn of the loop: take the requests that arrived, plan if a batch is due, carry
+        the plans out; returns the time it ran at."""
+        tag = protocol.tag(protocol.SCHEDULE, self.server.config.session)
+        while (msg := self.transport.mailbox.take(self.server.channel, tag)) is not None:
+            self._take(msg)
+        now = self.clock()
+        counted = {self.layout.worker_rank(w) for w in self.server.book.counted(now)}
+        interval_over = self.core.next_batch is not None and now >= self.core.next_batch
+        with self._ledger_lock:
+            plans = self.core.turn(now, counted, self._v_init, self._failed)
+        for plan in plans:
+            if self.record is not None:
+                self.record.append(plan)
+            if self.replicating:
+                with self._ledger_lock:
+                    self._replicate(plan, now)
+            self._dispatch(plan, now)
+        self._count()
+        if interval_over and self._punted:
+            # No batch to ride with: the punted units go now (the job may be ending).
+            self._flush_replication(now)
+        self.turns += 1
+        return now
+
+    def _v_init(self, model: str) -> int | None:
+        shard = self.server.shards.get(model)
+        if shard is None:
+            log.error("%s: scheduler: update requests for unknown model %r dropped", self.server.who, model)
+            return None
+        return shard.version + self.orders.planned_ahead(model)
+
+    def _failed(self, model: str, exc: Exception) -> None:
+        log.error("%s: scheduler: planning a batch of %r failed (%s: %s); its workers fall back to unscheduled "
+                  "pushes", self.server.who, model, type(exc).__name__, exc, exc_info=exc)
+
+    def _count(self) -> None:
+        core = self.core.stats
+        self.stats.batches, self.stats.requests = core.batches, core.requests
+        self.stats.dropped, self.stats.aggregated, self.stats.plan_ms = core.dropped, core.aggregated, core.plan_ms
 
     def network(self, now: float) -> NetState:
         """The residual network at ``now`` (capacities minus every reservation still running)."""
         with self._ledger_lock:
-            return self.ledger.state(now, *self.monitor.capacities(now))
+            return self.core.network(now)
 
     def reserve(self, transfers: list[Any]) -> None:
         """Transfers planned outside the scheduler's batches (model distribution) hold their
         bandwidth for the next batches too."""
         with self._ledger_lock:
-            self.ledger.add(transfers)
-
-    def _everyone_waiting(self, now: float) -> bool:
-        """Every worker still in the job has an update waiting: the batch cannot grow (a
-        worker has one push outstanding at a time), so waiting out the interval only adds
-        latency."""
-        if not any(self._pending.values()):
-            return False
-        waiting = {rank for reqs in self._pending.values() for rank, _ in reqs}
-        counted = {self.layout.worker_rank(w) for w in self.server.book.counted(now)}
-        return counted <= waiting
+            self.core.reserve(transfers)
 
     def _take(self, msg: Any) -> None:
         header = protocol.decode(msg.meta)
         if header["op"] == "request":
-            self._pending.setdefault(header["model"], []).append((msg.src, header))
+            self.core.request(Request(rank=msg.src, id=int(header["id"]), model=header["model"],
+                                      version=int(header["version"]), norm=float(header.get("norm") or 0.0),
+                                      clock=int(header.get("clock", 0)),
+                                      sizes=tuple(float(s) for s in header["sizes"])))
         elif header["op"] == "cancel":
-            pending = self._pending.get(header["model"], [])
-            self._pending[header["model"]] = [(r, h) for r, h in pending
-                                              if not (r == msg.src and h["id"] == header["id"])]
+            self.core.cancel(msg.src, int(header["id"]), header["model"])
         elif header["op"] == "monitor":
-            self.monitor.report(msg.src, header.get("up"), header.get("down"), time.monotonic())
+            self.report(msg.src, header.get("up"), header.get("down"))
 
-    def _plan(self, model: str, pending: list[tuple[int, dict[str, Any]]], now: float) -> None:
-        shard = self.server.shards.get(model)
-        if shard is None:
-            log.error("%s: scheduler: update requests for unknown model %r dropped", self.server.who, model)
-            return
-        started = time.perf_counter()
-        v_init = shard.version + self.orders.planned_ahead(model)
-        requests = [UpdateRequest(update_id=i, worker=rank, sizes=tuple(float(s) for s in h["sizes"]),
-                                  version=min(int(h["version"]), v_init), norm=float(h.get("norm", 0.0)))
-                    for i, (rank, h) in enumerate(pending)]
+    def report(self, host: int, up: float | None, down: float | None) -> None:
+        """A NIC's measured rates (bytes/s): from a worker's monitor message, or this host's own."""
         with self._ledger_lock:
-            network = self.ledger.state(now, *self.monitor.capacities(now))
-            plan = self.scheduler.schedule(requests, version=v_init, network=network, now=now)
-            self.ledger.add([t for d in plan.applied() for t in d.transfers] +
-                            [t for g in plan.aggregates for t in g.transfers])
-        self.stats.plan_ms.append(1e3 * (time.perf_counter() - started))
-        self.stats.batches += 1
-        self.stats.requests += len(requests)
-        batch = next(self._batches)
-        entries, members, commits = self._entries(plan, pending, now)
-        if self.replicating:
-            self._replicate(model, batch, entries, members, commits, now)
-        self._dispatch(model, batch, plan, pending, entries, v_init, now)
+            self.core.report(host, up, down, self.clock())
 
-    def _entries(self, plan: BatchSchedule, pending: list[tuple[int, dict[str, Any]]],
-                 now: float) -> tuple[list[list[Any]], list[list[tuple[int, dict[str, Any]]]], list[float]]:
-        """The server's application order: per entry (an update, or a group's aggregate)
-        ``[kind, key, key/count, deadline_in, ranks]``; beside it the entries' members (rank,
-        request header) and planned commit times."""
-        slack = self.settings.slack_s
-        entries: list[list[Any]] = []
-        members: list[list[tuple[int, dict[str, Any]]]] = []
-        commits: list[float] = []
-        for d in plan.applied():  # application order
-            rank, header = pending[d.update_id]
-            commit = d.commit or now
-            deadline = max(0.0, commit - now) + slack
-            if d.group == 0 or not entries or entries[-1][0] != "g" or entries[-1][1] != d.group:
-                entries.append(["u", rank, int(header["id"]), deadline, [rank]] if d.group == 0
-                               else ["g", d.group, 1, deadline, [rank]])
-                members.append([(rank, header)])
-                commits.append(commit)
-            else:
-                entries[-1][2] += 1
-                entries[-1][3] = max(entries[-1][3], deadline)
-                entries[-1][4].append(rank)
-                members[-1].append((rank, header))
-                commits[-1] = max(commits[-1], commit)
-        return entries, members, commits
-
-    def _dispatch(self, model: str, batch: int, plan: BatchSchedule, pending: list[tuple[int, dict[str, Any]]],
-                  entries: list[list[Any]], v_init: int, now: float) -> None:
+    def _dispatch(self, plan: BatchPlan, now: float) -> None:
         session, channel = self.server.config.session, self.server.channel
-        slack = self.settings.slack_s
         # Orders first: server 0 then has its order before any update of the batch can arrive.
-        order = {"op": protocol.ORDER, "batch": batch, "model": model, "v_init": v_init, "entries": entries,
-                 "sync": self.sync, "clocks": sorted({int(h.get("clock", 0)) for _, h in pending})}
+        order = {"op": protocol.ORDER, **plan.order()}
         for j, rank in enumerate(self.serving):
             if j == self.server.server:
-                self.orders.add_order(self.server, order, time.monotonic())
+                self.orders.add_order(self.server, order, self.clock())
             else:
                 self.transport.send(rank, protocol.request_tag(session), b"", meta=protocol.encode(**order),
                                     channel=channel)
         for d in plan.decisions:
-            rank, header = pending[d.update_id]
-            if d.dropped:
-                self.stats.dropped += 1
-                meta = protocol.encode(op="decision", drop=True, reason=d.reason, batch=batch)
+            if d.drop:
+                meta = protocol.encode(op="decision", drop=True, reason=d.reason, batch=plan.batch)
             else:
-                meta = protocol.encode(op="decision", drop=False, batch=batch, group=d.group, position=d.position,
-                                       hop=list(d.next_hop), start_in=max(0.0, (d.start or now) - now),
-                                       rates=[avg_rate_bps(t) for t in d.transfers])
-            self.transport.send(rank, protocol.tag(protocol.DECISION, session, int(header["id"])), b"", meta=meta,
+                meta = protocol.encode(op="decision", drop=False, batch=plan.batch, group=d.group, position=d.position,
+                                       hop=list(d.hop), start_in=d.start_in, rates=list(d.rates))
+            self.transport.send(d.rank, protocol.tag(protocol.DECISION, session, d.id), b"", meta=meta,
                                 channel=channel)
-        for g in plan.aggregates:
-            self.stats.aggregated += len(g.members)
-            members = [[pending[m][0], int(pending[m][1]["id"])] for m in g.members]
-            for host in sorted(set(g.hosts)):
-                servers = [j for j, h in enumerate(g.hosts) if h == host]
-                meta = protocol.encode(op="group", batch=batch, slot=g.slot, model=model, members=members,
-                                       servers=servers, deadline_in=max(0.0, g.commit - now) + slack,
-                                       rates=[avg_rate_bps(g.transfers[j]) if j < len(g.transfers) else None
-                                              for j in servers])
-                self.transport.send(host, protocol.tag(protocol.AGGREGATE, session), b"", meta=meta, channel=channel)
+        for g in plan.groups:
+            meta = protocol.encode(op="group", batch=plan.batch, slot=g.slot, model=plan.model,
+                                   members=[list(m) for m in g.members], servers=list(g.servers),
+                                   deadline_in=g.deadline_in, rates=list(g.rates))
+            self.transport.send(g.host, protocol.tag(protocol.AGGREGATE, session), b"", meta=meta, channel=channel)
 
     # -- network replication (§5.3) ----------------------------------------------------------
 
-    def _replicate(self, model: str, batch: int, entries: list[list[Any]],
-                   members: list[list[tuple[int, dict[str, Any]]]], commits: list[float], now: float) -> None:
+    def _replicate(self, plan: BatchPlan, now: float) -> None:
         """Plan this batch's units toward every replica on the network the batch leaves, send
         the frozen ones on their way, keep the punted ones for the next batch; each entry of
         the server's order gains ``[unit key, norm bound, not-before]`` (the last entry's
         not-before: §5.3 step 3's delay, seconds from now, or None)."""
+        model, entries, members, commits = plan.model, plan.entries, plan.members, plan.commits
         shard = self.server.shards[model]
         weight = 1.0 / self.layout.workers  # what the server applies a scheduled update with
         delay_until: float | None = None
         for i, entry in enumerate(entries):
-            key = batch * UNITS_PER_BATCH + i
-            norm = update_norm(shard.lr, weight, [float(h.get("norm", 0.0)) for _, h in members[i]])
-            self._unit_members[key] = [(rank, int(h["id"])) for rank, h in members[i]]
+            key = plan.batch * UNITS_PER_BATCH + i
+            norm = update_norm(shard.lr, weight, [r.norm for r in members[i]])
+            self._unit_members[key] = [(r.rank, r.id) for r in members[i]]
             entry += [key, norm, None]
         for j, serving in enumerate(self.serving):
-            units = [ReplicaUnit(key=e[5], norm=e[6], members=tuple((rank, float(h["sizes"][j])) for rank, h in m))
+            units = [ReplicaUnit(key=e[5], norm=e[6], members=tuple((r.rank, float(r.sizes[j])) for r in m))
                      for e, m in zip(entries, members)]
             for replica in self.layout.replicas_of(j):
                 if self.transport.is_gone(replica):
                     continue  # the server warns; nothing goes toward a replica that is gone
                 if replica == serving:
                     continue  # it took over this shard: it is the server now
-                plan = self._plan_replica(model, j, replica, units, commits, now)
-                if plan.delay_last_until is not None:
-                    delay_until = max(delay_until or 0.0, plan.delay_last_until)
+                replication = self._plan_replica(model, j, replica, units, commits, now)
+                if replication.delay_last_until is not None:
+                    delay_until = max(delay_until or 0.0, replication.delay_last_until)
         self._forget_units([e[5] for e in entries])
         if delay_until is not None and entries:
             self.stats.replica_delays += 1

@@ -22,6 +22,7 @@ import torch
 from mlfabric.transport.base import SendHandle, Transport, tensor_bytes
 
 from ... import protocol
+from ...waits import wait_until
 from .aggregator import Aggregator, wait_sent
 from .settings import ScheduledSettings
 
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from mlfabric.ps.policy import WorkerPort
 
 log = logging.getLogger("mlfabric.ps")
+
+_LOST = object()  # the scheduler was lost while a worker waited for its decision
 
 
 @dataclass
@@ -59,24 +62,24 @@ class ScheduledWorkerSide:
             self._aggregator.start()
 
     def send_push(self, worker: "WorkerPort", model: str, components: list[torch.Tensor],
-                  headers: list[bytes]) -> list[SendHandle] | None:
+                  pushes: list[protocol.Push]) -> list[SendHandle] | None:
         """Ask the scheduler, wait for the decision and carry it out: returns once the update
         was handed to the transport at its planned start (a push is then where the schedule
         wants it, like a direct push once the transport has it; nothing is left for the
         caller to wait on), or None once the scheduler dropped it."""
         self._start(worker)
-        return [] if self._push(model, components, headers) else None
+        return [] if self._push(model, components, pushes) else None
 
     def flush(self, timeout: float) -> None:
         """A worker leaving: its aggregator forwards what is complete or due, then stops."""
         if self._aggregator is not None:
             self._aggregator.stop(timeout)
 
-    def _push(self, model: str, components: list[torch.Tensor], headers: list[bytes]) -> bool:
+    def _push(self, model: str, components: list[torch.Tensor], pushes: list[protocol.Push]) -> bool:
         """Carry out one push; False if the scheduler dropped it."""
         w = self._worker
         transport, session = w.transport, w.config.session
-        first = protocol.decode(headers[0])
+        first = pushes[0]
         request_id = next(self._ids)
         self.stats.requested += 1
         # Network replication: the copy is kept before the scheduler can ask for it (its
@@ -85,8 +88,8 @@ class ScheduledWorkerSide:
         if keeping:
             self._aggregator.keep(model, request_id, components)
         transport.send(w.server_rank(0), protocol.tag(protocol.SCHEDULE, session), b"", channel=w.channel,
-                       meta=protocol.encode(op="request", id=request_id, model=model, version=int(first["version"]),
-                                            norm=float(first["norm"]), clock=int(first["clock"]),
+                       meta=protocol.encode(op="request", id=request_id, model=model, version=first.version,
+                                            norm=float(first.norm or 0.0), clock=first.clock,
                                             sizes=[c.numel() * c.element_size() for c in components]))
         decision = self._decision(request_id)
         if (decision is None or decision["drop"]) and keeping:  # not a unit: no replica asks for it
@@ -97,7 +100,7 @@ class ScheduledWorkerSide:
             transport.send(w.server_rank(0), protocol.tag(protocol.SCHEDULE, session), b"", channel=w.channel,
                            meta=protocol.encode(op="cancel", id=request_id, model=model))
             handles = [transport.send(w.server_rank(j), protocol.request_tag(session), tensor_bytes(c),
-                                      meta=h, channel=w.channel) for j, (c, h) in enumerate(zip(components, headers))]
+                                      meta=p.encode(), channel=w.channel) for j, (c, p) in enumerate(zip(components, pushes))]
             wait_sent(transport, handles, w.config.timeout_s)
             return True
         if decision["drop"]:
@@ -105,8 +108,8 @@ class ScheduledWorkerSide:
             return False
         time.sleep(float(decision["start_in"]))
         handles, paced = [], []
-        for j, (component, header, hop) in enumerate(zip(components, headers, decision["hop"])):
-            fields = {**protocol.decode(header), "batch": decision["batch"], "id": request_id, "rank": transport.rank}
+        for j, (component, push, hop) in enumerate(zip(components, pushes, decision["hop"])):
+            fields = push.fields(batch=decision["batch"], id=request_id, rank=transport.rank)
             rate = decision["rates"][j] if j < len(decision["rates"]) else None
             if hop != transport.rank and rate is not None and transport.pace_connection(hop, w.channel, rate):
                 paced.append(hop)
@@ -132,17 +135,23 @@ class ScheduledWorkerSide:
         w = self._worker
         transport = w.transport
         tag = protocol.tag(protocol.DECISION, w.config.session, request_id)
-        deadline = time.monotonic() + self.settings.decision_timeout_s
-        while time.monotonic() < deadline:
-            version = transport.mailbox.version
+
+        def decided() -> Any:
             scheduler = w.server_rank(0)  # the scheduler lives beside server 0
             msg = transport.mailbox.take(w.channel, tag, scheduler)
             if msg is not None:
-                return protocol.decode(msg.meta)
+                return msg
             if scheduler in transport.lost_peers:
                 w.fail_over(scheduler)  # a replica takes over (the fallback push goes to it)
-                return None
-            transport.progress(version, 0.05)
+                return _LOST
+            return None
+
+        msg = wait_until(transport, decided, time.monotonic() + self.settings.decision_timeout_s, who=w.who,
+                         what=f"the scheduler's decision for update {request_id}", required=False, poll=0.05)
+        if msg is _LOST:
+            return None
+        if msg is not None:
+            return protocol.decode(msg.meta)
         log.warning("%s: no decision from the scheduler within %.1f s for update %d: pushing it unscheduled",
                     w.who, self.settings.decision_timeout_s, request_id)
         return None
