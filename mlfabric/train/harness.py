@@ -1,4 +1,7 @@
-"""eager-SGD training runs (eager-SGD §6.2.1 and §6.3): synchronous vs solo vs majority on local ranks.
+"""The training harness of every ``mlfabric train`` mode: allreduce, eager-SGD, tree-allreduce and the PS modes.
+
+(Named ``train/eager.py`` until issue 35: it began as eager-SGD's runs, §6.2.1 and §6.3 --
+synchronous vs solo vs majority on local ranks -- and grew to run every mode.)
 
     mlfabric train --workload hyperplane --workers 8 --sync allreduce,eager-solo \\
         --inject one-random:200ms --inject one-random:300ms --out runs/hyperplane
