@@ -28,7 +28,9 @@ from mlfabric.ps.worker import PSWorker  # noqa: E402
 from mlfabric.transport.tcp import TcpTransport  # noqa: E402
 
 
-def main() -> None:
+def measure() -> tuple[list[str], int]:
+    """The frames (``file:line function``) of our code from ``PSWorker.push`` to ``socket.sendmsg``
+    at a direct push, and how many times a header was JSON-encoded during that push."""
     token = b"push-stops-16byte"[:16]
     transports = [TcpTransport(0, 2, token), TcpTransport(1, 2, token)]
     transports[0].connect({1: transports[1].endpoints})
@@ -67,16 +69,20 @@ def main() -> None:
         for t in transports:
             t.close()
     if not captured:
-        print("no sendmsg on the pushing thread: the transport's sender thread sent it (frames counted to "
-              "the hand-off instead)")
-        return
+        raise RuntimeError("no sendmsg on the pushing thread: the transport's sender thread sent the push")
     stack = captured[0]
     start = next(i for i, f in enumerate(stack) if f.name == "push" and f.filename.endswith("ps/worker.py"))
     ours = [f for f in stack[start:] if str(ROOT / "mlfabric") in f.filename]
-    for f in ours:
-        print(f"  {Path(f.filename).relative_to(ROOT)}:{f.lineno} {f.name}")
-    print(f"{len(ours)} stops from PSWorker.push to socket.sendmsg, in {len({f.filename for f in ours})} files; "
-          f"header JSON-encoded {encodes[0]} time(s) for 1 server component")
+    return [f"{Path(f.filename).relative_to(ROOT)}:{f.lineno} {f.name}" for f in ours], encodes[0]
+
+
+def main() -> None:
+    frames, encodes = measure()
+    for frame in frames:
+        print(f"  {frame}")
+    files = {frame.split(":")[0] for frame in frames}
+    print(f"{len(frames)} stops from PSWorker.push to socket.sendmsg, in {len(files)} files; "
+          f"header JSON-encoded {encodes} time(s) for 1 server component")
 
 
 if __name__ == "__main__":
