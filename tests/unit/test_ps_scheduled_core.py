@@ -69,7 +69,9 @@ def run_runtime_driver(events: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
     tag = protocol.tag(protocol.SCHEDULE, config.session)
 
     def two_turns() -> None:
-        """Wait until a whole turn of the thread ran after what was just handed to it."""
+        """Wait until a whole turn of the thread ran after what was just handed to it (the
+        turn in progress when the lock was let go may have read the old time: the next one
+        has both)."""
         target = service.turns + 2
         deadline = time.monotonic() + 10
         while service.turns < target:
@@ -81,20 +83,21 @@ def run_runtime_driver(events: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
     service.start()
     try:
         for event in events:
-            now[0] = event[0]
-            if event[1] == "request":
-                _, _, w, version, clock = event
-                transport = jobs[layout.worker_rank(w)].comm.transport
-                ids[w] += 1
-                transport.send(0, tag, b"", channel=server.channel, meta=protocol.encode(
-                    op="request", id=ids[w], model="m", version=version, norm=0.0, clock=clock, sizes=[SIZE]))
-            elif event[1] == "monitor":
-                _, _, host, up, down = event
-                if host == 0:  # the server's own NIC, measured beside the scheduler
-                    service.report(0, up, down)
-                else:
-                    jobs[host].comm.transport.send(0, tag, b"", channel=server.channel,
-                                                   meta=protocol.encode(op="monitor", up=up, down=down))
+            with service.turn_lock:  # the thread's next turn sees the new time and the message together
+                now[0] = event[0]
+                if event[1] == "request":
+                    _, _, w, version, clock = event
+                    transport = jobs[layout.worker_rank(w)].comm.transport
+                    ids[w] += 1
+                    transport.send(0, tag, b"", channel=server.channel, meta=protocol.encode(
+                        op="request", id=ids[w], model="m", version=version, norm=0.0, clock=clock, sizes=[SIZE]))
+                elif event[1] == "monitor":
+                    _, _, host, up, down = event
+                    if host == 0:  # the server's own NIC, measured beside the scheduler
+                        service.report(0, up, down)
+                    else:
+                        jobs[host].comm.transport.send(0, tag, b"", channel=server.channel,
+                                                       meta=protocol.encode(op="monitor", up=up, down=down))
             two_turns()
     finally:
         service.stop()

@@ -101,6 +101,7 @@ class SchedulerService:
         #: the turns of the loop so far.
         self.record: list[BatchPlan] | None = None
         self.turns = 0
+        self.turn_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         #: Network replication (§5.3): per (model, replica) the units punted to the next batch and
@@ -132,28 +133,30 @@ class SchedulerService:
             self.transport.progress(version, max(0.0, min(0.05, (wake if wake is not None else now) - now)))
 
     def turn(self) -> float:
-        """One turn of the loop: take the requests that arrived, plan if a batch is due, carry
-        the plans out; returns the time it ran at."""
+        """One turn of the loop at one time: read the clock, take the requests that arrived,
+        plan if a batch is due, carry the plans out; returns that time. ``turn_lock`` is held
+        throughout (a driver that hands the thread a time and a message together holds it)."""
         tag = protocol.tag(protocol.SCHEDULE, self.server.config.session)
-        while (msg := self.transport.mailbox.take(self.server.channel, tag)) is not None:
-            self._take(msg)
-        now = self.clock()
-        counted = {self.layout.worker_rank(w) for w in self.server.book.counted(now)}
-        interval_over = self.core.next_batch is not None and now >= self.core.next_batch
-        with self._ledger_lock:
-            plans = self.core.turn(now, counted, self._v_init, self._failed)
-        for plan in plans:
-            if self.record is not None:
-                self.record.append(plan)
-            if self.replicating:
-                with self._ledger_lock:
-                    self._replicate(plan, now)
-            self._dispatch(plan, now)
-        self._count()
-        if interval_over and self._punted:
-            # No batch to ride with: the punted units go now (the job may be ending).
-            self._flush_replication(now)
-        self.turns += 1
+        with self.turn_lock:
+            now = self.clock()
+            while (msg := self.transport.mailbox.take(self.server.channel, tag)) is not None:
+                self._take(msg, now)
+            counted = {self.layout.worker_rank(w) for w in self.server.book.counted(now)}
+            interval_over = self.core.next_batch is not None and now >= self.core.next_batch
+            with self._ledger_lock:
+                plans = self.core.turn(now, counted, self._v_init, self._failed)
+            for plan in plans:
+                if self.record is not None:
+                    self.record.append(plan)
+                if self.replicating:
+                    with self._ledger_lock:
+                        self._replicate(plan, now)
+                self._dispatch(plan, now)
+            self._count()
+            if interval_over and self._punted:
+                # No batch to ride with: the punted units go now (the job may be ending).
+                self._flush_replication(now)
+            self.turns += 1
         return now
 
     def _v_init(self, model: str) -> int | None:
@@ -183,7 +186,7 @@ class SchedulerService:
         with self._ledger_lock:
             self.core.reserve(transfers)
 
-    def _take(self, msg: Any) -> None:
+    def _take(self, msg: Any, now: float) -> None:
         header = protocol.decode(msg.meta)
         if header["op"] == "request":
             self.core.request(Request(rank=msg.src, id=int(header["id"]), model=header["model"],
@@ -193,12 +196,13 @@ class SchedulerService:
         elif header["op"] == "cancel":
             self.core.cancel(msg.src, int(header["id"]), header["model"])
         elif header["op"] == "monitor":
-            self.report(msg.src, header.get("up"), header.get("down"))
+            self.report(msg.src, header.get("up"), header.get("down"), now)
 
-    def report(self, host: int, up: float | None, down: float | None) -> None:
-        """A NIC's measured rates (bytes/s): from a worker's monitor message, or this host's own."""
+    def report(self, host: int, up: float | None, down: float | None, now: float | None = None) -> None:
+        """A NIC's measured rates (bytes/s) at ``now`` (default: the clock): from a worker's
+        monitor message, or this host's own."""
         with self._ledger_lock:
-            self.core.report(host, up, down, self.clock())
+            self.core.report(host, up, down, self.clock() if now is None else now)
 
     def _dispatch(self, plan: BatchPlan, now: float) -> None:
         session, channel = self.server.config.session, self.server.channel
