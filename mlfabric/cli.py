@@ -1432,7 +1432,7 @@ def train(
     import dataclasses
 
     from mlfabric.train.ps_modes import is_ps_mode
-    from mlfabric.train.eager import (EMULATE_NEEDS_ROOT, EagerTrainConfig, TrainEmulation, render_ps_table,
+    from mlfabric.train.harness import (EMULATE_NEEDS_ROOT, EagerTrainConfig, TrainEmulation, render_ps_table,
                                       render_table, run_eager_training, write_outputs)
     from mlfabric.train.lda import LdaSpec
     from mlfabric.train.workloads import HyperplaneSpec, LeNet5Spec, LstmSpec, MlpSpec

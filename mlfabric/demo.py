@@ -10,7 +10,7 @@
    allreduce side by side (same seed: the loss curves should agree).
 3. Stragglers (eager-SGD §6.2.1, small): hyperplane regression on 8 local ranks, one random
    worker delayed every step, trained with synchronous SGD (allreduce) and with eager-SGD
-   (solo and majority partial allreduce, :mod:`mlfabric.train.eager`): throughput, final
+   (solo and majority partial allreduce, :mod:`mlfabric.train.harness`): throughput, final
    validation MSE and a plot of MSE vs wall time (needs matplotlib).
 4. A summary: final loss, accuracy and steps/s of the DDP runs, and each algorithm's busbw
    relative to gloo per message size.
@@ -37,7 +37,7 @@ from mlfabric.bench.allreduce import (
 )
 from mlfabric.progress import progress_bar
 from mlfabric.train import BASELINE, TrainConfig, TrainResult, run_training
-from mlfabric.train.eager import MODES, EagerTrainConfig, EagerTrainResult, run_eager_training
+from mlfabric.train.harness import MODES, EagerTrainConfig, EagerTrainResult, run_eager_training
 from mlfabric.units import format_size
 
 __all__ = ["DemoConfig", "DemoResult", "demo_config", "run_demo"]
@@ -144,7 +144,7 @@ def run_demo(config: DemoConfig, *, console: Console | None = None, quiet: bool 
 def _run_stragglers(config: DemoConfig, console: Console, quiet: bool) -> tuple[EagerTrainResult, str | None]:
     from pathlib import Path
 
-    from mlfabric.train.eager import plot_curves
+    from mlfabric.train.harness import plot_curves
 
     eager = config.stragglers
     assert eager is not None

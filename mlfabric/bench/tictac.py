@@ -10,7 +10,7 @@ ordering runs as its own PS session on the same ranks, ``iterations`` iterations
 forward (``--forward-only``) or forward + backward + push, clock (sent with the next pull,
 ``PSWorker.pull_in_order(clock=True)``).
 
-Orderings (:mod:`mlfabric.ps.ordered`):
+Orderings (:mod:`mlfabric.ps.policies.ordered`):
 
 * ``none``: the runtime's default pull, one flat reply; the forward starts when the whole
   model is in (no enforced order, no overlap).
@@ -34,7 +34,7 @@ equals the transfer time of the model at the worker's share of the rate (trainin
 backward, the backward a single pad of ``backward_factor`` x the forward). That makes S (eq.
 4) about 1, as the paper picks batch sizes for S > 0.9. ``--device cpu`` runs the real
 compute only. ``--pace`` (auto: emulated forward passes): on an emulated star, the server paces
-each worker's ordered answer at its share of its NIC (:func:`mlfabric.ps.ordered.pace_fairly`);
+each worker's ordered answer at its share of its NIC (:func:`mlfabric.ps.policies.ordered.pace_fairly`);
 ``none``'s flat answers are never paced.
 
 **Figures** (per ordering; timestamps on CLOCK_MONOTONIC, which local and emulated ranks

@@ -13,13 +13,13 @@ from .job import PSJob, init, local_jobs
 from .layout import PSLayout
 from .model import ModelSpec
 from .replica import Replica
-from .routing import DirectRouting, RoutingPolicy, routing_policy
+from .policy import Policy, ReplicationFeed, ServerPort, WorkerPort, make_policy, policy_names, register_policy
 from .rules import SGDMomentum, UpdateInfo
 from .server import ParameterServer, ServerStats
 from .worker import PSRequestError, PSWorker, WorkerStats
 
 __all__ = [
-    "ClockBook", "Consistency", "DirectRouting", "ModelSpec", "PSConfig", "PSJob", "PSLayout", "PSRequestError",
-    "PSWorker", "ParameterServer", "Replica", "RoutingPolicy", "SGDMomentum", "ServerStats", "UpdateInfo",
-    "WorkerStats", "init", "local_jobs", "routing_policy",
+    "ClockBook", "Consistency", "ModelSpec", "PSConfig", "PSJob", "PSLayout", "PSRequestError",
+    "PSWorker", "ParameterServer", "Policy", "Replica", "ReplicationFeed", "SGDMomentum", "ServerPort", "ServerStats",
+    "UpdateInfo", "WorkerPort", "WorkerStats", "init", "local_jobs", "make_policy", "policy_names", "register_policy",
 ]

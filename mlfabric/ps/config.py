@@ -19,7 +19,7 @@ class PSConfig:
     ``timeout_s`` bounds every wait (a pull, an init, an allreduce). ``lost_worker_wait_s``:
     how long BSP rounds wait for a worker that was lost before going on without it.
     ``session`` keeps consecutive PS instances of one job apart (every rank must create them
-    in the same order). ``routing``: the routing policy's name (:mod:`mlfabric.ps.routing`).
+    in the same order). ``routing``: the routing policy's name (:mod:`mlfabric.ps.policy`'s registry).
     ``seed`` seeds the allreduce roots (the same on every rank)."""
 
     consistency: Consistency = field(default_factory=Consistency)
@@ -28,31 +28,22 @@ class PSConfig:
     session: int = 0
     routing: str = "direct"
     seed: int = 0
-    #: The ``scheduled`` policy's settings (:class:`mlfabric.ps.scheduling.ScheduledSettings`);
+    #: The ``scheduled`` policy's settings (:class:`mlfabric.ps.policies.scheduled.ScheduledSettings`);
     #: None: the defaults.
     scheduled: Any = None
-    #: The ``mlnet`` policy's settings (:class:`mlfabric.ps.mlnet.MLNetSettings`: the trees);
+    #: The ``mlnet`` policy's settings (:class:`mlfabric.ps.policies.mlnet.MLNetSettings`: the trees);
     #: None: binary trees.
     mlnet: Any = None
     #: Checkpoint each shard to ``checkpoint_dir`` every ``checkpoint_every`` versions (0: never;
     #: :mod:`mlfabric.ps.checkpoint`, the baseline of MLfabric's replication).
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
-    #: Pace the answers to ordered pulls (TicTac, :mod:`mlfabric.ps.ordered`) at equal shares
-    #: of the server's NIC when its rate is known (:func:`mlfabric.ps.ordered.pace_fairly`):
+    #: Pace the answers to ordered pulls (TicTac, :mod:`mlfabric.ps.policies.ordered`) at equal shares
+    #: of the server's NIC when its rate is known (:func:`mlfabric.ps.policies.ordered.pace_fairly`):
     #: every worker then gets its tensors at a steady share, which suits forward passes that
     #: all wait for the slowest worker; unpaced, the TCP flows share unevenly, which staggers
     #: the workers, and training gains from that (the first ones push while the last pull).
     pace_ordered_pulls: bool = False
-
-    def scheduled_settings(self) -> Any:
-        from .scheduling import ScheduledSettings
-
-        return self.scheduled if self.scheduled is not None else ScheduledSettings()
-
-    def routing_settings(self) -> Any:
-        """The settings of the routing policy in use (``scheduled``'s or ``mlnet``'s)."""
-        return self.mlnet if self.routing == "mlnet" else self.scheduled
 
     def __post_init__(self) -> None:
         if isinstance(self.consistency, str):
@@ -69,12 +60,7 @@ class PSConfig:
         if self.lost_worker_wait_s >= self.timeout_s and self.consistency.kind == "bsp":
             raise ValueError(f"lost_worker_wait_s ({self.lost_worker_wait_s}) must be below timeout_s "
                              f"({self.timeout_s}): BSP pulls would time out before a lost worker is given up on")
-        if self.routing == "scheduled" and not (self.consistency.kind == "bsp" or (
-                self.consistency.kind == "async" and self.consistency.delay_bound is not None)):
-            raise ValueError("routing 'scheduled' is MLfabric-A (consistency async:TAU, a delay bound) or "
-                             f"MLfabric-S (consistency bsp), got {self.consistency}")
-        if self.routing == "mlnet" and self.consistency.kind not in ("bsp", "ssp"):
-            raise ValueError(f"routing 'mlnet' runs on MLNET's clocks: consistency bsp or ssp:S, got {self.consistency}")
-        if getattr(self.scheduled, "replication", "chain") == "network" and self.consistency.kind == "bsp":
-            raise ValueError("replication 'network' (MLfabric §5.3) is planned for MLfabric-A (consistency async:TAU); "
-                             "under bsp use replication 'chain'")
+        # the policy says which consistency models (and settings) it runs under
+        from .policy import validate_policy
+
+        validate_policy(self)

@@ -3,7 +3,7 @@
     .venv/bin/python -m pytest tests/unit/test_ps_ordered.py -q -k gate
 
 :class:`ParameterGate` puts a forward pre-hook on every submodule that owns parameters: the
-hook waits (bounded) on the current :class:`~mlfabric.ps.ordered.ArrivingModel` until that
+hook waits (bounded) on the current :class:`~mlfabric.ps.policies.ordered.ArrivingModel` until that
 module's own parameters have landed (or on any :class:`Arrivals`: an
 :class:`~mlfabric.torch.OrderedAllreduce`, until they are updated), so the forward of the first layers overlaps the transfer
 of the later ones. With no pull attached (a flat pull, or none) the hooks do not wait.

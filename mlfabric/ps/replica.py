@@ -10,7 +10,7 @@ applies, in the order it applies them; the replica applies them with the same ru
 versions follow the server's exactly. That is chain replication.
 
 Under MLfabric's network replication (§5.3, ``ScheduledSettings(replication="network")``,
-:mod:`mlfabric.ps.scheduling`) the updates themselves come from the workers (or a replica
+:mod:`mlfabric.ps.policies.scheduled`, :mod:`mlfabric.ps.policies.replication`) the updates themselves come from the workers (or a replica
 aggregator's sum of a unit), sent when the scheduler planned them; the server only sends a
 small ``applied`` note per update, saying which unit it applied at which version, so the
 replica applies the units in exactly the server's order, each once its note and its payload
@@ -45,41 +45,16 @@ from .config import PSConfig
 from .divergence import estimate_divergence
 from .layout import PSLayout
 from .model import ModelSpec
+from .failover import PROMOTION_GRACE_S, failover_refusal, live_replicas
+from .policy import make_policy
+from .protocol import payload_tensor
 from .rules import SGDMomentum, UpdateInfo
-from .server import UpdateCallback, payload_tensor
+from .server import UpdateCallback
+from .shard import Shard
+from .waits import wait_until
 
 if TYPE_CHECKING:
     from .server import ParameterServer, ServerStats
-
-#: Consistency models a replica takes over under: their clocks can be rebuilt from the
-#: workers' own (a BSP round in flight at the lost server cannot).
-FAILOVER_KINDS = ("async", "ssp")
-
-#: How long a replica whose server was lost waits for the payloads of units the server had
-#: applied (network replication: they come from the workers -- on their way, or asked for
-#: again) before it takes over without them.
-PROMOTION_GRACE_S = 0.5
-
-
-def failover_refusal(config: PSConfig, layout: PSLayout) -> str | None:
-    """Why a replica of this job cannot take over a lost server (None: it can). The one rule
-    the workers (:meth:`PSWorker._fail_over`) and the replicas (:meth:`Replica.serve`) share."""
-    if config.consistency.kind not in FAILOVER_KINDS:
-        return (f"consistency {config.consistency}: a round in flight at the lost server cannot be rebuilt from "
-                "the replica (failover works under async and SSP)")
-    if config.routing in ("direct", "mlnet"):
-        return None  # mlnet: the root-level tree nodes re-attach to the replica (ps/mlnet.py)
-    if config.routing == "scheduled" and layout.servers == 1:
-        return None  # the replica takes over the scheduler too (it lives beside server 0)
-    return (f"the scheduled policy with {layout.servers} servers: the other servers follow server 0's "
-            "scheduler, which a replica does not take over (failover works with one server)")
-
-
-def live_replicas(layout: PSLayout, transport: Transport, server: int) -> list[int]:
-    """The replicas of shard ``server`` still in the job, in layout order: the first takes over
-    a lost server, the others follow it."""
-    gone = transport.gone_peers
-    return [r for r in layout.replicas_of(server) if r not in gone]
 
 log = logging.getLogger("mlfabric.ps")
 
@@ -125,6 +100,10 @@ class Replica:
     def __init__(self, transport: Transport, layout: PSLayout, config: PSConfig, *, server: int | None = None,
                  channel: str | None = None) -> None:
         self.transport, self.layout, self.config = transport, layout, config
+        #: The job's routing policy: whether a server's updates count only with its clock note
+        #: (mlnet), and its replication feed (whether this replica acks, network replication).
+        self.policy = make_policy(config)
+        self.feed = self.policy.replication_feed(config)
         self.server = layout.replicated_server(transport.rank) if server is None else layout.server_rank(server)
         #: The rank this replica mirrors: its server, or after a failover the replica that took over.
         self.primary = layout.server_rank(self.server)
@@ -170,13 +149,13 @@ class Replica:
     def promote(self) -> "ParameterServer":
         """A server for this replica's shards, starting from the replica's models, versions and
         update histories (failover; the workers redirect to it, :class:`PSWorker`)."""
-        from .server import ParameterServer, _Shard
+        from .server import ParameterServer
 
         server = ParameterServer(self.transport, self.layout, self.config, server=self.server, channel=self.channel)
         for name, values in self.values.items():
             spec, lr, momentum = self._specs[name]
             offset, length = spec.shards(self.layout.servers)[self.server]
-            shard = _Shard(spec, offset, length, values, self._rules[name], lr=lr, momentum=momentum)
+            shard = Shard(spec, offset, length, values, self._rules[name], lr=lr, momentum=momentum)
             shard.version = self.versions[name]
             shard.priorities = self._priorities.get(name)  # ordered pulls go on after failover
             server.shards[name] = shard
@@ -256,13 +235,17 @@ class Replica:
         """Failover: apply what of the lost server's order is here (waiting up to
         PROMOTION_GRACE_S for units still on their way), count the rest as lost, and serve
         the shard from this model (MLfabric §3.3: fresh updates make up the lost work)."""
-        deadline = time.monotonic() + PROMOTION_GRACE_S
         self._recover_units()
-        while self._waiting_for_units() and time.monotonic() < deadline:
-            version = self.transport.mailbox.version
+
+        def caught_up() -> bool:
+            if not self._waiting_for_units():
+                return True
             self._take_all()
             self._drain()
-            self.transport.progress(version, 0.02)
+            return not self._waiting_for_units()
+
+        wait_until(self.transport, caught_up, time.monotonic() + PROMOTION_GRACE_S, who=self.who,
+                   what="the units of the lost server's order", required=False, poll=0.02)
         lost = [h for h, _, _ in self._queue if h["op"] in ("applied", "update")]
         if self._uncommitted:  # mlnet: their clocks never came; the tree nodes send them again
             log.info("%s: %d tree sums without their clock left out (the nodes send them again)", self.who,
@@ -369,8 +352,7 @@ class Replica:
         try:
             self._apply_queued()
         finally:
-            if (self.config.routing == "scheduled" and self.config.scheduled_settings().replication == "network"
-                    and not self._stop.is_set() and self.primary not in self.transport.lost_peers):
+            if (self.feed.network and not self._stop.is_set() and self.primary not in self.transport.lost_peers):
                 for name in [n for n, v in self.versions.items() if before.get(n) != v]:
                     history = getattr(self._rules[name], "history", None)
                     h = float(torch.linalg.vector_norm(history.double())) if history is not None else 0.0
@@ -406,7 +388,7 @@ class Replica:
                 self._uncommitted.clear()
                 for w in header["workers"]:
                     self.clocks[int(w)] = int(header["clock"]) + 1
-            elif op == "update" and self.config.routing == "mlnet":
+            elif op == "update" and self.policy.commits_on_clock:
                 # a tree node's sum: the server applies it when the node's clock comes and forwards
                 # that clock after it; held until then, so a server that dies between the two
                 # leaves nothing half-counted here (the node sends that clock again)
@@ -425,7 +407,7 @@ class Replica:
             self._specs[spec.name] = (spec, float(header["lr"]), float(header["momentum"]))
             self._priorities[spec.name] = header.get("priorities")
             self.versions[spec.name] = int(header.get("version", 0))
-            if self.config.routing == "mlnet":  # the clocks behind this copy (a follower's fresh one too)
+            if self.policy.commits_on_clock:  # the clocks behind this copy (a follower's fresh one too)
                 self.clocks = {w: int(c) for w, c in enumerate(header.get("clocks") or [])}
             rule = self._callbacks.get(spec.name) or self._callbacks.get(None)
             if rule is None:
@@ -454,7 +436,7 @@ class Replica:
     # -- measuring the divergence (probes) ---------------------------------------------------------
 
     def _remember(self, name: str) -> None:
-        if not self.config.scheduled_settings().measure_divergence:
+        if not self.feed.measure_divergence:
             return
         history = getattr(self._rules[name], "history", None)
         h = float(torch.linalg.vector_norm(history.double())) if history is not None else 0.0

@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
+import math
 import random
 import threading
 import time
@@ -33,17 +34,17 @@ from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 
-from mlfabric.errors import CollectiveTimeoutError, MlfabricError, PeerLostError
-from mlfabric.runtime.executor import tensor_bytes
-from mlfabric.transport.base import Message, SendHandle, Transport
+from mlfabric.errors import CollectiveTimeoutError, PeerLostError
+from mlfabric.transport.base import Message, SendHandle, Transport, tensor_bytes
 
 from . import protocol
 from .config import PSConfig
 from .layout import PSLayout
 from .model import ModelSpec, Tensors
-from .ordered import ORDERS, ArrivingModel, check_priorities
-from .routing import RoutingPolicy, routing_policy, send_pulls_directly
-from .server import payload_tensor
+from .policies.ordered import ORDERS, ArrivingModel, check_priorities
+from .policy import Policy, make_policy, send_pulls_directly
+from .protocol import PSRequestError, payload_tensor
+from .waits import wait_until
 
 log = logging.getLogger("mlfabric.ps")
 T = TypeVar("T")
@@ -51,10 +52,6 @@ T = TypeVar("T")
 
 class _Redirected(Exception):
     """A server was lost and its replica took over: the waiting call asks again."""
-
-
-class PSRequestError(MlfabricError, ValueError):
-    """A server refused a request (the message says which server, why and what to do)."""
 
 
 @dataclass
@@ -82,14 +79,15 @@ class PSWorker:
     """Worker ``layout.worker_index(transport.rank)`` of a PS job (module docstring)."""
 
     def __init__(self, transport: Transport, layout: PSLayout, config: PSConfig, *,
-                 routing: RoutingPolicy | None = None, channel: str | None = None) -> None:
+                 routing: Policy | None = None, channel: str | None = None) -> None:
         self.transport = transport
         self.layout = layout
         self.config = config
         self.index = layout.worker_index(transport.rank)
         self.who = layout.describe(transport.rank)
         self.channel = channel or transport.channels[0]
-        self.routing = routing or routing_policy(config.routing, config.routing_settings())
+        #: The routing policy (:mod:`mlfabric.ps.policy`): how pushes, pulls and clocks leave.
+        self.routing: Policy = routing or make_policy(config)
         self.models: dict[str, ModelSpec] = {}
         self.versions: dict[str, list[int]] = {}
         self.clock_value = 0
@@ -120,7 +118,7 @@ class PSWorker:
         layout; the first values to reach a server win). ``lr``/``momentum``: the server's
         eq. (1)-(2). ``priorities`` (key -> int, lower first; TicTac's TIO/TAO from
         :mod:`mlfabric.order`): the order in which servers send the tensors to
-        :meth:`pull_in_order` (:mod:`mlfabric.ps.ordered`). Waits until every server has it."""
+        :meth:`pull_in_order` (:mod:`mlfabric.ps.policies.ordered`). Waits until every server has it."""
         with self._lock:
             self._check_open("init_model")
             spec = ModelSpec.of(name, tensors)
@@ -162,37 +160,38 @@ class PSWorker:
                 spec = self._model(model, "push")
                 server = self._server(target, "push")
                 offset, length = spec.shards(self.layout.servers)[server]
-                component = _component(update, spec, length, f"{self.who}: push to server {server}")
-                return self._send_push(spec, {server: component}, update_norm)
-            if model is not None:
-                raise TypeError(f"{self.who}: push(model, gradients) names the model once; drop model=")
-            spec = self._model(target, "push")
-            flat = spec.flatten(_gradients(update) if isinstance(update, torch.nn.Module) else update,
-                                who=self.who, op="push")
-            components = {j: flat[offset:offset + length]
-                          for j, (offset, length) in enumerate(spec.shards(self.layout.servers))}
-            return self._send_push(spec, components, update_norm)
-
-    def _send_push(self, spec: ModelSpec, components: dict[int, torch.Tensor], norm: float | None) -> bool:
-        if norm is None:
-            norm = float(torch.linalg.vector_norm(torch.cat([c.double() for c in components.values()])))
-        headers = [protocol.encode(op=protocol.PUSH, model=spec.name, clock=self.clock_value,
-                                   version=self.versions[spec.name][j], norm=norm) for j in components]
-        servers = list(components)
-        parts = [components[j] for j in servers]
-        if servers == list(range(self.layout.servers)):
-            handles = self.routing.send_push(self, spec.name, parts, headers)
-            if handles is None:
-                self.stats.pushes_dropped += 1
-                return False
-        else:  # one component (MLfabric's push(server, ...)): straight to that server
-            tag = protocol.request_tag(self.config.session)
-            handles = [self.transport.send(self.server_rank(j), tag, tensor_bytes(c), meta=h,
-                                           channel=self.channel) for j, c, h in zip(servers, parts, headers)]
-        self._inflight += list(zip(handles, parts))
-        self._inflight = [(h, t) for h, t in self._inflight if not h.done()]
-        self.stats.pushes += 1
-        return True
+                components = {server: _component(update, spec, length, f"{self.who}: push to server {server}")}
+            else:
+                if model is not None:
+                    raise TypeError(f"{self.who}: push(model, gradients) names the model once; drop model=")
+                spec = self._model(target, "push")
+                flat = spec.flatten(_gradients(update) if isinstance(update, torch.nn.Module) else update,
+                                    who=self.who, op="push")
+                components = {j: flat[offset:offset + length]
+                              for j, (offset, length) in enumerate(spec.shards(self.layout.servers))}
+            # (one function from here to the policy's send: issue 35's check 6 counts the stops)
+            norm = update_norm
+            if norm is None and self.routing.needs_push_norm:
+                # one float64 pass over the update, without a copy of it (only the scheduled policy reads it)
+                norm = math.sqrt(sum(float(torch.linalg.vector_norm(c, dtype=torch.float64)) ** 2
+                                     for c in components.values()))
+            pushes = [protocol.Push(model=spec.name, clock=self.clock_value, version=self.versions[spec.name][j],
+                                    norm=norm) for j in components]
+            servers = list(components)
+            parts = [components[j] for j in servers]
+            if len(servers) == self.layout.servers:  # every component (keyed 0..S-1 then): the policy's
+                handles = self.routing.send_push(self, spec.name, parts, pushes)
+                if handles is None:
+                    self.stats.pushes_dropped += 1
+                    return False
+            else:  # one component (MLfabric's push(server, ...)): straight to that server
+                tag = protocol.request_tag(self.config.session)
+                handles = [self.transport.send(self.server_rank(j), tag, tensor_bytes(c), meta=p.encode(),
+                                               channel=self.channel) for j, c, p in zip(servers, parts, pushes)]
+            self._inflight += list(zip(handles, parts))
+            self._inflight = [(h, t) for h, t in self._inflight if not h.done()]
+            self.stats.pushes += 1
+            return True
 
     def push_async(self, target: str | int, update: Tensors, update_norm: float | None = None, *,
                    model: str | None = None) -> torch.futures.Future:
@@ -216,10 +215,8 @@ class PSWorker:
         """Finish this iteration (the lock held): the CLOCK header for each server, for the
         caller to send, or None where the routing sent the clock itself (mlnet: up the trees
         with the sums)."""
-        send_clock = getattr(self.routing, "send_clock", None)
         clock, self.clock_value = self.clock_value, self.clock_value + 1
-        if send_clock is not None:
-            send_clock(self, clock)
+        if self.routing.send_clock(self, clock):
             return None
         return [protocol.encode(op=protocol.CLOCK, clock=clock)] * self.layout.servers
 
@@ -267,9 +264,8 @@ class PSWorker:
     def _pull_into(self, spec: ModelSpec, model: str, staleness: int | None, flat: torch.Tensor,
                    clocks: list[bytes] | None) -> None:
         ids = [next(self._ids) for _ in range(self.layout.servers)]
-        self.routing.send_pull(self, [protocol.encode(op=protocol.PULL, id=request_id, model=model,
-                                                      clock=self.clock_value, staleness=staleness)
-                                      for request_id in ids], clocks=clocks)
+        self.routing.send_pull(self, [protocol.Pull(id=request_id, model=model, clock=self.clock_value,
+                                                    staleness=staleness) for request_id in ids], clocks=clocks)
         for j, ((offset, length), request_id) in enumerate(zip(spec.shards(self.layout.servers), ids)):
             header, msg = self._await_model(j, request_id, model, staleness,
                                             f"pull({model!r}) at clock {self.clock_value}")
@@ -311,9 +307,8 @@ class PSWorker:
             ids = [next(self._ids) for _ in range(self.layout.servers)]
             clocks = self._clock_headers() if clock else None
             requested = time.monotonic()
-            send_pulls_directly(self, [protocol.encode(op=protocol.PULL, id=request_id, model=model, order=order,
-                                                       clock=self.clock_value, staleness=staleness)
-                                       for request_id in ids], clocks=clocks)
+            send_pulls_directly(self, [protocol.Pull(id=request_id, model=model, order=order, clock=self.clock_value,
+                                                     staleness=staleness) for request_id in ids], clocks=clocks)
             arriving = self._arriving[model] = ArrivingModel(self, spec, targets, list(enumerate(ids)), order,
                                                              requested)
             self.stats.pulls += 1
@@ -378,19 +373,19 @@ class PSWorker:
             if self._left:
                 return
             self._left = True
-            flush = getattr(self.routing, "flush", None)
-            if flush is not None:  # updates a policy still holds leave before the leave message
-                flush(self.config.timeout_s)
+            # updates a policy still holds leave before the leave message
+            self.routing.flush(self.config.timeout_s)
             # Replicas hear it too: one that takes over later must not wait for this worker.
             for rank in dict.fromkeys([*self.serving, *self.layout.replica_ranks]):
                 if rank not in self.transport.lost_peers:
                     self.transport.send(rank, protocol.request_tag(self.config.session), b"",
                                         meta=protocol.encode(op=protocol.LEAVE), channel=self.channel)
-            deadline = time.monotonic() + self.config.timeout_s
-            while self._inflight and time.monotonic() < deadline:
+            def sent() -> bool:
                 self._inflight = [(h, t) for h, t in self._inflight if not h.done()]
-                if self._inflight:
-                    self.transport.progress(self.transport.mailbox.version, 0.01)
+                return not self._inflight
+
+            wait_until(self.transport, sent, time.monotonic() + self.config.timeout_s, who=self.who,
+                       what="leave: the sends in flight", required=False, poll=0.01)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 
@@ -422,26 +417,30 @@ class PSWorker:
         if self._left:
             raise RuntimeError(f"{self.who}: {op} after leave()")
         for rank in list(self.serving):
-            if rank in self.transport.lost_peers and self._fail_over(rank):
+            if rank in self.transport.lost_peers and self.fail_over(rank):
                 continue
             if self.transport.is_gone(rank):
-                raise self._lost(rank, op)
+                raise self.lost_error(rank, op)
         error = self.transport.mailbox.take(self.channel, protocol.reply_tag(self.config.session, 0))
         if error is not None:
             raise PSRequestError(protocol.decode(error.meta).get("message", "a server refused a request"))
+
+    def track(self, handle: SendHandle, source: Any) -> None:
+        """Keep ``source`` (a tensor, a received message) alive until ``handle`` is done."""
+        self._inflight.append((handle, source))
 
     def server_rank(self, server: int) -> int:
         """The rank serving shard ``server`` now (its replica after a failover)."""
         return self.serving[server]
 
-    def _fail_over(self, peer: int) -> bool:
+    def fail_over(self, peer: int) -> bool:
         """``peer`` was lost: if it served a shard that a live replica can take over
         (:func:`~mlfabric.ps.replica.failover_refusal`), send that shard's requests (and, under
         the scheduled policy, the scheduler's) to the replica from now on, tell it this
         worker's clock, and return True (True again for a peer already failed over). The update
         in flight to ``peer`` is lost; fresh ones make it up (MLfabric §3.3). Under mlnet the
         worker's tree node re-attaches to the replica and tells it the clocks instead."""
-        from .replica import failover_refusal, live_replicas
+        from .failover import failover_refusal, live_replicas
 
         with self._failover_lock:
             if peer in self._failed_over:
@@ -457,9 +456,7 @@ class PSWorker:
             self.failovers += 1
         log.warning("%s: %s was lost; shard %d is now served by %s", self.who, self.layout.describe(peer), j,
                     self.layout.describe(candidates[0]))
-        if self.config.routing != "mlnet":
-            self.transport.send(candidates[0], protocol.request_tag(self.config.session), b"", channel=self.channel,
-                                meta=protocol.encode(op=protocol.ADOPT, clock=self.clock_value))
+        self.routing.after_failover(self, candidates[0])
         return True
 
     def _model(self, model: str | None, op: str) -> ModelSpec:
@@ -519,7 +516,7 @@ class PSWorker:
         msg = self._take(self.server_rank(server), protocol.reply_tag(self.config.session, request_id), what)
         header = protocol.decode(msg.meta)
         if header["op"] == "error":
-            if "lost_peer" in header:  # an mlnet tree node lost its parent (ps/mlnet.py)
+            if "lost_peer" in header:  # an mlnet tree node lost its parent (ps/policies/mlnet.py)
                 raise PeerLostError(header["message"], rank=self.transport.rank, peer=int(header["lost_peer"]))
             raise PSRequestError(header["message"])
         return header, msg
@@ -529,32 +526,30 @@ class PSWorker:
         ``src`` or any server is lost or has left: a worker cannot go on without every shard,
         and a call waiting on a live server (a BSP pull held for a round) must not wait out
         the timeout because another server died."""
-        transport, mailbox = self.transport, self.transport.mailbox
-        deadline = time.monotonic() + self.config.timeout_s
-        watched = (src, *self.serving)
-        while True:
-            version = mailbox.version
-            msg = mailbox.take(self.channel, tag, src)
-            if msg is not None:
-                return msg
-            for peer in watched:
-                if peer in transport.lost_peers and self._fail_over(peer):
-                    raise _Redirected(peer)
-                if transport.is_gone(peer):
-                    raise self._lost(peer, what)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                # init_model waits on nothing but the server's loop; pulls wait on clocks too
-                hint = ("it is alive but not serving: call serve() on its rank (PSJob.serve, or "
-                        "mlfabric.ps.init on every rank of the launch)" if what.startswith("init_model") else
-                        "it is alive; under BSP/SSP it waits for the slowest worker's clock: is a worker stuck or "
-                        "not calling clock()?")
-                raise CollectiveTimeoutError(
-                    f"{self.who}: {what}: no answer from {self.layout.describe(src)} within "
-                    f"{self.config.timeout_s:g} s ({hint})", rank=transport.rank, peer=src)
-            transport.progress(version, min(remaining, 0.1))
+        transport = self.transport
 
-    def _lost(self, peer: int, what: str) -> PeerLostError:
+        def gone(peer: int) -> BaseException:
+            if peer in transport.lost_peers and self.fail_over(peer):
+                return _Redirected(peer)
+            return self.lost_error(peer, what)
+
+        def late() -> BaseException:
+            # init_model waits on nothing but the server's loop; pulls wait on clocks too
+            hint = ("it is alive but not serving: call serve() on its rank (PSJob.serve, or "
+                    "mlfabric.ps.init on every rank of the launch)" if what.startswith("init_model") else
+                    "it is alive; under BSP/SSP it waits for the slowest worker's clock: is a worker stuck or "
+                    "not calling clock()?")
+            return CollectiveTimeoutError(f"{self.who}: {what}: no answer from {self.layout.describe(src)} within "
+                                          f"{self.config.timeout_s:g} s ({hint})", rank=transport.rank, peer=src)
+
+        msg = wait_until(transport, lambda: transport.mailbox.take(self.channel, tag, src),
+                         time.monotonic() + self.config.timeout_s, who=self.who, what=what,
+                         watch=(src, *self.serving), on_gone=gone, on_timeout=late)
+        assert msg is not None  # required: a timeout raised
+        return msg
+
+    def lost_error(self, peer: int, what: str) -> PeerLostError:
+        """The error a call during ``what`` raises because ``peer`` was lost or left (naming it)."""
         transport = self.transport
         name = self.layout.describe(peer)
         if peer in transport.lost_peers:

@@ -40,7 +40,7 @@ from mlfabric.errors import (
     PeerLostError,
 )
 from mlfabric.schedule import Copy, DepMode, Nop, Recv, Reduce, Schedule, Send, Slice
-from mlfabric.transport.base import CONTROL_CHANNEL, Message, SendHandle, Transport
+from mlfabric.transport.base import CONTROL_CHANNEL, Message, SendHandle, Transport, tensor_bytes
 
 from .trace import Tracer
 from .control import ControlKind, Farewell, Status, abort_error, control_tag, encode_abort, split_control_tag
@@ -91,16 +91,6 @@ _NUMPY_REDUCERS: dict[str, Callable[[np.ndarray, np.ndarray], None]] = {
     "max": lambda dst, src: np.maximum(dst, src, out=dst),
     "min": lambda dst, src: np.minimum(dst, src, out=dst),
 }
-
-
-def tensor_bytes(t: torch.Tensor | np.ndarray) -> memoryview:
-    """A zero-copy byte view of a contiguous 1-D CPU tensor (any dtype, bfloat16 included) or
-    of a numpy array."""
-    if len(t) == 0:
-        return memoryview(b"")
-    if isinstance(t, np.ndarray):
-        return memoryview(t).cast("B")
-    return memoryview(t.view(torch.uint8).numpy())
 
 
 def host_array(t: torch.Tensor) -> torch.Tensor | np.ndarray:

@@ -10,7 +10,7 @@ The scheduled modes run the runtime's own code, not a copy: every batch is plann
 :class:`~mlfabric.ps.monitor.Ledger` builds from capacities the
 :class:`~mlfabric.ps.monitor.NetworkMonitor` reports ``t_lag`` late, and pulls are answered
 in batches through :func:`mlfabric.ps.scheduler.distribute` (model distribution, §10.3), as
-:mod:`mlfabric.ps.scheduling` does.
+:mod:`mlfabric.ps.policies.scheduled` does.
 
 The network is a star of hosts (host 0 the server, hosts ``1..W`` the workers) whose NICs
 have an up and a down capacity, redrawn every ``churn_period_s`` from the churn model (the
@@ -48,9 +48,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from mlfabric.emu.churn import churn_model, churn_schedule
-from mlfabric.ps.monitor import Ledger, NetworkMonitor
-from mlfabric.ps.scheduling import aggregator_ranks
-from mlfabric.ps.scheduler import Scheduler, SchedulerConfig, UpdateRequest, plan_pull_batch
+from mlfabric.ps.monitor import NetworkMonitor
+from mlfabric.ps.policies.scheduled.core import BatchingCore, BatchPlan, GroupOrder, OrderBook, PullBatcher, Request
+from mlfabric.ps.policies.scheduled.settings import ScheduledSettings, aggregator_ranks
 
 __all__ = ["MLfabricSimConfig", "PAPER_TABLE2", "SIM_MODES", "compare_with_emulation", "cycle_floor_s",
            "simulate_mlfabric", "simulate_mode", "simulate_table2", "table2", "updates_to_target"]
@@ -76,6 +76,9 @@ class MLfabricSimConfig:
     updates: int = 3_000               # worker updates each mode must apply
     updates_needed: dict[str, int] = field(default_factory=dict)  # per mode, overriding ``updates``
     interval_s: float = 0.1
+    #: How long a server waits past an entry's planned commit before skipping it (the runtime's
+    #: ScheduledSettings.slack_s).
+    slack_s: float = ScheduledSettings.slack_s
     aggregators: int = 2
     distributors: int = 2
     monitor_lag_s: float = 0.2
@@ -388,128 +391,157 @@ class _Async(_PS):
 
 
 class _Scheduled(_PS):
-    """MLfabric-A (``tau``) or MLfabric-S (``tau=None``): the runtime's scheduler and model
-    distribution on the simulated network."""
+    """MLfabric-A (``tau``) or MLfabric-S (``tau=None``) on the simulated network, driving the
+    runtime's own cores (:mod:`mlfabric.ps.policies.scheduled.core`): the
+    :class:`~mlfabric.ps.policies.scheduled.core.BatchingCore` batches and plans (as the
+    scheduler service beside server 0 does), the
+    :class:`~mlfabric.ps.policies.scheduled.core.OrderBook` applies each batch in its order
+    and skips what is ``slack_s`` late (as each server's loop does), the
+    :class:`~mlfabric.ps.policies.scheduled.core.PullBatcher` times and splits the batches of
+    pulls (model distribution). What stays here is the simulation: the flows, an aggregator
+    forwarding its group's sum once every member is in, and MLfabric-S's rounds (BSP)."""
 
     def __init__(self, *args: Any, tau: int | None) -> None:
         super().__init__(*args)
         c = self.config
         self.sync = tau is None
         aggs = aggregator_ranks(range(1, c.workers + 1), c.aggregators)  # worker hosts, as the runtime's
-        self.scheduler = Scheduler(SchedulerConfig(tau_max=0 if self.sync else tau, mode="sync" if self.sync else "async",
-                                                   aggregation=bool(aggs), seed=c.seed), servers=[0], aggregators=aggs)
-        self.monitor = NetworkMonitor(hosts=c.workers + 1, default_bps=c.rate_bps / 8, lag_s=c.monitor_lag_s)
+        self.core = BatchingCore(servers=[0], aggregators=aggs, hosts=c.workers + 1, tau=tau, seed=c.seed,
+                                 interval_s=c.interval_s, slack_s=c.slack_s, rate_bps=c.rate_bps,
+                                 monitor_lag_s=c.monitor_lag_s)
+        self.monitor = self.core.monitor
         up, down = self.env.capacities_at(0.0)
         for h in range(up.size):
-            self.monitor.report(h, float(up[h]), float(down[h]), 0.0)
-        self.ledger = Ledger()
-        self.pending: list[tuple[int, int]] = []  # (worker, version computed from)
-        self.planned = 0                            # versions planned beyond the applied ones
-        self.queue: list[dict[str, Any]] = []       # planned entries in application order
+            self.core.report(h, float(up[h]), float(down[h]), 0.0)
+        self.book = OrderBook()
+        self.distribution = PullBatcher(distributors=c.distributors, seed=c.seed, server=0)
+        self.requests: dict[tuple[int, int], tuple[int, int]] = {}  # (host, id) -> (worker, version)
         self.pulls: list[int] = []                  # workers whose pull is ready to answer
-        self.busy_until = 0.0
         self.answering = 0
         self.round_in = 0  # MLfabric-S: worker updates of the open round applied so far
-        self.ids = itertools.count()
-        self.draws = np.random.default_rng(np.random.SeedSequence([c.seed, 7_919]))
+        self.next_id = [1] * c.workers  # each worker numbers its requests from 1, as the runtime's
+        self.skipped_count = 0
+        self.now = 0.0  # the time of the order book's current step
+        self._port = _SimServer(self)
+        self._wakes: set[tuple[float, str]] = set()  # times the core or the book asked to be woken at
         # where a worker's cycle goes (figures()): when it last moved on, and the waits so far
         self.stamp = [0.0] * c.workers
         self.waits: dict[str, list[float]] = {"batch": [], "commit": [], "model": []}
         self.batch_sizes: list[int] = []
         self.units = 0  # what the server received: direct updates and aggregates
+        self.plans: list[BatchPlan] = []  # every plan, when ``record_plans`` (tests compare them)
+        self.record_plans = False
 
     def start(self) -> None:
         super().start()
-        self.clock.at(self.config.interval_s, self.tick)
+        self.turn(0.0)
+
+    def _wake(self, at: float | None, fn: Callable[[float], None]) -> None:
+        if at is None or not math.isfinite(at) or (at, fn.__name__) in self._wakes:
+            return
+        self._wakes.add((at, fn.__name__))
+        self.clock.at(at, fn)
 
     def computed(self, w: int, t: float) -> None:
         self.stamp[w] = t
-        self.pending.append((w, self.model_version[w]))
+        request_id = self.next_id[w]
+        self.next_id[w] += 1
+        self.requests[(self.host(w), request_id)] = (w, self.model_version[w])
+        self.core.request(Request(rank=self.host(w), id=request_id, model="m", version=self.model_version[w],
+                                  sizes=(self.config.update_bytes,), clock=self.iteration[w] - 1))
         if self.config.pull_after == "request" and not self.sync:
             self.pull_ready([w], t)
-        if len(self.pending) == self.config.workers:  # every worker waits: the batch cannot grow
-            self.plan(t)
+        self.turn(t)  # as the scheduler's thread wakes on every request
 
-    def tick(self, t: float) -> None:
-        if self.pending:
-            self.plan(t)
+    def turn(self, t: float) -> None:
+        """The scheduler's turn at ``t`` (what the service's loop does when it wakes)."""
+        counted = {self.host(w) for w in range(self.config.workers)}
+        for plan in self.core.turn(t, counted, lambda model: self.version + (0 if self.sync else self.book.planned[model])):
+            self.carry_out(plan, t)
         if not self.done():
-            self.clock.at(t + self.config.interval_s, self.tick)
+            self._wake(self.core.wake_at(), self.turn)
 
-    def plan(self, t: float) -> None:
-        pending, self.pending = self.pending, []
-        for w, _ in pending:
+    def carry_out(self, plan: BatchPlan, t: float) -> None:
+        if self.record_plans:
+            self.plans.append(plan)
+        for r in plan.requests:
+            w, _ = self.requests[(r.rank, r.id)]
             self.waits["batch"].append(t - self.stamp[w])
             self.stamp[w] = t
-        self.batch_sizes.append(len(pending))
-        v_init = self.version + self.planned
-        ids = {next(self.ids): p for p in pending}
-        requests = [UpdateRequest(update_id=i, worker=self.host(w), sizes=(self.config.update_bytes,),
-                                  version=min(v, v_init), norm=0.0) for i, (w, v) in ids.items()]
-        network = self.ledger.state(t, *self.monitor.capacities(t))
-        out = self.scheduler.schedule(requests, version=v_init, network=network, now=t)
-        self.ledger.add([tr for d in out.applied() for tr in d.transfers] +
-                        [tr for g in out.aggregates for tr in g.transfers])
-        groups = {g.slot: g for g in out.aggregates}
-        entries: dict[Any, dict[str, Any]] = {}
-        for d in out.applied():
-            w, v = ids[d.update_id]
-            key = ("u", d.update_id) if d.group == 0 else ("g", d.group)
-            entry = entries.setdefault(key, {"workers": [], "versions": [], "expected": 0, "arrived": 0,
-                                             "sync": self.sync})
-            entry["workers"].append(w)
-            entry["versions"].append(v)
-            entry["expected"] = 1 if d.group == 0 else len(groups[d.group].members)
-        order = list(entries.values())
-        self.queue += order
-        self.units += len(order)
+        self.batch_sizes.append(len(plan.requests))
+        self.units += len(plan.entries)
         if not self.sync:
-            self.planned += sum(len(e["workers"]) for e in order)
-        for d in out.decisions:
-            w, v = ids[d.update_id]
-            if d.dropped:
+            self.book.add_order(plan.order(), t)  # the order reaches the server at once
+        groups = {g.slot: g for g in plan.groups}
+        members_in: dict[int, list[tuple[int, int]]] = {}
+        for d in plan.decisions:
+            w, v = self.requests.pop((d.rank, d.id))
+            if d.drop:
                 self.dropped += 1
                 if self.config.pull_after == "applied" or self.sync:
                     self.pull_ready([w], t)
                 continue
-            entry = entries[("u", d.update_id) if d.group == 0 else ("g", d.group)]
-            rate = _mean_rate(d.transfers)
-            hop = d.next_hop[0]
+            rate = _cap(d.rates[0] if d.rates else None)
             if d.group == 0:
-                self.clock.at(max(t, d.start or t), lambda now, w=w, e=entry, rate=rate: self.clock.net.add(
-                    self.host(w), 0, self.config.update_bytes, lambda end, e=e: self.arrive(e, end), rate))
+                key = ("u", d.rank, d.id)
+                self.clock.at(t + d.start_in, lambda now, w=w, v=v, key=key, rate=rate, batch=plan.batch:
+                              self.clock.net.add(self.host(w), 0, self.config.update_bytes,
+                                                 lambda end: self.arrive(batch, key, [w], [v], end), rate))
             else:
                 g = groups[d.group]
-                self.clock.at(max(t, d.start or t), lambda now, w=w, e=entry, hop=hop, rate=rate, g=g:
-                              self.clock.net.add(self.host(w), hop, self.config.update_bytes,
-                                                 lambda end, e=e, g=g: self.member_in(e, g, end), rate))
+                self.clock.at(t + d.start_in, lambda now, w=w, v=v, g=g, rate=rate, batch=plan.batch:
+                              self.clock.net.add(self.host(w), d_hop(g), self.config.update_bytes,
+                                                 lambda end: self.member_in(batch, g, w, v, members_in, end), rate))
 
-    def member_in(self, entry: dict[str, Any], group: Any, t: float) -> None:
-        entry["members_in"] = entry.get("members_in", 0) + 1
-        if entry["members_in"] == entry["expected"]:
-            rate = _mean_rate(group.transfers)
-            self.clock.net.add(group.hosts[0], 0, self.config.update_bytes, lambda end: self.arrive(entry, end), rate)
+    def member_in(self, batch: int, group: GroupOrder, w: int, v: int, members_in: dict[int, list[tuple[int, int]]],
+                  t: float) -> None:
+        got = members_in.setdefault(group.slot, [])
+        got.append((w, v))
+        if len(got) == len(group.members):  # the aggregator forwards the sum once every member is in
+            workers, versions = [m[0] for m in got], [m[1] for m in got]
+            self.clock.net.add(group.host, 0, self.config.update_bytes,
+                               lambda end: self.arrive(batch, ("g", group.slot), workers, versions, end),
+                               _cap(group.rates[0] if group.rates else None))
 
-    def arrive(self, entry: dict[str, Any], t: float) -> None:
-        entry["arrived"] = 1
-        # the server applies in the planned order
-        while self.queue and self.queue[0]["arrived"]:
-            e = self.queue.pop(0)
-            for w in e["workers"]:
+    def arrive(self, batch: int, key: tuple[Any, ...], workers: list[int], versions: list[int], t: float) -> None:
+        if self.sync:  # MLfabric-S: BSP rounds, closed once every worker's update is in
+            for w in workers:
                 self.waits["commit"].append(t - self.stamp[w])
-            if self.sync:
-                self.applied += len(e["workers"])
-                self.round_in += len(e["workers"])
-                if self.round_in == self.config.workers:  # the round closes: one version
-                    self.round_in = 0
-                    self.version += 1
-                    self.delays += [0] * self.config.workers
-                    self.pull_ready(range(self.config.workers), t)
-            else:
-                self.planned -= len(e["workers"])
-                self.apply(e["workers"], e["versions"])
-                if self.config.pull_after == "applied":
-                    self.pull_ready(e["workers"], t)
+            self.applied += len(workers)
+            self.round_in += len(workers)
+            if self.round_in == self.config.workers:  # the round closes: one version
+                self.round_in = 0
+                self.version += 1
+                self.delays += [0] * self.config.workers
+                self.pull_ready(range(self.config.workers), t)
+            return
+        self.book.arrived("m", batch, key, (workers, versions))
+        self.step(t)
+
+    def step(self, t: float) -> None:
+        """The server's turn at ``t``: the order book applies (or skips) what is due, in order."""
+        self.now = t
+        self.book.step(t, self._port)
+        if not self.done():
+            self._wake(self.book.wake_at(), self.step)
+
+    def apply_entry(self, workers: list[int], versions: list[int]) -> None:
+        """The order book applies an entry (as the runtime's server: one past the plan's
+        bound, moved there by something unplanned, is dropped)."""
+        for w in workers:
+            self.waits["commit"].append(self.now - self.stamp[w])
+        if self.version - min(versions) > self.core.scheduler.config.tau_max:
+            self.dropped += len(workers)
+        else:
+            self.apply(workers, versions)
+        if self.config.pull_after == "applied":
+            self.pull_ready(workers, self.now)
+
+    def skip_entry(self, ranks: frozenset[int], count: int) -> None:
+        """An entry ``slack_s`` late is skipped; its workers' pulls are no longer held."""
+        self.skipped_count += count
+        if self.config.pull_after == "applied":
+            self.pull_ready([h - 1 for h in sorted(ranks)], self.now)
 
     def pull_ready(self, workers: Sequence[int], t: float) -> None:
         for w in workers:
@@ -518,21 +550,20 @@ class _Scheduled(_PS):
         self.answer(t)
 
     def answer(self, t: float) -> None:
-        """Model distribution as ScheduledRouting.answer_pulls: batches, k° distributors."""
-        if self.answering or t < self.busy_until or not self.pulls:
-            if self.pulls and not self.answering and t < self.busy_until:
-                self.clock.at(self.busy_until, self.answer)
+        """Model distribution: the runtime's PullBatcher, k° distributors."""
+        if not self.pulls:
+            return
+        if self.answering or not self.distribution.ready(t, True):
+            if not self.answering:
+                self._wake(self.distribution.answer_at(), self.answer)
             return
         batch, self.pulls = self.pulls, []
         version, size = self.version, self.config.update_bytes
-        network = self.ledger.state(t, *self.monitor.capacities(t))
-        plan = plan_pull_batch(network, server=0, pullers=[self.host(w) for w in batch], model_size=size,
-                               distributors=self.config.distributors, shuffle=self.draws.shuffle, start=t)
+        plan = self.distribution.plan(self.core.network(t), me=0, pullers=[self.host(w) for w in batch],
+                                      model_size=size, now=t)
         relays = {d: list(ws) for d, ws in plan.groups}
         direct = list(plan.by_server)
-        transfers = list(plan.transfers)
-        self.ledger.add(transfers)
-        self.busy_until = max((tr.end for tr in transfers if tr.src == 0), default=t)
+        self.core.reserve(list(plan.transfers))
 
         def got(h: int, now: float) -> None:
             self.waits["model"].append(now - self.stamp[h - 1])
@@ -569,20 +600,42 @@ class _Scheduled(_PS):
         batches = max(len(self.batch_sizes), 1)
         return {**super().figures(t), "batches": len(self.batch_sizes),
                 "mean_batch": sum(self.batch_sizes) / batches, "server_transfers_per_batch": self.units / batches,
+                "skipped": self.skipped_count,
                 "batch_wait_s": _mean(self.waits["batch"]), "commit_wait_s": _mean(self.waits["commit"]),
                 "model_wait_s": _mean(self.waits["model"])}
 
 
+class _SimServer:
+    """The :class:`~mlfabric.ps.policies.scheduled.core.OrderPort` of the simulated server."""
+
+    def __init__(self, ps: _Scheduled) -> None:
+        self.ps = ps
+
+    def apply(self, model: str, entry: Any, arrived: Any) -> None:
+        self.ps.apply_entry(*arrived)
+
+    def skipped(self, model: str, batch: int, entry: Any) -> None:
+        self.ps.skip_entry(entry.ranks, entry.count)
+
+    def hold_last(self, model: str, entry: Any, now: float) -> bool:
+        return False  # no replicas in the simulated Table 2
+
+    def batch_done(self, model: str, batch: int) -> None:
+        pass
+
+
+def d_hop(group: GroupOrder) -> int:
+    """Where a group's members send: its aggregator host."""
+    return group.host
+
+
+def _cap(rate_bps: float | None) -> float:
+    """A planned rate (bit/s, what the runtime paces at) as a flow cap (bytes/s), or no cap."""
+    return rate_bps / 8 if rate_bps else math.inf
+
+
 def _mean(values: Sequence[float]) -> float:
     return float(np.mean(values)) if values else 0.0
-
-
-def _mean_rate(transfers: Sequence[Any]) -> float:
-    """A planned transfer's mean rate (what the runtime paces at), or no cap."""
-    for tr in transfers:
-        if tr.times and tr.end > tr.begin:
-            return tr.size / (tr.end - tr.begin)
-    return math.inf
 
 
 def simulate_mode(config: MLfabricSimConfig, mode: str) -> dict[str, Any]:

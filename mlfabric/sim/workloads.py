@@ -27,7 +27,7 @@ of all its children, aggregates them and forwards *one* message of the shard's s
 parent; the server aggregates its children's messages. Pull: the same tree multicasts the new
 shard, each node forwarding it to its children once received. The trees are
 :func:`mlfabric.topo.trees.tree_parents`'s, the code the runtime's ``mlnet`` routing policy
-(``ps/mlnet.py``) builds its trees with, so simulated and real runs of a placement agree.
+(``ps/policies/mlnet.py``) builds its trees with, so simulated and real runs of a placement agree.
 
 * ``baseline``: every worker sends directly to every server (today's PS);
 * ``binary`` (``tree`` with ``degree=2``) and ``tree`` of in-degree ``d``: workers sorted by

@@ -3,7 +3,7 @@
     .venv/bin/python -m pytest tests/unit/test_ps_mlnet.py -k trees tests/unit/test_sim.py -k tree
 
 One pure function, :func:`tree_parents`, shared by the simulator (``sim/workloads.py``, which
-times the trees) and the parameter-server runtime (``ps/mlnet.py``, which moves real tensors
+times the trees) and the parameter-server runtime (``ps/policies/mlnet.py``, which moves real tensors
 along them), so that a simulated and a real run of one placement use the same trees.
 
 Kinds (``TREE_KINDS``):

@@ -20,7 +20,7 @@ redirect without restarting. Afterwards the parent compares:
 ``aggregator:AT`` (mlnet modes, MLNET §3): an interior node of server 0's tree (a worker
 process whose node has children; one below another node where there is one) kills itself AT
 seconds into its training loop, after writing the time to ``killed-worker.json``; its
-children re-attach (:mod:`mlfabric.ps.mlnet`). The run reports ``killed_worker`` and
+children re-attach (:mod:`mlfabric.ps.policies.mlnet`). The run reports ``killed_worker`` and
 ``repaired_s``: the kill to the first re-attachment answered.
 
 Only one parameter-server run per command can fail this way (its process is gone for the

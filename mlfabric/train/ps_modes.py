@@ -8,11 +8,15 @@ Modes: ``ps-bsp`` (bulk synchronous: synchronous SGD through the servers), ``ps-
 arrival; ``--delay-bound TAU`` drops updates whose delay would exceed TAU, MLfabric §3.1;
 MLfabric's "vanilla Async"), ``mlfabric-a:TAU`` (MLfabric-A: asynchronous with delay bound
 TAU, every update scheduled by MLfabric's scheduler: ordering, drops, aggregation,
-:mod:`mlfabric.ps.scheduling`), ``mlfabric-s`` (MLfabric-S, §6: BSP rounds whose updates the
+:mod:`mlfabric.ps.policies.scheduled`), ``mlfabric-s`` (MLfabric-S, §6: BSP rounds whose updates the
 scheduler orders and aggregates for the round's makespan), ``mlnet-binary``, ``mlnet-rack`` and
-``mlnet-tree:D`` (MLNET's aggregation/multicast trees, :mod:`mlfabric.ps.mlnet`: BSP, or SSP
+``mlnet-tree:D`` (MLNET's aggregation/multicast trees, :mod:`mlfabric.ps.policies.mlnet`: BSP, or SSP
 inside the tree with ``+ssp:S``, e.g. ``mlnet-rack+ssp:2``; rack trees take the racks of the
 launch's topology).
+A user-written routing policy (``mlfabric.ps.register_policy``, docs/parameter_server.md
+"Writing a policy") runs as ``ps-bsp@NAME`` (any ``ps-*`` mode, ``@`` and the policy's
+name), with its module listed in ``MLFABRIC_PS_PLUGINS`` so that every rank registers it:
+``MLFABRIC_PS_PLUGINS=examples/ps_policy_drop.py mlfabric train --sync ps-bsp,ps-bsp@drop-alternate``.
 Replicas (``--replicas R``): chain replication (the server forwards each update it applies),
 or under MLfabric-A ``--replication network --div-max X`` (§5.3: the workers send copies of
 their updates, scheduled so that the replica stays within Div_max X, a norm or ``Nu``
@@ -41,8 +45,9 @@ PREFIX = "ps-"
 MLFABRIC_A = "mlfabric-a:"
 MLFABRIC_S = "mlfabric-s"
 MLNET = "mlnet-"
+POLICY_SEP = "@"  # ps-bsp@NAME: the ps-bsp mode routed by the registered policy NAME
 PS_MODE_FORMS = ("ps-bsp", "ps-ssp:S", "ps-async", "mlfabric-a:TAU", MLFABRIC_S, "mlnet-binary[+ssp:S]",
-                 "mlnet-rack[+ssp:S]", "mlnet-tree:D[+ssp:S]")
+                 "mlnet-rack[+ssp:S]", "mlnet-tree:D[+ssp:S]", "ps-*@POLICY")
 
 
 def is_ps_mode(mode: str) -> bool:
@@ -52,7 +57,7 @@ def is_ps_mode(mode: str) -> bool:
 
 def mlnet_options(mode: str) -> dict[str, Any]:
     """``mlnet-rack+ssp:2`` -> consistency ssp:2, routing mlnet over rack trees."""
-    from mlfabric.ps.mlnet import MLNetSettings
+    from mlfabric.ps.policies.mlnet import MLNetSettings
 
     tree, plus, consistency = mode.removeprefix(MLNET).partition("+")
     try:
@@ -74,13 +79,18 @@ def session_options(mode: str, delay_bound: int | None = None, nic_rate_bps: flo
     replicas' divergence at batch ends)."""
     if mode.startswith(MLNET):
         return mlnet_options(mode)
+    if mode.startswith(PREFIX) and POLICY_SEP in mode:
+        base, _, policy = mode.partition(POLICY_SEP)
+        if not policy:
+            raise ValueError(f"sync mode {mode!r}: name the policy after '@' (ps-bsp@NAME)")
+        return {"consistency": ps_consistency(base, delay_bound), "routing": policy}
     if mode == MLFABRIC_S:
-        from mlfabric.ps.scheduling import DEFAULT_RATE_BPS, ScheduledSettings
+        from mlfabric.ps.policies.scheduled.settings import DEFAULT_RATE_BPS, ScheduledSettings
 
         return {"consistency": Consistency(kind="bsp"), "routing": "scheduled",
                 "scheduled": ScheduledSettings(rate_bps=nic_rate_bps or DEFAULT_RATE_BPS)}
     if mode.startswith(MLFABRIC_A):
-        from mlfabric.ps.scheduling import DEFAULT_RATE_BPS, ScheduledSettings
+        from mlfabric.ps.policies.scheduled.settings import DEFAULT_RATE_BPS, ScheduledSettings
 
         tau = mode.removeprefix(MLFABRIC_A)
         try:
@@ -103,6 +113,11 @@ def ps_consistency(mode: str, delay_bound: int | None = None) -> Consistency:
         return session_options(mode)["consistency"]
     if not is_ps_mode(mode):
         raise ValueError(f"{mode!r} is not a parameter-server mode ({', '.join(PS_MODE_FORMS)})")
+    mode, _, policy = mode.partition(POLICY_SEP)  # ps-bsp@NAME: the consistency is ps-bsp's
+    if policy:
+        from mlfabric.ps.policy import policy_factory
+
+        policy_factory(policy)  # raises naming the registered policies
     try:
         consistency = Consistency.parse(mode.removeprefix(PREFIX))
     except ValueError as exc:
@@ -211,7 +226,7 @@ def summarize(server_stats: list[dict[str, Any]], worker_stats: list[dict[str, A
         "lost_workers": sorted({w for s in server_stats for w in s["lost_workers"]}),
         # per worker: the times it redirected to a replica that took over a lost server
         "worker_failovers": [w.get("failovers", 0) for w in worker_stats],
-        # mlnet (ps/mlnet.py): the largest c_worker - c_model any pull returned, the sums the
+        # mlnet (ps/policies/mlnet.py): the largest c_worker - c_model any pull returned, the sums the
         # tree nodes sent up, pulls answered from a node's copy, children lost by their node.
         **_mlnet_figures([w["mlnet"] for w in worker_stats if w.get("mlnet")]),
         "missing_rounds": server_stats[0]["missing_rounds"] if server_stats else [],

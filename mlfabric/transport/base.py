@@ -24,6 +24,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
+import torch
+
 from mlfabric.errors import TransportError
 
 log = logging.getLogger("mlfabric.transport")
@@ -87,9 +90,20 @@ class AllSent(SendHandle):
         return self._done
 
 
+def tensor_bytes(t: "torch.Tensor | np.ndarray") -> memoryview:
+    """A zero-copy byte view of a contiguous 1-D CPU tensor (any dtype, bfloat16 included) or
+    of a numpy array: what every sender hands :meth:`Transport.send` (beside :func:`byte_view`,
+    its inverse on the way in)."""
+    if len(t) == 0:
+        return memoryview(b"")
+    if isinstance(t, np.ndarray):
+        return memoryview(t).cast("B")
+    return memoryview(t.view(torch.uint8).numpy())
+
+
 def byte_view(payload: memoryview | bytes) -> memoryview:
     """``payload`` as a flat byte view (the runtime's payloads are byte views already:
-    executor.tensor_bytes; anything else is cast)."""
+    :func:`tensor_bytes`; anything else is cast)."""
     if type(payload) is memoryview and payload.ndim == 1 and payload.format == "B" and payload.c_contiguous:
         return payload
     return memoryview(payload).cast("B")
@@ -424,6 +438,11 @@ class Transport(ABC):
             self._counters.clear()
 
     # -- shutdown --------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (a thread of the owner may find it closed under it)."""
+        return self._closed
 
     def close(self, farewell: bytes = b"") -> None:
         """Tell peers we leave on purpose (so they do not report us as lost), then stop.

@@ -10,7 +10,7 @@ import csv
 import subprocess
 import time
 
-from mlfabric.train.eager import EagerTrainConfig, TrainEmulation, run_eager_training
+from mlfabric.train.harness import EagerTrainConfig, TrainEmulation, run_eager_training
 from mlfabric.train.workloads import HyperplaneSpec
 from tests.emu.conftest import needs_root
 

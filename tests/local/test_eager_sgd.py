@@ -21,7 +21,7 @@ import mlfabric
 from mlfabric.bench.partial import PartialBenchConfig, parse_skew, run_partial_bench
 from mlfabric.cli import app
 from mlfabric.torch import EagerSGD
-from mlfabric.train.eager import EagerTrainConfig, parse_injection
+from mlfabric.train.harness import EagerTrainConfig, parse_injection
 
 pytestmark = pytest.mark.local
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from mlfabric.train.eager import EagerTrainConfig, run_eager_training
+from mlfabric.train.harness import EagerTrainConfig, run_eager_training
 from mlfabric.train.failover import Failure
 from mlfabric.train.workloads import HyperplaneSpec
 

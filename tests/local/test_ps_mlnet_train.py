@@ -15,7 +15,7 @@ import torch
 
 
 def test_train_through_mlnet_trees_equals_bsp_and_cuts_server_traffic() -> None:
-    from mlfabric.train.eager import EagerTrainConfig, run_eager_training
+    from mlfabric.train.harness import EagerTrainConfig, run_eager_training
     from mlfabric.train.workloads import HyperplaneSpec
 
     config = EagerTrainConfig(workload="hyperplane", workers=4, servers=2, epochs=2, batch_size=64,
@@ -39,7 +39,7 @@ def test_train_through_mlnet_trees_equals_bsp_and_cuts_server_traffic() -> None:
 
 
 def test_train_rejects_bad_mlnet_modes_at_once() -> None:
-    from mlfabric.train.eager import EagerTrainConfig
+    from mlfabric.train.harness import EagerTrainConfig
 
     with pytest.raises(ValueError, match="in-degree d must be >= 1"):
         EagerTrainConfig(workers=2, servers=1, modes=("mlnet-tree:0",))
@@ -55,7 +55,7 @@ def _chain_with_a_killed_interior_node(steps: int, kill_file: str, victims: tupl
     import collections
 
     import mlfabric.ps
-    from mlfabric.ps.mlnet import MLNetSettings
+    from mlfabric.ps.policies.mlnet import MLNetSettings
 
     first = mlfabric.ps.init(consistency="bsp", transport="tcp", timeout=20, lost_worker_wait_s=1.0)
     job = first.session(1, routing="mlnet", mlnet=MLNetSettings(tree="tree:1"))
@@ -139,7 +139,7 @@ def test_train_fail_aggregator_repairs_the_tree_and_trains_on() -> None:
     """``mlfabric train --sync mlnet-tree:1+ssp:1 --fail aggregator:AT``: the interior node
     below worker 0 dies; its child re-attaches, the SSP bound holds on every pull, and the
     run ends at the unfailed run's accuracy."""
-    from mlfabric.train.eager import EagerTrainConfig, run_eager_training
+    from mlfabric.train.harness import EagerTrainConfig, run_eager_training
     from mlfabric.train.workloads import HyperplaneSpec
 
     # ~0.5-1 s of training (it varies with the load): the kill at 0.2 s falls inside it
@@ -161,7 +161,7 @@ def test_train_fail_server_under_mlnet_the_replica_takes_the_roots_place() -> No
     failed root, waited for and reconnected): server 0 is SIGKILLed mid-run, its replica takes
     over, the root-level nodes re-attach to it; nothing the server had counted is lost, the SSP
     bound holds, and the run ends at the unfailed run's accuracy."""
-    from mlfabric.train.eager import EagerTrainConfig, run_eager_training
+    from mlfabric.train.harness import EagerTrainConfig, run_eager_training
     from mlfabric.train.workloads import HyperplaneSpec
 
     # ~1.5-2 s of training: the kill at 0.3 s falls inside it

@@ -259,7 +259,7 @@ def test_a_replica_takes_over_a_killed_server(tmp_path: Any, monkeypatch: pytest
 def test_train_runs_a_ps_mode_with_a_replica_beside_the_server() -> None:
     """``mlfabric train --replicas 1``: the replica is a process of its own (rank 1), the workers
     shift after it, and the server's traffic to it is reported (chain replication)."""
-    from mlfabric.train.eager import EagerTrainConfig, run_eager_training
+    from mlfabric.train.harness import EagerTrainConfig, run_eager_training
     from mlfabric.train.workloads import HyperplaneSpec
 
     config = EagerTrainConfig(workload="hyperplane", workers=2, modes=("ps-bsp",), servers=1, replicas=1,
@@ -280,7 +280,7 @@ def test_train_checkpoints_the_servers_every_n_versions() -> None:
     import glob
     import tempfile
 
-    from mlfabric.train.eager import EagerTrainConfig, run_eager_training
+    from mlfabric.train.harness import EagerTrainConfig, run_eager_training
     from mlfabric.train.workloads import HyperplaneSpec
 
     before = set(glob.glob(f"{tempfile.gettempdir()}/mlfabric-checkpoints-*"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlfabric.train.eager import EagerTrainConfig, run_eager_training
+from mlfabric.train.harness import EagerTrainConfig, run_eager_training
 from mlfabric.train.workloads import HyperplaneSpec
 
 REL = 1e-5  # float32 models: the estimate (from norms, in double) may sit a rounding below

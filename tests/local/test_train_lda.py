@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mlfabric.cli import app
-from mlfabric.train.eager import EagerTrainConfig
+from mlfabric.train.harness import EagerTrainConfig
 from mlfabric.train.lda import LdaSpec
 
 pytestmark = pytest.mark.local

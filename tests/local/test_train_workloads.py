@@ -13,7 +13,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from mlfabric.train.eager import (WORKLOADS, EagerTrainConfig, TrainEmulation, run_eager_training)
+from mlfabric.train.harness import (WORKLOADS, EagerTrainConfig, TrainEmulation, run_eager_training)
 from mlfabric.train.workloads import LeNet5Spec, LeNet5Task, MlpSpec, MlpTask
 
 pytestmark = pytest.mark.local

@@ -16,7 +16,7 @@ import torch
 
 from mlfabric.ps import PSConfig, PSLayout, local_jobs
 from mlfabric.torch import PSOptimizer
-from mlfabric.train.eager import CurvePoint, EagerTrainConfig, RunResult, target
+from mlfabric.train.harness import CurvePoint, EagerTrainConfig, RunResult, target
 from mlfabric.train.lda import (AddCountDeltas, GibbsSampler, LdaSpec, LdaTask, count_word_topics,
                                 document_completion, synthetic_corpus)
 

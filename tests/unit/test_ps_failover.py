@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mlfabric.ps import PSConfig, PSLayout
-from mlfabric.ps.replica import failover_refusal
+from mlfabric.ps.failover import failover_refusal
 from mlfabric.ps.server import ServerStats
 from tests.unit.test_ps import run_job
 from tests.unit.test_ps_network_replication import _settings
@@ -139,7 +139,9 @@ def test_a_leaving_worker_does_not_wait_for_replica_units_that_can_no_longer_com
     replica that then followed the promoted one; the unit's other members were told nothing
     more, and the worker's leave waited for them until the timeout."""
     from mlfabric.ps import local_jobs
-    from mlfabric.ps.scheduling import _UNITS_PER_BATCH, Aggregator, ScheduledSettings, _ReplicaSum, unit_scheduler
+    from mlfabric.ps.policies.scheduled import UNITS_PER_BATCH as _UNITS_PER_BATCH
+    from mlfabric.ps.policies.scheduled import Aggregator, ScheduledSettings, unit_scheduler
+    from mlfabric.ps.policies.scheduled.aggregator import _ReplicaSum
 
     layout = PSLayout(servers=1, replicas=2, workers=2)
     jobs = local_jobs(layout, PSConfig(consistency="async", timeout_s=5))

@@ -17,7 +17,7 @@ import torch
 
 from mlfabric.errors import PeerLostError
 from mlfabric.ps import PSConfig, PSLayout, UpdateInfo, local_jobs
-from mlfabric.ps.mlnet import MLNetSettings
+from mlfabric.ps.policies.mlnet import MLNetSettings
 from mlfabric.topo.trees import parse_tree_kind, rack_of, subtree_of, tree_parents
 
 from tests.unit.test_ps import quadratic_gradient, run_job
@@ -274,7 +274,7 @@ def test_rack_trees_read_the_racks_off_the_launch_topology(monkeypatch: pytest.M
 
 
 def test_train_emulation_takes_a_topology_for_the_ps_launch() -> None:
-    from mlfabric.train.eager import TrainEmulation
+    from mlfabric.train.harness import TrainEmulation
 
     emulation = TrainEmulation(ps_topology="racks:r=2,h=5,oversub=4", rate_bps=50e6)
     assert emulation.launch_topology(10, ps=True) == "racks:r=2,h=5,oversub=4"

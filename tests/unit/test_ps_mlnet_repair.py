@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from mlfabric.ps import PSConfig, PSLayout, protocol
-from mlfabric.ps.mlnet import MLNetSettings
+from mlfabric.ps.policies.mlnet import MLNetSettings
 from mlfabric.transport.base import CONTROL_CHANNEL, GOODBYE_TAG, Message, SendHandle
 from tests.unit.test_ps import run_job
 from tests.unit.test_ps_mlnet import register_sum_rules
@@ -116,7 +116,7 @@ def _hand_driven_node(worker: int = 1) -> Iterator[tuple[Any, Any, list[tuple[st
     """Worker ``worker``'s node of a chain (server <- w0 <- w1 <- w2 <- w3), its thread stopped so
     the test drives it; yields the node, its tree and what it sent up (op, fields + payload)."""
     from mlfabric.ps import local_jobs
-    from mlfabric.ps.mlnet import TreeNode
+    from mlfabric.ps.policies.mlnet import TreeNode
 
     layout = PSLayout(servers=1, workers=4)
     settings = MLNetSettings(tree="tree:1")

@@ -19,7 +19,7 @@ import torch
 from mlfabric.ps import PSConfig, PSLayout, local_jobs
 from mlfabric.ps.divergence import DivergenceBound
 from mlfabric.ps.replica import Replica
-from mlfabric.ps.scheduling import ScheduledSettings
+from mlfabric.ps.policies.scheduled import ScheduledSettings
 from tests.unit.test_ps import run_job
 
 # Floating point: the replica sums and applies the same tensors in the same order as the
@@ -183,7 +183,7 @@ def test_a_replica_that_dies_leaves_the_primary_going_with_a_warning(caplog: pyt
     for rank in (2, 3, 4):
         assert torch.all(out[rank] > 0.5)  # the workers kept training on the primary
     # with no live replica the server keeps no lead to check (it used to grow with every update)
-    assert len(jobs[0].server._lead.get("m", [])) <= 1
+    assert len(jobs[0].server.feed.lead.get("m", [])) <= 1
 
 
 def test_two_replicas_of_a_server_both_follow_it_through_aggregated_units() -> None:

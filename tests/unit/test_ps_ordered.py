@@ -20,7 +20,7 @@ from mlfabric.order import forward_dag, tio
 from mlfabric.runtime.fair_share import NIC_RATE_ENV, PAYLOAD_FRACTION
 from mlfabric.transport.base import SendHandle
 from mlfabric.ps import ModelSpec, PSConfig, PSLayout, PSRequestError, local_jobs
-from mlfabric.ps.ordered import handoff_order, lift_pacing, pace_fairly, shard_pieces
+from mlfabric.ps.policies.ordered import handoff_order, lift_pacing, pace_fairly, shard_pieces
 from mlfabric.ps.overlap import ParameterGate, call_names
 from tests.unit.test_ps import run_job
 

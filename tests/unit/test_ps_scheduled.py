@@ -17,7 +17,7 @@ import torch
 from mlfabric.ps import PSConfig, PSLayout, local_jobs
 from mlfabric.ps.monitor import Ledger, NetworkMonitor
 from mlfabric.ps.scheduler import NetState, down_link, up_link
-from mlfabric.ps.scheduling import ScheduledSettings, aggregator_ranks
+from mlfabric.ps.policies.scheduled import ScheduledSettings, aggregator_ranks
 
 
 def test_monitor_reports_are_seen_after_the_lag() -> None:
@@ -115,7 +115,7 @@ def test_scheduled_policy_accounts_for_every_update_and_bounds_delays(servers: i
 
 def test_lost_decisions_make_workers_push_unscheduled_and_the_server_bounds_the_delay(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from mlfabric.ps.scheduling import SchedulerService
+    from mlfabric.ps.policies.scheduled import SchedulerService
 
     # The scheduler plans, but its decisions and orders never arrive (lost control messages).
     monkeypatch.setattr(SchedulerService, "_dispatch", lambda self, *args: None)
@@ -136,7 +136,7 @@ def test_skipped_updates_do_not_shorten_the_deadlines_of_later_batches(monkeypat
     moved all later deadlines one version closer for good: a few skips under a small TAU and
     the scheduler dropped every later update. Now the versions start from the server's
     version plus the planned updates it has not applied or skipped yet."""
-    import mlfabric.ps.scheduling as scheduling
+    import mlfabric.ps.policies.scheduled.worker as scheduling
 
     delayed: dict[str, int] = {}
 
@@ -185,7 +185,7 @@ def test_a_scheduled_update_that_arrives_before_its_batch_order_is_kept() -> Non
     from mlfabric.ps.model import ModelSpec
 
     layout = PSLayout(servers=1, workers=1)
-    config = PSConfig(consistency="async:4", timeout_s=10, routing="direct")
+    config = PSConfig(consistency="async:4", timeout_s=10, routing="scheduled")
     jobs = local_jobs(layout, config)
     server, worker = jobs[0].server, jobs[1].worker
     thread = threading.Thread(target=server.serve, daemon=True)
@@ -198,7 +198,7 @@ def test_a_scheduled_update_that_arrives_before_its_batch_order_is_kept() -> Non
         worker.transport.send(0, protocol.request_tag(0), memoryview(torch.ones(4).numpy()).cast("B"), meta=header)
         time.sleep(0.3)  # the server has taken the update; no order yet
         assert server.shards["m"].version == 0 and server.stats.dropped == 0
-        server.add_order({"op": protocol.ORDER, "batch": 1, "model": "m", "v_init": 0,
+        server.routing.add_order(server, {"op": protocol.ORDER, "batch": 1, "model": "m", "v_init": 0,
                           "entries": [["u", 1, 7, 5.0, [1]]]}, time.monotonic())
         deadline = time.monotonic() + 3
         while server.shards["m"].version == 0 and time.monotonic() < deadline:
@@ -275,7 +275,7 @@ def test_a_batch_of_pulls_goes_through_distributors() -> None:
     reach every worker with the server's values, part of them relayed by a distributor, and
     the next batch waits for the planned end of this one's sends."""
     from mlfabric.ps import protocol
-    from mlfabric.ps.server import PendingPull
+    from mlfabric.ps.shard import PendingPull
 
     layout = PSLayout(servers=1, workers=4)
     config = PSConfig(consistency="async:4", timeout_s=10, routing="scheduled",

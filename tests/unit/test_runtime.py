@@ -247,7 +247,7 @@ def test_list_options_are_checked_alike() -> None:
     """bench partial's variants and train's sync modes share one check (bench.procs.check_choices)."""
     from mlfabric.bench.partial import PartialBenchConfig
     from mlfabric.bench.procs import check_choices
-    from mlfabric.train.eager import EagerTrainConfig
+    from mlfabric.train.harness import EagerTrainConfig
 
     check_choices(("a", "b"), ("a", "b", "c"), "letters", "letter")  # fine
     with pytest.raises(ValueError, match=r"letters must be distinct and non-empty, got \('a', 'a'\)"):

@@ -10,7 +10,7 @@ import pytest
 
 
 def test_step_delay_scales_mlfabric_presets_by_the_steps_compute() -> None:
-    from mlfabric.train.eager import StepDelay
+    from mlfabric.train.harness import StepDelay
 
     c2 = StepDelay("C2", 0, 4, seed=3)  # 10% of steps take 4x their compute
     delays = [c2(0.01) for _ in range(400)]

@@ -48,10 +48,12 @@ bounds; the byte bound with a rounding margin) unless ``native=False``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Callable, Literal, Sequence
 
 import numpy as np
 
+from mlfabric.ps.scheduler import native as _native
 from mlfabric.ps.scheduler.netstate import INF, NetState, Transfer
 from mlfabric.ps.scheduler.ordering import Batch, OrderResult
 
@@ -244,13 +246,11 @@ def aggregate(batch: Batch, ordered: OrderResult, group_hosts: Sequence[Sequence
     """Alg. 3: the best split of ``ordered`` into a direct group and ``len(group_hosts)``
     aggregator groups (``group_hosts[j][s]``: group ``j + 1``'s aggregator for server ``s``).
     ``native``: the compiled enumeration (None: when built and the batch has one server)."""
-    from mlfabric.ps.scheduler import native as _native
-
     _validate_hosts(batch, group_hosts)
     if objective not in ("async", "sync"):
         raise ValueError(f"objective must be 'async' or 'sync', got {objective!r}")
     if _native.use(batch, native):
-        return _native.aggregate(batch, ordered, [h[0] for h in group_hosts], objective=objective, start=start)
+        return _aggregate_natively(batch, ordered, [h[0] for h in group_hosts], objective=objective, start=start)
     sp = _Splits(batch, ordered, group_hosts, start)
     N = len(sp.order)
     initial = ordered.snapshots[0]
@@ -438,3 +438,47 @@ def plan_pull_batch(net: NetState, *, server: int, pullers: Sequence[int], model
     return PullBatchPlan(groups=plan.groups,
                          by_server=(*answered_first, *(h for h in (*plan.direct, *order[:k]) if h not in relays)),
                          transfers=first + plan.transfers)
+
+
+def _aggregate_natively(batch: Batch, ordered: OrderResult, hosts: Sequence[int], *, objective: Objective,
+                        start: float) -> AggregationResult:
+    """``aggregation.aggregate`` (Alg. 3) for one server, compiled; ``hosts[j]`` is group
+    ``j + 1``'s aggregator."""
+    start = float(start)
+    server = batch.servers[0]
+    by_index = {d.index: d for d in ordered.decisions if not d.dropped}
+    order = list(ordered.order)
+    kept = [by_index[g] for g in order]
+    direct_tr = [d.transfers[0] for d in kept]
+    ends = np.fromiter((d.end for d in kept), dtype=float, count=len(kept))
+    lens = np.fromiter((len(t.times) for t in direct_tr), dtype=np.int64, count=len(kept))
+    prof_ptr = np.zeros(len(kept) + 1, dtype=np.int64)
+    np.cumsum(lens, out=prof_ptr[1:])
+    total = int(prof_ptr[-1])
+    prof_t = np.fromiter(chain.from_iterable(t.times for t in direct_tr), dtype=float, count=total)
+    prof_r = np.fromiter(chain.from_iterable(t.rates for t in direct_tr), dtype=float, count=total)
+    split, tried, obj_async, obj_sync, members, groups = _native.aggregate_raw(
+        batch, ordered.snapshots[0], order, ends, prof_ptr, prof_t, prof_r, hosts, objective == "sync", start)
+    # group 0 (direct): the ordering's own schedules, committed at the running maximum of ends
+    commit: dict[int, float] = {}
+    member_transfers: dict[int, tuple[Transfer, ...]] = {}
+    running = start
+    for g, d in zip(order[:split], kept):
+        running = max(running, d.end)
+        commit[g] = running
+        member_transfers[g] = d.transfers
+    size_of = batch.sizes[:, 0].tolist()
+    src_of = batch.src
+    for g, host, end, pt, pr in members:
+        member_transfers[g] = (Transfer(src_of[g], host, size_of[g], start, end, pt, pr),)
+    plans = []
+    for slot, host, first, last, ready, big, arrival, c, pt, pr in groups:
+        mem = tuple(order[first:last])
+        plans.append(GroupPlan(slot=slot, hosts=(host,), members=mem, ready=ready,
+                               transfers=(Transfer(host, server, big, ready, arrival, pt, pr),), arrival=arrival,
+                               commit=c))
+        for g in mem:
+            commit[g] = c
+    return AggregationResult(split=split, direct=tuple(order[:split]), groups=tuple(plans),
+                             member_transfers=member_transfers, commit=commit, obj_async=obj_async,
+                             obj_sync=obj_sync, splits_tried=tried)

@@ -49,6 +49,7 @@ from typing import Literal
 
 import numpy as np
 
+from mlfabric.ps.scheduler import native as _native
 from mlfabric.ps.scheduler.netstate import INF, Component, NetState, Transfer
 
 __all__ = ["Batch", "OrderDecision", "OrderResult", "ReplayedSnapshots", "list_order", "longest_first", "order_updates",
@@ -235,10 +236,8 @@ def _pick_due(due: list[int], t_en) -> tuple[float, int]:
 def order_updates(batch: Batch, net: NetState, *, start: float = 0.0, native: bool | None = None) -> OrderResult:
     """Alg. 2 (Alg. 1 when ``batch.deadlines`` is None) on a fork of ``net`` (left unchanged).
     ``native``: the compiled loop (None: when built and the batch has one server)."""
-    from mlfabric.ps.scheduler import native as _native
-
     if _native.use(batch, native):
-        return _native.order_updates(batch, net, start=start)
+        return _from_native(batch, net, _native.order_raw(batch, net, start=start), float(start))
     fast = _Fast(batch, net, start)
     net = net.fork()
     dl = batch.deadlines
@@ -322,10 +321,8 @@ def list_order(batch: Batch, net: NetState, order: Sequence[int], *, start: floa
                native: bool | None = None) -> OrderResult:
     """The updates of ``order`` reserved straight to the server(s) in that order (positions
     1, 2, ...; one that cannot complete is dropped as ``no-capacity``), with the snapshots."""
-    from mlfabric.ps.scheduler import native as _native
-
     if _native.use(batch, native):
-        return _native.list_order(batch, net, order, start=start)
+        return _from_native(batch, net, _native.list_order_raw(batch, net, order, start=start), float(start))
     if sorted(order) != sorted(set(order)) or any(not 0 <= g < batch.n for g in order):
         raise ValueError("order must list distinct update indices")
     net = net.fork()
@@ -346,3 +343,25 @@ def list_order(batch: Batch, net: NetState, order: Sequence[int], *, start: floa
                                        transfers=transfers))
         snapshots.append(net)
     return OrderResult(decisions=tuple(decisions), order=tuple(kept), snapshots=tuple(snapshots))
+
+
+def _from_native(batch: Batch, net: NetState, raw: list, start: float) -> OrderResult:
+    """The compiled loop's raw decisions (:mod:`~mlfabric.ps.scheduler.native`) as an OrderResult."""
+    server = batch.servers[0]
+    src = batch.src
+    sizes = batch.sizes[:, 0].tolist()
+    decisions = []
+    order = []
+    kept = []
+    for g, kind, pos, end, begin, pt, pr in raw:
+        if kind:
+            decisions.append(OrderDecision(index=g, dropped=True, reason=_native.REASONS[kind]))
+            continue
+        # NetState.reserve's Transfer: a local or empty one ends at its start with no segments
+        tr = Transfer(src[g], server, sizes[g], start, end if pt else start, pt, pr)
+        d = OrderDecision(index=g, dropped=False, position=pos, start=begin, end=end, transfers=(tr,))
+        decisions.append(d)
+        kept.append(d)
+        order.append(g)
+    return OrderResult(decisions=tuple(decisions), order=tuple(order),
+                       snapshots=ReplayedSnapshots(net.fork(), kept))

@@ -1,4 +1,7 @@
-"""eager-SGD training runs (eager-SGD §6.2.1 and §6.3): synchronous vs solo vs majority on local ranks.
+"""The training harness of every ``mlfabric train`` mode: allreduce, eager-SGD, tree-allreduce and the PS modes.
+
+(Named ``train/eager.py`` until issue 35: it began as eager-SGD's runs, §6.2.1 and §6.3 --
+synchronous vs solo vs majority on local ranks -- and grew to run every mode.)
 
     mlfabric train --workload hyperplane --workers 8 --sync allreduce,eager-solo \\
         --inject one-random:200ms --inject one-random:300ms --out runs/hyperplane
@@ -264,7 +267,7 @@ class EagerTrainConfig:
 
     def _check_replication(self) -> None:
         from mlfabric.ps.divergence import DivergenceBound
-        from mlfabric.ps.scheduling import REPLICATION_MODES
+        from mlfabric.ps.policies.scheduled.settings import REPLICATION_MODES
 
         if self.replication not in REPLICATION_MODES:
             raise ValueError(f"replication must be one of {', '.join(REPLICATION_MODES)}, got {self.replication!r}")
@@ -285,7 +288,7 @@ class EagerTrainConfig:
         if self.fail is None:
             return
         from mlfabric.ps import PSConfig, PSLayout
-        from mlfabric.ps.replica import failover_refusal
+        from mlfabric.ps.failover import failover_refusal
 
         failure = self.failure
         assert failure is not None
@@ -802,9 +805,7 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
     if isinstance(trainer, PSOptimizer):
         ps_worker = {**trainer.stats.as_dict(), "failovers": trainer.worker.failovers}
         trainer.leave()
-        node = getattr(trainer.worker.routing, "node", None)  # mlnet: this worker's tree node
-        if node is not None:
-            ps_worker["mlnet"] = node.stats.as_dict()
+        ps_worker.update(trainer.worker.routing.worker_report() or {})  # mlnet: its tree node's figures
     else:
         trainer.synchronize()
     stats = trainer.stats.as_dict() if isinstance(trainer, EagerSGD) else None
@@ -815,14 +816,17 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
 
 def _aggregator_kill_at(config: EagerTrainConfig, trainer: Any, worker: int) -> float | None:
     """``--fail aggregator:AT``: AT if this worker is the interior tree node to kill, else None."""
+    from mlfabric.torch import PSOptimizer
+
     from .failover import aggregator_victim
 
     failure = config.failure
-    routing = getattr(getattr(trainer, "worker", None), "routing", None)
-    if failure is None or failure.role != "aggregator" or routing is None or not hasattr(routing, "settings"):
+    if failure is None or failure.role != "aggregator" or not isinstance(trainer, PSOptimizer):
         return None
     layout = trainer.worker.layout
-    parents = routing.settings.parents(layout.workers, layout.servers, list(layout.worker_ranks))
+    parents = trainer.worker.routing.tree_parents(layout.workers, layout.servers, list(layout.worker_ranks))
+    if parents is None:  # a policy without trees has no interior node to kill
+        return None
     return failure.at_s if aggregator_victim(parents) == worker else None
 
 

@@ -3,7 +3,7 @@
     .venv/bin/python -m pytest tests/unit/test_ps_mlnet.py -q
     mlfabric train --workload hyperplane --workers 4 --servers 2 --sync ps-bsp,mlnet-binary,mlnet-rack+ssp:1
 
-``routing_policy("mlnet", MLNetSettings(tree="binary"))``, or ``PSConfig(routing="mlnet",
+``PSConfig(routing="mlnet",
 mlnet=MLNetSettings(...))``. The worker's code does not change (``push``/``pull``/``clock``,
 ``PSOptimizer``); the servers see one worker per subtree and answer as for direct routing.
 
@@ -32,7 +32,7 @@ children over the job's transport on the ``TREE`` tag:
 * *leave*: a leaving worker's node keeps serving its children until their subtrees have left
   (bounded by the job's timeout), and forwards each leave after the sums it covers.
 
-``pull_in_order`` (TicTac's per-tensor order, ``ps/ordered.py``) does not go through the tree:
+``pull_in_order`` (TicTac's per-tensor order, ``ps/policies/ordered.py``) does not go through the tree:
 the servers answer it directly, under the same clocks.
 
 **Failures** (MLNET §3, docs/parameter_server.md "Failures: repair and fall back"): a lost
@@ -61,16 +61,16 @@ import torch
 
 from mlfabric import TOPOLOGY_ENV
 from mlfabric.errors import PeerLostError, TransportError
-from mlfabric.runtime.executor import tensor_bytes
 from mlfabric.topo.trees import children_of, parse_tree_kind, rack_of, subtree_of, tree_parents
-from mlfabric.transport.base import Message, SendHandle
+from mlfabric.transport.base import Message, SendHandle, tensor_bytes
 
-from . import protocol
-from .routing import DirectRouting
-from .server import payload_tensor
+from .. import protocol
+from ..policy import Policy, register_policy
+from ..protocol import payload_tensor
 
 if TYPE_CHECKING:
-    from .worker import PSWorker
+    from ..config import PSConfig
+    from ..policy import ServerPort, WorkerPort
 
 log = logging.getLogger("mlfabric.ps")
 
@@ -219,7 +219,7 @@ class _Tree:
 class TreeNode:
     """The host proxy of one worker process: its node in every server's tree (module docstring)."""
 
-    def __init__(self, worker: "PSWorker", parents: np.ndarray) -> None:
+    def __init__(self, worker: "WorkerPort", parents: np.ndarray) -> None:
         self.worker = worker
         self.transport = worker.transport
         self.layout = worker.layout
@@ -283,7 +283,7 @@ class TreeNode:
                 if not self._events:  # submit() bumps the mailbox's version: no wake-up is missed
                     self.transport.progress(version, _IDLE_S)
         except TransportError:
-            if not self.transport._closed:  # closed under it: the worker's process is going away
+            if not self.transport.closed:  # closed under it: the worker's process is going away
                 raise
             self._finished.set()
         except BaseException as exc:  # noqa: BLE001 - reported to the worker's next call
@@ -599,7 +599,7 @@ class TreeNode:
             if tree.parent >= 0 and parent in self.transport.lost_peers:
                 self._reattach(tree, tree.parent, why)
                 continue
-            if tree.parent < 0 and parent in self.transport.lost_peers and self.worker._fail_over(parent):
+            if tree.parent < 0 and parent in self.transport.lost_peers and self.worker.fail_over(parent):
                 # MLNET §3's failed root, waited for and reconnected: a replica takes the server's
                 # place (ps/replica.py); the node attaches to it and sends the clocks it lacks.
                 # (The worker's own thread may have failed over first: True here too.)
@@ -763,18 +763,33 @@ class TreeNode:
             tree.done = True
 
 
-class MLNetRouting(DirectRouting):
-    """The ``mlnet`` routing policy (module docstring). Servers answer the pulls that reach
-    them (the root-level nodes') as with direct routing."""
+class MLNetRouting(Policy):
+    """The ``mlnet`` routing policy (module docstring). On a worker, its tree node carries the
+    pushes, clocks and pulls; on a server, a node's sums are staged until that node's clock
+    comes (a node that dies between the two leaves nothing half-applied: its subtree sends
+    them again), and servers answer the pulls that reach them (the root-level nodes') as with
+    direct routing."""
 
     name = "mlnet"
+    commits_on_clock = True
 
     def __init__(self, settings: MLNetSettings | None = None) -> None:
         self.settings = settings or MLNetSettings()
         self.node: TreeNode | None = None
         self._lock = threading.Lock()
+        #: A server's tree sums per (node rank, clock) waiting for that node's clock message.
+        self._staged: dict[tuple[int, int], list[tuple[dict[str, Any], memoryview]]] = {}
 
-    def _node(self, worker: "PSWorker") -> TreeNode:
+    def validate(self, config: "PSConfig") -> None:
+        if config.consistency.kind not in ("bsp", "ssp"):
+            raise ValueError(f"routing 'mlnet' runs on MLNET's clocks: consistency bsp or ssp:S, got {config.consistency}")
+
+    def tree_parents(self, workers: int, servers: int, worker_ranks: list[int]) -> np.ndarray:
+        return self.settings.parents(workers, servers, worker_ranks)
+
+    # -- worker side -----------------------------------------------------------------------------
+
+    def _node(self, worker: "WorkerPort") -> TreeNode:
         with self._lock:
             if self.node is None:
                 if worker.config.consistency.kind not in ("bsp", "ssp"):
@@ -785,24 +800,28 @@ class MLNetRouting(DirectRouting):
                                                                    list(layout.worker_ranks)))
             return self.node
 
-    def send_push(self, worker: "PSWorker", model: str, components: list[torch.Tensor],
-                  headers: list[bytes]) -> list[SendHandle]:
+    def send_push(self, worker: "WorkerPort", model: str, components: list[torch.Tensor],
+                  pushes: list[protocol.Push]) -> list[SendHandle]:
         node = self._node(worker)
-        for j, (component, header) in enumerate(zip(components, headers)):
-            fields = protocol.decode(header)
-            node.submit("push", j, model, int(fields["clock"]), component.detach().clone(), fields)
+        for j, (component, push) in enumerate(zip(components, pushes)):
+            node.submit("push", j, model, push.clock, component.detach().clone(), push.fields())
         return []  # the node holds copies: the worker may reuse its tensors at once
 
-    def send_clock(self, worker: "PSWorker", clock: int) -> None:
+    def send_clock(self, worker: "WorkerPort", clock: int) -> bool:
         """The worker finished iteration ``clock``: its node sends it up with the sums."""
         self._node(worker).submit("clock", clock)
+        return True
 
-    def send_pull(self, worker: "PSWorker", headers: list[bytes], *, clocks: list[bytes] | None = None) -> None:
+    def send_pull(self, worker: "WorkerPort", pulls: list[protocol.Pull], *,
+                  clocks: list[bytes] | None = None) -> None:
         if clocks is not None:  # the worker hands clocks to send_clock here (they go with the sums)
             raise ValueError(f"{worker.who}: under mlnet a clock travels up the trees, not with a pull")
         node = self._node(worker)
-        for j, header in enumerate(headers):
-            node.submit("pull", j, protocol.decode(header))
+        for j, pull in enumerate(pulls):
+            node.submit("pull", j, pull.fields())
+
+    def after_failover(self, worker: "WorkerPort", replica: int) -> None:
+        """The worker's tree node re-attaches to the replica and tells it the clocks (no ADOPT)."""
 
     def flush(self, timeout: float) -> None:
         """The worker leaves: its node forwards what it holds and serves its children until
@@ -814,5 +833,51 @@ class MLNetRouting(DirectRouting):
     def stats(self) -> NodeStats:
         return self.node.stats if self.node is not None else NodeStats()
 
+    def worker_report(self) -> dict[str, Any] | None:
+        return {"mlnet": self.stats.as_dict()} if self.node is not None else None
+
+    # -- server side -----------------------------------------------------------------------------
+
+    def claim_push(self, server: "ServerPort", worker: int, header: dict[str, Any], payload: memoryview) -> bool:
+        """A node's sum (it names its ``workers``) counts once the node's clock for it arrives."""
+        if "workers" not in header or header.get("committed"):
+            return False
+        rank = server.layout.worker_rank(worker)
+        self._staged.setdefault((rank, int(header["clock"])), []).append((header, memoryview(bytes(payload))))
+        return True
+
+    def before_clock(self, server: "ServerPort", rank: int, worker: int, clock: int) -> None:
+        for staged_header, staged in self._staged.pop((rank, clock), []):
+            server.receive_push(worker, {**staged_header, "committed": True}, staged)
+
+    def after_clock(self, server: "ServerPort", workers: list[int], clock: int) -> None:
+        # the replicas learn the clocks behind the updates they hold: one that takes over
+        # tells re-attaching tree nodes which clocks to send again
+        for replica in server.replicas:
+            server.send_replica(replica, protocol.encode(op="clock", workers=workers, clock=clock), b"")
+
+    def on_lost(self, server: "ServerPort", rank: int) -> None:
+        for key in [k for k in self._staged if k[0] == rank]:  # sums whose clock never came: sent again
+            del self._staged[key]
+
+    def claim_message(self, server: "ServerPort", src: int, header: dict[str, Any], payload: memoryview) -> bool:
+        """ATTACH: a node re-attaching here after a repair or fall back learns the last clock
+        this server has of its subtree (it sends the later ones again)."""
+        if header.get("op") != protocol.ATTACH:
+            return False
+        book = server.book
+        workers = [int(w) for w in header["workers"]]
+        alive = [w for w in workers if w not in book.departed and w not in book.lost_at] or workers
+        through = min(book.clocks[w] for w in alive) - 1
+        server.transport.send(src, protocol.reply_tag(server.config.session, int(header["id"])), b"",
+                              meta=protocol.encode(op="attached", through=through), channel=server.channel)
+        return True
+
+
+def _factory(config: "PSConfig") -> Policy:
+    return MLNetRouting(config.mlnet)
+
+
+register_policy("mlnet", _factory)
 
 __all__ = ["MLNetRouting", "MLNetSettings", "NodeStats", "TreeNode"]

@@ -45,18 +45,20 @@ import torch
 
 from mlfabric.errors import CollectiveTimeoutError, PeerLostError
 from mlfabric.order.dag import recv_name
-from mlfabric.runtime.executor import tensor_bytes
 from mlfabric.runtime.fair_share import PAYLOAD_FRACTION
-from mlfabric.transport.base import SendHandle
+from mlfabric.transport.base import SendHandle, tensor_bytes
 
-from . import protocol
-from .model import ModelSpec
+from .. import protocol
+from ..model import ModelSpec
+from ..policy import Policy
+from ..protocol import PSRequestError, payload_tensor
+from ..waits import wait_until
 
 if TYPE_CHECKING:
-    from .server import ParameterServer, PendingPull
-    from .worker import PSWorker
+    from ..policy import ServerPort, WorkerPort
+    from ..shard import PendingPull, Shard
 
-__all__ = ["ORDERS", "ArrivingModel", "Piece", "answer_in_order", "check_priorities", "handoff_order",
+__all__ = ["ORDERS", "ArrivingModel", "OrderedPulls", "Piece", "answer_in_order", "check_priorities", "handoff_order",
            "lift_pacing", "pace_fairly", "shard_pieces"]
 
 #: What a pull may ask for: the registered priorities, or a fresh random order per pull.
@@ -127,9 +129,9 @@ def pull_rng(seed: int, worker: int, clock: int, server: int) -> random.Random:
     return random.Random((seed * 1_000_003 + worker) * 1_000_003 + clock * 257 + server)
 
 
-def answer_in_order(server: "ParameterServer", pulls: "list[PendingPull]", spec: ModelSpec, offset: int,
+def answer_in_order(server: "ServerPort", pulls: "list[PendingPull]", spec: ModelSpec, offset: int,
                     values: list[torch.Tensor], priorities: Mapping[str, int] | None, version: int,
-                    model_clock: int | None) -> list[tuple[SendHandle, torch.Tensor]]:
+                    model_clock: int | None, *, pacer: Any = None) -> list[tuple[SendHandle, torch.Tensor]]:
     """Server side: answer the ordered pulls of ``pulls`` (``values[i]``: the shard snapshot
     for pull i, untouched until the handles are done) with a header each, then their pieces
     in the order each pull asked for. Every puller's header goes first; then each puller's
@@ -154,7 +156,8 @@ def answer_in_order(server: "ParameterServer", pulls: "list[PendingPull]", spec:
                               meta=protocol.encode(op="model", version=version, model_clock=model_clock,
                                                    pieces=len(order), order=p.order))
         plans.append((p.rank, tag, shard, order))
-    pace_fairly(server, [rank for rank, _, _, _ in plans])
+    pacer = server if pacer is None else pacer
+    pace_fairly(pacer, [rank for rank, _, _, _ in plans])
     for rank, tag, shard, order in plans:
         # Slices of one byte view: a torch slice and its view per piece cost tens of µs each
         # on a loaded host, a memoryview slice well under one.
@@ -164,11 +167,11 @@ def answer_in_order(server: "ParameterServer", pulls: "list[PendingPull]", spec:
                     for seq, piece in enumerate(order)]  # seq: §5.1's per-worker counter at hand-off
         handle = server.transport.send_many(rank, messages, channel=channel)
         sending.append((handle, shard))
-        server.ordered_in_flight[rank] = handle
+        pacer.ordered_in_flight[rank] = handle
     return sending
 
 
-def pace_fairly(server: "ParameterServer", ranks: list[int]) -> None:
+def pace_fairly(server: Any, ranks: list[int]) -> None:
     """Before the server answers ``ranks``' ordered pulls, with ``PSConfig.pace_ordered_pulls``
     and a known NIC rate (``ParameterServer.nic_rate_bps``): pace every connection with an
     ordered answer in flight, these included, at an equal share of the server's NIC. Each
@@ -191,13 +194,61 @@ def pace_fairly(server: "ParameterServer", ranks: list[int]) -> None:
             server.paced_for_pulls.add(rank)
 
 
-def lift_pacing(server: "ParameterServer", ranks: Iterable[int]) -> None:
+def lift_pacing(server: Any, ranks: Iterable[int]) -> None:
     """Lift the caps :func:`pace_fairly` left on the connections to ``ranks`` (before a flat
     answer, which has no order to keep and should have the whole NIC to share)."""
     for rank in ranks:
         if rank in server.paced_for_pulls:
             server.paced_for_pulls.discard(rank)
             server.transport.pace_connection(rank, server.channel, None)
+
+
+class OrderedPulls(Policy):
+    """TicTac's ordered pulls as a pull policy every server runs: it claims the pulls that ask
+    for an order (``PSWorker.pull_in_order``) and answers them per tensor in that order
+    (:func:`answer_in_order`), pacing them at equal shares of the NIC where asked
+    (:func:`pace_fairly`); a flat answer to the same worker lifts the caps (:func:`lift_pacing`).
+    It is the *pacer* those functions take: the server's transport, channel, config and NIC
+    rate, and its own record of the connections it capped and of the answers in flight."""
+
+    name = "ordered"
+
+    def __init__(self, server: "ServerPort") -> None:
+        self._server = server
+        self.paced_for_pulls: set[int] = set()  # ranks whose connection an ordered answer capped
+        self.ordered_in_flight: dict[int, SendHandle] = {}  # rank -> last piece of its latest ordered answer
+
+    @property
+    def transport(self) -> Any:
+        return self._server.transport
+
+    @property
+    def channel(self) -> str:
+        return self._server.channel
+
+    @property
+    def config(self) -> Any:
+        return self._server.config
+
+    @property
+    def nic_rate_bps(self) -> float | None:
+        return self._server.nic_rate_bps
+
+    def claims_pull(self, pull: "PendingPull") -> bool:
+        return pull.order is not None
+
+    def answer_pulls(self, server: "ServerPort", pulls: "list[PendingPull]", shard: torch.Tensor,
+                     header: bytes, *, source: "Shard | None" = None) -> list[SendHandle]:
+        if source is None:
+            raise ValueError(f"{server.who}: ordered pulls are answered from a server's shard (source=)")
+        model_clock = protocol.decode(header).get("model_clock")
+        sent = answer_in_order(server, pulls, source.spec, source.offset, [shard] * len(pulls), source.priorities,
+                               source.version, model_clock, pacer=self)
+        return [h for h, _ in sent]
+
+    def others_answered(self, server: "ServerPort", ranks: list[int]) -> None:
+        if self.paced_for_pulls:
+            lift_pacing(self, ranks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +268,7 @@ class ArrivingModel:
     are complete. ``requested`` is when the pull was sent; ``begins[j]`` when server ``j``'s
     header arrived (its first bytes: the pieces follow on the same connection)."""
 
-    def __init__(self, worker: "PSWorker", spec: ModelSpec, targets: Mapping[str, torch.Tensor],
+    def __init__(self, worker: "WorkerPort", spec: ModelSpec, targets: Mapping[str, torch.Tensor],
                  requests: list[tuple[int, int]], order: str, requested: float) -> None:
         self.worker = worker
         self.spec = spec
@@ -311,21 +362,17 @@ class ArrivingModel:
         expected: dict[int, int | None] = {j: None for j, _ in self._requests}  # pieces per server, from its header
         got = {j: 0 for j, _ in self._requests}
         next_seq = {j: 0 for j, _ in self._requests}
-        deadline = time.monotonic() + w.config.timeout_s
         what = f"ordered pull of {self.spec.name!r} at clock {self.clock}"
-        while any(expected[j] is None or got[j] < expected[j] for j in expected):
-            version = mailbox.version
-            progressed = False
+
+        def complete() -> bool:
+            """Land every piece that is in; True once every server's pieces are."""
             for j, request_id in self._requests:
                 rank = w.server_rank(j)
                 while (expected[j] is None or got[j] < expected[j]) and (
                         msg := mailbox.take(w.channel, protocol.reply_tag(session, request_id), rank)) is not None:
                     now = time.monotonic()
-                    progressed = True
                     header = protocol.decode(msg.meta)
                     if header["op"] == "error":
-                        from .worker import PSRequestError
-
                         raise PSRequestError(header["message"])
                     if header["op"] == "model":
                         expected[j] = int(header["pieces"])
@@ -336,18 +383,14 @@ class ArrivingModel:
                         continue
                     self._land(j, header, msg.payload, now, next_seq)
                     got[j] += 1
-            if progressed:
-                continue
-            for j, _ in self._requests:
-                rank = w.server_rank(j)
-                if transport.is_gone(rank):
-                    raise w._lost(rank, what)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise CollectiveTimeoutError(
-                    f"{w.who}: {what}: {sum(got.values())} pieces in, the rest not within {w.config.timeout_s:g} s "
-                    "(under BSP/SSP the answer waits for the slowest worker's clock)", rank=transport.rank)
-            transport.progress(version, min(remaining, 0.1))
+            return all(expected[j] is not None and got[j] >= expected[j] for j in expected)
+
+        wait_until(transport, complete, time.monotonic() + w.config.timeout_s, who=w.who, what=what,
+                   watch=lambda: [w.server_rank(j) for j, _ in self._requests],
+                   on_gone=lambda rank: w.lost_error(rank, what),
+                   on_timeout=lambda: CollectiveTimeoutError(
+                       f"{w.who}: {what}: {sum(got.values())} pieces in, the rest not within {w.config.timeout_s:g} s "
+                       "(under BSP/SSP the answer waits for the slowest worker's clock)", rank=transport.rank))
         for j, version in self.versions.items():
             w.versions[self.spec.name][j] = version
         with self._cond:
@@ -356,8 +399,6 @@ class ArrivingModel:
 
     def _land(self, server: int, header: dict[str, Any], payload: memoryview, now: float,
               next_seq: dict[int, int]) -> None:
-        from .server import payload_tensor
-
         key, lo, hi, seq = str(header["key"]), int(header["lo"]), int(header["hi"]), int(header["seq"])
         if seq != next_seq[server]:
             self.reordered += 1

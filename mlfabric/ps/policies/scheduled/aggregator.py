@@ -1,0 +1,374 @@
+"""The ``scheduled`` policy's aggregators: a thread on every worker that sums groups and sends replica copies.
+
+    .venv/bin/python -m pytest tests/unit/test_ps_scheduled.py tests/unit/test_ps_network_replication.py -q
+
+(:mod:`mlfabric.ps.policies.scheduled`, "Aggregators" and "Replication".)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mlfabric.transport.base import SendHandle, Transport, tensor_bytes
+
+from ... import protocol
+from ...protocol import payload_tensor
+from ...waits import sends_done
+from .settings import ScheduledSettings, unit_scheduler
+
+if TYPE_CHECKING:
+    from mlfabric.ps.policy import WorkerPort
+
+log = logging.getLogger("mlfabric.ps")
+
+
+def wait_sent(transport: Transport, handles: list[SendHandle], timeout: float) -> None:
+    """Best effort: the sends leave (paced ones at their rate) before the caller goes on."""
+    sends_done(transport, handles, timeout, who=f"rank {transport.rank}", what="scheduled sends")
+
+
+
+
+
+@dataclass
+class _Group:
+    model: str = ""
+    members: list[tuple[int, int]] = field(default_factory=list)
+    servers: list[int] = field(default_factory=list)
+    deadline: float = float("inf")
+    rates: list[float | None] = field(default_factory=list)
+    planned: bool = False
+    arrived: dict[int, list[tuple[dict[str, Any], torch.Tensor]]] = field(default_factory=dict)  # per server j
+    sent: set[int] = field(default_factory=set)
+
+
+def _sum_in_order(tensors: list[torch.Tensor]) -> torch.Tensor:
+    total = tensors[0].clone()
+    for t in tensors[1:]:
+        total.add_(t)
+    return total
+
+
+@dataclass
+class _ReplicaSum:
+    """A replica unit this host sums (a replica aggregator, §5.3): who is in it, where it goes."""
+
+    model: str = ""
+    server: int = 0
+    dest: int = -1
+    members: list[tuple[int, int]] = field(default_factory=list)
+    rate: float | None = None
+    arrived: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    since: float = 0.0
+
+
+@dataclass
+class _Replication:
+    """A copy this worker sends toward a replica when its planned start comes."""
+
+    due: float
+    dest: int
+    tag: int
+    meta: bytes
+    tensor: torch.Tensor
+    rate: float | None
+
+
+class Aggregator:
+    """Sums the members of the groups the scheduler assigns to this worker's host and forwards
+    each sum (per server component) once complete, or at the group's deadline with what came.
+
+    Network replication (§5.3) rides the same thread: it keeps a copy of each scheduled
+    update this worker pushed (:meth:`keep`, at most ``MAX_COPIES``: the oldest is freed with
+    a warning, its replica then waits for it in vain and says so), sends a copy when the
+    scheduler says (``replicate``: to the replica or a replica aggregator, at the planned
+    start and rate) and frees it once every replica of its server has had it; as a replica
+    aggregator it sums a unit's members (in the unit's member order) and forwards the sum.
+    Copies never asked for (their unit was never frozen) are freed when the worker leaves."""
+
+    MAX_COPIES = 256
+    LINGER_S = 0.5
+
+    def __init__(self, worker: "WorkerPort", settings: ScheduledSettings) -> None:
+        self.worker = worker
+        self.settings = settings
+        self._groups: dict[tuple[int, int], _Group] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.forwarded = 0
+        self.partial = 0
+        # network replication: (model, update id) -> [components, sends still to make, the
+        # scheduler's rank (copies it planned are asked for only while it lives)]
+        self._copies: dict[tuple[str, int], list[Any]] = {}
+        self._replications: list[_Replication] = []
+        self._replicating: list[tuple[SendHandle, int, torch.Tensor, bool]] = []
+        # (unit key, replica) -> the unit being summed here: with several replicas of a server
+        # one unit goes to each, possibly through the same replica aggregator
+        self._replica_sums: dict[tuple[int, int], _ReplicaSum] = {}
+        self.copies_sent = 0
+        self.copies_evicted = 0
+
+    def keep(self, model: str, update_id: int, components: list[torch.Tensor]) -> None:
+        """Keep a copy of a scheduled update until the scheduler asks for it."""
+        with self._lock:
+            if len(self._copies) >= self.MAX_COPIES:
+                oldest = next(iter(self._copies))
+                del self._copies[oldest]
+                self.copies_evicted += 1
+                log.warning("%s: %d copies of updates kept for replicas and none asked for: freed update %d of %r "
+                            "(its replica will miss it)", self.worker.who, self.MAX_COPIES, oldest[1], oldest[0])
+            askers = len(self._askers())
+            if askers:
+                self._copies[(model, update_id)] = [[c.detach().clone() for c in components], askers,
+                                                    self.worker.server_rank(0)]
+
+    def _askers(self) -> list[int]:
+        """The replicas that may still ask for copies: those in the job that have not taken over a shard."""
+        w = self.worker
+        gone = w.transport.gone_peers
+        return [r for r in w.layout.replica_ranks if r not in gone and r not in w.serving]
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"mlfabric-ps-aggregator-{self.worker.index}",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float) -> None:
+        """Forward what is complete (or due), then stop. Under network replication, linger
+        ``LINGER_S`` with nothing open first: this host may have been made a unit's replica
+        aggregator just before the scheduler heard that its worker leaves."""
+        deadline = time.monotonic() + timeout
+        linger = self.LINGER_S if self.settings.replication == "network" and self.worker.layout.replicas else 0.0
+        idle_since = None
+        while time.monotonic() < deadline:
+            if self._open():
+                idle_since = None
+            elif idle_since is None:
+                idle_since = time.monotonic()
+            if idle_since is not None and time.monotonic() - idle_since >= linger:
+                break
+            time.sleep(0.02)
+        self._stop.set()
+        self.worker.transport.mailbox.notify()
+        if self._thread is not None:
+            self._thread.join(2)
+        with self._lock:
+            self._copies.clear()  # the job is over for this worker: nobody will ask any more
+
+    def forget(self, model: str, update_id: int) -> None:
+        with self._lock:
+            self._copies.pop((model, update_id), None)
+
+    def _open(self) -> bool:
+        transport = self.worker.transport
+        gone = transport.gone_peers
+        w_serving = set(self.worker.serving)
+        with self._lock:
+            if self._copies and not self._askers():
+                self._copies.clear()  # every replica is gone (or serves): nobody will ask for them
+            # a lost scheduler's plans are over (a replica taking over asked for what it missed
+            # at once): their copies do not hold a leaving worker back
+            orphans = [k for k, (_, _, scheduler) in self._copies.items() if scheduler in gone]
+            for key in orphans:
+                del self._copies[key]
+            # the same for the units this host sums for a replica: a lost scheduler's never
+            # complete (its members were told nothing more; a replica following the one that
+            # took over starts from a fresh copy), nor do units for a replica gone or serving
+            moot = [k for k in self._replica_sums
+                    if unit_scheduler(k[0]) in gone or k[1] in gone or k[1] in w_serving]
+            for key in moot:
+                del self._replica_sums[key]
+            # copies still kept: their units were punted, the scheduler asks for them later
+            return (any(g.planned and len(g.sent) < len(g.servers) for g in self._groups.values())
+                    or bool(self._copies) or bool(self._replications) or any(not h.done() for h, *_ in self._replicating)
+                    or bool(self._replica_sums))
+
+    def add_member(self, header: dict[str, Any], component: torch.Tensor) -> None:
+        with self._lock:
+            group = self._groups.setdefault((int(header["batch"]), int(header["slot"])), _Group())
+            group.arrived.setdefault(int(header["server"]), []).append((header, component))
+        self.worker.transport.mailbox.notify()
+
+    def _run(self) -> None:
+        w = self.worker
+        mailbox = w.transport.mailbox
+        tag = protocol.tag(protocol.AGGREGATE, w.config.session)
+        while not self._stop.is_set():
+            version = mailbox.version
+            while (msg := mailbox.take(w.channel, tag)) is not None:
+                header = protocol.decode(msg.meta)
+                if header["op"] == "group":
+                    with self._lock:
+                        group = self._groups.setdefault((int(header["batch"]), int(header["slot"])), _Group())
+                        group.model, group.planned = header["model"], True
+                        group.members = [(int(r), int(i)) for r, i in header["members"]]
+                        group.servers = [int(j) for j in header["servers"]]
+                        group.deadline = time.monotonic() + float(header["deadline_in"])
+                        group.rates = list(header["rates"])
+                elif header["op"] in ("replicate", "runit", "rmember"):
+                    self._replication_message(header, msg.payload)
+                else:
+                    spec = w.models.get(header["model"])
+                    if spec is None:
+                        continue
+                    _, length = spec.shards(w.layout.servers)[int(header["server"])]
+                    self.add_member(header, payload_tensor(msg.payload, spec.torch_dtype, length,
+                                                           "aggregated member").clone())
+            self._forward_ready(time.monotonic())
+            wait = self._send_replications(time.monotonic())
+            w.transport.progress(version, min(0.05, wait))
+
+    # -- network replication -------------------------------------------------------------------
+
+    def _replication_message(self, header: dict[str, Any], payload: memoryview) -> None:
+        w = self.worker
+        session = w.config.session
+        now = time.monotonic()
+        key = int(header["unit"])
+        if header["op"] == "replicate":  # send our copy of update ``id`` toward ``dest``
+            with self._lock:
+                copy = self._copies.get((header["model"], int(header["id"])))
+                if copy is None:
+                    if header.get("recovery"):  # a replica taking over asked; the copy went its way before
+                        log.info("%s: update %d of %r (unit %d): no copy left to resend to %s", w.who,
+                                 int(header["id"]), header["model"], key, w.layout.describe(int(header["dest"])))
+                    else:
+                        log.error("%s: asked to replicate update %d of %r (unit %d) but holds no copy of it "
+                                  "(never pushed, or freed): the replica will wait for it in vain", w.who,
+                                  int(header["id"]), header["model"], key)
+                    return
+                j = int(header["server"])
+                tensor = copy[0][j]
+                copy[1] -= 1
+                if copy[1] <= 0:
+                    del self._copies[(header["model"], int(header["id"]))]
+            dest = int(header["dest"])
+            if w.layout.role(dest) == "replica":
+                tag, meta = protocol.tag(protocol.REPLICATE, session), protocol.encode(
+                    op="unit", unit=key, model=header["model"])
+            else:
+                tag, meta = protocol.tag(protocol.AGGREGATE, session), protocol.encode(
+                    op="rmember", unit=key, model=header["model"], server=j, rank=w.transport.rank,
+                    replica=int(header["replica"]),
+                    id=int(header["id"]))
+            with self._lock:
+                self._replications.append(_Replication(due=now + float(header["start_in"]), dest=dest, tag=tag,
+                                                       meta=meta, tensor=tensor, rate=header.get("rate")))
+            return
+        with self._lock:
+            replica = int(header["dest"] if header["op"] == "runit" else header["replica"])
+            unit = self._replica_sums.setdefault((key, replica), _ReplicaSum(since=now))
+            if header["op"] == "runit":
+                unit.model, unit.server, unit.dest = header["model"], int(header["server"]), int(header["dest"])
+                unit.members = [(int(r), int(i)) for r, i in header["members"]]
+                unit.rate = header.get("rate")
+            else:
+                spec = w.models.get(header["model"])
+                if spec is None:
+                    return
+                j = int(header.get("server", unit.server))
+                _, length = spec.shards(w.layout.servers)[j]
+                unit.arrived[(int(header["rank"]), int(header["id"]))] = payload_tensor(
+                    payload, spec.torch_dtype, length, "replica unit member").clone()
+
+    def _add_replica_member(self, key: int, replica: int, rank: int, update_id: int, tensor: torch.Tensor) -> None:
+        with self._lock:
+            self._replica_sums.setdefault((key, replica), _ReplicaSum(since=time.monotonic())).arrived[
+                (rank, update_id)] = tensor
+
+    def _send_replications(self, now: float) -> float:
+        """Send the copies that are due and the replica units that are complete; returns how
+        long until the next copy is due."""
+        w = self.worker
+        channel = w.channel
+        with self._lock:
+            due = [r for r in self._replications if r.due <= now]
+            self._replications = [r for r in self._replications if r.due > now]
+            complete = [(k, u) for k, u in self._replica_sums.items() if u.members and len(u.arrived) >= len(u.members)]
+            stale = [k for k, u in self._replica_sums.items()
+                     if now - u.since > w.config.timeout_s and (k, u) not in complete]
+            for k, _ in complete:
+                del self._replica_sums[k]
+            for k in stale:
+                log.error("%s: replica aggregator: unit %d for %s got %d of its members' copies in %.0f s; dropped "
+                          "(its replica will miss it)", w.who, k[0], w.layout.describe(k[1]),
+                          len(self._replica_sums[k].arrived), w.config.timeout_s)
+                del self._replica_sums[k]
+            nxt = min((r.due for r in self._replications), default=now + 0.05)
+        gone = w.transport.gone_peers
+        for r in due:
+            if r.dest in gone:
+                continue
+            if r.dest == w.transport.rank:  # this host is the unit's replica aggregator
+                header = protocol.decode(r.meta)
+                self._add_replica_member(int(header["unit"]), int(header["replica"]), int(header["rank"]),
+                                         int(header["id"]), r.tensor)
+                continue
+            paced = r.rate is not None and w.transport.pace_connection(r.dest, channel, r.rate)
+            handle = w.transport.send(r.dest, r.tag, tensor_bytes(r.tensor), meta=r.meta, channel=channel)
+            self._replicating.append((handle, r.dest, r.tensor, paced))
+            self.copies_sent += 1
+        for (key, _), unit in complete:
+            if unit.dest in gone:
+                continue
+            total = _sum_in_order([unit.arrived[m] for m in unit.members])
+            paced = unit.rate is not None and w.transport.pace_connection(unit.dest, channel, unit.rate)
+            handle = w.transport.send(unit.dest, protocol.tag(protocol.REPLICATE, w.config.session), tensor_bytes(total),
+                                      meta=protocol.encode(op="unit", unit=key, model=unit.model), channel=channel)
+            self._replicating.append((handle, unit.dest, total, paced))
+        still = []
+        for handle, dest, tensor, paced in self._replicating:
+            if handle.done():
+                if paced:
+                    w.transport.pace_connection(dest, channel, None)
+            else:
+                still.append((handle, dest, tensor, paced))
+        self._replicating = still
+        return max(0.0, nxt - now)
+
+    def _forward_ready(self, now: float) -> None:
+        w = self.worker
+        with self._lock:
+            ready = []
+            for key, group in self._groups.items():
+                if not group.planned:
+                    continue
+                for j in group.servers:
+                    got = group.arrived.get(j, [])
+                    if j not in group.sent and got and (len(got) >= len(group.members) or now >= group.deadline):
+                        group.sent.add(j)
+                        ready.append((key, group, j, list(got)))
+            for key in [k for k, g in self._groups.items() if g.planned and len(g.sent) == len(g.servers)
+                        and now >= g.deadline]:
+                del self._groups[key]
+        for (batch, slot), group, j, got in ready:
+            # in the members' order, as a replica aggregator sums the same unit: equal bits
+            position = {m: i for i, m in enumerate(group.members)}
+            got.sort(key=lambda m: position.get((int(m[0]["rank"]), int(m[0]["id"])), len(position)))
+            total = _sum_in_order([t for _, t in got])
+            if len(got) < len(group.members):
+                self.partial += 1
+                log.warning("%s: aggregator: group %d of batch %d forwarded with %d of %d members (deadline)",
+                            w.who, slot, batch, len(got), len(group.members))
+            first = got[0][0]
+            meta = protocol.encode(op=protocol.PUSH, model=group.model, batch=batch, slot=slot,
+                                   clock=first["clock"], version=first["version"], norm=0.0,
+                                   workers=[w.layout.worker_index(int(h["rank"])) for h, _ in got],
+                                   versions=[int(h["version"]) for h, _ in got],
+                                   members=[[int(h["rank"]), int(h["id"])] for h, _ in got])
+            rate = group.rates[group.servers.index(j)] if group.rates else None
+            server = w.server_rank(j)
+            paced = rate is not None and w.transport.pace_connection(server, w.channel, rate)
+            handle = w.transport.send(server, protocol.request_tag(w.config.session), tensor_bytes(total), meta=meta,
+                                      channel=w.channel)
+            wait_sent(w.transport, [handle], w.config.timeout_s)
+            if paced:
+                w.transport.pace_connection(server, w.channel, None)
+            self.forwarded += 1

@@ -1,0 +1,158 @@
+"""The ``scheduled`` policy on a worker: ask the scheduler, wait for the decision, carry it out.
+
+    .venv/bin/python -m pytest tests/unit/test_ps_scheduled.py -q
+
+Runs in the pushing thread (:meth:`ScheduledWorkerSide.send_push`): a request per update to
+the scheduler beside server 0, its decision awaited at most ``decision_timeout_s`` (then the
+update is pushed unscheduled, a fallback), each component sent at its planned start, paced at
+its planned rate, to its next hop (a server, or an aggregator). The worker's
+:class:`~mlfabric.ps.policies.scheduled.aggregator.Aggregator` thread starts with the first push.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mlfabric.transport.base import SendHandle, Transport, tensor_bytes
+
+from ... import protocol
+from ...waits import wait_until
+from .aggregator import Aggregator, wait_sent
+from .settings import ScheduledSettings
+
+if TYPE_CHECKING:
+    from mlfabric.ps.policy import WorkerPort
+
+log = logging.getLogger("mlfabric.ps")
+
+_LOST = object()  # the scheduler was lost while a worker waited for its decision
+
+
+@dataclass
+class DaemonStats:
+    requested: int = 0
+    dropped: int = 0
+    fallbacks: int = 0
+    aggregated: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"requested": self.requested, "dropped_by_scheduler": self.dropped, "fallbacks": self.fallbacks,
+                "sent_to_aggregators": self.aggregated}
+
+
+class ScheduledWorkerSide:
+    """The worker side of the ``scheduled`` policy (module docstring)."""
+
+    def __init__(self, settings: ScheduledSettings) -> None:
+        self.settings = settings
+        self.stats = DaemonStats()
+        self._aggregator: Aggregator | None = None
+        self._ids = itertools.count(1)
+
+    def _start(self, worker: "WorkerPort") -> None:
+        if self._aggregator is None:
+            self._worker = worker
+            self._aggregator = Aggregator(worker, self.settings)
+            self._aggregator.start()
+
+    def send_push(self, worker: "WorkerPort", model: str, components: list[torch.Tensor],
+                  pushes: list[protocol.Push]) -> list[SendHandle] | None:
+        """Ask the scheduler, wait for the decision and carry it out: returns once the update
+        was handed to the transport at its planned start (a push is then where the schedule
+        wants it, like a direct push once the transport has it; nothing is left for the
+        caller to wait on), or None once the scheduler dropped it."""
+        self._start(worker)
+        return [] if self._push(model, components, pushes) else None
+
+    def flush(self, timeout: float) -> None:
+        """A worker leaving: its aggregator forwards what is complete or due, then stops."""
+        if self._aggregator is not None:
+            self._aggregator.stop(timeout)
+
+    def _push(self, model: str, components: list[torch.Tensor], pushes: list[protocol.Push]) -> bool:
+        """Carry out one push; False if the scheduler dropped it."""
+        w = self._worker
+        transport, session = w.transport, w.config.session
+        first = pushes[0]
+        request_id = next(self._ids)
+        self.stats.requested += 1
+        # Network replication: the copy is kept before the scheduler can ask for it (its
+        # "replicate" may reach the aggregator thread before this thread has the decision).
+        keeping = self.settings.replication == "network" and w.layout.replicas > 0 and self._aggregator is not None
+        if keeping:
+            self._aggregator.keep(model, request_id, components)
+        transport.send(w.server_rank(0), protocol.tag(protocol.SCHEDULE, session), b"", channel=w.channel,
+                       meta=protocol.encode(op="request", id=request_id, model=model, version=first.version,
+                                            norm=float(first.norm or 0.0), clock=first.clock,
+                                            sizes=[c.numel() * c.element_size() for c in components]))
+        decision = self._decision(request_id)
+        if (decision is None or decision["drop"]) and keeping:  # not a unit: no replica asks for it
+            self._aggregator.forget(model, request_id)
+        if decision is None:  # no answer in time: push unscheduled (the server bounds its delay)
+            self.stats.fallbacks += 1
+            # Withdraw the request; if it was planned already, its entry is skipped at the server.
+            transport.send(w.server_rank(0), protocol.tag(protocol.SCHEDULE, session), b"", channel=w.channel,
+                           meta=protocol.encode(op="cancel", id=request_id, model=model))
+            handles = [transport.send(w.server_rank(j), protocol.request_tag(session), tensor_bytes(c),
+                                      meta=p.encode(), channel=w.channel) for j, (c, p) in enumerate(zip(components, pushes))]
+            wait_sent(transport, handles, w.config.timeout_s)
+            return True
+        if decision["drop"]:
+            self.stats.dropped += 1
+            return False
+        time.sleep(float(decision["start_in"]))
+        handles, paced = [], []
+        for j, (component, push, hop) in enumerate(zip(components, pushes, decision["hop"])):
+            fields = push.fields(batch=decision["batch"], id=request_id, rank=transport.rank)
+            rate = decision["rates"][j] if j < len(decision["rates"]) else None
+            if hop != transport.rank and rate is not None and transport.pace_connection(hop, w.channel, rate):
+                paced.append(hop)
+            if hop in w.serving:  # a server (or the replica that took over one), else an aggregator
+                handles.append(transport.send(hop, protocol.request_tag(session), tensor_bytes(component),
+                                              meta=protocol.encode(**fields), channel=w.channel))
+            else:
+                self.stats.aggregated += 1
+                member = {**fields, "op": "member", "slot": decision["group"], "server": j}
+                if hop == transport.rank:
+                    assert self._aggregator is not None
+                    self._aggregator.add_member(member, component)
+                else:
+                    handles.append(transport.send(hop, protocol.tag(protocol.AGGREGATE, session),
+                                                  tensor_bytes(component), meta=protocol.encode(**member),
+                                                  channel=w.channel))
+        wait_sent(transport, handles, w.config.timeout_s)
+        for hop in paced:
+            transport.pace_connection(hop, w.channel, None)
+        return True
+
+    def _decision(self, request_id: int) -> dict[str, Any] | None:
+        w = self._worker
+        transport = w.transport
+        tag = protocol.tag(protocol.DECISION, w.config.session, request_id)
+
+        def decided() -> Any:
+            scheduler = w.server_rank(0)  # the scheduler lives beside server 0
+            msg = transport.mailbox.take(w.channel, tag, scheduler)
+            if msg is not None:
+                return msg
+            if scheduler in transport.lost_peers:
+                w.fail_over(scheduler)  # a replica takes over (the fallback push goes to it)
+                return _LOST
+            return None
+
+        msg = wait_until(transport, decided, time.monotonic() + self.settings.decision_timeout_s, who=w.who,
+                         what=f"the scheduler's decision for update {request_id}", required=False, poll=0.05)
+        if msg is _LOST:
+            return None
+        if msg is not None:
+            return protocol.decode(msg.meta)
+        log.warning("%s: no decision from the scheduler within %.1f s for update %d: pushing it unscheduled",
+                    w.who, self.settings.decision_timeout_s, request_id)
+        return None
+
