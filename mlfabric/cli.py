@@ -101,6 +101,63 @@ def make_config(factory: Callable[..., T], **fields: Any) -> T:
         raise typer.BadParameter(str(exc)) from None
 
 
+# Each option is stated once, in the command's signature (#35): the config takes the options
+# named like its fields from the parsed command line (config_from), and the command line the
+# JSON records is rebuilt from the same parse (invocation); neither repeats an option's name.
+
+
+def config_from(ctx: typer.Context, factory: Callable[..., T], /, **converted: Any) -> T:
+    """``factory``'s config (a dataclass) from the running command's options: every option
+    named like one of its fields is passed as parsed; ``converted`` gives the others (options
+    parsed from text, renamed or resolved). Validation errors are usage errors (exit 2)."""
+    import dataclasses
+    import typing
+
+    params = ctx.params
+    fields = {field.name for field in dataclasses.fields(factory)}  # type: ignore[arg-type]
+    same = {name: value for name, value in params.items() if name in fields and name not in converted}
+    try:
+        hints = typing.get_type_hints(factory)
+    except (NameError, TypeError):  # an annotation that cannot be resolved here: no check
+        hints = {}
+    for name, value in same.items():
+        hint = hints.get(name)
+        if isinstance(value, str) and hint is not None and hint is not str and str not in typing.get_args(hint):
+            # A programming error, not a usage one: the option's text needs parsing first.
+            raise TypeError(f"--{name.replace('_', '-')} is text; {factory.__name__}.{name} wants {hint}: "  # type: ignore[attr-defined]
+                            "pass it parsed, as a keyword of config_from")
+    return make_config(factory, **same, **converted)
+
+
+def invocation(ctx: typer.Context, /, **resolved: Any) -> list[str]:
+    """The command line that reproduces the running command, from its parsed options: every
+    option with its value, defaults included, in the order the command declares them (``--json``
+    last); a switch only when it is not its default; ``resolved`` replaces values the command
+    worked out (the world size an emulated topology implies). The command line of every JSON."""
+    unknown = set(resolved) - set(ctx.params)
+    if unknown:
+        raise KeyError(f"invocation: no option {', '.join(sorted(unknown))}")
+    names, parent = [], ctx
+    while parent.parent is not None:
+        names.append(parent.info_name)
+        parent = parent.parent
+    argv, tail = ["mlfabric", *reversed(names)], []
+    values = {**ctx.params, **resolved}
+    for param in ctx.command.params:
+        if param.param_type_name != "option" or param.name == "quiet":
+            continue
+        value = values[param.name]
+        flag = max((opt for opt in param.opts if opt.startswith("--")), key=len)
+        into = tail if param.name == "json_path" else argv
+        if param.is_flag:
+            if value != param.default:
+                into.append(flag if value else param.secondary_opts[0])
+        elif value is not None:
+            for item in value if param.multiple else [value]:
+                into += [flag, repr(item) if isinstance(item, float) else str(item)]
+    return argv + tail
+
+
 #: What ``--json`` takes to mean standard output.
 STDOUT = "-"
 
@@ -169,6 +226,7 @@ def run_or_exit(fn: Callable[[], T], errors: tuple[type[BaseException], ...] | N
 
 @bench_app.command("allreduce")
 def bench_allreduce(
+    ctx: typer.Context,
     world_size: Annotated[int, typer.Option("--world-size", "-n", help="Number of local ranks.")] = 4,
     algorithms: Annotated[str, typer.Option(
         help="Comma-separated: ring, halving_doubling, tree, ps, bcube (BML; on --topology bcube:...), "
@@ -226,30 +284,17 @@ def bench_allreduce(
         emulate_topology = str(spec)
         emulate_rate = make_config(parse_rate, value=rate)
         world_size = plan_cluster(spec, emulate_rate).n_hosts * ranks_per_host
-    config = make_config(AllreduceBenchConfig, world_size=world_size, ranks_per_host=ranks_per_host,
-                         placement=placement,
-                         emulate_topology=emulate_topology, emulate_rate_bps=emulate_rate,
-                         algorithms=tuple(split_list(algorithms, "algorithms")),
-                         sizes=tuple(parse_sizes(sizes)), iters=iters, warmup=warmup,
-                         transport=transport, timeout_s=timeout, seed=seed, measure_goodput=goodput,
-                         start=start)
-    command = ["mlfabric", "bench", "allreduce", "--world-size", str(world_size), "--algorithms",
-               ",".join(config.algorithms), "--sizes", sizes.replace(" ", ""), "--iters", str(iters),
-               "--warmup", str(warmup), "--transport", transport, "--seed", str(seed), "--start", start]
-    if emulate:
-        command += ["--emulate", "--topology", str(emulate_topology), "--rate", rate]
-        command += [] if goodput else ["--no-goodput"]
-        command += ["--ranks-per-host", str(ranks_per_host), "--placement", placement] if ranks_per_host > 1 else []
+    config = config_from(ctx, AllreduceBenchConfig, world_size=world_size, emulate_topology=emulate_topology,
+                         emulate_rate_bps=emulate_rate, algorithms=tuple(split_list(algorithms, "algorithms")),
+                         sizes=tuple(parse_sizes(sizes)), timeout_s=timeout, measure_goodput=goodput)
+    command = invocation(ctx, world_size=world_size, algorithms=",".join(config.algorithms),
+                         sizes=sizes.replace(" ", ""), topology=emulate_topology)
     if compare_flat:
         from mlfabric.bench.allreduce import flat_comparison_configs
 
         make_config(flat_comparison_configs, config=config)  # usage errors before anything runs
-        command += ["--compare-flat"]
     if compare_star:
         make_config(compare_star_config, config=config)  # usage errors before anything runs
-        command += ["--compare-star"]
-    if json_path is not None:
-        command += ["--json", str(json_path)]
     with progress_bar(quiet=quiet) as progress:
         task = progress.add_task(f"allreduce on {world_size} ranks", total=None)
         from mlfabric.bench.allreduce import render_hierarchy, run_hierarchy_comparison
@@ -271,6 +316,7 @@ def bench_allreduce(
 
 @bench_app.command("bml-job")
 def bench_bml_job(
+    ctx: typer.Context,
     iterations: Annotated[int, typer.Option(help="Training iterations per run.")] = 100,
     batches: Annotated[str, typer.Option(help="Comma-separated sub-minibatch sizes (per rank).")] = "32,128",
     rate: Annotated[str, typer.Option(help="Rate of every emulated NIC, e.g. 500mbit.")] = "500mbit",
@@ -286,12 +332,9 @@ def bench_bml_job(
     from mlfabric.units import parse_rate
 
     sizes = [_parse_or_usage(int, item) for item in split_list(batches, "batch sizes")]
-    config = make_config(BmlJobConfig, iterations=iterations, batches=tuple(sizes), bcube=topology, seed=seed,
+    config = config_from(ctx, BmlJobConfig, batches=tuple(sizes), bcube=topology,
                          rate_bps=make_config(parse_rate, value=rate), timeout_s=timeout)
-    command = ["mlfabric", "bench", "bml-job", "--iterations", str(iterations), "--batches", ",".join(map(str, sizes)),
-               "--rate", rate, "--topology", topology, "--seed", str(seed)]
-    if json_path is not None:
-        command += ["--json", str(json_path)]
+    command = invocation(ctx, batches=",".join(map(str, sizes)))
     with progress_bar(quiet=quiet) as progress:
         task = progress.add_task("LeNet-5", total=iterations)
         result = run_or_exit(lambda: run_bml_job(
@@ -304,6 +347,7 @@ def bench_bml_job(
 
 @bench_app.command("sim")
 def bench_sim(
+    ctx: typer.Context,
     quick: Annotated[bool, typer.Option("--quick", help="Skip the naive solver and the 500k-flow instances.")] = False,
     json_path: JsonOption = None,
     quiet: QuietOption = False,
@@ -336,13 +380,12 @@ def bench_sim(
                           f"= {first['wall_vs_one_naive_40k_solve']:.2f} x one naive solve of its 40k push flows "
                           f"({naive_40k:.2f}s)", highlight=False, soft_wrap=True)
     if json_path is not None:
-        command = ["mlfabric", "bench", "sim", *(["--quick"] if quick else []),
-                   "--seed", str(seed), "--json", str(json_path)]
-        write_json(json_path, {"command": " ".join(command), "solver": solver, "engine": engine})
+        write_json(json_path, {"command": " ".join(invocation(ctx)), "solver": solver, "engine": engine})
 
 
 @bench_app.command("partial")
 def bench_partial(
+    ctx: typer.Context,
     world_size: Annotated[int, typer.Option("--world-size", "-n", help="Number of local ranks (processes).")] = 32,
     skew: Annotated[str, typer.Option(help="Delay before each call: linear:FIRST..LAST (rank 0 waits FIRST, the "
                                            "last rank LAST), none, or skew:FIRST[,STEP].")] = "linear:1ms..32ms",
@@ -364,14 +407,8 @@ def bench_partial(
     from mlfabric.bench.partial import PartialBenchConfig, render_table, run_partial_bench
     from mlfabric.units import parse_size
 
-    config = make_config(PartialBenchConfig, world_size=world_size, skew=skew, iterations=iterations, warmup=warmup,
-                         size_bytes=_parse_or_usage(parse_size, size), algorithm=algorithm, transport=transport,
-                         timeout_s=timeout, seed=seed)
-    command = ["mlfabric", "bench", "partial", "--world-size", str(world_size), "--skew", skew, "--iterations",
-               str(iterations), "--warmup", str(warmup), "--size", size, "--algorithm", algorithm,
-               "--transport", transport, "--seed", str(seed)]
-    if json_path is not None:
-        command += ["--json", str(json_path)]
+    config = config_from(ctx, PartialBenchConfig, size_bytes=_parse_or_usage(parse_size, size), timeout_s=timeout)
+    command = invocation(ctx)
     with progress_bar(quiet=quiet) as progress:
         task = progress.add_task(f"partial allreduce on {world_size} ranks (start-up first)", total=None)
         result = run_or_exit(lambda: run_partial_bench(
@@ -387,6 +424,7 @@ def bench_partial(
 
 @bench_app.command("ps")
 def bench_ps(
+    ctx: typer.Context,
     workers: Annotated[int, typer.Option(help="Workers, one per emulated host after the servers'.")] = 8,
     servers: Annotated[int, typer.Option(help="Servers, on hosts 0..S-1 (the model is sharded over them).")] = 1,
     model_size: Annotated[str, typer.Option("--model-size", help="Model size (float32): KB/MB powers of 1000, "
@@ -409,15 +447,9 @@ def bench_ps(
     from mlfabric.emu.cmd import EmuUnavailableError
     from mlfabric.units import parse_rate, parse_size
 
-    config = make_config(PSBenchConfig, workers=workers, servers=servers,
-                         model_bytes=_parse_or_usage(parse_size, model_size),
-                         rate_bps=make_config(parse_rate, value=rate), iterations=iterations, warmup=warmup,
-                         transport=transport, measure_goodput=goodput, timeout_s=timeout)
-    command = ["mlfabric", "bench", "ps", "--workers", str(workers), "--servers", str(servers), "--model-size",
-               model_size, "--rate", rate, "--iterations", str(iterations), "--warmup", str(warmup),
-               "--transport", transport, *([] if goodput else ["--no-goodput"])]
-    if json_path is not None:
-        command += ["--json", str(json_path)]
+    config = config_from(ctx, PSBenchConfig, model_bytes=_parse_or_usage(parse_size, model_size),
+                         rate_bps=make_config(parse_rate, value=rate), measure_goodput=goodput, timeout_s=timeout)
+    command = invocation(ctx)
     from mlfabric.bench.procs import RankFailedError, RankTimeoutError
 
     with progress_bar(quiet=quiet) as progress:
@@ -437,6 +469,7 @@ def bench_ps(
 
 @bench_app.command("mlnet-priorities")
 def bench_mlnet_priorities(
+    ctx: typer.Context,
     jobs: Annotated[int, typer.Option(help="Concurrent PS jobs (2-7), each with its own priority in the priority "
                                       "scenario.")] = 4,
     workers: Annotated[int, typer.Option(help="Workers per job; worker i of every job on host 1 + i, every "
@@ -459,15 +492,10 @@ def bench_mlnet_priorities(
     from mlfabric.emu.cmd import EmuUnavailableError
     from mlfabric.units import parse_rate, parse_size
 
-    config = make_config(PriorityBenchConfig, jobs=jobs, workers=workers,
-                         model_bytes=_parse_or_usage(parse_size, model_size),
-                         rate_bps=make_config(parse_rate, value=rate), iterations=iterations, routing=routing,
-                         scenarios=tuple(split_list(scenario, "scenarios")), seed=seed, timeout_s=timeout)
-    command = ["mlfabric", "bench", "mlnet-priorities", "--jobs", str(jobs), "--workers", str(workers),
-               "--model-size", model_size, "--rate", rate, "--iterations", str(iterations), "--routing", routing,
-               "--scenario", scenario, "--seed", str(seed)]
-    if json_path is not None:
-        command += ["--json", str(json_path)]
+    config = config_from(ctx, PriorityBenchConfig, model_bytes=_parse_or_usage(parse_size, model_size),
+                         rate_bps=make_config(parse_rate, value=rate),
+                         scenarios=tuple(split_list(scenario, "scenarios")), timeout_s=timeout)
+    command = invocation(ctx)
     with progress_bar(quiet=quiet) as progress:
         task = progress.add_task("mlnet priorities", total=len(config.scenarios))
         result = run_or_exit(lambda: run_priority_bench(
@@ -484,6 +512,7 @@ def bench_mlnet_priorities(
 
 @bench_app.command("tictac")
 def bench_tictac(
+    ctx: typer.Context,
     model: Annotated[str, typer.Option(help="inception, vgg, alexnet, par32 or seq32 (mlfabric.order.models).")]
     = "inception",
     workers: Annotated[int, typer.Option(help="Workers (one server besides them).")] = 4,
@@ -524,18 +553,9 @@ def bench_tictac(
     from mlfabric.units import parse_rate
 
     orderings = tuple(split_list(ordering, "orderings"))
-    config = make_config(TicTacBenchConfig, model=model, workers=workers, orderings=orderings, emulate=emulate,
-                         rate_bps=make_config(parse_rate, value=rate), forward_only=forward_only, width=width,
-                         batch=batch, device=device, dag=dag, pace=pace, iterations=iterations, warmup=warmup,
-                         seed=seed,
+    config = config_from(ctx, TicTacBenchConfig, orderings=orderings, rate_bps=make_config(parse_rate, value=rate),
                          chrome_dir=None if chrome is None else str(chrome), timeout_s=timeout)
-    command = ["mlfabric", "bench", "tictac", "--model", model, "--workers", str(workers), "--ordering", ordering,
-               *(["--emulate"] if emulate else []), "--rate", rate, *(["--forward-only"] if forward_only else []),
-               "--width", str(width), "--batch", str(config.batch), "--device", device, "--dag", dag, "--pace", pace,
-               "--iterations", str(iterations),
-               "--warmup", str(warmup), "--seed", str(seed)]
-    if json_path is not None:
-        command += ["--json", str(json_path)]
+    command = invocation(ctx, batch=config.batch)
     with progress_bar(quiet=quiet) as progress:
         task = progress.add_task(f"tictac {model}", total=iterations * len(orderings))
         done: dict[str, int] = {}
@@ -557,6 +577,7 @@ def bench_tictac(
 
 @bench_app.command("grad-order")
 def bench_grad_order(
+    ctx: typer.Context,
     model: Annotated[str, typer.Option(help="inception, vgg, alexnet, par32 or seq32 (mlfabric.order.models).")]
     = "vgg",
     workers: Annotated[int, typer.Option(help="Data-parallel ranks (ring allreduce).")] = 4,
@@ -594,17 +615,10 @@ def bench_grad_order(
     from mlfabric.emu.cmd import EmuUnavailableError
     from mlfabric.units import parse_rate, parse_size
 
-    config = make_config(GradOrderBenchConfig, model=model, workers=workers,
-                         orderings=tuple(split_list(ordering, "orderings")), emulate=emulate,
-                         rate_bps=make_config(parse_rate, value=rate), width=width, batch=batch, device=device,
-                         partition_bytes=make_config(parse_size, value=partition), credit=credit,
-                         iterations=iterations, warmup=warmup, rounds=rounds, seed=seed, timeout_s=timeout)
-    command = ["mlfabric", "bench", "grad-order", "--model", model, "--workers", str(workers), "--ordering", ordering,
-               *(["--emulate"] if emulate else []), "--rate", rate, "--width", str(width), "--batch", str(batch),
-               "--device", device, "--partition", partition, "--credit", str(credit), "--iterations", str(iterations),
-               "--warmup", str(warmup), "--rounds", str(rounds), "--seed", str(seed)]
-    if json_path is not None:
-        command += ["--json", str(json_path)]
+    config = config_from(ctx, GradOrderBenchConfig, orderings=tuple(split_list(ordering, "orderings")),
+                         rate_bps=make_config(parse_rate, value=rate),
+                         partition_bytes=make_config(parse_size, value=partition), timeout_s=timeout)
+    command = invocation(ctx)
     with progress_bar(quiet=quiet) as progress:
         task = progress.add_task(f"grad-order {model}", total=iterations * len(config.orderings))
         done: dict[str, int] = {}
@@ -626,6 +640,7 @@ def bench_grad_order(
 
 @bench_app.command("scheduler")
 def bench_scheduler(
+    ctx: typer.Context,
     updates: Annotated[str, typer.Option(help="Comma-separated batch sizes |U| (MLfabric §7.4).")] = "100,500,1000",
     repeats: Annotated[int, typer.Option(help="Batches per |U| for the fast scheduler (median reported).")] = 5,
     reference_repeats: Annotated[int, typer.Option(help="How many of them the reference also plans.")] = 1,
@@ -639,13 +654,8 @@ def bench_scheduler(
     from mlfabric.ps.scheduler.bench import SchedulerBenchConfig, render_table, run_scheduler_bench
 
     sizes = tuple(_parse_or_usage(int, item) for item in split_list(updates, "batch sizes"))
-    config = make_config(SchedulerBenchConfig, updates=sizes, repeats=repeats, reference_repeats=reference_repeats,
-                         aggregators=aggregators, mode=mode, seed=seed)
-    command = ["mlfabric", "bench", "scheduler", "--updates", ",".join(map(str, sizes)), "--repeats", str(repeats),
-               "--reference-repeats", str(reference_repeats), "--aggregators", str(aggregators), "--mode", mode,
-               "--seed", str(seed)]
-    if json_path is not None:
-        command += ["--json", str(json_path)]
+    config = config_from(ctx, SchedulerBenchConfig, updates=sizes)
+    command = invocation(ctx, updates=",".join(map(str, sizes)))
     with progress_bar(quiet=quiet) as progress:
         steps = len(sizes) * (repeats + min(reference_repeats, repeats))
         on_step = step_reporter(progress, progress.add_task("scheduler benchmark", total=steps))
@@ -766,6 +776,7 @@ def _check_choice(value: str, choices: tuple[str, ...], option: str) -> str:
 
 @simulate_app.command("collective")
 def simulate_collective_cmd(
+    ctx: typer.Context,
     topology: TopologyOption,
     link: LinkOption = "10Gbps",
     algorithm: Annotated[str, typer.Option(help="ring, halving_doubling, tree (allreduce), or a collective kind: "
@@ -804,7 +815,7 @@ def simulate_collective_cmd(
     _check_choice(placement, ("sequential", "random"), "--placement")
     topo = _sim_topology(topology, link)
     size_bytes = _parse_or_usage(parse_size, size)
-    config = make_config(EngineConfig, routing=routing, seed=seed, latency_s=_parse_or_usage(parse_duration, latency))
+    config = config_from(ctx, EngineConfig, latency_s=_parse_or_usage(parse_duration, latency))
     model = _compute_model(compute, straggler, speed_range)
     kind = collective_kind(algorithm)
     options: dict[str, Any] = {}
@@ -853,16 +864,13 @@ def simulate_collective_cmd(
         extra["closed_form_s"] = closed
         extra["time_vs_closed_form"] = result.time_s / closed if closed else None
         rows.append((label, f"{closed:.6g} s (simulated / closed form = {result.time_s / closed:.4f})" if closed else "0"))
-    command = ["mlfabric", "simulate", "collective", "--topology", topology, "--link", link, "--algorithm", algorithm,
-               "--size", size, "--routing", routing, "--seed", str(seed)]
-    command += ["--ranks-per-host", str(ranks_per_host)] if ranks_per_host > 1 else []
-    command += ["--host-rate", host_rate] if host_rate is not None else []
     _sim_output("collective", result, extra, json_path=json_path, plot=plot, links=links,
-                command=command, rows=rows)
+                command=invocation(ctx), rows=rows)
 
 
 @simulate_app.command("ps")
 def simulate_ps_cmd(
+    ctx: typer.Context,
     topology: TopologyOption,
     workers: Annotated[int, typer.Option(help="Workers (W).")],
     servers: Annotated[int, typer.Option(help="Parameter servers (S); the model is split evenly across them.")],
@@ -908,11 +916,8 @@ def simulate_ps_cmd(
         raise typer.BadParameter(f"--jobs must be >= 1, got {jobs}")
     topo = _sim_topology(topology, link)
     model_bytes = _parse_or_usage(parse_size, model_size)
-    config = make_config(EngineConfig, routing=routing, seed=seed, latency_s=_parse_or_usage(parse_duration, latency),
-                         batch_rtol=batch_rtol)
-    ps = make_config(PSConfig, workers=workers, servers=servers, model_bytes=model_bytes, strategy=strategy,
-                     degree=degree, staleness=staleness, iterations=iterations, placement=placement, barrier=barrier,
-                     compute=_compute_model(compute, straggler, speed_range))
+    config = config_from(ctx, EngineConfig, latency_s=_parse_or_usage(parse_duration, latency))
+    ps = config_from(ctx, PSConfig, model_bytes=model_bytes, compute=_compute_model(compute, straggler, speed_range))
     prios = None
     if priorities == "random":
         prios = np.random.default_rng(np.random.SeedSequence([seed, 4])).permutation(jobs).tolist()
@@ -941,11 +946,8 @@ def simulate_ps_cmd(
         ("time per iteration", f"{result.time_s / iterations:.6g} s (makespan {result.time_s:.6g} s over "
                                f"{iterations} iteration{'s' if iterations > 1 else ''})"),
     ]
-    command = ["mlfabric", "simulate", "ps", "--topology", topology, "--link", link, "--workers", str(workers),
-               "--servers", str(servers), "--strategy", strategy, "--model-size", model_size, "--routing", routing,
-               "--seed", str(seed)]
     _sim_output("ps", result, extra, json_path=json_path, plot=plot, links=links,
-                command=command, rows=rows)
+                command=invocation(ctx), rows=rows)
 
 
 def _parse_bcube_cases(text: str) -> list[tuple[int, int]]:
@@ -963,6 +965,7 @@ def _parse_bcube_cases(text: str) -> list[tuple[int, int]]:
 
 @simulate_app.command("bml")
 def simulate_bml_cmd(
+    ctx: typer.Context,
     servers: Annotated[str, typer.Option(help="Fig. 5 panels: 16 (BCube(4,2), Fat-Tree(4)) and/or 1024 "
                                               "(BCube(32,2), Fat-Tree(16): ~4 min, ~16 GB peak for PS/Fat-Tree).")]
         = "16,1024",
@@ -1021,9 +1024,7 @@ def simulate_bml_cmd(
     console.print(check_table)
     ok = all(check.ok for check in results)
     if json_path is not None:
-        command = ["mlfabric", "simulate", "bml", "--servers", ",".join(map(str, panels)), "--checks",
-                   ",".join(f"{n}x{k}" for n, k in cases), "--rtol", f"{rtol:g}", "--link", link, "--routing", routing,
-                   "--json", str(json_path)]
+        command = invocation(ctx, servers=",".join(map(str, panels)), checks=",".join(f"{n}x{k}" for n, k in cases))
         write_json(json_path, {"command": " ".join(command), "link_rate_bps": rate, "routing": routing,
                                "figure5": rows, "gst_checks": [check.to_dict() for check in results], "ok": ok})
     if not ok:
@@ -1037,13 +1038,16 @@ def _fmt_change(value: Optional[float]) -> str:
 
 @simulate_app.command("mlfabric")
 def simulate_mlfabric_cmd(
+    ctx: typer.Context,
     workers: Annotated[int, typer.Option(help="Workers (one host each; the server on its own host).")] = 30,
     update_size: Annotated[str, typer.Option("--update-size", help="Update (= model) size.")] = "100MB",
     rate: Annotated[str, typer.Option(help="Every NIC's rate before churn.")] = "10gbit",
     compute: Annotated[str, typer.Option(help="A worker's compute per update at nominal speed.")] = "100ms",
     inject: Annotated[str, typer.Option(help="Compute settings, comma-separated: C1, C2, C3 (MLfabric §7), "
                                              "none.")] = "C1,C2,C3",
-    churn: Annotated[str, typer.Option(help="Network settings, comma-separated: N1, N2, N3, none.")] = "N1,N2,N3",
+    # Not the config's one `churn`: the grid's settings (config_from takes options named like fields).
+    churn_grid: Annotated[str, typer.Option("--churn", help="Network settings, comma-separated: N1, N2, N3, "
+                                                              "none.")] = "N1,N2,N3",
     churn_period: Annotated[str, typer.Option("--churn-period", help="Seconds between NIC rate redraws.")] = "5s",
     sync: Annotated[str, typer.Option(help="Modes: allreduce (RR-Sync), tree-allreduce (Tr-Sync), ps-async, "
                                            "mlfabric-a:TAU, mlfabric-s.")] =
@@ -1085,17 +1089,16 @@ def simulate_mlfabric_cmd(
             raise typer.BadParameter(f"--updates-needed: expected MODE=N, got {item!r}")
         needed[mode.strip()] = int(count)
     modes = split_list(sync, "modes")
-    config = make_config(MLfabricSimConfig, workers=workers, update_bytes=float(_parse_or_usage(parse_size, update_size)),
+    config = config_from(ctx, MLfabricSimConfig, update_bytes=float(_parse_or_usage(parse_size, update_size)),
                          rate_bps=_parse_or_usage(parse_rate, rate), compute_s=_parse_or_usage(parse_duration, compute),
-                         churn_period_s=_parse_or_usage(parse_duration, churn_period), updates=updates,
-                         updates_needed=needed, aggregators=aggregators, distributors=distributors,
+                         churn_period_s=_parse_or_usage(parse_duration, churn_period), updates_needed=needed,
                          interval_s=_parse_or_usage(parse_duration, interval),
-                         monitor_lag_s=_parse_or_usage(parse_duration, lag), pull_after=pull_after, seed=seed)
+                         monitor_lag_s=_parse_or_usage(parse_duration, lag))
     if emulated:
         _compare_emulated(config, emulated, json_path)
         return
     injects = split_list(inject, "compute settings")
-    churns = [None if c.lower() == "none" else c for c in split_list(churn, "network settings")]
+    churns = [None if c.lower() == "none" else c for c in split_list(churn_grid, "network settings")]
     with progress_bar(quiet=quiet) as progress:
         task = progress.add_task(f"MLfabric Table 2: {len(injects) * len(churns)} cells x {len(modes)} modes",
                                  total=len(injects) * len(churns))
@@ -1129,16 +1132,10 @@ def simulate_mlfabric_cmd(
             table.add_row(inj, *cells)
         console.print(table)
     if json_path is not None:
-        command = ["mlfabric", "simulate", "mlfabric", "--workers", str(workers), "--update-size", update_size,
-                   "--rate", rate, "--compute", compute, "--inject", inject, "--churn", churn, "--sync", sync,
-                   "--updates", str(updates), "--aggregators", str(aggregators), "--distributors", str(distributors),
-                   "--interval", interval, "--lag", lag, "--pull-after", pull_after, "--seed", str(seed)]
-        if updates_needed:
-            command += ["--updates-needed", updates_needed]
         import dataclasses
         import shlex
 
-        write_json(json_path, {"benchmark": "simulate-mlfabric", "command": shlex.join(command),
+        write_json(json_path, {"benchmark": "simulate-mlfabric", "command": shlex.join(invocation(ctx)),
                                "config": dataclasses.asdict(config), "runs": rows,
                                "table2": {m: table2(rows, m) for m in modes}, "paper_table2": PAPER_TABLE2})
 
@@ -1180,6 +1177,10 @@ def _compare_emulated(config: Any, paths: list[Path], json_path: Optional[Path])
 
 @simulate_app.command("mlnet")
 def simulate_mlnet_cmd(
+    ctx: typer.Context,
+    quick: Annotated[bool, typer.Option("--quick", help="Scaled down ~8x: k=8 fat-tree, 100 workers; 20 jobs of "
+                                                        "25 x 6 (~1 min; the paper's figures do not apply).")]
+        = False,
     servers: Annotated[Optional[str], typer.Option(help="Parameter-server counts of the sweep (default "
                                                         "50,100,200,300,400; with --quick 6,12,25,38,50).")] = None,
     oversub: Annotated[str, typer.Option(help="ToR-uplink oversubscription ratios: 1 (full bisection), 4 (1:4).")]
@@ -1197,9 +1198,6 @@ def simulate_mlnet_cmd(
     batch_rtol: Annotated[float, typer.Option("--batch-rtol", help="Flows finishing within this relative time "
                                                                    "finish together (1e-3: < 0.5% on makespans, "
                                                                    "5-25x faster than the exact 1e-9).")] = 1e-3,
-    quick: Annotated[bool, typer.Option("--quick", help="Scaled down ~8x: k=8 fat-tree, 100 workers; 20 jobs of "
-                                                        "25 x 6 (~1 min; the paper's figures do not apply).")]
-        = False,
     json_path: JsonOption = None,
     quiet: QuietOption = False,
 ) -> None:
@@ -1224,13 +1222,8 @@ def simulate_mlnet_cmd(
     sweep_config = make_config(lambda **kw: dataclasses.replace(sweep_base, **kw), servers=server_list, oversub=oversub_list,
                                strategies=tuple(split_list(strategies, "strategies")), **common)
     jobs_config = make_config(lambda **kw: dataclasses.replace(jobs_base, **kw), **common)
-    command = ["mlfabric", "simulate", "mlnet", *(["--quick"] if quick else []),
-               "--servers", ",".join(map(str, server_list)), "--oversub", oversub.replace(" ", ""),
-               "--seeds", ",".join(map(str, seed_list)), "--strategies", ",".join(sweep_config.strategies),
-               *([] if sweep else ["--no-sweep"]), *([] if jobs_experiment else ["--no-jobs-experiment"]),
-               "--update-size", update_size, "--compute", compute, "--batch-rtol", f"{batch_rtol:g}"]
-    if json_path is not None:
-        command += ["--json", str(json_path)]
+    command = invocation(ctx, servers=",".join(map(str, server_list)), oversub=oversub.replace(" ", ""),
+                         seeds=",".join(map(str, seed_list)), strategies=",".join(sweep_config.strategies))
     runs = ((len(sweep_config.oversub) * len(sweep_config.servers) * len(sweep_config.seeds)
              * len(sweep_config.strategies) if sweep else 0)
             + (len(jobs_config.seeds) * len(jobs_config.strategies) * 2 if jobs_experiment else 0))  # fair, priorities
@@ -1289,6 +1282,7 @@ def simulate_mlnet_cmd(
 
 @app.command("train")
 def train(
+    ctx: typer.Context,
     workload: Annotated[str, typer.Option(help="hyperplane (eager-SGD §6.2.1), lstm (§6.3), lenet5 (BML's LeNet-5 "
                                                "on synthetic MNIST-shaped images), mlp (an MLP on a "
                                                "random-teacher classification) or lda (distributed LDA by "
@@ -1441,53 +1435,16 @@ def train(
                                 trace_dir=str(out_dir), ps_topology=topology)
         if churn_period is not None and churn is None:
             raise typer.BadParameter("--churn-period needs --churn N1|N2|N3")
-    config = make_config(EagerTrainConfig, workload=workload, workers=workers, modes=modes, injects=injects,
-                         epochs=epochs, batch_size=batch_size, lr=lr, momentum=momentum,
-                         sync_every_epochs=sync_every_epochs, algorithm=algorithm, hyperplane=hyper, lstm=lstm,
-                         lenet5=lenet5, mlp=mlp, lda=lda, transport=transport, timeout_s=timeout, seed=seed, servers=servers,
-                         replicas=replicas, replication=replication, div_max=div_max,
-                         measure_divergence=measure_divergence, delay_bound=delay_bound,
-                         emulation=emulation, target=target,
-                         checkpoint_every=checkpoint_every, fail=fail)
+    config = config_from(ctx, EagerTrainConfig, modes=modes, injects=injects, hyperplane=hyper, lstm=lstm, lenet5=lenet5,
+                         mlp=mlp, lda=lda, timeout_s=timeout, emulation=emulation)
     if emulate:
         from mlfabric.emu.cmd import have_root
 
         if not have_root():
             console.print(f"[bold red]error:[/] {EMULATE_NEEDS_ROOT}", markup=True, highlight=False)
             raise typer.Exit(2)
-    command = ["mlfabric", "train", "--workload", workload, "--workers", str(workers), "--sync", sync,
-               *[arg for spec in injects for arg in ("--inject", spec)],
-               "--algorithm", algorithm, "--transport", transport, "--seed", str(seed), "--out", str(out_dir)]
-    if emulate:
-        command += ["--emulate", "--rate", rate or "1gbit"]
-        if churn is not None:
-            command += ["--churn", churn, "--churn-period", churn_period or "5s"]
-    if any(is_ps_mode(mode) for mode in modes):
-        command += ["--servers", str(servers)] + (["--replicas", str(replicas)] if replicas else [])
-        if replication != "chain":
-            command += ["--replication", replication]
-        if div_max is not None:
-            command += ["--div-max", div_max]
-        if not measure_divergence:
-            command += ["--no-measure-divergence"]
-    if checkpoint_every:
-        command += ["--checkpoint-every", str(checkpoint_every)]
-    if fail is not None:
-        command += ["--fail", fail]
-    for flag, value in (("--delay-bound", delay_bound), ("--epochs", epochs), ("--batch-size", batch_size), ("--lr", lr), ("--momentum", momentum),
-                        ("--train-samples", train_samples), ("--sync-every-epochs", sync_every_epochs),
-                        ("--image-size", image_size), ("--target", target),
-                        *((f"--{name.replace('_', '-')}", value) for name, value in lda_given.items())):
-        if value is not None:
-            command += [flag, str(value)]
-    if workload == "hyperplane":
-        command += ["--dim", str(dim)]
-    elif frame_time not in ("0", "0s"):
-        command += ["--frame-time", frame_time]
-    if compute_s:
-        command += ["--compute-time", compute_time]
-    if json_path is not None:
-        command += ["--json", str(json_path)]
+    command = invocation(ctx, sync=sync, out=out_dir, rate=rate or "1gbit" if emulate else None,
+                         churn_period=churn_period or "5s" if churn is not None else None)
     from mlfabric.bench.procs import RankFailedError, RankTimeoutError
     from mlfabric.emu.cmd import EmuUnavailableError
     from mlfabric.train.failover import FailoverError
