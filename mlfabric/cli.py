@@ -81,16 +81,109 @@ def split_list(text: str, what: str) -> list[str]:
     return items
 
 
-def parse_sizes(text: str) -> list[int]:
-    from mlfabric.units import parse_size
+# --------------------------------------------------------------------------- sizes, rates, counts
+# Every size, rate, count and timeout a command takes is checked the same way (#39: `simulate
+# collective --size 3` of float32 simulated a 0-byte allreduce and exited 0): zero, negative,
+# not a whole number of elements, or more than this machine can hold or start is a usage error
+# (exit 2) that names the option. Integer counts state their range in their typer.Option
+# (min=...), which click checks before the command runs.
 
-    sizes = []
-    for item in split_list(text, "sizes"):
-        try:
-            sizes.append(parse_size(item))
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc)) from None
-    return sizes
+#: Bytes of the float32 elements the benchmarks move.
+FLOAT32 = 4
+#: A local rank imports torch: ~220 MiB resident each (measured on the 2-core VM, torch 2.13);
+#: more processes than RAM / this cannot start (and would take the machine down trying).
+RANK_MEMORY_BYTES = 200 * 2**20
+
+
+def _usage(option: str, message: str) -> typer.BadParameter:
+    return typer.BadParameter(f"{option} {message}")
+
+
+def size_option(text: str, option: str, *, itemsize: int | None = FLOAT32) -> int:
+    """A size in bytes (``4KB``, ``1MiB``): at least one element, and with ``itemsize`` a whole
+    number of ``itemsize``-byte elements (float32 by default; ``None``: any byte count > 0)."""
+    from mlfabric.units import format_size, parse_size
+
+    try:
+        size = parse_size(text)
+    except ValueError as exc:
+        raise _usage(option, str(exc)) from None
+    unit = itemsize or 1
+    element = f"one {unit}-byte element" if itemsize else "one byte"
+    if size < unit:
+        raise _usage(option, f"{text!r} is {size} bytes, less than {element}: nothing would be moved; give at least "
+                             f"{unit} bytes")
+    if size % unit:
+        below, above = size - size % unit, size - size % unit + unit
+        raise _usage(option, f"{text!r} ({size} bytes) is not a whole number of {unit}-byte elements: give a "
+                             f"multiple of {unit}, e.g. {below} or {above} ({format_size(above)})")
+    return size
+
+
+def sizes_option(text: str, option: str, *, itemsize: int | None = FLOAT32) -> list[int]:
+    """A comma-separated list of :func:`size_option` sizes."""
+    return [size_option(item, option, itemsize=itemsize) for item in split_list(text, "sizes")]
+
+
+def rate_option(text: str, option: str, *, emulated: bool = False) -> float:
+    """A rate in bit/s (``1gbit``, ``10Gbps``): positive, and at least what tc can shape
+    (8 kbit/s) when it is an emulated NIC's."""
+    from mlfabric.units import parse_rate
+
+    try:
+        rate = parse_rate(text)
+    except ValueError as exc:
+        raise _usage(option, str(exc)) from None
+    if not rate > 0:
+        raise _usage(option, f"{text!r} is a rate of 0: nothing would ever arrive; give a positive rate, e.g. 1gbit")
+    if emulated and rate < 8000:
+        raise _usage(option, f"{text!r} is below 8 kbit/s, the least rate tc shapes")
+    return rate
+
+
+def timeout_seconds(value: Optional[float]) -> Optional[float]:
+    """The check of every ``--timeout`` (seconds): positive, and at most what Python can wait
+    (``threading.TIMEOUT_MAX``, ~292 years: beyond it every wait raises OverflowError)."""
+    import threading
+
+    if value is not None and not 0 < value <= threading.TIMEOUT_MAX:
+        raise typer.BadParameter(f"must be > 0 and at most {threading.TIMEOUT_MAX:.3g} s, got {value:g}")
+    return value
+
+
+def physical_memory_bytes() -> int:
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_processes(count: int, option: str) -> None:
+    """``count`` local processes (each imports torch) must fit in this machine's memory."""
+    from mlfabric.units import format_size
+
+    memory = physical_memory_bytes()
+    if count * RANK_MEMORY_BYTES > memory:
+        raise _usage(option, f"asks for {count:,} local processes; each imports torch (~{format_size(RANK_MEMORY_BYTES, binary=True)}) "
+                             f"and this machine has {format_size(memory, binary=True)}: at most "
+                             f"{memory // RANK_MEMORY_BYTES:,}")
+
+
+def check_memory(nbytes: float, option: str, what: str) -> None:
+    """What a run would hold (``nbytes``, described by ``what``) must fit in this machine's memory."""
+    from mlfabric.units import format_size
+
+    memory = physical_memory_bytes()
+    if nbytes > memory:
+        raise _usage(option, f"needs {what} = {format_size(nbytes)}, more than this machine's memory "
+                             f"({format_size(memory, binary=True)})")
+
+
+def check_buffers(nbytes: int, processes: int, option: str, *, copies: int = 2) -> None:
+    """``processes`` local processes each holding ``copies`` buffers of ``nbytes`` (input and
+    result) must fit in this machine's memory."""
+    from mlfabric.units import format_size
+
+    check_memory(copies * nbytes * processes, option, f"{format_size(nbytes)} x {copies} buffers x {processes} processes")
 
 
 def make_config(factory: Callable[..., T], **fields: Any) -> T:
@@ -227,7 +320,7 @@ def run_or_exit(fn: Callable[[], T], errors: tuple[type[BaseException], ...] | N
 @bench_app.command("allreduce")
 def bench_allreduce(
     ctx: typer.Context,
-    world_size: Annotated[int, typer.Option("--world-size", "-n", help="Number of local ranks.")] = 4,
+    world_size: Annotated[int, typer.Option("--world-size", "-n", min=1, help="Number of local ranks.")] = 4,
     algorithms: Annotated[str, typer.Option(
         help="Comma-separated: ring, halving_doubling, tree, ps, bcube (BML; on --topology bcube:...), "
              "hierarchical, auto (mlfabric) and gloo (torch.distributed, the reference).")]
@@ -235,19 +328,20 @@ def bench_allreduce(
     sizes: Annotated[str, typer.Option(
         help="Comma-separated message sizes: KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024.")]
         = "4KB,1MB,64MB",
-    iters: Annotated[int, typer.Option(help="Timed repetitions per size.")] = 10,
+    iters: Annotated[int, typer.Option(min=1, help="Timed repetitions per size.")] = 10,
     start: Annotated[str, typer.Option(help="aligned: every call starts at one instant on all ranks and "
                                             "is timed from it (as simulated); barrier: from each rank's "
                                             "exit of a gloo barrier (its exit skew counts).")] = "aligned",
-    warmup: Annotated[int, typer.Option(help="Untimed repetitions per size, before the timed ones.")] = 2,
+    warmup: Annotated[int, typer.Option(min=0, help="Untimed repetitions per size, before the timed ones.")] = 2,
     transport: Annotated[str, typer.Option(help="mlfabric transport: tcp (default), zmq or torch.")] = "tcp",
     json_path: JsonOption = None,
     quiet: QuietOption = False,
-    timeout: Annotated[float, typer.Option(help="Seconds before the whole run is killed.")] = 600.0,
-    seed: Annotated[int, typer.Option(help="Seed of the input tensors.")] = 0,
+    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds before the whole run is killed.")]
+        = 600.0,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the input tensors.")] = 0,
     emulate: Annotated[bool, typer.Option("--emulate", help="Run each rank on a host of an emulated "
                                           "cluster (root; see `mlfabric emu doctor`).")] = False,
-    hosts: Annotated[Optional[int], typer.Option("--hosts", help="With --emulate: hosts of a star "
+    hosts: Annotated[Optional[int], typer.Option("--hosts", min=2, help="With --emulate: hosts of a star "
                                                  "(sets --world-size).")] = None,
     topology: Annotated[Optional[str], typer.Option(help="With --emulate: topology spec, e.g. "
                                                     "star:n=8, racks:r=2,h=4,oversub=4, bcube:n=3,k=2.")] = None,
@@ -257,7 +351,7 @@ def bench_allreduce(
                                                "NIC rate and report BML's speedup (BML §4).")] = False,
     goodput: Annotated[bool, typer.Option("--goodput/--no-goodput", help="With --emulate: first measure one TCP "
                                           "flow between hosts 0 and 1 (2.5 s) and show busbw relative to it.")] = True,
-    ranks_per_host: Annotated[int, typer.Option("--ranks-per-host", help="With --emulate: ranks on every host "
+    ranks_per_host: Annotated[int, typer.Option("--ranks-per-host", min=1, help="With --emulate: ranks on every host "
                                                 "(they share memory; --world-size becomes hosts x this).")] = 1,
     placement: Annotated[str, typer.Option(help="With --ranks-per-host: consecutive (ranks h*R.. on host h) or "
                                                 "interleaved (rank r on host r mod hosts).")] = "consecutive",
@@ -271,9 +365,9 @@ def bench_allreduce(
     with --goodput, busbw relative to the two-host TCP goodput measured in the same run."""
     from mlfabric.bench.allreduce import (AllreduceBenchConfig, compare_star_config, render_comparison,
                                           render_table, run_allreduce_bench, run_bml_comparison)
-    from mlfabric.units import parse_rate
 
-    emulate_topology = emulate_rate = None
+    emulate_topology = None
+    emulate_rate = rate_option(rate, "--rate", emulated=True)  # checked even where unused: a typo is caught
     if emulate:
         from mlfabric.emu.cluster import plan_cluster
         from mlfabric.emu.launcher import resolve_topology
@@ -282,11 +376,13 @@ def bench_allreduce(
         given = hosts if hosts is not None or (topology and ":" in topology) else world_size
         spec = make_config(resolve_topology, topology=topology or "star", hosts=given)
         emulate_topology = str(spec)
-        emulate_rate = make_config(parse_rate, value=rate)
         world_size = plan_cluster(spec, emulate_rate).n_hosts * ranks_per_host
+    check_processes(world_size, "--world-size")
+    size_list = sizes_option(sizes, "--sizes")
+    check_buffers(max(size_list), world_size, "--sizes")
     config = config_from(ctx, AllreduceBenchConfig, world_size=world_size, emulate_topology=emulate_topology,
-                         emulate_rate_bps=emulate_rate, algorithms=tuple(split_list(algorithms, "algorithms")),
-                         sizes=tuple(parse_sizes(sizes)), timeout_s=timeout, measure_goodput=goodput)
+                         emulate_rate_bps=emulate_rate if emulate else None, algorithms=tuple(split_list(algorithms, "algorithms")),
+                         sizes=tuple(size_list), timeout_s=timeout, measure_goodput=goodput)
     command = invocation(ctx, world_size=world_size, algorithms=",".join(config.algorithms),
                          sizes=sizes.replace(" ", ""), topology=emulate_topology)
     if compare_flat:
@@ -317,23 +413,24 @@ def bench_allreduce(
 @bench_app.command("bml-job")
 def bench_bml_job(
     ctx: typer.Context,
-    iterations: Annotated[int, typer.Option(help="Training iterations per run.")] = 100,
+    iterations: Annotated[int, typer.Option(min=1, help="Training iterations per run.")] = 100,
     batches: Annotated[str, typer.Option(help="Comma-separated sub-minibatch sizes (per rank).")] = "32,128",
     rate: Annotated[str, typer.Option(help="Rate of every emulated NIC, e.g. 500mbit.")] = "500mbit",
     topology: Annotated[str, typer.Option(help="BML's BCube; PS runs on a star of as many hosts.")]
         = "bcube:n=3,k=2",
     json_path: JsonOption = None,
     quiet: QuietOption = False,
-    timeout: Annotated[float, typer.Option(help="Seconds before one run is killed.")] = 1800.0,
-    seed: Annotated[int, typer.Option(help="Seed of the model, data and batches.")] = 0,
+    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds before one run is killed.")] = 1800.0,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the model, data and batches.")] = 0,
 ) -> None:
     """BML Fig. 6 (root): LeNet-5 JCT, BML (bcube) on an emulated BCube vs PS (ps) on a star."""
     from mlfabric.train.bml_job import BmlJobConfig, render_job_table, run_bml_job
-    from mlfabric.units import parse_rate
 
     sizes = [_parse_or_usage(int, item) for item in split_list(batches, "batch sizes")]
     config = config_from(ctx, BmlJobConfig, batches=tuple(sizes), bcube=topology,
-                         rate_bps=make_config(parse_rate, value=rate), timeout_s=timeout)
+                         rate_bps=rate_option(rate, "--rate", emulated=True), timeout_s=timeout)
+    if max(sizes) > config.train_samples:
+        raise _usage("--batches", f"{max(sizes):,} is more than the {config.train_samples:,} training samples")
     command = invocation(ctx, batches=",".join(map(str, sizes)))
     with progress_bar(quiet=quiet) as progress:
         task = progress.add_task("LeNet-5", total=iterations)
@@ -351,7 +448,7 @@ def bench_sim(
     quick: Annotated[bool, typer.Option("--quick", help="Skip the naive solver and the 500k-flow instances.")] = False,
     json_path: JsonOption = None,
     quiet: QuietOption = False,
-    seed: Annotated[int, typer.Option(help="Seed of the placement and of ECMP.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the placement and of ECMP.")] = 0,
 ) -> None:
     """Max-min solver and event-engine timings on MLNET's 1,024-host fat-tree (800x50 and 624x400 PS)."""
     from mlfabric.flow.bench import BenchmarkConfig, benchmark_solver, format_benchmark
@@ -386,28 +483,30 @@ def bench_sim(
 @bench_app.command("partial")
 def bench_partial(
     ctx: typer.Context,
-    world_size: Annotated[int, typer.Option("--world-size", "-n", help="Number of local ranks (processes).")] = 32,
+    world_size: Annotated[int, typer.Option("--world-size", "-n", min=1, help="Number of local ranks (processes).")] = 32,
     skew: Annotated[str, typer.Option(help="Delay before each call: linear:FIRST..LAST (rank 0 waits FIRST, the "
                                            "last rank LAST), none, or skew:FIRST[,STEP].")] = "linear:1ms..32ms",
-    iterations: Annotated[int, typer.Option(help="Timed iterations (each runs all three variants).")] = 64,
-    warmup: Annotated[int, typer.Option(help="Untimed iterations before them.")] = 2,
+    iterations: Annotated[int, typer.Option(min=1, help="Timed iterations (each runs all three variants).")] = 64,
+    warmup: Annotated[int, typer.Option(min=0, help="Untimed iterations before them.")] = 2,
     size: Annotated[str, typer.Option(help="Message size (float32): KB/MB powers of 1000, KiB/MiB of 1024.")] = "1KB",
     algorithm: Annotated[str, typer.Option(help="Reduction schedule of all three variants: tree, halving_doubling, "
                                                "ring, ps or auto.")] = "tree",
     transport: Annotated[str, typer.Option(help="mlfabric transport: tcp, zmq or torch.")] = "tcp",
     json_path: JsonOption = None,
     quiet: QuietOption = False,
-    timeout: Annotated[float, typer.Option(help="Seconds before the whole run is killed.")] = 900.0,
-    seed: Annotated[int, typer.Option(help="Seed of majority's initiator draws.")] = 0,
+    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds before the whole run is killed.")] = 900.0,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of majority's initiator draws.")] = 0,
 ) -> None:
     """Solo and majority allreduce vs synchronous under a linear skew (eager-SGD §6.1, Fig. 8/9).
 
     Every iteration: a barrier, rank r sleeps its skew, then calls the collective; latency is
     measured per rank from the call to its return and averaged over ranks and iterations."""
     from mlfabric.bench.partial import PartialBenchConfig, render_table, run_partial_bench
-    from mlfabric.units import parse_size
 
-    config = config_from(ctx, PartialBenchConfig, size_bytes=_parse_or_usage(parse_size, size), timeout_s=timeout)
+    check_processes(world_size, "--world-size")
+    size_bytes = size_option(size, "--size")
+    check_buffers(size_bytes, world_size, "--size")
+    config = config_from(ctx, PartialBenchConfig, size_bytes=size_bytes, timeout_s=timeout)
     command = invocation(ctx)
     with progress_bar(quiet=quiet) as progress:
         task = progress.add_task(f"partial allreduce on {world_size} ranks (start-up first)", total=None)
@@ -425,19 +524,19 @@ def bench_partial(
 @bench_app.command("ps")
 def bench_ps(
     ctx: typer.Context,
-    workers: Annotated[int, typer.Option(help="Workers, one per emulated host after the servers'.")] = 8,
-    servers: Annotated[int, typer.Option(help="Servers, on hosts 0..S-1 (the model is sharded over them).")] = 1,
+    workers: Annotated[int, typer.Option(min=1, help="Workers, one per emulated host after the servers'.")] = 8,
+    servers: Annotated[int, typer.Option(min=1, help="Servers, on hosts 0..S-1 (the model is sharded over them).")] = 1,
     model_size: Annotated[str, typer.Option("--model-size", help="Model size (float32): KB/MB powers of 1000, "
                                             "KiB/MiB of 1024.")] = "64MB",
     rate: Annotated[str, typer.Option(help="Rate of every emulated NIC, e.g. 1gbit, 500mbit.")] = "1gbit",
-    iterations: Annotated[int, typer.Option(help="Push+pull iterations, warm-up included.")] = 3,
-    warmup: Annotated[int, typer.Option(help="Leading iterations not counted.")] = 1,
+    iterations: Annotated[int, typer.Option(min=1, help="Push+pull iterations, warm-up included.")] = 3,
+    warmup: Annotated[int, typer.Option(min=0, help="Leading iterations not counted.")] = 1,
     transport: Annotated[str, typer.Option(help="mlfabric transport: tcp, zmq or torch.")] = "tcp",
     goodput: Annotated[bool, typer.Option("--goodput/--no-goodput", help="First measure one TCP flow between hosts "
                                           "0 and 1 (2.5 s) and also simulate at that rate.")] = True,
     json_path: JsonOption = None,
     quiet: QuietOption = False,
-    timeout: Annotated[float, typer.Option(help="Seconds before the whole run is killed.")] = 900.0,
+    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds before the whole run is killed.")] = 900.0,
 ) -> None:
     """PS incast (root): W workers push and pull a model through S servers on an emulated star, BSP.
 
@@ -445,10 +544,12 @@ def bench_ps(
     rate, and the iteration time against the simulator's for the same job (mlfabric.sim)."""
     from mlfabric.bench.ps import PSBenchConfig, render_tables, run_ps_bench
     from mlfabric.emu.cmd import EmuUnavailableError
-    from mlfabric.units import parse_rate, parse_size
 
-    config = config_from(ctx, PSBenchConfig, model_bytes=_parse_or_usage(parse_size, model_size),
-                         rate_bps=make_config(parse_rate, value=rate), measure_goodput=goodput, timeout_s=timeout)
+    check_processes(workers + servers, "--workers")
+    model_bytes = size_option(model_size, "--model-size")
+    check_buffers(model_bytes, workers + servers, "--model-size")
+    config = config_from(ctx, PSBenchConfig, model_bytes=model_bytes, rate_bps=rate_option(rate, "--rate", emulated=True),
+                         measure_goodput=goodput, timeout_s=timeout)
     command = invocation(ctx)
     from mlfabric.bench.procs import RankFailedError, RankTimeoutError
 
@@ -470,19 +571,19 @@ def bench_ps(
 @bench_app.command("mlnet-priorities")
 def bench_mlnet_priorities(
     ctx: typer.Context,
-    jobs: Annotated[int, typer.Option(help="Concurrent PS jobs (2-7), each with its own priority in the priority "
+    jobs: Annotated[int, typer.Option(min=1, help="Concurrent PS jobs (2-7), each with its own priority in the priority "
                                       "scenario.")] = 4,
-    workers: Annotated[int, typer.Option(help="Workers per job; worker i of every job on host 1 + i, every "
+    workers: Annotated[int, typer.Option(min=1, help="Workers per job; worker i of every job on host 1 + i, every "
                                          "server on host 0.")] = 3,
     model_size: Annotated[str, typer.Option("--model-size", help="Model size (float32) of every job.")] = "1MB",
     rate: Annotated[str, typer.Option(help="Rate of every emulated NIC.")] = "100mbit",
-    iterations: Annotated[int, typer.Option(help="BSP iterations of every job.")] = 8,
+    iterations: Annotated[int, typer.Option(min=1, help="BSP iterations of every job.")] = 8,
     routing: Annotated[str, typer.Option(help="direct or mlnet (binary trees).")] = "direct",
     scenario: Annotated[str, typer.Option(help="Comma-separated: fair, priority, alone.")] = "fair,priority,alone",
-    seed: Annotated[int, typer.Option(help="Draws the jobs' priorities (a permutation of J..1).")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Draws the jobs' priorities (a permutation of J..1).")] = 0,
     json_path: JsonOption = None,
     quiet: QuietOption = False,
-    timeout: Annotated[float, typer.Option(help="Seconds any wait of a job may take.")] = 300.0,
+    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds any wait of a job may take.")] = 300.0,
 ) -> None:
     """MLNET's job priorities (root): J PS jobs at once on one emulated star, fair vs priority.
 
@@ -490,10 +591,13 @@ def bench_mlnet_priorities(
     against fair sharing (paper: -25% / +2%) and the top job's iteration time against alone."""
     from mlfabric.bench.mlnet_priorities import PriorityBenchConfig, render_table, run_priority_bench
     from mlfabric.emu.cmd import EmuUnavailableError
-    from mlfabric.units import parse_rate, parse_size
 
-    config = config_from(ctx, PriorityBenchConfig, model_bytes=_parse_or_usage(parse_size, model_size),
-                         rate_bps=make_config(parse_rate, value=rate),
+    processes = jobs * (workers + 1)  # every job: its workers and a server
+    check_processes(processes, "--jobs x --workers")
+    model_bytes = size_option(model_size, "--model-size")
+    check_buffers(model_bytes, processes, "--model-size")
+    config = config_from(ctx, PriorityBenchConfig, model_bytes=model_bytes,
+                         rate_bps=rate_option(rate, "--rate", emulated=True),
                          scenarios=tuple(split_list(scenario, "scenarios")), timeout_s=timeout)
     command = invocation(ctx)
     with progress_bar(quiet=quiet) as progress:
@@ -515,7 +619,7 @@ def bench_tictac(
     ctx: typer.Context,
     model: Annotated[str, typer.Option(help="inception, vgg, alexnet, par32 or seq32 (mlfabric.order.models).")]
     = "inception",
-    workers: Annotated[int, typer.Option(help="Workers (one server besides them).")] = 4,
+    workers: Annotated[int, typer.Option(min=1, help="Workers (one server besides them).")] = 4,
     ordering: Annotated[str, typer.Option(help="Comma-separated: none (one flat reply), random (per tensor, a fresh "
                                           "random order), tio, tao (TicTac's priorities).")] = "none,random,tio,tao",
     emulate: Annotated[bool, typer.Option("--emulate", help="Run on an emulated star (root): 1 + workers hosts, "
@@ -524,8 +628,8 @@ def bench_tictac(
     = "1gbit",
     forward_only: Annotated[bool, typer.Option("--forward-only", help="Forward passes only (inference); default: "
                                                "forward + backward + push.")] = False,
-    width: Annotated[int, typer.Option(help="Channel multiplier of the model (parameters ~ width^2).")] = 1,
-    batch: Annotated[Optional[int], typer.Option(help="Synthetic batch size of the real compute (default: 8 for vgg "
+    width: Annotated[int, typer.Option(min=1, help="Channel multiplier of the model (parameters ~ width^2).")] = 1,
+    batch: Annotated[Optional[int], typer.Option(min=1, help="Synthetic batch size of the real compute (default: 8 for vgg "
                                                   "and alexnet, 1 for the others: bench/tictac.py "
                                                   "DEFAULT_BATCH).")] = None,
     device: Annotated[str, typer.Option(help="emulated: each module's forward padded to its device time (S = 1); "
@@ -534,14 +638,14 @@ def bench_tictac(
                                      "program order) or dataflow (the paper's TensorFlow executor).")] = "eager",
     pace: Annotated[str, typer.Option(help="Pace ordered answers at equal shares of the server's NIC: auto "
                                       "(emulated forward passes only), on, off.")] = "auto",
-    iterations: Annotated[int, typer.Option(help="Iterations per ordering, warm-up included.")] = 50,
-    warmup: Annotated[int, typer.Option(help="Leading iterations not counted.")] = 5,
+    iterations: Annotated[int, typer.Option(min=1, help="Iterations per ordering, warm-up included.")] = 50,
+    warmup: Annotated[int, typer.Option(min=0, help="Leading iterations not counted.")] = 5,
     chrome: Annotated[Optional[Path], typer.Option(help="Write a Chrome/Perfetto trace per ordering (the last "
                                                    "iterations of every worker) into this directory.")] = None,
-    seed: Annotated[int, typer.Option(help="Model weights, inputs and random orders.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Model weights, inputs and random orders.")] = 0,
     json_path: JsonOption = None,
     quiet: QuietOption = False,
-    timeout: Annotated[float, typer.Option(help="Seconds before the whole run is killed.")] = 1800.0,
+    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds before the whole run is killed.")] = 1800.0,
 ) -> None:
     """TicTac on the PS (§6): step time, E and stragglers per transfer ordering, enforced at the sender.
 
@@ -550,10 +654,10 @@ def bench_tictac(
     from mlfabric.bench.procs import RankFailedError, RankTimeoutError
     from mlfabric.bench.tictac import TicTacBenchConfig, render_table, run_tictac_bench
     from mlfabric.emu.cmd import EmuUnavailableError
-    from mlfabric.units import parse_rate
 
+    check_processes(workers + 1, "--workers")
     orderings = tuple(split_list(ordering, "orderings"))
-    config = config_from(ctx, TicTacBenchConfig, orderings=orderings, rate_bps=make_config(parse_rate, value=rate),
+    config = config_from(ctx, TicTacBenchConfig, orderings=orderings, rate_bps=rate_option(rate, "--rate", emulated=emulate),
                          chrome_dir=None if chrome is None else str(chrome), timeout_s=timeout)
     command = invocation(ctx, batch=config.batch)
     with progress_bar(quiet=quiet) as progress:
@@ -580,7 +684,7 @@ def bench_grad_order(
     ctx: typer.Context,
     model: Annotated[str, typer.Option(help="inception, vgg, alexnet, par32 or seq32 (mlfabric.order.models).")]
     = "vgg",
-    workers: Annotated[int, typer.Option(help="Data-parallel ranks (ring allreduce).")] = 4,
+    workers: Annotated[int, typer.Option(min=1, help="Data-parallel ranks (ring allreduce).")] = 4,
     ordering: Annotated[str, typer.Option(help="Comma-separated: ddp (first come first served, step after every "
                                           "update), fifo (same order, per-layer forward), bytescheduler (priority = "
                                           "declaration order), tio, tao (TicTac's priorities); the last three with "
@@ -589,22 +693,22 @@ def bench_grad_order(
                                           "at --rate.")] = False,
     rate: Annotated[str, typer.Option(help="NIC rate when emulated; also sizes the emulated device (S = 1).")]
     = "1gbit",
-    width: Annotated[int, typer.Option(help="Channel multiplier of the model (parameters ~ width^2).")] = 1,
-    batch: Annotated[int, typer.Option(help="Synthetic batch size of the real compute.")] = 1,
+    width: Annotated[int, typer.Option(min=1, help="Channel multiplier of the model (parameters ~ width^2).")] = 1,
+    batch: Annotated[int, typer.Option(min=1, help="Synthetic batch size of the real compute.")] = 1,
     device: Annotated[str, typer.Option(help="emulated: forward and backward padded to device times (S = 1); cpu: "
                                         "the real compute only.")] = "emulated",
     partition: Annotated[str, typer.Option(help="Partition size of the gradients (ByteScheduler's), e.g. 1MiB.")]
     = "512KiB",
-    credit: Annotated[int, typer.Option(help="Partitions in flight at once.")] = 2,
-    iterations: Annotated[int, typer.Option(help="Iterations per ordering, warm-up (and calibration) included.")]
+    credit: Annotated[int, typer.Option(min=1, help="Partitions in flight at once.")] = 2,
+    iterations: Annotated[int, typer.Option(min=1, help="Iterations per ordering, warm-up (and calibration) included.")]
     = 40,
-    warmup: Annotated[int, typer.Option(help="Leading iterations not counted (>= 2: the first calibrate).")] = 5,
-    rounds: Annotated[int, typer.Option(help="The orderings take turns, iterations / rounds at a time (a drift of "
+    warmup: Annotated[int, typer.Option(min=0, help="Leading iterations not counted (>= 2: the first calibrate).")] = 5,
+    rounds: Annotated[int, typer.Option(min=1, help="The orderings take turns, iterations / rounds at a time (a drift of "
                                         "the machine falls on all).")] = 1,
-    seed: Annotated[int, typer.Option(help="Model weights and inputs.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Model weights and inputs.")] = 0,
     json_path: JsonOption = None,
     quiet: QuietOption = False,
-    timeout: Annotated[float, typer.Option(help="Seconds before the whole run is killed.")] = 1800.0,
+    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds before the whole run is killed.")] = 1800.0,
 ) -> None:
     """TicTac's priorities on allreduce training (ByteScheduler-style): step time per gradient order.
 
@@ -613,11 +717,11 @@ def bench_grad_order(
     from mlfabric.bench.grad_order import GradOrderBenchConfig, render_table, run_grad_order_bench
     from mlfabric.bench.procs import RankFailedError, RankTimeoutError
     from mlfabric.emu.cmd import EmuUnavailableError
-    from mlfabric.units import parse_rate, parse_size
 
+    check_processes(workers, "--workers")
     config = config_from(ctx, GradOrderBenchConfig, orderings=tuple(split_list(ordering, "orderings")),
-                         rate_bps=make_config(parse_rate, value=rate),
-                         partition_bytes=make_config(parse_size, value=partition), timeout_s=timeout)
+                         rate_bps=rate_option(rate, "--rate", emulated=emulate),
+                         partition_bytes=size_option(partition, "--partition"), timeout_s=timeout)
     command = invocation(ctx)
     with progress_bar(quiet=quiet) as progress:
         task = progress.add_task(f"grad-order {model}", total=iterations * len(config.orderings))
@@ -642,13 +746,13 @@ def bench_grad_order(
 def bench_scheduler(
     ctx: typer.Context,
     updates: Annotated[str, typer.Option(help="Comma-separated batch sizes |U| (MLfabric §7.4).")] = "100,500,1000",
-    repeats: Annotated[int, typer.Option(help="Batches per |U| for the fast scheduler (median reported).")] = 5,
-    reference_repeats: Annotated[int, typer.Option(help="How many of them the reference also plans.")] = 1,
-    aggregators: Annotated[int, typer.Option(help="Aggregators (hosts 1..k) for Alg. 3.")] = 2,
+    repeats: Annotated[int, typer.Option(min=1, help="Batches per |U| for the fast scheduler (median reported).")] = 5,
+    reference_repeats: Annotated[int, typer.Option(min=0, help="How many of them the reference also plans.")] = 1,
+    aggregators: Annotated[int, typer.Option(min=0, help="Aggregators (hosts 1..k) for Alg. 3.")] = 2,
     mode: Annotated[str, typer.Option(help="async (MLfabric-A: Alg. 2 + 3) or sync (MLfabric-S).")] = "async",
     json_path: JsonOption = None,
     quiet: QuietOption = False,
-    seed: Annotated[int, typer.Option(help="Seed of the batches and NIC rates.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the batches and NIC rates.")] = 0,
 ) -> None:
     """MLfabric §7.4: ms per batch of the update scheduler vs its plain reference, same batches."""
     from mlfabric.ps.scheduler.bench import SchedulerBenchConfig, render_table, run_scheduler_bench
@@ -681,8 +785,9 @@ def _parse_or_usage(parse: Callable[[str], T], value: str) -> T:
 def _sim_topology(spec: str, link: str) -> Any:
     from mlfabric.topo import parse_topology
 
+    rate = rate_option(link, "--link")
     try:
-        return parse_topology(spec, link)
+        return parse_topology(spec, rate)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
 
@@ -784,19 +889,19 @@ def simulate_collective_cmd(
         = "ring",
     size: Annotated[str, typer.Option(help="Buffer size in bytes (KB/MB = powers of 1000, KiB/MiB of 1024).")]
         = "100MB",
-    itemsize: Annotated[int, typer.Option(help="Bytes per element (4 = float32).")] = 4,
-    ranks: Annotated[Optional[int], typer.Option(help="Number of ranks (default: every host).")] = None,
+    itemsize: Annotated[int, typer.Option(min=1, help="Bytes per element (4 = float32).")] = 4,
+    ranks: Annotated[Optional[int], typer.Option(min=2, help="Number of ranks (default: every host).")] = None,
     placement: Annotated[str, typer.Option(help="Rank -> host: sequential (rank r on host r) or random.")]
         = "sequential",
-    ranks_per_host: Annotated[int, typer.Option("--ranks-per-host", help="Ranks on every host (ranks h*R.. on "
+    ranks_per_host: Annotated[int, typer.Option("--ranks-per-host", min=1, help="Ranks on every host (ranks h*R.. on "
                                                 "host h; host_hierarchical gets this layout).")] = 1,
     host_rate: Annotated[Optional[str], typer.Option("--host-rate", help="Rate of each host's internal link "
                                                      "(the shared-memory hop), e.g. 32Gbps; default: free.")] = None,
     routing: RoutingOption = "ecmp",
-    seed: Annotated[int, typer.Option(help="Seed of ECMP, placement and compute draws.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of ECMP, placement and compute draws.")] = 0,
     channel: Annotated[Optional[str], typer.Option(help="Channel of every message; on BCube channel 'l' = NIC l.")]
         = None,
-    chunks: Annotated[Optional[int], typer.Option(help="Pipelining chunks per segment (builder default).")] = None,
+    chunks: Annotated[Optional[int], typer.Option(min=1, help="Pipelining chunks per segment (builder default).")] = None,
     latency: LatencyOption = "0s",
     compute: Annotated[str, typer.Option(help="Compute time of each rank before the collective.")] = "0s",
     speed_range: SpeedRangeOption = None,
@@ -809,12 +914,12 @@ def simulate_collective_cmd(
     """Simulate one collective built by mlfabric.collectives (the runtime's schedules) on a topology."""
     from mlfabric.collectives.bcube import closed_form_gst
     from mlfabric.sim import EngineConfig, collective_kind, ring_closed_form_s, simulate_collective
-    from mlfabric.units import format_size, parse_duration, parse_size
+    from mlfabric.units import format_size, parse_duration
 
     _check_sim_output(plot, routing, links)
     _check_choice(placement, ("sequential", "random"), "--placement")
     topo = _sim_topology(topology, link)
-    size_bytes = _parse_or_usage(parse_size, size)
+    size_bytes = size_option(size, "--size", itemsize=itemsize)
     config = config_from(ctx, EngineConfig, latency_s=_parse_or_usage(parse_duration, latency))
     model = _compute_model(compute, straggler, speed_range)
     kind = collective_kind(algorithm)
@@ -832,9 +937,7 @@ def simulate_collective_cmd(
         if "host_hierarchical" in kind:
             options["hosts"] = tuple(hosts)
     if host_rate is not None:
-        from mlfabric.units import parse_rate
-
-        topo = topo.with_host_links(_parse_or_usage(parse_rate, host_rate))
+        topo = topo.with_host_links(rate_option(host_rate, "--host-rate"))
     try:
         with progress_bar(quiet=quiet) as progress:
             task = progress.add_task(f"simulating {kind}: tasks done", total=None)
@@ -872,27 +975,27 @@ def simulate_collective_cmd(
 def simulate_ps_cmd(
     ctx: typer.Context,
     topology: TopologyOption,
-    workers: Annotated[int, typer.Option(help="Workers (W).")],
-    servers: Annotated[int, typer.Option(help="Parameter servers (S); the model is split evenly across them.")],
+    workers: Annotated[int, typer.Option(min=1, help="Workers (W).")],
+    servers: Annotated[int, typer.Option(min=1, help="Parameter servers (S); the model is split evenly across them.")],
     link: LinkOption = "10Gbps",
     strategy: Annotated[str, typer.Option(help="baseline (direct), binary (trees of in-degree 2), rack (one "
                                                "aggregator per rack) or tree (with --degree).")] = "baseline",
-    degree: Annotated[Optional[int], typer.Option(help="In-degree d of --strategy tree.")] = None,
+    degree: Annotated[Optional[int], typer.Option(min=1, help="In-degree d of --strategy tree.")] = None,
     model_size: Annotated[str, typer.Option("--model-size", help="Model (= gradient) size in bytes.")] = "100MB",
     placement: Annotated[str, typer.Option(help="random (seeded, disjoint), sequential, colocated "
                                                 "(worker i and server i on host i: the P2P PS), or launch "
                                                 "(servers on hosts 0..S-1, then the workers: an emulated "
                                                 "train launch's placement).")] = "random",
     routing: RoutingOption = "ecmp",
-    seed: Annotated[int, typer.Option(help="Seed of placement, ECMP and compute draws.")] = 0,
-    iterations: Annotated[int, typer.Option(help="Iterations to simulate.")] = 1,
-    staleness: Annotated[int, typer.Option(help="SSP staleness bound s (0 = BSP).")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of placement, ECMP and compute draws.")] = 0,
+    iterations: Annotated[int, typer.Option(min=1, help="Iterations to simulate.")] = 1,
+    staleness: Annotated[int, typer.Option(min=0, help="SSP staleness bound s (0 = BSP).")] = 0,
     barrier: Annotated[str, typer.Option(help="server (a server pulls once its pushes arrived) or global "
                                               "(pull phase after the whole push phase).")] = "server",
     compute: Annotated[str, typer.Option(help="Compute time of one iteration at nominal speed.")] = "0s",
     speed_range: SpeedRangeOption = None,
     straggler: StragglerOption = "none",
-    jobs: Annotated[int, typer.Option(help="Concurrent copies of the job, placed independently.")] = 1,
+    jobs: Annotated[int, typer.Option(min=1, help="Concurrent copies of the job, placed independently.")] = 1,
     priorities: Annotated[str, typer.Option(help="With --jobs: none (fair sharing) or random (distinct "
                                                  "strict priorities, MLNET §3).")] = "none",
     latency: LatencyOption = "0s",
@@ -908,14 +1011,14 @@ def simulate_ps_cmd(
     import numpy as np
 
     from mlfabric.sim import EngineConfig, PSConfig, iteration_times, simulate_ps
-    from mlfabric.units import format_size, parse_duration, parse_size
+    from mlfabric.units import format_size, parse_duration
 
     _check_sim_output(plot, routing, links)
     _check_choice(priorities, ("none", "random"), "--priorities")
     if jobs < 1:
         raise typer.BadParameter(f"--jobs must be >= 1, got {jobs}")
     topo = _sim_topology(topology, link)
-    model_bytes = _parse_or_usage(parse_size, model_size)
+    model_bytes = size_option(model_size, "--model-size", itemsize=None)
     config = config_from(ctx, EngineConfig, latency_s=_parse_or_usage(parse_duration, latency))
     ps = config_from(ctx, PSConfig, model_bytes=model_bytes, compute=_compute_model(compute, straggler, speed_range))
     prios = None
@@ -983,7 +1086,7 @@ def simulate_bml_cmd(
     from rich.table import Table
 
     from mlfabric.sim.bml import BARS, FIG5_SETUPS, figure5, gst_checks
-    from mlfabric.units import format_rate, parse_rate
+    from mlfabric.units import format_rate
 
     _check_choice(routing, ("ecmp", "spray"), "--routing")
     panels = []
@@ -992,9 +1095,10 @@ def simulate_bml_cmd(
             raise typer.BadParameter(f"--servers takes {', '.join(map(str, FIG5_SETUPS))}, got {item!r}")
         panels.append(int(item))
     cases = _parse_bcube_cases(checks)
-    if not rtol > 0:
-        raise typer.BadParameter(f"--rtol must be > 0, got {rtol}")
-    rate = _parse_or_usage(parse_rate, link)
+    if not 0 < rtol < 1:
+        raise typer.BadParameter(f"--rtol must be > 0 and < 1 (a relative error of 1 or more passes anything), "
+                                 f"got {rtol:g}")
+    rate = rate_option(link, "--link")
     with progress_bar(quiet=quiet) as progress:
         on_step = step_reporter(progress, progress.add_task("BML Fig. 5", total=len(panels) * len(BARS) + len(cases)))
         rows = _run_sim(lambda: figure5(panels, rate=rate, routing=routing, on_bar=lambda count, label: on_step(
@@ -1039,7 +1143,7 @@ def _fmt_change(value: Optional[float]) -> str:
 @simulate_app.command("mlfabric")
 def simulate_mlfabric_cmd(
     ctx: typer.Context,
-    workers: Annotated[int, typer.Option(help="Workers (one host each; the server on its own host).")] = 30,
+    workers: Annotated[int, typer.Option(min=1, help="Workers (one host each; the server on its own host).")] = 30,
     update_size: Annotated[str, typer.Option("--update-size", help="Update (= model) size.")] = "100MB",
     rate: Annotated[str, typer.Option(help="Every NIC's rate before churn.")] = "10gbit",
     compute: Annotated[str, typer.Option(help="A worker's compute per update at nominal speed.")] = "100ms",
@@ -1052,19 +1156,19 @@ def simulate_mlfabric_cmd(
     sync: Annotated[str, typer.Option(help="Modes: allreduce (RR-Sync), tree-allreduce (Tr-Sync), ps-async, "
                                            "mlfabric-a:TAU, mlfabric-s.")] =
         "allreduce,tree-allreduce,ps-async,mlfabric-a:30,mlfabric-s",
-    updates: Annotated[int, typer.Option(help="Worker updates every mode must apply (the work to the "
+    updates: Annotated[int, typer.Option(min=1, help="Worker updates every mode must apply (the work to the "
                                               "target).")] = 3000,
     updates_needed: Annotated[Optional[str], typer.Option(
         "--updates-needed", help="Per mode, overriding --updates: MODE=N,... (e.g. what an emulated run needed "
                                  "to reach its target).")] = None,
-    aggregators: Annotated[int, typer.Option(help="k: aggregators (worker hosts) per server.")] = 2,
-    distributors: Annotated[int, typer.Option(help="k°: distributors per batch of pulls.")] = 2,
+    aggregators: Annotated[int, typer.Option(min=0, help="k: aggregators (worker hosts) per server.")] = 2,
+    distributors: Annotated[int, typer.Option(min=0, help="k°: distributors per batch of pulls.")] = 2,
     interval: Annotated[str, typer.Option(help="The scheduler's batching period.")] = "100ms",
     lag: Annotated[str, typer.Option(help="The network monitor's lag (t_lag).")] = "200ms",
     pull_after: Annotated[str, typer.Option("--pull-after", help="MLfabric-A: a pull is answered once the "
                                                                   "worker's update is applied (applied, as the "
                                                                   "runtime) or at once (request).")] = "applied",
-    seed: Annotated[int, typer.Option(help="Seed of compute and churn draws.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of compute and churn draws.")] = 0,
     emulated: Annotated[Optional[list[Path]], typer.Option(
         help="Instead of the grid: the cells of these emulated train JSONs (train --emulate --churn N --target "
              "T), each mode timed to the updates it needed there; emulated vs simulated speedups. Repeatable; "
@@ -1079,7 +1183,7 @@ def simulate_mlfabric_cmd(
     from rich.table import Table
 
     from mlfabric.sim.mlfabric import PAPER_TABLE2, MLfabricSimConfig, simulate_table2, table2
-    from mlfabric.units import parse_duration, parse_rate, parse_size
+    from mlfabric.units import parse_duration
 
     _check_choice(pull_after, ("applied", "request"), "--pull-after")
     needed: dict[str, int] = {}
@@ -1089,8 +1193,9 @@ def simulate_mlfabric_cmd(
             raise typer.BadParameter(f"--updates-needed: expected MODE=N, got {item!r}")
         needed[mode.strip()] = int(count)
     modes = split_list(sync, "modes")
-    config = config_from(ctx, MLfabricSimConfig, update_bytes=float(_parse_or_usage(parse_size, update_size)),
-                         rate_bps=_parse_or_usage(parse_rate, rate), compute_s=_parse_or_usage(parse_duration, compute),
+    config = config_from(ctx, MLfabricSimConfig,
+                         update_bytes=float(size_option(update_size, "--update-size", itemsize=None)),
+                         rate_bps=rate_option(rate, "--rate"), compute_s=_parse_or_usage(parse_duration, compute),
                          churn_period_s=_parse_or_usage(parse_duration, churn_period), updates_needed=needed,
                          interval_s=_parse_or_usage(parse_duration, interval),
                          monitor_lag_s=_parse_or_usage(parse_duration, lag))
@@ -1103,8 +1208,8 @@ def simulate_mlfabric_cmd(
         task = progress.add_task(f"MLfabric Table 2: {len(injects) * len(churns)} cells x {len(modes)} modes",
                                  total=len(injects) * len(churns))
         try:
-            rows = simulate_table2(config, modes, injects, churns,
-                                   on_cell=lambda done, total: progress.update(task, completed=done))
+            rows = _run_sim(lambda: simulate_table2(config, modes, injects, churns,
+                                                    on_cell=lambda done, total: progress.update(task, completed=done)))
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
     names = [c or "none" for c in churns]
@@ -1208,7 +1313,7 @@ def simulate_mlnet_cmd(
     from rich.table import Table
 
     from mlfabric.sim.mlnet import JobsConfig, SweepConfig, quick_configs, run_mlnet
-    from mlfabric.units import format_size, parse_duration, parse_size
+    from mlfabric.units import format_size, parse_duration
 
     if not sweep and not jobs_experiment:
         raise typer.BadParameter("nothing to run: give --sweep or --jobs-experiment")
@@ -1217,7 +1322,7 @@ def simulate_mlnet_cmd(
                    if servers is not None else sweep_base.servers)
     oversub_list = tuple(_parse_or_usage(float, o) for o in split_list(oversub, "oversubscription ratios"))
     seed_list = tuple(_parse_or_usage(int, s) for s in split_list(seeds, "seeds"))
-    common = {"update_bytes": float(_parse_or_usage(parse_size, update_size)),
+    common = {"update_bytes": float(size_option(update_size, "--update-size", itemsize=None)),
               "compute_s": _parse_or_usage(parse_duration, compute), "seeds": seed_list, "batch_rtol": batch_rtol}
     sweep_config = make_config(lambda **kw: dataclasses.replace(sweep_base, **kw), servers=server_list, oversub=oversub_list,
                                strategies=tuple(split_list(strategies, "strategies")), **common)
@@ -1287,7 +1392,7 @@ def train(
                                                "on synthetic MNIST-shaped images), mlp (an MLP on a "
                                                "random-teacher classification) or lda (distributed LDA by "
                                                "collapsed Gibbs sampling, MLfabric §7).")] = "hyperplane",
-    workers: Annotated[int, typer.Option(help="Number of local ranks (processes).")] = 8,
+    workers: Annotated[int, typer.Option(min=1, help="Number of local ranks (processes).")] = 8,
     sync: Annotated[Optional[str], typer.Option(help="Comma-separated modes: allreduce (synchronous SGD over --algorithm; "
                                            "ring: MLfabric's RR-Sync), tree-allreduce (Tr-Sync), eager-solo, "
                                            "eager-majority; parameter server: ps-bsp, ps-ssp:S (staleness S), "
@@ -1296,8 +1401,8 @@ def train(
                                            "(MLNET's trees; +ssp:S for SSP in the tree, e.g. mlnet-rack+ssp:2). "
                                            "Default: allreduce,eager-solo; lda: "
                                            "allreduce,ps-async,mlfabric-a:8.")] = None,
-    servers: Annotated[int, typer.Option(help="PS modes: server processes (beside --workers workers).")] = 1,
-    replicas: Annotated[int, typer.Option(help="PS modes: replica processes (replica i mirrors server i % "
+    servers: Annotated[int, typer.Option(min=1, help="PS modes: server processes (beside --workers workers).")] = 1,
+    replicas: Annotated[int, typer.Option(min=0, help="PS modes: replica processes (replica i mirrors server i % "
                                                "servers).")] = 0,
     replication: Annotated[str, typer.Option(
         help="How replicas get the updates: chain (the server forwards each one) or network (mlfabric-a modes: "
@@ -1311,9 +1416,9 @@ def train(
              "they measure max_divergence (costs a model per batch on the server's NIC: off for overhead "
              "measurements).")] = True,
     delay_bound: Annotated[Optional[int], typer.Option(
-        "--delay-bound", help="ps-async: drop updates whose delay would exceed TAU (MLfabric's tau_max).")] = None,
+        "--delay-bound", min=0, help="ps-async: drop updates whose delay would exceed TAU (MLfabric's tau_max).")] = None,
     checkpoint_every: Annotated[int, typer.Option(
-        "--checkpoint-every", help="PS modes: each server checkpoints its shard to a local file every N versions "
+        "--checkpoint-every", min=0, help="PS modes: each server checkpoints its shard to a local file every N versions "
                                    "(0: never; the baseline of MLfabric's replication).")] = 0,
     fail: Annotated[Optional[str], typer.Option(
         "--fail", help="server:AT: SIGKILL server 0's process AT seconds into the (one) PS run; its replica takes "
@@ -1321,9 +1426,9 @@ def train(
     inject: Annotated[Optional[list[str]], typer.Option(
         help="Delay injection, repeatable (each runs every mode): one-random:300ms (one random worker per step), "
              "random:300ms,2, skew:50ms,50ms,rotate, C1|C2|C3 (MLfabric's compute stragglers), none.")] = None,
-    epochs: Annotated[Optional[int], typer.Option(help="Epochs (default: 48 hyperplane, 16 lstm, 4 lenet5, "
+    epochs: Annotated[Optional[int], typer.Option(min=1, help="Epochs (default: 48 hyperplane, 16 lstm, 4 lenet5, "
                                                        "8 mlp, 40 lda).")] = None,
-    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Per worker (default: 256 hyperplane, "
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", min=1, help="Per worker (default: 256 hyperplane, "
                                                                          "16 lstm, 32 lenet5, 64 mlp; lda: the "
                                                                          "worker's documents).")] = None,
     lr: Annotated[Optional[float], typer.Option(help="SGD learning rate (default: 0.05 hyperplane, 0.1 lstm, "
@@ -1331,26 +1436,26 @@ def train(
     momentum: Annotated[Optional[float], typer.Option(help="SGD momentum (default: 0 hyperplane and lda, 0.9 the "
                                                            "others).")] = None,
     sync_every_epochs: Annotated[Optional[int], typer.Option(
-        "--sync-every-epochs", help="eager-SGD model average every N epochs (0: only at the end; default: 2 "
+        "--sync-every-epochs", min=0, help="eager-SGD model average every N epochs (0: only at the end; default: 2 "
                                     "hyperplane, lenet5 and mlp, 10 lstm).")] = None,
     algorithm: Annotated[str, typer.Option(help="Reduction schedule: ring, halving_doubling, tree or ps.")] = "ring",
-    dim: Annotated[int, typer.Option(help="hyperplane: input dimension.")] = 8192,
-    train_samples: Annotated[Optional[int], typer.Option("--train-samples", help="Training set size (default: "
+    dim: Annotated[int, typer.Option(min=1, help="hyperplane: input dimension.")] = 8192,
+    train_samples: Annotated[Optional[int], typer.Option("--train-samples", min=1, help="Training set size (default: "
                                                                                 "32768 hyperplane, 4096 lstm, 4096 "
                                                                                 "lenet5, 32768 mlp).")] = None,
     frame_time: Annotated[str, typer.Option("--frame-time", help="lstm: emulated accelerator time per padded time "
                                                                  "step (sleep), e.g. 2ms; 0: CPU compute only.")] = "0",
     compute_time: Annotated[str, typer.Option("--compute-time", help="lenet5, mlp: emulated accelerator time per "
                                                                      "step (sleep after the CPU's), e.g. 60ms.")] = "0",
-    image_size: Annotated[Optional[int], typer.Option("--image-size", help="lenet5: image side (default 28; 16 "
+    image_size: Annotated[Optional[int], typer.Option("--image-size", min=1, help="lenet5: image side (default 28; 16 "
                                                                            "makes a 1.1M-parameter model).")] = None,
-    hidden: Annotated[Optional[int], typer.Option(help="mlp: the student's hidden width (default 256: 143k "
+    hidden: Annotated[Optional[int], typer.Option(min=1, help="mlp: the student's hidden width (default 256: 143k "
                                                        "parameters; 1024: 2.1M).")] = None,
-    topics: Annotated[Optional[int], typer.Option(help="lda: topics K (default 20).")] = None,
-    vocabulary: Annotated[Optional[int], typer.Option(help="lda: vocabulary size V (default 4000).")] = None,
-    documents: Annotated[Optional[int], typer.Option(help="lda: training documents, sharded over the workers "
+    topics: Annotated[Optional[int], typer.Option(min=1, help="lda: topics K (default 20).")] = None,
+    vocabulary: Annotated[Optional[int], typer.Option(min=1, help="lda: vocabulary size V (default 4000).")] = None,
+    documents: Annotated[Optional[int], typer.Option(min=1, help="lda: training documents, sharded over the workers "
                                                           "(default 4096).")] = None,
-    held_out: Annotated[Optional[int], typer.Option("--held-out", help="lda: held-out documents of the metric "
+    held_out: Annotated[Optional[int], typer.Option("--held-out", min=1, help="lda: held-out documents of the metric "
                                                                        "(default 256).")] = None,
     doc_length: Annotated[Optional[float], typer.Option("--doc-length", help="lda: mean tokens per document "
                                                                              "(Poisson; default 100).")] = None,
@@ -1365,8 +1470,8 @@ def train(
     quiet: QuietOption = False,
     plot: Annotated[bool, typer.Option("--plot/--no-plot", help="Draw curves.png (needs matplotlib).")] = True,
     transport: Annotated[str, typer.Option(help="mlfabric transport: tcp (default), zmq or torch.")] = "tcp",
-    timeout: Annotated[float, typer.Option(help="Seconds before the whole launch is killed.")] = 3600.0,
-    seed: Annotated[int, typer.Option(help="Seed of data, models, batches, injections and churn.")] = 0,
+    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds before the whole launch is killed.")] = 3600.0,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of data, models, batches, injections and churn.")] = 0,
     emulate: Annotated[bool, typer.Option("--emulate", help="Root: run every rank of a launch on its own host of an "
                                                             "emulated star (star:n=<ranks of the launch>).")] = False,
     rate: Annotated[Optional[str], typer.Option(help="With --emulate: every NIC's rate, e.g. 1gbit, 100mbit "
@@ -1392,7 +1497,7 @@ def train(
                                       render_table, run_eager_training, write_outputs)
     from mlfabric.train.lda import LdaSpec
     from mlfabric.train.workloads import HyperplaneSpec, LeNet5Spec, LstmSpec, MlpSpec
-    from mlfabric.units import parse_duration, parse_rate
+    from mlfabric.units import parse_duration
 
     if sync is None:
         sync = "allreduce,ps-async,mlfabric-a:8" if workload == "lda" else "allreduce,eager-solo"
@@ -1407,8 +1512,13 @@ def train(
     lda = make_config(LdaSpec, **lda_given)
     injects = tuple(inject) if inject else ("none",)
     modes = tuple(split_list(sync, "sync modes"))
+    check_processes(workers + (servers + replicas if any(is_ps_mode(mode) for mode in modes) else 0),
+                    "--workers + --servers + --replicas")
     samples = {"train_samples": train_samples} if train_samples else {}
     hyper = make_config(HyperplaneSpec, dim=dim, **(samples if workload == "hyperplane" else {}))
+    if workload == "hyperplane":  # each rank draws its shard of the training set and the whole validation set
+        rows = hyper.train_samples + hyper.val_samples * workers
+        check_memory(FLOAT32 * hyper.dim * rows, "--dim", f"the hyperplane data ({rows:,} rows x {hyper.dim:,} float32)")
     lstm = make_config(LstmSpec, frame_time_s=_parse_or_usage(parse_duration, frame_time),
                        **(samples if workload == "lstm" else {}))
     compute_s = _parse_or_usage(parse_duration, compute_time)
@@ -1430,7 +1540,7 @@ def train(
             if value is not None:
                 raise typer.BadParameter(f"{flag} applies to an emulated run: add --emulate (root)")
     else:
-        emulation = make_config(TrainEmulation, rate_bps=_parse_or_usage(parse_rate, rate or "1gbit"), churn=churn,
+        emulation = make_config(TrainEmulation, rate_bps=rate_option(rate or "1gbit", "--rate", emulated=True), churn=churn,
                                 churn_period_s=_parse_or_usage(parse_duration, churn_period or "5s"),
                                 trace_dir=str(out_dir), ps_topology=topology)
         if churn_period is not None and churn is None:
