@@ -69,7 +69,46 @@ trace_app = typer.Typer(
 )
 app.add_typer(trace_app, name="trace")
 
-console = Console()
+class OutputConsole(Console):
+    """The console of every command's tables and messages. On a terminal: rich's own (fits
+    the terminal). Into a file or a pipe there is no width to fit (#39 item 6: `simulate
+    mlfabric > out.txt` wrapped a caption to ~32 columns, `bench partial` cut its column names):
+    a table is printed at its natural width, never squeezed, its caption (and a title wider
+    than the table) on lines of their own; text is not wrapped (the pager or terminal that
+    shows the file does that)."""
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        if self.is_terminal or not objects:
+            super().print(*objects, **kwargs)
+            return
+        import copy
+
+        from rich.measure import Measurement
+        from rich.table import Table
+
+        kwargs.setdefault("soft_wrap", True)
+        for item in objects:
+            if not isinstance(item, Table):
+                super().print(item, **kwargs)
+                continue
+            table, caption = copy.copy(item), item.caption
+            table.caption = None
+            wide = self.options.update(max_width=100_000)
+            natural = Measurement.get(self, wide, table).maximum
+            if item.title is not None and Measurement.get(self, wide, item.title).maximum > natural:
+                table.title = None  # a title wider than the table: on its own line, not wrapped to the table
+                super().print(item.title, style=item.title_style or "table.title", **kwargs)
+            width = self._width
+            self.width = natural  # print(width=) cannot go beyond the console's width
+            try:
+                super().print(table, **{**kwargs, "soft_wrap": False})
+            finally:
+                self._width = width
+            if caption:
+                super().print(caption, style=table.caption_style or "table.caption", **kwargs)
+
+
+console = OutputConsole()
 T = TypeVar("T")
 
 
@@ -1621,6 +1660,25 @@ def trace_merge(
         console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
         raise typer.Exit(1) from None
     console.print(f"merged {files} rank file(s) into {path}: open it in https://ui.perfetto.dev", highlight=False)
+
+
+def _unwrap_help(group: typer.Typer) -> None:
+    """Each command's help (its docstring) as paragraphs that rich wraps to the width it
+    prints at, not at the source's line breaks (#39 item 6: `--help` broke sentences where
+    the docstring did); a blank line still separates paragraphs."""
+    import inspect
+
+    for info in group.registered_commands:
+        if info.callback is not None and info.callback.__doc__:
+            paragraphs = inspect.cleandoc(info.callback.__doc__).split("\n\n")
+            info.callback.__doc__ = "\n\n".join(" ".join(line.strip() for line in paragraph.splitlines())
+                                                 for paragraph in paragraphs)
+    for sub in group.registered_groups:
+        if sub.typer_instance is not None:
+            _unwrap_help(sub.typer_instance)
+
+
+_unwrap_help(app)
 
 
 def main() -> None:
