@@ -1443,12 +1443,14 @@ def train(
     servers: Annotated[int, typer.Option(min=1, help="PS modes: server processes (beside --workers workers).")] = 1,
     replicas: Annotated[int, typer.Option(min=0, help="PS modes: replica processes (replica i mirrors server i % "
                                                "servers).")] = 0,
-    replication: Annotated[str, typer.Option(
-        help="How replicas get the updates: chain (the server forwards each one) or network (mlfabric-a modes: "
-             "MLfabric §5.3, the workers send copies as the scheduler plans, within --div-max).")] = "chain",
+    replication: Annotated[Optional[str], typer.Option(
+        help="How replicas get the updates: chain (the server forwards each one; every PS mode) or network "
+             "(mlfabric-a modes only: MLfabric §5.3, the workers send copies as the scheduler plans, within "
+             "--div-max). Default: network with --div-max, else chain.")] = None,
     div_max: Annotated[Optional[str], typer.Option(
-        "--div-max", help="--replication network: Div_max, the replica's largest divergence from its server at a "
-                          "batch end: a norm (0.5) or a number of updates (30u).")] = None,
+        "--div-max", help="Div_max of network replication (implies --replication network; mlfabric-a modes only): "
+                          "the replica's largest divergence from its server at a batch end, a norm (0.5) or a "
+                          "number of updates (30u).")] = None,
     measure_divergence: Annotated[bool, typer.Option(
         "--measure-divergence/--no-measure-divergence",
         help="mlfabric-a with --replicas: each server sends its model to its replicas at every batch end so that "
@@ -1549,6 +1551,13 @@ def train(
     if train_samples and workload == "lda":
         raise typer.BadParameter("lda counts documents: use --documents, not --train-samples")
     lda = make_config(LdaSpec, **lda_given)
+    if replication is None:
+        # The bound only means something to network replication (#39 item 9: it was refused
+        # without --replication network although it implies it).
+        replication = "network" if div_max is not None else "chain"
+        if div_max is not None:
+            console.print(f"note: --div-max {div_max} implies --replication network (MLfabric §5.3; the mlfabric-a:TAU "
+                          f"modes support it, the other PS modes replicate by chain)", highlight=False)
     injects = tuple(inject) if inject else ("none",)
     modes = tuple(split_list(sync, "sync modes"))
     check_processes(workers + (servers + replicas if any(is_ps_mode(mode) for mode in modes) else 0),
@@ -1585,14 +1594,14 @@ def train(
         if churn_period is not None and churn is None:
             raise typer.BadParameter("--churn-period needs --churn N1|N2|N3")
     config = config_from(ctx, EagerTrainConfig, modes=modes, injects=injects, hyperplane=hyper, lstm=lstm, lenet5=lenet5,
-                         mlp=mlp, lda=lda, timeout_s=timeout, emulation=emulation)
+                         mlp=mlp, lda=lda, timeout_s=timeout, emulation=emulation, replication=replication)
     if emulate:
         from mlfabric.emu.cmd import have_root
 
         if not have_root():
             console.print(f"[bold red]error:[/] {EMULATE_NEEDS_ROOT}", markup=True, highlight=False)
             raise typer.Exit(2)
-    command = invocation(ctx, sync=sync, out=out_dir, rate=rate or "1gbit" if emulate else None,
+    command = invocation(ctx, sync=sync, out=out_dir, replication=replication, rate=rate or "1gbit" if emulate else None,
                          churn_period=churn_period or "5s" if churn is not None else None)
     from mlfabric.bench.procs import RankFailedError, RankTimeoutError
     from mlfabric.emu.cmd import EmuUnavailableError
@@ -1624,18 +1633,24 @@ def demo(
     quick: Annotated[bool, typer.Option("--quick", help="A smaller, faster run.")] = False,
     json_path: JsonOption = None,
     quiet: QuietOption = False,
-    plot: Annotated[Path, typer.Option("--plot", help="Where the straggler scenario draws its MSE-vs-time plot "
-                                                     "(needs matplotlib).")] = Path("mlfabric-demo-stragglers.png"),
+    out: Annotated[Path, typer.Option("--out", help="Run directory: what the demo writes goes there (it says "
+                                                    "so first).")] = Path("runs/demo"),
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Where the straggler scenario draws its MSE-vs-time "
+                                                               "plot (needs matplotlib; default: OUT/stragglers.png).")]
+        = None,
     stragglers: Annotated[bool, typer.Option("--stragglers/--no-stragglers", help="Run the straggler scenario "
                                              "(synchronous vs eager-SGD solo/majority on 8 ranks).")] = True,
 ) -> None:
     """Benchmark allreduce on 4 local ranks, train a small MLP with DDP + mlfabric on 2, then
-    synchronous SGD vs eager-SGD (solo, majority) on 8 ranks with one straggler per step."""
+    synchronous SGD vs eager-SGD (solo, majority) on 8 ranks with one straggler per step.
+
+    It says first what each part starts and where it writes (OUT, runs/demo by default)."""
     import dataclasses
 
     from mlfabric.demo import demo_config, run_demo
 
-    config = dataclasses.replace(demo_config(quick=quick), plot_path=str(plot))
+    config = dataclasses.replace(demo_config(quick=quick), out_dir=str(out),
+                                 plot_path=None if plot is None else str(plot))
     if not stragglers:
         config = dataclasses.replace(config, stragglers=None)
     result = run_or_exit(lambda: run_demo(config, console=console, quiet=quiet))
