@@ -19,7 +19,14 @@
 
 Each command is a thin shell: it parses options into the frozen config dataclass of the
 module that does the work (``mlfabric.bench.allreduce``, ``mlfabric.demo``), runs it, prints
-a rich table and optionally writes JSON. Every command that writes JSON takes ``--json PATH``
+a rich table and optionally writes JSON. Each option is stated once, in the command's
+signature: :func:`config_from` hands the config every option named like one of its fields,
+and the command line a JSON records is :func:`invocation`, rebuilt from the parse. Sizes,
+rates, counts and timeouts go through one set of checks (:func:`size_option`,
+:func:`rate_option`, ``min=`` on integer options, :func:`timeout_seconds`,
+:func:`check_processes`). Into a file or a pipe, tables keep their natural width
+(:class:`OutputConsole`). The module imports no torch: each command imports what it runs
+(``mlfabric --help`` starts in a fraction of a second; tests/unit/test_cli_startup.py). Every command that writes JSON takes ``--json PATH``
 (:data:`JsonOption`; ``--json -``: the JSON on standard output, the tables on standard error,
 so ``mlfabric simulate ... --json - | python -m json.tool`` works). Long commands show a
 progress bar (:func:`mlfabric.progress.progress_bar`) on standard error when it is a
