@@ -26,9 +26,10 @@ rates, counts and timeouts go through one set of checks (:func:`size_option`,
 :func:`rate_option`, ``min=`` on integer options, :func:`timeout_seconds`,
 :func:`check_processes`). Into a file or a pipe, tables keep their natural width
 (:class:`OutputConsole`). The module imports no torch: each command imports what it runs
-(``mlfabric --help`` starts in a fraction of a second; tests/unit/test_cli_startup.py). Every command that writes JSON takes ``--json PATH``
-(:data:`JsonOption`; ``--json -``: the JSON on standard output, the tables on standard error,
-so ``mlfabric simulate ... --json - | python -m json.tool`` works). Long commands show a
+(``mlfabric --help`` starts in a fraction of a second; tests/unit/test_cli_startup.py).
+Every command that writes JSON takes ``--json PATH`` (:data:`JsonOption`; ``--json -``: the
+JSON on standard output, the tables on standard error, so ``mlfabric simulate ... --json - |
+python -m json.tool`` works). Long commands show a
 progress bar (:func:`mlfabric.progress.progress_bar`) on standard error when it is a
 terminal; ``--quiet`` turns it off. A new command family is a sub-typer registered with
 ``app.add_typer`` (like ``bench_app``); a new benchmark is a command on ``bench_app``.
@@ -209,9 +210,9 @@ def check_processes(count: int, option: str) -> None:
 
     memory = physical_memory_bytes()
     if count * RANK_MEMORY_BYTES > memory:
-        raise _usage(option, f"asks for {count:,} local processes; each imports torch (~{format_size(RANK_MEMORY_BYTES, binary=True)}) "
-                             f"and this machine has {format_size(memory, binary=True)}: at most "
-                             f"{memory // RANK_MEMORY_BYTES:,}")
+        raise _usage(option, f"asks for {count:,} local processes; each imports torch "
+                             f"(~{format_size(RANK_MEMORY_BYTES, binary=True)}) and this machine has "
+                             f"{format_size(memory, binary=True)}: at most {memory // RANK_MEMORY_BYTES:,}")
 
 
 def check_memory(nbytes: float, option: str, what: str) -> None:
@@ -229,7 +230,8 @@ def check_buffers(nbytes: int, processes: int, option: str, *, copies: int = 2) 
     result) must fit in this machine's memory."""
     from mlfabric.units import format_size
 
-    check_memory(copies * nbytes * processes, option, f"{format_size(nbytes)} x {copies} buffers x {processes} processes")
+    check_memory(copies * nbytes * processes, option,
+                 f"{format_size(nbytes)} x {copies} buffers x {processes} processes")
 
 
 def make_config(factory: Callable[..., T], **fields: Any) -> T:
@@ -263,8 +265,8 @@ def config_from(ctx: typer.Context, factory: Callable[..., T], /, **converted: A
         hint = hints.get(name)
         if isinstance(value, str) and hint is not None and hint is not str and str not in typing.get_args(hint):
             # A programming error, not a usage one: the option's text needs parsing first.
-            raise TypeError(f"--{name.replace('_', '-')} is text; {factory.__name__}.{name} wants {hint}: "  # type: ignore[attr-defined]
-                            "pass it parsed, as a keyword of config_from")
+            raise TypeError(f"--{name.replace('_', '-')} is text; {getattr(factory, '__name__', factory)}.{name} "
+                            f"wants {hint}: pass it parsed, as a keyword of config_from")
     return make_config(factory, **same, **converted)
 
 
@@ -427,7 +429,8 @@ def bench_allreduce(
     size_list = sizes_option(sizes, "--sizes")
     check_buffers(max(size_list), world_size, "--sizes")
     config = config_from(ctx, AllreduceBenchConfig, world_size=world_size, emulate_topology=emulate_topology,
-                         emulate_rate_bps=emulate_rate if emulate else None, algorithms=tuple(split_list(algorithms, "algorithms")),
+                         emulate_rate_bps=emulate_rate if emulate else None,
+                         algorithms=tuple(split_list(algorithms, "algorithms")),
                          sizes=tuple(size_list), timeout_s=timeout, measure_goodput=goodput)
     command = invocation(ctx, world_size=world_size, algorithms=",".join(config.algorithms),
                          sizes=sizes.replace(" ", ""), topology=emulate_topology)
@@ -466,7 +469,8 @@ def bench_bml_job(
         = "bcube:n=3,k=2",
     json_path: JsonOption = None,
     quiet: QuietOption = False,
-    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds before one run is killed.")] = 1800.0,
+    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds before one run is killed.")]
+        = 1800.0,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the model, data and batches.")] = 0,
 ) -> None:
     """BML Fig. 6 (root): LeNet-5 JCT, BML (bcube) on an emulated BCube vs PS (ps) on a star."""
@@ -529,7 +533,8 @@ def bench_sim(
 @bench_app.command("partial")
 def bench_partial(
     ctx: typer.Context,
-    world_size: Annotated[int, typer.Option("--world-size", "-n", min=1, help="Number of local ranks (processes).")] = 32,
+    world_size: Annotated[int, typer.Option("--world-size", "-n", min=1, help="Number of local ranks (processes).")]
+        = 32,
     skew: Annotated[str, typer.Option(help="Delay before each call: linear:FIRST..LAST (rank 0 waits FIRST, the "
                                            "last rank LAST), none, or skew:FIRST[,STEP].")] = "linear:1ms..32ms",
     iterations: Annotated[int, typer.Option(min=1, help="Timed iterations (each runs all three variants).")] = 64,
@@ -540,7 +545,8 @@ def bench_partial(
     transport: Annotated[str, typer.Option(help="mlfabric transport: tcp, zmq or torch.")] = "tcp",
     json_path: JsonOption = None,
     quiet: QuietOption = False,
-    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds before the whole run is killed.")] = 900.0,
+    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds before the whole run is killed.")]
+        = 900.0,
     seed: Annotated[int, typer.Option(min=0, help="Seed of majority's initiator draws.")] = 0,
 ) -> None:
     """Solo and majority allreduce vs synchronous under a linear skew (eager-SGD §6.1, Fig. 8/9).
@@ -582,7 +588,8 @@ def bench_ps(
                                           "0 and 1 (2.5 s) and also simulate at that rate.")] = True,
     json_path: JsonOption = None,
     quiet: QuietOption = False,
-    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds before the whole run is killed.")] = 900.0,
+    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds before the whole run is killed.")]
+        = 900.0,
 ) -> None:
     """PS incast (root): W workers push and pull a model through S servers on an emulated star, BSP.
 
@@ -594,7 +601,8 @@ def bench_ps(
     check_processes(workers + servers, "--workers")
     model_bytes = size_option(model_size, "--model-size")
     check_buffers(model_bytes, workers + servers, "--model-size")
-    config = config_from(ctx, PSBenchConfig, model_bytes=model_bytes, rate_bps=rate_option(rate, "--rate", emulated=True),
+    config = config_from(ctx, PSBenchConfig, model_bytes=model_bytes,
+                         rate_bps=rate_option(rate, "--rate", emulated=True),
                          measure_goodput=goodput, timeout_s=timeout)
     command = invocation(ctx)
     from mlfabric.bench.procs import RankFailedError, RankTimeoutError
@@ -617,8 +625,8 @@ def bench_ps(
 @bench_app.command("mlnet-priorities")
 def bench_mlnet_priorities(
     ctx: typer.Context,
-    jobs: Annotated[int, typer.Option(min=1, help="Concurrent PS jobs (2-7), each with its own priority in the priority "
-                                      "scenario.")] = 4,
+    jobs: Annotated[int, typer.Option(min=1, help="Concurrent PS jobs (2-7), each with its own priority in the "
+                                      "priority scenario.")] = 4,
     workers: Annotated[int, typer.Option(min=1, help="Workers per job; worker i of every job on host 1 + i, every "
                                          "server on host 0.")] = 3,
     model_size: Annotated[str, typer.Option("--model-size", help="Model size (float32) of every job.")] = "1MB",
@@ -629,7 +637,8 @@ def bench_mlnet_priorities(
     seed: Annotated[int, typer.Option(min=0, help="Draws the jobs' priorities (a permutation of J..1).")] = 0,
     json_path: JsonOption = None,
     quiet: QuietOption = False,
-    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds any wait of a job may take.")] = 300.0,
+    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds any wait of a job may take.")]
+        = 300.0,
 ) -> None:
     """MLNET's job priorities (root): J PS jobs at once on one emulated star, fair vs priority.
 
@@ -675,8 +684,8 @@ def bench_tictac(
     forward_only: Annotated[bool, typer.Option("--forward-only", help="Forward passes only (inference); default: "
                                                "forward + backward + push.")] = False,
     width: Annotated[int, typer.Option(min=1, help="Channel multiplier of the model (parameters ~ width^2).")] = 1,
-    batch: Annotated[Optional[int], typer.Option(min=1, help="Synthetic batch size of the real compute (default: 8 for vgg "
-                                                  "and alexnet, 1 for the others: bench/tictac.py "
+    batch: Annotated[Optional[int], typer.Option(min=1, help="Synthetic batch size of the real compute (default: 8 "
+                                                  "for vgg and alexnet, 1 for the others: bench/tictac.py "
                                                   "DEFAULT_BATCH).")] = None,
     device: Annotated[str, typer.Option(help="emulated: each module's forward padded to its device time (S = 1); "
                                         "cpu: the real compute only.")] = "emulated",
@@ -691,7 +700,8 @@ def bench_tictac(
     seed: Annotated[int, typer.Option(min=0, help="Model weights, inputs and random orders.")] = 0,
     json_path: JsonOption = None,
     quiet: QuietOption = False,
-    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds before the whole run is killed.")] = 1800.0,
+    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds before the whole run is killed.")]
+        = 1800.0,
 ) -> None:
     """TicTac on the PS (§6): step time, E and stragglers per transfer ordering, enforced at the sender.
 
@@ -703,7 +713,8 @@ def bench_tictac(
 
     check_processes(workers + 1, "--workers")
     orderings = tuple(split_list(ordering, "orderings"))
-    config = config_from(ctx, TicTacBenchConfig, orderings=orderings, rate_bps=rate_option(rate, "--rate", emulated=emulate),
+    config = config_from(ctx, TicTacBenchConfig, orderings=orderings,
+                         rate_bps=rate_option(rate, "--rate", emulated=emulate),
                          chrome_dir=None if chrome is None else str(chrome), timeout_s=timeout)
     command = invocation(ctx, batch=config.batch)
     with progress_bar(quiet=quiet) as progress:
@@ -749,12 +760,13 @@ def bench_grad_order(
     iterations: Annotated[int, typer.Option(min=1, help="Iterations per ordering, warm-up (and calibration) included.")]
     = 40,
     warmup: Annotated[int, typer.Option(min=0, help="Leading iterations not counted (>= 2: the first calibrate).")] = 5,
-    rounds: Annotated[int, typer.Option(min=1, help="The orderings take turns, iterations / rounds at a time (a drift of "
-                                        "the machine falls on all).")] = 1,
+    rounds: Annotated[int, typer.Option(min=1, help="The orderings take turns, iterations / rounds at a time (a "
+                                        "drift of the machine falls on all).")] = 1,
     seed: Annotated[int, typer.Option(min=0, help="Model weights and inputs.")] = 0,
     json_path: JsonOption = None,
     quiet: QuietOption = False,
-    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds before the whole run is killed.")] = 1800.0,
+    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds before the whole run is killed.")]
+        = 1800.0,
 ) -> None:
     """TicTac's priorities on allreduce training (ByteScheduler-style): step time per gradient order.
 
@@ -947,7 +959,8 @@ def simulate_collective_cmd(
     seed: Annotated[int, typer.Option(min=0, help="Seed of ECMP, placement and compute draws.")] = 0,
     channel: Annotated[Optional[str], typer.Option(help="Channel of every message; on BCube channel 'l' = NIC l.")]
         = None,
-    chunks: Annotated[Optional[int], typer.Option(min=1, help="Pipelining chunks per segment (builder default).")] = None,
+    chunks: Annotated[Optional[int], typer.Option(min=1, help="Pipelining chunks per segment (builder default).")]
+        = None,
     latency: LatencyOption = "0s",
     compute: Annotated[str, typer.Option(help="Compute time of each rank before the collective.")] = "0s",
     speed_range: SpeedRangeOption = None,
@@ -1464,10 +1477,11 @@ def train(
              "they measure max_divergence (costs a model per batch on the server's NIC: off for overhead "
              "measurements).")] = True,
     delay_bound: Annotated[Optional[int], typer.Option(
-        "--delay-bound", min=0, help="ps-async: drop updates whose delay would exceed TAU (MLfabric's tau_max).")] = None,
+        "--delay-bound", min=0, help="ps-async: drop updates whose delay would exceed TAU (MLfabric's "
+                                     "tau_max).")] = None,
     checkpoint_every: Annotated[int, typer.Option(
-        "--checkpoint-every", min=0, help="PS modes: each server checkpoints its shard to a local file every N versions "
-                                   "(0: never; the baseline of MLfabric's replication).")] = 0,
+        "--checkpoint-every", min=0, help="PS modes: each server checkpoints its shard to a local file every N "
+                                          "versions (0: never; the baseline of MLfabric's replication).")] = 0,
     fail: Annotated[Optional[str], typer.Option(
         "--fail", help="server:AT: SIGKILL server 0's process AT seconds into the (one) PS run; its replica takes "
                        "over (needs --replicas; reports failover_s, lost_divergence, lost_updates).")] = None,
@@ -1476,9 +1490,9 @@ def train(
              "random:300ms,2, skew:50ms,50ms,rotate, C1|C2|C3 (MLfabric's compute stragglers), none.")] = None,
     epochs: Annotated[Optional[int], typer.Option(min=1, help="Epochs (default: 48 hyperplane, 16 lstm, 4 lenet5, "
                                                        "8 mlp, 40 lda).")] = None,
-    batch_size: Annotated[Optional[int], typer.Option("--batch-size", min=1, help="Per worker (default: 256 hyperplane, "
-                                                                         "16 lstm, 32 lenet5, 64 mlp; lda: the "
-                                                                         "worker's documents).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", min=1, help="Per worker (default: 256 "
+                                                                         "hyperplane, 16 lstm, 32 lenet5, 64 mlp; "
+                                                                         "lda: the worker's documents).")] = None,
     lr: Annotated[Optional[float], typer.Option(help="SGD learning rate (default: 0.05 hyperplane, 0.1 lstm, "
                                                      "0.02 lenet5, 0.1 mlp; lda: 1, fixed).")] = None,
     momentum: Annotated[Optional[float], typer.Option(help="SGD momentum (default: 0 hyperplane and lda, 0.9 the "
@@ -1518,7 +1532,8 @@ def train(
     quiet: QuietOption = False,
     plot: Annotated[bool, typer.Option("--plot/--no-plot", help="Draw curves.png (needs matplotlib).")] = True,
     transport: Annotated[str, typer.Option(help="mlfabric transport: tcp (default), zmq or torch.")] = "tcp",
-    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds before the whole launch is killed.")] = 3600.0,
+    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds before the whole launch is killed.")]
+        = 3600.0,
     seed: Annotated[int, typer.Option(min=0, help="Seed of data, models, batches, injections and churn.")] = 0,
     emulate: Annotated[bool, typer.Option("--emulate", help="Root: run every rank of a launch on its own host of an "
                                                             "emulated star (star:n=<ranks of the launch>).")] = False,
@@ -1563,8 +1578,8 @@ def train(
         # without --replication network although it implies it).
         replication = "network" if div_max is not None else "chain"
         if div_max is not None:
-            console.print(f"note: --div-max {div_max} implies --replication network (MLfabric §5.3; the mlfabric-a:TAU "
-                          f"modes support it, the other PS modes replicate by chain)", highlight=False)
+            console.print(f"note: --div-max {div_max} implies --replication network (MLfabric §5.3; the "
+                          f"mlfabric-a:TAU modes support it, the other PS modes replicate by chain)", highlight=False)
     injects = tuple(inject) if inject else ("none",)
     modes = tuple(split_list(sync, "sync modes"))
     check_processes(workers + (servers + replicas if any(is_ps_mode(mode) for mode in modes) else 0),
@@ -1573,7 +1588,8 @@ def train(
     hyper = make_config(HyperplaneSpec, dim=dim, **(samples if workload == "hyperplane" else {}))
     if workload == "hyperplane":  # each rank draws its shard of the training set and the whole validation set
         rows = hyper.train_samples + hyper.val_samples * workers
-        check_memory(FLOAT32 * hyper.dim * rows, "--dim", f"the hyperplane data ({rows:,} rows x {hyper.dim:,} float32)")
+        check_memory(FLOAT32 * hyper.dim * rows, "--dim",
+                     f"the hyperplane data ({rows:,} rows x {hyper.dim:,} float32)")
     lstm = make_config(LstmSpec, frame_time_s=_parse_or_usage(parse_duration, frame_time),
                        **(samples if workload == "lstm" else {}))
     compute_s = _parse_or_usage(parse_duration, compute_time)
@@ -1595,20 +1611,23 @@ def train(
             if value is not None:
                 raise typer.BadParameter(f"{flag} applies to an emulated run: add --emulate (root)")
     else:
-        emulation = make_config(TrainEmulation, rate_bps=rate_option(rate or "1gbit", "--rate", emulated=True), churn=churn,
+        emulation = make_config(TrainEmulation, rate_bps=rate_option(rate or "1gbit", "--rate", emulated=True),
+                                churn=churn,
                                 churn_period_s=_parse_or_usage(parse_duration, churn_period or "5s"),
                                 trace_dir=str(out_dir), ps_topology=topology)
         if churn_period is not None and churn is None:
             raise typer.BadParameter("--churn-period needs --churn N1|N2|N3")
-    config = config_from(ctx, EagerTrainConfig, modes=modes, injects=injects, hyperplane=hyper, lstm=lstm, lenet5=lenet5,
-                         mlp=mlp, lda=lda, timeout_s=timeout, emulation=emulation, replication=replication)
+    config = config_from(ctx, EagerTrainConfig, modes=modes, injects=injects, hyperplane=hyper, lstm=lstm,
+                         lenet5=lenet5, mlp=mlp, lda=lda, timeout_s=timeout, emulation=emulation,
+                         replication=replication)
     if emulate:
         from mlfabric.emu.cmd import have_root
 
         if not have_root():
             console.print(f"[bold red]error:[/] {EMULATE_NEEDS_ROOT}", markup=True, highlight=False)
             raise typer.Exit(2)
-    command = invocation(ctx, sync=sync, out=out_dir, replication=replication, rate=rate or "1gbit" if emulate else None,
+    command = invocation(ctx, sync=sync, out=out_dir, replication=replication,
+                         rate=rate or "1gbit" if emulate else None,
                          churn_period=churn_period or "5s" if churn is not None else None)
     from mlfabric.bench.procs import RankFailedError, RankTimeoutError
     from mlfabric.emu.cmd import EmuUnavailableError
