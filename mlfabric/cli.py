@@ -261,9 +261,13 @@ def config_from(ctx: typer.Context, factory: Callable[..., T], /, **converted: A
         hints = typing.get_type_hints(factory)
     except (NameError, TypeError):  # an annotation that cannot be resolved here: no check
         hints = {}
+    def takes_text(hint: Any) -> bool:  # str, Any, Optional[str], Literal["a", "b"], ...
+        args = typing.get_args(hint)
+        return hint in (str, Any, object) or any(isinstance(arg, str) or takes_text(arg) for arg in args)
+
     for name, value in same.items():
         hint = hints.get(name)
-        if isinstance(value, str) and hint is not None and hint is not str and str not in typing.get_args(hint):
+        if isinstance(value, str) and hint is not None and not takes_text(hint):
             # A programming error, not a usage one: the option's text needs parsing first.
             raise TypeError(f"--{name.replace('_', '-')} is text; {getattr(factory, '__name__', factory)}.{name} "
                             f"wants {hint}: pass it parsed, as a keyword of config_from")
