@@ -1,14 +1,15 @@
 """Registers the "mlfabric" torch.distributed backend, cheaply and without import cycles.
 
-``import mlfabric`` calls :func:`register_backend`, and so does torch itself at ``import
-torch`` through this package's ``torch.backends`` entry point (torch >= 2.5 loads that group;
+``import mlfabric`` registers it (:func:`register_backend_when_torch_loads`: at once if torch
+is loaded, else as soon as it is, for ``import mlfabric`` does not import torch), and so does
+torch itself at ``import torch`` through this package's ``torch.backends`` entry point (torch >= 2.5 loads that group;
 ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` turns it off), so that ``init_process_group("mlfabric")``
 works in a script that never imports mlfabric. torch calls the entry point while it is still
 initialising, possibly in the middle of ``import mlfabric`` itself: so this module imports
 nothing of mlfabric, and the backend (``mlfabric/torch/backend.py``) is only imported when
 the first process group is created.
 
-Exercise it with ``python -m pytest tests/unit/test_torch_backend_options.py``.
+Exercise it with ``python -m pytest tests/unit/test_torch_backend_options.py tests/unit/test_cli_startup.py``.
 """
 
 from __future__ import annotations
