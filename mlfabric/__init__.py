@@ -13,21 +13,39 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
-from .errors import (
-    CollectiveError,
-    CollectiveMismatchError,
-    CollectiveTimeoutError,
-    MlfabricError,
-    PeerLeftError,
-    PeerLostError,
-    RendezvousError,
-    TransportError,
-)
-from .runtime.communicator import DEFAULT_TIMEOUT_S, Communicator
+from ._lazy import lazy_exports
+
+if TYPE_CHECKING:  # resolved lazily at run time (__getattr__ below): they import torch
+    from .errors import (
+        CollectiveError,
+        CollectiveMismatchError,
+        CollectiveTimeoutError,
+        MlfabricError,
+        PeerLeftError,
+        PeerLostError,
+        RendezvousError,
+        TransportError,
+    )
+    from .runtime.communicator import Communicator
 
 __version__ = "0.1.0"
+
+#: Seconds any wait of a communicator may take by default (mlfabric.runtime.communicator uses it).
+DEFAULT_TIMEOUT_S = 60.0
+
+# `import mlfabric` imports neither torch nor the runtime, so that the `mlfabric` command starts
+# in a fraction of a second (`mlfabric --help` needs neither; issue #39). The public names that
+# need them are resolved on first use; so is every submodule (`mlfabric.torch.allreduce_hook`
+# after a bare `import mlfabric`, as when the runtime was imported eagerly).
+_LAZY = {
+    "Communicator": "runtime.communicator",
+    **{name: "errors" for name in ("CollectiveError", "CollectiveMismatchError", "CollectiveTimeoutError",
+                                   "MlfabricError", "PeerLeftError", "PeerLostError", "RendezvousError",
+                                   "TransportError")},
+}
+__getattr__ = lazy_exports(__name__, _LAZY, submodules=True)
 
 log = logging.getLogger("mlfabric")
 
@@ -120,6 +138,7 @@ def connect(store: object, rank: int, world_size: int, *, transport: str = "tcp"
     torch.distributed backend gets one from ``init_process_group``). ``master_addr``: a host
     the ranks reach each other towards; the socket transports listen on the local address
     that leads there unless ``channel_addrs`` / ``MLFABRIC_CHANNEL_ADDRS`` say otherwise."""
+    from .runtime.communicator import Communicator
     from .runtime.rendezvous import store_barrier
 
     _check_join_options(transport, timeout, pace)
@@ -182,6 +201,7 @@ def local_world(world_size: int, *, timeout: float = DEFAULT_TIMEOUT_S,
                 hosts: Sequence[int] | None = None) -> list[Communicator]:
     """``world_size`` communicators joined by the in-process transport (ranks = threads);
     ``hosts`` says which ranks stand for one host (hierarchical collectives)."""
+    from .runtime.communicator import Communicator
     from .transport.local import LocalFabric
 
     fabric = LocalFabric(world_size, tuple(channels))
@@ -216,8 +236,9 @@ def run_threads(world_size: int, fn: Callable[[Communicator], T], *,
     return results  # type: ignore[return-value]
 
 
-# `init_process_group("mlfabric")` works once mlfabric is imported (mlfabric/torch/backend.py).
-from ._plugin import register_backend as _register_torch_backend  # noqa: E402 - after the API it uses
+# `init_process_group("mlfabric")` works once mlfabric is imported (mlfabric/torch/backend.py):
+# at once when torch is loaded already, else as soon as it is (without importing it here).
+from ._plugin import register_backend_when_torch_loads as _register_torch_backend  # noqa: E402
 
 _register_torch_backend()
 

@@ -19,9 +19,17 @@
 
 Each command is a thin shell: it parses options into the frozen config dataclass of the
 module that does the work (``mlfabric.bench.allreduce``, ``mlfabric.demo``), runs it, prints
-a rich table and optionally writes JSON. Every command that writes JSON takes ``--json PATH``
-(:data:`JsonOption`; ``--json -``: the JSON on standard output, the tables on standard error,
-so ``mlfabric simulate ... --json - | python -m json.tool`` works). Long commands show a
+a rich table and optionally writes JSON. Each option is stated once, in the command's
+signature: :func:`config_from` hands the config every option named like one of its fields,
+and the command line a JSON records is :func:`invocation`, rebuilt from the parse. Sizes,
+rates, counts and timeouts go through one set of checks (:func:`size_option`,
+:func:`rate_option`, ``min=`` on integer options, :func:`timeout_seconds`,
+:func:`check_processes`). Into a file or a pipe, tables keep their natural width
+(:class:`OutputConsole`). The module imports no torch: each command imports what it runs
+(``mlfabric --help`` starts in a fraction of a second; tests/unit/test_cli_startup.py).
+Every command that writes JSON takes ``--json PATH`` (:data:`JsonOption`; ``--json -``: the
+JSON on standard output, the tables on standard error, so ``mlfabric simulate ... --json - |
+python -m json.tool`` works). Long commands show a
 progress bar (:func:`mlfabric.progress.progress_bar`) on standard error when it is a
 terminal; ``--quiet`` turns it off. A new command family is a sub-typer registered with
 ``app.add_typer`` (like ``bench_app``); a new benchmark is a command on ``bench_app``.
@@ -69,7 +77,46 @@ trace_app = typer.Typer(
 )
 app.add_typer(trace_app, name="trace")
 
-console = Console()
+class OutputConsole(Console):
+    """The console of every command's tables and messages. On a terminal: rich's own (fits
+    the terminal). Into a file or a pipe there is no width to fit (#39 item 6: `simulate
+    mlfabric > out.txt` wrapped a caption to ~32 columns, `bench partial` cut its column names):
+    a table is printed at its natural width, never squeezed, its caption (and a title wider
+    than the table) on lines of their own; text is not wrapped (the pager or terminal that
+    shows the file does that)."""
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        if self.is_terminal or not objects:
+            super().print(*objects, **kwargs)
+            return
+        import copy
+
+        from rich.measure import Measurement
+        from rich.table import Table
+
+        kwargs.setdefault("soft_wrap", True)
+        for item in objects:
+            if not isinstance(item, Table):
+                super().print(item, **kwargs)
+                continue
+            table, caption = copy.copy(item), item.caption
+            table.caption = None
+            wide = self.options.update(max_width=100_000)
+            natural = Measurement.get(self, wide, table).maximum
+            if item.title is not None and Measurement.get(self, wide, item.title).maximum > natural:
+                table.title = None  # a title wider than the table: on its own line, not wrapped to the table
+                super().print(item.title, style=item.title_style or "table.title", **kwargs)
+            width = self._width
+            self.width = natural  # print(width=) cannot go beyond the console's width
+            try:
+                super().print(table, **{**kwargs, "soft_wrap": False})
+            finally:
+                self._width = width
+            if caption:
+                super().print(caption, style=table.caption_style or "table.caption", **kwargs)
+
+
+console = OutputConsole()
 T = TypeVar("T")
 
 
@@ -81,16 +128,110 @@ def split_list(text: str, what: str) -> list[str]:
     return items
 
 
-def parse_sizes(text: str) -> list[int]:
-    from mlfabric.units import parse_size
+# --------------------------------------------------------------------------- sizes, rates, counts
+# Every size, rate, count and timeout a command takes is checked the same way (#39: `simulate
+# collective --size 3` of float32 simulated a 0-byte allreduce and exited 0): zero, negative,
+# not a whole number of elements, or more than this machine can hold or start is a usage error
+# (exit 2) that names the option. Integer counts state their range in their typer.Option
+# (min=...), which click checks before the command runs.
 
-    sizes = []
-    for item in split_list(text, "sizes"):
-        try:
-            sizes.append(parse_size(item))
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc)) from None
-    return sizes
+#: Bytes of the float32 elements the benchmarks move.
+FLOAT32 = 4
+#: A local rank imports torch: ~220 MiB resident each (measured on the 2-core VM, torch 2.13);
+#: more processes than RAM / this cannot start (and would take the machine down trying).
+RANK_MEMORY_BYTES = 200 * 2**20
+
+
+def _usage(option: str, message: str) -> typer.BadParameter:
+    return typer.BadParameter(f"{option} {message}")
+
+
+def size_option(text: str, option: str, *, itemsize: int | None = FLOAT32) -> int:
+    """A size in bytes (``4KB``, ``1MiB``): at least one element, and with ``itemsize`` a whole
+    number of ``itemsize``-byte elements (float32 by default; ``None``: any byte count > 0)."""
+    from mlfabric.units import format_size, parse_size
+
+    try:
+        size = parse_size(text)
+    except ValueError as exc:
+        raise _usage(option, str(exc)) from None
+    unit = itemsize or 1
+    element = f"one {unit}-byte element" if itemsize else "one byte"
+    if size < unit:
+        raise _usage(option, f"{text!r} is {size} bytes, less than {element}: nothing would be moved; give at least "
+                             f"{unit} bytes")
+    if size % unit:
+        below, above = size - size % unit, size - size % unit + unit
+        raise _usage(option, f"{text!r} ({size} bytes) is not a whole number of {unit}-byte elements: give a "
+                             f"multiple of {unit}, e.g. {below} or {above} ({format_size(above)})")
+    return size
+
+
+def sizes_option(text: str, option: str, *, itemsize: int | None = FLOAT32) -> list[int]:
+    """A comma-separated list of :func:`size_option` sizes."""
+    return [size_option(item, option, itemsize=itemsize) for item in split_list(text, "sizes")]
+
+
+def rate_option(text: str, option: str, *, emulated: bool = False) -> float:
+    """A rate in bit/s (``1gbit``, ``10Gbps``): positive, and at least what tc can shape
+    (8 kbit/s) when it is an emulated NIC's."""
+    from mlfabric.units import parse_rate
+
+    try:
+        rate = parse_rate(text)
+    except ValueError as exc:
+        raise _usage(option, str(exc)) from None
+    if not rate > 0:
+        raise _usage(option, f"{text!r} is a rate of 0: nothing would ever arrive; give a positive rate, e.g. 1gbit")
+    if emulated and rate < 8000:
+        raise _usage(option, f"{text!r} is below 8 kbit/s, the least rate tc shapes")
+    return rate
+
+
+def timeout_seconds(value: Optional[float]) -> Optional[float]:
+    """The check of every ``--timeout`` (seconds): positive, and at most what Python can wait
+    (``threading.TIMEOUT_MAX``, ~292 years: beyond it every wait raises OverflowError)."""
+    import threading
+
+    if value is not None and not 0 < value <= threading.TIMEOUT_MAX:
+        raise typer.BadParameter(f"must be > 0 and at most {threading.TIMEOUT_MAX:.3g} s, got {value:g}")
+    return value
+
+
+def physical_memory_bytes() -> int:
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_processes(count: int, option: str) -> None:
+    """``count`` local processes (each imports torch) must fit in this machine's memory."""
+    from mlfabric.units import format_size
+
+    memory = physical_memory_bytes()
+    if count * RANK_MEMORY_BYTES > memory:
+        raise _usage(option, f"asks for {count:,} local processes; each imports torch "
+                             f"(~{format_size(RANK_MEMORY_BYTES, binary=True)}) and this machine has "
+                             f"{format_size(memory, binary=True)}: at most {memory // RANK_MEMORY_BYTES:,}")
+
+
+def check_memory(nbytes: float, option: str, what: str) -> None:
+    """What a run would hold (``nbytes``, described by ``what``) must fit in this machine's memory."""
+    from mlfabric.units import format_size
+
+    memory = physical_memory_bytes()
+    if nbytes > memory:
+        raise _usage(option, f"needs {what} = {format_size(nbytes)}, more than this machine's memory "
+                             f"({format_size(memory, binary=True)})")
+
+
+def check_buffers(nbytes: int, processes: int, option: str, *, copies: int = 2) -> None:
+    """``processes`` local processes each holding ``copies`` buffers of ``nbytes`` (input and
+    result) must fit in this machine's memory."""
+    from mlfabric.units import format_size
+
+    check_memory(copies * nbytes * processes, option,
+                 f"{format_size(nbytes)} x {copies} buffers x {processes} processes")
 
 
 def make_config(factory: Callable[..., T], **fields: Any) -> T:
@@ -99,6 +240,67 @@ def make_config(factory: Callable[..., T], **fields: Any) -> T:
         return factory(**fields)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+
+
+# Each option is stated once, in the command's signature (#35): the config takes the options
+# named like its fields from the parsed command line (config_from), and the command line the
+# JSON records is rebuilt from the same parse (invocation); neither repeats an option's name.
+
+
+def config_from(ctx: typer.Context, factory: Callable[..., T], /, **converted: Any) -> T:
+    """``factory``'s config (a dataclass) from the running command's options: every option
+    named like one of its fields is passed as parsed; ``converted`` gives the others (options
+    parsed from text, renamed or resolved). Validation errors are usage errors (exit 2)."""
+    import dataclasses
+    import typing
+
+    params = ctx.params
+    fields = {field.name for field in dataclasses.fields(factory)}  # type: ignore[arg-type]
+    same = {name: value for name, value in params.items() if name in fields and name not in converted}
+    try:
+        hints = typing.get_type_hints(factory)
+    except (NameError, TypeError):  # an annotation that cannot be resolved here: no check
+        hints = {}
+    def takes_text(hint: Any) -> bool:  # str, Any, Optional[str], Literal["a", "b"], ...
+        args = typing.get_args(hint)
+        return hint in (str, Any, object) or any(isinstance(arg, str) or takes_text(arg) for arg in args)
+
+    for name, value in same.items():
+        hint = hints.get(name)
+        if isinstance(value, str) and hint is not None and not takes_text(hint):
+            # A programming error, not a usage one: the option's text needs parsing first.
+            raise TypeError(f"--{name.replace('_', '-')} is text; {getattr(factory, '__name__', factory)}.{name} "
+                            f"wants {hint}: pass it parsed, as a keyword of config_from")
+    return make_config(factory, **same, **converted)
+
+
+def invocation(ctx: typer.Context, /, **resolved: Any) -> list[str]:
+    """The command line that reproduces the running command, from its parsed options: every
+    option with its value, defaults included, in the order the command declares them (``--json``
+    last); a switch only when it is not its default; ``resolved`` replaces values the command
+    worked out (the world size an emulated topology implies). The command line of every JSON."""
+    unknown = set(resolved) - set(ctx.params)
+    if unknown:
+        raise KeyError(f"invocation: no option {', '.join(sorted(unknown))}")
+    names, parent = [], ctx
+    while parent.parent is not None:
+        names.append(parent.info_name)
+        parent = parent.parent
+    argv, tail = ["mlfabric", *reversed(names)], []
+    values = {**ctx.params, **resolved}
+    for param in ctx.command.params:
+        if param.param_type_name != "option" or param.name == "quiet":
+            continue
+        value = values[param.name]
+        flag = max((opt for opt in param.opts if opt.startswith("--")), key=len)
+        into = tail if param.name == "json_path" else argv
+        if param.is_flag:
+            if value != param.default:
+                into.append(flag if value else param.secondary_opts[0])
+        elif value is not None:
+            for item in value if param.multiple else [value]:
+                into += [flag, repr(item) if isinstance(item, float) else str(item)]
+    return argv + tail
 
 
 #: What ``--json`` takes to mean standard output.
@@ -169,7 +371,8 @@ def run_or_exit(fn: Callable[[], T], errors: tuple[type[BaseException], ...] | N
 
 @bench_app.command("allreduce")
 def bench_allreduce(
-    world_size: Annotated[int, typer.Option("--world-size", "-n", help="Number of local ranks.")] = 4,
+    ctx: typer.Context,
+    world_size: Annotated[int, typer.Option("--world-size", "-n", min=1, help="Number of local ranks.")] = 4,
     algorithms: Annotated[str, typer.Option(
         help="Comma-separated: ring, halving_doubling, tree, ps, bcube (BML; on --topology bcube:...), "
              "hierarchical, auto (mlfabric) and gloo (torch.distributed, the reference).")]
@@ -177,19 +380,20 @@ def bench_allreduce(
     sizes: Annotated[str, typer.Option(
         help="Comma-separated message sizes: KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024.")]
         = "4KB,1MB,64MB",
-    iters: Annotated[int, typer.Option(help="Timed repetitions per size.")] = 10,
+    iters: Annotated[int, typer.Option(min=1, help="Timed repetitions per size.")] = 10,
     start: Annotated[str, typer.Option(help="aligned: every call starts at one instant on all ranks and "
                                             "is timed from it (as simulated); barrier: from each rank's "
                                             "exit of a gloo barrier (its exit skew counts).")] = "aligned",
-    warmup: Annotated[int, typer.Option(help="Untimed repetitions per size, before the timed ones.")] = 2,
+    warmup: Annotated[int, typer.Option(min=0, help="Untimed repetitions per size, before the timed ones.")] = 2,
     transport: Annotated[str, typer.Option(help="mlfabric transport: tcp (default), zmq or torch.")] = "tcp",
     json_path: JsonOption = None,
     quiet: QuietOption = False,
-    timeout: Annotated[float, typer.Option(help="Seconds before the whole run is killed.")] = 600.0,
-    seed: Annotated[int, typer.Option(help="Seed of the input tensors.")] = 0,
+    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds before the whole run is killed.")]
+        = 600.0,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the input tensors.")] = 0,
     emulate: Annotated[bool, typer.Option("--emulate", help="Run each rank on a host of an emulated "
                                           "cluster (root; see `mlfabric emu doctor`).")] = False,
-    hosts: Annotated[Optional[int], typer.Option("--hosts", help="With --emulate: hosts of a star "
+    hosts: Annotated[Optional[int], typer.Option("--hosts", min=2, help="With --emulate: hosts of a star "
                                                  "(sets --world-size).")] = None,
     topology: Annotated[Optional[str], typer.Option(help="With --emulate: topology spec, e.g. "
                                                     "star:n=8, racks:r=2,h=4,oversub=4, bcube:n=3,k=2.")] = None,
@@ -199,7 +403,7 @@ def bench_allreduce(
                                                "NIC rate and report BML's speedup (BML §4).")] = False,
     goodput: Annotated[bool, typer.Option("--goodput/--no-goodput", help="With --emulate: first measure one TCP "
                                           "flow between hosts 0 and 1 (2.5 s) and show busbw relative to it.")] = True,
-    ranks_per_host: Annotated[int, typer.Option("--ranks-per-host", help="With --emulate: ranks on every host "
+    ranks_per_host: Annotated[int, typer.Option("--ranks-per-host", min=1, help="With --emulate: ranks on every host "
                                                 "(they share memory; --world-size becomes hosts x this).")] = 1,
     placement: Annotated[str, typer.Option(help="With --ranks-per-host: consecutive (ranks h*R.. on host h) or "
                                                 "interleaved (rank r on host r mod hosts).")] = "consecutive",
@@ -213,9 +417,9 @@ def bench_allreduce(
     with --goodput, busbw relative to the two-host TCP goodput measured in the same run."""
     from mlfabric.bench.allreduce import (AllreduceBenchConfig, compare_star_config, render_comparison,
                                           render_table, run_allreduce_bench, run_bml_comparison)
-    from mlfabric.units import parse_rate
 
-    emulate_topology = emulate_rate = None
+    emulate_topology = None
+    emulate_rate = rate_option(rate, "--rate", emulated=True)  # checked even where unused: a typo is caught
     if emulate:
         from mlfabric.emu.cluster import plan_cluster
         from mlfabric.emu.launcher import resolve_topology
@@ -224,32 +428,22 @@ def bench_allreduce(
         given = hosts if hosts is not None or (topology and ":" in topology) else world_size
         spec = make_config(resolve_topology, topology=topology or "star", hosts=given)
         emulate_topology = str(spec)
-        emulate_rate = make_config(parse_rate, value=rate)
         world_size = plan_cluster(spec, emulate_rate).n_hosts * ranks_per_host
-    config = make_config(AllreduceBenchConfig, world_size=world_size, ranks_per_host=ranks_per_host,
-                         placement=placement,
-                         emulate_topology=emulate_topology, emulate_rate_bps=emulate_rate,
+    check_processes(world_size, "--world-size")
+    size_list = sizes_option(sizes, "--sizes")
+    check_buffers(max(size_list), world_size, "--sizes")
+    config = config_from(ctx, AllreduceBenchConfig, world_size=world_size, emulate_topology=emulate_topology,
+                         emulate_rate_bps=emulate_rate if emulate else None,
                          algorithms=tuple(split_list(algorithms, "algorithms")),
-                         sizes=tuple(parse_sizes(sizes)), iters=iters, warmup=warmup,
-                         transport=transport, timeout_s=timeout, seed=seed, measure_goodput=goodput,
-                         start=start)
-    command = ["mlfabric", "bench", "allreduce", "--world-size", str(world_size), "--algorithms",
-               ",".join(config.algorithms), "--sizes", sizes.replace(" ", ""), "--iters", str(iters),
-               "--warmup", str(warmup), "--transport", transport, "--seed", str(seed), "--start", start]
-    if emulate:
-        command += ["--emulate", "--topology", str(emulate_topology), "--rate", rate]
-        command += [] if goodput else ["--no-goodput"]
-        command += ["--ranks-per-host", str(ranks_per_host), "--placement", placement] if ranks_per_host > 1 else []
+                         sizes=tuple(size_list), timeout_s=timeout, measure_goodput=goodput)
+    command = invocation(ctx, world_size=world_size, algorithms=",".join(config.algorithms),
+                         sizes=sizes.replace(" ", ""), topology=emulate_topology)
     if compare_flat:
         from mlfabric.bench.allreduce import flat_comparison_configs
 
         make_config(flat_comparison_configs, config=config)  # usage errors before anything runs
-        command += ["--compare-flat"]
     if compare_star:
         make_config(compare_star_config, config=config)  # usage errors before anything runs
-        command += ["--compare-star"]
-    if json_path is not None:
-        command += ["--json", str(json_path)]
     with progress_bar(quiet=quiet) as progress:
         task = progress.add_task(f"allreduce on {world_size} ranks", total=None)
         from mlfabric.bench.allreduce import render_hierarchy, run_hierarchy_comparison
@@ -271,27 +465,27 @@ def bench_allreduce(
 
 @bench_app.command("bml-job")
 def bench_bml_job(
-    iterations: Annotated[int, typer.Option(help="Training iterations per run.")] = 100,
+    ctx: typer.Context,
+    iterations: Annotated[int, typer.Option(min=1, help="Training iterations per run.")] = 100,
     batches: Annotated[str, typer.Option(help="Comma-separated sub-minibatch sizes (per rank).")] = "32,128",
     rate: Annotated[str, typer.Option(help="Rate of every emulated NIC, e.g. 500mbit.")] = "500mbit",
     topology: Annotated[str, typer.Option(help="BML's BCube; PS runs on a star of as many hosts.")]
         = "bcube:n=3,k=2",
     json_path: JsonOption = None,
     quiet: QuietOption = False,
-    timeout: Annotated[float, typer.Option(help="Seconds before one run is killed.")] = 1800.0,
-    seed: Annotated[int, typer.Option(help="Seed of the model, data and batches.")] = 0,
+    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds before one run is killed.")]
+        = 1800.0,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the model, data and batches.")] = 0,
 ) -> None:
     """BML Fig. 6 (root): LeNet-5 JCT, BML (bcube) on an emulated BCube vs PS (ps) on a star."""
     from mlfabric.train.bml_job import BmlJobConfig, render_job_table, run_bml_job
-    from mlfabric.units import parse_rate
 
     sizes = [_parse_or_usage(int, item) for item in split_list(batches, "batch sizes")]
-    config = make_config(BmlJobConfig, iterations=iterations, batches=tuple(sizes), bcube=topology, seed=seed,
-                         rate_bps=make_config(parse_rate, value=rate), timeout_s=timeout)
-    command = ["mlfabric", "bench", "bml-job", "--iterations", str(iterations), "--batches", ",".join(map(str, sizes)),
-               "--rate", rate, "--topology", topology, "--seed", str(seed)]
-    if json_path is not None:
-        command += ["--json", str(json_path)]
+    config = config_from(ctx, BmlJobConfig, batches=tuple(sizes), bcube=topology,
+                         rate_bps=rate_option(rate, "--rate", emulated=True), timeout_s=timeout)
+    if max(sizes) > config.train_samples:
+        raise _usage("--batches", f"{max(sizes):,} is more than the {config.train_samples:,} training samples")
+    command = invocation(ctx, batches=",".join(map(str, sizes)))
     with progress_bar(quiet=quiet) as progress:
         task = progress.add_task("LeNet-5", total=iterations)
         result = run_or_exit(lambda: run_bml_job(
@@ -304,10 +498,11 @@ def bench_bml_job(
 
 @bench_app.command("sim")
 def bench_sim(
+    ctx: typer.Context,
     quick: Annotated[bool, typer.Option("--quick", help="Skip the naive solver and the 500k-flow instances.")] = False,
     json_path: JsonOption = None,
     quiet: QuietOption = False,
-    seed: Annotated[int, typer.Option(help="Seed of the placement and of ECMP.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the placement and of ECMP.")] = 0,
 ) -> None:
     """Max-min solver and event-engine timings on MLNET's 1,024-host fat-tree (800x50 and 624x400 PS)."""
     from mlfabric.flow.bench import BenchmarkConfig, benchmark_solver, format_benchmark
@@ -336,42 +531,39 @@ def bench_sim(
                           f"= {first['wall_vs_one_naive_40k_solve']:.2f} x one naive solve of its 40k push flows "
                           f"({naive_40k:.2f}s)", highlight=False, soft_wrap=True)
     if json_path is not None:
-        command = ["mlfabric", "bench", "sim", *(["--quick"] if quick else []),
-                   "--seed", str(seed), "--json", str(json_path)]
-        write_json(json_path, {"command": " ".join(command), "solver": solver, "engine": engine})
+        write_json(json_path, {"command": " ".join(invocation(ctx)), "solver": solver, "engine": engine})
 
 
 @bench_app.command("partial")
 def bench_partial(
-    world_size: Annotated[int, typer.Option("--world-size", "-n", help="Number of local ranks (processes).")] = 32,
+    ctx: typer.Context,
+    world_size: Annotated[int, typer.Option("--world-size", "-n", min=1, help="Number of local ranks (processes).")]
+        = 32,
     skew: Annotated[str, typer.Option(help="Delay before each call: linear:FIRST..LAST (rank 0 waits FIRST, the "
                                            "last rank LAST), none, or skew:FIRST[,STEP].")] = "linear:1ms..32ms",
-    iterations: Annotated[int, typer.Option(help="Timed iterations (each runs all three variants).")] = 64,
-    warmup: Annotated[int, typer.Option(help="Untimed iterations before them.")] = 2,
+    iterations: Annotated[int, typer.Option(min=1, help="Timed iterations (each runs all three variants).")] = 64,
+    warmup: Annotated[int, typer.Option(min=0, help="Untimed iterations before them.")] = 2,
     size: Annotated[str, typer.Option(help="Message size (float32): KB/MB powers of 1000, KiB/MiB of 1024.")] = "1KB",
     algorithm: Annotated[str, typer.Option(help="Reduction schedule of all three variants: tree, halving_doubling, "
                                                "ring, ps or auto.")] = "tree",
     transport: Annotated[str, typer.Option(help="mlfabric transport: tcp, zmq or torch.")] = "tcp",
     json_path: JsonOption = None,
     quiet: QuietOption = False,
-    timeout: Annotated[float, typer.Option(help="Seconds before the whole run is killed.")] = 900.0,
-    seed: Annotated[int, typer.Option(help="Seed of majority's initiator draws.")] = 0,
+    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds before the whole run is killed.")]
+        = 900.0,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of majority's initiator draws.")] = 0,
 ) -> None:
     """Solo and majority allreduce vs synchronous under a linear skew (eager-SGD §6.1, Fig. 8/9).
 
     Every iteration: a barrier, rank r sleeps its skew, then calls the collective; latency is
     measured per rank from the call to its return and averaged over ranks and iterations."""
     from mlfabric.bench.partial import PartialBenchConfig, render_table, run_partial_bench
-    from mlfabric.units import parse_size
 
-    config = make_config(PartialBenchConfig, world_size=world_size, skew=skew, iterations=iterations, warmup=warmup,
-                         size_bytes=_parse_or_usage(parse_size, size), algorithm=algorithm, transport=transport,
-                         timeout_s=timeout, seed=seed)
-    command = ["mlfabric", "bench", "partial", "--world-size", str(world_size), "--skew", skew, "--iterations",
-               str(iterations), "--warmup", str(warmup), "--size", size, "--algorithm", algorithm,
-               "--transport", transport, "--seed", str(seed)]
-    if json_path is not None:
-        command += ["--json", str(json_path)]
+    check_processes(world_size, "--world-size")
+    size_bytes = size_option(size, "--size")
+    check_buffers(size_bytes, world_size, "--size")
+    config = config_from(ctx, PartialBenchConfig, size_bytes=size_bytes, timeout_s=timeout)
+    command = invocation(ctx)
     with progress_bar(quiet=quiet) as progress:
         task = progress.add_task(f"partial allreduce on {world_size} ranks (start-up first)", total=None)
         result = run_or_exit(lambda: run_partial_bench(
@@ -387,19 +579,21 @@ def bench_partial(
 
 @bench_app.command("ps")
 def bench_ps(
-    workers: Annotated[int, typer.Option(help="Workers, one per emulated host after the servers'.")] = 8,
-    servers: Annotated[int, typer.Option(help="Servers, on hosts 0..S-1 (the model is sharded over them).")] = 1,
+    ctx: typer.Context,
+    workers: Annotated[int, typer.Option(min=1, help="Workers, one per emulated host after the servers'.")] = 8,
+    servers: Annotated[int, typer.Option(min=1, help="Servers, on hosts 0..S-1 (the model is sharded over them).")] = 1,
     model_size: Annotated[str, typer.Option("--model-size", help="Model size (float32): KB/MB powers of 1000, "
                                             "KiB/MiB of 1024.")] = "64MB",
     rate: Annotated[str, typer.Option(help="Rate of every emulated NIC, e.g. 1gbit, 500mbit.")] = "1gbit",
-    iterations: Annotated[int, typer.Option(help="Push+pull iterations, warm-up included.")] = 3,
-    warmup: Annotated[int, typer.Option(help="Leading iterations not counted.")] = 1,
+    iterations: Annotated[int, typer.Option(min=1, help="Push+pull iterations, warm-up included.")] = 3,
+    warmup: Annotated[int, typer.Option(min=0, help="Leading iterations not counted.")] = 1,
     transport: Annotated[str, typer.Option(help="mlfabric transport: tcp, zmq or torch.")] = "tcp",
     goodput: Annotated[bool, typer.Option("--goodput/--no-goodput", help="First measure one TCP flow between hosts "
                                           "0 and 1 (2.5 s) and also simulate at that rate.")] = True,
     json_path: JsonOption = None,
     quiet: QuietOption = False,
-    timeout: Annotated[float, typer.Option(help="Seconds before the whole run is killed.")] = 900.0,
+    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds before the whole run is killed.")]
+        = 900.0,
 ) -> None:
     """PS incast (root): W workers push and pull a model through S servers on an emulated star, BSP.
 
@@ -407,17 +601,14 @@ def bench_ps(
     rate, and the iteration time against the simulator's for the same job (mlfabric.sim)."""
     from mlfabric.bench.ps import PSBenchConfig, render_tables, run_ps_bench
     from mlfabric.emu.cmd import EmuUnavailableError
-    from mlfabric.units import parse_rate, parse_size
 
-    config = make_config(PSBenchConfig, workers=workers, servers=servers,
-                         model_bytes=_parse_or_usage(parse_size, model_size),
-                         rate_bps=make_config(parse_rate, value=rate), iterations=iterations, warmup=warmup,
-                         transport=transport, measure_goodput=goodput, timeout_s=timeout)
-    command = ["mlfabric", "bench", "ps", "--workers", str(workers), "--servers", str(servers), "--model-size",
-               model_size, "--rate", rate, "--iterations", str(iterations), "--warmup", str(warmup),
-               "--transport", transport, *([] if goodput else ["--no-goodput"])]
-    if json_path is not None:
-        command += ["--json", str(json_path)]
+    check_processes(workers + servers, "--workers")
+    model_bytes = size_option(model_size, "--model-size")
+    check_buffers(model_bytes, workers + servers, "--model-size")
+    config = config_from(ctx, PSBenchConfig, model_bytes=model_bytes,
+                         rate_bps=rate_option(rate, "--rate", emulated=True),
+                         measure_goodput=goodput, timeout_s=timeout)
+    command = invocation(ctx)
     from mlfabric.bench.procs import RankFailedError, RankTimeoutError
 
     with progress_bar(quiet=quiet) as progress:
@@ -437,19 +628,21 @@ def bench_ps(
 
 @bench_app.command("mlnet-priorities")
 def bench_mlnet_priorities(
-    jobs: Annotated[int, typer.Option(help="Concurrent PS jobs (2-7), each with its own priority in the priority "
-                                      "scenario.")] = 4,
-    workers: Annotated[int, typer.Option(help="Workers per job; worker i of every job on host 1 + i, every "
+    ctx: typer.Context,
+    jobs: Annotated[int, typer.Option(min=1, help="Concurrent PS jobs (2-7), each with its own priority in the "
+                                      "priority scenario.")] = 4,
+    workers: Annotated[int, typer.Option(min=1, help="Workers per job; worker i of every job on host 1 + i, every "
                                          "server on host 0.")] = 3,
     model_size: Annotated[str, typer.Option("--model-size", help="Model size (float32) of every job.")] = "1MB",
     rate: Annotated[str, typer.Option(help="Rate of every emulated NIC.")] = "100mbit",
-    iterations: Annotated[int, typer.Option(help="BSP iterations of every job.")] = 8,
+    iterations: Annotated[int, typer.Option(min=1, help="BSP iterations of every job.")] = 8,
     routing: Annotated[str, typer.Option(help="direct or mlnet (binary trees).")] = "direct",
     scenario: Annotated[str, typer.Option(help="Comma-separated: fair, priority, alone.")] = "fair,priority,alone",
-    seed: Annotated[int, typer.Option(help="Draws the jobs' priorities (a permutation of J..1).")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Draws the jobs' priorities (a permutation of J..1).")] = 0,
     json_path: JsonOption = None,
     quiet: QuietOption = False,
-    timeout: Annotated[float, typer.Option(help="Seconds any wait of a job may take.")] = 300.0,
+    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds any wait of a job may take.")]
+        = 300.0,
 ) -> None:
     """MLNET's job priorities (root): J PS jobs at once on one emulated star, fair vs priority.
 
@@ -457,17 +650,15 @@ def bench_mlnet_priorities(
     against fair sharing (paper: -25% / +2%) and the top job's iteration time against alone."""
     from mlfabric.bench.mlnet_priorities import PriorityBenchConfig, render_table, run_priority_bench
     from mlfabric.emu.cmd import EmuUnavailableError
-    from mlfabric.units import parse_rate, parse_size
 
-    config = make_config(PriorityBenchConfig, jobs=jobs, workers=workers,
-                         model_bytes=_parse_or_usage(parse_size, model_size),
-                         rate_bps=make_config(parse_rate, value=rate), iterations=iterations, routing=routing,
-                         scenarios=tuple(split_list(scenario, "scenarios")), seed=seed, timeout_s=timeout)
-    command = ["mlfabric", "bench", "mlnet-priorities", "--jobs", str(jobs), "--workers", str(workers),
-               "--model-size", model_size, "--rate", rate, "--iterations", str(iterations), "--routing", routing,
-               "--scenario", scenario, "--seed", str(seed)]
-    if json_path is not None:
-        command += ["--json", str(json_path)]
+    processes = jobs * (workers + 1)  # every job: its workers and a server
+    check_processes(processes, "--jobs x --workers")
+    model_bytes = size_option(model_size, "--model-size")
+    check_buffers(model_bytes, processes, "--model-size")
+    config = config_from(ctx, PriorityBenchConfig, model_bytes=model_bytes,
+                         rate_bps=rate_option(rate, "--rate", emulated=True),
+                         scenarios=tuple(split_list(scenario, "scenarios")), timeout_s=timeout)
+    command = invocation(ctx)
     with progress_bar(quiet=quiet) as progress:
         task = progress.add_task("mlnet priorities", total=len(config.scenarios))
         result = run_or_exit(lambda: run_priority_bench(
@@ -484,9 +675,10 @@ def bench_mlnet_priorities(
 
 @bench_app.command("tictac")
 def bench_tictac(
+    ctx: typer.Context,
     model: Annotated[str, typer.Option(help="inception, vgg, alexnet, par32 or seq32 (mlfabric.order.models).")]
     = "inception",
-    workers: Annotated[int, typer.Option(help="Workers (one server besides them).")] = 4,
+    workers: Annotated[int, typer.Option(min=1, help="Workers (one server besides them).")] = 4,
     ordering: Annotated[str, typer.Option(help="Comma-separated: none (one flat reply), random (per tensor, a fresh "
                                           "random order), tio, tao (TicTac's priorities).")] = "none,random,tio,tao",
     emulate: Annotated[bool, typer.Option("--emulate", help="Run on an emulated star (root): 1 + workers hosts, "
@@ -495,9 +687,9 @@ def bench_tictac(
     = "1gbit",
     forward_only: Annotated[bool, typer.Option("--forward-only", help="Forward passes only (inference); default: "
                                                "forward + backward + push.")] = False,
-    width: Annotated[int, typer.Option(help="Channel multiplier of the model (parameters ~ width^2).")] = 1,
-    batch: Annotated[Optional[int], typer.Option(help="Synthetic batch size of the real compute (default: 8 for vgg "
-                                                  "and alexnet, 1 for the others: bench/tictac.py "
+    width: Annotated[int, typer.Option(min=1, help="Channel multiplier of the model (parameters ~ width^2).")] = 1,
+    batch: Annotated[Optional[int], typer.Option(min=1, help="Synthetic batch size of the real compute (default: 8 "
+                                                  "for vgg and alexnet, 1 for the others: bench/tictac.py "
                                                   "DEFAULT_BATCH).")] = None,
     device: Annotated[str, typer.Option(help="emulated: each module's forward padded to its device time (S = 1); "
                                         "cpu: the real compute only.")] = "emulated",
@@ -505,14 +697,15 @@ def bench_tictac(
                                      "program order) or dataflow (the paper's TensorFlow executor).")] = "eager",
     pace: Annotated[str, typer.Option(help="Pace ordered answers at equal shares of the server's NIC: auto "
                                       "(emulated forward passes only), on, off.")] = "auto",
-    iterations: Annotated[int, typer.Option(help="Iterations per ordering, warm-up included.")] = 50,
-    warmup: Annotated[int, typer.Option(help="Leading iterations not counted.")] = 5,
+    iterations: Annotated[int, typer.Option(min=1, help="Iterations per ordering, warm-up included.")] = 50,
+    warmup: Annotated[int, typer.Option(min=0, help="Leading iterations not counted.")] = 5,
     chrome: Annotated[Optional[Path], typer.Option(help="Write a Chrome/Perfetto trace per ordering (the last "
                                                    "iterations of every worker) into this directory.")] = None,
-    seed: Annotated[int, typer.Option(help="Model weights, inputs and random orders.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Model weights, inputs and random orders.")] = 0,
     json_path: JsonOption = None,
     quiet: QuietOption = False,
-    timeout: Annotated[float, typer.Option(help="Seconds before the whole run is killed.")] = 1800.0,
+    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds before the whole run is killed.")]
+        = 1800.0,
 ) -> None:
     """TicTac on the PS (§6): step time, E and stragglers per transfer ordering, enforced at the sender.
 
@@ -521,21 +714,13 @@ def bench_tictac(
     from mlfabric.bench.procs import RankFailedError, RankTimeoutError
     from mlfabric.bench.tictac import TicTacBenchConfig, render_table, run_tictac_bench
     from mlfabric.emu.cmd import EmuUnavailableError
-    from mlfabric.units import parse_rate
 
+    check_processes(workers + 1, "--workers")
     orderings = tuple(split_list(ordering, "orderings"))
-    config = make_config(TicTacBenchConfig, model=model, workers=workers, orderings=orderings, emulate=emulate,
-                         rate_bps=make_config(parse_rate, value=rate), forward_only=forward_only, width=width,
-                         batch=batch, device=device, dag=dag, pace=pace, iterations=iterations, warmup=warmup,
-                         seed=seed,
+    config = config_from(ctx, TicTacBenchConfig, orderings=orderings,
+                         rate_bps=rate_option(rate, "--rate", emulated=emulate),
                          chrome_dir=None if chrome is None else str(chrome), timeout_s=timeout)
-    command = ["mlfabric", "bench", "tictac", "--model", model, "--workers", str(workers), "--ordering", ordering,
-               *(["--emulate"] if emulate else []), "--rate", rate, *(["--forward-only"] if forward_only else []),
-               "--width", str(width), "--batch", str(config.batch), "--device", device, "--dag", dag, "--pace", pace,
-               "--iterations", str(iterations),
-               "--warmup", str(warmup), "--seed", str(seed)]
-    if json_path is not None:
-        command += ["--json", str(json_path)]
+    command = invocation(ctx, batch=config.batch)
     with progress_bar(quiet=quiet) as progress:
         task = progress.add_task(f"tictac {model}", total=iterations * len(orderings))
         done: dict[str, int] = {}
@@ -557,9 +742,10 @@ def bench_tictac(
 
 @bench_app.command("grad-order")
 def bench_grad_order(
+    ctx: typer.Context,
     model: Annotated[str, typer.Option(help="inception, vgg, alexnet, par32 or seq32 (mlfabric.order.models).")]
     = "vgg",
-    workers: Annotated[int, typer.Option(help="Data-parallel ranks (ring allreduce).")] = 4,
+    workers: Annotated[int, typer.Option(min=1, help="Data-parallel ranks (ring allreduce).")] = 4,
     ordering: Annotated[str, typer.Option(help="Comma-separated: ddp (first come first served, step after every "
                                           "update), fifo (same order, per-layer forward), bytescheduler (priority = "
                                           "declaration order), tio, tao (TicTac's priorities); the last three with "
@@ -568,22 +754,23 @@ def bench_grad_order(
                                           "at --rate.")] = False,
     rate: Annotated[str, typer.Option(help="NIC rate when emulated; also sizes the emulated device (S = 1).")]
     = "1gbit",
-    width: Annotated[int, typer.Option(help="Channel multiplier of the model (parameters ~ width^2).")] = 1,
-    batch: Annotated[int, typer.Option(help="Synthetic batch size of the real compute.")] = 1,
+    width: Annotated[int, typer.Option(min=1, help="Channel multiplier of the model (parameters ~ width^2).")] = 1,
+    batch: Annotated[int, typer.Option(min=1, help="Synthetic batch size of the real compute.")] = 1,
     device: Annotated[str, typer.Option(help="emulated: forward and backward padded to device times (S = 1); cpu: "
                                         "the real compute only.")] = "emulated",
     partition: Annotated[str, typer.Option(help="Partition size of the gradients (ByteScheduler's), e.g. 1MiB.")]
     = "512KiB",
-    credit: Annotated[int, typer.Option(help="Partitions in flight at once.")] = 2,
-    iterations: Annotated[int, typer.Option(help="Iterations per ordering, warm-up (and calibration) included.")]
+    credit: Annotated[int, typer.Option(min=1, help="Partitions in flight at once.")] = 2,
+    iterations: Annotated[int, typer.Option(min=1, help="Iterations per ordering, warm-up (and calibration) included.")]
     = 40,
-    warmup: Annotated[int, typer.Option(help="Leading iterations not counted (>= 2: the first calibrate).")] = 5,
-    rounds: Annotated[int, typer.Option(help="The orderings take turns, iterations / rounds at a time (a drift of "
-                                        "the machine falls on all).")] = 1,
-    seed: Annotated[int, typer.Option(help="Model weights and inputs.")] = 0,
+    warmup: Annotated[int, typer.Option(min=0, help="Leading iterations not counted (>= 2: the first calibrate).")] = 5,
+    rounds: Annotated[int, typer.Option(min=1, help="The orderings take turns, iterations / rounds at a time (a "
+                                        "drift of the machine falls on all).")] = 1,
+    seed: Annotated[int, typer.Option(min=0, help="Model weights and inputs.")] = 0,
     json_path: JsonOption = None,
     quiet: QuietOption = False,
-    timeout: Annotated[float, typer.Option(help="Seconds before the whole run is killed.")] = 1800.0,
+    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds before the whole run is killed.")]
+        = 1800.0,
 ) -> None:
     """TicTac's priorities on allreduce training (ByteScheduler-style): step time per gradient order.
 
@@ -592,19 +779,12 @@ def bench_grad_order(
     from mlfabric.bench.grad_order import GradOrderBenchConfig, render_table, run_grad_order_bench
     from mlfabric.bench.procs import RankFailedError, RankTimeoutError
     from mlfabric.emu.cmd import EmuUnavailableError
-    from mlfabric.units import parse_rate, parse_size
 
-    config = make_config(GradOrderBenchConfig, model=model, workers=workers,
-                         orderings=tuple(split_list(ordering, "orderings")), emulate=emulate,
-                         rate_bps=make_config(parse_rate, value=rate), width=width, batch=batch, device=device,
-                         partition_bytes=make_config(parse_size, value=partition), credit=credit,
-                         iterations=iterations, warmup=warmup, rounds=rounds, seed=seed, timeout_s=timeout)
-    command = ["mlfabric", "bench", "grad-order", "--model", model, "--workers", str(workers), "--ordering", ordering,
-               *(["--emulate"] if emulate else []), "--rate", rate, "--width", str(width), "--batch", str(batch),
-               "--device", device, "--partition", partition, "--credit", str(credit), "--iterations", str(iterations),
-               "--warmup", str(warmup), "--rounds", str(rounds), "--seed", str(seed)]
-    if json_path is not None:
-        command += ["--json", str(json_path)]
+    check_processes(workers, "--workers")
+    config = config_from(ctx, GradOrderBenchConfig, orderings=tuple(split_list(ordering, "orderings")),
+                         rate_bps=rate_option(rate, "--rate", emulated=emulate),
+                         partition_bytes=size_option(partition, "--partition"), timeout_s=timeout)
+    command = invocation(ctx)
     with progress_bar(quiet=quiet) as progress:
         task = progress.add_task(f"grad-order {model}", total=iterations * len(config.orderings))
         done: dict[str, int] = {}
@@ -626,26 +806,22 @@ def bench_grad_order(
 
 @bench_app.command("scheduler")
 def bench_scheduler(
+    ctx: typer.Context,
     updates: Annotated[str, typer.Option(help="Comma-separated batch sizes |U| (MLfabric §7.4).")] = "100,500,1000",
-    repeats: Annotated[int, typer.Option(help="Batches per |U| for the fast scheduler (median reported).")] = 5,
-    reference_repeats: Annotated[int, typer.Option(help="How many of them the reference also plans.")] = 1,
-    aggregators: Annotated[int, typer.Option(help="Aggregators (hosts 1..k) for Alg. 3.")] = 2,
+    repeats: Annotated[int, typer.Option(min=1, help="Batches per |U| for the fast scheduler (median reported).")] = 5,
+    reference_repeats: Annotated[int, typer.Option(min=0, help="How many of them the reference also plans.")] = 1,
+    aggregators: Annotated[int, typer.Option(min=0, help="Aggregators (hosts 1..k) for Alg. 3.")] = 2,
     mode: Annotated[str, typer.Option(help="async (MLfabric-A: Alg. 2 + 3) or sync (MLfabric-S).")] = "async",
     json_path: JsonOption = None,
     quiet: QuietOption = False,
-    seed: Annotated[int, typer.Option(help="Seed of the batches and NIC rates.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the batches and NIC rates.")] = 0,
 ) -> None:
     """MLfabric §7.4: ms per batch of the update scheduler vs its plain reference, same batches."""
     from mlfabric.ps.scheduler.bench import SchedulerBenchConfig, render_table, run_scheduler_bench
 
     sizes = tuple(_parse_or_usage(int, item) for item in split_list(updates, "batch sizes"))
-    config = make_config(SchedulerBenchConfig, updates=sizes, repeats=repeats, reference_repeats=reference_repeats,
-                         aggregators=aggregators, mode=mode, seed=seed)
-    command = ["mlfabric", "bench", "scheduler", "--updates", ",".join(map(str, sizes)), "--repeats", str(repeats),
-               "--reference-repeats", str(reference_repeats), "--aggregators", str(aggregators), "--mode", mode,
-               "--seed", str(seed)]
-    if json_path is not None:
-        command += ["--json", str(json_path)]
+    config = config_from(ctx, SchedulerBenchConfig, updates=sizes)
+    command = invocation(ctx, updates=",".join(map(str, sizes)))
     with progress_bar(quiet=quiet) as progress:
         steps = len(sizes) * (repeats + min(reference_repeats, repeats))
         on_step = step_reporter(progress, progress.add_task("scheduler benchmark", total=steps))
@@ -671,8 +847,9 @@ def _parse_or_usage(parse: Callable[[str], T], value: str) -> T:
 def _sim_topology(spec: str, link: str) -> Any:
     from mlfabric.topo import parse_topology
 
+    rate = rate_option(link, "--link")
     try:
-        return parse_topology(spec, link)
+        return parse_topology(spec, rate)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
 
@@ -790,6 +967,7 @@ def _check_choice(value: str, choices: tuple[str, ...], option: str) -> str:
 
 @simulate_app.command("collective")
 def simulate_collective_cmd(
+    ctx: typer.Context,
     topology: TopologyOption,
     link: LinkOption = "10Gbps",
     algorithm: Annotated[str, typer.Option(help="ring, halving_doubling, tree (allreduce), or a collective kind: "
@@ -797,19 +975,20 @@ def simulate_collective_cmd(
         = "ring",
     size: Annotated[str, typer.Option(help="Buffer size in bytes (KB/MB = powers of 1000, KiB/MiB of 1024).")]
         = "100MB",
-    itemsize: Annotated[int, typer.Option(help="Bytes per element (4 = float32).")] = 4,
-    ranks: Annotated[Optional[int], typer.Option(help="Number of ranks (default: every host).")] = None,
+    itemsize: Annotated[int, typer.Option(min=1, help="Bytes per element (4 = float32).")] = 4,
+    ranks: Annotated[Optional[int], typer.Option(min=2, help="Number of ranks (default: every host).")] = None,
     placement: Annotated[str, typer.Option(help="Rank -> host: sequential (rank r on host r) or random.")]
         = "sequential",
-    ranks_per_host: Annotated[int, typer.Option("--ranks-per-host", help="Ranks on every host (ranks h*R.. on "
+    ranks_per_host: Annotated[int, typer.Option("--ranks-per-host", min=1, help="Ranks on every host (ranks h*R.. on "
                                                 "host h; host_hierarchical gets this layout).")] = 1,
     host_rate: Annotated[Optional[str], typer.Option("--host-rate", help="Rate of each host's internal link "
                                                      "(the shared-memory hop), e.g. 32Gbps; default: free.")] = None,
     routing: RoutingOption = "ecmp",
-    seed: Annotated[int, typer.Option(help="Seed of ECMP, placement and compute draws.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of ECMP, placement and compute draws.")] = 0,
     channel: Annotated[Optional[str], typer.Option(help="Channel of every message; on BCube channel 'l' = NIC l.")]
         = None,
-    chunks: Annotated[Optional[int], typer.Option(help="Pipelining chunks per segment (builder default).")] = None,
+    chunks: Annotated[Optional[int], typer.Option(min=1, help="Pipelining chunks per segment (builder default).")]
+        = None,
     latency: LatencyOption = "0s",
     compute: Annotated[str, typer.Option(help="Compute time of each rank before the collective.")] = "0s",
     speed_range: SpeedRangeOption = None,
@@ -823,18 +1002,18 @@ def simulate_collective_cmd(
     """Simulate one collective built by mlfabric.collectives (the runtime's schedules) on a topology."""
     from mlfabric.collectives.bcube import closed_form_gst
     from mlfabric.sim import EngineConfig, collective_kind, ring_closed_form_s, simulate_collective
-    from mlfabric.units import format_size, parse_duration, parse_size
+    from mlfabric.units import format_size, parse_duration
 
     _check_sim_output(plot, routing, links)
     _check_choice(placement, ("sequential", "random"), "--placement")
-    size_bytes = _parse_or_usage(parse_size, size)
+    size_bytes = size_option(size, "--size", itemsize=itemsize)
     from mlfabric.sim.limits import estimate_collective, topology_size
 
     _check_sim_limits(lambda: estimate_collective(
         topology, collective_kind(algorithm), size_bytes=size_bytes, itemsize=itemsize, chunks=chunks,
         ranks=ranks if ranks_per_host <= 1 else topology_size(topology)[0] * ranks_per_host))
     topo = _sim_topology(topology, link)
-    config = make_config(EngineConfig, routing=routing, seed=seed, latency_s=_parse_or_usage(parse_duration, latency))
+    config = config_from(ctx, EngineConfig, latency_s=_parse_or_usage(parse_duration, latency))
     model = _compute_model(compute, straggler, speed_range)
     kind = collective_kind(algorithm)
     options: dict[str, Any] = {}
@@ -851,9 +1030,7 @@ def simulate_collective_cmd(
         if "host_hierarchical" in kind:
             options["hosts"] = tuple(hosts)
     if host_rate is not None:
-        from mlfabric.units import parse_rate
-
-        topo = topo.with_host_links(_parse_or_usage(parse_rate, host_rate))
+        topo = topo.with_host_links(rate_option(host_rate, "--host-rate"))
     try:
         quiet = quiet or progress_lines  # --progress prints lines instead of the bar
         with progress_bar(quiet=quiet) as progress:
@@ -885,38 +1062,35 @@ def simulate_collective_cmd(
         extra["closed_form_s"] = closed
         extra["time_vs_closed_form"] = result.time_s / closed if closed else None
         rows.append((label, f"{closed:.6g} s (simulated / closed form = {result.time_s / closed:.4f})" if closed else "0"))
-    command = ["mlfabric", "simulate", "collective", "--topology", topology, "--link", link, "--algorithm", algorithm,
-               "--size", size, "--routing", routing, "--seed", str(seed)]
-    command += ["--ranks-per-host", str(ranks_per_host)] if ranks_per_host > 1 else []
-    command += ["--host-rate", host_rate] if host_rate is not None else []
     _sim_output("collective", result, extra, json_path=json_path, plot=plot, links=links,
-                command=command, rows=rows)
+                command=invocation(ctx), rows=rows)
 
 
 @simulate_app.command("ps")
 def simulate_ps_cmd(
+    ctx: typer.Context,
     topology: TopologyOption,
-    workers: Annotated[int, typer.Option(help="Workers (W).")],
-    servers: Annotated[int, typer.Option(help="Parameter servers (S); the model is split evenly across them.")],
+    workers: Annotated[int, typer.Option(min=1, help="Workers (W).")],
+    servers: Annotated[int, typer.Option(min=1, help="Parameter servers (S); the model is split evenly across them.")],
     link: LinkOption = "10Gbps",
     strategy: Annotated[str, typer.Option(help="baseline (direct), binary (trees of in-degree 2), rack (one "
                                                "aggregator per rack) or tree (with --degree).")] = "baseline",
-    degree: Annotated[Optional[int], typer.Option(help="In-degree d of --strategy tree.")] = None,
+    degree: Annotated[Optional[int], typer.Option(min=1, help="In-degree d of --strategy tree.")] = None,
     model_size: Annotated[str, typer.Option("--model-size", help="Model (= gradient) size in bytes.")] = "100MB",
     placement: Annotated[str, typer.Option(help="random (seeded, disjoint), sequential, colocated "
                                                 "(worker i and server i on host i: the P2P PS), or launch "
                                                 "(servers on hosts 0..S-1, then the workers: an emulated "
                                                 "train launch's placement).")] = "random",
     routing: RoutingOption = "ecmp",
-    seed: Annotated[int, typer.Option(help="Seed of placement, ECMP and compute draws.")] = 0,
-    iterations: Annotated[int, typer.Option(help="Iterations to simulate.")] = 1,
-    staleness: Annotated[int, typer.Option(help="SSP staleness bound s (0 = BSP).")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of placement, ECMP and compute draws.")] = 0,
+    iterations: Annotated[int, typer.Option(min=1, help="Iterations to simulate.")] = 1,
+    staleness: Annotated[int, typer.Option(min=0, help="SSP staleness bound s (0 = BSP).")] = 0,
     barrier: Annotated[str, typer.Option(help="server (a server pulls once its pushes arrived) or global "
                                               "(pull phase after the whole push phase).")] = "server",
     compute: Annotated[str, typer.Option(help="Compute time of one iteration at nominal speed.")] = "0s",
     speed_range: SpeedRangeOption = None,
     straggler: StragglerOption = "none",
-    jobs: Annotated[int, typer.Option(help="Concurrent copies of the job, placed independently.")] = 1,
+    jobs: Annotated[int, typer.Option(min=1, help="Concurrent copies of the job, placed independently.")] = 1,
     priorities: Annotated[str, typer.Option(help="With --jobs: none (fair sharing) or random (distinct "
                                                  "strict priorities, MLNET §3).")] = "none",
     latency: LatencyOption = "0s",
@@ -933,7 +1107,7 @@ def simulate_ps_cmd(
     import numpy as np
 
     from mlfabric.sim import EngineConfig, PSConfig, iteration_times, simulate_ps
-    from mlfabric.units import format_size, parse_duration, parse_size
+    from mlfabric.units import format_size, parse_duration
 
     _check_sim_output(plot, routing, links)
     _check_choice(priorities, ("none", "random"), "--priorities")
@@ -943,12 +1117,9 @@ def simulate_ps_cmd(
 
     _check_sim_limits(lambda: estimate_ps(topology, workers=workers, servers=servers, iterations=iterations, jobs=jobs))
     topo = _sim_topology(topology, link)
-    model_bytes = _parse_or_usage(parse_size, model_size)
-    config = make_config(EngineConfig, routing=routing, seed=seed, latency_s=_parse_or_usage(parse_duration, latency),
-                         batch_rtol=batch_rtol)
-    ps = make_config(PSConfig, workers=workers, servers=servers, model_bytes=model_bytes, strategy=strategy,
-                     degree=degree, staleness=staleness, iterations=iterations, placement=placement, barrier=barrier,
-                     compute=_compute_model(compute, straggler, speed_range))
+    model_bytes = size_option(model_size, "--model-size", itemsize=None)
+    config = config_from(ctx, EngineConfig, latency_s=_parse_or_usage(parse_duration, latency))
+    ps = config_from(ctx, PSConfig, model_bytes=model_bytes, compute=_compute_model(compute, straggler, speed_range))
     prios = None
     if priorities == "random":
         prios = np.random.default_rng(np.random.SeedSequence([seed, 4])).permutation(jobs).tolist()
@@ -979,11 +1150,8 @@ def simulate_ps_cmd(
         ("time per iteration", f"{result.time_s / iterations:.6g} s (makespan {result.time_s:.6g} s over "
                                f"{iterations} iteration{'s' if iterations > 1 else ''})"),
     ]
-    command = ["mlfabric", "simulate", "ps", "--topology", topology, "--link", link, "--workers", str(workers),
-               "--servers", str(servers), "--strategy", strategy, "--model-size", model_size, "--routing", routing,
-               "--seed", str(seed)]
     _sim_output("ps", result, extra, json_path=json_path, plot=plot, links=links,
-                command=command, rows=rows)
+                command=invocation(ctx), rows=rows)
 
 
 def _parse_bcube_cases(text: str) -> list[tuple[int, int]]:
@@ -1001,6 +1169,7 @@ def _parse_bcube_cases(text: str) -> list[tuple[int, int]]:
 
 @simulate_app.command("bml")
 def simulate_bml_cmd(
+    ctx: typer.Context,
     servers: Annotated[str, typer.Option(help="Fig. 5 panels: 16 (BCube(4,2), Fat-Tree(4)) and/or 1024 "
                                               "(BCube(32,2), Fat-Tree(16): ~4 min, ~16 GB peak for PS/Fat-Tree).")]
         = "16,1024",
@@ -1018,7 +1187,7 @@ def simulate_bml_cmd(
     from rich.table import Table
 
     from mlfabric.sim.bml import BARS, FIG5_SETUPS, figure5, gst_checks
-    from mlfabric.units import format_rate, parse_rate
+    from mlfabric.units import format_rate
 
     _check_choice(routing, ("ecmp", "spray"), "--routing")
     panels = []
@@ -1027,9 +1196,10 @@ def simulate_bml_cmd(
             raise typer.BadParameter(f"--servers takes {', '.join(map(str, FIG5_SETUPS))}, got {item!r}")
         panels.append(int(item))
     cases = _parse_bcube_cases(checks)
-    if not rtol > 0:
-        raise typer.BadParameter(f"--rtol must be > 0, got {rtol}")
-    rate = _parse_or_usage(parse_rate, link)
+    if not 0 < rtol < 1:
+        raise typer.BadParameter(f"--rtol must be > 0 and < 1 (a relative error of 1 or more passes anything), "
+                                 f"got {rtol:g}")
+    rate = rate_option(link, "--link")
     with progress_bar(quiet=quiet) as progress:
         on_step = step_reporter(progress, progress.add_task("BML Fig. 5", total=len(panels) * len(BARS) + len(cases)))
         rows = _run_sim(lambda: figure5(panels, rate=rate, routing=routing, on_bar=lambda count, label: on_step(
@@ -1059,9 +1229,7 @@ def simulate_bml_cmd(
     console.print(check_table)
     ok = all(check.ok for check in results)
     if json_path is not None:
-        command = ["mlfabric", "simulate", "bml", "--servers", ",".join(map(str, panels)), "--checks",
-                   ",".join(f"{n}x{k}" for n, k in cases), "--rtol", f"{rtol:g}", "--link", link, "--routing", routing,
-                   "--json", str(json_path)]
+        command = invocation(ctx, servers=",".join(map(str, panels)), checks=",".join(f"{n}x{k}" for n, k in cases))
         write_json(json_path, {"command": " ".join(command), "link_rate_bps": rate, "routing": routing,
                                "figure5": rows, "gst_checks": [check.to_dict() for check in results], "ok": ok})
     if not ok:
@@ -1075,30 +1243,33 @@ def _fmt_change(value: Optional[float]) -> str:
 
 @simulate_app.command("mlfabric")
 def simulate_mlfabric_cmd(
-    workers: Annotated[int, typer.Option(help="Workers (one host each; the server on its own host).")] = 30,
+    ctx: typer.Context,
+    workers: Annotated[int, typer.Option(min=1, help="Workers (one host each; the server on its own host).")] = 30,
     update_size: Annotated[str, typer.Option("--update-size", help="Update (= model) size.")] = "100MB",
     rate: Annotated[str, typer.Option(help="Every NIC's rate before churn.")] = "10gbit",
     compute: Annotated[str, typer.Option(help="A worker's compute per update at nominal speed.")] = "100ms",
     inject: Annotated[str, typer.Option(help="Compute settings, comma-separated: C1, C2, C3 (MLfabric §7), "
                                              "none.")] = "C1,C2,C3",
-    churn: Annotated[str, typer.Option(help="Network settings, comma-separated: N1, N2, N3, none.")] = "N1,N2,N3",
+    # Not the config's one `churn`: the grid's settings (config_from takes options named like fields).
+    churn_grid: Annotated[str, typer.Option("--churn", help="Network settings, comma-separated: N1, N2, N3, "
+                                                              "none.")] = "N1,N2,N3",
     churn_period: Annotated[str, typer.Option("--churn-period", help="Seconds between NIC rate redraws.")] = "5s",
     sync: Annotated[str, typer.Option(help="Modes: allreduce (RR-Sync), tree-allreduce (Tr-Sync), ps-async, "
                                            "mlfabric-a:TAU, mlfabric-s.")] =
         "allreduce,tree-allreduce,ps-async,mlfabric-a:30,mlfabric-s",
-    updates: Annotated[int, typer.Option(help="Worker updates every mode must apply (the work to the "
+    updates: Annotated[int, typer.Option(min=1, help="Worker updates every mode must apply (the work to the "
                                               "target).")] = 3000,
     updates_needed: Annotated[Optional[str], typer.Option(
         "--updates-needed", help="Per mode, overriding --updates: MODE=N,... (e.g. what an emulated run needed "
                                  "to reach its target).")] = None,
-    aggregators: Annotated[int, typer.Option(help="k: aggregators (worker hosts) per server.")] = 2,
-    distributors: Annotated[int, typer.Option(help="k°: distributors per batch of pulls.")] = 2,
+    aggregators: Annotated[int, typer.Option(min=0, help="k: aggregators (worker hosts) per server.")] = 2,
+    distributors: Annotated[int, typer.Option(min=0, help="k°: distributors per batch of pulls.")] = 2,
     interval: Annotated[str, typer.Option(help="The scheduler's batching period.")] = "100ms",
     lag: Annotated[str, typer.Option(help="The network monitor's lag (t_lag).")] = "200ms",
     pull_after: Annotated[str, typer.Option("--pull-after", help="MLfabric-A: a pull is answered once the "
                                                                   "worker's update is applied (applied, as the "
                                                                   "runtime) or at once (request).")] = "applied",
-    seed: Annotated[int, typer.Option(help="Seed of compute and churn draws.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of compute and churn draws.")] = 0,
     emulated: Annotated[Optional[list[Path]], typer.Option(
         help="Instead of the grid: the cells of these emulated train JSONs (train --emulate --churn N --target "
              "T), each mode timed to the updates it needed there; emulated vs simulated speedups. Repeatable; "
@@ -1113,7 +1284,7 @@ def simulate_mlfabric_cmd(
     from rich.table import Table
 
     from mlfabric.sim.mlfabric import PAPER_TABLE2, MLfabricSimConfig, simulate_table2, table2
-    from mlfabric.units import parse_duration, parse_rate, parse_size
+    from mlfabric.units import parse_duration
 
     _check_choice(pull_after, ("applied", "request"), "--pull-after")
     needed: dict[str, int] = {}
@@ -1123,23 +1294,23 @@ def simulate_mlfabric_cmd(
             raise typer.BadParameter(f"--updates-needed: expected MODE=N, got {item!r}")
         needed[mode.strip()] = int(count)
     modes = split_list(sync, "modes")
-    config = make_config(MLfabricSimConfig, workers=workers, update_bytes=float(_parse_or_usage(parse_size, update_size)),
-                         rate_bps=_parse_or_usage(parse_rate, rate), compute_s=_parse_or_usage(parse_duration, compute),
-                         churn_period_s=_parse_or_usage(parse_duration, churn_period), updates=updates,
-                         updates_needed=needed, aggregators=aggregators, distributors=distributors,
+    config = config_from(ctx, MLfabricSimConfig,
+                         update_bytes=float(size_option(update_size, "--update-size", itemsize=None)),
+                         rate_bps=rate_option(rate, "--rate"), compute_s=_parse_or_usage(parse_duration, compute),
+                         churn_period_s=_parse_or_usage(parse_duration, churn_period), updates_needed=needed,
                          interval_s=_parse_or_usage(parse_duration, interval),
-                         monitor_lag_s=_parse_or_usage(parse_duration, lag), pull_after=pull_after, seed=seed)
+                         monitor_lag_s=_parse_or_usage(parse_duration, lag))
     if emulated:
         _compare_emulated(config, emulated, json_path)
         return
     injects = split_list(inject, "compute settings")
-    churns = [None if c.lower() == "none" else c for c in split_list(churn, "network settings")]
+    churns = [None if c.lower() == "none" else c for c in split_list(churn_grid, "network settings")]
     with progress_bar(quiet=quiet) as progress:
         task = progress.add_task(f"MLfabric Table 2: {len(injects) * len(churns)} cells x {len(modes)} modes",
                                  total=len(injects) * len(churns))
         try:
-            rows = simulate_table2(config, modes, injects, churns,
-                                   on_cell=lambda done, total: progress.update(task, completed=done))
+            rows = _run_sim(lambda: simulate_table2(config, modes, injects, churns,
+                                                    on_cell=lambda done, total: progress.update(task, completed=done)))
         except ValueError as exc:
             raise typer.BadParameter(str(exc)) from None
     names = [c or "none" for c in churns]
@@ -1167,16 +1338,10 @@ def simulate_mlfabric_cmd(
             table.add_row(inj, *cells)
         console.print(table)
     if json_path is not None:
-        command = ["mlfabric", "simulate", "mlfabric", "--workers", str(workers), "--update-size", update_size,
-                   "--rate", rate, "--compute", compute, "--inject", inject, "--churn", churn, "--sync", sync,
-                   "--updates", str(updates), "--aggregators", str(aggregators), "--distributors", str(distributors),
-                   "--interval", interval, "--lag", lag, "--pull-after", pull_after, "--seed", str(seed)]
-        if updates_needed:
-            command += ["--updates-needed", updates_needed]
         import dataclasses
         import shlex
 
-        write_json(json_path, {"benchmark": "simulate-mlfabric", "command": shlex.join(command),
+        write_json(json_path, {"benchmark": "simulate-mlfabric", "command": shlex.join(invocation(ctx)),
                                "config": dataclasses.asdict(config), "runs": rows,
                                "table2": {m: table2(rows, m) for m in modes}, "paper_table2": PAPER_TABLE2})
 
@@ -1218,6 +1383,10 @@ def _compare_emulated(config: Any, paths: list[Path], json_path: Optional[Path])
 
 @simulate_app.command("mlnet")
 def simulate_mlnet_cmd(
+    ctx: typer.Context,
+    quick: Annotated[bool, typer.Option("--quick", help="Scaled down ~8x: k=8 fat-tree, 100 workers; 20 jobs of "
+                                                        "25 x 6 (~1 min; the paper's figures do not apply).")]
+        = False,
     servers: Annotated[Optional[str], typer.Option(help="Parameter-server counts of the sweep (default "
                                                         "50,100,200,300,400; with --quick 6,12,25,38,50).")] = None,
     oversub: Annotated[str, typer.Option(help="ToR-uplink oversubscription ratios: 1 (full bisection), 4 (1:4).")]
@@ -1235,9 +1404,6 @@ def simulate_mlnet_cmd(
     batch_rtol: Annotated[float, typer.Option("--batch-rtol", help="Flows finishing within this relative time "
                                                                    "finish together (1e-3: < 0.5% on makespans, "
                                                                    "5-25x faster than the exact 1e-9).")] = 1e-3,
-    quick: Annotated[bool, typer.Option("--quick", help="Scaled down ~8x: k=8 fat-tree, 100 workers; 20 jobs of "
-                                                        "25 x 6 (~1 min; the paper's figures do not apply).")]
-        = False,
     json_path: JsonOption = None,
     quiet: QuietOption = False,
 ) -> None:
@@ -1248,7 +1414,7 @@ def simulate_mlnet_cmd(
     from rich.table import Table
 
     from mlfabric.sim.mlnet import JobsConfig, SweepConfig, quick_configs, run_mlnet
-    from mlfabric.units import format_size, parse_duration, parse_size
+    from mlfabric.units import format_size, parse_duration
 
     if not sweep and not jobs_experiment:
         raise typer.BadParameter("nothing to run: give --sweep or --jobs-experiment")
@@ -1257,18 +1423,13 @@ def simulate_mlnet_cmd(
                    if servers is not None else sweep_base.servers)
     oversub_list = tuple(_parse_or_usage(float, o) for o in split_list(oversub, "oversubscription ratios"))
     seed_list = tuple(_parse_or_usage(int, s) for s in split_list(seeds, "seeds"))
-    common = {"update_bytes": float(_parse_or_usage(parse_size, update_size)),
+    common = {"update_bytes": float(size_option(update_size, "--update-size", itemsize=None)),
               "compute_s": _parse_or_usage(parse_duration, compute), "seeds": seed_list, "batch_rtol": batch_rtol}
     sweep_config = make_config(lambda **kw: dataclasses.replace(sweep_base, **kw), servers=server_list, oversub=oversub_list,
                                strategies=tuple(split_list(strategies, "strategies")), **common)
     jobs_config = make_config(lambda **kw: dataclasses.replace(jobs_base, **kw), **common)
-    command = ["mlfabric", "simulate", "mlnet", *(["--quick"] if quick else []),
-               "--servers", ",".join(map(str, server_list)), "--oversub", oversub.replace(" ", ""),
-               "--seeds", ",".join(map(str, seed_list)), "--strategies", ",".join(sweep_config.strategies),
-               *([] if sweep else ["--no-sweep"]), *([] if jobs_experiment else ["--no-jobs-experiment"]),
-               "--update-size", update_size, "--compute", compute, "--batch-rtol", f"{batch_rtol:g}"]
-    if json_path is not None:
-        command += ["--json", str(json_path)]
+    command = invocation(ctx, servers=",".join(map(str, server_list)), oversub=oversub.replace(" ", ""),
+                         seeds=",".join(map(str, seed_list)), strategies=",".join(sweep_config.strategies))
     runs = ((len(sweep_config.oversub) * len(sweep_config.servers) * len(sweep_config.seeds)
              * len(sweep_config.strategies) if sweep else 0)
             + (len(jobs_config.seeds) * len(jobs_config.strategies) * 2 if jobs_experiment else 0))  # fair, priorities
@@ -1327,11 +1488,12 @@ def simulate_mlnet_cmd(
 
 @app.command("train")
 def train(
+    ctx: typer.Context,
     workload: Annotated[str, typer.Option(help="hyperplane (eager-SGD §6.2.1), lstm (§6.3), lenet5 (BML's LeNet-5 "
                                                "on synthetic MNIST-shaped images), mlp (an MLP on a "
                                                "random-teacher classification) or lda (distributed LDA by "
                                                "collapsed Gibbs sampling, MLfabric §7).")] = "hyperplane",
-    workers: Annotated[int, typer.Option(help="Number of local ranks (processes).")] = 8,
+    workers: Annotated[int, typer.Option(min=1, help="Number of local ranks (processes).")] = 8,
     sync: Annotated[Optional[str], typer.Option(help="Comma-separated modes: allreduce (synchronous SGD over --algorithm; "
                                            "ring: MLfabric's RR-Sync), tree-allreduce (Tr-Sync), eager-solo, "
                                            "eager-majority; parameter server: ps-bsp, ps-ssp:S (staleness S), "
@@ -1340,61 +1502,64 @@ def train(
                                            "(MLNET's trees; +ssp:S for SSP in the tree, e.g. mlnet-rack+ssp:2). "
                                            "Default: allreduce,eager-solo; lda: "
                                            "allreduce,ps-async,mlfabric-a:8.")] = None,
-    servers: Annotated[int, typer.Option(help="PS modes: server processes (beside --workers workers).")] = 1,
-    replicas: Annotated[int, typer.Option(help="PS modes: replica processes (replica i mirrors server i % "
+    servers: Annotated[int, typer.Option(min=1, help="PS modes: server processes (beside --workers workers).")] = 1,
+    replicas: Annotated[int, typer.Option(min=0, help="PS modes: replica processes (replica i mirrors server i % "
                                                "servers).")] = 0,
-    replication: Annotated[str, typer.Option(
-        help="How replicas get the updates: chain (the server forwards each one) or network (mlfabric-a modes: "
-             "MLfabric §5.3, the workers send copies as the scheduler plans, within --div-max).")] = "chain",
+    replication: Annotated[Optional[str], typer.Option(
+        help="How replicas get the updates: chain (the server forwards each one; every PS mode) or network "
+             "(mlfabric-a modes only: MLfabric §5.3, the workers send copies as the scheduler plans, within "
+             "--div-max). Default: network with --div-max, else chain.")] = None,
     div_max: Annotated[Optional[str], typer.Option(
-        "--div-max", help="--replication network: Div_max, the replica's largest divergence from its server at a "
-                          "batch end: a norm (0.5) or a number of updates (30u).")] = None,
+        "--div-max", help="Div_max of network replication (implies --replication network; mlfabric-a modes only): "
+                          "the replica's largest divergence from its server at a batch end, a norm (0.5) or a "
+                          "number of updates (30u).")] = None,
     measure_divergence: Annotated[bool, typer.Option(
         "--measure-divergence/--no-measure-divergence",
         help="mlfabric-a with --replicas: each server sends its model to its replicas at every batch end so that "
              "they measure max_divergence (costs a model per batch on the server's NIC: off for overhead "
              "measurements).")] = True,
     delay_bound: Annotated[Optional[int], typer.Option(
-        "--delay-bound", help="ps-async: drop updates whose delay would exceed TAU (MLfabric's tau_max).")] = None,
+        "--delay-bound", min=0, help="ps-async: drop updates whose delay would exceed TAU (MLfabric's "
+                                     "tau_max).")] = None,
     checkpoint_every: Annotated[int, typer.Option(
-        "--checkpoint-every", help="PS modes: each server checkpoints its shard to a local file every N versions "
-                                   "(0: never; the baseline of MLfabric's replication).")] = 0,
+        "--checkpoint-every", min=0, help="PS modes: each server checkpoints its shard to a local file every N "
+                                          "versions (0: never; the baseline of MLfabric's replication).")] = 0,
     fail: Annotated[Optional[str], typer.Option(
         "--fail", help="server:AT: SIGKILL server 0's process AT seconds into the (one) PS run; its replica takes "
                        "over (needs --replicas; reports failover_s, lost_divergence, lost_updates).")] = None,
     inject: Annotated[Optional[list[str]], typer.Option(
         help="Delay injection, repeatable (each runs every mode): one-random:300ms (one random worker per step), "
              "random:300ms,2, skew:50ms,50ms,rotate, C1|C2|C3 (MLfabric's compute stragglers), none.")] = None,
-    epochs: Annotated[Optional[int], typer.Option(help="Epochs (default: 48 hyperplane, 16 lstm, 4 lenet5, "
+    epochs: Annotated[Optional[int], typer.Option(min=1, help="Epochs (default: 48 hyperplane, 16 lstm, 4 lenet5, "
                                                        "8 mlp, 40 lda).")] = None,
-    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Per worker (default: 256 hyperplane, "
-                                                                         "16 lstm, 32 lenet5, 64 mlp; lda: the "
-                                                                         "worker's documents).")] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", min=1, help="Per worker (default: 256 "
+                                                                         "hyperplane, 16 lstm, 32 lenet5, 64 mlp; "
+                                                                         "lda: the worker's documents).")] = None,
     lr: Annotated[Optional[float], typer.Option(help="SGD learning rate (default: 0.05 hyperplane, 0.1 lstm, "
                                                      "0.02 lenet5, 0.1 mlp; lda: 1, fixed).")] = None,
     momentum: Annotated[Optional[float], typer.Option(help="SGD momentum (default: 0 hyperplane and lda, 0.9 the "
                                                            "others).")] = None,
     sync_every_epochs: Annotated[Optional[int], typer.Option(
-        "--sync-every-epochs", help="eager-SGD model average every N epochs (0: only at the end; default: 2 "
+        "--sync-every-epochs", min=0, help="eager-SGD model average every N epochs (0: only at the end; default: 2 "
                                     "hyperplane, lenet5 and mlp, 10 lstm).")] = None,
     algorithm: Annotated[str, typer.Option(help="Reduction schedule: ring, halving_doubling, tree or ps.")] = "ring",
-    dim: Annotated[int, typer.Option(help="hyperplane: input dimension.")] = 8192,
-    train_samples: Annotated[Optional[int], typer.Option("--train-samples", help="Training set size (default: "
+    dim: Annotated[int, typer.Option(min=1, help="hyperplane: input dimension.")] = 8192,
+    train_samples: Annotated[Optional[int], typer.Option("--train-samples", min=1, help="Training set size (default: "
                                                                                 "32768 hyperplane, 4096 lstm, 4096 "
                                                                                 "lenet5, 32768 mlp).")] = None,
     frame_time: Annotated[str, typer.Option("--frame-time", help="lstm: emulated accelerator time per padded time "
                                                                  "step (sleep), e.g. 2ms; 0: CPU compute only.")] = "0",
     compute_time: Annotated[str, typer.Option("--compute-time", help="lenet5, mlp: emulated accelerator time per "
                                                                      "step (sleep after the CPU's), e.g. 60ms.")] = "0",
-    image_size: Annotated[Optional[int], typer.Option("--image-size", help="lenet5: image side (default 28; 16 "
+    image_size: Annotated[Optional[int], typer.Option("--image-size", min=1, help="lenet5: image side (default 28; 16 "
                                                                            "makes a 1.1M-parameter model).")] = None,
-    hidden: Annotated[Optional[int], typer.Option(help="mlp: the student's hidden width (default 256: 143k "
+    hidden: Annotated[Optional[int], typer.Option(min=1, help="mlp: the student's hidden width (default 256: 143k "
                                                        "parameters; 1024: 2.1M).")] = None,
-    topics: Annotated[Optional[int], typer.Option(help="lda: topics K (default 20).")] = None,
-    vocabulary: Annotated[Optional[int], typer.Option(help="lda: vocabulary size V (default 4000).")] = None,
-    documents: Annotated[Optional[int], typer.Option(help="lda: training documents, sharded over the workers "
+    topics: Annotated[Optional[int], typer.Option(min=1, help="lda: topics K (default 20).")] = None,
+    vocabulary: Annotated[Optional[int], typer.Option(min=1, help="lda: vocabulary size V (default 4000).")] = None,
+    documents: Annotated[Optional[int], typer.Option(min=1, help="lda: training documents, sharded over the workers "
                                                           "(default 4096).")] = None,
-    held_out: Annotated[Optional[int], typer.Option("--held-out", help="lda: held-out documents of the metric "
+    held_out: Annotated[Optional[int], typer.Option("--held-out", min=1, help="lda: held-out documents of the metric "
                                                                        "(default 256).")] = None,
     doc_length: Annotated[Optional[float], typer.Option("--doc-length", help="lda: mean tokens per document "
                                                                              "(Poisson; default 100).")] = None,
@@ -1409,8 +1574,9 @@ def train(
     quiet: QuietOption = False,
     plot: Annotated[bool, typer.Option("--plot/--no-plot", help="Draw curves.png (needs matplotlib).")] = True,
     transport: Annotated[str, typer.Option(help="mlfabric transport: tcp (default), zmq or torch.")] = "tcp",
-    timeout: Annotated[float, typer.Option(help="Seconds before the whole launch is killed.")] = 3600.0,
-    seed: Annotated[int, typer.Option(help="Seed of data, models, batches, injections and churn.")] = 0,
+    timeout: Annotated[float, typer.Option(callback=timeout_seconds, help="Seconds before the whole launch is killed.")]
+        = 3600.0,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of data, models, batches, injections and churn.")] = 0,
     emulate: Annotated[bool, typer.Option("--emulate", help="Root: run every rank of a launch on its own host of an "
                                                             "emulated star (star:n=<ranks of the launch>).")] = False,
     rate: Annotated[Optional[str], typer.Option(help="With --emulate: every NIC's rate, e.g. 1gbit, 100mbit "
@@ -1436,7 +1602,7 @@ def train(
                                       render_table, run_eager_training, write_outputs)
     from mlfabric.train.lda import LdaSpec
     from mlfabric.train.workloads import HyperplaneSpec, LeNet5Spec, LstmSpec, MlpSpec
-    from mlfabric.units import parse_duration, parse_rate
+    from mlfabric.units import parse_duration
 
     if sync is None:
         sync = "allreduce,ps-async,mlfabric-a:8" if workload == "lda" else "allreduce,eager-solo"
@@ -1449,10 +1615,23 @@ def train(
     if train_samples and workload == "lda":
         raise typer.BadParameter("lda counts documents: use --documents, not --train-samples")
     lda = make_config(LdaSpec, **lda_given)
+    if replication is None:
+        # The bound only means something to network replication (#39 item 9: it was refused
+        # without --replication network although it implies it).
+        replication = "network" if div_max is not None else "chain"
+        if div_max is not None:
+            console.print(f"note: --div-max {div_max} implies --replication network (MLfabric §5.3; the "
+                          f"mlfabric-a:TAU modes support it, the other PS modes replicate by chain)", highlight=False)
     injects = tuple(inject) if inject else ("none",)
     modes = tuple(split_list(sync, "sync modes"))
+    check_processes(workers + (servers + replicas if any(is_ps_mode(mode) for mode in modes) else 0),
+                    "--workers + --servers + --replicas")
     samples = {"train_samples": train_samples} if train_samples else {}
     hyper = make_config(HyperplaneSpec, dim=dim, **(samples if workload == "hyperplane" else {}))
+    if workload == "hyperplane":  # each rank draws its shard of the training set and the whole validation set
+        rows = hyper.train_samples + hyper.val_samples * workers
+        check_memory(FLOAT32 * hyper.dim * rows, "--dim",
+                     f"the hyperplane data ({rows:,} rows x {hyper.dim:,} float32)")
     lstm = make_config(LstmSpec, frame_time_s=_parse_or_usage(parse_duration, frame_time),
                        **(samples if workload == "lstm" else {}))
     compute_s = _parse_or_usage(parse_duration, compute_time)
@@ -1474,58 +1653,24 @@ def train(
             if value is not None:
                 raise typer.BadParameter(f"{flag} applies to an emulated run: add --emulate (root)")
     else:
-        emulation = make_config(TrainEmulation, rate_bps=_parse_or_usage(parse_rate, rate or "1gbit"), churn=churn,
+        emulation = make_config(TrainEmulation, rate_bps=rate_option(rate or "1gbit", "--rate", emulated=True),
+                                churn=churn,
                                 churn_period_s=_parse_or_usage(parse_duration, churn_period or "5s"),
                                 trace_dir=str(out_dir), ps_topology=topology)
         if churn_period is not None and churn is None:
             raise typer.BadParameter("--churn-period needs --churn N1|N2|N3")
-    config = make_config(EagerTrainConfig, workload=workload, workers=workers, modes=modes, injects=injects,
-                         epochs=epochs, batch_size=batch_size, lr=lr, momentum=momentum,
-                         sync_every_epochs=sync_every_epochs, algorithm=algorithm, hyperplane=hyper, lstm=lstm,
-                         lenet5=lenet5, mlp=mlp, lda=lda, transport=transport, timeout_s=timeout, seed=seed, servers=servers,
-                         replicas=replicas, replication=replication, div_max=div_max,
-                         measure_divergence=measure_divergence, delay_bound=delay_bound,
-                         emulation=emulation, target=target,
-                         checkpoint_every=checkpoint_every, fail=fail)
+    config = config_from(ctx, EagerTrainConfig, modes=modes, injects=injects, hyperplane=hyper, lstm=lstm,
+                         lenet5=lenet5, mlp=mlp, lda=lda, timeout_s=timeout, emulation=emulation,
+                         replication=replication)
     if emulate:
         from mlfabric.emu.cmd import have_root
 
         if not have_root():
             console.print(f"[bold red]error:[/] {EMULATE_NEEDS_ROOT}", markup=True, highlight=False)
             raise typer.Exit(2)
-    command = ["mlfabric", "train", "--workload", workload, "--workers", str(workers), "--sync", sync,
-               *[arg for spec in injects for arg in ("--inject", spec)],
-               "--algorithm", algorithm, "--transport", transport, "--seed", str(seed), "--out", str(out_dir)]
-    if emulate:
-        command += ["--emulate", "--rate", rate or "1gbit"]
-        if churn is not None:
-            command += ["--churn", churn, "--churn-period", churn_period or "5s"]
-    if any(is_ps_mode(mode) for mode in modes):
-        command += ["--servers", str(servers)] + (["--replicas", str(replicas)] if replicas else [])
-        if replication != "chain":
-            command += ["--replication", replication]
-        if div_max is not None:
-            command += ["--div-max", div_max]
-        if not measure_divergence:
-            command += ["--no-measure-divergence"]
-    if checkpoint_every:
-        command += ["--checkpoint-every", str(checkpoint_every)]
-    if fail is not None:
-        command += ["--fail", fail]
-    for flag, value in (("--delay-bound", delay_bound), ("--epochs", epochs), ("--batch-size", batch_size), ("--lr", lr), ("--momentum", momentum),
-                        ("--train-samples", train_samples), ("--sync-every-epochs", sync_every_epochs),
-                        ("--image-size", image_size), ("--target", target),
-                        *((f"--{name.replace('_', '-')}", value) for name, value in lda_given.items())):
-        if value is not None:
-            command += [flag, str(value)]
-    if workload == "hyperplane":
-        command += ["--dim", str(dim)]
-    elif frame_time not in ("0", "0s"):
-        command += ["--frame-time", frame_time]
-    if compute_s:
-        command += ["--compute-time", compute_time]
-    if json_path is not None:
-        command += ["--json", str(json_path)]
+    command = invocation(ctx, sync=sync, out=out_dir, replication=replication,
+                         rate=rate or "1gbit" if emulate else None,
+                         churn_period=churn_period or "5s" if churn is not None else None)
     from mlfabric.bench.procs import RankFailedError, RankTimeoutError
     from mlfabric.emu.cmd import EmuUnavailableError
     from mlfabric.train.failover import FailoverError
@@ -1556,18 +1701,24 @@ def demo(
     quick: Annotated[bool, typer.Option("--quick", help="A smaller, faster run.")] = False,
     json_path: JsonOption = None,
     quiet: QuietOption = False,
-    plot: Annotated[Path, typer.Option("--plot", help="Where the straggler scenario draws its MSE-vs-time plot "
-                                                     "(needs matplotlib).")] = Path("mlfabric-demo-stragglers.png"),
+    out: Annotated[Path, typer.Option("--out", help="Run directory: what the demo writes goes there (it says "
+                                                    "so first).")] = Path("runs/demo"),
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Where the straggler scenario draws its MSE-vs-time "
+                                                               "plot (needs matplotlib; default: OUT/stragglers.png).")]
+        = None,
     stragglers: Annotated[bool, typer.Option("--stragglers/--no-stragglers", help="Run the straggler scenario "
                                              "(synchronous vs eager-SGD solo/majority on 8 ranks).")] = True,
 ) -> None:
     """Benchmark allreduce on 4 local ranks, train a small MLP with DDP + mlfabric on 2, then
-    synchronous SGD vs eager-SGD (solo, majority) on 8 ranks with one straggler per step."""
+    synchronous SGD vs eager-SGD (solo, majority) on 8 ranks with one straggler per step.
+
+    It says first what each part starts and where it writes (OUT, runs/demo by default)."""
     import dataclasses
 
     from mlfabric.demo import demo_config, run_demo
 
-    config = dataclasses.replace(demo_config(quick=quick), plot_path=str(plot))
+    config = dataclasses.replace(demo_config(quick=quick), out_dir=str(out),
+                                 plot_path=None if plot is None else str(plot))
     if not stragglers:
         config = dataclasses.replace(config, stragglers=None)
     result = run_or_exit(lambda: run_demo(config, console=console, quiet=quiet))
@@ -1592,6 +1743,25 @@ def trace_merge(
         console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
         raise typer.Exit(1) from None
     console.print(f"merged {files} rank file(s) into {path}: open it in https://ui.perfetto.dev", highlight=False)
+
+
+def _unwrap_help(group: typer.Typer) -> None:
+    """Each command's help (its docstring) as paragraphs that rich wraps to the width it
+    prints at, not at the source's line breaks (#39 item 6: `--help` broke sentences where
+    the docstring did); a blank line still separates paragraphs."""
+    import inspect
+
+    for info in group.registered_commands:
+        if info.callback is not None and info.callback.__doc__:
+            paragraphs = inspect.cleandoc(info.callback.__doc__).split("\n\n")
+            info.callback.__doc__ = "\n\n".join(" ".join(line.strip() for line in paragraph.splitlines())
+                                                 for paragraph in paragraphs)
+    for sub in group.registered_groups:
+        if sub.typer_instance is not None:
+            _unwrap_help(sub.typer_instance)
+
+
+_unwrap_help(app)
 
 
 def main() -> None:

@@ -14,12 +14,16 @@
    validation MSE and a plot of MSE vs wall time (needs matplotlib).
 4. A summary: final loss, accuracy and steps/s of the DDP runs, and each algorithm's busbw
    relative to gloo per message size.
+
+It says first what each part starts (local processes: 4, then 2 twice, then 8) and where it
+writes (``runs/demo/``, ``--out DIR``: the straggler plot), never into the current directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import Any
 
 from rich import box
@@ -50,7 +54,26 @@ class DemoConfig:
     train_world_size: int = 2
     compare_baseline: bool = True  # also train with DDP's default allreduce
     stragglers: EagerTrainConfig | None = None  # synchronous vs eager-SGD under injected delays
-    plot_path: str | None = "mlfabric-demo-stragglers.png"
+    #: The run directory: what the demo writes goes there (it prints it first).
+    out_dir: str = "runs/demo"
+    #: The straggler scenario's plot; None: ``<out_dir>/stragglers.png``.
+    plot_path: str | None = None
+
+    @property
+    def plot(self) -> str:
+        return self.plot_path if self.plot_path is not None else str(PurePath(self.out_dir) / "stragglers.png")
+
+    def plan(self) -> list[str]:
+        """One line per part: what it runs and the local processes it starts."""
+        runs = 2 if self.compare_baseline else 1
+        lines = [f"allreduce benchmark: {self.bench.world_size} local processes (ranks), mlfabric vs gloo",
+                 f"DDP training: {runs} run{'s' if runs > 1 else ''} of {self.train_world_size} local processes "
+                 f"(mlfabric's hook{', then DDP with gloo' if runs > 1 else ''})"]
+        if self.stragglers is not None:
+            lines.append(f"stragglers: {self.stragglers.workers} local processes, one launch for "
+                         f"{len(self.stragglers.runs())} runs ({', '.join(self.stragglers.modes)}); "
+                         f"plot {self.plot}")
+        return lines
 
 
 def demo_config(*, quick: bool = False) -> DemoConfig:
@@ -101,6 +124,10 @@ def run_demo(config: DemoConfig, *, console: Console | None = None, quiet: bool 
     console = console or Console()
     console.rule("[bold]mlfabric demo")
     parts = 3 if config.stragglers is not None else 2
+    console.print(f"writes to {config.out_dir}/ (--out DIR); {parts} parts, each starts local processes:",
+                  highlight=False)
+    for number, line in enumerate(config.plan(), 1):
+        console.print(f"  {number}/{parts}  {line}", highlight=False)
     console.print(f"[bold]1/{parts}[/]  allreduce on {config.bench.world_size} local ranks: "
                   f"{', '.join(format_size(s) for s in config.bench.sizes)}; "
                   f"{config.bench.iters} timed + {config.bench.warmup} warm-up reps")
@@ -156,11 +183,11 @@ def _run_stragglers(config: DemoConfig, console: Console, quiet: bool) -> tuple[
         result = run_eager_training(eager, argv=["mlfabric", "demo"], capture_output=True,
                                     on_run=lambda done, total: progress.update(task, completed=done, total=total))
     plot = None
-    if config.plot_path is not None:
-        try:
-            plot = str(plot_curves(result, Path(config.plot_path)))
-        except RuntimeError as exc:  # matplotlib is not installed
-            console.print(f"[yellow]no plot:[/] {exc}")
+    try:
+        Path(config.plot).parent.mkdir(parents=True, exist_ok=True)
+        plot = str(plot_curves(result, Path(config.plot)))
+    except RuntimeError as exc:  # matplotlib is not installed
+        console.print(f"[yellow]no plot:[/] {exc}")
     return result, plot
 
 

@@ -10,18 +10,29 @@ Modules: :mod:`~mlfabric.emu.cluster` (plan + build star/racks/bcube clusters, r
 :mod:`~mlfabric.emu.cli` (typer commands). See ``docs/emulator.md``.
 """
 
-from mlfabric.emu.churn import CHURN_MODELS, ChurnModel, ChurnRunner, churn_model, churn_schedule
-from mlfabric.emu.cluster import Cluster, ClusterPlan, cleanup, list_runs, plan_cluster
-from mlfabric.emu.cmd import EmuCommandError, EmuUnavailableError, have_root
-from mlfabric.emu.launcher import LaunchSpec, launch
-from mlfabric.emu.stragglers import (
-    STRAGGLER_PRESETS, ImbalanceInjector, LinearSkew, RandomDelay, StragglerModel, imbalance_model,
-)
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "CHURN_MODELS", "ChurnModel", "ChurnRunner", "churn_model", "churn_schedule",
-    "Cluster", "ClusterPlan", "cleanup", "list_runs", "plan_cluster",
-    "EmuCommandError", "EmuUnavailableError", "have_root",
-    "LaunchSpec", "launch",
-    "STRAGGLER_PRESETS", "ImbalanceInjector", "LinearSkew", "RandomDelay", "StragglerModel", "imbalance_model",
-]
+from mlfabric._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from mlfabric.emu.churn import CHURN_MODELS, ChurnModel, ChurnRunner, churn_model, churn_schedule
+    from mlfabric.emu.cluster import Cluster, ClusterPlan, cleanup, list_runs, plan_cluster
+    from mlfabric.emu.cmd import EmuCommandError, EmuUnavailableError, have_root
+    from mlfabric.emu.launcher import LaunchSpec, launch
+    from mlfabric.emu.stragglers import (
+        STRAGGLER_PRESETS, ImbalanceInjector, LinearSkew, RandomDelay, StragglerModel, imbalance_model,
+    )
+
+# Resolved on first use (mlfabric/_lazy.py): `mlfabric.emu.cli`, which every `mlfabric`
+# command imports, then loads without numpy and the cluster machinery.
+_EXPORTS = {
+    "churn": ("CHURN_MODELS", "ChurnModel", "ChurnRunner", "churn_model", "churn_schedule"),
+    "cluster": ("Cluster", "ClusterPlan", "cleanup", "list_runs", "plan_cluster"),
+    "cmd": ("EmuCommandError", "EmuUnavailableError", "have_root"),
+    "launcher": ("LaunchSpec", "launch"),
+    "stragglers": ("STRAGGLER_PRESETS", "ImbalanceInjector", "LinearSkew", "RandomDelay", "StragglerModel",
+                   "imbalance_model"),
+}
+__getattr__ = lazy_exports(__name__, {name: module for module, names in _EXPORTS.items() for name in names})
+
+__all__ = [name for names in _EXPORTS.values() for name in names]

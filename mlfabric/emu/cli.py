@@ -67,17 +67,17 @@ def list_command() -> None:
 
 def launch(
     ctx: typer.Context,
-    hosts: Annotated[Optional[int], typer.Option("--hosts", "-n", help="Number of hosts (= ranks).")] = None,
+    hosts: Annotated[Optional[int], typer.Option("--hosts", "-n", min=1, help="Number of hosts (= ranks).")] = None,
     topology: Annotated[str, typer.Option(help="star, or a spec: star:n=8, racks:r=2,h=4,oversub=4, bcube:n=3,k=2.")]
         = "star",
     rate: Annotated[str, typer.Option(help="Host NIC rate, each direction: 100mbit, 1gbit, 10Gbps.")] = "1gbit",
     churn: Annotated[Optional[str], typer.Option(help="Bandwidth churn: N1, N2, N3 or 5G:0.1,10G:0.9 (scaled to --rate).")]
         = None,
     period: Annotated[str, typer.Option(help="Churn period: every NIC direction is redrawn this often.")] = "5s",
-    seed: Annotated[int, typer.Option(help="Seed of the churn draws.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the churn draws.")] = 0,
     trace: Annotated[Optional[str], typer.Option(help="Write the applied churn as a capacity-trace CSV here.")] = None,
     timeout: Annotated[Optional[str], typer.Option(help="Kill the job after this long (e.g. 10min).")] = None,
-    master_port: Annotated[int, typer.Option(help="MASTER_PORT on host 0.")] = 29500,
+    master_port: Annotated[int, typer.Option(min=1, max=65535, help="MASTER_PORT on host 0.")] = 29500,
     emulate: Annotated[str, typer.Option(help="auto (emulate when root), always, never (local processes).")] = "auto",
     run_dir: Annotated[Optional[str], typer.Option("--run-dir", help="Keep the run's files (cluster.json, the churn "
                                                    "trace) in this directory (default: a temporary one, removed at "
@@ -91,11 +91,14 @@ def launch(
     """
     from mlfabric.emu.cmd import EmuUnavailableError
     from mlfabric.emu.launcher import LaunchSpec, launch as run_launch
-    from mlfabric.units import parse_duration, parse_rate
+    from mlfabric.units import parse_duration
+
+    from mlfabric.cli import rate_option  # the CLI's one check of rates (it imports this module first)
 
     command = tuple(ctx.args)
+    rate_bps = rate_option(rate, "--rate", emulated=True)
     try:
-        spec = LaunchSpec(command=command, hosts=hosts, topology=topology, rate_bps=parse_rate(rate), churn=churn,
+        spec = LaunchSpec(command=command, hosts=hosts, topology=topology, rate_bps=rate_bps, churn=churn,
                           period_s=parse_duration(period), seed=seed, trace_path=trace, master_port=master_port,
                           timeout_s=parse_duration(timeout) if timeout else None, emulate=emulate,
                           run_dir=run_dir, keep_run_dir=keep_run_dir)

@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from mlfabric import collectives
+from mlfabric import DEFAULT_TIMEOUT_S, collectives
 from mlfabric.collectives.bcube import hierarchy_of, shape_options
 from mlfabric.collectives.hierarchical import allreduce_options
 from mlfabric.collectives.partition import chunks_for
@@ -52,7 +52,6 @@ from .trace import tracer_from
 
 log = logging.getLogger("mlfabric.runtime")
 
-DEFAULT_TIMEOUT_S = 60.0
 # The watchdog logs a collective that made no progress for this long (then again after each
 # further period): long enough that a healthy job on a slow network never trips it, short
 # enough to say who is stuck well before the default 60 s timeout. 0 turns it off.

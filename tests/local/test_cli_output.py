@@ -112,3 +112,17 @@ def test_no_progress_when_stderr_is_not_a_terminal() -> None:
     assert b"BML Fig. 5: GST" in out.stderr  # the tables, on stderr because of --json -
     assert PROGRESS_TEXT not in out.stderr and b"Fig. 5, 16 servers" not in out.stderr
     assert b"\x1b[?25l" not in out.stderr  # nor the progress display's hide-cursor code
+
+
+def test_bench_partial_into_a_pipe_keeps_every_column_name() -> None:
+    """Issue #39 item 6: into a pipe the table was squeezed to 80 columns and its names cut
+    (``vs synchrono…``); now it keeps its natural width and the title its one line."""
+    out = subprocess.run([MLFABRIC, "bench", "partial", "-n", "2", "--iterations", "2", "--warmup", "0", "--skew", "none",
+                          "--quiet"], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    header = next(line for line in lines if "variant" in line)
+    for name in ("mean ms", "median ms", "p90 ms", "vs synchronous", "paper", "active", "ok"):
+        assert f" {name} " in f"{header} ", header
+    assert "…" not in out.stdout
+    assert any(line.startswith("partial allreduce: 2 ranks") and line.endswith("iterations x ranks") for line in lines)
