@@ -24,7 +24,7 @@ TRAIN = ["train", "--workload", "mlp", "--workers", "2", "--sync", "mlfabric-a:8
 @pytest.fixture()
 def captured(monkeypatch: pytest.MonkeyPatch) -> list:
     """The config `mlfabric train` would run (it stops there)."""
-    import mlfabric.train.eager
+    import mlfabric.train.harness
 
     seen: list = []
 
@@ -32,7 +32,7 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> list:
         seen.append(config)
         raise typer.Exit(3)
 
-    monkeypatch.setattr(mlfabric.train.eager, "run_eager_training", stop)
+    monkeypatch.setattr(mlfabric.train.harness, "run_eager_training", stop)
     return seen
 
 
@@ -83,11 +83,11 @@ def test_the_straggler_plot_goes_under_the_run_directory(monkeypatch: pytest.Mon
     import dataclasses
 
     import mlfabric.demo
-    import mlfabric.train.eager
+    import mlfabric.train.harness
 
     drawn: list[Path] = []
     monkeypatch.setattr(mlfabric.demo, "run_eager_training", lambda *a, **k: SimpleNamespace())
-    monkeypatch.setattr(mlfabric.train.eager, "plot_curves", lambda result, path: drawn.append(path) or path)
+    monkeypatch.setattr(mlfabric.train.harness, "plot_curves", lambda result, path: drawn.append(path) or path)
     monkeypatch.chdir(tmp_path)
     config = mlfabric.demo.demo_config(quick=True)
     assert config.out_dir == "runs/demo" and config.plot == "runs/demo/stragglers.png"

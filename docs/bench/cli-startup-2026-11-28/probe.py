@@ -9,7 +9,7 @@ import mlfabric.sim.mlfabric as smf
 def fake2(*a, **k):
     raise typer.Exit(99)
 smf.simulate_table2 = fake2
-import mlfabric.train.eager as te
+import mlfabric.train.harness as te
 import mlfabric.emu.cmd as cmd
 cmd.have_root = lambda: True
 R = CliRunner()
