@@ -89,8 +89,9 @@ class UpdateStats:
     #: Times the compiled re-solve put a left-out slack link back and redid its filling.
     slack_retries: int = 0
     #: Times the compiled re-solve's reach (only the flows a change can reach) failed its
-    #: check REACH_MAX_GROWS times over (or found nothing new), so every flow at or above the
-    #: divergence level was re-solved.
+    #: check and, after growing, gave up (REACH_MAX_GROWS rounds, nothing new found, or 80% of
+    #: the candidates reached anyway), so every flow at or above the divergence level was
+    #: re-solved.
     reach_fallbacks: int = 0
     #: Times the reach's check found kept flows faster than a new bottleneck and the filling
     #: ran again with them (and the flows tight on their links) re-solved too.
