@@ -14,7 +14,8 @@
  *      freeze below them; every link (and flow cap) within a relative `grow - 1` of the
  *      lowest level saturates in the same event, like maxmin._sequential_events;
  *   3. check that no kept candidate is faster than a bottleneck the filling saturated (else
- *      fall back to re-solving every candidate); write every flow's rate, put its new load
+ *      take those candidates too, with what they reach, and fill again; after
+ *      REACH_MAX_GROWS rounds, re-solve every candidate); write every flow's rate, put its new load
  *      on its links, update the links' shares, and rewrite the part of FlowNetwork's rate
  *      order that changed.
  *
@@ -114,6 +115,12 @@ static int check_buffer(const Py_buffer *buffer, Py_ssize_t itemsize, Py_ssize_t
 /* When the reach takes more than this fraction of the candidates, all of them are re-solved:
  * the reach saves little there and a failed check would cost a second filling. */
 #define REACH_MAX_FRACTION 0.8
+/* When the reach does not hold, the candidates found faster than a new bottleneck join the
+ * re-solved flows (with every flow tight on their links) and the filling runs again, at most
+ * this many times before every candidate is re-solved. Halving-doubling on fat-tree:k=16 fell
+ * back on 21% of its partial re-solves, each re-solving the whole suffix (mean 109 of 569
+ * flows, median 5 reached): most of an 8,192-host run's time (#37). */
+#define REACH_MAX_GROWS 8
 
 /* One filling: the flows re-solved and its scratch. Indices: `k` into the re-solved flows
  * (sel), `t` into the touched links (those of their entries, in first-touch order). */
@@ -171,7 +178,7 @@ enum {
     S_TIGHT, S_RESIDUAL, S_NEW_LOAD, S_LEVEL_AT, S_LINK_PTR, S_FILL, S_FLOWS_BY_LINK, S_SAT, S_HEAP, S_CAPS,
     S_ACTIVE, S_IN_FILLING, S_MULTI, S_OUT_K, S_OUT_RATE, S_BANDS, S_GIVEN, S_GIVEN_RATES, S_SEL_ID, S_SEL_RATE,
     S_SEL_START, S_SEL_END, S_CAND_STATE, S_CAND_START, S_CAND_END, S_SUSPECT, S_RANGES, S_RANKED, S_ROWS_LINK,
-    S_ROWS_WEIGHT, S_TIMES, S_KEPT_IDS, S_KEPT_RATES, N_SCRATCH
+    S_ROWS_WEIGHT, S_TIMES, S_KEPT_IDS, S_KEPT_RATES, S_FORCED, N_SCRATCH
 };
 static struct {
     void *p;
@@ -709,7 +716,8 @@ static Py_ssize_t reach(Candidates *cand, Rows *rows, const Slots *s, const char
  * filling saturated (then it would have to slow down, and the reach does not hold)? On a link
  * that was hot, every candidate kept is below its old share (else it was tight, hence taken):
  * only a link whose new level is lower than that, or that was not saturated before, can have
- * one; the candidates in the union of those rate ranges are read and checked. 1: it holds; 0: it does not;
+ * one; the candidates in the union of those rate ranges are read and checked. 1: it holds; 0: it does not,
+ * and the positions of the candidates that are too fast are appended to faster[*n_faster..];
  * -1: a Python error. */
 typedef struct {
     double from, to;
@@ -722,8 +730,9 @@ static int range_compare(const void *a, const void *b) {
 
 static int reach_holds(const Fill *c, Candidates *cand, Rows *rows, const Slots *s, const char *alive,
                        const char *solved, const double *rate, Py_ssize_t slots, const double *share,
-                       double *suspect, Range *ranges) {
+                       double *suspect, Range *ranges, Py_ssize_t *faster, Py_ssize_t *n_faster) {
     Py_ssize_t n_ranges = 0;
+    int holds = 1;
     for (Py_ssize_t t = 0; t < c->n_touched; t++) {
         suspect[t] = INFINITY;
         if (!c->tight[t] || c->level_at[t] == INFINITY) continue;
@@ -750,11 +759,15 @@ static int reach_holds(const Fill *c, Candidates *cand, Rows *rows, const Slots 
             double r = cand->rate[i];
             for (int64_t e = cand->row_start[i]; e < cand->row_end[i]; e++) {
                 int32_t t = c->link_map[rows->link[e]];
-                if (t >= 0 && r > suspect[t]) return 0;
+                if (t >= 0 && r > suspect[t]) {
+                    faster[(*n_faster)++] = i;
+                    holds = 0;
+                    break;
+                }
             }
         }
     }
-    return 1;
+    return holds;
 }
 
 /* The unchanged ends of the rate-order suffix, 8-byte items in[0:from] and in[to:n], to
@@ -795,6 +808,9 @@ int fill_resolve(const Net *net, Resolve *r) {
     char *solved = NULL;                /* set before the first mark (the exit path reads it) */
     Ranked *ranked = NULL;
     Py_ssize_t n_changed = 0, fallbacks = 0, events = 0, retries = 0;
+    /* Candidates (positions) an earlier filling found faster than a new bottleneck: taken
+     * before the reach in every later round (see REACH_MAX_GROWS). */
+    Py_ssize_t *faster = NULL, n_faster = 0, grows = 0;
     skip_slack = skip_slack && !full;
     use_reach = use_reach && !full && n_filter > 0;
 
@@ -852,10 +868,26 @@ int fill_resolve(const Net *net, Resolve *r) {
                 PyErr_NoMemory();
                 goto done;
             }
+            /* They change like new flows: their links are hot, and they are re-solved. */
+            Py_ssize_t forced = 0;
+            for (Py_ssize_t j = 0; j < n_faster; j++) {
+                Py_ssize_t p = faster[j];
+                if (candidate_read(&cand, p, &rows, &s, alive, solved, rate, slots) < 0) goto done;
+                if (cand.state[p] != CAND_KEPT) continue;
+                int64_t f = cand.id[p];
+                candidate_remove(&cand, p, CAND_TAKEN);
+                select_flow(&sel, f, cand.rate[p], cand.row_start[p], cand.row_end[p]);
+                n_marked = sel.n;
+                rate[f] = NAN; /* taken, as the reach marks it */
+                forced++;
+                for (int64_t e = cand.row_start[p]; e < cand.row_end[p]; e++) perturbed[rows.link[e]] = 1;
+            }
             Py_ssize_t taken = reach(&cand, &rows, &s, alive, solved, rate, slots, share, perturbed, &sel);
             n_marked = sel.n;
             if (taken < 0) goto done;
+            taken += forced;
             if (taken > REACH_MAX_FRACTION * n_filter) { /* little to gain: take them all */
+                if (grows) fallbacks++; /* after a failed check: counted as falling back */
                 unmark(&sel, n_marked, solved, rate);
                 use_reach = 0;
                 continue;
@@ -910,19 +942,26 @@ int fill_resolve(const Net *net, Resolve *r) {
         if (!use_reach) break;
         suspect = scratch(S_SUSPECT, (c.n_touched + 1) * sizeof(double), 0);
         ranges = scratch(S_RANGES, (c.n_touched + 1) * sizeof(Range), 0);
-        if (!suspect || !ranges) {
+        /* Each candidate is found too fast at most once (it is taken in every later round). */
+        if (!faster) faster = scratch(S_FORCED, (n_filter + 1) * sizeof(Py_ssize_t), 0);
+        if (!suspect || !ranges || !faster) {
             PyErr_NoMemory();
             goto done;
         }
-        int holds = reach_holds(&c, &cand, &rows, &s, alive, solved, rate, slots, share, suspect, ranges);
+        Py_ssize_t n_before = n_faster;
+        int holds = reach_holds(&c, &cand, &rows, &s, alive, solved, rate, slots, share, suspect, ranges, faster,
+                                &n_faster);
         if (holds < 0) goto done;
         if (holds) break;
-        /* A kept candidate is faster than a re-solved flow's bottleneck: re-solve all of them. */
-        fallbacks++;
+        /* A kept candidate is faster than a re-solved flow's bottleneck: fill again with it
+         * (and what it reaches) re-solved too, or, after REACH_MAX_GROWS rounds, re-solve all. */
         untouch(&c);
         fill_free(&c);
         unmark(&sel, n_marked, solved, rate);
-        use_reach = 0;
+        if (++grows > REACH_MAX_GROWS || n_faster == n_before) {
+            fallbacks++;
+            use_reach = 0;
+        }
     }
 
     /* 3. Rates, the flows whose rate changed, new load, link shares. */
@@ -1022,6 +1061,7 @@ int fill_resolve(const Net *net, Resolve *r) {
     r->retries = retries;
     r->n_resolved = sel.n;
     r->fallbacks = fallbacks;
+    r->grows = grows;
     r->read = cand.scanned;
     status = 0;
 
@@ -1036,7 +1076,8 @@ done:
 /* resolve(ids, id_rates, start, length, links, weights, packed, cap, rate, solved, alive, capacity, load,
  *         perturbed, share, link_map, out_ids, out_rates, out_changed, out_changed_rates, full, unit, has_caps,
  *         skip_slack, use_reach, grow, n_filter)
- *     -> (filling events, flows out, changed, slack retries, re-solved flows, reach fallbacks, candidates read).
+ *     -> (filling events, flows out, changed, slack retries, re-solved flows, reach fallbacks, candidates read,
+ *         reach grows).
  *
  * The first `n_filter` ids are candidates: FlowNetwork's rate order from the divergence level
  * on, sorted by `id_rates` (float64, n_filter items), which may hold ids of since-removed
@@ -1115,8 +1156,8 @@ static PyObject *resolve(PyObject *self, PyObject *args) {
         Resolve r = {b_ids.buf, n_given, b_id_rates.buf, n_filter, b_out_ids.buf, b_out_rates.buf, b_out_changed.buf,
                      b_out_changed_rates.buf, full, skip_slack, use_reach, grow};
         if (fill_resolve(&net, &r) < 0) goto done;
-        result = Py_BuildValue("nnnnnnn", r.events, r.n_out, r.n_changed, r.retries, r.n_resolved, r.fallbacks,
-                               r.read);
+        result = Py_BuildValue("nnnnnnnn", r.events, r.n_out, r.n_changed, r.retries, r.n_resolved, r.fallbacks,
+                               r.read, r.grows);
     }
 done:
     PyBuffer_Release(&b_ids);

@@ -72,7 +72,7 @@ typedef struct {
     double *out_changed_rates;
     int full, skip_slack, use_reach;
     double grow;
-    Py_ssize_t events, n_out, n_changed, retries, n_resolved, fallbacks, read;
+    Py_ssize_t events, n_out, n_changed, retries, n_resolved, fallbacks, read, grows;
 } Resolve;
 
 /* One re-solve: 0, or -1 with a Python error set. */

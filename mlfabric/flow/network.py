@@ -26,7 +26,9 @@ structure only. A changed link changes the flows *tight* on it (at its share, th
 rate on it); a flow whose rate changes changes the saturated links it crosses; nothing else
 moves. On the 624 x 400 parameter-server run that is a fifth of the flows at or above ``T``.
 The kept flows are checked, on every link where a re-solved flow saturates, not to be faster
-than it; where one is, every flow at or above ``T`` is re-solved (``reach_fallbacks``).
+than it; those that are join the re-solved flows, with the flows tight on their links, and
+the filling runs again (``reach_grows``); after a few rounds every flow at or above ``T`` is
+re-solved (``reach_fallbacks``).
 
 Either way the result is the exact max-min allocation (tests compare with a from-scratch
 solve and check the certificate after random change sequences).
@@ -87,8 +89,13 @@ class UpdateStats:
     #: Times the compiled re-solve put a left-out slack link back and redid its filling.
     slack_retries: int = 0
     #: Times the compiled re-solve's reach (only the flows a change can reach) failed its
-    #: check, so every flow at or above the divergence level was re-solved.
+    #: check and, after growing, gave up (REACH_MAX_GROWS rounds, nothing new found, or 80% of
+    #: the candidates reached anyway), so every flow at or above the divergence level was
+    #: re-solved.
     reach_fallbacks: int = 0
+    #: Times the reach's check found kept flows faster than a new bottleneck and the filling
+    #: ran again with them (and the flows tight on their links) re-solved too.
+    reach_grows: int = 0
     #: Candidates (flows at or above the divergence level) the compiled reach read: those in
     #: the rate bands of changed links (all of them without the reach).
     candidates_read: int = 0
@@ -537,7 +544,7 @@ class FlowNetwork:
         self.last_resolved = resolve
         self._last_rates = None
         n_resolved = resolve.size
-        slack_retries = reach_fallbacks = 0
+        slack_retries = reach_fallbacks = reach_grows = 0
         candidates_read = n_filter
         if (full or resolve.size) and self.native:
             self._reserve_order(split + resolve.size)
@@ -548,7 +555,7 @@ class FlowNetwork:
             skip_slack = not full and new_ids.size == 0
             # The reach needs the caps unchanged (a flow whose cap changed is on no changed link).
             use_reach = self.reach and not full and not self._caps_changed
-            _, n_taken, n_changed, slack_retries, n_resolved, reach_fallbacks, n_read = _fill.resolve(
+            _, n_taken, n_changed, slack_retries, n_resolved, reach_fallbacks, n_read, reach_grows = _fill.resolve(
                 resolve, self._order_rates[split : split + n_filter], self._start, self._length, self._links,
                 self._weights, self._packed, self._cap, self._rate, self._solved, self._alive, self._capacity, self._load, self._perturbed, self._share, self._link_map,
                 self._order[split : split + resolve.size], self._order_rates[split : split + resolve.size], changed,
@@ -581,7 +588,8 @@ class FlowNetwork:
             self._restore_order_at(split)
         stats = UpdateStats(kind="full" if full else "partial" if n_resolved else "none", flows_total=self._n_alive,
                             flows_resolved=n_resolved, divergence_level=divergence, slack_retries=slack_retries,
-                            reach_fallbacks=reach_fallbacks, candidates_read=candidates_read)
+                            reach_fallbacks=reach_fallbacks, reach_grows=reach_grows,
+                            candidates_read=candidates_read)
         if self._order_n > 2 * self._n_alive + 1024:
             # Mostly stale entries: rebuild from the live flows' current rates.
             ids = self.flow_ids()

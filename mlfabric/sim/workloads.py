@@ -129,6 +129,15 @@ def collective_graph(kind: str, world_size: int, count: int, *, itemsize: int = 
                            priority=priority, name=kind, **options)
         if graph is not None:
             return graph
+    if kind in ("allreduce:bcube", "allreduce:hierarchical"):
+        # BML's exchange is rank 0's translated digit by digit: BCube(8,4)'s 4,096 ranks'
+        # schedules (1.8 M ops) took ~26 s of CPU to build and compile (#37).
+        from .regular import digit_exchange_graph
+
+        graph = digit_exchange_graph(kind, world_size, count, itemsize=itemsize, placement=placement, compute=compute,
+                                     seed=seed, priority=priority, name=kind, **options)
+        if graph is not None:
+            return graph
     # Millions of op objects that never form cycles: the cyclic collector's passes over them
     # were ~12% of a 1,024-rank halving-doubling's wall time (#37).
     paused = gc.isenabled()

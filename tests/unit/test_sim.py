@@ -532,13 +532,15 @@ def test_compiled_loop_compacts_entries_and_hands_back_watchdog_limits(monkeypat
     compactions.clear()
     python = run(compiled_loop=False)
     assert len(compactions) >= 3
-    assert np.array_equal(compiled.task_finish_s, python.task_finish_s)
+    # Equal up to the last bits of re-solves whose reach grew (see test_sim_scale's assert_same_times).
+    assert np.max(np.abs(compiled.task_finish_s - python.task_finish_s)) <= 1e-12 * python.time_s
+    assert compiled.events == python.events
     # Pausing every 5 events (the wall-time check between calls) changes nothing.
     monkeypatch.setattr(sim_engine, "_COMPILED_BUDGET", 5)
     stops.clear()
     paused = run()
     assert stops.count(sim_engine._STOP_PAUSE) >= paused.events // 10
-    assert np.array_equal(paused.task_finish_s, python.task_finish_s) and paused.events == python.events
+    assert np.array_equal(paused.task_finish_s, compiled.task_finish_s) and paused.events == python.events
     # The event limit and the wall-time limit hold inside the compiled loop too.
     with pytest.raises(SimulationStalled, match="more than 30 events"):
         run(max_events=30)
