@@ -367,6 +367,12 @@ class ElasticCommunicator:
 
     # -- shutdown ----------------------------------------------------------------------------
 
+    def finish(self) -> None:
+        """Say in the store that training is over (joiners still waiting then give up with
+        :class:`~mlfabric.runtime.membership.JobFinishedError`); call it on the members once
+        the last step committed."""
+        self.ms.finish(self.state.committed)
+
     def close(self) -> None:
         if self._closed:
             return

@@ -56,6 +56,10 @@ class ElasticJoinError(ElasticError):
     """This process was refused by the running job (its model differs from the members')."""
 
 
+class JobFinishedError(ElasticError):
+    """A joiner arrived after the job's members had finished training."""
+
+
 class Store(Protocol):
     def set(self, key: str, value: str) -> None: ...
     def get(self, key: str) -> bytes: ...
@@ -151,6 +155,14 @@ class MembershipStore:
 
     # -- one epoch ---------------------------------------------------------------------------
 
+    def finish(self, step: int) -> None:
+        """The members finished training at ``step``: joiners stop waiting."""
+        self.store.set(f"{self.prefix}finished", str(step))
+
+    def finished(self) -> int | None:
+        key = f"{self.prefix}finished"
+        return int(self.store.get(key).decode()) if self.store.check([key]) else None
+
     def register(self, epoch: int, member: int, *, step: int, signature: str, joiner: bool) -> None:
         self.store.set(self._key(epoch, f"reg/{member}"), json.dumps({"step": step, "signature": signature}))
         if joiner:
@@ -227,6 +239,9 @@ def agree(ms: MembershipStore, epoch: int, member: int, *, previous: tuple[int, 
                                f"(previous members {list(previous)}); is the rendezvous store up and are the "
                                "other processes alive?")
         if not may_close:
+            done = ms.finished()
+            if done is not None:
+                raise JobFinishedError(f"member {member}: the job finished (at step {done}) before it could join")
             time.sleep(_POLL_S)
             continue
         joiners = ms.joiners(epoch)

@@ -127,6 +127,10 @@ class Elastic:
             self.comm.reconfigure(f"admitting joiners after step {self.committed}")
         return True
 
+    def finish(self) -> None:
+        """Training is over: processes still waiting to join give up (JobFinishedError)."""
+        self.comm.finish()
+
     def close(self) -> None:
         self.comm.close()
 
