@@ -45,6 +45,8 @@ from mlfabric.transport.base import TOKEN_BYTES
 #: be gone before it closes the quorum without it.
 DEFAULT_GRACE_S = 5.0
 _POLL_S = 0.005
+#: How often a waiting joiner looks at the store (it may wait for a whole step of the members).
+_JOINER_POLL_S = 0.02
 
 
 class ElasticError(MlfabricError):
@@ -242,7 +244,7 @@ def agree(ms: MembershipStore, epoch: int, member: int, *, previous: tuple[int, 
             done = ms.finished()
             if done is not None:
                 raise JobFinishedError(f"member {member}: the job finished (at step {done}) before it could join")
-            time.sleep(_POLL_S)
+            time.sleep(_JOINER_POLL_S)
             continue
         joiners = ms.joiners(epoch)
         candidates = set(previous) | set(joiners) | {member}

@@ -156,6 +156,7 @@ class ElasticRunResult:
     transferred_bytes: list[int] = field(default_factory=list)
     rejoin_startup_s: list[float] = field(default_factory=list)
     rejoined_too_late: list[int] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)  # the kills and restarts, seconds after the start
 
     def to_dict(self) -> dict[str, Any]:
         config = asdict(self.config)
@@ -165,7 +166,7 @@ class ElasticRunResult:
                 "rejoin_s": self.rejoin_s, "steps_lost": self.steps_lost, "members": self.members,
                 "parameters_equal": self.parameters_equal, "final_members": self.final_members,
                 "transferred_bytes": self.transferred_bytes, "rejoin_startup_s": self.rejoin_startup_s,
-                "rejoined_too_late": self.rejoined_too_late}
+                "rejoined_too_late": self.rejoined_too_late, "events": self.events}
 
 
 # -- the parent ------------------------------------------------------------------------------
@@ -192,7 +193,9 @@ def run_elastic_training(config: ElasticRunConfig, *, log_dir: Path | None = Non
             logs[rank] = work / f"worker{rank}-{generation[rank]}.log"
             args = {**asdict(config), "failures": [], "member": rank, "joining": joining,
                     "out": str(work / f"worker{rank}-{generation[rank]}.json")}
-            env = {**os.environ, STORE_ENV: f"127.0.0.1:{store.port}"}
+            # One intra-op thread: several workers share the host's cores, and OpenMP's
+            # spinning threads starved a restarting worker for tens of seconds.
+            env = {**os.environ, STORE_ENV: f"127.0.0.1:{store.port}", "OMP_NUM_THREADS": "1"}
             with open(logs[rank], "w") as log_file:
                 procs[rank] = subprocess.Popen([sys.executable, "-m", "mlfabric.train.elastic", json.dumps(args)],
                                                stdout=log_file, stderr=subprocess.STDOUT, env=env)
@@ -242,7 +245,10 @@ def run_elastic_training(config: ElasticRunConfig, *, log_dir: Path | None = Non
                     proc.kill()
                     proc.wait(10)
         outputs = [json.loads(p.read_text()) for p in sorted(work.glob("worker*.json"))]
-        return _summarize(config, outputs, killed, restarted, wall_s)
+        result = _summarize(config, outputs, killed, restarted, wall_s)
+        result.events = ([{"event": "kill", "worker": r, "at_s": round(t - t0, 3)} for r, t in killed]
+                         + [{"event": "restart", "worker": r, "at_s": round(t - t0, 3)} for r, t in restarted])
+        return result
 
 
 def _check_alive(procs: dict[int, subprocess.Popen], logs: dict[int, Path], *, killed: set[int],
