@@ -43,6 +43,7 @@ from typing import Any, Iterable, Protocol, Sequence
 import torch
 
 from mlfabric.errors import MlfabricError, TransportError
+from mlfabric.transport.base import CONTROL_CHANNEL, GOODBYE_TAG
 from mlfabric.transport.tcp import TcpTransport
 
 from .communicator import DEFAULT_TIMEOUT_S, Communicator
@@ -229,9 +230,17 @@ class ElasticCommunicator:
                     seen |= {old_members[p] for p in old_transport.gone_peers if p < len(old_members)}
                 return seen
 
+            leaving = old
+
+            def registered() -> None:
+                if leaving is not None:
+                    _say_goodbye(leaving, reason)
+
             membership = agree(self.ms, epoch, self.member, previous=previous, gone=gone_now,
                                step=self.state.committed if self._has_state else -1,
-                               signature=self.state.signature(), joiner=joiner, may_close=not optional, timeout=max(1.0, deadline - time.monotonic()), grace_s=grace_s)
+                               signature=self.state.signature(), joiner=joiner, may_close=not optional,
+                               timeout=max(1.0, deadline - time.monotonic()), grace_s=grace_s,
+                               on_registered=registered)
             if old is not None:
                 _close_later(old)  # after registering: peers count us in, not as departed
                 old = None
@@ -320,7 +329,7 @@ class ElasticCommunicator:
         if me in sources:
             header, blob = self.state.pack()
             blob = blob.contiguous().view(torch.uint8).reshape(-1)
-            header = dict(header, nbytes=blob.numel(), crc32=zlib.crc32(_bytes(blob)))
+            header = dict(header, nbytes=blob.numel(), crc32=zlib.crc32(_bytes(blob)), chunk_bytes=self.chunk_bytes)
             self.ms.publish(epoch, self.member, "state", json.dumps(header))
         else:
             headers = self._source_headers(comm, membership, source_ids)
@@ -333,7 +342,8 @@ class ElasticCommunicator:
             header = next(iter(headers.values()))
             blob = torch.empty(int(header["nbytes"]), dtype=torch.uint8)
         try:
-            comm.striped_copy(blob, sources, receivers, chunk_bytes=self.chunk_bytes)
+            # The senders' chunk: every member must cut the buffer alike.
+            comm.striped_copy(blob, sources, receivers, chunk_bytes=int(header["chunk_bytes"]))
         except MlfabricError as exc:
             raise _TransferBroken(f"the state transfer from {list(source_ids)} to {list(receiver_ids)} broke: {exc}") from exc
         if me in sources:
@@ -393,6 +403,22 @@ class _TransferBroken(ElasticError):
 
 def _bytes(blob: torch.Tensor) -> memoryview:
     return memoryview(blob.numpy()) if blob.numel() else memoryview(b"")
+
+
+def _say_goodbye(comm: Communicator, reason: str) -> None:
+    """Tell the old epoch's peers that this member left it (the goodbye a closing transport
+    sends, naming the collectives it will not finish), without closing the transport yet: its
+    peers may still run a collective of that epoch and must fail it now, not at its timeout
+    (a joiner whose transfer failed while the senders finished theirs), while this member
+    still learns, through the open transport, which peers die during the quorum."""
+    farewell = comm.executor.farewell(f"it left the membership epoch: {reason}")
+    transport = comm.transport
+    for peer in range(transport.world_size):
+        if peer != transport.rank and not transport.is_gone(peer):
+            try:
+                transport.send(peer, GOODBYE_TAG, farewell, channel=CONTROL_CHANNEL)
+            except MlfabricError:  # the peer is gone already: nothing to tell
+                pass
 
 
 def _close_later(comm: Communicator) -> None:

@@ -217,14 +217,18 @@ class MembershipStore:
 
 def agree(ms: MembershipStore, epoch: int, member: int, *, previous: tuple[int, ...],
           gone: Callable[[], Iterable[int]], step: int, signature: str, joiner: bool,
-          timeout: float, grace_s: float = DEFAULT_GRACE_S, may_close: bool = True) -> Membership | None:
+          timeout: float, grace_s: float = DEFAULT_GRACE_S, may_close: bool = True,
+          on_registered: Callable[[], None] | None = None) -> Membership | None:
     """Register ``member`` for ``epoch`` and wait for the quorum (closing it when this member
     is the first to see every expected process registered, or ``grace_s`` passed). Returns
     the membership, or None when it closed without ``member`` (registered too late: join the
     next epoch). Raises :class:`ElasticJoinError` when this joiner was rejected and
     :class:`ElasticError` when no quorum formed within ``timeout``. ``may_close`` False (a
-    joiner: it cannot tell who is gone): wait for a member to close it."""
+    joiner: it cannot tell who is gone): wait for a member to close it. ``on_registered`` runs
+    once the registration is in the store."""
     ms.register(epoch, member, step=step, signature=signature, joiner=joiner)
+    if on_registered is not None:
+        on_registered()
     start = time.monotonic()
     while True:
         won = ms.closed(epoch)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from typing import Callable
 
 import pytest
 import torch
@@ -257,3 +258,98 @@ def test_a_message_from_an_old_membership_is_never_delivered() -> None:
         assert msg is not None and bytes(msg.payload) == b"fresh"
     finally:
         live.close()
+
+
+# -- faults during recovery --------------------------------------------------------------------
+
+
+class _Died(Exception):
+    """Stands for a process that dies at a chosen point (its thread ends, its sockets close)."""
+
+
+def _run_members(store: dist.Store, plan: dict[int, dict], steps: int, initial: tuple[int, ...],
+                 patch: Callable[[int, Elastic], None]) -> tuple[dict, dict]:
+    out: dict = {}
+    errors: dict[int, BaseException] = {}
+
+    def run(member: int) -> None:
+        model = nn.Linear(DIM, 1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        el = None
+        try:
+            el = Elastic(model, opt, store=store, member=member, initial=plan[member].get("initial", initial),
+                         timeout=20, grace_s=3, connect_s=1.0)
+            patch(member, el)
+            while el.committed < steps:
+                if plan[member].get("leave_at") == el.committed:
+                    raise _Died()
+                x, y = _batch(el.committed, el.rank, el.world_size)
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                el.step(weight=len(x))
+            out[member] = {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone(),
+                           "history": el.comm.history}
+        except BaseException as exc:  # noqa: BLE001 - a _Died is the plan; others fail the test
+            errors[member] = exc
+        finally:
+            if el is not None:
+                el.close()
+
+    threads = {m: threading.Thread(target=run, args=(m,), daemon=True) for m in plan if "start_after" not in plan[m]}
+    for t in threads.values():
+        t.start()
+    for m, spec in plan.items():
+        if "start_after" in spec:
+            ms = MembershipStore(store)
+            deadline = time.monotonic() + 30
+            while ms.current_epoch() < spec["start_after"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            threads[m] = threading.Thread(target=run, args=(m,), daemon=True)
+            threads[m].start()
+    for t in threads.values():
+        t.join(90)
+    assert all(not t.is_alive() for t in threads.values())
+    return out, errors
+
+
+def test_a_member_that_dies_during_the_quorum_is_left_out_of_the_next_epoch() -> None:
+    """Member 3 leaves; member 2 registers for the next epoch and dies before connecting: the
+    others find it silent at connection time and form one more epoch without it."""
+    def patch(member: int, el: Elastic) -> None:
+        if member == 2:
+            def die(membership: Membership) -> None:
+                raise _Died()
+            el.comm._connect = die  # type: ignore[method-assign]
+
+    plan = {0: {}, 1: {}, 2: {}, 3: {"leave_at": 5}}
+    out, errors = _run_members(dist.HashStore(), plan, 20, (0, 1, 2, 3), patch)
+    assert set(errors) == {2, 3} and all(isinstance(e, _Died) for e in errors.values()), errors
+    assert torch.equal(out[0]["params"], out[1]["params"])
+    # Epoch 1 (0, 1, 2) closed but never formed (member 2 never connected): epoch 2 did.
+    assert [(c.epoch, c.members) for c in out[0]["history"]] == [(0, (0, 1, 2, 3)), (2, (0, 1))]
+
+
+def test_a_sender_that_dies_during_the_state_transfer_is_replaced_by_the_others() -> None:
+    """A joiner's state comes from members 0, 1 and 2; member 1 dies as the transfer starts: the
+    joiner and the others form the next epoch and the joiner receives the state from 0 and 2."""
+    def patch(member: int, el: Elastic) -> None:
+        el.comm.chunk_bytes = 8  # the 56-byte state in 7 chunks, striped over the three senders
+        if member == 1:
+            original = el.comm._sync
+
+            def die_when_sending(comm, membership):  # type: ignore[no-untyped-def]
+                if membership.receivers():
+                    comm.transport.close(b"")  # dies: its peers lose it mid-transfer
+                    raise _Died()
+                return original(comm, membership)
+            el.comm._sync = die_when_sending  # type: ignore[method-assign]
+
+    plan = {0: {}, 1: {}, 2: {}, 5: {"initial": None, "start_after": 0}}
+    out, errors = _run_members(dist.HashStore(), plan, 30, (0, 1, 2), patch)
+    assert set(errors) == {1} and isinstance(errors[1], _Died), errors
+    assert torch.equal(out[0]["params"], out[2]["params"]) and torch.equal(out[0]["params"], out[5]["params"])
+    joined = out[5]["history"][0]
+    assert joined.members == (0, 2, 5) and set(joined.sources) == {0, 2} and joined.receivers == (5,)
