@@ -47,6 +47,7 @@ from mlfabric.transport.base import CONTROL_CHANNEL, GOODBYE_TAG
 from mlfabric.transport.tcp import TcpTransport
 
 from .communicator import DEFAULT_TIMEOUT_S, Communicator
+from .control import Farewell
 from .membership import (
     DEFAULT_GRACE_S,
     ElasticError,
@@ -411,7 +412,10 @@ def _say_goodbye(comm: Communicator, reason: str) -> None:
     peers may still run a collective of that epoch and must fail it now, not at its timeout
     (a joiner whose transfer failed while the senders finished theirs), while this member
     still learns, through the open transport, which peers die during the quorum."""
-    farewell = comm.executor.farewell(f"it left the membership epoch: {reason}")
+    # last_seq -1: it finishes no collective of this epoch, not even one it had called (the
+    # executor's own goodbye would count a collective that failed here as called, and a peer
+    # waiting in it for a rank that died unseen by that peer would wait for its timeout).
+    farewell = Farewell(reason=f"it left membership epoch's collectives ({reason})", last_seq=-1).encode()
     transport = comm.transport
     for peer in range(transport.world_size):
         if peer != transport.rank and not transport.is_gone(peer):

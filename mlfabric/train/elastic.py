@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -44,17 +45,22 @@ import zlib
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from mlfabric.units import parse_duration
+
+if TYPE_CHECKING:
+    from mlfabric.runtime.membership import MembershipStore
 
 __all__ = ["ElasticRunConfig", "ElasticRunResult", "WorkerFailure", "parse_failures", "run_elastic_training", "summary_line"]
 
 #: ``--fail`` in elastic runs.
-FAIL_FORM = "worker:RANK@SECONDS[,worker:RANK@SECONDS...] (e.g. worker:2@3)"
+FAIL_FORM = "worker:RANK@SECONDS[,worker:RANK@SECONDS...] (e.g. worker:2@3) or churn:NxK"
 #: Defaults of the hyperplane workload in elastic runs (eager.py's, for one launch).
 DEFAULTS = {"batch_size": 256, "lr": 0.05, "momentum": 0.0, "epochs": 48}
 STORE_ENV = "MLFABRIC_ELASTIC_STORE"
+#: The leader's committed step, published for the parent's churn (only when churning).
+STEP_KEY = "train/step"
 
 
 class ElasticRunError(RuntimeError):
@@ -67,6 +73,18 @@ class WorkerFailure:
 
     rank: int
     at_s: float
+
+
+def parse_churn(spec: str) -> tuple[int, int] | None:
+    """``churn:15x5`` -> (15, 5); None for any other ``--fail``."""
+    if not spec.startswith("churn:"):
+        return None
+    every, _, times = spec.removeprefix("churn:").partition("x")
+    try:
+        return int(every), int(times)
+    except ValueError:
+        raise ValueError(f"--fail {spec!r}: churn:NxK kills a random worker every N steps, K times "
+                         "(e.g. churn:15x5)") from None
 
 
 def parse_failures(spec: str, workers: int) -> tuple[WorkerFailure, ...]:
@@ -109,6 +127,9 @@ class ElasticRunConfig:
     seed: int = 0
     timeout_s: float = 600.0
     grace_s: float = 5.0
+    #: (every N steps, K times): SIGKILL a random live worker once the job has run N steps with
+    #: every worker in it, K times (``--fail churn:NxK``; each restarted after ``rejoin_s``).
+    churn: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.workers < 2:
@@ -116,8 +137,10 @@ class ElasticRunConfig:
                              "nobody to go on when it is lost")
         if self.rejoin_s is not None and self.rejoin_s < 0:
             raise ValueError("--rejoin must be >= 0 seconds")
-        if self.rejoin_s is not None and not self.failures:
+        if self.rejoin_s is not None and not self.failures and self.churn is None:
             raise ValueError("--rejoin restarts killed workers: give --fail worker:RANK@SECONDS")
+        if self.churn is not None and (self.rejoin_s is None or min(self.churn) < 1):
+            raise ValueError("--fail churn:NxK kills a worker every N steps K times (N, K >= 1) and needs --rejoin")
         if self.algorithm not in ("ring", "halving_doubling", "tree"):
             raise ValueError(f"--elastic runs ring, halving_doubling or tree, not {self.algorithm!r}")
         for failure in self.failures:
@@ -161,6 +184,7 @@ class ElasticRunResult:
     def to_dict(self) -> dict[str, Any]:
         config = asdict(self.config)
         config["failures"] = [asdict(f) for f in self.config.failures]
+        config["churn"] = None if self.config.churn is None else list(self.config.churn)
         return {"mode": "allreduce", "elastic": True, "config": config, "wall_s": self.wall_s, "steps": self.steps,
                 "metric": self.metric, "final_metric": self.final_metric, "recovery_s": self.recovery_s,
                 "rejoin_s": self.rejoin_s, "steps_lost": self.steps_lost, "members": self.members,
@@ -213,14 +237,26 @@ def run_elastic_training(config: ElasticRunConfig, *, log_dir: Path | None = Non
             t0 = time.time()
             pending = [(t0 + f.at_s, "kill", f.rank) for f in config.failures]
             dead: dict[int, subprocess.Popen] = {}
+            rng = random.Random(config.seed)
+            churn_at: int | None = None if config.churn is None else config.churn[0]
             while True:
                 now = time.time()
+                if config.churn is not None and len(killed) < config.churn[1] and not dead:
+                    step = int(store.get(STEP_KEY).decode()) if store.check([STEP_KEY]) else 0
+                    full = _members(ms) == tuple(range(config.workers))
+                    if churn_at is None and full:
+                        churn_at = step + config.churn[0]  # N more steps with every worker in
+                    elif churn_at is not None and step >= churn_at and full:
+                        churn_at = None
+                        pending.append((now, "kill", rng.randrange(config.workers)))
                 for event in sorted(pending):
                     at, what, rank = event
                     if at > now:
                         break
                     pending.remove(event)
                     if what == "kill":
+                        if procs[rank].poll() is not None and config.churn is not None:
+                            continue  # the job is ending: no more churn
                         if procs[rank].poll() is not None:
                             raise ElasticRunError(f"worker {rank} had already ended when --fail was due "
                                                   f"({at - t0:.1f} s into the run): the run was shorter; "
@@ -249,6 +285,11 @@ def run_elastic_training(config: ElasticRunConfig, *, log_dir: Path | None = Non
         result.events = ([{"event": "kill", "worker": r, "at_s": round(t - t0, 3)} for r, t in killed]
                          + [{"event": "restart", "worker": r, "at_s": round(t - t0, 3)} for r, t in restarted])
         return result
+
+
+def _members(ms: MembershipStore) -> tuple[int, ...]:
+    membership = ms.closed(ms.current_epoch())
+    return () if membership is None else membership.members
 
 
 def _check_alive(procs: dict[int, subprocess.Popen], logs: dict[int, Path], *, killed: set[int],
@@ -345,11 +386,17 @@ def _worker(args: dict[str, Any]) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=args["lr"], momentum=args["momentum"])
     commits: list[tuple[float, int, int]] = []
     ready = time.time()  # imports and data done: what follows is the join itself
+
+    def on_commit(step: int, el: Elastic) -> None:
+        commits.append((time.time(), step, el.comm.epoch))
+        if args["churn"] and el.rank == 0:
+            store.set(STEP_KEY, str(step))
+
     try:
         elastic = Elastic(model, optimizer, store=store, member=args["member"],
                           initial=None if args["joining"] else range(args["workers"]), algorithm=args["algorithm"],
                           timeout=60.0, grace_s=args["grace_s"],
-                          on_commit=lambda step, el: commits.append((time.time(), step, el.comm.epoch)))
+                          on_commit=on_commit)
     except JobFinishedError as exc:
         print(exc, flush=True)
         Path(args["out"]).write_text(json.dumps({"member": args["member"], "joining": True, "started": started,
@@ -418,9 +465,10 @@ def run_from_cli(*, workload: str, workers: int, sync: str | None, fail: str | N
     if transport != "tcp":
         raise usage(f"--elastic runs over the tcp transport, not {transport}")
     try:
-        failures = parse_failures(fail, workers) if fail is not None else ()
+        churn = parse_churn(fail) if fail is not None else None
+        failures = parse_failures(fail, workers) if fail is not None and churn is None else ()
         config = ElasticRunConfig(
-            workers=workers, failures=failures, rejoin_s=None if rejoin is None else parse_duration(rejoin),
+            workers=workers, failures=failures, churn=churn, rejoin_s=None if rejoin is None else parse_duration(rejoin),
             algorithm=algorithm, dim=dim, seed=seed, timeout_s=timeout,
             compute_time_s=parse_duration(compute_time),
             **{k: v for k, v in (("train_samples", train_samples), ("epochs", epochs), ("batch_size", batch_size),

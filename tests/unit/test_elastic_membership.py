@@ -353,3 +353,28 @@ def test_a_sender_that_dies_during_the_state_transfer_is_replaced_by_the_others(
     assert torch.equal(out[0]["params"], out[2]["params"]) and torch.equal(out[0]["params"], out[5]["params"])
     joined = out[5]["history"][0]
     assert joined.members == (0, 2, 5) and set(joined.sources) == {0, 2} and joined.receivers == (5,)
+
+
+def test_leaving_an_epoch_fails_the_peers_collective_at_once() -> None:
+    """Regression (churn run): rank 0's allreduce failed on a peer only it saw die (no abort
+    notice for a lost peer); its goodbye must fail rank 1's run of that allreduce at once,
+    although rank 0 had called it, instead of leaving rank 1 waiting for its timeout."""
+    import mlfabric
+    from mlfabric.errors import PeerLeftError, PeerLostError
+    from mlfabric.runtime.elastic import _say_goodbye
+
+    comms = mlfabric.local_world(3, timeout=30)
+    try:
+        futures = [comms[r].allreduce_async(torch.ones(4)) for r in (0, 1)]  # rank 2 never calls
+        time.sleep(0.1)
+        comms[0].transport._peer_lost(2, "seen dead by rank 0 only")
+        with pytest.raises(PeerLostError):
+            futures[0].wait()
+        start = time.monotonic()
+        _say_goodbye(comms[0], "test")
+        with pytest.raises(PeerLeftError, match="rank 0 left"):
+            futures[1].wait()
+        assert time.monotonic() - start < 5
+    finally:
+        for comm in comms:
+            comm.close()
