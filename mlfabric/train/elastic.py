@@ -316,11 +316,11 @@ def _summarize(config: ElasticRunConfig, outputs: list[dict[str, Any]], killed: 
     for rank, t_kill in killed:
         times = []
         for o in finished:
-            if o["member"] == rank:
-                continue
+            if o["member"] == rank or o["started"] >= t_kill:
+                continue  # the killed one, or a process started after the kill (a joiner)
             after = [c["epoch"] for c in o["history"] if c["began"] >= t_kill]
             if not after:
-                continue  # started after the kill (a joiner)
+                continue
             first = next((t for t, _, epoch in o["commits"] if epoch >= min(after) and t >= t_kill), None)
             if first is not None:
                 times.append(first - t_kill)
