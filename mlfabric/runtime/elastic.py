@@ -195,8 +195,9 @@ class ElasticCommunicator:
         old, members = self.comm, self.membership.members
         transport = old.transport
         gone = {members[p] for p in transport.gone_peers}
-        log.warning("member %d: leaving membership epoch %d %s: %s", self.member, self.membership.epoch,
-                    list(members), reason)
+        # The collective's error names dense ranks of the old epoch; the members gone are ids.
+        log.warning("member %d: leaving membership epoch %d %s (members gone: %s): %s", self.member,
+                    self.membership.epoch, list(members), sorted(gone) or "none seen here", reason)
         self._move(self.membership.epoch + 1, previous=members, gone=gone, joiner=False, reason=reason,
                    began=began, grace_s=self.grace_s, old=old)
         assert self.membership is not None
