@@ -378,3 +378,66 @@ def test_leaving_an_epoch_fails_the_peers_collective_at_once() -> None:
     finally:
         for comm in comms:
             comm.close()
+
+
+class _Holder:
+    """A StateHolder of one float tensor."""
+
+    def __init__(self, value: float, committed: int) -> None:
+        self.data = torch.full((1000,), value)
+        self.committed = committed
+
+    def signature(self) -> str:
+        return "holder:1000"
+
+    def pack(self) -> tuple[dict, torch.Tensor]:
+        return {"committed": self.committed}, self.data.view(torch.uint8)
+
+    def unpack(self, header: dict, blob: torch.Tensor) -> None:
+        self.data.copy_(blob.view(torch.float32))
+        self.committed = int(header["committed"])
+
+
+def test_a_survivor_that_missed_the_last_step_is_rolled_forward() -> None:
+    """A step that completed on member 1 but failed on member 0 (a peer died in the middle of
+    it) ends committed on both: the new epoch starts at member 1's step and member 0 receives
+    member 1's state (striped over 2 senders: members 1 and 2 both committed it)."""
+    from mlfabric.runtime.elastic import ElasticCommunicator
+
+    store = dist.HashStore()
+    holders = {0: _Holder(0.0, 0), 1: _Holder(0.0, 0), 2: _Holder(0.0, 0)}
+    ecs: dict[int, ElasticCommunicator] = {}
+    errors: list[BaseException] = []
+
+    def start(m: int) -> None:
+        try:
+            ecs[m] = ElasticCommunicator(store, m, holders[m], initial=(0, 1, 2), timeout=20, chunk_bytes=1024)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    def again(m: int) -> None:
+        try:
+            ecs[m].reconfigure("the step failed here" if m == 0 else "a peer left")
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    for target in (start, again):
+        threads = [threading.Thread(target=target, args=(m,), daemon=True) for m in (0, 1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not errors, errors
+        if target is start:
+            for m in (1, 2):  # members 1 and 2 committed step 5, member 0 aborted it at 4
+                holders[m].data.fill_(5.0)
+                holders[m].committed = 5
+            holders[0].data.fill_(4.0)
+            holders[0].committed = 4
+    try:
+        assert holders[0].committed == 5 and torch.equal(holders[0].data, holders[1].data)
+        change = ecs[0].history[-1]
+        assert change.sources == (1, 2) and change.receivers == (0,) and change.transferred_bytes == 4000
+    finally:
+        for ec in ecs.values():
+            ec.close()
