@@ -441,3 +441,23 @@ def test_a_survivor_that_missed_the_last_step_is_rolled_forward() -> None:
     finally:
         for ec in ecs.values():
             ec.close()
+
+
+# -- the command line's errors (check 7) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--workers", "3", "--elastic", "--fail", "worker:3@1"], "worker 3 is outside the job (workers 0-2)"),
+    (["--workers", "1", "--elastic"], "--elastic needs at least 2 workers"),
+    (["--workers", "3", "--elastic", "--fail", "server:2"], "an elastic run kills workers"),
+    (["--workers", "3", "--rejoin", "1"], "add --elastic"),
+    (["--workers", "3", "--elastic", "--sync", "ps-async"], "--sync allreduce only"),
+])
+def test_bad_elastic_options_are_usage_errors(args: list[str], message: str) -> None:
+    from typer.testing import CliRunner
+
+    from mlfabric.cli import app
+
+    result = CliRunner().invoke(app, ["train", "--workload", "hyperplane", *args], env={"COLUMNS": "300"})
+    assert result.exit_code == 2, result.output
+    assert message in result.output
