@@ -170,7 +170,7 @@ class ElasticRunResult:
     steps: int
     metric: str
     final_metric: float
-    recovery_s: list[float]
+    recovery_s: list[float | None]
     rejoin_s: list[float]
     steps_lost: int
     members: list[dict[str, Any]]
@@ -281,7 +281,11 @@ def run_elastic_training(config: ElasticRunConfig, *, log_dir: Path | None = Non
                     proc.kill()
                     proc.wait(10)
         outputs = [json.loads(p.read_text()) for p in sorted(work.glob("worker*.json"))]
-        result = _summarize(config, outputs, killed, restarted, wall_s)
+        # What killed processes had recorded (their recoveries from earlier kills count too).
+        done = {p.with_suffix("").name for p in work.glob("worker*.json")}
+        partial = [json.loads(p.read_text()) for p in sorted(work.glob("worker*.partial"))
+                   if p.with_suffix("").name not in done]
+        result = _summarize(config, outputs, killed, restarted, wall_s, partial)
         result.events = ([{"event": "kill", "worker": r, "at_s": round(t - t0, 3)} for r, t in killed]
                          + [{"event": "restart", "worker": r, "at_s": round(t - t0, 3)} for r, t in restarted])
         return result
@@ -305,7 +309,8 @@ def _check_alive(procs: dict[int, subprocess.Popen], logs: dict[int, Path], *, k
 
 
 def _summarize(config: ElasticRunConfig, outputs: list[dict[str, Any]], killed: list[tuple[int, float]],
-               restarted: list[tuple[int, float]], wall_s: float) -> ElasticRunResult:
+               restarted: list[tuple[int, float]], wall_s: float,
+               partial: Sequence[dict[str, Any]] = ()) -> ElasticRunResult:
     finished = [o for o in outputs if o["committed"] == config.steps]
     if any(o["committed"] != config.steps for o in outputs if "late" not in o):
         raise ElasticRunError("a worker ended before the last step: "
@@ -315,7 +320,7 @@ def _summarize(config: ElasticRunConfig, outputs: list[dict[str, Any]], killed: 
     recovery = []
     for rank, t_kill in killed:
         times = []
-        for o in finished:
+        for o in [*finished, *partial]:
             if o["member"] == rank or o["started"] >= t_kill:
                 continue  # the killed one, or a process started after the kill (a joiner)
             after = [c["epoch"] for c in o["history"] if c["began"] >= t_kill]
@@ -324,8 +329,7 @@ def _summarize(config: ElasticRunConfig, outputs: list[dict[str, Any]], killed: 
             first = next((t for t, _, epoch in o["commits"] if epoch >= min(after) and t >= t_kill), None)
             if first is not None:
                 times.append(first - t_kill)
-        if times:
-            recovery.append(round(max(times), 4))
+        recovery.append(round(max(times), 4) if times else None)  # None: no survivor recorded it
     rejoin: list[float] = []
     startup: list[float] = []  # of rejoin_s: the process's start (imports, data) before it asked to join
     late: list[int] = []  # restarted after the job had finished
@@ -337,7 +341,7 @@ def _summarize(config: ElasticRunConfig, outputs: list[dict[str, Any]], killed: 
             rejoin.append(round(joiner["commits"][0][0] - t_start, 4))
             startup.append(round(joiner["ready"] - t_start, 4))
     changes: dict[int, dict[str, Any]] = {}
-    for o in outputs:
+    for o in [*outputs, *partial]:
         for c in o.get("history", ()):
             changes.setdefault(c["epoch"], {"epoch": c["epoch"], "members": c["members"], "reason": c["reason"]})
     transferred = sorted({c["transferred_bytes"] for o in outputs for c in o.get("history", ()) if c["transferred_bytes"]})
@@ -352,10 +356,12 @@ def _summarize(config: ElasticRunConfig, outputs: list[dict[str, Any]], killed: 
 
 
 def summary_line(result: ElasticRunResult) -> str:
-    def figures(values: Sequence[float]) -> str:
-        if not values:
-            return "none"
-        return f"{', '.join(f'{v:.2f}' for v in values)} s (median {statistics.median(values):.2f})"
+    def figures(values: Sequence[float | None]) -> str:
+        known = [v for v in values if v is not None]
+        if not known:
+            return "none" if not values else "not recorded"
+        return (f"{', '.join('?' if v is None else f'{v:.2f}' for v in values)} s "
+                f"(median {statistics.median(known):.2f})")
 
     return (f"elastic allreduce on {result.config.workers} workers: {result.steps} steps in {result.wall_s:.1f} s; "
             f"recovery {figures(result.recovery_s)}; rejoin {figures(result.rejoin_s)}; steps lost "
@@ -388,6 +394,13 @@ def _worker(args: dict[str, Any]) -> None:
     ready = time.time()  # imports and data done: what follows is the join itself
 
     def on_commit(step: int, el: Elastic) -> None:
+        if not commits or commits[-1][2] != el.comm.epoch:
+            # The first commit of a membership: recorded on disk at once, so that a worker
+            # killed later still counts as a survivor of the failures before.
+            Path(args["out"]).with_suffix(".partial").write_text(json.dumps({
+                "member": args["member"], "joining": args["joining"], "started": started, "ready": ready,
+                "commits": [*commits, (time.time(), step, el.comm.epoch)],
+                "history": [c.to_dict() for c in el.comm.history]}))
         commits.append((time.time(), step, el.comm.epoch))
         if args["churn"] and el.rank == 0:
             store.set(STEP_KEY, str(step))
