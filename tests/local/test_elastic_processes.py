@@ -23,7 +23,7 @@ pytestmark = pytest.mark.local
 
 def test_a_killed_worker_is_survived_and_rejoins(tmp_path: Path) -> None:
     config = ElasticRunConfig(workers=3, failures=parse_failures("worker:1@1", 3), rejoin_s=0.5, dim=64,
-                              train_samples=3072, batch_size=64, epochs=8, compute_time_s=0.1, timeout_s=240)
+                              train_samples=3072, batch_size=64, epochs=12, compute_time_s=0.1, timeout_s=240)
     result = run_elastic_training(config, log_dir=tmp_path)
     assert result.parameters_equal, result
     assert result.final_members == [0, 1, 2]
@@ -73,13 +73,13 @@ def test_example_worker_killed_by_hand_and_restarted(tmp_path: Path) -> None:
         time.sleep(1.0)
         for m in range(3):
             procs[f"w{m}"] = start(f"w{m}", "worker", "--port", port, "--member", str(m), "--initial", "0,1,2",
-                                   "--steps", "150", "--step-time", "0.05")
+                                   "--steps", "300", "--step-time", "0.05")
         deadline = time.monotonic() + 120
         while "epoch 0" not in logs["w1"].read_text() and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(1.0)
         procs["w1"].send_signal(signal.SIGKILL)
-        procs["w1b"] = start("w1b", "worker", "--port", port, "--member", "1", "--steps", "150", "--step-time", "0.05")
+        procs["w1b"] = start("w1b", "worker", "--port", port, "--member", "1", "--steps", "300", "--step-time", "0.05")
         for name in ("w0", "w2", "w1b"):
             procs[name].wait(timeout=180)
         texts = {name: logs[name].read_text() for name in ("w0", "w2", "w1b")}
