@@ -116,7 +116,9 @@ class _EpochFailed(Exception):
 
 class ElasticCommunicator:
     """See the module docstring. ``initial``: the member ids of the job's first membership
-    (every process started with the job passes the same list); None: join a running job.
+    (every process started with the job passes the same list); None: join a running job (a
+    process given ``initial`` joins too when the job already runs: a restart with the same
+    arguments).
     ``store`` must outlive every worker (the launcher serves it). ``timeout`` bounds each
     collective and each quorum; ``grace_s`` how long a quorum waits for a member that is not
     known gone."""
@@ -142,6 +144,12 @@ class ElasticCommunicator:
         self.chunk_bytes = int(chunk_bytes)
         self.watchdog = watchdog
         self.token = self.ms.job_token()
+        if initial is not None and self.ms.current_epoch() >= 0:
+            # The job runs already: this is a restarted process given the same arguments as
+            # at the start (torchrun --max-restarts does that): it joins.
+            log.warning("member %d: the job is running (membership epoch %d): joining it", member,
+                        self.ms.current_epoch())
+            initial = None
         self.comm: Communicator | None = None
         self.membership: Membership | None = None
         self.history: list[MembershipChange] = []

@@ -176,7 +176,8 @@ def test_survivors_go_on_and_a_joiner_catches_up() -> None:
     deadline = time.monotonic() + 30
     while ms.current_epoch() < 1 and time.monotonic() < deadline:  # the survivors went on without it
         time.sleep(0.01)
-    joiner = threading.Thread(target=run, args=(2, steps, None), kwargs={"out": out}, daemon=True)
+    # Restarted with the arguments it was started with (as torchrun --max-restarts does): it joins.
+    joiner = threading.Thread(target=run, args=(2, steps, (0, 1, 2)), kwargs={"out": out}, daemon=True)
     joiner.start()
     for t in (*threads, joiner):
         t.join(60)
