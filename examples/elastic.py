@@ -8,9 +8,13 @@ start it again, it joins and receives the model and optimizer state.
     kill -9 <pid of member 1>            # members 0 and 2 go on at once
     python examples/elastic.py worker --port 29650 --member 1   # joins the running job
 
+    # or each rank under its own torchrun, restarted by it when it dies (it then joins):
+    torchrun --nproc-per-node 1 --max-restarts 1 --master-port 29661 examples/elastic.py worker \
+        --port 29650 --member 1 --initial 0,1,2
+
 Each worker prints one line per membership change and, at the end, its step count, loss and
 a checksum of its parameters: every worker alive at the end prints the same checksum.
-Exercised by ``python -m pytest tests/local/test_elastic_processes.py -k example``.
+Exercised by ``python -m pytest tests/local/test_elastic_processes.py -k torchrun``.
 """
 
 from __future__ import annotations

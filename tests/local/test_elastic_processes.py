@@ -49,9 +49,11 @@ def test_cli_writes_the_elastic_figures(tmp_path: Path) -> None:
     assert run["members"] == [{"epoch": 0, "members": [0, 1], "reason": "start"}]
 
 
-def test_example_worker_killed_by_hand_and_restarted(tmp_path: Path) -> None:
-    """examples/elastic.py as its docstring runs it: a store process, three workers started by
-    hand, one SIGKILLed and started again; every worker alive at the end has the same state."""
+def test_ranks_each_under_its_own_torchrun_survive_a_kill_and_the_restart_rejoins(tmp_path: Path) -> None:
+    """Issue #38 check 5 without DDP: three ranks, each under its own torchrun with
+    --max-restarts 1; one rank's worker process is SIGKILLed: the other two go on without
+    restarting, torchrun restarts the killed one with its original arguments, it joins, and
+    all three end with the same state."""
     import os
     import re
     import signal
@@ -60,33 +62,34 @@ def test_example_worker_killed_by_hand_and_restarted(tmp_path: Path) -> None:
     from mlfabric.bench.procs import free_port
 
     example = Path(__file__).resolve().parents[2] / "examples" / "elastic.py"
+    torchrun = Path(sys.executable).with_name("torchrun")
     port = str(free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    logs = {name: tmp_path / f"{name}.log" for name in ("store", "w0", "w1", "w2", "w1b")}
-
-    def start(name: str, *args: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, str(example), *args], env=env, stdout=logs[name].open("w"),
-                                stderr=subprocess.STDOUT)
-
-    procs = {"store": start("store", "store", "--port", port, "--serve-s", "200")}
+    logs = {name: tmp_path / f"{name}.log" for name in ("store", "w0", "w1", "w2")}
+    procs = {"store": subprocess.Popen([sys.executable, str(example), "store", "--port", port, "--serve-s", "300"],
+                                       env=env, stdout=logs["store"].open("w"), stderr=subprocess.STDOUT)}
     try:
         time.sleep(1.0)
         for m in range(3):
-            procs[f"w{m}"] = start(f"w{m}", "worker", "--port", port, "--member", str(m), "--initial", "0,1,2",
-                                   "--steps", "300", "--step-time", "0.05")
+            procs[f"w{m}"] = subprocess.Popen(
+                [str(torchrun), "--nproc-per-node", "1", "--max-restarts", "1", f"--master-port={free_port()}",
+                 str(example), "worker", "--port", port, "--member", str(m), "--initial", "0,1,2", "--steps", "400",
+                 "--step-time", "0.05"], env=env, stdout=logs[f"w{m}"].open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while "epoch 0" not in logs["w1"].read_text() and time.monotonic() < deadline:
-            time.sleep(0.1)
+            time.sleep(0.2)
         time.sleep(1.0)
-        procs["w1"].send_signal(signal.SIGKILL)
-        procs["w1b"] = start("w1b", "worker", "--port", port, "--member", "1", "--steps", "300", "--step-time", "0.05")
-        for name in ("w0", "w2", "w1b"):
-            procs[name].wait(timeout=180)
-        texts = {name: logs[name].read_text() for name in ("w0", "w2", "w1b")}
-        crcs = {name: re.search(r"state crc32 (0x[0-9a-f]+)", text) for name, text in texts.items()}
-        assert all(crcs.values()), texts
-        assert len({m[1] for m in crcs.values()}) == 1, texts  # type: ignore[index]
-        assert "members [0, 2]" in texts["w0"] and "members [0, 1, 2]" in texts["w1b"], texts
+        child = subprocess.run(["pgrep", "-P", str(procs["w1"].pid), "-f", "elastic.py"], capture_output=True,
+                               text=True).stdout.split()
+        assert child, "torchrun's worker process not found"
+        os.kill(int(child[0]), signal.SIGKILL)
+        for m in range(3):
+            assert procs[f"w{m}"].wait(timeout=240) == 0, logs[f"w{m}"].read_text()[-3000:]
+        texts = {m: logs[f"w{m}"].read_text() for m in range(3)}
+        crcs = {re.findall(r"state crc32 (0x[0-9a-f]+)", text)[-1] for text in texts.values()}
+        assert len(crcs) == 1, texts
+        assert "members [0, 2]" in texts[0] and "the job is running" in texts[1], texts
+        assert "aborted 0" in texts[1]  # the restarted process: no step of its own was lost
     finally:
         for proc in procs.values():
             if proc.poll() is None:
