@@ -75,9 +75,15 @@ def run(senders: int, nbytes: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     out: "mp.Queue[Any]" = ctx.Queue()
     procs = [ctx.Process(target=member, args=(store.port, m, senders, nbytes, out)) for m in range(senders + 1)]
+    from mlfabric.runtime.membership import MembershipStore
+
     for p in procs[:-1]:
         p.start()
-    time.sleep(1.0)
+    ms = MembershipStore(store)
+    deadline = time.monotonic() + 300
+    while ms.current_epoch() < 0 and time.monotonic() < deadline:  # the senders' job runs: then join it
+        time.sleep(0.05)
+    time.sleep(1.0)  # the members' first transfer (to all but the lowest) is over
     procs[-1].start()
     result = out.get(timeout=300)
     for p in procs:
