@@ -10,7 +10,9 @@ die with it), starts ``workers`` processes (``python -m mlfabric.train.elastic``
 membership has formed (the run's start) carries out ``--fail worker:RANK@SECONDS[,...]``:
 SIGKILL of that worker's process ``SECONDS`` after the start -- no goodbye, a crash -- and,
 with ``--rejoin AFTER_S``, a new process for the same member id ``AFTER_S`` after the kill,
-which joins the running job and receives the state from the live members.
+which joins the running job and receives the state from the live members. ``--fail
+churn:NxK`` instead kills a random worker K times, each once the job has run N steps with
+every worker in it (issue #38's churn check; the leader publishes its step in the store).
 
 Every step has a fixed global batch (``batch_size x workers`` samples of a seeded
 permutation per data epoch) that the step's members split among themselves, and the wrapper
