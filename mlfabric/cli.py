@@ -1324,7 +1324,7 @@ def train(
     fail: Annotated[Optional[str], typer.Option(
         "--fail", help="server:AT: SIGKILL server 0's process AT seconds into the (one) PS run; its replica takes "
                        "over (needs --replicas; reports failover_s, lost_divergence, lost_updates). With --elastic: "
-                       "worker:RANK@SECONDS[,...] SIGKILLs those workers.")] = None,
+                       "worker:RANK@SECONDS[,...] SIGKILLs those workers; churn:NxK a random one every N steps, K times.")] = None,
     elastic: Annotated[bool, typer.Option(
         "--elastic", help="--sync allreduce that survives lost workers: the survivors agree on a new membership and "
                           "go on; reports recovery_s, rejoin_s, steps_lost, members, parameters_equal "
