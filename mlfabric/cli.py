@@ -1324,7 +1324,8 @@ def train(
     fail: Annotated[Optional[str], typer.Option(
         "--fail", help="server:AT: SIGKILL server 0's process AT seconds into the (one) PS run; its replica takes "
                        "over (needs --replicas; reports failover_s, lost_divergence, lost_updates). With --elastic: "
-                       "worker:RANK@SECONDS[,...] SIGKILLs those workers; churn:NxK a random one every N steps, K times.")] = None,
+                       "worker:RANK@SECONDS[,...] SIGKILLs those workers; churn:NxK a random one every N steps, "
+                       "K times.")] = None,
     elastic: Annotated[bool, typer.Option(
         "--elastic", help="--sync allreduce that survives lost workers: the survivors agree on a new membership and "
                           "go on; reports recovery_s, rejoin_s, steps_lost, members, parameters_equal "
@@ -1402,8 +1403,8 @@ def train(
     if elastic or rejoin is not None:
         from mlfabric.train.elastic import run_from_cli
 
-        return run_from_cli(workload=workload, workers=workers, sync=sync, fail=fail, rejoin=rejoin, algorithm=algorithm,
-                            dim=dim, train_samples=train_samples, epochs=epochs, batch_size=batch_size, lr=lr,
+        return run_from_cli(workload=workload, workers=workers, sync=sync, fail=fail, rejoin=rejoin,
+                            algorithm=algorithm, dim=dim, train_samples=train_samples, epochs=epochs, batch_size=batch_size, lr=lr,
                             momentum=momentum, compute_time=compute_time, seed=seed, timeout=timeout, emulate=emulate,
                             transport=transport, json_path=json_path, elastic=elastic)
     import dataclasses
