@@ -1404,7 +1404,8 @@ def train(
         from mlfabric.train.elastic import run_from_cli
 
         return run_from_cli(workload=workload, workers=workers, sync=sync, fail=fail, rejoin=rejoin,
-                            algorithm=algorithm, dim=dim, train_samples=train_samples, epochs=epochs, batch_size=batch_size, lr=lr,
+                            algorithm=algorithm, dim=dim, train_samples=train_samples, epochs=epochs,
+                            batch_size=batch_size, lr=lr,
                             momentum=momentum, compute_time=compute_time, seed=seed, timeout=timeout, emulate=emulate,
                             transport=transport, json_path=json_path, elastic=elastic)
     import dataclasses

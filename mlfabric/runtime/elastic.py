@@ -355,18 +355,21 @@ class ElasticCommunicator:
             # The senders' chunk: every member must cut the buffer alike.
             comm.striped_copy(blob, sources, receivers, chunk_bytes=int(header["chunk_bytes"]))
         except MlfabricError as exc:
-            raise _TransferBroken(f"the state transfer from {list(source_ids)} to {list(receiver_ids)} broke: {exc}") from exc
+            raise _TransferBroken(f"the state transfer from {list(source_ids)} to {list(receiver_ids)} "
+                                  f"broke: {exc}") from exc
         if me in sources:
             return 0, source_ids, receiver_ids
         got = zlib.crc32(_bytes(blob))
         if got != header["crc32"]:
-            raise ElasticError(f"member {self.member}: the state received from members {list(source_ids)} in membership "
-                               f"epoch {epoch} fails its checksum (CRC-32 {got:#010x}, the senders' {header['crc32']:#010x})")
+            raise ElasticError(f"member {self.member}: the state received from members {list(source_ids)} in "
+                               f"membership epoch {epoch} fails its checksum (CRC-32 {got:#010x}, the senders' "
+                               f"{header['crc32']:#010x})")
         self.state.unpack(header, blob)
         self._has_state = True
         return blob.numel(), source_ids, receiver_ids
 
-    def _source_headers(self, comm: Communicator, membership: Membership, source_ids: tuple[int, ...]) -> dict[int, dict[str, Any]]:
+    def _source_headers(self, comm: Communicator, membership: Membership,
+                        source_ids: tuple[int, ...]) -> dict[int, dict[str, Any]]:
         deadline = time.monotonic() + self.timeout
         headers: dict[int, dict[str, Any]] = {}
         while len(headers) < len(source_ids):

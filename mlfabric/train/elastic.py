@@ -436,7 +436,8 @@ def _worker(args: dict[str, Any]) -> None:
         elastic.step(weight=float(len(index)))
     elastic.finish()
     _, blob = elastic.pack()
-    out = {"member": args["member"], "joining": args["joining"], "started": started, "ready": ready, "committed": elastic.committed,
+    out = {"member": args["member"], "joining": args["joining"], "started": started, "ready": ready,
+           "committed": elastic.committed,
            "aborted": elastic.aborted, "commits": commits, "history": [c.to_dict() for c in elastic.comm.history],
            "metric": task.evaluate(model, xv, yv)[1], "state_crc32": zlib.crc32(blob.numpy())}
     Path(args["out"]).write_text(json.dumps(out))
