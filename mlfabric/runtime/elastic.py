@@ -322,10 +322,29 @@ class ElasticCommunicator:
                     log.warning("member %d: %s", self.member, exc)
             if dead:
                 raise _EpochFailed(f"cannot connect to members {dead}", gone=dead)
+            self._all_connected(membership)
             return Communicator(transport, timeout=self.timeout, watchdog=self.watchdog)
         except BaseException:
             transport.close(b"")
             raise
+
+    def _all_connected(self, membership: Membership) -> None:
+        """Wait until every member has dialled every other. Why: a member's death is seen by
+        its peers as the end of the connection it dialled to them (their reader gets EOF); a
+        member that dies before it has dialled a peer is invisible to that peer, which only
+        writes to it, and a joiner waiting for that member's state would wait for the
+        timeout (a churn run waited 60 s). After this barrier every death is seen."""
+        epoch = membership.epoch
+        self.ms.publish(epoch, self.member, "connected", "1")
+        deadline = time.monotonic() + 2 * self.connect_s
+        waiting = [m for m in membership.members if m != self.member]
+        while waiting:
+            waiting = [m for m in waiting if self.ms.read(epoch, m, "connected") is None]
+            if waiting:
+                if time.monotonic() > deadline:
+                    raise _EpochFailed(f"members {waiting} did not connect to everyone within "
+                                       f"{2 * self.connect_s:g} s", gone=waiting)
+                time.sleep(0.005)
 
     def _sync(self, comm: Communicator, membership: Membership) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
         """Bring every member to the epoch's committed step: (bytes received here, source ids,

@@ -10,6 +10,7 @@ SIGKILL are in tests/local/test_elastic_processes.py.
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -462,3 +463,35 @@ def test_bad_elastic_options_are_usage_errors(args: list[str], message: str) -> 
     result = CliRunner().invoke(app, ["train", "--workload", "hyperplane", *args], env={"COLUMNS": "300"})
     assert result.exit_code == 2, result.output
     assert message in result.output
+
+
+def test_a_member_that_never_dials_its_peers_is_left_out_within_the_connect_bound() -> None:
+    """Regression (churn run): a member that dies (here: hangs) after publishing its endpoints
+    but before dialling its peers is invisible to them; without the connection barrier they
+    waited for the collective timeout. Now the epoch fails within 2 x connect_s and the next
+    one forms without it."""
+    from mlfabric.transport.tcp import TcpTransport
+
+    zombies: list[TcpTransport] = []
+
+    def patch(member: int, el: Elastic) -> None:
+        if member == 1:
+            def hang(membership: Membership) -> None:
+                transport = TcpTransport(membership.rank_of(1), membership.world_size,
+                                         epoch_token(el.comm.token, membership.epoch))
+                zombies.append(transport)
+                el.comm.ms.publish(membership.epoch, 1, "endpoints", json.dumps(transport.endpoints))
+                raise _Died()
+            el.comm._connect = hang  # type: ignore[method-assign]
+
+    start = time.monotonic()
+    try:
+        out, errors = _run_members(dist.HashStore(), {0: {}, 1: {}, 2: {}, 3: {"leave_at": 3}}, 10, (0, 1, 2, 3),
+                                   patch)
+    finally:
+        for transport in zombies:
+            transport.close()
+    assert set(errors) == {1, 3}, errors
+    assert [c.members for c in out[0]["history"]] == [(0, 1, 2, 3), (0, 2)]
+    assert torch.equal(out[0]["params"], out[2]["params"])
+    assert time.monotonic() - start < 18  # the collective timeout (20 s) was not waited for
