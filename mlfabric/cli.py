@@ -1526,7 +1526,16 @@ def train(
                                           "versions (0: never; the baseline of MLfabric's replication).")] = 0,
     fail: Annotated[Optional[str], typer.Option(
         "--fail", help="server:AT: SIGKILL server 0's process AT seconds into the (one) PS run; its replica takes "
-                       "over (needs --replicas; reports failover_s, lost_divergence, lost_updates).")] = None,
+                       "over (needs --replicas; reports failover_s, lost_divergence, lost_updates). With --elastic: "
+                       "worker:RANK@SECONDS[,...] SIGKILLs those workers; churn:NxK a random one every N steps, "
+                       "K times.")] = None,
+    elastic: Annotated[bool, typer.Option(
+        "--elastic", help="--sync allreduce that survives lost workers: the survivors agree on a new membership and "
+                          "go on; reports recovery_s, rejoin_s, steps_lost, members, parameters_equal "
+                          "(mlfabric/train/elastic.py).")] = False,
+    rejoin: Annotated[Optional[str], typer.Option(
+        "--rejoin", metavar="AFTER_S", help="With --elastic --fail: restart each killed worker AFTER_S seconds after "
+                                            "its kill; it joins the running job and receives its state.")] = None,
     inject: Annotated[Optional[list[str]], typer.Option(
         help="Delay injection, repeatable (each runs every mode): one-random:300ms (one random worker per step), "
              "random:300ms,2, skew:50ms,50ms,rotate, C1|C2|C3 (MLfabric's compute stragglers), none.")] = None,
@@ -1595,6 +1604,14 @@ def train(
 
     All (injection, mode) runs share one launch and run one after the other; the table shows
     each eager mode's throughput and final metric relative to allreduce under the same injection."""
+    if elastic or rejoin is not None:
+        from mlfabric.train.elastic import run_from_cli
+
+        return run_from_cli(workload=workload, workers=workers, sync=sync, fail=fail, rejoin=rejoin,
+                            algorithm=algorithm, dim=dim, train_samples=train_samples, epochs=epochs,
+                            batch_size=batch_size, lr=lr,
+                            momentum=momentum, compute_time=compute_time, seed=seed, timeout=timeout, emulate=emulate,
+                            transport=transport, json_path=json_path, elastic=elastic)
     import dataclasses
 
     from mlfabric.train.ps_modes import is_ps_mode

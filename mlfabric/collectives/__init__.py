@@ -26,6 +26,7 @@ from .hierarchical import (
 from .p2p_ps import p2p_ps_allreduce
 from .partition import chunks_for
 from .ring import ring_allgather, ring_allreduce, ring_reduce_scatter
+from .striped import striped_copy
 from .tree import binomial_broadcast, binomial_reduce, tree_allreduce
 
 ALLREDUCE_ALGORITHMS: dict[str, Callable[..., Schedule]] = {
@@ -95,7 +96,8 @@ def pipeline_parts(algorithm: str, count: int, world_size: int, chunk_elements: 
 @lru_cache(maxsize=256)
 def build(kind: str, world_size: int, rank: int, count: int, **options: object) -> Schedule:
     """The schedule of collective ``kind`` ("allreduce:<algorithm>", "broadcast", "reduce",
-    "reduce_scatter", "allgather", "gather", "scatter", "all_to_all") for one rank."""
+    "reduce_scatter", "allgather", "gather", "scatter", "all_to_all", "striped_copy") for one
+    rank."""
     if kind.startswith("allreduce:"):
         return ALLREDUCE_ALGORITHMS[kind.split(":", 1)[1]](world_size, rank, count, **options)
     builders: dict[str, Callable[..., Schedule]] = {
@@ -108,6 +110,7 @@ def build(kind: str, world_size: int, rank: int, count: int, **options: object) 
         "gather": direct_gather,
         "scatter": direct_scatter,
         "all_to_all": pairwise_all_to_all,
+        "striped_copy": striped_copy,
     }
     if kind not in builders:
         raise ValueError(f"unknown collective {kind!r}")
@@ -120,5 +123,5 @@ __all__ = [
     "halving_doubling_allreduce", "HostLayout", "SHAPED_ALGORITHMS", "host_hierarchical_allgather",
     "host_hierarchical_allreduce", "host_hierarchical_broadcast",
     "hierarchical_allreduce", "p2p_ps_allreduce", "pairwise_all_to_all", "pipeline_parts", "ring_allgather", "ring_allreduce",
-    "ring_reduce_scatter", "tree_allreduce",
+    "ring_reduce_scatter", "striped_copy", "tree_allreduce",
 ]

@@ -494,6 +494,30 @@ class Communicator:
         self._allreduce(torch.zeros(1, dtype=torch.int32), "halving_doubling", "sum", timeout, blocking=True,
                         call="barrier").wait()
 
+    def striped_copy(self, tensor: torch.Tensor, sources: Sequence[int], receivers: Sequence[int], *,
+                     chunk_bytes: int = 4 << 20, timeout: float | None = None) -> torch.Tensor:
+        """Copy ``tensor`` from ``sources`` (ranks holding identical copies) to ``receivers``,
+        chunk ``j`` of ``chunk_bytes`` from ``sources[j % len(sources)]``
+        (``collectives/striped.py``: elastic training's state transfer). Every rank calls it
+        with the same arguments; ranks in neither list return at once after taking part in
+        the sequence. Returns ``tensor``."""
+        _check_tensor(tensor, "striped_copy")
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        flat, write_back = _flat_work_buffer(tensor)
+        sources, receivers = tuple(int(s) for s in sources), tuple(int(r) for r in receivers)
+
+        def finish() -> torch.Tensor:
+            write_back()
+            return tensor
+
+        chunk = max(1, chunk_bytes // flat.element_size())
+        result = self._run("striped_copy", flat, f"striped_copy(from {list(sources)} to {list(receivers)})",
+                           finish, timeout, blocking=True, sources=sources, receivers=receivers,
+                           chunk=chunk).wait()
+        assert isinstance(result, torch.Tensor)
+        return result
+
     # -- plumbing ----------------------------------------------------------------------------
 
     def _run(self, kind: str, flat: torch.Tensor, what: str, finish: Callable[[], torch.Tensor],

@@ -1,0 +1,501 @@
+"""``mlfabric train --sync allreduce --elastic``: synchronous SGD that survives killed workers.
+
+    mlfabric train --workload hyperplane --workers 4 --sync allreduce --elastic \\
+        --fail worker:2@3 --rejoin 2 --dim 1024 --train-samples 8192 --compute-time 20ms --json -
+    .venv/bin/python -m pytest tests/local/test_elastic_processes.py -q
+
+The parent serves the rendezvous store (it must outlive every worker: a worker's store would
+die with it), starts ``workers`` processes (``python -m mlfabric.train.elastic``), each an
+:class:`mlfabric.torch.Elastic` member with member id = its rank, and once the first
+membership has formed (the run's start) carries out ``--fail worker:RANK@SECONDS[,...]``:
+SIGKILL of that worker's process ``SECONDS`` after the start -- no goodbye, a crash -- and,
+with ``--rejoin AFTER_S``, a new process for the same member id ``AFTER_S`` after the kill,
+which joins the running job and receives the state from the live members. ``--fail
+churn:NxK`` instead kills a random worker K times, each once the job has run N steps with
+every worker in it (issue #38's churn check; the leader publishes its step in the store).
+
+Every step has a fixed global batch (``batch_size x workers`` samples of a seeded
+permutation per data epoch) that the step's members split among themselves, and the wrapper
+weights each member's gradient by its sample count: a step's update is the same whatever the
+membership, so an elastic run follows a fault-free run of the same seed up to float rounding
+(the aborted steps are recomputed). The run's JSON adds:
+
+* ``recovery_s`` (one per failure): the kill to the moment every survivor has committed a
+  step in a membership formed after it;
+* ``rejoin_s`` (one per rejoin): the restart to the joiner's first committed step;
+* ``steps_lost``: step attempts aborted (their computation thrown away), most on any rank;
+* ``members``: the membership after each change (epoch, members, why);
+* ``parameters_equal``: every rank alive at the end holds bit-identical parameters and
+  optimizer state (CRC-32 of the packed state).
+
+Built for the ``hyperplane`` workload; the emulator (``--emulate``) does not run it yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+from mlfabric.units import parse_duration
+
+if TYPE_CHECKING:
+    from mlfabric.runtime.membership import MembershipStore
+
+__all__ = ["ElasticRunConfig", "ElasticRunResult", "WorkerFailure", "parse_failures", "run_elastic_training", "summary_line"]
+
+#: ``--fail`` in elastic runs.
+FAIL_FORM = "worker:RANK@SECONDS[,worker:RANK@SECONDS...] (e.g. worker:2@3) or churn:NxK"
+#: Defaults of the hyperplane workload in elastic runs (eager.py's, for one launch).
+DEFAULTS = {"batch_size": 256, "lr": 0.05, "momentum": 0.0, "epochs": 48}
+STORE_ENV = "MLFABRIC_ELASTIC_STORE"
+#: The leader's committed step, published for the parent's churn (only when churning).
+STEP_KEY = "train/step"
+
+
+class ElasticRunError(RuntimeError):
+    """A worker failed on its own, or the run did not finish within its timeout."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerFailure:
+    """SIGKILL worker ``rank`` ``at_s`` seconds after the run's start."""
+
+    rank: int
+    at_s: float
+
+
+def parse_churn(spec: str) -> tuple[int, int] | None:
+    """``churn:15x5`` -> (15, 5); None for any other ``--fail``."""
+    if not spec.startswith("churn:"):
+        return None
+    every, _, times = spec.removeprefix("churn:").partition("x")
+    try:
+        return int(every), int(times)
+    except ValueError:
+        raise ValueError(f"--fail {spec!r}: churn:NxK kills a random worker every N steps, K times "
+                         "(e.g. churn:15x5)") from None
+
+
+def parse_failures(spec: str, workers: int) -> tuple[WorkerFailure, ...]:
+    """``worker:2@3,worker:1@6.5`` -> failures, checked against the job's ``workers``."""
+    out = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        role, _, rest = part.partition(":")
+        rank_text, at, when = rest.partition("@")
+        if role != "worker" or not at:
+            raise ValueError(f"--fail {part!r}: an elastic run kills workers: {FAIL_FORM}"
+                             + ("; the parameter server's server:AT is for the PS modes" if role == "server" else ""))
+        try:
+            rank = int(rank_text)
+        except ValueError:
+            raise ValueError(f"--fail {part!r}: {rank_text!r} is not a worker rank ({FAIL_FORM})") from None
+        if not 0 <= rank < workers:
+            raise ValueError(f"--fail {part!r}: worker {rank} is outside the job (workers 0-{workers - 1})")
+        at_s = parse_duration(when)
+        if at_s < 0:
+            raise ValueError(f"--fail {part!r}: the time must be >= 0 seconds")
+        out.append(WorkerFailure(rank=rank, at_s=at_s))
+    if not out:
+        raise ValueError(f"--fail is empty: {FAIL_FORM}")
+    return tuple(sorted(out, key=lambda f: f.at_s))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ElasticRunConfig:
+    workers: int = 4
+    failures: tuple[WorkerFailure, ...] = ()
+    rejoin_s: float | None = None
+    algorithm: str = "ring"
+    dim: int = 1024
+    train_samples: int = 8192
+    epochs: int = DEFAULTS["epochs"]
+    batch_size: int = DEFAULTS["batch_size"]
+    lr: float = DEFAULTS["lr"]
+    momentum: float = DEFAULTS["momentum"]
+    compute_time_s: float = 0.0
+    seed: int = 0
+    timeout_s: float = 600.0
+    grace_s: float = 5.0
+    #: (every N steps, K times): SIGKILL a random live worker once the job has run N steps with
+    #: every worker in it, K times (``--fail churn:NxK``; each restarted after ``rejoin_s``).
+    churn: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.workers < 2:
+            raise ValueError(f"--elastic needs at least 2 workers (got {self.workers}): with one there is "
+                             "nobody to go on when it is lost")
+        if self.rejoin_s is not None and self.rejoin_s < 0:
+            raise ValueError("--rejoin must be >= 0 seconds")
+        if self.rejoin_s is not None and not self.failures and self.churn is None:
+            raise ValueError("--rejoin restarts killed workers: give --fail worker:RANK@SECONDS")
+        if self.churn is not None and (self.rejoin_s is None or min(self.churn) < 1):
+            raise ValueError("--fail churn:NxK kills a worker every N steps K times (N, K >= 1) and needs --rejoin")
+        if self.algorithm not in ("ring", "halving_doubling", "tree"):
+            raise ValueError(f"--elastic runs ring, halving_doubling or tree, not {self.algorithm!r}")
+        for failure in self.failures:
+            if not 0 <= failure.rank < self.workers:
+                raise ValueError(f"--fail worker:{failure.rank}: outside the job (workers 0-{self.workers - 1})")
+        if len({f.rank for f in self.failures}) < len(self.failures) and self.rejoin_s is None:
+            raise ValueError("--fail names one worker twice: without --rejoin it is dead after the first")
+        if min(self.dim, self.train_samples, self.epochs, self.batch_size) < 1 or self.compute_time_s < 0:
+            raise ValueError("dim, train samples, epochs and batch size must be positive, compute time >= 0")
+        if self.train_samples < self.batch_size * self.workers:
+            raise ValueError(f"{self.train_samples} training samples make no step of {self.batch_size} x "
+                             f"{self.workers} workers: raise --train-samples")
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.train_samples // (self.batch_size * self.workers)
+
+    @property
+    def steps(self) -> int:
+        return self.epochs * self.steps_per_epoch
+
+
+@dataclass(kw_only=True)
+class ElasticRunResult:
+    config: ElasticRunConfig
+    wall_s: float
+    steps: int
+    metric: str
+    final_metric: float
+    recovery_s: list[float | None]
+    rejoin_s: list[float]
+    steps_lost: int
+    members: list[dict[str, Any]]
+    parameters_equal: bool
+    final_members: list[int]
+    transferred_bytes: list[int] = field(default_factory=list)
+    rejoin_startup_s: list[float] = field(default_factory=list)
+    rejoined_too_late: list[int] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)  # the kills and restarts, seconds after the start
+
+    def to_dict(self) -> dict[str, Any]:
+        config = asdict(self.config)
+        config["failures"] = [asdict(f) for f in self.config.failures]
+        config["churn"] = None if self.config.churn is None else list(self.config.churn)
+        return {"mode": "allreduce", "elastic": True, "config": config, "wall_s": self.wall_s, "steps": self.steps,
+                "metric": self.metric, "final_metric": self.final_metric, "recovery_s": self.recovery_s,
+                "rejoin_s": self.rejoin_s, "steps_lost": self.steps_lost, "members": self.members,
+                "parameters_equal": self.parameters_equal, "final_members": self.final_members,
+                "transferred_bytes": self.transferred_bytes, "rejoin_startup_s": self.rejoin_startup_s,
+                "rejoined_too_late": self.rejoined_too_late, "events": self.events}
+
+
+# -- the parent ------------------------------------------------------------------------------
+
+
+def run_elastic_training(config: ElasticRunConfig, *, log_dir: Path | None = None) -> ElasticRunResult:
+    """Run the job (see module); raises :class:`ElasticRunError` naming the worker and showing
+    its log when one fails by itself or the run exceeds ``config.timeout_s``."""
+    import torch.distributed as dist
+
+    from mlfabric.runtime.membership import MembershipStore
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+    with tempfile.TemporaryDirectory(prefix="mlfabric-elastic-") as tmp:
+        work = Path(log_dir) if log_dir is not None else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        procs: dict[int, subprocess.Popen] = {}
+        logs: dict[int, Path] = {}
+        generation: dict[int, int] = {}
+
+        def start(rank: int, joining: bool) -> None:
+            generation[rank] = generation.get(rank, -1) + 1
+            logs[rank] = work / f"worker{rank}-{generation[rank]}.log"
+            args = {**asdict(config), "failures": [], "member": rank, "joining": joining,
+                    "out": str(work / f"worker{rank}-{generation[rank]}.json")}
+            # One intra-op thread: several workers share the host's cores, and OpenMP's
+            # spinning threads starved a restarting worker for tens of seconds.
+            env = {**os.environ, STORE_ENV: f"127.0.0.1:{store.port}", "OMP_NUM_THREADS": "1"}
+            with open(logs[rank], "w") as log_file:
+                procs[rank] = subprocess.Popen([sys.executable, "-m", "mlfabric.train.elastic", json.dumps(args)],
+                                               stdout=log_file, stderr=subprocess.STDOUT, env=env)
+
+        deadline = time.monotonic() + config.timeout_s
+        killed: list[tuple[int, float]] = []
+        restarted: list[tuple[int, float]] = []
+        try:
+            for rank in range(config.workers):
+                start(rank, joining=False)
+            ms = MembershipStore(store)
+            while ms.current_epoch() < 0:
+                _check_alive(procs, logs, killed={}, deadline=deadline)
+                time.sleep(0.02)
+            t0 = time.time()
+            pending = [(t0 + f.at_s, "kill", f.rank) for f in config.failures]
+            dead: dict[int, subprocess.Popen] = {}
+            rng = random.Random(config.seed)
+            churn_at: int | None = None if config.churn is None else config.churn[0]
+            while True:
+                now = time.time()
+                if config.churn is not None and len(killed) < config.churn[1] and not dead:
+                    step = int(store.get(STEP_KEY).decode()) if store.check([STEP_KEY]) else 0
+                    full = _members(ms) == tuple(range(config.workers))
+                    if churn_at is None and full:
+                        churn_at = step + config.churn[0]  # N more steps with every worker in
+                    elif churn_at is not None and step >= churn_at and full:
+                        churn_at = None
+                        pending.append((now, "kill", rng.randrange(config.workers)))
+                for event in sorted(pending):
+                    at, what, rank = event
+                    if at > now:
+                        break
+                    pending.remove(event)
+                    if what == "kill":
+                        if procs[rank].poll() is not None and config.churn is not None:
+                            continue  # the job is ending: no more churn
+                        if procs[rank].poll() is not None:
+                            raise ElasticRunError(f"worker {rank} had already ended when --fail was due "
+                                                  f"({at - t0:.1f} s into the run): the run was shorter; "
+                                                  "raise --epochs or --compute-time")
+                        procs[rank].send_signal(signal.SIGKILL)
+                        killed.append((rank, time.time()))
+                        dead[rank] = procs[rank]
+                        if config.rejoin_s is not None:
+                            pending.append((time.time() + config.rejoin_s, "rejoin", rank))
+                    else:
+                        dead.pop(rank).wait(10)
+                        start(rank, joining=True)
+                        restarted.append((rank, time.time()))
+                _check_alive(procs, logs, killed={r for r in dead}, deadline=deadline)
+                if all(p.poll() is not None for r, p in procs.items() if r not in dead) and not pending:
+                    break
+                time.sleep(0.01)
+            wall_s = time.time() - t0
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(10)
+        outputs = [json.loads(p.read_text()) for p in sorted(work.glob("worker*.json"))]
+        # What killed processes had recorded (their recoveries from earlier kills count too).
+        done = {p.with_suffix("").name for p in work.glob("worker*.json")}
+        partial = [json.loads(p.read_text()) for p in sorted(work.glob("worker*.partial"))
+                   if p.with_suffix("").name not in done]
+        result = _summarize(config, outputs, killed, restarted, wall_s, partial)
+        result.events = ([{"event": "kill", "worker": r, "at_s": round(t - t0, 3)} for r, t in killed]
+                         + [{"event": "restart", "worker": r, "at_s": round(t - t0, 3)} for r, t in restarted])
+        return result
+
+
+def _members(ms: MembershipStore) -> tuple[int, ...]:
+    membership = ms.closed(ms.current_epoch())
+    return () if membership is None else membership.members
+
+
+def _check_alive(procs: dict[int, subprocess.Popen], logs: dict[int, Path], *, killed: set[int],
+                 deadline: float) -> None:
+    for rank, proc in procs.items():
+        code = proc.poll()
+        if code not in (None, 0) and rank not in killed:
+            tail = logs[rank].read_text()[-3000:]
+            raise ElasticRunError(f"worker {rank} failed (exit status {code}); the end of its log:\n{tail}")
+    if time.monotonic() > deadline:
+        raise ElasticRunError("the elastic run did not finish within its timeout; the workers' logs: "
+                              + ", ".join(str(p) for p in logs.values()))
+
+
+def _summarize(config: ElasticRunConfig, outputs: list[dict[str, Any]], killed: list[tuple[int, float]],
+               restarted: list[tuple[int, float]], wall_s: float,
+               partial: Sequence[dict[str, Any]] = ()) -> ElasticRunResult:
+    finished = [o for o in outputs if o["committed"] == config.steps]
+    if any(o["committed"] != config.steps for o in outputs if "late" not in o):
+        raise ElasticRunError("a worker ended before the last step: "
+                              + ", ".join(f"member {o['member']} at {o['committed']}" for o in outputs))
+    if not finished:
+        raise ElasticRunError("no worker finished the run")
+    recovery = []
+    for rank, t_kill in killed:
+        times = []
+        for o in [*finished, *partial]:
+            if o["member"] == rank or o["started"] >= t_kill:
+                continue  # the killed one, or a process started after the kill (a joiner)
+            after = [c["epoch"] for c in o["history"] if c["began"] >= t_kill]
+            if not after:
+                continue
+            first = next((t for t, _, epoch in o["commits"] if epoch >= min(after) and t >= t_kill), None)
+            if first is not None:
+                times.append(first - t_kill)
+        recovery.append(round(max(times), 4) if times else None)  # None: no survivor recorded it
+    rejoin: list[float] = []
+    startup: list[float] = []  # of rejoin_s: the process's start (imports, data) before it asked to join
+    late: list[int] = []  # restarted after the job had finished
+    for rank, t_start in restarted:
+        joiner = next((o for o in outputs if o["member"] == rank and o["joining"] and o["started"] >= t_start - 1), None)
+        if joiner is None or joiner["committed"] < 0:
+            late.append(rank)
+        elif joiner["commits"]:
+            rejoin.append(round(joiner["commits"][0][0] - t_start, 4))
+            startup.append(round(joiner["ready"] - t_start, 4))
+    changes: dict[int, dict[str, Any]] = {}
+    for o in [*outputs, *partial]:
+        for c in o.get("history", ()):
+            changes.setdefault(c["epoch"], {"epoch": c["epoch"], "members": c["members"], "reason": c["reason"]})
+    transferred = sorted({c["transferred_bytes"] for o in outputs for c in o.get("history", ()) if c["transferred_bytes"]})
+    crcs = {o["state_crc32"] for o in finished}
+    final = sorted(o["member"] for o in finished)
+    lowest = min(finished, key=lambda o: o["member"])
+    return ElasticRunResult(config=config, wall_s=round(wall_s, 3), steps=config.steps, metric="mse",
+                            final_metric=lowest["metric"], recovery_s=recovery, rejoin_s=rejoin,
+                            steps_lost=max(o["aborted"] for o in finished), members=[changes[e] for e in sorted(changes)],
+                            parameters_equal=len(crcs) == 1, final_members=final, transferred_bytes=transferred,
+                            rejoin_startup_s=startup, rejoined_too_late=late)
+
+
+def summary_line(result: ElasticRunResult) -> str:
+    def figures(values: Sequence[float | None]) -> str:
+        known = [v for v in values if v is not None]
+        if not known:
+            return "none" if not values else "not recorded"
+        return (f"{', '.join('?' if v is None else f'{v:.2f}' for v in values)} s "
+                f"(median {statistics.median(known):.2f})")
+
+    return (f"elastic allreduce on {result.config.workers} workers: {result.steps} steps in {result.wall_s:.1f} s; "
+            f"recovery {figures(result.recovery_s)}; rejoin {figures(result.rejoin_s)}; steps lost "
+            f"{result.steps_lost}; final {result.metric} {result.final_metric:.4f}; members at the end "
+            f"{result.final_members}; parameters equal: {result.parameters_equal}")
+
+
+# -- a worker --------------------------------------------------------------------------------
+
+
+def _worker(args: dict[str, Any]) -> None:
+    started = time.time()
+    import torch
+    import torch.distributed as dist
+
+    from mlfabric.runtime.membership import JobFinishedError
+    from mlfabric.torch.elastic import Elastic
+
+    from .workloads import Hyperplane, HyperplaneSpec
+
+    host, port = os.environ[STORE_ENV].rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
+    task = Hyperplane(HyperplaneSpec(dim=args["dim"], train_samples=args["train_samples"]), seed=args["seed"])
+    x, y = task.shard(0, 1)
+    xv, yv = task.val()
+    torch.manual_seed(args["seed"])
+    model = task.model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=args["lr"], momentum=args["momentum"])
+    commits: list[tuple[float, int, int]] = []
+    ready = time.time()  # imports and data done: what follows is the join itself
+
+    def on_commit(step: int, el: Elastic) -> None:
+        if not commits or commits[-1][2] != el.comm.epoch:
+            # The first commit of a membership: recorded on disk at once, so that a worker
+            # killed later still counts as a survivor of the failures before.
+            Path(args["out"]).with_suffix(".partial").write_text(json.dumps({
+                "member": args["member"], "joining": args["joining"], "started": started, "ready": ready,
+                "commits": [*commits, (time.time(), step, el.comm.epoch)],
+                "history": [c.to_dict() for c in el.comm.history]}))
+        commits.append((time.time(), step, el.comm.epoch))
+        if args["churn"] and el.rank == 0:
+            store.set(STEP_KEY, str(step))
+
+    try:
+        elastic = Elastic(model, optimizer, store=store, member=args["member"],
+                          initial=None if args["joining"] else range(args["workers"]), algorithm=args["algorithm"],
+                          timeout=60.0, grace_s=args["grace_s"],
+                          on_commit=on_commit)
+    except JobFinishedError as exc:
+        print(exc, flush=True)
+        Path(args["out"]).write_text(json.dumps({"member": args["member"], "joining": True, "started": started,
+                                                 "ready": ready, "committed": -1, "late": str(exc)}))
+        return
+    global_batch = args["batch_size"] * args["workers"]
+    per_epoch = args["train_samples"] // global_batch
+    total = args["epochs"] * per_epoch
+    perms: dict[int, torch.Tensor] = {}
+    while elastic.committed < total:
+        step = elastic.committed
+        epoch, within = divmod(step, per_epoch)
+        if epoch not in perms:
+            perms.clear()
+            perms[epoch] = torch.randperm(args["train_samples"], generator=torch.Generator().manual_seed(
+                args["seed"] * 1_000_003 + epoch))
+        index = perms[epoch][within * global_batch:(within + 1) * global_batch][elastic.rank::elastic.world_size]
+        optimizer.zero_grad()
+        task.loss(model, x[index], y[index]).backward()
+        if args["compute_time_s"]:
+            time.sleep(args["compute_time_s"])
+        elastic.step(weight=float(len(index)))
+    elastic.finish()
+    _, blob = elastic.pack()
+    out = {"member": args["member"], "joining": args["joining"], "started": started, "ready": ready,
+           "committed": elastic.committed,
+           "aborted": elastic.aborted, "commits": commits, "history": [c.to_dict() for c in elastic.comm.history],
+           "metric": task.evaluate(model, xv, yv)[1], "state_crc32": zlib.crc32(blob.numpy())}
+    Path(args["out"]).write_text(json.dumps(out))
+    elastic.close()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="One worker of an elastic run (started by mlfabric train --elastic).")
+    parser.add_argument("config", help="the worker's settings as JSON")
+    _worker(json.loads(parser.parse_args(argv).config))
+
+
+if __name__ == "__main__":
+    main()
+
+
+# -- the command line ------------------------------------------------------------------------
+
+
+def run_from_cli(*, workload: str, workers: int, sync: str | None, fail: str | None, rejoin: str | None,
+                 algorithm: str, dim: int, train_samples: int | None, epochs: int | None, batch_size: int | None,
+                 lr: float | None, momentum: float | None, compute_time: str, seed: int, timeout: float,
+                 emulate: bool, transport: str, json_path: Path | None, elastic: bool) -> None:
+    """``mlfabric train ... --elastic``: check the options (usage errors exit 2), run, print
+    the summary, write the JSON."""
+    import typer
+
+    from mlfabric.cli import console, write_json
+
+    def usage(message: str) -> typer.BadParameter:
+        return typer.BadParameter(message)
+
+    if not elastic:
+        raise usage("--rejoin restarts workers of an elastic run: add --elastic")
+    if sync not in (None, "allreduce"):
+        raise usage(f"--elastic runs --sync allreduce only, not {sync!r}")
+    if workload != "hyperplane":
+        raise usage(f"--elastic runs the hyperplane workload so far, not {workload}")
+    if emulate:
+        raise usage("--elastic does not run on the emulator yet: drop --emulate")
+    if transport != "tcp":
+        raise usage(f"--elastic runs over the tcp transport, not {transport}")
+    try:
+        churn = parse_churn(fail) if fail is not None else None
+        failures = parse_failures(fail, workers) if fail is not None and churn is None else ()
+        config = ElasticRunConfig(
+            workers=workers, failures=failures, churn=churn, rejoin_s=None if rejoin is None else parse_duration(rejoin),
+            algorithm=algorithm, dim=dim, seed=seed, timeout_s=timeout,
+            compute_time_s=parse_duration(compute_time),
+            **{k: v for k, v in (("train_samples", train_samples), ("epochs", epochs), ("batch_size", batch_size),
+                                 ("lr", lr), ("momentum", momentum)) if v is not None})
+    except ValueError as exc:
+        raise usage(str(exc)) from None
+    try:
+        result = run_elastic_training(config)
+    except ElasticRunError as exc:
+        console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
+        raise typer.Exit(1) from None
+    console.print(summary_line(result), markup=False, highlight=False)
+    if json_path is not None:
+        write_json(json_path, {"runs": [result.to_dict()]})

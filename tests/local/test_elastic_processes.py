@@ -1,0 +1,97 @@
+"""Elastic training with real processes on loopback: a SIGKILLed worker, survivors that go on,
+the worker restarted and rejoining, and the command line's figures.
+
+    .venv/bin/python -m pytest tests/local/test_elastic_processes.py -q
+
+Short runs on purpose (3 workers, a 64-wide hyperplane, a few dozen steps): the machine
+running the suite may be small and shared.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlfabric.train.elastic import ElasticRunConfig, parse_failures, run_elastic_training
+
+pytestmark = pytest.mark.local
+
+
+def test_a_killed_worker_is_survived_and_rejoins(tmp_path: Path) -> None:
+    config = ElasticRunConfig(workers=3, failures=parse_failures("worker:1@1", 3), rejoin_s=0.5, dim=64,
+                              train_samples=3072, batch_size=64, epochs=12, compute_time_s=0.1, timeout_s=240)
+    result = run_elastic_training(config, log_dir=tmp_path)
+    assert result.parameters_equal, result
+    assert result.final_members == [0, 1, 2]
+    assert len(result.recovery_s) == 1 and 0 < result.recovery_s[0] < 10
+    assert len(result.rejoin_s) == 1 and result.rejoin_s[0] > 0
+    epochs = [change["members"] for change in result.members]
+    assert epochs[0] == [0, 1, 2] and [0, 2] in epochs and epochs[-1] == [0, 1, 2]
+    assert result.steps_lost >= 1
+    assert result.transferred_bytes and min(result.transferred_bytes) > 64 * 4
+
+
+def test_cli_writes_the_elastic_figures(tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    proc = subprocess.run([sys.executable, "-m", "mlfabric.cli", "train", "--workload", "hyperplane", "--workers", "2",
+                           "--sync", "allreduce", "--elastic", "--dim", "16", "--train-samples", "512",
+                           "--batch-size", "64", "--epochs", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run = json.loads(out.read_text())["runs"][0]
+    assert {"recovery_s", "rejoin_s", "steps_lost", "members", "parameters_equal"} <= set(run)
+    assert run["parameters_equal"] is True and run["steps"] == 4
+    assert run["recovery_s"] == [] and run["rejoin_s"] == [] and run["steps_lost"] == 0
+    assert run["members"] == [{"epoch": 0, "members": [0, 1], "reason": "start"}]
+
+
+def test_ranks_each_under_its_own_torchrun_survive_a_kill_and_the_restart_rejoins(tmp_path: Path) -> None:
+    """Issue #38 check 5 without DDP: three ranks, each under its own torchrun with
+    --max-restarts 1; one rank's worker process is SIGKILLed: the other two go on without
+    restarting, torchrun restarts the killed one with its original arguments, it joins, and
+    all three end with the same state."""
+    import os
+    import re
+    import signal
+    import time
+
+    from mlfabric.bench.procs import free_port
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "elastic.py"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    port = str(free_port())
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    logs = {name: tmp_path / f"{name}.log" for name in ("store", "w0", "w1", "w2")}
+    procs = {"store": subprocess.Popen([sys.executable, str(example), "store", "--port", port, "--serve-s", "300"],
+                                       env=env, stdout=logs["store"].open("w"), stderr=subprocess.STDOUT)}
+    try:
+        time.sleep(1.0)
+        for m in range(3):
+            procs[f"w{m}"] = subprocess.Popen(
+                [str(torchrun), "--nproc-per-node", "1", "--max-restarts", "1", f"--master-port={free_port()}",
+                 str(example), "worker", "--port", port, "--member", str(m), "--initial", "0,1,2", "--steps", "400",
+                 "--step-time", "0.05"], env=env, stdout=logs[f"w{m}"].open("w"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while "epoch 0" not in logs["w1"].read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)
+        child = subprocess.run(["pgrep", "-P", str(procs["w1"].pid), "-f", "elastic.py"], capture_output=True,
+                               text=True).stdout.split()
+        assert child, "torchrun's worker process not found"
+        os.kill(int(child[0]), signal.SIGKILL)
+        for m in range(3):
+            assert procs[f"w{m}"].wait(timeout=240) == 0, logs[f"w{m}"].read_text()[-3000:]
+        texts = {m: logs[f"w{m}"].read_text() for m in range(3)}
+        crcs = {re.findall(r"state crc32 (0x[0-9a-f]+)", text)[-1] for text in texts.values()}
+        assert len(crcs) == 1, texts
+        assert "members [0, 2]" in texts[0] and "the job is running" in texts[1], texts
+        assert "aborted 0" in texts[1]  # the restarted process: no step of its own was lost
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)

@@ -1,0 +1,497 @@
+"""Elastic membership: the quorum, the striped state copy, and members as threads over tcp.
+
+    .venv/bin/python -m pytest tests/unit/test_elastic_membership.py -q
+
+Members run as threads of this process (each with its own epoch transports on loopback and a
+shared in-memory store); a member leaves by closing its communicator, which its peers see as
+a departed peer, exactly the path of a lost one after detection. Real processes killed with
+SIGKILL are in tests/local/test_elastic_processes.py.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from typing import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mlfabric.collectives.striped import stripes, striped_copy
+from mlfabric.runtime.membership import (
+    ElasticJoinError,
+    Membership,
+    MembershipStore,
+    agree,
+    epoch_token,
+    expected_members,
+)
+from mlfabric.schedule import Recv, Send, validate
+from mlfabric.torch.elastic import Elastic
+from mlfabric.transport.base import encode_header
+
+# -- pure logic ------------------------------------------------------------------------------
+
+
+def test_stripes_round_robin_over_sources() -> None:
+    plan = stripes(10, (1, 3), 3)
+    assert plan == [(0, 3, 1), (3, 3, 3), (6, 3, 1), (9, 1, 3)]
+    with pytest.raises(ValueError, match="at least one source"):
+        stripes(10, (), 3)
+
+
+def test_striped_copy_structure_and_validation() -> None:
+    world, count, sources, receivers = 4, 10, (0, 2), (1, 3)
+    schedules = [striped_copy(world, r, count, sources=sources, receivers=receivers, chunk=3) for r in range(world)]
+    # Source 0 sends chunks 0 and 2 to both receivers; source 2 chunks 1 and 3.
+    sends0 = sorted((op.peer, op.src.offset) for op in schedules[0].ops if isinstance(op, Send))
+    assert sends0 == [(1, 0), (1, 6), (3, 0), (3, 6)]
+    recvs1 = sorted((op.peer, op.dst.offset, op.dst.length) for op in schedules[1].ops if isinstance(op, Recv))
+    assert recvs1 == [(0, 0, 3), (0, 6, 3), (2, 3, 3), (2, 9, 1)]
+    assert schedules[0].cost.elements_sent["0"] == 2 * (3 + 3)
+    validate(schedules)
+    with pytest.raises(ValueError, match="both sources and receivers"):
+        striped_copy(4, 0, 10, sources=(0, 1), receivers=(1,))
+
+
+def test_membership_sources_and_receivers() -> None:
+    m = Membership(epoch=3, members=(0, 1, 3, 7), steps={0: 12, 1: 11, 3: 12, 7: -1})
+    assert m.committed == 12 and m.sources() == (0, 2) and m.receivers() == (1, 3)
+    assert m.rank_of(7) == 3
+    assert Membership.from_json(m.to_json()) == m
+    assert expected_members((0, 1, 2, 3), {2}, [5]) == {0, 1, 3, 5}
+
+
+def test_epoch_tokens_differ_per_epoch_and_job() -> None:
+    assert epoch_token(b"a" * 16, 1) != epoch_token(b"a" * 16, 2)
+    assert epoch_token(b"a" * 16, 1) != epoch_token(b"b" * 16, 1)
+    assert len(epoch_token(b"a" * 16, 1)) == 16
+
+
+def test_quorum_first_closer_wins_and_leaves_out_the_gone() -> None:
+    ms = MembershipStore(dist.HashStore(), "t")
+    results: dict[int, Membership | None] = {}
+
+    def member(m: int) -> None:
+        results[m] = agree(ms, 1, m, previous=(0, 1, 2), gone=lambda: {2}, step=5 + m, signature="s",
+                           joiner=False, timeout=5.0)
+
+    threads = [threading.Thread(target=member, args=(m,)) for m in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results[0] == results[1] == Membership(epoch=1, members=(0, 1), steps={0: 5, 1: 6})
+    assert ms.current_epoch() == 1
+
+
+def test_quorum_rejects_a_joiner_with_another_model() -> None:
+    ms = MembershipStore(dist.HashStore(), "t")
+    errors: dict[str, BaseException] = {}
+
+    def joiner() -> None:
+        try:
+            agree(ms, 1, 9, previous=(0,), gone=set, step=-1, signature="other", joiner=True, timeout=5.0,
+                  may_close=False)
+        except ElasticJoinError as exc:
+            errors["joiner"] = exc
+
+    t = threading.Thread(target=joiner)
+    t.start()
+    deadline = time.monotonic() + 5
+    while ms.joiner_count(1) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    won = agree(ms, 1, 0, previous=(0,), gone=set, step=4, signature="mine", joiner=False, timeout=5.0)
+    t.join(10)
+    assert won is not None and won.members == (0,)
+    assert "differs from the members'" in str(errors["joiner"]) and "other" in str(errors["joiner"])
+
+
+def test_quorum_times_out_with_a_clear_error() -> None:
+    ms = MembershipStore(dist.HashStore(), "t")
+    with pytest.raises(Exception, match="no quorum for membership epoch 1 within 0.2 s"):
+        agree(ms, 1, 0, previous=(0, 1), gone=set, step=0, signature="s", joiner=False, timeout=0.2, grace_s=10)
+
+
+# -- members as threads ----------------------------------------------------------------------
+
+DIM = 6
+
+
+def _batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + 7)
+    x = torch.randn(12, DIM, generator=gen)
+    y = x.sum(1, keepdim=True)
+    part = torch.arange(12)[rank::world]
+    return x[part], y[part]
+
+
+def _train(store: dist.Store, member: int, steps: int, initial: tuple[int, ...] | None, *,
+           leave_at: int | None = None, dim: int = DIM, out: dict | None = None) -> None:
+    model = nn.Linear(dim, 1)
+    if member == 0:  # the members take member 0's parameters at the start (threads share torch's RNG)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    el = Elastic(model, opt, store=store, member=member, initial=initial, timeout=20, grace_s=3)
+    try:
+        while el.committed < steps:
+            if leave_at is not None and el.committed == leave_at:
+                el.close()  # departs: its peers see a departed peer in their next collective
+                break
+            x, y = _batch(el.committed, el.rank, el.world_size)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            el.step(weight=len(x))
+    finally:
+        if out is not None:
+            out[member] = {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone(),
+                           "committed": el.committed, "history": el.comm.history, "aborted": el.aborted}
+        el.close()
+
+
+def test_survivors_go_on_and_a_joiner_catches_up() -> None:
+    store = dist.HashStore()
+    out: dict = {}
+    errors: list[BaseException] = []
+
+    def run(*args, **kwargs) -> None:
+        try:
+            _train(store, *args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    steps = 30
+    threads = [threading.Thread(target=run, args=(m, steps, (0, 1, 2)),
+                                kwargs={"out": out, "leave_at": 8 if m == 2 else None}, daemon=True)
+               for m in (0, 1, 2)]
+    for t in threads:
+        t.start()
+    threads[2].join(30)
+    ms = MembershipStore(store)
+    deadline = time.monotonic() + 30
+    while ms.current_epoch() < 1 and time.monotonic() < deadline:  # the survivors went on without it
+        time.sleep(0.01)
+    # Restarted with the arguments it was started with (as torchrun --max-restarts does): it joins.
+    joiner = threading.Thread(target=run, args=(2, steps, (0, 1, 2)), kwargs={"out": out}, daemon=True)
+    joiner.start()
+    for t in (*threads, joiner):
+        t.join(60)
+    assert not errors, errors
+    assert all(not t.is_alive() for t in (*threads, joiner))
+    assert out[0]["committed"] == out[1]["committed"] == out[2]["committed"] == steps
+    assert torch.equal(out[0]["params"], out[1]["params"]) and torch.equal(out[0]["params"], out[2]["params"])
+    members = [c.members for c in out[0]["history"]]
+    assert members[0] == (0, 1, 2) and (0, 1) in members and members[-1] == (0, 1, 2)
+    joined = out[2]["history"][0]
+    assert joined.receivers == (2,) and joined.transferred_bytes > 0 and set(joined.sources) == {0, 1}
+
+    # The same training with no departure ends with the same parameters (the elastic steps
+    # average over the ranks that contributed, weighted by their samples).
+    ref: dict = {}
+    store2 = dist.HashStore()
+    ref_threads = [threading.Thread(target=_train, args=(store2, m, steps, (0, 1, 2)), kwargs={"out": ref},
+                                    daemon=True) for m in (0, 1, 2)]
+    for t in ref_threads:
+        t.start()
+    for t in ref_threads:
+        t.join(60)
+    assert torch.allclose(ref[0]["params"], out[0]["params"], atol=1e-5)
+
+
+def test_a_joiner_with_another_model_is_refused_and_the_job_goes_on() -> None:
+    store = dist.HashStore()
+    out: dict = {}
+    errors: dict[int, BaseException] = {}
+
+    def run(member: int, *args, **kwargs) -> None:
+        try:
+            _train(store, member, *args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001
+            errors[member] = exc
+
+    threads = [threading.Thread(target=run, args=(m, 40, (0, 1)), kwargs={"out": out}, daemon=True) for m in (0, 1)]
+    for t in threads:
+        t.start()
+    bad = threading.Thread(target=run, args=(5, 40, None), kwargs={"dim": DIM + 1}, daemon=True)
+    bad.start()
+    for t in (*threads, bad):
+        t.join(60)
+    assert isinstance(errors.get(5), ElasticJoinError), errors
+    assert "weight:1x7:float32" in str(errors[5]) and "weight:1x6:float32" in str(errors[5])
+    assert set(errors) == {5}
+    assert out[0]["committed"] == out[1]["committed"] == 40
+    assert torch.equal(out[0]["params"], out[1]["params"])
+
+
+def test_a_message_from_an_old_membership_is_never_delivered() -> None:
+    """A connection made with epoch 0's token to an epoch-1 transport is refused at its
+    handshake; the same frame with epoch 1's token is delivered (the test can fail)."""
+    from mlfabric.transport.framing import add_frame
+    from mlfabric.transport.tcp import TcpTransport
+
+    job = b"j" * 16
+    live = TcpTransport(0, 2, epoch_token(job, 1))
+    try:
+        host, port = live.endpoints["0"].removeprefix("tcp://").rsplit(":", 1)
+        for epoch in (0, 1):
+            with socket.create_connection((host, int(port)), timeout=5) as sock:
+                sock.sendall(encode_header(epoch_token(job, epoch), 1, 0, 0))
+                parts: list = []
+                add_frame(parts, 77, b"", memoryview(b"stale" if epoch == 0 else b"fresh"), 0)
+                sock.sendall(b"".join(bytes(p) for p in parts))
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline:
+                    if epoch == 0 and live.rejected_messages:
+                        break
+                    if epoch == 1 and live.mailbox.pending():
+                        break
+                    time.sleep(0.01)
+            if epoch == 0:
+                assert live.rejected_messages == 1
+                time.sleep(0.2)
+                assert live.mailbox.pending() == 0
+        msg = live.try_recv(77, src=1)
+        assert msg is not None and bytes(msg.payload) == b"fresh"
+    finally:
+        live.close()
+
+
+# -- faults during recovery --------------------------------------------------------------------
+
+
+class _Died(Exception):
+    """Stands for a process that dies at a chosen point (its thread ends, its sockets close)."""
+
+
+def _run_members(store: dist.Store, plan: dict[int, dict], steps: int, initial: tuple[int, ...],
+                 patch: Callable[[int, Elastic], None]) -> tuple[dict, dict]:
+    out: dict = {}
+    errors: dict[int, BaseException] = {}
+
+    def run(member: int) -> None:
+        model = nn.Linear(DIM, 1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        el = None
+        try:
+            el = Elastic(model, opt, store=store, member=member, initial=plan[member].get("initial", initial),
+                         timeout=20, grace_s=3, connect_s=1.0)
+            patch(member, el)
+            while el.committed < steps:
+                if plan[member].get("leave_at") == el.committed:
+                    raise _Died()
+                x, y = _batch(el.committed, el.rank, el.world_size)
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                el.step(weight=len(x))
+            out[member] = {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone(),
+                           "history": el.comm.history}
+        except BaseException as exc:  # noqa: BLE001 - a _Died is the plan; others fail the test
+            errors[member] = exc
+        finally:
+            if el is not None:
+                el.close()
+
+    threads = {m: threading.Thread(target=run, args=(m,), daemon=True) for m in plan if "start_after" not in plan[m]}
+    for t in threads.values():
+        t.start()
+    for m, spec in plan.items():
+        if "start_after" in spec:
+            ms = MembershipStore(store)
+            deadline = time.monotonic() + 30
+            while ms.current_epoch() < spec["start_after"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            threads[m] = threading.Thread(target=run, args=(m,), daemon=True)
+            threads[m].start()
+    for t in threads.values():
+        t.join(90)
+    assert all(not t.is_alive() for t in threads.values())
+    return out, errors
+
+
+def test_a_member_that_dies_during_the_quorum_is_left_out_of_the_next_epoch() -> None:
+    """Member 3 leaves; member 2 registers for the next epoch and dies before connecting: the
+    others find it silent at connection time and form one more epoch without it."""
+    def patch(member: int, el: Elastic) -> None:
+        if member == 2:
+            def die(membership: Membership) -> None:
+                raise _Died()
+            el.comm._connect = die  # type: ignore[method-assign]
+
+    plan = {0: {}, 1: {}, 2: {}, 3: {"leave_at": 5}}
+    out, errors = _run_members(dist.HashStore(), plan, 20, (0, 1, 2, 3), patch)
+    assert set(errors) == {2, 3} and all(isinstance(e, _Died) for e in errors.values()), errors
+    assert torch.equal(out[0]["params"], out[1]["params"])
+    # Epoch 1 (0, 1, 2) closed but never formed (member 2 never connected): epoch 2 did.
+    assert [(c.epoch, c.members) for c in out[0]["history"]] == [(0, (0, 1, 2, 3)), (2, (0, 1))]
+
+
+def test_a_sender_that_dies_during_the_state_transfer_is_replaced_by_the_others() -> None:
+    """A joiner's state comes from members 0, 1 and 2; member 1 dies as the transfer starts: the
+    joiner and the others form the next epoch and the joiner receives the state from 0 and 2."""
+    def patch(member: int, el: Elastic) -> None:
+        el.comm.chunk_bytes = 8  # the 56-byte state in 7 chunks, striped over the three senders
+        if member == 1:
+            original = el.comm._sync
+
+            def die_when_sending(comm, membership):  # type: ignore[no-untyped-def]
+                if membership.receivers():
+                    comm.transport.close(b"")  # dies: its peers lose it mid-transfer
+                    raise _Died()
+                return original(comm, membership)
+            el.comm._sync = die_when_sending  # type: ignore[method-assign]
+
+    plan = {0: {}, 1: {}, 2: {}, 5: {"initial": None, "start_after": 0}}
+    out, errors = _run_members(dist.HashStore(), plan, 30, (0, 1, 2), patch)
+    assert set(errors) == {1} and isinstance(errors[1], _Died), errors
+    assert torch.equal(out[0]["params"], out[2]["params"]) and torch.equal(out[0]["params"], out[5]["params"])
+    joined = out[5]["history"][0]
+    assert joined.members == (0, 2, 5) and set(joined.sources) == {0, 2} and joined.receivers == (5,)
+
+
+def test_leaving_an_epoch_fails_the_peers_collective_at_once() -> None:
+    """Regression (churn run): rank 0's allreduce failed on a peer only it saw die (no abort
+    notice for a lost peer); its goodbye must fail rank 1's run of that allreduce at once,
+    although rank 0 had called it, instead of leaving rank 1 waiting for its timeout."""
+    import mlfabric
+    from mlfabric.errors import PeerLeftError, PeerLostError
+    from mlfabric.runtime.elastic import _say_goodbye
+
+    comms = mlfabric.local_world(3, timeout=30)
+    try:
+        futures = [comms[r].allreduce_async(torch.ones(4)) for r in (0, 1)]  # rank 2 never calls
+        time.sleep(0.1)
+        comms[0].transport._peer_lost(2, "seen dead by rank 0 only")
+        with pytest.raises(PeerLostError):
+            futures[0].wait()
+        start = time.monotonic()
+        _say_goodbye(comms[0], "test")
+        with pytest.raises(PeerLeftError, match="rank 0 left"):
+            futures[1].wait()
+        assert time.monotonic() - start < 5
+    finally:
+        for comm in comms:
+            comm.close()
+
+
+class _Holder:
+    """A StateHolder of one float tensor."""
+
+    def __init__(self, value: float, committed: int) -> None:
+        self.data = torch.full((1000,), value)
+        self.committed = committed
+
+    def signature(self) -> str:
+        return "holder:1000"
+
+    def pack(self) -> tuple[dict, torch.Tensor]:
+        return {"committed": self.committed}, self.data.view(torch.uint8)
+
+    def unpack(self, header: dict, blob: torch.Tensor) -> None:
+        self.data.copy_(blob.view(torch.float32))
+        self.committed = int(header["committed"])
+
+
+def test_a_survivor_that_missed_the_last_step_is_rolled_forward() -> None:
+    """A step that completed on member 1 but failed on member 0 (a peer died in the middle of
+    it) ends committed on both: the new epoch starts at member 1's step and member 0 receives
+    member 1's state (striped over 2 senders: members 1 and 2 both committed it)."""
+    from mlfabric.runtime.elastic import ElasticCommunicator
+
+    store = dist.HashStore()
+    holders = {0: _Holder(0.0, 0), 1: _Holder(0.0, 0), 2: _Holder(0.0, 0)}
+    ecs: dict[int, ElasticCommunicator] = {}
+    errors: list[BaseException] = []
+
+    def start(m: int) -> None:
+        try:
+            ecs[m] = ElasticCommunicator(store, m, holders[m], initial=(0, 1, 2), timeout=20, chunk_bytes=1024)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    def again(m: int) -> None:
+        try:
+            ecs[m].reconfigure("the step failed here" if m == 0 else "a peer left")
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    for target in (start, again):
+        threads = [threading.Thread(target=target, args=(m,), daemon=True) for m in (0, 1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not errors, errors
+        if target is start:
+            for m in (1, 2):  # members 1 and 2 committed step 5, member 0 aborted it at 4
+                holders[m].data.fill_(5.0)
+                holders[m].committed = 5
+            holders[0].data.fill_(4.0)
+            holders[0].committed = 4
+    try:
+        assert holders[0].committed == 5 and torch.equal(holders[0].data, holders[1].data)
+        change = ecs[0].history[-1]
+        assert change.sources == (1, 2) and change.receivers == (0,) and change.transferred_bytes == 4000
+    finally:
+        for ec in ecs.values():
+            ec.close()
+
+
+# -- the command line's errors (check 7) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--workers", "3", "--elastic", "--fail", "worker:3@1"], "worker 3 is outside the job (workers 0-2)"),
+    (["--workers", "1", "--elastic"], "--elastic needs at least 2 workers"),
+    (["--workers", "3", "--elastic", "--fail", "server:2"], "an elastic run kills workers"),
+    (["--workers", "3", "--rejoin", "1"], "add --elastic"),
+    (["--workers", "3", "--elastic", "--sync", "ps-async"], "--sync allreduce only"),
+])
+def test_bad_elastic_options_are_usage_errors(args: list[str], message: str) -> None:
+    from typer.testing import CliRunner
+
+    from mlfabric.cli import app
+
+    result = CliRunner().invoke(app, ["train", "--workload", "hyperplane", *args], env={"COLUMNS": "300"})
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+def test_a_member_that_never_dials_its_peers_is_left_out_within_the_connect_bound() -> None:
+    """Regression (churn run): a member that dies (here: hangs) after publishing its endpoints
+    but before dialling its peers is invisible to them; without the connection barrier they
+    waited for the collective timeout. Now the epoch fails within 2 x connect_s and the next
+    one forms without it."""
+    from mlfabric.transport.tcp import TcpTransport
+
+    zombies: list[TcpTransport] = []
+
+    def patch(member: int, el: Elastic) -> None:
+        if member == 1:
+            def hang(membership: Membership) -> None:
+                transport = TcpTransport(membership.rank_of(1), membership.world_size,
+                                         epoch_token(el.comm.token, membership.epoch))
+                zombies.append(transport)
+                el.comm.ms.publish(membership.epoch, 1, "endpoints", json.dumps(transport.endpoints))
+                raise _Died()
+            el.comm._connect = hang  # type: ignore[method-assign]
+
+    start = time.monotonic()
+    try:
+        out, errors = _run_members(dist.HashStore(), {0: {}, 1: {}, 2: {}, 3: {"leave_at": 3}}, 10, (0, 1, 2, 3),
+                                   patch)
+    finally:
+        for transport in zombies:
+            transport.close()
+    assert set(errors) == {1, 3}, errors
+    assert [c.members for c in out[0]["history"]] == [(0, 1, 2, 3), (0, 2)]
+    assert torch.equal(out[0]["params"], out[2]["params"])
+    assert time.monotonic() - start < 18  # the collective timeout (20 s) was not waited for
