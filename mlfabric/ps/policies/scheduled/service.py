@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from mlfabric.transport.base import Transport
@@ -24,7 +24,7 @@ from ...divergence import update_norm
 from ...monitor import Ledger, NetworkMonitor
 from ...scheduler import NetState
 from ...scheduler.replication import ReplicaUnit, ReplicationPlan, plan_replication
-from .core import BatchingCore, BatchPlan, Request
+from .core import BatchingCore, BatchPlan, CoreStats, Request
 from .settings import UNITS_PER_BATCH, ScheduledSettings, aggregator_ranks, avg_rate_bps
 
 if TYPE_CHECKING:
@@ -34,12 +34,9 @@ log = logging.getLogger("mlfabric.ps")
 
 
 @dataclass
-class SchedulerStats:
-    batches: int = 0
-    requests: int = 0
-    dropped: int = 0
-    aggregated: int = 0
-    plan_ms: list[float] = field(default_factory=list)
+class SchedulerStats(CoreStats):
+    """The core's counts (copied from it after each turn) and the replication feed's."""
+
     #: Network replication (§5.3): units sent toward replicas, units punted to a later batch
     #: (counted each time), batches whose last server update was delayed, and batches where
     #: one unit alone exceeds Div_max (no schedule meets it).
