@@ -19,6 +19,8 @@ from typer.testing import CliRunner
 from mlfabric.cli import app
 from mlfabric.ps.policy import PLUGINS_ENV
 
+pytestmark = pytest.mark.usefixtures("isolated_policy_registry")
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ps_policy_drop.py"
 
 

@@ -17,6 +17,8 @@ import mlfabric.ps
 from mlfabric.ps import PSConfig, PSLayout, Policy, register_policy
 from tests.unit.test_ps import run_job
 
+pytestmark = pytest.mark.usefixtures("isolated_policy_registry")
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
