@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Iterator
 
 import pytest
-import typer
-from typer.main import get_command
 from typer.testing import CliRunner
 
 from mlfabric import cli
 from mlfabric.cli import app
+from tests.unit.cli_commands import leaf_commands
 
 #: Commands that write JSON (newer ones are checked too: every --json option below).
 JSON_COMMANDS = {
@@ -29,25 +27,13 @@ SIMULATE_PS = ["simulate", "ps", "--topology", "fat-tree:k=4,oversub=4", "--work
                "--strategy", "rack", "--model-size", "10MB", "--links", "none"]
 
 
-def _commands() -> Iterator[tuple[str, typer.core.TyperCommand]]:
-    def walk(group, prefix: str):
-        for name, command in group.commands.items():
-            path = f"{prefix} {name}".strip()
-            if hasattr(command, "commands"):
-                yield from walk(command, path)
-            else:
-                yield path, command
-
-    yield from walk(get_command(app), "")
-
-
 def _option(command, flag: str):
     return next((p for p in command.params if flag in getattr(p, "opts", ())), None)
 
 
 def test_every_json_option_takes_a_path_or_dash() -> None:
     with_json = {}
-    for path, command in _commands():
+    for path, command in leaf_commands().items():
         option = _option(command, "--json")
         if option is not None:
             with_json[path] = option
@@ -61,7 +47,7 @@ def test_every_json_option_takes_a_path_or_dash() -> None:
 
 def test_every_command_with_progress_has_quiet_and_the_one_helper() -> None:
     with_progress = []
-    for path, command in _commands():
+    for path, command in leaf_commands().items():
         source = inspect.getsource(command.callback)
         assert "console.status(" not in source and "Progress(" not in source, (
             f"{path}: show progress with cli.progress_bar (stderr, tty only, --quiet)")
@@ -75,7 +61,7 @@ def test_every_command_with_progress_has_quiet_and_the_one_helper() -> None:
 
     demo_source = inspect.getsource(mlfabric.demo)
     assert "Progress(" not in demo_source and "progress_bar(quiet=quiet" in demo_source
-    assert _option(dict(_commands())["demo"], "--quiet") is not None
+    assert _option(leaf_commands()["demo"], "--quiet") is not None
 
 
 @pytest.mark.parametrize("args", [

@@ -12,12 +12,11 @@ from __future__ import annotations
 from typing import Optional
 
 import pytest
-import typer
-from typer.main import get_command
 from typer.testing import CliRunner
 
 from mlfabric import cli
 from mlfabric.cli import app
+from tests.unit.cli_commands import leaf_commands
 
 #: Values for the options without a default.
 REQUIRED = {"simulate collective": ["--topology", "star:n=4"],
@@ -26,24 +25,9 @@ SIZES = {"--size", "--sizes", "--model-size", "--update-size", "--partition"}
 RATES = {"--rate", "--link", "--host-rate"}
 
 
-def _commands() -> dict[str, typer.core.TyperCommand]:
-    found = {}
-
-    def walk(group, prefix: str) -> None:
-        for name, command in group.commands.items():
-            path = f"{prefix} {name}".strip()
-            if hasattr(command, "commands"):
-                walk(command, path)
-            else:
-                found[path] = command
-
-    walk(get_command(app), "")
-    return found
-
-
 def _options(kind) -> list[tuple[str, str]]:
     """(command, option) for every option for which ``kind(option)`` holds."""
-    return [(path, max(param.opts, key=len)) for path, command in sorted(_commands().items())
+    return [(path, max(param.opts, key=len)) for path, command in sorted(leaf_commands().items())
             for param in command.params if param.param_type_name == "option" and kind(param)]
 
 

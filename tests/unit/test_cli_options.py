@@ -19,25 +19,11 @@ from typer.testing import CliRunner
 
 from mlfabric import cli
 from mlfabric.cli import app
+from tests.unit.cli_commands import leaf_commands
 
 #: Values for the options without a default.
 REQUIRED = {"simulate collective": ["--topology", "star:n=4"],
             "simulate ps": ["--topology", "star:n=4", "--workers", "2", "--servers", "1"]}
-
-
-def _commands() -> dict[str, typer.core.TyperCommand]:
-    found = {}
-
-    def walk(group, prefix: str) -> None:
-        for name, command in group.commands.items():
-            path = f"{prefix} {name}".strip()
-            if hasattr(command, "commands"):
-                walk(command, path)
-            else:
-                found[path] = command
-
-    walk(get_command(app), "")
-    return found
 
 
 def _context(path: str, args: list[str]) -> typer.Context:
@@ -51,12 +37,12 @@ def _context(path: str, args: list[str]) -> typer.Context:
 
 
 def _recording_commands() -> list[str]:
-    return sorted(path for path, command in _commands().items()
+    return sorted(path for path, command in leaf_commands().items()
                   if "invocation(ctx" in inspect.getsource(command.callback))
 
 
 def test_every_command_that_writes_json_records_its_command_through_invocation() -> None:
-    with_json = {path for path, command in _commands().items() if any("--json" in p.opts for p in command.params)}
+    with_json = {path for path, command in leaf_commands().items() if any("--json" in p.opts for p in command.params)}
     assert with_json - {"demo"} <= set(_recording_commands()), with_json - set(_recording_commands())
 
 
