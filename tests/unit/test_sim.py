@@ -468,17 +468,7 @@ def test_compiled_loop_is_bit_identical_to_the_python_loop(scenario: str, monkey
     """Engine.run with the compiled event loop (_fill.run_events) and without it: the same
     events, task times, link bytes and solver update counts, bit for bit; and the compiled
     loop really ran most events."""
-    from mlfabric.flow.network import _fill
-
-    stops: list[tuple[int, int]] = []
-    real = _fill.run_events
-
-    def counting(*args: object) -> tuple:
-        out = real(*args)
-        stops.append((out[0], out[1]))
-        return out
-
-    monkeypatch.setattr(_fill, "run_events", counting)
+    stops = record_compiled_runs(monkeypatch)
     run = _compiled_loop_scenarios()[scenario]
     # The compiled loop as it hands tasks made ready and connections back to Python (the
     # loop that runs them too, #37, is compared in tests/unit/test_sim_scale.py).
@@ -497,6 +487,23 @@ def test_compiled_loop_is_bit_identical_to_the_python_loop(scenario: str, monkey
     assert expected in kinds
 
 
+def record_compiled_runs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Wrap the compiled event loop (``_fill.run_events``) for the test: the list it returns
+    gets (why the call stopped, events it ran) for every call."""
+    from mlfabric.flow.network import _fill
+
+    calls: list[tuple[int, int]] = []
+    real = _fill.run_events
+
+    def counting(*args: object) -> tuple:
+        out = real(*args)
+        calls.append((out[0], out[1]))
+        return out
+
+    monkeypatch.setattr(_fill, "run_events", counting)
+    return calls
+
+
 def sim_engine_stop(name: str) -> int:
     from mlfabric.sim import engine as sim_engine
 
@@ -504,18 +511,10 @@ def sim_engine_stop(name: str) -> int:
 
 
 def test_compiled_loop_compacts_entries_and_hands_back_watchdog_limits(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mlfabric.flow.network import FlowNetwork, _fill
+    from mlfabric.flow.network import FlowNetwork
     from mlfabric.sim import engine as sim_engine
 
-    stops: list[int] = []
-    real_run = _fill.run_events
-
-    def counting_run(*args: object) -> tuple:
-        out = real_run(*args)
-        stops.append(out[0])
-        return out
-
-    monkeypatch.setattr(_fill, "run_events", counting_run)
+    runs = record_compiled_runs(monkeypatch)
     compactions = []
     real = FlowNetwork._compact_entries
 
@@ -528,7 +527,7 @@ def test_compiled_loop_compacts_entries_and_hands_back_watchdog_limits(monkeypat
     run = _compiled_loop_scenarios()["ps-server"]
     compiled = run()
     assert len(compactions) >= 3 and min(compactions) > 64
-    assert sim_engine._STOP_PAUSE in stops  # the loop pauses for each compaction
+    assert sim_engine._STOP_PAUSE in [stop for stop, _ in runs]  # the loop pauses for each compaction
     compactions.clear()
     python = run(compiled_loop=False)
     assert len(compactions) >= 3
@@ -537,9 +536,9 @@ def test_compiled_loop_compacts_entries_and_hands_back_watchdog_limits(monkeypat
     assert compiled.events == python.events
     # Pausing every 5 events (the wall-time check between calls) changes nothing.
     monkeypatch.setattr(sim_engine, "_COMPILED_BUDGET", 5)
-    stops.clear()
+    runs.clear()
     paused = run()
-    assert stops.count(sim_engine._STOP_PAUSE) >= paused.events // 10
+    assert [stop for stop, _ in runs].count(sim_engine._STOP_PAUSE) >= paused.events // 10
     assert np.array_equal(paused.task_finish_s, compiled.task_finish_s) and paused.events == python.events
     # The event limit and the wall-time limit hold inside the compiled loop too.
     with pytest.raises(SimulationStalled, match="more than 30 events"):
