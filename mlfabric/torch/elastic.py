@@ -24,7 +24,10 @@ ranks or on none. A joiner (``initial=None``) receives the model, the optimizer 
 the step count before its first step.
 
 Parameters must share one floating dtype (the gradient buffer is one flat tensor); optimizer
-state may hold tensors of any dtype and plain numbers.
+state may hold tensors of any dtype and plain numbers. A model on a GPU works as one on the CPU:
+the gradients and the state a joiner receives are staged through host memory, and each received
+state tensor goes where the sender kept it (beside its parameter, or in host memory like Adam's
+step count); tests/unit/test_elastic_cuda.py checks it where a GPU is present.
 """
 
 from __future__ import annotations
@@ -96,7 +99,9 @@ class Elastic:
         this rank now holds the job's latest committed state: compute the step again)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         leader_flag = 1.0 if self.comm.rank == 0 and self.comm.joiners_waiting() else 0.0
-        buf = torch.cat([g.detach().reshape(-1).to(self.dtype) for g in grads]
+        # The communicator moves host memory: the gradients of a model on an accelerator are
+        # staged through one host buffer (as the "mlfabric" backend stages CUDA tensors).
+        buf = torch.cat([g.detach().reshape(-1).to("cpu", self.dtype) for g in grads]
                         + [torch.tensor([1.0, leader_flag], dtype=self.dtype)])
         n = buf.numel() - 2
         if weight != 1.0:
@@ -117,7 +122,7 @@ class Elastic:
             size = g.numel()
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            p.grad.copy_(buf[offset:offset + size].view_as(p.grad))
+            p.grad.copy_(buf[offset:offset + size].view_as(p.grad))  # back to p's device
             offset += size
         self.optimizer.step()
         self.committed += 1
@@ -146,7 +151,10 @@ class Elastic:
         for i, p in enumerate(self.params):
             for key, value in sorted(self.optimizer.state.get(p, {}).items()):
                 if isinstance(value, torch.Tensor):
-                    tensors.append((f"opt.{i}.{key}", value))
+                    # "@" marks a state tensor kept where its parameter is (Adam's moments);
+                    # the others stay in host memory on the receiver too (Adam's step count)
+                    where = "@" if value.device == p.device else ""
+                    tensors.append((f"opt.{i}.{key}{where}", value))
                 else:
                     extra[f"opt.{i}.{key}"] = value
         return tensors, extra
@@ -158,7 +166,7 @@ class Elastic:
             nbytes = t.numel() * t.element_size()
             layout.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset, nbytes])
             offset += nbytes
-        blob = torch.empty(offset, dtype=torch.uint8)
+        blob = torch.empty(offset, dtype=torch.uint8)  # host memory, whatever the state's devices
         for (name, _, _, start, nbytes), (_, t) in zip(layout, tensors):
             blob[start:start + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
         return {"committed": self.committed, "layout": layout, "extra": extra, "packed_at": time.time()}, blob
@@ -172,10 +180,13 @@ class Elastic:
                 if key not in model_state or tuple(model_state[key].shape) != tuple(shape):
                     raise ValueError(f"the received state's {key} ({shape}) does not fit this model")
                 with torch.no_grad():
-                    model_state[key].copy_(value)
+                    model_state[key].copy_(value)  # onto the model's own device
             else:
                 _, index, key = name.split(".", 2)
-                self.optimizer.state[self.params[int(index)]][key] = value.clone()
+                param = self.params[int(index)]
+                on_param = key.endswith("@")
+                self.optimizer.state[param][key.removesuffix("@")] = (value.to(param.device, copy=True) if on_param
+                                                                      else value.clone())
         for name, value in header["extra"].items():
             _, index, key = name.split(".", 2)
             self.optimizer.state[self.params[int(index)]][key] = value
