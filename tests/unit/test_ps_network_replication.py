@@ -30,7 +30,8 @@ REL = 1e-5
 
 
 def _settings(replication: str, bound: str | None, rate_bps: float = 1e8, **kw: Any) -> ScheduledSettings:
-    return ScheduledSettings(interval_s=0.03, aggregators=1, rate_bps=rate_bps, replication=replication,
+    kw.setdefault("interval_s", 0.03)
+    return ScheduledSettings(aggregators=1, rate_bps=rate_bps, replication=replication,
                              divergence=DivergenceBound.parse(bound) if bound else None, replica_aggregators=1,
                              measure_divergence=True, **kw)
 
@@ -190,8 +191,12 @@ def test_two_replicas_of_a_server_both_follow_it_through_aggregated_units() -> N
     """Regression: with two replicas, a unit of several updates goes to each through the same
     replica aggregator; it summed both replicas' copies as one unit (and sent it to one of
     them), so the other waited for its unit in vain. On 2 Mbit/s NICs the scheduler
-    aggregates (groups of 2-4 updates)."""
-    out, jobs = _train(PSLayout(servers=1, replicas=2, workers=4), _settings("network", "400", 2e6), steps=8)
+    aggregates (groups of 2-4 updates). The batching interval is long so that every batch holds
+    all four workers' requests (a batch is planned as soon as every worker waits): with 30 ms,
+    a loaded machine spread the requests over several batches of one, and nothing was
+    aggregated (the test failed on its first assertion, not on the replicas)."""
+    out, jobs = _train(PSLayout(servers=1, replicas=2, workers=4), _settings("network", "400", 2e6, interval_s=1.0),
+                       steps=8)
     stats, server = out[0], jobs[0].server
     assert stats.scheduler["aggregated"] > 0 and stats.errors == [] and stats.bound_overruns == 0
     for rank in (1, 2):
