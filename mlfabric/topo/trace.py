@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Iterable, Iterator, Sequence
+import os
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +29,7 @@ from mlfabric.topo.topology import DIRECTIONS, Topology
 from mlfabric.units import parse_duration, parse_rate
 
 __all__ = ["CAPACITY_TRACE_ENV", "TRACE_HEADER", "TraceRow", "CapacityTrace", "capacity_trace_env", "load_capacity_trace",
-           "parse_trace_row", "write_capacity_trace"]
+           "parse_trace_row", "read_capacity_trace", "trace_offset_s", "write_capacity_trace"]
 
 TRACE_HEADER = ("time_s", "host", "nic", "direction", "rate_bps")
 
@@ -43,6 +45,19 @@ def capacity_trace_env(path: str, start: float, rank_hosts: Sequence[int]) -> di
     follow the trace at ``path`` as the emulator appends to it."""
     return {CAPACITY_TRACE_ENV: json.dumps({"path": str(path), "start": float(start),
                                             "hosts": [int(h) for h in rank_hosts]})}
+
+
+def trace_offset_s(environ: Mapping[str, str] | None = None) -> float | None:
+    """Seconds since the capacity trace's time 0 that this rank follows (``MLFABRIC_CAPACITY_TRACE``),
+    on the shared monotonic clock; None without one (no churn, or not on the emulator)."""
+    text = (os.environ if environ is None else environ).get(CAPACITY_TRACE_ENV)
+    if not text:
+        return None
+    try:
+        return time.monotonic() - float(json.loads(text)["start"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{CAPACITY_TRACE_ENV}={text!r}: expected JSON with path, start and hosts "
+                         f"(the emulator sets it): {exc}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,6 +134,11 @@ def parse_trace_row(cells: list[str], where: str) -> TraceRow:
     if direction not in DIRECTIONS:
         raise ValueError(f"{where}: direction {direction!r} must be one of {', '.join(DIRECTIONS)}")
     return TraceRow(time_s=time_s, host=host, nic=nic, direction=direction, rate_bps=rate)
+
+
+def read_capacity_trace(path: str | Path) -> list[TraceRow]:
+    """The rows of a trace CSV, in file order."""
+    return _rows_from_csv(Path(path))
 
 
 def load_capacity_trace(path: str | Path | Iterable[TraceRow], topology: Topology) -> CapacityTrace:
