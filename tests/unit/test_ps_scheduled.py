@@ -440,3 +440,23 @@ def test_a_distributor_lost_before_relaying_makes_its_workers_ask_the_server_aga
     alive = [finals[w] for w in range(4) if w not in gone]
     for params in alive:  # all answered, with the same model of round 1
         torch.testing.assert_close(params, alive[0])
+
+
+def test_a_workers_scheduled_pushes_say_where_their_time_went() -> None:
+    from mlfabric.train.ps_modes import _scheduled_figures
+
+    layout = PSLayout(servers=1, workers=3)
+    config = PSConfig(consistency="async:4", timeout_s=20, routing="scheduled",
+                      scheduled=ScheduledSettings(interval_s=0.05, aggregators=0, rate_bps=1e9))
+    out, _ = _run(layout, config, steps=4, pause=0.0)
+    daemons = [out[r] for r in layout.worker_ranks]
+    for d in daemons:
+        assert d["requested"] == 4 and d["fallbacks"] == 0
+        # every push waited for its batch's plan (the batching interval, at most, plus the round trip)
+        assert 0 < d["decision_wait_s"] < 4 * 2.0 and d["start_wait_s"] >= 0 and d["send_s"] > 0
+    figures = _scheduled_figures([{"skipped": 2}], daemons)
+    sent = 12 - figures["dropped_by_scheduler"]
+    assert figures["skipped"] == 2 and figures["fallbacks"] == 0
+    assert figures["decision_wait_ms"] == pytest.approx(1e3 * sum(d["decision_wait_s"] for d in daemons) / 12)
+    assert figures["send_ms"] == pytest.approx(1e3 * sum(d["send_s"] for d in daemons) / sent)
+    assert _scheduled_figures([{"skipped": 0}], []) == {}  # not a scheduled run: nothing added

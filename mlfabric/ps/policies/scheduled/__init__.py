@@ -143,7 +143,8 @@ class ScheduledRouting(ScheduledWorkerSide, ScheduledServerSide, Policy):
         return ChainFeed(measure_divergence=s.measure_divergence)
 
     def worker_report(self) -> dict[str, Any] | None:
-        return None
+        """The worker's scheduled pushes (:class:`DaemonStats`): counts and where their time went."""
+        return {"scheduled": self.stats.as_dict()} if self.stats.requested else None
 
     def claims_pull(self, pull: Any) -> bool:
         return True
