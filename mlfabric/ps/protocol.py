@@ -17,9 +17,10 @@ training run) apart.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -106,6 +107,234 @@ class Pull:
 
     def encode(self, **extra: Any) -> bytes:
         return encode(**self.fields(**extra))
+
+
+class Header:
+    """A typed header: ``OP`` its kind (``meta["op"]``), its dataclass fields the rest, in order.
+    :meth:`encode` is the one JSON encoding of it (fields listed in ``OMIT_NONE`` are left out
+    when None: the receiver tests for their presence); a receiver reads it back with
+    :func:`decode` (a dict, as every header on the wire is)."""
+
+    OP: ClassVar[str] = ""
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ()
+
+    def fields(self, **extra: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {"op": self.OP}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if value is None and f.name in self.OMIT_NONE:
+                continue
+            out[f.name] = value
+        return {**out, **extra}
+
+    def body(self) -> dict[str, Any]:
+        """The fields without ``op`` (for a sender that adds its own routing fields first)."""
+        out = self.fields()
+        del out["op"]
+        return out
+
+    def encode(self, **extra: Any) -> bytes:
+        return encode(**self.fields(**extra))
+
+
+# -- worker -> server (besides Push and Pull) ----------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Init(Header):
+    """A model's shard and its settings (the server answers :class:`Ok`)."""
+
+    OP: ClassVar[str] = INIT
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ("priorities",)
+    id: int
+    spec: dict[str, Any]
+    lr: float
+    momentum: float
+    priorities: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Clock(Header):
+    OP: ClassVar[str] = CLOCK
+    clock: int
+
+
+@dataclass(frozen=True, slots=True)
+class Leave(Header):
+    OP: ClassVar[str] = LEAVE
+
+
+@dataclass(frozen=True, slots=True)
+class Adopt(Header):
+    """To a replica promoted to server: this worker's clock."""
+
+    OP: ClassVar[str] = ADOPT
+    clock: int
+
+
+# -- server -> worker (answers on the reply tags) -------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ModelReply(Header):
+    """A pull's answer: the shard follows as payload (or, ordered, in ``pieces`` messages)."""
+
+    OP: ClassVar[str] = "model"
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ("pieces", "order")
+    version: int
+    model_clock: int | None
+    pieces: int | None = None
+    order: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Piece(Header):
+    """One piece of an ordered pull's answer (TicTac): elements ``lo..hi`` of parameter ``key``."""
+
+    OP: ClassVar[str] = "piece"
+    key: str
+    lo: int
+    hi: int
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ok(Header):
+    OP: ClassVar[str] = "ok"
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply(Header):
+    """A refusal the worker raises (``lost_peer``: as a PeerLostError naming it)."""
+
+    OP: ClassVar[str] = "error"
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ("lost_peer",)
+    message: str
+    lost_peer: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Refused(Header):
+    OP: ClassVar[str] = "refused"
+    message: str
+
+
+# -- replication (server <-> replica) --------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Register(Header):
+    """A replica asks server ``server`` to replicate it."""
+
+    OP: ClassVar[str] = "register"
+    server: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaInit(Header):
+    OP: ClassVar[str] = "init"
+    spec: dict[str, Any]
+    lr: float
+    momentum: float
+    version: int
+    history: bool
+    clocks: list[int]
+    priorities: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Applied(Header):
+    """An update the server applied, as the replica applies it after it: ``update`` (chain: the
+    gradient follows) or ``applied`` (network replication: the unit's key and members only)."""
+
+    OP: ClassVar[str] = "update"
+    model: str
+    version: int
+    workers: list[int]
+    computed_from: list[int]
+    weight: float
+    norm: float | None
+    t: float
+
+
+@dataclass(frozen=True, slots=True)
+class AppliedUnit(Applied):
+    """Network replication: the unit ``unit`` the server applied (its ``members``: (rank,
+    update id)); the replica has the update from the workers."""
+
+    OP: ClassVar[str] = "applied"
+    unit: int
+    members: list[list[int]] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Ack(Header):
+    OP: ClassVar[str] = "ack"
+    model: str
+    version: int
+    history_norm: float
+
+
+@dataclass(frozen=True, slots=True)
+class End(Header):
+    OP: ClassVar[str] = "end"
+
+
+# -- the scheduled policy's worker side (to the scheduler) -----------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleRequest(Header):
+    """An update asks to be scheduled: its component sizes, the version it was computed from."""
+
+    OP: ClassVar[str] = "request"
+    id: int
+    model: str
+    version: int
+    norm: float
+    clock: int
+    sizes: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel(Header):
+    OP: ClassVar[str] = "cancel"
+    id: int
+    model: str
+
+
+# -- mlnet (a tree node to its parent node; to a server the same without ``tree``) -----------------
+
+
+@dataclass(frozen=True, slots=True)
+class TreeClock(Header):
+    OP: ClassVar[str] = CLOCK
+    clock: int
+    workers: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class TreeLeave(Header):
+    OP: ClassVar[str] = LEAVE
+    workers: list[int]
+    final: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Attach(Header):
+    """A node re-attaching asks its new parent (``id``: its answer's reply tag) what it has."""
+
+    OP: ClassVar[str] = ATTACH
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ("workers",)
+    id: int
+    workers: list[int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Attached(Header):
+    OP: ClassVar[str] = "attached"
+    through: int
 
 
 def encode(**fields: Any) -> bytes:

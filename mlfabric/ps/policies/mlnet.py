@@ -463,11 +463,13 @@ class TreeCore:
         ready = [workers for after, workers in tree.leaves if after < tree.next_clock]
         tree.leaves = [(after, workers) for after, workers in tree.leaves if after >= tree.next_clock]
         if ready:
-            self._up(tree, protocol.LEAVE, {"workers": [w for ws in ready for w in ws], "final": False})
+            leave = protocol.TreeLeave(workers=[w for ws in ready for w in ws], final=False)
+            self._up(tree, leave.OP, leave.body())
         if not tree.done and len(tree.final) == len(tree.members) and not tree.pending and not tree.leaves:
             tree.done = True
             if tree.parent >= 0:
-                self._up(tree, protocol.LEAVE, {"workers": [], "final": True})
+                final = protocol.TreeLeave(workers=[], final=True)
+                self._up(tree, final.OP, final.body())
 
     def _send_clock(self, tree: _Tree, clock: int, sums: dict[str, _Sum], clocked: list[int]) -> None:
         """One clock up: its sums (one per model), then the clock naming the workers it covers."""
@@ -480,7 +482,8 @@ class TreeCore:
             self.stats.sums_forwarded += 1
             self.stats.updates_aggregated += len(entry.workers)
         if clocked:
-            self._up(tree, protocol.CLOCK, {"clock": clock, "workers": clocked})
+            header = protocol.TreeClock(clock=clock, workers=clocked)
+            self._up(tree, header.OP, header.body())
 
     def _keep(self, kept: dict[int, Any], clock: int, what: Any) -> None:
         kept[clock] = what
@@ -530,8 +533,7 @@ class TreeCore:
     def _answer(self, tree: _Tree, reply_to: Any, copy: _Copy | None, error: str | None = None,
                 lost_peer: int | None = None) -> None:
         """Answer with ``copy`` (or ``error``; ``lost_peer``: the worker raises PeerLostError naming it)."""
-        fields = None if copy is not None else \
-            {"op": "error", "message": error, **({} if lost_peer is None else {"lost_peer": lost_peer})}
+        fields = None if copy is not None else protocol.ErrorReply(message=str(error), lost_peer=lost_peer).fields()
         meta = copy.meta if copy is not None else None
         payload = None if copy is None else copy.payload
         if reply_to[0] == "own":
@@ -666,12 +668,12 @@ class TreeCore:
         if tree.parent < 0:
             dest = tree.server_rank = self.port.server_rank(tree.server)
             covered = tree.sent[max(tree.sent)][1] if tree.sent and not self.fallen_back else [self.port.index]
-            self.outbox.append(Send(dest, "request", fields={"op": protocol.ATTACH, "id": request_id,
-                                                             "workers": covered}, track=False))
+            self.outbox.append(Send(dest, "request", fields=protocol.Attach(id=request_id, workers=covered).fields(),
+                                    track=False))
         else:
             dest = self.layout.worker_rank(tree.parent)
-            self.outbox.append(Send(dest, "tree", fields={"op": protocol.ATTACH, "tree": tree.server,
-                                                          "id": request_id}, track=False))
+            self.outbox.append(Send(dest, "tree", fields=protocol.Attach(id=request_id).fields(tree=tree.server),
+                                    track=False))
         self._attaching[request_id] = (tree.server, dest)
 
     def _attach_request(self, tree: _Tree, child: int, header: dict[str, Any]) -> None:
@@ -686,7 +688,7 @@ class TreeCore:
                 return
             self._adopt(tree, above, "its child re-attached here")
         self.outbox.append(Send(self.layout.worker_rank(child), "reply", request_id=int(header["id"]),
-                                fields={"op": "attached", "through": tree.through[child]}, track=False))
+                                fields=protocol.Attached(through=tree.through[child]).fields(), track=False))
 
     def attached(self, request_id: int, through: int, wall: float) -> None:
         """The new parent has this subtree's clocks up to ``through``: send the later ones
@@ -1021,7 +1023,7 @@ class MLNetRouting(Policy):
         # the replicas learn the clocks behind the updates they hold: one that takes over
         # tells re-attaching tree nodes which clocks to send again
         for replica in server.replicas:
-            server.send_replica(replica, protocol.encode(op="clock", workers=workers, clock=clock), b"")
+            server.send_replica(replica, protocol.TreeClock(clock=clock, workers=workers).encode(), b"")
 
     def on_lost(self, server: "ServerPort", rank: int) -> None:
         for key in [k for k in self._staged if k[0] == rank]:  # sums whose clock never came: sent again
@@ -1037,7 +1039,7 @@ class MLNetRouting(Policy):
         alive = [w for w in workers if w not in book.departed and w not in book.lost_at] or workers
         through = min(book.clocks[w] for w in alive) - 1
         server.transport.send(src, protocol.reply_tag(server.config.session, int(header["id"])), b"",
-                              meta=protocol.encode(op="attached", through=through), channel=server.channel)
+                              meta=protocol.Attached(through=through).encode(), channel=server.channel)
         return True
 
 

@@ -97,9 +97,9 @@ class ScheduledWorkerSide:
             self._aggregator.keep(model, request_id, components)
         asked = time.monotonic()
         transport.send(w.server_rank(0), protocol.tag(protocol.SCHEDULE, session), b"", channel=w.channel,
-                       meta=protocol.encode(op="request", id=request_id, model=model, version=first.version,
-                                            norm=float(first.norm or 0.0), clock=first.clock,
-                                            sizes=[c.numel() * c.element_size() for c in components]))
+                       meta=protocol.ScheduleRequest(id=request_id, model=model, version=first.version,
+                                                     norm=float(first.norm or 0.0), clock=first.clock,
+                                                     sizes=[c.numel() * c.element_size() for c in components]).encode())
         decision = self._decision(request_id)
         decided = time.monotonic()
         self.stats.decision_wait_s += decided - asked
@@ -109,7 +109,7 @@ class ScheduledWorkerSide:
             self.stats.fallbacks += 1
             # Withdraw the request; if it was planned already, its entry is skipped at the server.
             transport.send(w.server_rank(0), protocol.tag(protocol.SCHEDULE, session), b"", channel=w.channel,
-                           meta=protocol.encode(op="cancel", id=request_id, model=model))
+                           meta=protocol.Cancel(id=request_id, model=model).encode())
             handles = [transport.send(w.server_rank(j), protocol.request_tag(session), tensor_bytes(c),
                                       meta=p.encode(), channel=w.channel) for j, (c, p) in enumerate(zip(components, pushes))]
             wait_sent(transport, handles, w.config.timeout_s)
