@@ -6,8 +6,14 @@ Everything a worker sends a server rides one tag, ``request_tag(session)``, so t
 transport's per-(channel, tag) FIFO keeps a worker's push ahead of its ``clock`` and its
 ``leave`` (the server must see them in the order they were sent). What kind of request a
 message is, and its fields, sit in the message's meta as JSON (a few hundred bytes at most);
-the payload is the tensor, if any. A worker's pushes and pulls are typed (:class:`Push`,
-:class:`Pull`) until the policy that sends them encodes them, once, with what it adds. Answers go back on ``reply_tag(session, request_id)`` so
+the payload is the tensor, if any. Every header is typed here (:class:`Header`: the worker's
+:class:`Push` and :class:`Pull`, its :class:`Init`, :class:`Clock`, :class:`Leave`; the
+servers' answers :class:`ModelReply`, :class:`Piece`, :class:`Ok`, :class:`ErrorReply`; the
+replication feeds; the scheduled policy's worker requests; MLNET's tree messages) and encoded
+once, by its sender, with what the sending policy adds; a receiver decodes it once
+(:func:`decode`). Not typed yet: the scheduled policy's orders, decisions, group plans, replica
+units and the model header's ``forward`` list (built in ``policies/scheduled/`` service,
+aggregator and server). Answers go back on ``reply_tag(session, request_id)`` so
 that the thread waiting for one takes exactly its own.
 
 Tags live in their own namespace (bit 60) apart from the collectives' (sequence << 24) and the
