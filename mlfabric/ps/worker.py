@@ -484,7 +484,8 @@ class PSWorker:
         A worker whose distributor is lost before the shard came asks the server again, to be
         answered directly."""
         header, msg = self._await(server, request_id, what)
-        if header["op"] == "via":
+        relayed_here = header["op"] == "via"
+        if relayed_here:
             relay = int(header["distributor"])
             try:
                 msg = self._take(relay, protocol.reply_tag(self.config.session, request_id),
@@ -502,11 +503,12 @@ class PSWorker:
                                                        staleness=staleness, direct=True).encode())
                 return self._await(server, retry, what)
         forward = header.pop("forward", None)
-        if forward:
-            relayed = protocol.encode(**header)
+        if forward and not relayed_here:
+            # The header goes on as it came (not decoded and encoded again): its ``forward`` is
+            # this distributor's list, which a worker that got its model relayed ignores.
             for rank, rid in forward:
                 handle = self.transport.send(int(rank), protocol.reply_tag(self.config.session, int(rid)),
-                                             msg.payload, meta=relayed, channel=self.channel)
+                                             msg.payload, meta=msg.meta, channel=self.channel)
                 self._inflight.append((handle, msg))  # the received buffer stays alive until sent
             self.stats.relayed += len(forward)
         return header, msg
