@@ -1361,7 +1361,7 @@ def _compare_emulated(config: Any, paths: list[Path], json_path: Optional[Path])
             raise typer.BadParameter(f"--emulated {path}: {exc}") from None
         if not (data.get("metadata", {}).get("emulation") and data.get("comparisons")):
             raise typer.BadParameter(f"--emulated {path}: not the JSON of an emulated `mlfabric train` run")
-        rows += compare_with_emulation(config, data)
+        rows += compare_with_emulation(config, data, base_dir=Path(path).parent)
     table = Table(title="emulated vs simulated speedup over RR-Sync", title_justify="left", box=box.SIMPLE_HEAD,
                   caption="each mode timed to the worker updates its emulated run needed to reach the target",
                   caption_justify="left")

@@ -163,6 +163,9 @@ class ChurnRunner:
     on_apply: Callable[[float, list[TraceRow]], None] | None = None
     applied: list[tuple[float, float, list[TraceRow]]] = field(default_factory=list)
     error: BaseException | None = None
+    #: ``time.monotonic()`` of the schedule's time 0 (set by ``start()``): a trace row's
+    #: ``time_s`` plus this is when it was due, on every process's monotonic clock.
+    started_at: float | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -170,7 +173,7 @@ class ChurnRunner:
         schedule = churn_schedule(self.model, n_hosts=self.n_hosts, nics_per_host=self.nics_per_host,
                                   base_rate_bps=self.base_rate_bps, period_s=self.period_s, seed=self.seed)
         writer = TraceWriter(self.trace_path) if self.trace_path is not None else None
-        start = time.monotonic()
+        start = self.started_at = time.monotonic()
         # The first redraw is applied before start() returns, so the job starts under it.
         try:
             self._apply(next(schedule), start, writer)

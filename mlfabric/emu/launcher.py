@@ -68,6 +68,7 @@ from mlfabric.runtime.fair_share import NIC_RATE_ENV
 from mlfabric.emu.cluster import Cluster, ClusterPlan, new_prefix, pipeline_chunk_bytes, plan_cluster
 from mlfabric.emu.cmd import EmuUnavailableError, have_root
 from mlfabric.topo.spec import TOPOLOGY_KINDS, TopologySpec
+from mlfabric.topo.trace import capacity_trace_env
 from mlfabric.transport.pacing import PACE_ENV
 
 if TYPE_CHECKING:
@@ -250,8 +251,9 @@ def emulated_launch(topology: str | TopologySpec, rate_bps: float, *,
     ``on_built(plan)`` runs once the cluster is up, before any rank (benchmarks measure their
     reference goodput there). With ``churn``, bandwidth churn (:func:`start_churn`, as
     ``mlfabric launch --churn``) starts after ``on_built`` and runs until the block is left;
-    its trace goes to ``trace_path`` (none is written without one: nothing is left in the temp
-    dir), ``on_churn(t, rows)`` sees each redraw, and a failure of the churn thread is
+    its trace goes to ``trace_path`` (without one, to a temp dir removed on the way out), which
+    the ranks' network monitor follows (``MLFABRIC_CAPACITY_TRACE``, :class:`mlfabric.ps.monitor.TraceFeed`),
+    ``on_churn(t, rows)`` sees each redraw, and a failure of the churn thread is
     raised on the way out (the ranks run on under the last rates meanwhile). Several launches
     may run one after the other in one cluster; give each its own ``master_port``
     (``dataclasses.replace``) so that no socket of the previous one is in the way.
@@ -271,15 +273,23 @@ def emulated_launch(topology: str | TopologySpec, rate_bps: float, *,
         if churn is None:
             yield config
             return
-        runner = start_churn(cluster, churn, rate_bps=rate_bps, period_s=churn_period_s, seed=churn_seed,
-                             trace_path=trace_path, on_apply=on_churn)
-        try:
-            yield dataclasses.replace(config, rank_env=churned_rank_envs(config.rank_env or []))
-        except BaseException:
-            with contextlib.suppress(RuntimeError):  # the block's own error is the one to see
-                runner.stop()
-            raise
-        runner.stop()
+        # The ranks' network monitor (ps/monitor.py TraceFeed) follows the trace as it is
+        # written: one is always kept while the ranks run (in a temp dir without trace_path).
+        with tempfile.TemporaryDirectory(prefix="mlfabric-churn-") as scratch:
+            followed = trace_path or os.path.join(scratch, "trace.csv")
+            runner = start_churn(cluster, churn, rate_bps=rate_bps, period_s=churn_period_s, seed=churn_seed,
+                                 trace_path=followed, on_apply=on_churn)
+            assert runner.started_at is not None
+            hosts = rank_hosts(plan.n_hosts, options.get("ranks_per_host", 1), options.get("placement", "consecutive"))
+            feed = capacity_trace_env(followed, runner.started_at, hosts)
+            try:
+                yield dataclasses.replace(config, rank_env=[{**env, **feed}
+                                                            for env in churned_rank_envs(config.rank_env or [])])
+            except BaseException:
+                with contextlib.suppress(RuntimeError):  # the block's own error is the one to see
+                    runner.stop()
+                raise
+            runner.stop()
 
 
 class _Interrupted(BaseException):
@@ -391,7 +401,9 @@ def launch(spec: LaunchSpec, *, out: IO[str] | None = None, err: IO[str] | None 
                 prefixes = plan.command_prefixes()
                 extra = plan.rank_envs(cluster_json=cluster_json)
                 if churn is not None:
-                    extra = churned_rank_envs(extra)
+                    assert churn.started_at is not None
+                    follow = capacity_trace_env(trace, churn.started_at, range(n_hosts))  # rank r on host r
+                    extra = [{**env, **follow} for env in churned_rank_envs(extra)]
                 port = spec.master_port
             else:
                 from mlfabric.bench.procs import free_port

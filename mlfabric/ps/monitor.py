@@ -15,7 +15,13 @@ reported up to ``now - lag``. Probes:
   emulator, the rate the bandwidth churn set last: what a probe saturating the link would
   measure, without the traffic). A host sees only its own egress shaper (its ingress one sits
   in the fabric's namespace), so this probe reports the up direction and leaves the down
-  direction at its last known value.
+  direction at its last known value;
+* the emulator's capacity trace (:class:`TraceFeed`, what the runtime uses under churn): the
+  emulator writes every redraw of the NICs' rates to a capacity-trace CSV as it applies it and
+  tells the ranks where (``MLFABRIC_CAPACITY_TRACE``); the scheduler's rank follows the file
+  and reports each row at the moment it was applied, both directions of every host -- what the
+  simulator's monitor gets of the same churn (``sim/mlfabric.py``, ``_follow_churn``). Without
+  it the scheduler planned every NIC at its default rate through all the churn (issue #35).
 
 :class:`Ledger` turns the monitor's capacities and the transfers earlier batches reserved
 (and that are still running) into the residual-capacity timelines of a fresh
@@ -26,10 +32,16 @@ an earlier batch holds.
 from __future__ import annotations
 
 import bisect
+import csv
+import io
 import json
 import logging
+import os
 import shutil
 import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -151,3 +163,102 @@ def tc_probe(device: str = "eth0") -> Probe | None:
         return float(min(rates)), None  # bytes/s, as tc -j reports rates
 
     return probe
+
+
+# -- the emulator's capacity trace (churn) -------------------------------------------------------
+
+#: How often the scheduler's rank reads the trace for new rows: well inside the monitor's lag
+#: (0.2 s), so a redraw is known by the time the lag lets the scheduler see it.
+TRACE_POLL_S = 0.05
+
+
+Report = Callable[[int, "float | None", "float | None", float], None]  # (rank, up, down bytes/s, at)
+
+
+class TraceFeed:
+    """Follows a capacity-trace CSV as the emulator appends to it: :meth:`poll` returns the
+    reports of the rows written since the last call (complete lines only), one per rank on
+    the row's host (NIC ``nic``), ``(rank, up, down, at)`` in bytes/s with the direction the
+    row does not change as None, ``at`` on this process's ``time.monotonic()``."""
+
+    def __init__(self, path: str, start: float, rank_hosts: Sequence[int], nic: int = 0) -> None:
+        self.path, self.start, self.nic = str(path), float(start), nic
+        self._ranks: dict[int, list[int]] = {}
+        for rank, host in enumerate(rank_hosts):
+            self._ranks.setdefault(int(host), []).append(rank)
+        self._offset = 0
+        self._line = 0
+        self._rest = ""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> TraceFeed | None:
+        """The feed the emulator set up for this rank (``MLFABRIC_CAPACITY_TRACE``,
+        :func:`mlfabric.topo.trace.capacity_trace_env`), None without."""
+        from mlfabric.topo.trace import CAPACITY_TRACE_ENV
+
+        text = environ.get(CAPACITY_TRACE_ENV)
+        if not text:
+            return None
+        try:
+            spec = json.loads(text)
+            return cls(spec["path"], float(spec["start"]), [int(h) for h in spec["hosts"]])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{CAPACITY_TRACE_ENV}={text!r}: expected JSON with path, start and hosts "
+                             f"(the emulator sets it): {exc}") from None
+
+    def poll(self) -> list[tuple[int, float | None, float | None, float]]:
+        from mlfabric.topo.trace import TRACE_HEADER, parse_trace_row
+
+        try:
+            with open(self.path, newline="") as handle:
+                handle.seek(self._offset)
+                chunk = handle.read()
+                self._offset = handle.tell()
+        except FileNotFoundError:
+            return []  # not written yet
+        text = self._rest + chunk
+        complete, _, self._rest = text.rpartition("\n")
+        reports: list[tuple[int, float | None, float | None, float]] = []
+        if not complete:
+            return reports
+        for cells in csv.reader(io.StringIO(complete + "\n")):
+            self._line += 1
+            if self._line == 1 and tuple(c.strip() for c in cells) == TRACE_HEADER:
+                continue
+            if not cells:
+                continue
+            row = parse_trace_row(cells, f"capacity trace {self.path!r} line {self._line}")
+            if row.nic != self.nic:
+                continue
+            bps = row.rate_bps / 8
+            up, down = (bps, None) if row.direction == "egress" else (None, bps)
+            for rank in self._ranks.get(row.host, []):
+                reports.append((rank, up, down, self.start + row.time_s))
+        return reports
+
+    def follow(self, report: Report, *, period_s: float = TRACE_POLL_S) -> Callable[[], None]:
+        """Report every row now, then every ``period_s`` on a thread; returns the stop function."""
+        stop = threading.Event()
+
+        def turn() -> None:
+            for rank, up, down, at in self.poll():
+                report(rank, up, down, at)
+
+        def loop() -> None:
+            while not stop.wait(period_s):
+                try:
+                    turn()
+                except (OSError, ValueError) as exc:  # the trace is a measurement: planning goes on without it
+                    log.error("network monitor: reading the capacity trace %s failed (%s); the scheduler keeps "
+                              "the rates it knows", self.path, exc)
+                    return
+
+        turn()  # the rates in force before the first batch is planned
+        thread = threading.Thread(target=loop, name="mlfabric-ps-trace-monitor", daemon=True)
+        thread.start()
+
+        def stop_following() -> None:
+            stop.set()
+            thread.join(1.0)
+
+        return stop_following

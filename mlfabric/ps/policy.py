@@ -185,7 +185,7 @@ class Policy:
         """The worker's requests for a lost server's shard go to ``replica`` now: it learns the
         worker's clock (an ADOPT), unless the policy tells it otherwise."""
         worker.transport.send(replica, protocol.request_tag(worker.config.session), b"", channel=worker.channel,
-                              meta=protocol.encode(op=protocol.ADOPT, clock=worker.clock_value))
+                              meta=protocol.Adopt(clock=worker.clock_value).encode())
 
     def flush(self, timeout: float) -> None:
         """The worker leaves: what the policy still holds leaves before the leave message."""

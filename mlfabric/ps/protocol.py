@@ -6,8 +6,14 @@ Everything a worker sends a server rides one tag, ``request_tag(session)``, so t
 transport's per-(channel, tag) FIFO keeps a worker's push ahead of its ``clock`` and its
 ``leave`` (the server must see them in the order they were sent). What kind of request a
 message is, and its fields, sit in the message's meta as JSON (a few hundred bytes at most);
-the payload is the tensor, if any. A worker's pushes and pulls are typed (:class:`Push`,
-:class:`Pull`) until the policy that sends them encodes them, once, with what it adds. Answers go back on ``reply_tag(session, request_id)`` so
+the payload is the tensor, if any. Every header is typed here (:class:`Header`: the worker's
+:class:`Push` and :class:`Pull`, its :class:`Init`, :class:`Clock`, :class:`Leave`; the
+servers' answers :class:`ModelReply`, :class:`Piece`, :class:`Ok`, :class:`ErrorReply`; the
+replication feeds; the scheduled policy's worker requests; MLNET's tree messages) and encoded
+once, by its sender, with what the sending policy adds; a receiver decodes it once
+(:func:`decode`). Not typed yet: the scheduled policy's orders, decisions, group plans, replica
+units and the model header's ``forward`` list (built in ``policies/scheduled/`` service,
+aggregator and server). Answers go back on ``reply_tag(session, request_id)`` so
 that the thread waiting for one takes exactly its own.
 
 Tags live in their own namespace (bit 60) apart from the collectives' (sequence << 24) and the
@@ -17,9 +23,10 @@ training run) apart.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -106,6 +113,234 @@ class Pull:
 
     def encode(self, **extra: Any) -> bytes:
         return encode(**self.fields(**extra))
+
+
+class Header:
+    """A typed header: ``OP`` its kind (``meta["op"]``), its dataclass fields the rest, in order.
+    :meth:`encode` is the one JSON encoding of it (fields listed in ``OMIT_NONE`` are left out
+    when None: the receiver tests for their presence); a receiver reads it back with
+    :func:`decode` (a dict, as every header on the wire is)."""
+
+    OP: ClassVar[str] = ""
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ()
+
+    def fields(self, **extra: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {"op": self.OP}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if value is None and f.name in self.OMIT_NONE:
+                continue
+            out[f.name] = value
+        return {**out, **extra}
+
+    def body(self) -> dict[str, Any]:
+        """The fields without ``op`` (for a sender that adds its own routing fields first)."""
+        out = self.fields()
+        del out["op"]
+        return out
+
+    def encode(self, **extra: Any) -> bytes:
+        return encode(**self.fields(**extra))
+
+
+# -- worker -> server (besides Push and Pull) ----------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Init(Header):
+    """A model's shard and its settings (the server answers :class:`Ok`)."""
+
+    OP: ClassVar[str] = INIT
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ("priorities",)
+    id: int
+    spec: dict[str, Any]
+    lr: float
+    momentum: float
+    priorities: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Clock(Header):
+    OP: ClassVar[str] = CLOCK
+    clock: int
+
+
+@dataclass(frozen=True, slots=True)
+class Leave(Header):
+    OP: ClassVar[str] = LEAVE
+
+
+@dataclass(frozen=True, slots=True)
+class Adopt(Header):
+    """To a replica promoted to server: this worker's clock."""
+
+    OP: ClassVar[str] = ADOPT
+    clock: int
+
+
+# -- server -> worker (answers on the reply tags) -------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ModelReply(Header):
+    """A pull's answer: the shard follows as payload (or, ordered, in ``pieces`` messages)."""
+
+    OP: ClassVar[str] = "model"
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ("pieces", "order")
+    version: int
+    model_clock: int | None
+    pieces: int | None = None
+    order: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Piece(Header):
+    """One piece of an ordered pull's answer (TicTac): elements ``lo..hi`` of parameter ``key``."""
+
+    OP: ClassVar[str] = "piece"
+    key: str
+    lo: int
+    hi: int
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ok(Header):
+    OP: ClassVar[str] = "ok"
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReply(Header):
+    """A refusal the worker raises (``lost_peer``: as a PeerLostError naming it)."""
+
+    OP: ClassVar[str] = "error"
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ("lost_peer",)
+    message: str
+    lost_peer: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Refused(Header):
+    OP: ClassVar[str] = "refused"
+    message: str
+
+
+# -- replication (server <-> replica) --------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Register(Header):
+    """A replica asks server ``server`` to replicate it."""
+
+    OP: ClassVar[str] = "register"
+    server: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaInit(Header):
+    OP: ClassVar[str] = "init"
+    spec: dict[str, Any]
+    lr: float
+    momentum: float
+    version: int
+    history: bool
+    clocks: list[int]
+    priorities: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Applied(Header):
+    """An update the server applied, as the replica applies it after it: ``update`` (chain: the
+    gradient follows) or ``applied`` (network replication: the unit's key and members only)."""
+
+    OP: ClassVar[str] = "update"
+    model: str
+    version: int
+    workers: list[int]
+    computed_from: list[int]
+    weight: float
+    norm: float | None
+    t: float
+
+
+@dataclass(frozen=True, slots=True)
+class AppliedUnit(Applied):
+    """Network replication: the unit ``unit`` the server applied (its ``members``: (rank,
+    update id)); the replica has the update from the workers."""
+
+    OP: ClassVar[str] = "applied"
+    unit: int
+    members: list[list[int]] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Ack(Header):
+    OP: ClassVar[str] = "ack"
+    model: str
+    version: int
+    history_norm: float
+
+
+@dataclass(frozen=True, slots=True)
+class End(Header):
+    OP: ClassVar[str] = "end"
+
+
+# -- the scheduled policy's worker side (to the scheduler) -----------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleRequest(Header):
+    """An update asks to be scheduled: its component sizes, the version it was computed from."""
+
+    OP: ClassVar[str] = "request"
+    id: int
+    model: str
+    version: int
+    norm: float
+    clock: int
+    sizes: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel(Header):
+    OP: ClassVar[str] = "cancel"
+    id: int
+    model: str
+
+
+# -- mlnet (a tree node to its parent node; to a server the same without ``tree``) -----------------
+
+
+@dataclass(frozen=True, slots=True)
+class TreeClock(Header):
+    OP: ClassVar[str] = CLOCK
+    clock: int
+    workers: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class TreeLeave(Header):
+    OP: ClassVar[str] = LEAVE
+    workers: list[int]
+    final: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Attach(Header):
+    """A node re-attaching asks its new parent (``id``: its answer's reply tag) what it has."""
+
+    OP: ClassVar[str] = ATTACH
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ("workers",)
+    id: int
+    workers: list[int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Attached(Header):
+    OP: ClassVar[str] = "attached"
+    through: int
 
 
 def encode(**fields: Any) -> bytes:

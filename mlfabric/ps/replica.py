@@ -143,7 +143,7 @@ class Replica:
             self.server = self.layout.server_rank(server)
             self.primary = self.server
         self.transport.send(self.primary, protocol.request_tag(self.config.session), b"",
-                            meta=protocol.encode(op="register", server=self.server), channel=self.channel)
+                            meta=protocol.Register(server=self.server).encode(), channel=self.channel)
         self._registered = True
 
     def promote(self) -> "ParameterServer":
@@ -303,7 +303,7 @@ class Replica:
         self._uncommitted.clear()
         self.stats.followed += 1
         self.transport.send(successor, protocol.request_tag(self.config.session), b"",
-                            meta=protocol.encode(op="register", server=self.server), channel=self.channel)
+                            meta=protocol.Register(server=self.server).encode(), channel=self.channel)
 
     def _take(self, msg: Any, server_rank: int) -> bool:
         """File one message; True if it is the server's end."""
@@ -357,8 +357,8 @@ class Replica:
                     history = getattr(self._rules[name], "history", None)
                     h = float(torch.linalg.vector_norm(history.double())) if history is not None else 0.0
                     self.transport.send(self.primary, protocol.request_tag(self.config.session),
-                                        b"", meta=protocol.encode(op="ack", model=name, version=self.versions[name],
-                                                                  history_norm=h), channel=self.channel)
+                                        b"", meta=protocol.Ack(model=name, version=self.versions[name], history_norm=h).encode(),
+                                        channel=self.channel)
 
     def _apply_queued(self) -> None:
         while self._queue:

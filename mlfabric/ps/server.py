@@ -227,7 +227,7 @@ class ParameterServer:
         self.stats.missing_rounds = list(self.book.missing)
         if not self._stop.is_set():  # stopped: this server is going away without a word
             for replica in self.replicas:
-                self.send_replica(replica, protocol.encode(op="end"), b"")
+                self.send_replica(replica, protocol.End().encode(), b"")
         return self.stats
 
     def start(self) -> threading.Thread:
@@ -334,7 +334,7 @@ class ParameterServer:
             # Requests that wait for an answer get the error as their answer; pushes and clocks
             # get it on the worker's error tag (id 0), raised by its next call.
             self.transport.send(msg.src, protocol.reply_tag(self.config.session, request_id), b"",
-                                meta=protocol.encode(op="error", message=text), channel=self.channel)
+                                meta=protocol.ErrorReply(message=text).encode(), channel=self.channel)
 
     def shard(self, model: str, what: str) -> Shard:
         """This server's shard of ``model``; KeyError naming ``what`` if it was never initialised."""
@@ -367,7 +367,7 @@ class ParameterServer:
             for replica in self.replicas:
                 self._send_snapshot(replica, shard)
         self.transport.send(rank, protocol.reply_tag(self.config.session, int(header["id"])), b"",
-                            meta=protocol.encode(op="ok", version=self.shards[spec.name].version),
+                            meta=protocol.Ok(version=self.shards[spec.name].version).encode(),
                             channel=self.channel)
 
     def receive_push(self, worker: int, header: dict[str, Any], payload: memoryview) -> None:
@@ -478,8 +478,8 @@ class ParameterServer:
                 continue
             shard.pulls = [p for p in shard.pulls if p not in ready]
             model_clock = self.book.model_clock(now)
-            header = protocol.encode(op="model", version=shard.version,
-                                     model_clock=None if model_clock == float("inf") else int(model_clock))
+            header = protocol.ModelReply(version=shard.version, model_clock=None if model_clock == float("inf")
+                                         else int(model_clock)).encode()
             for p in ready:
                 self.stats.pulls += 1
                 if model_clock != float("inf"):
@@ -525,7 +525,7 @@ class ParameterServer:
             log.error("%s", text)
             self.stats.errors.append(text)
             self.transport.send(src, protocol.tag(protocol.REPLICATE, self.config.session), b"",
-                                meta=protocol.encode(op="refused", message=text), channel=self.channel)
+                                meta=protocol.Refused(message=text).encode(), channel=self.channel)
             return
         self.replicas.append(src)
         log.info("%s: %s replicates this server", self.who, name)
@@ -535,10 +535,10 @@ class ParameterServer:
     def _send_snapshot(self, replica: int, shard: Shard) -> None:
         history = shard.history
         values = shard.values.clone() if history is None else torch.cat([shard.values, history])
-        self.send_replica(replica, protocol.encode(op="init", spec=shard.spec.to_json(), lr=shard.lr,
-                                                   momentum=shard.momentum, version=shard.version,
-                                                   history=history is not None, clocks=list(self.book.clocks),
-                                                   priorities=shard.priorities),
+        self.send_replica(replica, protocol.ReplicaInit(spec=shard.spec.to_json(), lr=shard.lr,
+                                                        momentum=shard.momentum, version=shard.version,
+                                                        history=history is not None, clocks=list(self.book.clocks),
+                                                        priorities=shard.priorities).encode(),
                           values)
 
     def send_replica(self, replica: int, header: bytes, values: torch.Tensor | bytes) -> None:

@@ -133,9 +133,8 @@ class PSWorker:
                 component = flat[offset:offset + length].contiguous()
                 handle = self.transport.send(self.server_rank(j), protocol.request_tag(self.config.session),
                                              tensor_bytes(component), channel=self.channel,
-                                             meta=protocol.encode(op=protocol.INIT, id=request_id,
-                                                                  spec=spec.to_json(), lr=lr, momentum=momentum,
-                                                                  **extra))
+                                             meta=protocol.Init(id=request_id, spec=spec.to_json(), lr=lr,
+                                                                momentum=momentum, **extra).encode())
                 self._inflight.append((handle, component))
             versions = [int(self._await(j, request_id, f"init_model({name!r})")[0]["version"])
                         for j, request_id in enumerate(ids)]
@@ -218,7 +217,7 @@ class PSWorker:
         clock, self.clock_value = self.clock_value, self.clock_value + 1
         if self.routing.send_clock(self, clock):
             return None
-        return [protocol.encode(op=protocol.CLOCK, clock=clock)] * self.layout.servers
+        return [protocol.Clock(clock=clock).encode()] * self.layout.servers
 
     # -- pull / get -----------------------------------------------------------------------------
 
@@ -324,8 +323,8 @@ class PSWorker:
             request_id = next(self._ids)
             self.transport.send(self.server_rank(j), protocol.request_tag(self.config.session), b"",
                                 channel=self.channel,
-                                meta=protocol.encode(op=protocol.PULL, id=request_id, model=model,
-                                                     clock=self.clock_value, staleness=float("inf")))
+                                meta=protocol.Pull(id=request_id, model=model, clock=self.clock_value,
+                                                   staleness=float("inf")).encode())
             header, msg = self._await(j, request_id, f"get(server={j}, model={model!r})")
             self.versions[model][j] = int(header["version"])
             _, length = spec.shards(self.layout.servers)[j]
@@ -379,7 +378,7 @@ class PSWorker:
             for rank in dict.fromkeys([*self.serving, *self.layout.replica_ranks]):
                 if rank not in self.transport.lost_peers:
                     self.transport.send(rank, protocol.request_tag(self.config.session), b"",
-                                        meta=protocol.encode(op=protocol.LEAVE), channel=self.channel)
+                                        meta=protocol.Leave().encode(), channel=self.channel)
             def sent() -> bool:
                 self._inflight = [(h, t) for h, t in self._inflight if not h.done()]
                 return not self._inflight
@@ -485,7 +484,8 @@ class PSWorker:
         A worker whose distributor is lost before the shard came asks the server again, to be
         answered directly."""
         header, msg = self._await(server, request_id, what)
-        if header["op"] == "via":
+        relayed_here = header["op"] == "via"
+        if relayed_here:
             relay = int(header["distributor"])
             try:
                 msg = self._take(relay, protocol.reply_tag(self.config.session, request_id),
@@ -499,15 +499,16 @@ class PSWorker:
                 retry = next(self._ids)
                 self.transport.send(self.server_rank(server), protocol.request_tag(self.config.session), b"",
                                     channel=self.channel,
-                                    meta=protocol.encode(op=protocol.PULL, id=retry, model=model, direct=True,
-                                                         clock=self.clock_value, staleness=staleness))
+                                    meta=protocol.Pull(id=retry, model=model, clock=self.clock_value,
+                                                       staleness=staleness, direct=True).encode())
                 return self._await(server, retry, what)
         forward = header.pop("forward", None)
-        if forward:
-            relayed = protocol.encode(**header)
+        if forward and not relayed_here:
+            # The header goes on as it came (not decoded and encoded again): its ``forward`` is
+            # this distributor's list, which a worker that got its model relayed ignores.
             for rank, rid in forward:
                 handle = self.transport.send(int(rank), protocol.reply_tag(self.config.session, int(rid)),
-                                             msg.payload, meta=relayed, channel=self.channel)
+                                             msg.payload, meta=msg.meta, channel=self.channel)
                 self._inflight.append((handle, msg))  # the received buffer stays alive until sent
             self.stats.relayed += len(forward)
         return header, msg

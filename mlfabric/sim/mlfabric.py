@@ -43,6 +43,7 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -52,14 +53,25 @@ from mlfabric.ps.monitor import NetworkMonitor
 from mlfabric.ps.policies.scheduled.core import BatchingCore, BatchPlan, GroupOrder, OrderBook, PullBatcher, Request
 from mlfabric.ps.policies.scheduled.settings import ScheduledSettings, aggregator_ranks
 
-__all__ = ["MLfabricSimConfig", "PAPER_TABLE2", "SIM_MODES", "compare_with_emulation", "cycle_floor_s",
-           "simulate_mlfabric", "simulate_mode", "simulate_table2", "table2", "updates_to_target"]
+__all__ = ["ChurnReplay", "MLfabricSimConfig", "PAPER_TABLE2", "SIM_MODES", "churn_replay", "compare_with_emulation",
+           "cycle_floor_s", "simulate_mlfabric", "simulate_mode", "simulate_table2", "table2", "updates_to_target"]
 
 SIM_MODES = ("allreduce", "tree-allreduce", "ps-async", "mlfabric-a:TAU", "mlfabric-s")
 #: The paper's Table 2: MLfabric-A-30's speedup in time to 74% accuracy w.r.t. RR-Sync.
 PAPER_TABLE2 = {"C1": {"N1": 1.74, "N2": 1.23, "N3": 1.42}, "C2": {"N1": 2.96, "N2": 2.0, "N3": 2.32},
                 "C3": {"N1": 1.90, "N2": 1.33, "N3": 1.42}}
 _STRAGGLER_STREAM = 11  # seed stream of the compute draws (distinct from churn's)
+
+
+@dataclass(frozen=True)
+class ChurnReplay:
+    """The NIC rates one emulated run met: its launch's capacity trace from the run's start on
+    (``changes``: times from that start, each with every simulated host's up and down rate in
+    bytes/s; host 0 the server, 1..W the workers). The runs of one emulated launch follow
+    each other under one churn, so each meets another part of it; a cell compared with such a
+    run replays that part instead of drawing the churn from time 0 (:func:`churn_replay`)."""
+
+    changes: tuple[tuple[float, tuple[float, ...], tuple[float, ...]], ...]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +98,8 @@ class MLfabricSimConfig:
     #: the runtime does) or at once, the update travelling on its own ("request").
     pull_after: str = "applied"
     seed: int = 0
+    #: Per mode, the churn an emulated run of it met (replaces ``churn``'s draws for that mode).
+    churn_replay: dict[str, ChurnReplay] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from mlfabric.sim.compute import straggler_preset
@@ -216,7 +230,7 @@ class _Environment:
     """Capacities over time (churn), as the network sees them and as the monitor reports
     them ``t_lag`` later; compute times per (worker, iteration) with stragglers."""
 
-    def __init__(self, config: MLfabricSimConfig) -> None:
+    def __init__(self, config: MLfabricSimConfig, mode: str | None = None) -> None:
         from mlfabric.sim.compute import straggler_preset
 
         self.config = config
@@ -224,7 +238,11 @@ class _Environment:
         base = config.rate_bps / 8
         self.changes: list[tuple[float, np.ndarray, np.ndarray]] = [(0.0, np.full(hosts, base), np.full(hosts, base))]
         self._schedule = None
-        if config.churn is not None:
+        replay = config.churn_replay.get(mode) if mode is not None else None
+        self._replayed = replay is not None
+        if replay is not None:
+            self.changes = [(t, np.array(up), np.array(down)) for t, up, down in replay.changes]
+        elif config.churn is not None:
             self._schedule = churn_schedule(churn_model(config.churn), n_hosts=hosts, nics_per_host=1,
                                             base_rate_bps=config.rate_bps, period_s=config.churn_period_s,
                                             seed=config.seed)
@@ -252,6 +270,8 @@ class _Environment:
 
     def change_times(self) -> Any:
         """Times of the redraws after 0, lazily (endless with churn)."""
+        if self._replayed:
+            return iter([t for t, _, _ in self.changes if t > 0])
         if self._schedule is None:
             return iter(())
         return (self.config.churn_period_s * k for k in itertools.count(1))
@@ -640,7 +660,7 @@ def _mean(values: Sequence[float]) -> float:
 
 def simulate_mode(config: MLfabricSimConfig, mode: str) -> dict[str, Any]:
     """Time for ``mode`` to apply its worker updates (:meth:`MLfabricSimConfig.needed`)."""
-    env = _Environment(config)
+    env = _Environment(config, mode)
     needed = config.needed(mode)
     if mode in ("allreduce", "tree-allreduce"):
         return {"mode": mode, **_sync_collective(config, env, "ring" if mode == "allreduce" else "tree", needed)}
@@ -736,14 +756,75 @@ def updates_to_target(run: dict[str, Any], target: float, workers: int) -> int |
     return None
 
 
-def compare_with_emulation(config: MLfabricSimConfig, train_json: dict[str, Any]) -> list[dict[str, Any]]:
+def churn_replay(rows: Sequence[Any], offset_s: float, *, workers: int, rate_bps: float,
+                 server_launch: bool) -> ChurnReplay:
+    """The part of a launch's capacity trace (``rows``, :class:`~mlfabric.topo.trace.TraceRow`)
+    a run that started ``offset_s`` into it met, on the simulator's hosts: a parameter-server
+    launch's host ``h`` is simulated host ``h`` (its server on host 0); a collective launch's
+    hosts are the workers, simulated hosts ``1..W`` (the simulated server's NIC, which no
+    collective uses, stays at ``rate_bps``). NIC 0 only (the simulator's star)."""
+    hosts = workers + 1
+    shift = 0 if server_launch else 1
+    up, down = np.full(hosts, rate_bps / 8), np.full(hosts, rate_bps / 8)
+    changes: list[tuple[float, tuple[float, ...], tuple[float, ...]]] = []
+    # sorted stably: rows of one time keep their file order (the last one wins)
+    for t, group in itertools.groupby(sorted(rows, key=lambda r: r.time_s), key=lambda r: r.time_s):
+        if t > offset_s and not changes:  # what was in force when the run started
+            changes.append((0.0, tuple(up.tolist()), tuple(down.tolist())))
+        for r in group:
+            h = r.host + shift
+            if r.nic == 0 and 0 <= h < hosts:
+                (up if r.direction == "egress" else down)[h] = r.rate_bps / 8
+        if t > offset_s:
+            changes.append((t - offset_s, tuple(up.tolist()), tuple(down.tolist())))
+    if not changes:  # the run started after the last redraw
+        changes.append((0.0, tuple(up.tolist()), tuple(down.tolist())))
+    return ChurnReplay(changes=tuple(changes))
+
+
+def _replays(train_json: dict[str, Any], base_dir: Path | None, workers: int,
+             rate_bps: float) -> dict[tuple[str, str], ChurnReplay]:
+    """Per (injection, mode) of an emulated run, the churn it met (:func:`churn_replay`), for
+    the runs that recorded where they started in their launch's churn (``churn_offset_s``)
+    and whose launch's trace is readable (at its recorded path, or beside the JSON)."""
+    from mlfabric.topo.trace import read_capacity_trace
+    from mlfabric.train.ps_modes import is_ps_mode
+
+    traces: dict[str, list[Any]] = {}
+    for launch in (train_json["metadata"].get("emulation") or {}).get("launches", []):
+        path = launch.get("churn_trace")
+        if not path:
+            continue
+        for candidate in (Path(path), *((base_dir / Path(path).name,) if base_dir is not None else ())):
+            if candidate.is_file():
+                traces[launch["launch"]] = read_capacity_trace(candidate)
+                break
+    out: dict[tuple[str, str], ChurnReplay] = {}
+    for run in train_json["runs"]:
+        offset = run.get("churn_offset_s")
+        server_launch = is_ps_mode(run["mode"])
+        rows = traces.get("parameter-server" if server_launch else "collective")
+        if offset is not None and rows is not None:
+            out[(run["inject"], run["mode"])] = churn_replay(rows, float(offset), workers=workers, rate_bps=rate_bps,
+                                                            server_launch=server_launch)
+    return out
+
+
+def compare_with_emulation(config: MLfabricSimConfig, train_json: dict[str, Any],
+                           base_dir: Path | None = None) -> list[dict[str, Any]]:
     """Simulate the cells of an emulated ``mlfabric train --emulate --churn N --target T`` run
     (its JSON): per (injection, mode) the updates that run needed to reach its target, on the
     run's churn and worker count; rows with the emulated and simulated speedups over
-    allreduce and their ratio (check 5 of the issue: within 15%)."""
+    allreduce and their ratio (check 5 of the issue: within 15%).
+
+    Where the run recorded where each mode started in its launch's churn and the launch's
+    capacity trace is at hand (its recorded path, or in ``base_dir``: the JSON's directory),
+    each mode replays the part of the trace it met (``replayed`` in its row); otherwise
+    every mode draws the churn from time 0 under the run's seed."""
     emulation = train_json["metadata"].get("emulation") or {}
     churn = emulation.get("churn")
     workers = int(train_json["config"]["workers"])
+    replays = _replays(train_json, base_dir, workers, config.rate_bps) if churn else {}
     speedups = {(c["inject"], c["mode"]): c for c in train_json["comparisons"]}
     rows: list[dict[str, Any]] = []
     for inject in train_json["config"]["injects"]:
@@ -758,10 +839,12 @@ def compare_with_emulation(config: MLfabricSimConfig, train_json: dict[str, Any]
         if "allreduce" not in modes:
             continue
         cell = dataclasses.replace(config, workers=workers, churn=churn, straggler=None if inject == "none" else inject,
-                                   updates_needed={m: int(needed[m]) for m in modes})  # type: ignore[arg-type]
+                                   updates_needed={m: int(needed[m]) for m in modes},  # type: ignore[arg-type]
+                                   churn_replay={m: replays[(inject, m)] for m in modes if (inject, m) in replays})
         for r in simulate_mlfabric(cell, modes):
             emulated = 1.0 if r["mode"] == "allreduce" else speedups.get((inject, r["mode"]), {}).get("time_speedup")
             rows.append({"inject": inject, "churn": churn or "none", "mode": r["mode"], "updates": needed[r["mode"]],
+                         "replayed": (inject, r["mode"]) in replays,
                          "emulated_speedup": emulated, "simulated_speedup": r["speedup"],
                          "sim_over_emu": r["speedup"] / emulated if emulated else None, "simulated": r})
     return rows

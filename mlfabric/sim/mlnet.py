@@ -472,3 +472,202 @@ def run_mlnet(sweep: SweepConfig | None, jobs: JobsConfig | None, *, argv: Seque
     out["jobs"] = run_jobs(jobs, on_run=on_run) if jobs is not None else None
     out["wall_s"] = time.perf_counter() - wall0
     return out
+
+
+# --------------------------------------------------------------------------- the runtime's tree nodes, simulated
+
+
+class _SimTreePort:
+    """The simulator's :class:`~mlfabric.ps.policies.mlnet.TreePort`: a worker of ``layout``
+    (no failover: a simulated server is never lost)."""
+
+    def __init__(self, layout: Any, index: int, staleness: float) -> None:
+        self.layout, self.index, self.pull_staleness = layout, index, float(staleness)
+        self.rank = layout.worker_rank(index)
+        self.who = f"simulated {layout.describe(self.rank)}"
+
+    def server_rank(self, server: int) -> int:
+        return self.layout.server_rank(server)
+
+    def fail_over(self, peer: int) -> bool:
+        return False
+
+
+class SimTreeDriver:
+    """The simulator's driver of one worker's tree node: the runtime's own
+    :class:`~mlfabric.ps.policies.mlnet.TreeCore`, handed typed inputs (no wire format) at
+    simulated times, in the order the runtime's :class:`~mlfabric.ps.policies.mlnet.TreeNode`
+    hands them in one pass (the worker's events, the children's messages, the answers from
+    above, the peers gone, then what is ready goes up). ``record`` keeps every action."""
+
+    def __init__(self, layout: Any, index: int, parents: np.ndarray, staleness: float = 0.0) -> None:
+        from mlfabric.ps.policies.mlnet import TreeCore
+
+        self.core = TreeCore(_SimTreePort(layout, index, staleness), parents)
+        self.lost: dict[int, str] = {}
+        self.departed: set[int] = set()
+        self.core.lost = self.lost
+        self.record: list[Any] = []
+
+    def turn(self, now: float, *, events: Sequence[tuple[Any, ...]] = (),
+             messages: Sequence[tuple[int, dict[str, Any], Any]] = (),
+             replies: Sequence[tuple[int, dict[str, Any], bytes, Any]] = (), wall: float | None = None) -> list[Any]:
+        """One pass at ``now``: ``events`` (the worker's: ``("push", j, model, clock, tensor,
+        header)``, ``("clock", c)``, ``("pull", j, header)``, ``("leave",)``), ``messages`` from
+        children ``(src rank, header, tensor or None)``, ``replies`` from above ``(request id,
+        header, meta, payload)``; returns the actions, in order."""
+        core = self.core
+        gone = {rank: f"lost: {why}" for rank, why in self.lost.items()}
+        for rank in self.departed:
+            gone.setdefault(rank, "it closed its transport without leaving the tree")
+        for event in events:
+            core.event(*event)
+        for src, header, part in messages:
+            core.from_child(src, header, part)
+        for request_id, header, meta, payload in replies:
+            if header["op"] == "attached":
+                core.attached(request_id, int(header["through"]), now if wall is None else wall)
+            else:
+                core.copy_arrived(request_id, header, meta, payload)
+        core.watch(gone, now)
+        core.forward()
+        actions = core.take_actions()
+        self.record += actions
+        return actions
+
+
+def simulate_tree_ps(tree: str, *, workers: int, update_bytes: float, rate_bps: float, compute_s: float,
+                     iterations: int) -> dict[str, Any]:
+    """BSP training with one server under MLNET's trees, the tree nodes being the runtime's own
+    :class:`~mlfabric.ps.policies.mlnet.TreeCore` (one :class:`SimTreeDriver` per worker): each
+    iteration a worker computes ``compute_s``, pushes its update and its clock to its node,
+    and pulls the model of the round; every message crosses the sender's and the receiver's
+    NICs one after another at ``rate_bps`` (store and forward, FIFO per NIC direction; headers
+    free). The server closes a round once every worker's clock is in and answers the pulls
+    waiting for it. Returns the time of the last iteration, the iterations' mean and the
+    server NIC's bytes in and out. ``tree``: ``binary``, ``rack`` or ``tree:D``; ``direct``: every
+    worker pushes and pulls to the server (MLNET's BASELINE), for comparison."""
+    import heapq
+    import itertools
+
+    import torch
+
+    from mlfabric.ps import protocol
+    from mlfabric.ps.layout import PSLayout
+    from mlfabric.ps.policies.mlnet import Deliver, MLNetSettings
+
+    if workers < 1 or iterations < 1 or not (update_bytes > 0 and rate_bps > 0) or compute_s < 0:
+        raise ValueError("simulate_tree_ps needs workers >= 1, iterations >= 1, positive sizes and rates, compute >= 0")
+    layout = PSLayout(servers=1, workers=workers)
+    rate = rate_bps / 8
+    direct = tree == "direct"
+    parents = None if direct else MLNetSettings(tree=tree).parents(workers, 1, list(layout.worker_ranks))
+    nodes = [] if direct else [SimTreeDriver(layout, w, parents) for w in range(workers)]
+    server = layout.server_rank(0)
+    events: list[tuple[float, int, Callable[[float], None]]] = []
+    seq = itertools.count()
+    up_free: dict[int, float] = {}
+    down_free: dict[int, float] = {}
+    nic = {"in": 0.0, "out": 0.0}
+
+    def at(t: float, fn: Callable[[float], None]) -> None:
+        heapq.heappush(events, (t, next(seq), fn))
+
+    def transfer(src: int, dst: int, size: float, now: float, deliver: Callable[[float], None]) -> None:
+        sent = max(now, up_free.get(src, 0.0)) + size / rate
+        up_free[src] = sent
+        arrive = max(sent, down_free.get(dst, 0.0) + size / rate)
+        down_free[dst] = arrive
+        if dst == server:
+            nic["in"] += size
+        if src == server:
+            nic["out"] += size
+        at(arrive, deliver)
+
+    rounds_closed = 0
+    clocked: dict[int, set[int]] = {}
+    waiting_pulls: list[tuple[int, int, int, Callable[[float], None]]] = []  # (need, rank, id, answer)
+    done_at: list[float] = [0.0] * workers
+    iteration = [0] * workers
+    ids = itertools.count(1)
+    pull_of: dict[int, int] = {}  # a worker's pull sent to the server itself (direct) -> worker
+
+    def server_request(src: int, header: dict[str, Any], now: float) -> None:
+        nonlocal rounds_closed
+        op = header["op"]
+        if op == "clock":
+            clocked.setdefault(int(header["clock"]), set()).update(int(w) for w in header["workers"])
+            while len(clocked.get(rounds_closed, ())) == workers:
+                rounds_closed += 1
+            for item in [p for p in waiting_pulls if p[0] <= rounds_closed]:
+                waiting_pulls.remove(item)
+                item[3](now)
+        elif op == "pull":
+            need = int(header["clock"]) - int(header.get("staleness") or 0)
+
+            def answer(t: float, src: int = src, request_id: int = int(header["id"])) -> None:
+                meta = protocol.encode(op="model", version=rounds_closed, model_clock=rounds_closed)
+                transfer(server, src, update_bytes, t, lambda t2: reply_arrived(src, request_id, meta, t2))
+
+            if need <= rounds_closed:
+                answer(now)
+            else:
+                waiting_pulls.append((need, src, int(header["id"]), answer))
+
+    def reply_arrived(rank: int, request_id: int, meta: bytes, now: float) -> None:
+        if request_id in pull_of:  # a worker's own pull, answered by the server (direct)
+            pulled(pull_of.pop(request_id), now)
+        else:  # a node's request upstream
+            run(layout.worker_index(rank), now, replies=[(request_id, protocol.decode(meta), meta, None)])
+
+    def run(w: int, now: float, **inputs: Any) -> None:
+        src = layout.worker_rank(w)
+        for action in nodes[w].turn(now, **inputs):
+            if isinstance(action, Deliver):  # the worker's own pull, answered by its node
+                pull_of.pop(action.request_id, None)
+                pulled(w, now)
+            elif action.on == "request":  # to the server
+                size = update_bytes if action.payload is not None else 0.0
+                transfer(src, action.peer, size, now, lambda t, h=action.fields: server_request(src, h, t))
+            elif action.on == "tree":  # to the parent's node
+                size = update_bytes if action.payload is not None else 0.0
+                transfer(src, action.peer, size, now,
+                         lambda t, dst=action.peer, h=action.fields, part=action.payload:
+                         run(layout.worker_index(dst), t, messages=[(src, h, part)]))
+            else:  # an answer to a child's node: the copy passed on as it came (or an error)
+                meta = action.meta if action.meta is not None else protocol.encode(**action.fields)
+                transfer(src, action.peer, update_bytes if action.meta is not None else 0.0, now,
+                         lambda t, dst=action.peer, rid=action.request_id, m=meta: reply_arrived(dst, rid, m, t))
+
+    def computed(w: int, now: float) -> None:
+        k = iteration[w]
+        rank = layout.worker_rank(w)
+        request_id = next(ids)
+        if direct:  # MLNET's BASELINE: the update, the clock and the pull straight to the server
+            pull_of[request_id] = w
+            transfer(rank, server, update_bytes, now, lambda t: None)
+            transfer(rank, server, 0.0, now,
+                     lambda t: server_request(rank, {"op": "clock", "clock": k, "workers": [w]}, t))
+            transfer(rank, server, 0.0, now,
+                     lambda t: server_request(rank, {"op": "pull", "id": request_id, "clock": k + 1}, t))
+            return
+        run(w, now, events=[("push", 0, "m", k, torch.zeros(1), {"version": k}), ("clock", k),
+                            ("pull", 0, {"model": "m", "id": request_id, "clock": k + 1, "staleness": 0})])
+
+    def pulled(w: int, now: float) -> None:
+        iteration[w] += 1
+        if iteration[w] >= iterations:
+            done_at[w] = now
+            return
+        at(now + compute_s, lambda t: computed(w, t))
+
+    for w in range(workers):
+        at(compute_s, lambda t, w=w: computed(w, t))
+    while events:
+        t, _, fn = heapq.heappop(events)
+        fn(t)
+    if any(i < iterations for i in iteration):
+        raise RuntimeError("simulate_tree_ps stalled: a worker never got its model (a tree node's decision is missing)")
+    end = max(done_at)
+    return {"tree": tree, "workers": workers, "iterations": iterations, "time_s": end,
+            "iteration_s": end / iterations, "server_bytes_in": nic["in"], "server_bytes_out": nic["out"]}

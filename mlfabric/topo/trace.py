@@ -16,7 +16,10 @@ Exercise it with::
 from __future__ import annotations
 
 import csv
-from collections.abc import Iterable, Iterator
+import json
+import os
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,9 +28,36 @@ import numpy as np
 from mlfabric.topo.topology import DIRECTIONS, Topology
 from mlfabric.units import parse_duration, parse_rate
 
-__all__ = ["TRACE_HEADER", "TraceRow", "CapacityTrace", "load_capacity_trace", "write_capacity_trace"]
+__all__ = ["CAPACITY_TRACE_ENV", "TRACE_HEADER", "TraceRow", "CapacityTrace", "capacity_trace_env", "load_capacity_trace",
+           "parse_trace_row", "read_capacity_trace", "trace_offset_s", "write_capacity_trace"]
 
 TRACE_HEADER = ("time_s", "host", "nic", "direction", "rate_bps")
+
+#: Set by the emulator for its ranks under churn (:func:`mlfabric.emu.launcher.emulated_launch`):
+#: JSON ``{"path": trace CSV, "start": time.monotonic() of the trace's time 0, "hosts": the
+#: host of each rank}``. Network namespaces share the monotonic clock, so a rank turns a row's
+#: time into its own clock by adding ``start``.
+CAPACITY_TRACE_ENV = "MLFABRIC_CAPACITY_TRACE"
+
+
+def capacity_trace_env(path: str, start: float, rank_hosts: Sequence[int]) -> dict[str, str]:
+    """The ranks' environment entry that lets their network monitor (:class:`mlfabric.ps.monitor.TraceFeed`)
+    follow the trace at ``path`` as the emulator appends to it."""
+    return {CAPACITY_TRACE_ENV: json.dumps({"path": str(path), "start": float(start),
+                                            "hosts": [int(h) for h in rank_hosts]})}
+
+
+def trace_offset_s(environ: Mapping[str, str] | None = None) -> float | None:
+    """Seconds since the capacity trace's time 0 that this rank follows (``MLFABRIC_CAPACITY_TRACE``),
+    on the shared monotonic clock; None without one (no churn, or not on the emulator)."""
+    text = (os.environ if environ is None else environ).get(CAPACITY_TRACE_ENV)
+    if not text:
+        return None
+    try:
+        return time.monotonic() - float(json.loads(text)["start"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{CAPACITY_TRACE_ENV}={text!r}: expected JSON with path, start and hosts "
+                         f"(the emulator sets it): {exc}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,20 +116,29 @@ def _rows_from_csv(path: Path) -> list[TraceRow]:
         for number, cells in enumerate(reader, start=2):
             if not cells or all(not cell.strip() for cell in cells):
                 continue
-            where = f"trace {str(path)!r} line {number}"
-            if len(cells) != len(TRACE_HEADER):
-                raise ValueError(f"{where}: expected {len(TRACE_HEADER)} columns, got {len(cells)}")
-            time_text, host_text, nic_text, direction, rate_text = (cell.strip() for cell in cells)
-            try:
-                time_s = parse_duration(time_text)
-                host, nic = int(host_text), int(nic_text)
-                rate = parse_rate(rate_text)
-            except ValueError as error:
-                raise ValueError(f"{where}: {error}") from None
-            if direction not in DIRECTIONS:
-                raise ValueError(f"{where}: direction {direction!r} must be one of {', '.join(DIRECTIONS)}")
-            rows.append(TraceRow(time_s=time_s, host=host, nic=nic, direction=direction, rate_bps=rate))
+            rows.append(parse_trace_row(cells, f"trace {str(path)!r} line {number}"))
     return rows
+
+
+def parse_trace_row(cells: list[str], where: str) -> TraceRow:
+    """One CSV row of a capacity trace (``where`` names it in the error)."""
+    if len(cells) != len(TRACE_HEADER):
+        raise ValueError(f"{where}: expected {len(TRACE_HEADER)} columns, got {len(cells)}")
+    time_text, host_text, nic_text, direction, rate_text = (cell.strip() for cell in cells)
+    try:
+        time_s = parse_duration(time_text)
+        host, nic = int(host_text), int(nic_text)
+        rate = parse_rate(rate_text)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+    if direction not in DIRECTIONS:
+        raise ValueError(f"{where}: direction {direction!r} must be one of {', '.join(DIRECTIONS)}")
+    return TraceRow(time_s=time_s, host=host, nic=nic, direction=direction, rate_bps=rate)
+
+
+def read_capacity_trace(path: str | Path) -> list[TraceRow]:
+    """The rows of a trace CSV, in file order."""
+    return _rows_from_csv(Path(path))
 
 
 def load_capacity_trace(path: str | Path | Iterable[TraceRow], topology: Topology) -> CapacityTrace:

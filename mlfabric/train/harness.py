@@ -62,6 +62,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from mlfabric.bench.procs import LaunchConfig, check_distinct, rank_env, report, run_ranks
+from mlfabric.topo.trace import trace_offset_s
 
 from .ps_modes import PS_MODE_FORMS, is_ps_mode, ps_consistency, session_options
 from .lda import LdaSpec, LdaTask
@@ -476,6 +477,10 @@ class RunResult:
     #: Parameter-server modes only (ps_modes.summarize): max_delay, mean_delay, dropped,
     #: updates_applied, delay_histogram, pull latency, bytes per server NIC, ...
     ps: dict[str, Any] | None = None
+    #: Emulated under churn: seconds from the launch's churn start to the run's loop start.
+    #: The runs of one launch follow each other under one churn, so each meets its own part of
+    #: the launch's capacity trace (``simulate mlfabric --emulated`` replays that part).
+    churn_offset_s: float | None = None
 
     @property
     def label(self) -> str:
@@ -634,6 +639,9 @@ class _RankRun:
     ps_server: dict[str, Any] | None = None  # a PS server's statistics
     ps_worker: dict[str, Any] | None = None  # a PS worker's statistics
     is_worker: bool = True
+    #: Seconds from its launch's churn start (the capacity trace's time 0) to this worker's
+    #: loop start; None without churn.
+    churn_offset_s: float | None = None
     #: A run whose server is killed (``--fail``): no collective over every rank at its end;
     #: each rank hands its part to the parent, which evaluates (:func:`_evaluate_in_parent`).
     parts: "_RunParts | None" = None
@@ -769,6 +777,7 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
     kill_at = _aggregator_kill_at(config, trainer, worker) if fault_dir is not None else None
     comm.barrier()
     start = time.perf_counter()
+    churn_offset = trace_offset_s()  # where this run starts in its launch's churn (emulated, churned)
     for epoch in range(config.epochs_):
         losses = []
         i = 0
@@ -811,7 +820,8 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
     stats = trainer.stats.as_dict() if isinstance(trainer, EagerSGD) else None
     return _finish_run(config, comm, task, model, val, rank, numel, snapshots=torch.stack(snapshots), walls=walls,
                        train_losses=train_losses, loop_s=loop_s, injected=injected, stats=stats,
-                       ps_worker=ps_worker, final_flat=final_flat, apart=fault_dir is not None)
+                       ps_worker=ps_worker, final_flat=final_flat, apart=fault_dir is not None,
+                       churn_offset_s=churn_offset)
 
 
 def _aggregator_kill_at(config: EagerTrainConfig, trainer: Any, worker: int) -> float | None:
@@ -833,7 +843,8 @@ def _aggregator_kill_at(config: EagerTrainConfig, trainer: Any, worker: int) -> 
 def _finish_run(config: EagerTrainConfig, comm: Any, task: Any, model: Any, val: Any, rank: int, numel: int, *,
                 snapshots: Any, walls: list[float] | None, train_losses: list[float] | None, loop_s: float,
                 injected: float, stats: dict[str, Any] | None, ps_server: dict[str, Any] | None = None,
-                ps_worker: dict[str, Any] | None = None, final_flat: Any = None, apart: bool = False) -> _RankRun:
+                ps_worker: dict[str, Any] | None = None, final_flat: Any = None, apart: bool = False,
+                churn_offset_s: float | None = None) -> _RankRun:
     """The curve: at every epoch boundary, the average of the workers' models (what a model
     synchronization there would give; the same as each rank's for allreduce) and rank 0's own.
     Every rank of the launch takes part; servers contribute zeros (and their shard of the
@@ -848,7 +859,7 @@ def _finish_run(config: EagerTrainConfig, comm: Any, task: Any, model: Any, val:
     losses_t = torch.tensor(train_losses if train_losses is not None else [0.0] * epochs, dtype=torch.float64)
     if apart:
         return _RankRun(loop_s=loop_s, injected_s=injected, curve=(), final=(math.nan, math.nan), stats=stats,
-                        ps_server=ps_server, ps_worker=ps_worker, is_worker=is_worker,
+                        ps_server=ps_server, ps_worker=ps_worker, is_worker=is_worker, churn_offset_s=churn_offset_s,
                         parts=_RunParts(snapshots=snapshots, walls=walls_t, train_losses=losses_t,
                                         final_flat=final_flat))
     averaged = comm.allreduce(local.clone(), algorithm=config.algorithm, op="sum") / config.workers
@@ -863,7 +874,7 @@ def _finish_run(config: EagerTrainConfig, comm: Any, task: Any, model: Any, val:
                                  mean_loss, final_flat)
     comm.barrier()
     return _RankRun(loop_s=loop_s, injected_s=injected, curve=curve, final=final, stats=stats,
-                    ps_server=ps_server, ps_worker=ps_worker, is_worker=is_worker)
+                    ps_server=ps_server, ps_worker=ps_worker, is_worker=is_worker, churn_offset_s=churn_offset_s)
 
 
 def _evaluate(config: EagerTrainConfig, task: Any, model: Any, val: Any, averaged: Any, own: Any, at: Any,
@@ -989,7 +1000,8 @@ def run_eager_training(config: EagerTrainConfig, *, argv: Sequence[str] | None =
             contributed_fraction=statistics.fmean(s["contributed_fraction"] for s in stats) if stats else None,
             rounds_skipped=statistics.fmean(s["rounds_skipped"] for s in stats) if stats else None,
             injected_s=statistics.fmean(r.injected_s for r in workers),
-            samples_per_step=config.batch_size_ * config.workers, ps=ps_figures))
+            samples_per_step=config.batch_size_ * config.workers, ps=ps_figures,
+            churn_offset_s=min((r.churn_offset_s for r in workers if r.churn_offset_s is not None), default=None)))
     metadata = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "hostname": socket.gethostname(),
         "platform": platform.platform(), "cpu_count": __import__("os").cpu_count(),

@@ -106,6 +106,23 @@ def session_options(mode: str, delay_bound: int | None = None, nic_rate_bps: flo
     return {"consistency": ps_consistency(mode, delay_bound)}
 
 
+def _scheduled_figures(server_stats: list[dict[str, Any]], daemons: list[dict[str, Any]]) -> dict[str, Any]:
+    if not daemons:
+        return {}
+    requested = sum(d["requested"] for d in daemons)
+    decided = requested - sum(d["fallbacks"] for d in daemons)
+    sent = decided - sum(d["dropped_by_scheduler"] for d in daemons)
+
+    def mean_ms(key: str, n: int) -> float | None:
+        return 1e3 * sum(d.get(key, 0.0) for d in daemons) / n if n else None
+
+    return {"skipped": sum(s.get("skipped", 0) for s in server_stats),
+            "dropped_by_scheduler": sum(d["dropped_by_scheduler"] for d in daemons),
+            "fallbacks": sum(d["fallbacks"] for d in daemons),
+            "decision_wait_ms": mean_ms("decision_wait_s", requested),
+            "start_wait_ms": mean_ms("start_wait_s", sent), "send_ms": mean_ms("send_s", sent)}
+
+
 def ps_consistency(mode: str, delay_bound: int | None = None) -> Consistency:
     """``ps-bsp`` -> bsp, ``ps-ssp:2`` -> ssp:2, ``ps-async`` -> async (with ``delay_bound``),
     ``mlfabric-a:8`` -> async:8."""
@@ -223,6 +240,12 @@ def summarize(server_stats: list[dict[str, Any]], worker_stats: list[dict[str, A
         "pull_batches": sum(s.get("pull_batches", 0) for s in server_stats),
         "aggregated": sum(s.get("scheduler", {}).get("aggregated", 0) for s in server_stats),
         "scheduler_batches": sum(s.get("scheduler", {}).get("batches", 0) for s in server_stats),
+        # ... and where their updates went and a push's time went (what the simulator's
+        # batch_wait_s / commit_wait_s / model_wait_s are compared with): planned entries not in
+        # at the server in time (skipped), updates the scheduler dropped, pushes without a
+        # decision in time (fallbacks), and per scheduled push the mean wait for the decision,
+        # for the planned start, and to hand the update over (ms)
+        **_scheduled_figures(server_stats, [w["scheduled"] for w in worker_stats if w.get("scheduled")]),
         "lost_workers": sorted({w for s in server_stats for w in s["lost_workers"]}),
         # per worker: the times it redirected to a replica that took over a lost server
         "worker_failovers": [w.get("failovers", 0) for w in worker_stats],

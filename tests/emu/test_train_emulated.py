@@ -33,6 +33,8 @@ def test_emulated_allreduce_and_ps_bsp_under_churn(no_leaks, tmp_path):
         assert run.steps == steps == 16 and len(run.per_rank_loop_s) == 2
         assert [p.epoch for p in run.curve] == [1, 2] and run.metric == "mse"
         assert run.final_metric < run.curve[0].val_metric * 1.5  # trained, not diverged
+    # each run says where it started in its launch's churn (simulate mlfabric --emulated replays it)
+    assert all(run.churn_offset_s is not None and 0 <= run.churn_offset_s < 45 for run in result.runs)
     ps = result.get("ps-bsp").ps
     assert result.get("allreduce").ps is None and ps is not None
     assert ps["worker_updates_applied"] == 2 * steps and ps["dropped"] == 0 and ps["max_delay"] == 0

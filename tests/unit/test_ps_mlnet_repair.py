@@ -127,7 +127,7 @@ def _hand_driven_node(worker: int = 1) -> Iterator[tuple[Any, Any, list[tuple[st
         node.transport.mailbox.notify()
         node._thread.join(2)
         sent: list[tuple[str, dict]] = []
-        node._up = lambda tree, op, fields, payload=None: sent.append((op, {**fields, "payload": payload}))
+        node.core._up = lambda tree, op, fields, payload=None: sent.append((op, {**fields, "payload": payload}))
         yield node, node.trees[0], sent
     finally:
         for job in jobs:
@@ -147,16 +147,16 @@ def test_a_lost_childs_committed_clock_still_counts_after_its_children_are_adopt
     workers it covered): the server waited for their clocks until the timeout."""
     with _hand_driven_node() as (node, tree, sent):
         # child 2's sum of clock 0 (covering workers 2 and 3) and its clock arrive ...
-        node._add(tree, 0, 2, "m", torch.full((2,), 5.0), [2, 3], [0, 0])
+        node.core._add(tree, 0, 2, "m", torch.full((2,), 5.0), [2, 3], [0, 0])
         tree.pending[0].clocked[2] = [2, 3]
         tree.through[2] = 0
         # ... then it is lost: worker 3 is adopted as through clock 0
-        node._adopt(tree, 2, "test")
+        node.core._adopt(tree, 2, "test")
         assert tree.members == [1, 3] and tree.through[3] == 0
         # worker 1's own update and clock 0 complete the clock
-        node._event("push", 0, "m", 0, torch.ones(2), {"version": 0})
-        node._event("clock", 0)
-        node._forward(tree)
+        node.core._event("push", 0, "m", 0, torch.ones(2), {"version": 0})
+        node.core._event("clock", 0)
+        node.core._forward(tree)
         (push, push_fields), (clock, clock_fields) = sent
         assert push == "push" and push_fields["payload"].tolist() == [6.0, 6.0] and push_fields["workers"] == [1, 2, 3]
         assert clock == "clock" and clock_fields["workers"] == [1, 2, 3]
@@ -194,8 +194,8 @@ def test_a_send_to_a_lost_peer_does_not_hold_the_node_forever() -> None:
     """Regression (a CI hang): a send to a peer that died never completes (the transports'
     contract); the node waited for it and its worker's leave hung until the job's timeout."""
     with _hand_driven_node(worker=3) as (node, tree, sent):  # a leaf: server <- ... <- w2 <- w3
-        node._event("leave")
-        node._forward(tree)
+        node.core._event("leave")
+        node.core._forward(tree)
         assert tree.done and [op for op, _ in sent] == ["leave", "leave"]  # its worker, then final
         parent = node.layout.worker_rank(2)
         node._sending.append((parent, SendHandle(done=False), None))  # queued when the parent died
@@ -208,17 +208,17 @@ def test_a_clock_already_sent_up_is_dropped_not_kept_pending(caplog: pytest.LogC
     """A member's part for a clock the node already passed on (never in the protocol) is
     dropped with an error naming it; kept in ``pending`` it held the node's leave to the timeout."""
     with _hand_driven_node() as (node, tree, sent):
-        node._event("push", 0, "m", 0, torch.ones(2), {"version": 0})
-        node._event("clock", 0)
+        node.core._event("push", 0, "m", 0, torch.ones(2), {"version": 0})
+        node.core._event("clock", 0)
         node._from_child(_from(node, 2, protocol.CLOCK, clock=0, workers=[2, 3]))
-        node._forward(tree)
+        node.core._forward(tree)
         assert tree.next_clock == 1 and [op for op, _ in sent] == ["push", "clock"]
         with caplog.at_level(logging.ERROR, logger="mlfabric.ps"):
             node._from_child(_from(node, 2, protocol.CLOCK, clock=0, workers=[2, 3]))
         assert tree.pending == {} and "dropped mlnet clock of clock 0 from rank 3 (worker 2)" in caplog.text
-        node._event("leave")
+        node.core._event("leave")
         node._from_child(_from(node, 2, protocol.LEAVE, workers=[2, 3], final=True))
-        node._forward(tree)
+        node.core._forward(tree)
         assert tree.done
 
 

@@ -32,6 +32,67 @@ def test_monitor_reports_are_seen_after_the_lag() -> None:
         monitor.report(2, 1.0, 1.0, at=3.0)
 
 
+def test_the_trace_feed_reports_each_row_as_written_for_every_rank_on_its_host(tmp_path: Any) -> None:
+    from mlfabric.emu.churn import TraceWriter
+    from mlfabric.ps.monitor import TraceFeed
+    from mlfabric.topo.trace import TraceRow, capacity_trace_env
+
+    path = tmp_path / "trace.csv"
+    env = capacity_trace_env(str(path), 100.0, [0, 1, 1])  # ranks 1 and 2 share host 1
+    feed = TraceFeed.from_env(env)
+    assert feed is not None and TraceFeed.from_env({}) is None
+    assert feed.poll() == []  # not written yet
+    writer = TraceWriter(path)
+    writer.write([TraceRow(time_s=0.0, host=0, nic=0, direction="egress", rate_bps=8e9),
+                  TraceRow(time_s=0.0, host=1, nic=0, direction="ingress", rate_bps=4e9),
+                  TraceRow(time_s=0.0, host=1, nic=1, direction="ingress", rate_bps=1e9)])  # another NIC: not ours
+    assert feed.poll() == [(0, 1e9, None, 100.0), (1, None, 5e8, 100.0), (2, None, 5e8, 100.0)]
+    assert feed.poll() == []  # each row once
+    with path.open("a") as handle:  # half a line: held back until its end is written
+        handle.write("5.0,0,0,ingress,2e9")
+        handle.flush()
+        assert feed.poll() == []
+        handle.write("\n")
+    assert feed.poll() == [(0, None, 2.5e8, 105.0)]
+    writer.close()
+    with pytest.raises(ValueError, match="MLFABRIC_CAPACITY_TRACE"):
+        TraceFeed.from_env({"MLFABRIC_CAPACITY_TRACE": "{}"})
+
+
+def test_the_scheduler_plans_on_the_churned_rates_of_the_emulators_trace(tmp_path: Any,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (issue #35, check 4): under the emulator's churn the scheduler's monitor got no
+    report at all and planned every NIC at its default rate. It follows the churn's trace now."""
+    from mlfabric.emu.churn import TraceWriter
+    from mlfabric.ps.policies.scheduled import SchedulerService
+    from mlfabric.topo.trace import TraceRow, capacity_trace_env
+
+    layout = PSLayout(servers=1, workers=2)
+    path = tmp_path / "trace.csv"
+    writer = TraceWriter(path)
+    # the server's ingress at a quarter of the line rate from the start
+    writer.write([TraceRow(time_s=0.0, host=0, nic=0, direction="ingress", rate_bps=2.5e8),
+                  TraceRow(time_s=0.0, host=1, nic=0, direction="egress", rate_bps=5e8)])
+    writer.close()
+    monkeypatch.setenv("MLFABRIC_CAPACITY_TRACE",
+                       capacity_trace_env(str(path), time.monotonic() - 1.0, range(3))["MLFABRIC_CAPACITY_TRACE"])
+    seen: list[tuple[list[float], list[float]]] = []
+    network = SchedulerService.network
+
+    def recording(self: Any, now: float) -> Any:
+        seen.append(self.core.monitor.capacities(now))
+        return network(self, now)
+
+    monkeypatch.setattr(SchedulerService, "network", recording)
+    config = PSConfig(consistency="async:2", timeout_s=20, routing="scheduled",
+                      scheduled=ScheduledSettings(interval_s=0.02, aggregators=0, rate_bps=1e9))
+    _run(layout, config, steps=3, pause=0.0)
+    assert seen, "the server never asked the scheduler for the network"
+    up, down = seen[-1]
+    assert down[0] == pytest.approx(2.5e8 / 8) and up[1] == pytest.approx(5e8 / 8)
+    assert up[0] == down[1] == up[2] == down[2] == pytest.approx(1e9 / 8)  # not in the trace: the settings' rate
+
+
 def test_ledger_keeps_running_reservations_out_of_the_next_batch() -> None:
     net = NetState.star(3, 100.0, origin=0.0)
     transfer = net.reserve(0, 2, 300.0, 0.0)  # host 0 -> 2 at 100 B/s: busy until t = 3
@@ -379,3 +440,23 @@ def test_a_distributor_lost_before_relaying_makes_its_workers_ask_the_server_aga
     alive = [finals[w] for w in range(4) if w not in gone]
     for params in alive:  # all answered, with the same model of round 1
         torch.testing.assert_close(params, alive[0])
+
+
+def test_a_workers_scheduled_pushes_say_where_their_time_went() -> None:
+    from mlfabric.train.ps_modes import _scheduled_figures
+
+    layout = PSLayout(servers=1, workers=3)
+    config = PSConfig(consistency="async:4", timeout_s=20, routing="scheduled",
+                      scheduled=ScheduledSettings(interval_s=0.05, aggregators=0, rate_bps=1e9))
+    out, _ = _run(layout, config, steps=4, pause=0.0)
+    daemons = [out[r] for r in layout.worker_ranks]
+    for d in daemons:
+        assert d["requested"] == 4 and d["fallbacks"] == 0
+        # every push waited for its batch's plan (the batching interval, at most, plus the round trip)
+        assert 0 < d["decision_wait_s"] < 4 * 2.0 and d["start_wait_s"] >= 0 and d["send_s"] > 0
+    figures = _scheduled_figures([{"skipped": 2}], daemons)
+    sent = 12 - figures["dropped_by_scheduler"]
+    assert figures["skipped"] == 2 and figures["fallbacks"] == 0
+    assert figures["decision_wait_ms"] == pytest.approx(1e3 * sum(d["decision_wait_s"] for d in daemons) / 12)
+    assert figures["send_ms"] == pytest.approx(1e3 * sum(d["send_s"] for d in daemons) / sent)
+    assert _scheduled_figures([{"skipped": 0}], []) == {}  # not a scheduled run: nothing added

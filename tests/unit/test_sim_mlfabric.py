@@ -240,3 +240,51 @@ def test_no_simulated_run_beats_its_ceiling() -> None:
     assert 0 < r["speedup"] <= r["ceiling_one_level"] <= r["ceiling_any"]
     assert r["ceiling_any"] > a["ceiling_any"] and r["ceiling_one_level"] > a["ceiling_one_level"]
     assert (r["applied"] + r["dropped"]) * cycle_floor_s(request)["one_level"] <= r["time_s"] * config.workers * 1.05
+
+
+def test_an_emulated_run_is_simulated_on_the_part_of_its_launchs_churn_it_met(tmp_path: Any) -> None:
+    """Regression (issue #35, check 4): the modes of one emulated launch run one after another
+    under one churn, so each meets another part of it; the simulator drew every mode's churn
+    from time 0. A run that recorded where it started (``churn_offset_s``) replays its part."""
+    from mlfabric.emu.churn import TraceWriter
+    from mlfabric.sim.mlfabric import churn_replay, compare_with_emulation
+    from mlfabric.topo.trace import TraceRow
+
+    def rows(t: float, hosts: int, server_rate: float) -> list[TraceRow]:
+        return [TraceRow(time_s=t, host=h, nic=0, direction=d, rate_bps=server_rate if h == 0 else 8e7)
+                for h in range(hosts) for d in ("egress", "ingress")]
+
+    # the PS launch: the server's NIC at full rate for 100 s, then at a quarter of it
+    ps_rows = rows(0.0, 5, 8e7) + rows(100.0, 5, 2e7)
+    replay = churn_replay(ps_rows, 60.0, workers=4, rate_bps=8e7, server_launch=True)
+    assert [t for t, _, _ in replay.changes] == [0.0, 40.0]
+    assert replay.changes[0][1][0] == 1e7 and replay.changes[1][1][0] == 2.5e6 and replay.changes[1][2][1] == 1e7
+    # a collective launch's hosts are the workers: simulated hosts 1..W (the server at the base rate)
+    collective = churn_replay(rows(0.0, 4, 4e7), 3.0, workers=4, rate_bps=8e7, server_launch=False)
+    assert collective.changes == ((0.0, (1e7, 5e6, 1e7, 1e7, 1e7), (1e7, 5e6, 1e7, 1e7, 1e7)),)
+
+    for name, launch_rows in (("churn-parameter-server.csv", ps_rows), ("churn-collective.csv", rows(0.0, 4, 8e7))):
+        writer = TraceWriter(tmp_path / name)
+        writer.write(launch_rows)
+        writer.close()
+    train = {
+        "metadata": {"emulation": {"churn": "N1", "launches": [
+            {"launch": "collective", "churn_trace": "/gone/churn-collective.csv"},  # found beside the JSON
+            {"launch": "parameter-server", "churn_trace": "/gone/churn-parameter-server.csv"}]}},
+        "config": {"workers": 4, "injects": ["C2"]},
+        "runs": [{"inject": "C2", "mode": "allreduce", "metric": "accuracy", "curve": _curve([0.5, 0.8]),
+                  "churn_offset_s": 1.0},
+                 {"inject": "C2", "mode": "ps-async", "metric": "accuracy", "curve": _curve([0.7, 0.9]),
+                  "churn_offset_s": 2.0},
+                 {"inject": "C2", "mode": "mlfabric-a:4", "metric": "accuracy", "curve": _curve([0.7, 0.9]),
+                  "churn_offset_s": 99.0}],
+        "comparisons": [{"inject": "C2", "mode": "ps-async", "target": 0.8, "time_speedup": 1.0},
+                        {"inject": "C2", "mode": "mlfabric-a:4", "target": 0.8, "time_speedup": 1.0}],
+    }
+    config = MLfabricSimConfig(**{**SMALL, "rate_bps": 8e7, "update_bytes": 1e6})
+    replayed = {r["mode"]: r for r in compare_with_emulation(config, train, base_dir=tmp_path)}
+    assert all(r["replayed"] for r in replayed.values())
+    # the same work: the scheduled mode met the server's slow NIC, the asynchronous one did not
+    assert replayed["mlfabric-a:4"]["simulated"]["time_s"] > 1.5 * replayed["ps-async"]["simulated"]["time_s"]
+    drawn = {r["mode"]: r for r in compare_with_emulation(config, train)}  # no traces at hand: drawn from 0
+    assert not any(r["replayed"] for r in drawn.values())

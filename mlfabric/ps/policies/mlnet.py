@@ -54,7 +54,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, Union
 
 import numpy as np
 import torch
@@ -70,6 +70,7 @@ from ..protocol import payload_tensor
 
 if TYPE_CHECKING:
     from ..config import PSConfig
+    from ..layout import PSLayout
     from ..policy import ServerPort, WorkerPort
 
 log = logging.getLogger("mlfabric.ps")
@@ -182,10 +183,12 @@ class _Clock:
 
 @dataclass
 class _Copy:
-    """The last model copy a node received for one model of one tree."""
+    """The last model copy a node received for one model of one tree: its header as it came
+    (passed on as it is) and its payload (the received buffer)."""
 
     model_clock: float
-    message: Message
+    meta: bytes
+    payload: Any
 
 
 @dataclass
@@ -216,8 +219,567 @@ class _Tree:
     server_rank: int = -1
 
 
+class TreePort(Protocol):
+    """What a tree node's core knows of the worker it runs for: its place in the job, the rank
+    serving each server's shard now, and the failover it may ask for (a lost server whose
+    replica takes over). The runtime hands it the worker (:class:`_WorkerTreePort`); the
+    simulator its own (``sim/mlnet.py``)."""
+
+    layout: "PSLayout"
+    index: int
+    rank: int
+    who: str
+    pull_staleness: float
+
+    def server_rank(self, server: int) -> int: ...
+
+    def fail_over(self, peer: int) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Send:
+    """An action of a tree node's core: send to rank ``peer`` ``on`` its ``"tree"`` tag (a node),
+    its ``"request"`` tag (a server) or the ``"reply"`` tag of ``request_id``; the header is
+    ``fields`` (encoded once, by the driver) or the ``meta`` a model copy arrived with (passed
+    on as it is); ``payload`` a tensor, a received buffer or None. ``track``: the node's leave
+    waits until the send is complete (``keep`` stays alive until then)."""
+
+    peer: int
+    on: str
+    fields: dict[str, Any] | None = None
+    meta: bytes | None = None
+    payload: Any = None
+    request_id: int | None = None
+    track: bool = True
+    keep: Any = None
+
+
+@dataclass(frozen=True)
+class Deliver:
+    """An action of a tree node's core: hand its own worker the answer to its pull
+    ``request_id`` as from rank ``src`` (the server the node stands for): ``fields`` (an
+    error) or the ``meta`` and ``payload`` of the model copy."""
+
+    src: int
+    request_id: int
+    fields: dict[str, Any] | None = None
+    meta: bytes | None = None
+    payload: Any = None
+
+
+Action = Union[Send, Deliver]
+
+
+class TreeCore:
+    """A worker's node in every server's tree, without I/O (MLNET §3; module docstring): its
+    worker's events, its children's messages, the answers from above, the peers lost and the
+    time go in (``event``, ``from_child``, ``copy_arrived``, ``attached``, ``watch``,
+    ``forward``); what it decides comes out as :class:`Send` and :class:`Deliver` actions in
+    ``outbox``, in order (what to sum and when to forward it, what to answer from its copy and
+    what to ask above, how to repair, re-attach or fall back). The runtime's
+    :class:`TreeNode` drives it on a thread over the transport; the simulator's MLNET model
+    (``sim/mlnet.py``) drives the same class over its network. ``lost``: the peers lost with
+    why, as the driver sees them (the runtime hands the transport's live mapping)."""
+
+    def __init__(self, port: TreePort, parents: np.ndarray) -> None:
+        self.port = port
+        self.layout = port.layout
+        me = port.index
+        self.parents = parents  # the trees as built: repairs walk them (first live ancestor)
+        # clocks kept to send again: BSP runs a round or two ahead of the server, SSP(s) s + 1
+        self.history = 4 + 2 * int(min(port.pull_staleness, 16))
+        self.fallen_back = False
+        self.lost: Mapping[int, str] = {}
+        self._loss_seen: dict[int, float] = {}  # lost interior node rank -> when this node saw it
+        self._attaching: dict[int, tuple[int, int]] = {}  # request id -> (tree, new parent rank)
+        self.trees = [_Tree(server=j, parent=int(parents[j, me]), members=[me, *children_of(parents[j], me)],
+                            through={m: -1 for m in [me, *children_of(parents[j], me)]},
+                            server_rank=port.server_rank(j))
+                      for j in range(self.layout.servers)]
+        self.stats = NodeStats()
+        self.error: PeerLostError | None = None
+        self._ids = itertools.count(_NODE_IDS)
+        self._asking: dict[int, tuple[int, str, int]] = {}  # request id -> (tree, model, upstream rank)
+        self.outbox: list[Action] = []
+
+    @property
+    def who(self) -> str:
+        return self.port.who
+
+    def take_actions(self) -> list[Action]:
+        out, self.outbox = self.outbox, []
+        return out
+
+    def waiting_replies(self) -> list[tuple[int, int]]:
+        """(request id, rank) of every answer this node waits for: copies asked upstream and
+        re-attachments (the driver hands each one to :meth:`copy_arrived` or :meth:`attached`)."""
+        return [(rid, src) for rid, (_, _, src) in self._asking.items()] + \
+            [(rid, src) for rid, (_, src) in self._attaching.items()]
+
+    def finished(self) -> bool:
+        return all(t.done for t in self.trees)
+
+    # -- in: the worker's events, the children's messages, the answers from above ------------------
+
+    def event(self, kind: str, *args: Any) -> None:
+        me = self.port.index
+        if kind == "push":
+            j, model, clock, component, header = args
+            self._add(self.trees[j], clock, me, model, component, [me], [int(header["version"])])
+        elif kind == "clock":
+            (clock,) = args
+            for tree in self.trees:
+                tree.pending.setdefault(clock, _Clock()).clocked[me] = [me]
+                tree.through[me] = clock
+        elif kind == "pull":
+            j, header = args
+            self._pull(self.trees[j], header["model"], ("own", int(header["id"]), int(header["clock"])),
+                       int(header["clock"]) - self._staleness(header))
+        elif kind == "leave":
+            for tree in self.trees:
+                tree.final.add(me)
+                tree.leaves.append((tree.through[me], [me]))
+
+    _event = event  # the hand-driven repair tests' name for it
+
+    def _staleness(self, header: dict[str, Any]) -> float:
+        s = header.get("staleness")
+        return self.port.pull_staleness if s is None else float(s)
+
+    def from_child(self, src: int, header: dict[str, Any], part: torch.Tensor | None = None) -> None:
+        """A message from rank ``src``'s node on this node's tag (``part``: a sum's tensor)."""
+        tree = self.trees[int(header["tree"])]
+        child = self.layout.worker_index(src)
+        if header["op"] == protocol.ATTACH:
+            self._attach_request(tree, child, header)
+            return
+        if header["op"] == FALL_BACK:
+            if not self.fallen_back:
+                self._fall_back(f"{self.layout.describe(src)} fell back ({header['why']})")
+            return
+        if child not in tree.members[1:]:
+            log.error("%s: ignored mlnet %r from %s, not its child in server %d's tree", self.who,
+                      header["op"], self.layout.describe(src), tree.server)
+            return
+        op = header["op"]
+        if op in (protocol.PUSH, protocol.CLOCK) and int(header["clock"]) < tree.next_clock:
+            # Never in the protocol (a member's clock c holds back c here); kept out of
+            # `pending`, where it would hold the node's leave to the timeout.
+            log.error("%s: dropped mlnet %s of clock %s from %s in server %d's tree: this node already sent "
+                      "that clock up without it (its updates there are lost)", self.who, op, header["clock"],
+                      self.layout.describe(src), tree.server)
+            return
+        if op == protocol.PUSH:
+            assert part is not None
+            self._add(tree, int(header["clock"]), child, header["model"], part, header["workers"], header["versions"])
+        elif op == protocol.CLOCK:
+            clock = int(header["clock"])
+            tree.pending.setdefault(clock, _Clock()).clocked[child] = [int(w) for w in header["workers"]]
+            tree.through[child] = clock
+        elif op == protocol.LEAVE:
+            if header["workers"]:
+                tree.leaves.append((tree.through[child], [int(w) for w in header["workers"]]))
+            if header.get("final"):
+                tree.final.add(child)
+        elif op == protocol.PULL:
+            self._pull(tree, header["model"], ("child", src, int(header["id"])), float(header["need"]))
+        else:
+            log.error("%s: ignored unknown mlnet op %r from %s", self.who, op, self.layout.describe(src))
+
+    def _add(self, tree: _Tree, clock: int, source: int, model: str, part: torch.Tensor, workers: list[int],
+             versions: list[int]) -> None:
+        """A member's sum of ``model`` for ``clock`` (it counts once the member's clock is in)."""
+        parts = tree.pending.setdefault(clock, _Clock()).parts.setdefault(source, {})
+        if model in parts:
+            raise ValueError(f"{self.who}: two sums of {model!r} for clock {clock} from "
+                             f"{self.layout.describe(self.layout.worker_rank(source))} in server {tree.server}'s tree")
+        parts[model] = _Sum(part.clone(), list(workers), list(versions))
+
+    def copy_arrived(self, request_id: int, header: dict[str, Any], meta: bytes, payload: Any) -> None:
+        """The answer to a copy this node asked upstream (``header``: its decoded ``meta``)."""
+        j, model, _ = self._asking.pop(request_id)
+        tree = self.trees[j]
+        waiting = tree.waiting.pop(model, [])
+        tree.asked.pop(model, None)
+        if header["op"] == "error":  # passed down: a lost ancestor is named to the whole subtree
+            lost = header.get("lost_peer")
+            message = header["message"] if lost is None else \
+                f"{self.who}: its mlnet tree above it in server {tree.server}'s tree failed: {header['message']}"
+            for _, reply_to in waiting:
+                self._answer(tree, reply_to, None, error=message, lost_peer=lost)
+            return
+        clock = header.get("model_clock")
+        copy = tree.cache[model] = _Copy(math.inf if clock is None else float(clock), meta, payload)
+        still = []
+        for need, reply_to in waiting:
+            if copy.model_clock >= need:
+                self._answer(tree, reply_to, copy)
+            else:
+                still.append((need, reply_to))
+        if still:
+            tree.waiting[model] = still
+            self._ask(tree, model)
+
+    # -- up the tree -------------------------------------------------------------------------------
+
+    def _complete(self, tree: _Tree, clock: int) -> bool:
+        return all(m in tree.final or tree.through[m] >= clock for m in tree.members)
+
+    def forward(self) -> None:
+        """Every tree: send up the clocks complete (:meth:`_forward`)."""
+        for tree in self.trees:
+            self._forward(tree)
+
+    def _forward(self, tree: _Tree) -> None:
+        """Send up every clock all members finished, then the leaves they cover (nothing while
+        a re-attachment waits for its answer)."""
+        if tree.attaching is not None:
+            return
+        me = self.port.index
+        while tree.pending and tree.next_clock <= max(tree.pending) and self._complete(tree, tree.next_clock):
+            clock = tree.next_clock
+            entry = tree.pending.pop(clock)
+            # the sources whose clock message for it came (a part counts only then), in the
+            # members' order (same bits for the same tree); a member lost after its clock still
+            # counts for that clock (its adopted children send only the later ones)
+            counted = [m for m in tree.members if m in entry.clocked]
+            counted += [m for m in entry.clocked if m not in tree.members]
+            sums: dict[str, _Sum] = {}
+            for m in counted:
+                for model, part in entry.parts.get(m, {}).items():
+                    total = sums.get(model)
+                    if total is None:
+                        sums[model] = _Sum(part.total.clone(), list(part.workers), list(part.versions))
+                    else:
+                        total.total.add_(part.total)
+                        total.workers += part.workers
+                        total.versions += part.versions
+            clocked = [w for m in counted for w in entry.clocked.get(m, [])]
+            self._send_clock(tree, clock, sums, clocked)
+            self._keep(tree.sent, clock, (sums, clocked))
+            if me in counted and me in entry.parts:
+                self._keep(tree.own, clock, entry.parts[me])
+            tree.next_clock += 1
+        ready = [workers for after, workers in tree.leaves if after < tree.next_clock]
+        tree.leaves = [(after, workers) for after, workers in tree.leaves if after >= tree.next_clock]
+        if ready:
+            leave = protocol.TreeLeave(workers=[w for ws in ready for w in ws], final=False)
+            self._up(tree, leave.OP, leave.body())
+        if not tree.done and len(tree.final) == len(tree.members) and not tree.pending and not tree.leaves:
+            tree.done = True
+            if tree.parent >= 0:
+                final = protocol.TreeLeave(workers=[], final=True)
+                self._up(tree, final.OP, final.body())
+
+    def _send_clock(self, tree: _Tree, clock: int, sums: dict[str, _Sum], clocked: list[int]) -> None:
+        """One clock up: its sums (one per model), then the clock naming the workers it covers."""
+        for model, entry in sums.items():
+            fields = {"model": model, "clock": clock, "workers": entry.workers,
+                      "versions": entry.versions, "dtype": str(entry.total.dtype).removeprefix("torch.")}
+            if tree.parent < 0:  # to the server, as an aggregate update
+                fields.update(version=min(entry.versions), norm=float(torch.linalg.vector_norm(entry.total)))
+            self._up(tree, protocol.PUSH, fields, entry.total)
+            self.stats.sums_forwarded += 1
+            self.stats.updates_aggregated += len(entry.workers)
+        if clocked:
+            header = protocol.TreeClock(clock=clock, workers=clocked)
+            self._up(tree, header.OP, header.body())
+
+    def _keep(self, kept: dict[int, Any], clock: int, what: Any) -> None:
+        kept[clock] = what
+        for old in [c for c in kept if c <= clock - self.history]:
+            del kept[old]
+
+    def _up(self, tree: _Tree, op: str, fields: dict[str, Any], payload: torch.Tensor | None = None) -> None:
+        if tree.parent < 0:
+            # the server this node is attached to, not the worker's current one: a sum and its
+            # clock must reach the same server (a failover re-attaches, then sends them again)
+            peer, on, header = tree.server_rank, "request", {"op": op, **fields}
+        else:
+            peer, on, header = self.layout.worker_rank(tree.parent), "tree", {"op": op, "tree": tree.server, **fields}
+        if peer in self.lost:
+            return  # watch() reports it
+        self.outbox.append(Send(peer, on, fields=header, payload=payload, keep=payload))
+
+    # -- down the tree -----------------------------------------------------------------------------
+
+    def _pull(self, tree: _Tree, model: str, reply_to: Any, need: float) -> None:
+        copy = tree.cache.get(model)
+        if copy is not None and copy.model_clock >= need:
+            self.stats.pulls_from_cache += 1
+            self._answer(tree, reply_to, copy)
+            return
+        tree.waiting.setdefault(model, []).append((need, reply_to))
+        self._ask(tree, model)
+
+    def _ask(self, tree: _Tree, model: str) -> None:
+        """One request upstream for what the most demanding waiting pull needs (none if one
+        already on the way asks for as much)."""
+        need = max(n for n, _ in tree.waiting[model])
+        if tree.asked.get(model, -math.inf) >= need:
+            return
+        request_id = next(self._ids)
+        tree.asked[model] = need
+        self.stats.pulls_upstream += 1
+        if tree.parent < 0:
+            src = tree.server_rank
+            self._up(tree, protocol.PULL, {"id": request_id, "model": model, "clock": math.ceil(need),
+                                           "staleness": 0})
+        else:
+            src = self.layout.worker_rank(tree.parent)
+            self._up(tree, protocol.PULL, {"id": request_id, "model": model, "need": need})
+        self._asking[request_id] = (tree.server, model, src)
+
+    def _answer(self, tree: _Tree, reply_to: Any, copy: _Copy | None, error: str | None = None,
+                lost_peer: int | None = None) -> None:
+        """Answer with ``copy`` (or ``error``; ``lost_peer``: the worker raises PeerLostError naming it)."""
+        fields = None if copy is not None else protocol.ErrorReply(message=str(error), lost_peer=lost_peer).fields()
+        meta = copy.meta if copy is not None else None
+        payload = None if copy is None else copy.payload
+        if reply_to[0] == "own":
+            _, request_id, clock = reply_to
+            if copy is not None:
+                self.stats.pull_clocks.append((clock, None if math.isinf(copy.model_clock) else int(copy.model_clock)))
+            # To the worker as from the server this node stands for (what its pull waits on).
+            self.outbox.append(Deliver(self.port.server_rank(tree.server), request_id, fields=fields, meta=meta,
+                                       payload=payload))
+            return
+        _, rank, request_id = reply_to
+        if rank not in self.lost:  # the received buffer stays alive until sent
+            self.outbox.append(Send(rank, "reply", fields=fields, meta=meta, payload=payload, request_id=request_id,
+                                    keep=copy))
+
+    # -- failures ----------------------------------------------------------------------------------
+
+    def watch(self, gone: dict[int, str], now: float) -> None:
+        """Repair (MLNET §3): a lost child's children are adopted; a lost parent is replaced by
+        the first live ancestor (or the server); two tree nodes lost within FALLBACK_WINDOW_S
+        tear the trees down (:meth:`_fall_back`). A lost server, or a peer that closed its
+        transport without leaving the tree, fails the worker's next call, naming it (a lost server
+        a replica takes over is re-attached to instead). ``gone``: every peer gone with why
+        (lost, or closed without leaving), as the driver saw them before handing this node the
+        messages that had arrived (their last messages are in); ``now``: a monotonic time."""
+        if self.error is not None:
+            return
+        for rank in self.lost:
+            if self.layout.role(rank) == "worker" and self._interior(self.layout.worker_index(rank)):
+                self._loss_seen.setdefault(rank, now)
+        recent = [t for t in self._loss_seen.values() if now - t <= FALLBACK_WINDOW_S]
+        if not self.fallen_back and len(recent) >= 2:
+            self._fall_back(f"{len(recent)} tree nodes lost within {FALLBACK_WINDOW_S:g} s")
+        for tree in self.trees:
+            for child in list(tree.members[1:]):
+                rank = self.layout.worker_rank(child)
+                why = None if child in tree.final else gone.get(rank)
+                if why is None:
+                    continue
+                if rank in self.lost:
+                    self._adopt(tree, child, why)
+                else:
+                    tree.final.add(child)
+                    self.stats.lost_children.append(child)
+                    log.warning("%s: mlnet child %s in server %d's tree is gone (%s); going on without its "
+                                "subtree's later updates", self.who, self.layout.describe(rank), tree.server, why)
+            if tree.done:
+                continue
+            parent = tree.server_rank if tree.parent < 0 else self.layout.worker_rank(tree.parent)
+            why = gone.get(parent)
+            if why is None:
+                continue
+            if tree.parent >= 0 and parent in self.lost:
+                self._reattach(tree, tree.parent, why)
+                continue
+            if tree.parent < 0 and parent in self.lost and self.port.fail_over(parent):
+                # MLNET §3's failed root, waited for and reconnected: a replica takes the server's
+                # place (ps/replica.py); the node attaches to it and sends the clocks it lacks.
+                # (The worker's own thread may have failed over first: True here too.)
+                log.warning("%s: mlnet server %s of tree %d is gone (%s); re-attaching to %s, which takes over",
+                            self.who, self.layout.describe(parent), tree.server, why,
+                            self.layout.describe(self.port.server_rank(tree.server)))
+                self.stats.repairs += 1
+                self._attach(tree)
+                continue
+            role = "server" if tree.parent < 0 else "parent node"
+            self.fail(PeerLostError(
+                f"{self.who}: its mlnet {role} {self.layout.describe(parent)} in server {tree.server}'s "
+                f"tree is gone ({why}); restart the job", rank=self.port.rank, peer=parent))
+            return
+
+
+    def _interior(self, worker: int) -> bool:
+        """Whether ``worker`` has children in some server's tree (as built)."""
+        return any(children_of(self.parents[j], worker) for j in range(len(self.trees)))
+
+    def _live_below(self, tree: _Tree, worker: int) -> list[int]:
+        """The children of ``worker`` in ``tree`` as built, a lost one replaced by its own."""
+        out = []
+        for child in children_of(self.parents[tree.server], worker):
+            if self.layout.worker_rank(child) in self.lost:
+                out += self._live_below(tree, child)
+            else:
+                out.append(child)
+        return out
+
+    def _adopt(self, tree: _Tree, lost: int, why: str) -> None:
+        """Child ``lost`` is gone: its children (or theirs, if lost too) become this node's
+        members, counted as through the lost child's last clock here; its later parts are
+        dropped (the adopted subtrees send them again, :meth:`attached`)."""
+        last = tree.through.pop(lost)
+        tree.members.remove(lost)
+        tree.final.discard(lost)
+        for clock, entry in tree.pending.items():
+            if clock > last:
+                entry.parts.pop(lost, None)
+                entry.clocked.pop(lost, None)
+        orphans = [] if self.fallen_back else [o for o in self._live_below(tree, lost) if o not in tree.members]
+        for orphan in orphans:
+            tree.members.append(orphan)
+            tree.through[orphan] = last
+        self.stats.lost_children.append(lost)
+        self.stats.adopted += len(orphans)
+        log.warning("%s: mlnet child %s in server %d's tree is gone (%s); adopting %s (from clock %d on)",
+                    self.who, self.layout.describe(self.layout.worker_rank(lost)), tree.server, why,
+                    ", ".join(self.layout.describe(self.layout.worker_rank(o)) for o in orphans) or "nobody",
+                    last + 1)
+
+    def _reattach(self, tree: _Tree, lost: int, why: str) -> None:
+        """The parent node is lost: attach to its first live ancestor as built (or the server)."""
+        new = int(self.parents[tree.server, lost])
+        while new >= 0 and self.layout.worker_rank(new) in self.lost:
+            new = int(self.parents[tree.server, new])
+        log.warning("%s: mlnet parent %s in server %d's tree is gone (%s); re-attaching to %s", self.who,
+                    self.layout.describe(self.layout.worker_rank(lost)), tree.server, why,
+                    "the server" if new < 0 else self.layout.describe(self.layout.worker_rank(new)))
+        tree.parent = new
+        self.stats.repairs += 1
+        self._attach(tree)
+
+    def _attach(self, tree: _Tree) -> None:
+        """Ask the new parent (node or server) for the last clock it has of this subtree;
+        nothing goes up until the answer (:meth:`attached`). Pulls asked of the old parent are
+        asked again."""
+        lost_asks = [rid for rid, (j, _, _) in self._asking.items() if j == tree.server]
+        for rid in lost_asks:
+            del self._asking[rid]
+        tree.asked.clear()
+        request_id = next(self._ids)
+        tree.attaching = request_id
+        if tree.parent < 0:
+            dest = tree.server_rank = self.port.server_rank(tree.server)
+            covered = tree.sent[max(tree.sent)][1] if tree.sent and not self.fallen_back else [self.port.index]
+            self.outbox.append(Send(dest, "request", fields=protocol.Attach(id=request_id, workers=covered).fields(),
+                                    track=False))
+        else:
+            dest = self.layout.worker_rank(tree.parent)
+            self.outbox.append(Send(dest, "tree", fields=protocol.Attach(id=request_id).fields(tree=tree.server),
+                                    track=False))
+        self._attaching[request_id] = (tree.server, dest)
+
+    def _attach_request(self, tree: _Tree, child: int, header: dict[str, Any]) -> None:
+        """A node re-attaches here: adopt the lost members above it if this node has not seen
+        them go yet, and answer with the last clock this node has of its subtree."""
+        while child not in tree.members:
+            above = next((m for m in tree.members[1:] if child in subtree_of(self.parents[tree.server], m)), None)
+            if above is None or self.fallen_back:
+                log.error("%s: ignored an mlnet re-attachment of %s in server %d's tree (not below this node%s)",
+                          self.who, self.layout.describe(self.layout.worker_rank(child)), tree.server,
+                          "; the trees fell back" if self.fallen_back else "")
+                return
+            self._adopt(tree, above, "its child re-attached here")
+        self.outbox.append(Send(self.layout.worker_rank(child), "reply", request_id=int(header["id"]),
+                                fields=protocol.Attached(through=tree.through[child]).fields(), track=False))
+
+    def attached(self, request_id: int, through: int, wall: float) -> None:
+        """The new parent has this subtree's clocks up to ``through``: send the later ones
+        again (the sums kept; after a fall back, this worker's own pushes), then go on.
+        ``wall``: the wall-clock time (``stats.attached_at``)."""
+        j, _ = self._attaching.pop(request_id)
+        tree = self.trees[j]
+        if tree.attaching != request_id:
+            return  # superseded by a later re-attachment
+        tree.attaching = None
+        self.stats.attached_at.append(wall)
+        kept = tree.own if self.fallen_back else tree.sent
+        missing = list(range(through + 1, tree.next_clock))
+        if any(c not in kept for c in missing):
+            self.fail(PeerLostError(
+                f"{self.who}: re-attached in server {tree.server}'s mlnet tree, which has this subtree's "
+                f"clocks up to {through}, but this node kept only clocks {min(kept, default='none')}.."
+                f"{max(kept, default='none')}: the updates in between are lost; restart the job",
+                rank=self.port.rank))
+            return
+        me = self.port.index
+        for clock in missing:
+            if self.fallen_back:
+                self._send_clock(tree, clock, kept[clock], [me] if tree.through.get(me, -1) >= clock else [])
+            else:
+                self._send_clock(tree, clock, *kept[clock])
+            self.stats.resent_clocks += 1
+        for model in list(tree.waiting):
+            self._ask(tree, model)
+
+    def _fall_back(self, why: str) -> None:
+        """Several tree nodes lost at once (MLNET §3): tear the trees down; every worker pushes
+        and pulls directly to the servers from now on, sending again what they lack of its own
+        updates. Every other node is told to do the same."""
+        self.fallen_back = True
+        self.stats.fallbacks += 1
+        me = self.port.index
+        log.warning("%s: %s: the mlnet trees are torn down, every worker pushes and pulls directly to the servers",
+                    self.who, why)
+        for tree in self.trees:
+            children = tree.members[1:]
+            tree.members = [me]
+            for entry in tree.pending.values():
+                for child in children:
+                    entry.parts.pop(child, None)
+                    entry.clocked.pop(child, None)
+            for child in children:
+                tree.through.pop(child, None)
+                tree.final.discard(child)
+            if tree.done:
+                continue
+            tree.parent = -1
+            self._attach(tree)
+        for rank in self.layout.worker_ranks:
+            if rank != self.port.rank and rank not in self.lost:
+                self.outbox.append(Send(rank, "tree", fields={"op": FALL_BACK, "tree": 0, "why": why}, track=False))
+
+    def fail(self, error: PeerLostError) -> None:
+        """Every waiting pull and the worker's next call get ``error``."""
+        self.error = error
+        for tree in self.trees:
+            for waiting in tree.waiting.values():
+                for _, reply_to in waiting:
+                    self._answer(tree, reply_to, None, error=str(error), lost_peer=error.peer)
+            tree.waiting.clear()
+            tree.done = True
+
+
+
+class _WorkerTreePort:
+    """The runtime's :class:`TreePort`: the worker the node runs in."""
+
+    def __init__(self, worker: "WorkerPort") -> None:
+        self.worker = worker
+        self.layout = worker.layout
+        self.index = worker.index
+        self.rank = worker.transport.rank
+        self.who = worker.who
+        self.pull_staleness = worker.config.consistency.pull_staleness
+
+    def server_rank(self, server: int) -> int:
+        return self.worker.server_rank(server)
+
+    def fail_over(self, peer: int) -> bool:
+        return self.worker.fail_over(peer)
+
+
 class TreeNode:
-    """The host proxy of one worker process: its node in every server's tree (module docstring)."""
+    """The runtime's driver of a worker's :class:`TreeCore` (the host proxy, module docstring):
+    a thread that hands the core its worker's events, its children's messages (decoded once
+    here), the answers from above and the peers gone, and carries out the core's actions over
+    the transport (headers encoded once here)."""
 
     def __init__(self, worker: "WorkerPort", parents: np.ndarray) -> None:
         self.worker = worker
@@ -226,34 +788,35 @@ class TreeNode:
         self.session = worker.config.session
         self.channel = worker.channel
         self.tag = protocol.tag(protocol.TREE, self.session)
-        me = worker.index
-        self.parents = parents  # the trees as built: repairs walk them (first live ancestor)
-        # clocks kept to send again: BSP runs a round or two ahead of the server, SSP(s) s + 1
-        self.history = 4 + 2 * int(min(worker.config.consistency.pull_staleness, 16))
-        self.fallen_back = False
-        self._loss_seen: dict[int, float] = {}  # lost interior node rank -> when this node saw it
-        self._attaching: dict[int, tuple[int, int]] = {}  # request id -> (tree, new parent rank)
-        self.trees = [_Tree(server=j, parent=int(parents[j, me]), members=[me, *children_of(parents[j], me)],
-                            through={m: -1 for m in [me, *children_of(parents[j], me)]},
-                            server_rank=worker.server_rank(j))
-                      for j in range(self.layout.servers)]
-        self.stats = NodeStats()
-        self.error: PeerLostError | None = None
+        self.core = TreeCore(_WorkerTreePort(worker), parents)
+        self.core.lost = self.transport.lost_peers  # the transport's live mapping
         self._events: collections.deque[tuple[Any, ...]] = collections.deque()
-        self._ids = itertools.count(_NODE_IDS)
-        self._asking: dict[int, tuple[int, str, int]] = {}  # request id -> (tree, model, upstream rank)
         #: Sends not yet complete: (peer, handle, what must stay alive until then).
         self._sending: list[tuple[int, SendHandle, Any]] = []
+        #: Every action carried out, when set (a test compares them with the simulator's driver).
+        self.record: list[Action] | None = None
         self._stop = threading.Event()
         self._finished = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"mlfabric-mlnet-node-{me}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"mlfabric-mlnet-node-{worker.index}", daemon=True)
         self._thread.start()
+
+    @property
+    def trees(self) -> list[_Tree]:
+        return self.core.trees
+
+    @property
+    def stats(self) -> NodeStats:
+        return self.core.stats
+
+    @property
+    def error(self) -> PeerLostError | None:
+        return self.core.error
 
     # -- from the worker's thread --------------------------------------------------------------
 
     def submit(self, *event: Any) -> None:
-        if self.error is not None:
-            raise self.error
+        if self.core.error is not None:
+            raise self.core.error
         self._events.append(event)
         self.transport.mailbox.notify()
 
@@ -291,267 +854,73 @@ class TreeNode:
             error = PeerLostError(f"{self.worker.who}: its mlnet tree node failed ({exc!r}); restart the job",
                                   rank=self.transport.rank)
             try:
-                self._fail(error)  # the waiting pulls get it at once
+                self.core.fail(error)  # the waiting pulls get it at once
+                self._carry_out()
             except Exception:  # noqa: BLE001 - the worker's next call still raises it
-                self.error = error
+                self.core.error = error
             self._finished.set()
 
     def _pass(self) -> bool:
         """One turn of the node: the worker's events, the children's messages, the replies,
         the peers gone, then every clock ready goes up. True once every tree is done."""
         mailbox = self.transport.mailbox
+        core = self.core
         # Taken before the mailbox is drained: a peer's messages reach the mailbox before its
         # goodbye or its connection's end, so every message of a peer seen gone here is
-        # handled below before _watch_peers acts on its going.
+        # handled below before watch() acts on its going.
         gone = self._gone_peers()
         while self._events:
-            self._event(*self._events.popleft())
+            core.event(*self._events.popleft())
         while (msg := mailbox.take(self.channel, self.tag)) is not None:
             self._from_child(msg)
-        for request_id, (j, model, src) in list(self._asking.items()):
+        for request_id, src in core.waiting_replies():
             msg = mailbox.take(self.channel, protocol.reply_tag(self.session, request_id), src)
-            if msg is not None:
-                del self._asking[request_id]
-                self._copy_arrived(self.trees[j], model, msg)
-        for request_id, (j, src) in list(self._attaching.items()):
-            msg = mailbox.take(self.channel, protocol.reply_tag(self.session, request_id), src)
-            if msg is not None:
-                del self._attaching[request_id]
-                self._attached(self.trees[j], request_id, int(protocol.decode(msg.meta)["through"]))
-        self._watch_peers(gone)
-        for tree in self.trees:
-            self._forward(tree)
+            if msg is None:
+                continue
+            header = protocol.decode(msg.meta)
+            if header["op"] == "attached":
+                core.attached(request_id, int(header["through"]), time.time())
+            else:
+                core.copy_arrived(request_id, header, bytes(msg.meta), msg.payload)
+        core.watch(gone, time.monotonic())
+        core.forward()
+        self._carry_out()
         # A send to a peer gone never completes (the transports' contract): forget it.
         gone_now = self.transport.gone_peers
         self._sending = [(p, h, x) for p, h, x in self._sending if not h.done() and p not in gone_now]
-        return all(t.done for t in self.trees) and not self._sending
-
-    def _event(self, kind: str, *args: Any) -> None:
-        me = self.worker.index
-        if kind == "push":
-            j, model, clock, component, header = args
-            self._add(self.trees[j], clock, me, model, component, [me], [int(header["version"])])
-        elif kind == "clock":
-            (clock,) = args
-            for tree in self.trees:
-                tree.pending.setdefault(clock, _Clock()).clocked[me] = [me]
-                tree.through[me] = clock
-        elif kind == "pull":
-            j, header = args
-            self._pull(self.trees[j], header["model"], ("own", int(header["id"]), int(header["clock"])),
-                       int(header["clock"]) - self._staleness(header))
-        elif kind == "leave":
-            for tree in self.trees:
-                tree.final.add(me)
-                tree.leaves.append((tree.through[me], [me]))
-
-    def _staleness(self, header: dict[str, Any]) -> float:
-        s = header.get("staleness")
-        return self.worker.config.consistency.pull_staleness if s is None else float(s)
+        return core.finished() and not self._sending
 
     def _from_child(self, msg: Message) -> None:
+        """A message on the tree tag: decoded once, a sum's payload viewed as its tensor."""
         header = protocol.decode(msg.meta)
-        tree = self.trees[int(header["tree"])]
-        child = self.layout.worker_index(msg.src)
-        if header["op"] == protocol.ATTACH:
-            self._attach_request(tree, child, header)
-            return
-        if header["op"] == FALL_BACK:
-            if not self.fallen_back:
-                self._fall_back(f"{self.layout.describe(msg.src)} fell back ({header['why']})")
-            return
-        if child not in tree.members[1:]:
-            log.error("%s: ignored mlnet %r from %s, not its child in server %d's tree", self.worker.who,
-                      header["op"], self.layout.describe(msg.src), tree.server)
-            return
-        op = header["op"]
-        if op in (protocol.PUSH, protocol.CLOCK) and int(header["clock"]) < tree.next_clock:
-            # Never in the protocol (a member's clock c holds back c here); kept out of
-            # `pending`, where it would hold the node's leave to the timeout.
-            log.error("%s: dropped mlnet %s of clock %s from %s in server %d's tree: this node already sent "
-                      "that clock up without it (its updates there are lost)", self.worker.who, op, header["clock"],
-                      self.layout.describe(msg.src), tree.server)
-            return
-        if op == protocol.PUSH:
+        part = None
+        if header["op"] == protocol.PUSH:
             dtype = getattr(torch, header["dtype"])
             numel = msg.payload.nbytes // torch.empty((), dtype=dtype).element_size()
             part = payload_tensor(msg.payload, dtype, numel, f"mlnet sum from {self.layout.describe(msg.src)}")
-            self._add(tree, int(header["clock"]), child, header["model"], part, header["workers"], header["versions"])
-        elif op == protocol.CLOCK:
-            clock = int(header["clock"])
-            tree.pending.setdefault(clock, _Clock()).clocked[child] = [int(w) for w in header["workers"]]
-            tree.through[child] = clock
-        elif op == protocol.LEAVE:
-            if header["workers"]:
-                tree.leaves.append((tree.through[child], [int(w) for w in header["workers"]]))
-            if header.get("final"):
-                tree.final.add(child)
-        elif op == protocol.PULL:
-            self._pull(tree, header["model"], ("child", msg.src, int(header["id"])), float(header["need"]))
-        else:
-            log.error("%s: ignored unknown mlnet op %r from %s", self.worker.who, op, self.layout.describe(msg.src))
+        self.core.from_child(msg.src, header, part)
 
-    def _add(self, tree: _Tree, clock: int, source: int, model: str, part: torch.Tensor, workers: list[int],
-             versions: list[int]) -> None:
-        """A member's sum of ``model`` for ``clock`` (it counts once the member's clock is in)."""
-        parts = tree.pending.setdefault(clock, _Clock()).parts.setdefault(source, {})
-        if model in parts:
-            raise ValueError(f"{self.worker.who}: two sums of {model!r} for clock {clock} from "
-                             f"{self.layout.describe(self.layout.worker_rank(source))} in server {tree.server}'s tree")
-        parts[model] = _Sum(part.clone(), list(workers), list(versions))
-
-    # -- up the tree -------------------------------------------------------------------------------
-
-    def _complete(self, tree: _Tree, clock: int) -> bool:
-        return all(m in tree.final or tree.through[m] >= clock for m in tree.members)
-
-    def _forward(self, tree: _Tree) -> None:
-        """Send up every clock all members finished, then the leaves they cover (nothing while
-        a re-attachment waits for its answer)."""
-        if tree.attaching is not None:
-            return
-        me = self.worker.index
-        while tree.pending and tree.next_clock <= max(tree.pending) and self._complete(tree, tree.next_clock):
-            clock = tree.next_clock
-            entry = tree.pending.pop(clock)
-            # the sources whose clock message for it came (a part counts only then), in the
-            # members' order (same bits for the same tree); a member lost after its clock still
-            # counts for that clock (its adopted children send only the later ones)
-            counted = [m for m in tree.members if m in entry.clocked]
-            counted += [m for m in entry.clocked if m not in tree.members]
-            sums: dict[str, _Sum] = {}
-            for m in counted:
-                for model, part in entry.parts.get(m, {}).items():
-                    total = sums.get(model)
-                    if total is None:
-                        sums[model] = _Sum(part.total.clone(), list(part.workers), list(part.versions))
-                    else:
-                        total.total.add_(part.total)
-                        total.workers += part.workers
-                        total.versions += part.versions
-            clocked = [w for m in counted for w in entry.clocked.get(m, [])]
-            self._send_clock(tree, clock, sums, clocked)
-            self._keep(tree.sent, clock, (sums, clocked))
-            if me in counted and me in entry.parts:
-                self._keep(tree.own, clock, entry.parts[me])
-            tree.next_clock += 1
-        ready = [workers for after, workers in tree.leaves if after < tree.next_clock]
-        tree.leaves = [(after, workers) for after, workers in tree.leaves if after >= tree.next_clock]
-        if ready:
-            self._up(tree, protocol.LEAVE, {"workers": [w for ws in ready for w in ws], "final": False})
-        if not tree.done and len(tree.final) == len(tree.members) and not tree.pending and not tree.leaves:
-            tree.done = True
-            if tree.parent >= 0:
-                self._up(tree, protocol.LEAVE, {"workers": [], "final": True})
-
-    def _send_clock(self, tree: _Tree, clock: int, sums: dict[str, _Sum], clocked: list[int]) -> None:
-        """One clock up: its sums (one per model), then the clock naming the workers it covers."""
-        for model, entry in sums.items():
-            fields = {"model": model, "clock": clock, "workers": entry.workers,
-                      "versions": entry.versions, "dtype": str(entry.total.dtype).removeprefix("torch.")}
-            if tree.parent < 0:  # to the server, as an aggregate update
-                fields.update(version=min(entry.versions), norm=float(torch.linalg.vector_norm(entry.total)))
-            self._up(tree, protocol.PUSH, fields, entry.total)
-            self.stats.sums_forwarded += 1
-            self.stats.updates_aggregated += len(entry.workers)
-        if clocked:
-            self._up(tree, protocol.CLOCK, {"clock": clock, "workers": clocked})
-
-    def _keep(self, kept: dict[int, Any], clock: int, what: Any) -> None:
-        kept[clock] = what
-        for old in [c for c in kept if c <= clock - self.history]:
-            del kept[old]
-
-    def _up(self, tree: _Tree, op: str, fields: dict[str, Any], payload: torch.Tensor | None = None) -> None:
-        data = b"" if payload is None else tensor_bytes(payload)
-        if tree.parent < 0:
-            # the server this node is attached to, not the worker's current one: a sum and its
-            # clock must reach the same server (a failover re-attaches, then sends them again)
-            peer, tag = tree.server_rank, protocol.request_tag(self.session)
-            meta = protocol.encode(op=op, **fields)
-        else:
-            peer, tag = self.layout.worker_rank(tree.parent), self.tag
-            meta = protocol.encode(op=op, tree=tree.server, **fields)
-        if peer in self.transport.lost_peers:
-            return  # _watch_peers reports it
-        self._sending.append((peer, self.transport.send(peer, tag, data, meta=meta, channel=self.channel), payload))
-
-    # -- down the tree -----------------------------------------------------------------------------
-
-    def _pull(self, tree: _Tree, model: str, reply_to: Any, need: float) -> None:
-        copy = tree.cache.get(model)
-        if copy is not None and copy.model_clock >= need:
-            self.stats.pulls_from_cache += 1
-            self._answer(tree, reply_to, copy)
-            return
-        tree.waiting.setdefault(model, []).append((need, reply_to))
-        self._ask(tree, model)
-
-    def _ask(self, tree: _Tree, model: str) -> None:
-        """One request upstream for what the most demanding waiting pull needs (none if one
-        already on the way asks for as much)."""
-        need = max(n for n, _ in tree.waiting[model])
-        if tree.asked.get(model, -math.inf) >= need:
-            return
-        request_id = next(self._ids)
-        tree.asked[model] = need
-        self.stats.pulls_upstream += 1
-        if tree.parent < 0:
-            src = tree.server_rank
-            self._up(tree, protocol.PULL, {"id": request_id, "model": model, "clock": math.ceil(need),
-                                           "staleness": 0})
-        else:
-            src = self.layout.worker_rank(tree.parent)
-            self._up(tree, protocol.PULL, {"id": request_id, "model": model, "need": need})
-        self._asking[request_id] = (tree.server, model, src)
-
-    def _copy_arrived(self, tree: _Tree, model: str, msg: Message) -> None:
-        header = protocol.decode(msg.meta)
-        waiting = tree.waiting.pop(model, [])
-        tree.asked.pop(model, None)
-        if header["op"] == "error":  # passed down: a lost ancestor is named to the whole subtree
-            lost = header.get("lost_peer")
-            message = header["message"] if lost is None else \
-                f"{self.worker.who}: its mlnet tree above it in server {tree.server}'s tree failed: {header['message']}"
-            for _, reply_to in waiting:
-                self._answer(tree, reply_to, None, error=message, lost_peer=lost)
-            return
-        clock = header.get("model_clock")
-        copy = tree.cache[model] = _Copy(math.inf if clock is None else float(clock), msg)
-        still = []
-        for need, reply_to in waiting:
-            if copy.model_clock >= need:
-                self._answer(tree, reply_to, copy)
-            else:
-                still.append((need, reply_to))
-        if still:
-            tree.waiting[model] = still
-            self._ask(tree, model)
-
-    def _answer(self, tree: _Tree, reply_to: Any, copy: _Copy | None, error: str | None = None,
-                lost_peer: int | None = None) -> None:
-        """Send ``copy`` (or ``error``; ``lost_peer``: the worker raises PeerLostError naming it)."""
-        if copy is not None:
-            meta = copy.message.meta
-        else:
-            meta = protocol.encode(op="error", message=error, **({} if lost_peer is None else {"lost_peer": lost_peer}))
-        payload = memoryview(b"") if copy is None else copy.message.payload
-        if reply_to[0] == "own":
-            _, request_id, clock = reply_to
-            if copy is not None:
-                self.stats.pull_clocks.append((clock, None if math.isinf(copy.model_clock) else int(copy.model_clock)))
-            # To the worker as from the server this node stands for (what its pull waits on).
-            self.transport.mailbox.put(Message(src=self.worker.server_rank(tree.server),
-                                               tag=protocol.reply_tag(self.session, request_id),
-                                               channel=self.channel, meta=meta, payload=payload))
-            return
-        _, rank, request_id = reply_to
-        if rank not in self.transport.lost_peers:
-            handle = self.transport.send(rank, protocol.reply_tag(self.session, request_id), payload, meta=meta,
-                                         channel=self.channel)
-            self._sending.append((rank, handle, copy))  # the received buffer stays alive until sent
-
-    # -- failures ----------------------------------------------------------------------------------
+    def _carry_out(self) -> None:
+        """The core's actions, in order, over the transport."""
+        for action in self.core.take_actions():
+            if self.record is not None:
+                self.record.append(action)
+            if isinstance(action, Deliver):
+                meta = action.meta if action.meta is not None else protocol.encode(**action.fields)
+                payload = memoryview(b"") if action.payload is None else action.payload
+                self.transport.mailbox.put(Message(src=action.src, tag=protocol.reply_tag(self.session,
+                                                                                          action.request_id),
+                                                   channel=self.channel, meta=meta, payload=payload))
+                continue
+            tag = {"tree": self.tag, "request": protocol.request_tag(self.session)}.get(action.on)
+            if tag is None:
+                tag = protocol.reply_tag(self.session, action.request_id)
+            meta = action.meta if action.meta is not None else protocol.encode(**action.fields)
+            payload = action.payload
+            data = b"" if payload is None else tensor_bytes(payload) if isinstance(payload, torch.Tensor) else payload
+            handle = self.transport.send(action.peer, tag, data, meta=meta, channel=self.channel)
+            if action.track:
+                self._sending.append((action.peer, handle, action.keep))
 
     def _gone_peers(self) -> dict[int, str]:
         """Every peer gone now, with why (lost, or closed before its subtree's final leave)."""
@@ -559,208 +928,6 @@ class TreeNode:
         for rank in self.transport.departed_peers:
             gone.setdefault(rank, "it closed its transport without leaving the tree")
         return gone
-
-    def _watch_peers(self, gone: dict[int, str]) -> None:
-        """Repair (MLNET §3): a lost child's children are adopted; a lost parent is replaced by
-        the first live ancestor (or the server); two tree nodes lost within FALLBACK_WINDOW_S
-        tear the trees down (:meth:`_fall_back`). A lost server, or a peer that closed its
-        transport without leaving the tree, fails the worker's next call, naming it (a lost server
-        a replica takes over is re-attached to instead). ``gone``:
-        :meth:`_gone_peers` before the mailbox was drained (their last messages are in)."""
-        if self.error is not None:
-            return
-        now = time.monotonic()
-        for rank in self.transport.lost_peers:
-            if self.layout.role(rank) == "worker" and self._interior(self.layout.worker_index(rank)):
-                self._loss_seen.setdefault(rank, now)
-        recent = [t for t in self._loss_seen.values() if now - t <= FALLBACK_WINDOW_S]
-        if not self.fallen_back and len(recent) >= 2:
-            self._fall_back(f"{len(recent)} tree nodes lost within {FALLBACK_WINDOW_S:g} s")
-        for tree in self.trees:
-            for child in list(tree.members[1:]):
-                rank = self.layout.worker_rank(child)
-                why = None if child in tree.final else gone.get(rank)
-                if why is None:
-                    continue
-                if rank in self.transport.lost_peers:
-                    self._adopt(tree, child, why)
-                else:
-                    tree.final.add(child)
-                    self.stats.lost_children.append(child)
-                    log.warning("%s: mlnet child %s in server %d's tree is gone (%s); going on without its "
-                                "subtree's later updates", self.worker.who, self.layout.describe(rank), tree.server,
-                                why)
-            if tree.done:
-                continue
-            parent = tree.server_rank if tree.parent < 0 else self.layout.worker_rank(tree.parent)
-            why = gone.get(parent)
-            if why is None:
-                continue
-            if tree.parent >= 0 and parent in self.transport.lost_peers:
-                self._reattach(tree, tree.parent, why)
-                continue
-            if tree.parent < 0 and parent in self.transport.lost_peers and self.worker.fail_over(parent):
-                # MLNET §3's failed root, waited for and reconnected: a replica takes the server's
-                # place (ps/replica.py); the node attaches to it and sends the clocks it lacks.
-                # (The worker's own thread may have failed over first: True here too.)
-                log.warning("%s: mlnet server %s of tree %d is gone (%s); re-attaching to %s, which takes over",
-                            self.worker.who, self.layout.describe(parent), tree.server, why,
-                            self.layout.describe(self.worker.server_rank(tree.server)))
-                self.stats.repairs += 1
-                self._attach(tree)
-                continue
-            role = "server" if tree.parent < 0 else "parent node"
-            self._fail(PeerLostError(
-                f"{self.worker.who}: its mlnet {role} {self.layout.describe(parent)} in server {tree.server}'s "
-                f"tree is gone ({why}); restart the job", rank=self.transport.rank, peer=parent))
-            return
-
-    def _interior(self, worker: int) -> bool:
-        """Whether ``worker`` has children in some server's tree (as built)."""
-        return any(children_of(self.parents[j], worker) for j in range(len(self.trees)))
-
-    def _live_below(self, tree: _Tree, worker: int) -> list[int]:
-        """The children of ``worker`` in ``tree`` as built, a lost one replaced by its own."""
-        out = []
-        for child in children_of(self.parents[tree.server], worker):
-            if self.layout.worker_rank(child) in self.transport.lost_peers:
-                out += self._live_below(tree, child)
-            else:
-                out.append(child)
-        return out
-
-    def _adopt(self, tree: _Tree, lost: int, why: str) -> None:
-        """Child ``lost`` is gone: its children (or theirs, if lost too) become this node's
-        members, counted as through the lost child's last clock here; its later parts are
-        dropped (the adopted subtrees send them again, :meth:`_attached`)."""
-        last = tree.through.pop(lost)
-        tree.members.remove(lost)
-        tree.final.discard(lost)
-        for clock, entry in tree.pending.items():
-            if clock > last:
-                entry.parts.pop(lost, None)
-                entry.clocked.pop(lost, None)
-        orphans = [] if self.fallen_back else [o for o in self._live_below(tree, lost) if o not in tree.members]
-        for orphan in orphans:
-            tree.members.append(orphan)
-            tree.through[orphan] = last
-        self.stats.lost_children.append(lost)
-        self.stats.adopted += len(orphans)
-        log.warning("%s: mlnet child %s in server %d's tree is gone (%s); adopting %s (from clock %d on)",
-                    self.worker.who, self.layout.describe(self.layout.worker_rank(lost)), tree.server, why,
-                    ", ".join(self.layout.describe(self.layout.worker_rank(o)) for o in orphans) or "nobody",
-                    last + 1)
-
-    def _reattach(self, tree: _Tree, lost: int, why: str) -> None:
-        """The parent node is lost: attach to its first live ancestor as built (or the server)."""
-        new = int(self.parents[tree.server, lost])
-        while new >= 0 and self.layout.worker_rank(new) in self.transport.lost_peers:
-            new = int(self.parents[tree.server, new])
-        log.warning("%s: mlnet parent %s in server %d's tree is gone (%s); re-attaching to %s", self.worker.who,
-                    self.layout.describe(self.layout.worker_rank(lost)), tree.server, why,
-                    "the server" if new < 0 else self.layout.describe(self.layout.worker_rank(new)))
-        tree.parent = new
-        self.stats.repairs += 1
-        self._attach(tree)
-
-    def _attach(self, tree: _Tree) -> None:
-        """Ask the new parent (node or server) for the last clock it has of this subtree;
-        nothing goes up until the answer (:meth:`_attached`). Pulls asked of the old parent are
-        asked again."""
-        lost_asks = [rid for rid, (j, _, _) in self._asking.items() if j == tree.server]
-        for rid in lost_asks:
-            del self._asking[rid]
-        tree.asked.clear()
-        request_id = next(self._ids)
-        tree.attaching = request_id
-        if tree.parent < 0:
-            dest = tree.server_rank = self.worker.server_rank(tree.server)
-            covered = tree.sent[max(tree.sent)][1] if tree.sent and not self.fallen_back else [self.worker.index]
-            self.transport.send(dest, protocol.request_tag(self.session), b"", channel=self.channel,
-                                meta=protocol.encode(op=protocol.ATTACH, id=request_id, workers=covered))
-        else:
-            dest = self.layout.worker_rank(tree.parent)
-            self.transport.send(dest, self.tag, b"", channel=self.channel,
-                                meta=protocol.encode(op=protocol.ATTACH, tree=tree.server, id=request_id))
-        self._attaching[request_id] = (tree.server, dest)
-
-    def _attach_request(self, tree: _Tree, child: int, header: dict[str, Any]) -> None:
-        """A node re-attaches here: adopt the lost members above it if this node has not seen
-        them go yet, and answer with the last clock this node has of its subtree."""
-        while child not in tree.members:
-            above = next((m for m in tree.members[1:] if child in subtree_of(self.parents[tree.server], m)), None)
-            if above is None or self.fallen_back:
-                log.error("%s: ignored an mlnet re-attachment of %s in server %d's tree (not below this node%s)",
-                          self.worker.who, self.layout.describe(self.layout.worker_rank(child)), tree.server,
-                          "; the trees fell back" if self.fallen_back else "")
-                return
-            self._adopt(tree, above, "its child re-attached here")
-        self.transport.send(self.layout.worker_rank(child), protocol.reply_tag(self.session, int(header["id"])), b"",
-                            channel=self.channel, meta=protocol.encode(op="attached", through=tree.through[child]))
-
-    def _attached(self, tree: _Tree, request_id: int, through: int) -> None:
-        """The new parent has this subtree's clocks up to ``through``: send the later ones
-        again (the sums kept; after a fall back, this worker's own pushes), then go on."""
-        if tree.attaching != request_id:
-            return  # superseded by a later re-attachment
-        tree.attaching = None
-        self.stats.attached_at.append(time.time())
-        kept = tree.own if self.fallen_back else tree.sent
-        missing = list(range(through + 1, tree.next_clock))
-        if any(c not in kept for c in missing):
-            self._fail(PeerLostError(
-                f"{self.worker.who}: re-attached in server {tree.server}'s mlnet tree, which has this subtree's "
-                f"clocks up to {through}, but this node kept only clocks {min(kept, default='none')}.."
-                f"{max(kept, default='none')}: the updates in between are lost; restart the job",
-                rank=self.transport.rank))
-            return
-        me = self.worker.index
-        for clock in missing:
-            if self.fallen_back:
-                self._send_clock(tree, clock, kept[clock], [me] if tree.through.get(me, -1) >= clock else [])
-            else:
-                self._send_clock(tree, clock, *kept[clock])
-            self.stats.resent_clocks += 1
-        for model in list(tree.waiting):
-            self._ask(tree, model)
-
-    def _fall_back(self, why: str) -> None:
-        """Several tree nodes lost at once (MLNET §3): tear the trees down; every worker pushes
-        and pulls directly to the servers from now on, sending again what they lack of its own
-        updates. Every other node is told to do the same."""
-        self.fallen_back = True
-        self.stats.fallbacks += 1
-        me = self.worker.index
-        log.warning("%s: %s: the mlnet trees are torn down, every worker pushes and pulls directly to the servers",
-                    self.worker.who, why)
-        for tree in self.trees:
-            children = tree.members[1:]
-            tree.members = [me]
-            for entry in tree.pending.values():
-                for child in children:
-                    entry.parts.pop(child, None)
-                    entry.clocked.pop(child, None)
-            for child in children:
-                tree.through.pop(child, None)
-                tree.final.discard(child)
-            if tree.done:
-                continue
-            tree.parent = -1
-            self._attach(tree)
-        for rank in self.layout.worker_ranks:
-            if rank != self.transport.rank and rank not in self.transport.lost_peers:
-                self.transport.send(rank, self.tag, b"", channel=self.channel,
-                                    meta=protocol.encode(op=FALL_BACK, tree=0, why=why))
-
-    def _fail(self, error: PeerLostError) -> None:
-        """Every waiting pull and the worker's next call get ``error``."""
-        self.error = error
-        for tree in self.trees:
-            for waiting in tree.waiting.values():
-                for _, reply_to in waiting:
-                    self._answer(tree, reply_to, None, error=str(error), lost_peer=error.peer)
-            tree.waiting.clear()
-            tree.done = True
 
 
 class MLNetRouting(Policy):
@@ -854,7 +1021,7 @@ class MLNetRouting(Policy):
         # the replicas learn the clocks behind the updates they hold: one that takes over
         # tells re-attaching tree nodes which clocks to send again
         for replica in server.replicas:
-            server.send_replica(replica, protocol.encode(op="clock", workers=workers, clock=clock), b"")
+            server.send_replica(replica, protocol.TreeClock(clock=clock, workers=workers).encode(), b"")
 
     def on_lost(self, server: "ServerPort", rank: int) -> None:
         for key in [k for k in self._staged if k[0] == rank]:  # sums whose clock never came: sent again
@@ -870,7 +1037,7 @@ class MLNetRouting(Policy):
         alive = [w for w in workers if w not in book.departed and w not in book.lost_at] or workers
         through = min(book.clocks[w] for w in alive) - 1
         server.transport.send(src, protocol.reply_tag(server.config.session, int(header["id"])), b"",
-                              meta=protocol.encode(op="attached", through=through), channel=server.channel)
+                              meta=protocol.Attached(through=through).encode(), channel=server.channel)
         return True
 
 
@@ -880,4 +1047,4 @@ def _factory(config: "PSConfig") -> Policy:
 
 register_policy("mlnet", _factory)
 
-__all__ = ["MLNetRouting", "MLNetSettings", "NodeStats", "TreeNode"]
+__all__ = ["Deliver", "MLNetRouting", "MLNetSettings", "NodeStats", "Send", "TreeCore", "TreeNode", "TreePort"]

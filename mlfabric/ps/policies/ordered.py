@@ -150,11 +150,11 @@ def answer_in_order(server: "ServerPort", pulls: "list[PendingPull]", spec: Mode
         except ValueError as exc:
             text = f"{server.who}: ordered pull of model {spec.name!r} from {server.layout.describe(p.rank)}: {exc}"
             server.stats.errors.append(text)
-            server.transport.send(p.rank, tag, b"", meta=protocol.encode(op="error", message=text), channel=channel)
+            server.transport.send(p.rank, tag, b"", meta=protocol.ErrorReply(message=text).encode(), channel=channel)
             continue
         server.transport.send(p.rank, tag, b"", channel=channel,
-                              meta=protocol.encode(op="model", version=version, model_clock=model_clock,
-                                                   pieces=len(order), order=p.order))
+                              meta=protocol.ModelReply(version=version, model_clock=model_clock, pieces=len(order),
+                                                       order=p.order).encode())
         plans.append((p.rank, tag, shard, order))
     pacer = server if pacer is None else pacer
     pace_fairly(pacer, [rank for rank, _, _, _ in plans])
@@ -163,7 +163,7 @@ def answer_in_order(server: "ServerPort", pulls: "list[PendingPull]", spec: Mode
         # on a loaded host, a memoryview slice well under one.
         data, size = tensor_bytes(shard), shard.element_size()
         messages = [(tag, data[piece.start * size:(piece.start + piece.hi - piece.lo) * size],
-                     protocol.encode(op="piece", key=piece.key, lo=piece.lo, hi=piece.hi, seq=seq))
+                     protocol.Piece(key=piece.key, lo=piece.lo, hi=piece.hi, seq=seq).encode())
                     for seq, piece in enumerate(order)]  # seq: §5.1's per-worker counter at hand-off
         handle = server.transport.send_many(rank, messages, channel=channel)
         sending.append((handle, shard))

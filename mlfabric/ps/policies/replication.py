@@ -49,10 +49,11 @@ class ChainFeed:
                     workers: tuple[int, ...], computed_from: tuple[int, ...], weight: float, unit: int | None,
                     members: list[list[int]] | None, norm: float | None) -> None:
         norm = self._norm(shard, gradient, weight, norm)
-        fields = dict(model=shard.spec.name, version=version, workers=list(workers),
-                      computed_from=list(computed_from), weight=weight, norm=norm, t=time.monotonic())
+        header = protocol.Applied(model=shard.spec.name, version=version, workers=list(workers),
+                                  computed_from=list(computed_from), weight=weight, norm=norm,
+                                  t=time.monotonic()).encode()  # once, for every replica
         for replica in server.replicas:
-            server.send_replica(replica, protocol.encode(op="update", **fields), gradient.clone())
+            server.send_replica(replica, header, gradient.clone())
 
     @staticmethod
     def _norm(shard: "Shard", gradient: torch.Tensor, weight: float, norm: float | None) -> float:
@@ -117,15 +118,18 @@ class NetworkFeed(ChainFeed):
             lead.pop(0)
         fields = dict(model=shard.spec.name, version=version, workers=list(workers),
                       computed_from=list(computed_from), weight=weight, norm=norm, t=time.monotonic())
+        # each header encoded once, for every replica
+        chain = protocol.Applied(**fields).encode()
+        network = protocol.AppliedUnit(**fields, unit=unit, members=members).encode() if unit is not None else None
         for replica in server.replicas:
-            if unit is not None:
+            if network is not None:
                 # the update itself reaches the replica from the workers (the scheduler planned
                 # it); the server only says where it stands in its order (with the unit's
                 # members, (rank, update id): a replica that takes over asks them for the
                 # copies of units the network had not delivered yet)
-                server.send_replica(replica, protocol.encode(op="applied", unit=unit, members=members, **fields), b"")
+                server.send_replica(replica, network, b"")
             else:  # what the network did not carry goes the chain way
-                server.send_replica(replica, protocol.encode(op="update", **fields), gradient.clone())
+                server.send_replica(replica, chain, gradient.clone())
 
     def on_ack(self, server: "ServerPort", replica: int, header: dict[str, Any]) -> None:
         self.replica_at.setdefault(replica, {})[header["model"]] = (int(header["version"]),

@@ -74,10 +74,9 @@ against the bound at the server, as in vanilla async.
 
 from __future__ import annotations
 
-from __future__ import annotations
+from typing import TYPE_CHECKING, Any, Callable
 
-from typing import TYPE_CHECKING, Any
-
+from ...monitor import TraceFeed
 from ...policy import Policy, register_policy
 from ..replication import ChainFeed, NetworkFeed
 from .aggregator import Aggregator
@@ -90,6 +89,7 @@ from .worker import DaemonStats, ScheduledWorkerSide
 if TYPE_CHECKING:
     from mlfabric.ps.config import PSConfig
     from mlfabric.ps.layout import PSLayout
+    from mlfabric.ps.policy import ServerPort
 
 
 class ScheduledRouting(ScheduledWorkerSide, ScheduledServerSide, Policy):
@@ -103,6 +103,23 @@ class ScheduledRouting(ScheduledWorkerSide, ScheduledServerSide, Policy):
         settings = settings or ScheduledSettings()
         ScheduledWorkerSide.__init__(self, settings)
         ScheduledServerSide.__init__(self, settings)
+        self._stop_feed: Callable[[], None] | None = None
+
+    def start(self, server: "ServerPort") -> None:
+        """Server 0 starts the scheduler; on the emulator under churn its monitor follows the
+        churn's capacity trace (:class:`~mlfabric.ps.monitor.TraceFeed`): the rates the
+        scheduler plans on are the ones the NICs run at, ``monitor_lag_s`` late."""
+        ScheduledServerSide.start(self, server)
+        service = self.scheduler_service
+        feed = TraceFeed.from_env() if service is not None else None
+        if service is not None and feed is not None:
+            self._stop_feed = feed.follow(service.report)
+
+    def stop(self, server: "ServerPort") -> None:
+        if self._stop_feed is not None:
+            self._stop_feed()
+            self._stop_feed = None
+        ScheduledServerSide.stop(self, server)
 
     def validate(self, config: "PSConfig") -> None:
         kind, bound = config.consistency.kind, config.consistency.delay_bound
@@ -126,7 +143,8 @@ class ScheduledRouting(ScheduledWorkerSide, ScheduledServerSide, Policy):
         return ChainFeed(measure_divergence=s.measure_divergence)
 
     def worker_report(self) -> dict[str, Any] | None:
-        return None
+        """The worker's scheduled pushes (:class:`DaemonStats`): counts and where their time went."""
+        return {"scheduled": self.stats.as_dict()} if self.stats.requested else None
 
     def claims_pull(self, pull: Any) -> bool:
         return True

@@ -36,14 +36,22 @@ _LOST = object()  # the scheduler was lost while a worker waited for its decisio
 
 @dataclass
 class DaemonStats:
+    """A worker's scheduled pushes: counts, and where a push's time went (summed over pushes):
+    waiting for the decision (the batching interval plus the round trip to the scheduler),
+    for the planned start, and handing the update to the transport (paced)."""
+
     requested: int = 0
     dropped: int = 0
     fallbacks: int = 0
     aggregated: int = 0
+    decision_wait_s: float = 0.0
+    start_wait_s: float = 0.0
+    send_s: float = 0.0
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, Any]:
         return {"requested": self.requested, "dropped_by_scheduler": self.dropped, "fallbacks": self.fallbacks,
-                "sent_to_aggregators": self.aggregated}
+                "sent_to_aggregators": self.aggregated, "decision_wait_s": self.decision_wait_s,
+                "start_wait_s": self.start_wait_s, "send_s": self.send_s}
 
 
 class ScheduledWorkerSide:
@@ -87,18 +95,21 @@ class ScheduledWorkerSide:
         keeping = self.settings.replication == "network" and w.layout.replicas > 0 and self._aggregator is not None
         if keeping:
             self._aggregator.keep(model, request_id, components)
+        asked = time.monotonic()
         transport.send(w.server_rank(0), protocol.tag(protocol.SCHEDULE, session), b"", channel=w.channel,
-                       meta=protocol.encode(op="request", id=request_id, model=model, version=first.version,
-                                            norm=float(first.norm or 0.0), clock=first.clock,
-                                            sizes=[c.numel() * c.element_size() for c in components]))
+                       meta=protocol.ScheduleRequest(id=request_id, model=model, version=first.version,
+                                                     norm=float(first.norm or 0.0), clock=first.clock,
+                                                     sizes=[c.numel() * c.element_size() for c in components]).encode())
         decision = self._decision(request_id)
+        decided = time.monotonic()
+        self.stats.decision_wait_s += decided - asked
         if (decision is None or decision["drop"]) and keeping:  # not a unit: no replica asks for it
             self._aggregator.forget(model, request_id)
         if decision is None:  # no answer in time: push unscheduled (the server bounds its delay)
             self.stats.fallbacks += 1
             # Withdraw the request; if it was planned already, its entry is skipped at the server.
             transport.send(w.server_rank(0), protocol.tag(protocol.SCHEDULE, session), b"", channel=w.channel,
-                           meta=protocol.encode(op="cancel", id=request_id, model=model))
+                           meta=protocol.Cancel(id=request_id, model=model).encode())
             handles = [transport.send(w.server_rank(j), protocol.request_tag(session), tensor_bytes(c),
                                       meta=p.encode(), channel=w.channel) for j, (c, p) in enumerate(zip(components, pushes))]
             wait_sent(transport, handles, w.config.timeout_s)
@@ -107,6 +118,8 @@ class ScheduledWorkerSide:
             self.stats.dropped += 1
             return False
         time.sleep(float(decision["start_in"]))
+        started = time.monotonic()
+        self.stats.start_wait_s += started - decided
         handles, paced = [], []
         for j, (component, push, hop) in enumerate(zip(components, pushes, decision["hop"])):
             fields = push.fields(batch=decision["batch"], id=request_id, rank=transport.rank)
@@ -129,6 +142,7 @@ class ScheduledWorkerSide:
         wait_sent(transport, handles, w.config.timeout_s)
         for hop in paced:
             transport.pace_connection(hop, w.channel, None)
+        self.stats.send_s += time.monotonic() - started
         return True
 
     def _decision(self, request_id: int) -> dict[str, Any] | None:
