@@ -50,7 +50,7 @@ import numpy as np
 from mlfabric.emu.churn import churn_model, churn_schedule
 from mlfabric.ps.monitor import NetworkMonitor
 from mlfabric.ps.policies.scheduled.core import BatchingCore, BatchPlan, GroupOrder, OrderBook, PullBatcher, Request
-from mlfabric.ps.policies.scheduled.settings import ScheduledSettings, aggregator_ranks
+from mlfabric.ps.policies.scheduled.settings import ScheduledSettings, aggregator_ranks, check_tree_settings
 
 __all__ = ["MLfabricSimConfig", "PAPER_TABLE2", "SIM_MODES", "compare_with_emulation", "cycle_floor_s",
            "simulate_mlfabric", "simulate_mode", "simulate_table2", "table2", "updates_to_target"]
@@ -86,6 +86,12 @@ class MLfabricSimConfig:
     #: the runtime does) or at once, the update travelling on its own ("request").
     pull_after: str = "applied"
     seed: int = 0
+    #: #36 (ScheduledSettings' names): multi-level pipelined aggregation trees and multicast
+    #: model distribution (False: Alg. 3's and §10.3's one level), their cut-through chunk,
+    #: and co-located workers per host (their updates summed on the host, no NIC).
+    trees: bool = False
+    chunk_bytes: int = ScheduledSettings.chunk_bytes
+    workers_per_host: int = 1
 
     def __post_init__(self) -> None:
         from mlfabric.sim.compute import straggler_preset
@@ -102,6 +108,10 @@ class MLfabricSimConfig:
             raise ValueError("updates (and every updates_needed) must be >= 1")
         if self.aggregators < 0 or self.distributors < 0:
             raise ValueError("aggregators and distributors must be >= 0")
+        check_tree_settings(self.chunk_bytes, self.workers_per_host)
+        if self.workers % self.workers_per_host:
+            raise ValueError(f"workers ({self.workers}) must be a multiple of workers_per_host "
+                             f"({self.workers_per_host})")
         if self.straggler is not None:
             straggler_preset(self.straggler)  # raises with the accepted spellings
         if self.churn is not None:

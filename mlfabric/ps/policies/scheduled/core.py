@@ -42,7 +42,13 @@ from .settings import avg_rate_bps
 class Request:
     """One update request as the scheduler sees it: who (``rank``), the worker's id for it,
     the model, the version it was computed from, its norm, the worker's clock and the size of
-    each server component (bytes)."""
+    each server component (bytes).
+
+    Host-local aggregation (#36): ``members`` are the worker ranks whose updates are summed
+    on their host (shared memory, no NIC) into this one request; empty means just ``rank``.
+    ``rank`` and ``id`` are then the host's leading member and that member's request id (the
+    pair stays unique), ``version`` is the **oldest** member's version (so the delay bound the
+    scheduler enforces holds for every member) and :attr:`count` worker updates travel as one."""
 
     rank: int
     id: int
@@ -51,6 +57,17 @@ class Request:
     sizes: tuple[float, ...]
     norm: float = 0.0
     clock: int = 0
+    members: tuple[int, ...] = ()
+
+    @property
+    def count(self) -> int:
+        """Worker updates this request carries (1 unless host-local members are summed in it)."""
+        return max(1, len(self.members))
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The worker ranks whose updates it carries (``members``, or just ``rank``)."""
+        return self.members or (self.rank,)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,7 +91,15 @@ class RequestDecision:
 class GroupOrder:
     """What one aggregator host is told: its group (slot) of a batch, the members (rank, id),
     the server components it sums, when to forward what came (seconds from the plan) and the
-    planned rate of each forward."""
+    planned rate of each forward.
+
+    Multi-level pipelined trees (#36; the defaults are today's one level, store-and-forward):
+    ``parent`` is the host this node forwards its sum to (None: the servers, one per server
+    component, as today: the tree's root, the entry the server applies); ``children`` are the
+    aggregator hosts whose partial sums it also waits for, beside its direct ``members``;
+    ``chunk_bytes`` > 0 makes it cut-through: chunk i of the sum is forwarded as soon as chunk
+    i has arrived from every input (members and children), 0 is store-and-forward. Every node
+    of one tree carries the batch's ``slot``."""
 
     host: int
     slot: int
@@ -82,6 +107,9 @@ class GroupOrder:
     servers: tuple[int, ...]
     deadline_in: float
     rates: tuple[float | None, ...]
+    parent: int | None = None
+    children: tuple[int, ...] = ()
+    chunk_bytes: int = 0
 
 
 @dataclass(kw_only=True)
@@ -130,11 +158,22 @@ class BatchingCore:
     """The scheduler's decisions (module docstring). ``servers``: the rank (host) serving each
     shard; ``aggregators``: the worker hosts that may aggregate; ``hosts``: how many hosts the
     monitor tracks; ``tau``: MLfabric-A's delay bound (None: MLfabric-S, ``sync``);
-    ``first_batch``: the first batch number (a promoted replica numbers its own apart)."""
+    ``first_batch``: the first batch number (a promoted replica numbers its own apart).
+
+    #36: ``host_of`` maps a worker rank to its host (the network node the scheduler plans
+    on; None: the rank is the host, today). Requests of co-located workers waiting for the
+    same batch are summed on their host into one request (:func:`merge_host_requests`: the
+    rule is "what is ready at the batch"; a worker finishing after its host's request was
+    planned goes in a later batch on its own or with its host's next ones). ``trees``: plan
+    aggregation as multi-level pipelined trees (:mod:`mlfabric.ps.scheduler.trees`) with
+    ``chunk_bytes`` cut-through chunks instead of Alg. 3's one level."""
 
     def __init__(self, *, servers: Sequence[int], aggregators: Sequence[int], hosts: int, tau: int | None,
                  seed: int, interval_s: float, slack_s: float, rate_bps: float, monitor_lag_s: float,
-                 first_batch: int = 1) -> None:
+                 first_batch: int = 1, host_of: Callable[[int], int] | None = None, trees: bool = False,
+                 chunk_bytes: int = 0) -> None:
+        self.host_of = host_of
+        self.trees, self.chunk_bytes = trees, int(chunk_bytes)
         self.sync = tau is None
         self.interval_s, self.slack_s = interval_s, slack_s
         self.servers = list(servers)
@@ -263,17 +302,42 @@ class BatchingCore:
             commit = d.commit or now
             deadline = max(0.0, commit - now) + self.slack_s
             if d.group == 0 or not entries or entries[-1][0] != "g" or entries[-1][1] != d.group:
-                entries.append(["u", r.rank, r.id, deadline, [r.rank]] if d.group == 0
-                               else ["g", d.group, 1, deadline, [r.rank]])
+                entries.append(["u", r.rank, r.id, deadline, list(r.ranks)] if d.group == 0
+                               else ["g", d.group, r.count, deadline, list(r.ranks)])
                 members.append([r])
                 commits.append(commit)
             else:
-                entries[-1][2] += 1
+                entries[-1][2] += r.count
                 entries[-1][3] = max(entries[-1][3], deadline)
-                entries[-1][4].append(r.rank)
+                entries[-1][4].extend(r.ranks)
                 members[-1].append(r)
                 commits[-1] = max(commits[-1], commit)
         return entries, members, commits
+
+
+def merge_host_requests(requests: Sequence[Request], host_of: Callable[[int], int]) -> list[Request]:
+    """Host-local aggregation's rule (#36): the requests of one model waiting for a batch
+    whose workers share a host become one request, the sum of their updates, in the order
+    of each host's first request. Its ``members`` are every worker rank in it (a request
+    already merged keeps its members), ``rank``/``id`` its first request's (the host's
+    leading member: the pair stays unique), ``version`` the oldest, ``norm`` the sum of norms
+    (a bound of the sum's norm), ``clock`` the oldest, ``sizes`` the largest per component
+    (a sum of dense same-shaped updates is as large as one). A host's lone request is kept as
+    it is (no members added): with one worker per host nothing changes."""
+    by_host: dict[tuple[str, int], list[Request]] = {}
+    for r in requests:
+        by_host.setdefault((r.model, host_of(r.rank)), []).append(r)
+    out: list[Request] = []
+    for group in by_host.values():
+        if len(group) == 1:
+            out.append(group[0])
+            continue
+        first = group[0]
+        members = tuple(m for r in group for m in r.ranks)
+        out.append(Request(rank=first.rank, id=first.id, model=first.model, version=min(r.version for r in group),
+                           sizes=tuple(max(c) for c in zip(*(r.sizes for r in group))),
+                           norm=sum(r.norm for r in group), clock=min(r.clock for r in group), members=members))
+    return out
 
 
 # --------------------------------------------------------------------------- the servers' orders
@@ -298,8 +362,11 @@ class Entry:
 
 def entry_count(entry: list[Any]) -> int:
     """Worker updates in one entry of a batch order as the scheduler sends it: ``["u", rank,
-    id, ...]`` one, ``["g", slot, count, ...]`` an aggregate's members."""
-    return 1 if entry[0] == "u" else int(entry[2])
+    id, deadline, ranks, ...]`` one per rank in ``ranks`` (one, or a host request's members,
+    #36), ``["g", slot, count, ...]`` an aggregate's ``count``."""
+    if entry[0] == "u":
+        return max(1, len(entry[4])) if len(entry) > 4 else 1
+    return int(entry[2])
 
 
 def entry_key(header: dict[str, Any]) -> tuple[Any, ...]:
@@ -425,6 +492,11 @@ class PullBatcher:
     distributors: int
     seed: int
     server: int
+    #: #36: distribute each batch of pulls down a pipelined multicast tree of the pullers' hosts
+    #: (:func:`mlfabric.ps.scheduler.trees.plan_multicast`, ``PullBatchPlan.tree``) with
+    #: ``chunk_bytes`` cut-through chunks; False: §10.3's k° distributors.
+    trees: bool = False
+    chunk_bytes: int = 0
     busy_until: float = 0.0
     _draws: random.Random | None = field(default=None, repr=False)
 
@@ -446,4 +518,4 @@ class PullBatcher:
 
 
 __all__ = ["BatchPlan", "BatchingCore", "Entry", "GroupOrder", "OrderBook", "OrderPort", "PullBatcher", "Request",
-           "RequestDecision", "entry_count", "entry_key"]
+           "RequestDecision", "entry_count", "entry_key", "merge_host_requests"]
