@@ -80,6 +80,12 @@ class GroupPlan:
     transfers: tuple[Transfer, ...]
     arrival: float
     commit: float
+    nodes: tuple = ()
+    """#36 trees (:class:`mlfabric.ps.scheduler.trees.TreeNode`, root first): the group's
+    pipelined tree, ``hosts[0]`` its root and ``transfers`` one per edge; empty: Alg. 3's one
+    aggregator per server."""
+    chunk_bytes: int = 0
+    """The tree's cut-through chunk (0: store-and-forward)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -32,6 +32,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from ...monitor import Ledger, NetworkMonitor
 from ...scheduler import BatchSchedule, NetState, PullBatchPlan, Scheduler, SchedulerConfig, UpdateRequest, plan_pull_batch
+from ...scheduler.trees import plan_multicast
 from .settings import avg_rate_bps
 
 
@@ -179,7 +180,8 @@ class BatchingCore:
         self.servers = list(servers)
         self.scheduler = Scheduler(SchedulerConfig(tau_max=0 if tau is None else int(tau),
                                                    mode="sync" if self.sync else "async",
-                                                   aggregation=bool(aggregators), seed=seed),
+                                                   aggregation=bool(aggregators) or trees, seed=seed,
+                                                   trees=trees, chunk_bytes=int(chunk_bytes)),
                                    servers=list(servers), aggregators=list(aggregators))
         self.monitor = NetworkMonitor(hosts=hosts, default_bps=rate_bps / 8, lag_s=monitor_lag_s)
         self.ledger = Ledger()
@@ -255,8 +257,12 @@ class BatchingCore:
     def plan(self, model: str, pending: list[Request], v_init: int, now: float) -> BatchPlan:
         """Plan one batch: order and drops (Alg. 2), aggregation (Alg. 3) on the residual network."""
         started = time.perf_counter()
-        requests = [UpdateRequest(update_id=i, worker=r.rank, sizes=tuple(r.sizes), version=min(r.version, v_init),
-                                  norm=r.norm) for i, r in enumerate(pending)]
+        if self.host_of is not None:
+            pending = merge_host_requests(pending, self.host_of)
+        host = self.host_of or (lambda rank: rank)
+        requests = [UpdateRequest(update_id=i, worker=host(r.rank), sizes=tuple(r.sizes),
+                                  version=min(r.version, v_init), norm=r.norm, count=r.count)
+                    for i, r in enumerate(pending)]
         schedule = self.scheduler.schedule(requests, version=v_init, network=self.network(now), now=now)
         self.ledger.add([t for d in schedule.applied() for t in d.transfers] +
                         [t for g in schedule.aggregates for t in g.transfers])
@@ -277,8 +283,18 @@ class BatchingCore:
                                                  rates=tuple(avg_rate_bps(t) for t in d.transfers)))
         groups = []
         for g in schedule.aggregates:
-            self.stats.aggregated += len(g.members)
+            self.stats.aggregated += sum(pending[m].count for m in g.members)
             group = tuple((pending[m].rank, pending[m].id) for m in g.members)
+            if g.nodes:  # a pipelined tree (#36): one order per node, its own members
+                rate = avg_rate_bps(g.transfers[0]) if g.transfers else None
+                deadline = max(0.0, g.commit - now) + self.slack_s
+                for node in g.nodes:
+                    groups.append(GroupOrder(host=node.host, slot=g.slot,
+                                             members=tuple((pending[m].rank, pending[m].id) for m in node.members),
+                                             servers=tuple(range(len(self.servers))), deadline_in=deadline,
+                                             rates=(rate,), parent=node.parent, children=node.children,
+                                             chunk_bytes=g.chunk_bytes))
+                continue
             for host in sorted(set(g.hosts)):
                 servers = tuple(j for j, h in enumerate(g.hosts) if h == host)
                 groups.append(GroupOrder(host=host, slot=g.slot, members=group, servers=servers,
@@ -501,6 +517,11 @@ class PullBatcher:
     _draws: random.Random | None = field(default=None, repr=False)
 
     def ready(self, now: float, sends_done: bool) -> bool:
+        """Whether a batch of pulls may go now. With ``trees`` at once: each model version
+        leaves the server about once, down its own multicast trees, and the planner shares the
+        server's up-link between versions in flight from the residual bandwidths."""
+        if self.trees:
+            return True
         return sends_done and now >= self.busy_until
 
     def answer_at(self) -> float:
@@ -508,6 +529,12 @@ class PullBatcher:
 
     def plan(self, network: NetState, *, me: int, pullers: list[int], model_size: float, now: float,
              answered_first: Sequence[int] = ()) -> PullBatchPlan:
+        if self.trees:
+            hosts = list(dict.fromkeys([*answered_first, *pullers]))  # a host receives the model once
+            plan = plan_multicast(network, server=me, pullers=hosts, model_size=model_size,
+                                  chunk_bytes=self.chunk_bytes, start=now)
+            self.busy_until = max((t.end for t in plan.transfers if t.src == me), default=now)
+            return plan
         if self._draws is None:
             self._draws = random.Random(self.seed * 7_919 + self.server)
         plan = plan_pull_batch(network, server=me, pullers=pullers, model_size=model_size,
