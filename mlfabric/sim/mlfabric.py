@@ -673,7 +673,7 @@ class _Scheduled(_PS):
         tree per group of hosts); a host's copy serves every worker on it that pulled."""
         if not self.pulls:
             return
-        if (self.answering and not self.config.trees) or not self.distribution.ready(t, True):
+        if self.answering or not self.distribution.ready(t, True):
             if not self.answering:
                 self._wake(self.distribution.answer_at(), self.answer)
             return
@@ -844,6 +844,14 @@ def cycle_floor_s(config: MLfabricSimConfig) -> dict[str, float]:
     ``c + T`` and ``one_level`` the same argument on the model's way out through one level of
     distributors (§10.3): ``y >= c + T / 2 + W T^2 / (2 y)``.
 
+    #36's design (``trees``, ``pull_after="applied"``): the server's NIC takes one transfer
+    per batch whatever its size, so it no longer bounds the cycle; what does is the batch
+    wait (a request waits for the next batch: ``interval / 2`` on average with requests
+    arriving at random), the update's way up its tree and the model's way down (``T`` each
+    at the nominal rate, plus the pipelines' fill, at least a chunk time per level: the
+    shallowest tree over ``H`` hosts of one relay per host is the chain, whose mean depth we
+    do not count -- a floor): ``trees``: ``c + interval / 2 + 2T``.
+
     docs/mlfabric_scheduler.md, "Table 2", reads them against RR-Sync."""
     from mlfabric.sim.compute import straggler_preset
 
@@ -852,7 +860,8 @@ def cycle_floor_s(config: MLfabricSimConfig) -> dict[str, float]:
     t = config.update_bytes * 8 / config.rate_bps
     transfers = 2 if config.pull_after == "applied" else 1  # in the cycle, besides compute
     b = c + (transfers - 0.5) * t
-    return {"any": c + transfers * t, "one_level": (b + math.sqrt(b * b + 2 * config.workers * t * t)) / 2}
+    return {"any": c + transfers * t, "one_level": (b + math.sqrt(b * b + 2 * config.workers * t * t)) / 2,
+            "trees": c + config.interval_s / 2 + transfers * t}
 
 
 def simulate_mlfabric(config: MLfabricSimConfig, modes: Sequence[str]) -> list[dict[str, Any]]:
@@ -869,6 +878,8 @@ def simulate_mlfabric(config: MLfabricSimConfig, modes: Sequence[str]) -> list[d
             cycles = config.needed(r["mode"]) / config.workers  # each worker's cycles, at the least
             r["ceiling_any"] = base / (cycles * floors["any"])
             r["ceiling_one_level"] = base / (cycles * floors["one_level"])
+            if config.trees:
+                r["ceiling_trees"] = base / (cycles * floors["trees"])
     return runs
 
 

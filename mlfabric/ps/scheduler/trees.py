@@ -16,7 +16,7 @@ out; nothing here sends or reads a clock):
   groups (one order entry each, as Alg. 3's groups): a group's hosts are its members' own
   hosts (each member's update is summed where it is: no NIC), and its tree is shaped by
   :func:`shape_tree`. Grouping rule: an update joins the open group unless its host's
-  residual up-rate and the group's rates would differ by more than ``spread`` (x2) -- a slow
+  up-rate and the group's rates would differ by more than ``spread`` (x1.5) -- a slow
   NIC would hold the whole pipelined tree to its rate, so slow hosts form their own trees
   (which cost, pipelined, about what one slow transfer costs) -- or the tree would grow past
   :func:`max_nodes` hosts (then its pipeline latency would exceed a quarter of a transfer).
@@ -26,8 +26,8 @@ out; nothing here sends or reads a clock):
   ``r``, so ``r <= min(sink, every up)`` and a node may take ``floor(down / r)`` children:
   the largest ``r`` whose child slots cover the tree is found (bisection), the hosts with
   the most slots are placed nearest the root, breadth first (equal NICs give a chain, the
-  bandwidth-optimal shape; slow down-links become leaves). Rates are each link's mean
-  residual over the next transfer time, so a link busy with an earlier batch counts as slow.
+  bandwidth-optimal shape; slow down-links become leaves). A link's rate here is its
+  largest residual (:func:`_rate`); the reservation then follows the timelines exactly.
 * :func:`reserve_tree` -- a tree's reservation on the residual timelines: one rate profile
   for every edge, at every instant the minimum over the tree's links of residual /
   multiplicity (a node's down link carries one stream per child), and ``depth - 1`` chunks
@@ -60,7 +60,7 @@ __all__ = ["SPREAD", "TreeNode", "max_nodes", "plan_multicast", "repair_tree", "
            "tree_aggregate", "tree_depth"]
 
 #: An update joins an open group while the group's host rates stay within this factor.
-SPREAD = 2.0
+SPREAD = 1.5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,8 +98,13 @@ def tree_depth(nodes: Sequence[TreeNode]) -> int:
     return depth
 
 
-def _mean_rate(net: NetState, link: int, start: float, horizon: float) -> float:
-    return net.capacity_integral(link, start, start + horizon) / horizon
+def _rate(net: NetState, link: int) -> float:
+    """What a link offers a tree: its largest residual (its capacity once the reservations
+    running now end). Why not the residual now, nor its mean over the next transfer time:
+    hosts busy for a moment with another tree or model would fall into groups and shapes of
+    their own (more server transfers); the reservation (:func:`reserve_tree`) then waits
+    for them exactly (measured: docs/mlfabric_scheduler.md, "Trees")."""
+    return float(net.peak[link])
 
 
 def shape_tree(hosts: Sequence[int], *, send: Sequence[float], fan: Sequence[float], sink: float,
@@ -139,7 +144,10 @@ def shape_tree(hosts: Sequence[int], *, send: Sequence[float], fan: Sequence[flo
             else:
                 hi = mid
         rate = lo
-    cap = slots(rate)
+    if rate <= 0.0:  # no host can forward now: a chain, the timelines decide when
+        cap = np.ones(n)
+    else:
+        cap = slots(rate)
     order = sorted(range(n), key=lambda i: (-cap[i], -fan_a[i], hosts[i]))
     parent = {hosts[order[0]]: None}
     free = [[order[0], int(cap[order[0]])]]  # breadth first: nodes with slots, shallowest first
@@ -292,21 +300,20 @@ def tree_aggregate(batch: Batch, ordered: OrderResult, *, net: NetState, objecti
         return AggregationResult(split=0, direct=(), groups=(), member_transfers={}, commit={}, obj_async=0.0,
                                  obj_sync=0.0, splits_tried=1)
     big = float(max(sizes[g] for g in order))
-    horizon = max(big / max(float(state.peak[down_link(server)]), 1.0), 1e-9)
-    cache: dict[int, float] = {}
 
     def rate(link: int) -> float:
-        if link not in cache:
-            cache[link] = _mean_rate(state, link, start, horizon)
-        return cache[link]
+        return _rate(state, link)
 
     limit = max_nodes(big, chunk_bytes)
+    sink = rate(down_link(server))
     # consecutive groups: (indices, hosts in first-seen order)
     groups: list[tuple[list[int], list[int]]] = []
     lo = hi = 0.0
     for g in order:
         h = batch.src[g]
-        u = rate(up_link(h)) if h != server else INF
+        # what the host's stream can get: no tree into the server goes faster than its NIC,
+        # so hosts faster than the server are all alike (one tree, not one per NIC speed)
+        u = min(rate(up_link(h)), sink) if h != server else INF
         if groups:
             idx, hosts = groups[-1]
             if h in hosts:
@@ -320,7 +327,6 @@ def tree_aggregate(batch: Batch, ordered: OrderResult, *, net: NetState, objecti
                 continue
         groups.append(([g], [h]))
         lo = hi = u
-    sink = rate(down_link(server))
     shaped = []
     for idx, hosts in groups:
         parent, r = shape_tree(hosts, send=[rate(up_link(h)) for h in hosts],
@@ -369,10 +375,9 @@ def plan_multicast(net: NetState, *, server: int, pullers: Sequence[int], model_
     state = net.fork()
     if not pullers:
         return PullBatchPlan(groups=(), by_server=(), transfers=(), tree={}, chunk_bytes=chunk_bytes)
-    horizon = max(model_size / max(float(state.peak[up_link(server)]), 1.0), 1e-9)
-    down = {h: _mean_rate(state, down_link(h), start, horizon) for h in pullers}
-    up = {h: _mean_rate(state, up_link(h), start, horizon) for h in pullers}
-    src = _mean_rate(state, up_link(server), start, horizon)
+    src = _rate(state, up_link(server))
+    down = {h: min(_rate(state, down_link(h)), src) for h in pullers}  # no tree goes faster than the server
+    up = {h: _rate(state, up_link(h)) for h in pullers}
     limit = max_nodes(model_size, chunk_bytes)
     ranked = sorted(pullers, key=lambda h: (-down[h], h))
     groups: list[list[int]] = []

@@ -164,8 +164,9 @@ class BatchingCore:
     #36: ``host_of`` maps a worker rank to its host (the network node the scheduler plans
     on; None: the rank is the host, today). Requests of co-located workers waiting for the
     same batch are summed on their host into one request (:func:`merge_host_requests`: the
-    rule is "what is ready at the batch"; a worker finishing after its host's request was
-    planned goes in a later batch on its own or with its host's next ones). ``trees``: plan
+    rule is "what is ready at the batch, from the same model version"; a worker finishing after
+    its host's request was planned goes in a later batch on its own or with its host's next
+    ones). ``trees``: plan
     aggregation as multi-level pipelined trees (:mod:`mlfabric.ps.scheduler.trees`) with
     ``chunk_bytes`` cut-through chunks instead of Alg. 3's one level."""
 
@@ -333,16 +334,20 @@ class BatchingCore:
 
 def merge_host_requests(requests: Sequence[Request], host_of: Callable[[int], int]) -> list[Request]:
     """Host-local aggregation's rule (#36): the requests of one model waiting for a batch
-    whose workers share a host become one request, the sum of their updates, in the order
-    of each host's first request. Its ``members`` are every worker rank in it (a request
-    already merged keeps its members), ``rank``/``id`` its first request's (the host's
-    leading member: the pair stays unique), ``version`` the oldest, ``norm`` the sum of norms
-    (a bound of the sum's norm), ``clock`` the oldest, ``sizes`` the largest per component
-    (a sum of dense same-shaped updates is as large as one). A host's lone request is kept as
-    it is (no members added): with one worker per host nothing changes."""
-    by_host: dict[tuple[str, int], list[Request]] = {}
+    whose workers share a host **and were computed from the same model version** become one
+    request, the sum of their updates, in the order of each such set's first request. A
+    host's workers receive the model together (one copy per host), so they normally share
+    the version; a straggler still computing on an older one goes on its own (merged, its
+    older version would make the pair's deadline its own: one doomed update would doom both).
+    Its ``members`` are every worker rank in it (a request already merged keeps its members),
+    ``rank``/``id`` its first request's (the host's leading member: the pair stays unique),
+    ``version`` the members' (the oldest, were they to differ), ``norm`` the sum of norms (a
+    bound of the sum's norm), ``clock`` the oldest, ``sizes`` the largest per component (a
+    sum of dense same-shaped updates is as large as one). A lone request is kept as it is
+    (no members added): with one worker per host nothing changes."""
+    by_host: dict[tuple[str, int, int], list[Request]] = {}
     for r in requests:
-        by_host.setdefault((r.model, host_of(r.rank)), []).append(r)
+        by_host.setdefault((r.model, host_of(r.rank), r.version), []).append(r)
     out: list[Request] = []
     for group in by_host.values():
         if len(group) == 1:
@@ -517,11 +522,10 @@ class PullBatcher:
     _draws: random.Random | None = field(default=None, repr=False)
 
     def ready(self, now: float, sends_done: bool) -> bool:
-        """Whether a batch of pulls may go now. With ``trees`` at once: each model version
-        leaves the server about once, down its own multicast trees, and the planner shares the
-        server's up-link between versions in flight from the residual bandwidths."""
-        if self.trees:
-            return True
+        """Whether a batch of pulls may go now: the last batch's sends are done and past
+        their planned end on the server's up-link. With ``trees`` too (measured: letting a
+        version's multicast start while the last is in flight saturates the server's up-link
+        and shares every relay's NICs, and the pulls wait longer; docs/mlfabric_scheduler.md)."""
         return sends_done and now >= self.busy_until
 
     def answer_at(self) -> float:
