@@ -815,6 +815,8 @@ def bench_scheduler(
     json_path: JsonOption = None,
     quiet: QuietOption = False,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the batches and NIC rates.")] = 0,
+    trees: Annotated[bool, typer.Option("--trees/--no-trees", help="Also plan each batch with #36's pipelined "
+                                        "trees (the same ordering), timed beside.")] = False,
 ) -> None:
     """MLfabric §7.4: ms per batch of the update scheduler vs its plain reference, same batches."""
     from mlfabric.ps.scheduler.bench import SchedulerBenchConfig, render_table, run_scheduler_bench

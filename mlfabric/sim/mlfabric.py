@@ -501,6 +501,8 @@ class _Scheduled(_PS):
         # multicast); the scheduler still drops what would break the delay bound
         self.pull_at_request = c.pull_after == "request"
         self.clock.net.watch = (0,)
+        self.inflight_version: int | None = None  # the version of the multicast in flight (trees)
+        self.inflight_at: dict[int, float] = {}   # when each of its hosts has its copy
 
     def start(self) -> None:
         super().start()
@@ -674,7 +676,14 @@ class _Scheduled(_PS):
         if not self.pulls:
             return
         if self.answering or not self.distribution.ready(t, True):
-            if not self.answering:
+            # answered at once (pull_after="request"), a pull joins the multicast in flight;
+            # held behind its own update ("applied") it waits for the next version instead:
+            # joining hands it the version in flight, older than the one its update made, and
+            # under a delay bound as tight as MLfabric-A-30's on 30 workers that dooms its next
+            # update more often than the shorter wait gains (docs/mlfabric_scheduler.md, "Trees")
+            if self.config.trees and self.pull_at_request and self.inflight_version is not None:
+                self.join_inflight(t)
+            if self.pulls and not self.answering:
                 self._wake(self.distribution.answer_at(), self.answer)
             return
         batch, self.pulls = self.pulls, []
@@ -684,6 +693,8 @@ class _Scheduled(_PS):
         version, size = self.version, self.config.update_bytes
         plan = self.distribution.plan(self.core.network(t), me=0, pullers=list(on_host), model_size=size, now=t)
         self.core.reserve(list(plan.transfers))
+        self.inflight_version = version
+        self.inflight_at = {}
         self.model_copies += len(plan.forwards(0).get(0, ()))
 
         def got(h: int, now: float) -> None:
@@ -712,6 +723,7 @@ class _Scheduled(_PS):
                 def through(now: float, r: float, depths: dict[int, int] = depths) -> None:
                     for h, dh in depths.items():
                         fill = (dh - 1) * (chunk if chunk else size) / r if math.isfinite(r) and r > 0 else 0.0
+                        self.inflight_at[h] = now + fill
                         self.clock.at(now + fill, lambda at, h=h: got(h, at))
                     server_sent(now)
 
@@ -736,6 +748,37 @@ class _Scheduled(_PS):
         for h in plan.by_server:
             self.answering += 1
             self.clock.net.add(0, h, size, lambda now, h=h: direct_done(h, now))
+
+    def join_inflight(self, t: float) -> None:
+        """Pulls ready while a multicast is in flight join it (PullBatcher.attach): the relay
+        forwards what it holds; the joiner's copy is complete no earlier than the relay's."""
+        version, size = self.inflight_version, self.config.update_bytes
+        waiting: dict[int, list[int]] = {}
+        for w in self.pulls:
+            waiting.setdefault(self.host(w), []).append(w)
+        left = []
+        for h, ws in waiting.items():
+            plan = self.distribution.attach(self.core.network(t), me=0, host=h, model_size=size, now=t)
+            if plan is None:
+                left += ws
+                continue
+            self.core.reserve(list(plan.transfers))
+            (relay, _), = plan.tree.items()
+
+            def done(end: float, h: int = h, ws: list[int] = ws, relay: int = relay) -> None:
+                ready = self.inflight_at.get(relay, end)  # the relay's own copy (known once its tree is through)
+                at = max(end, ready)
+                self.inflight_at[h] = at
+                self.clock.at(at, lambda now: self.joined(ws, version, now))
+
+            self.clock.net.add(relay, h, size, done)
+        self.pulls = left
+
+    def joined(self, workers: list[int], version: int, t: float) -> None:
+        for w in workers:
+            self.waits["model"].append(t - self.stamp[w])
+            self.model_version[w] = version
+            self.compute(w, t)
 
     def figures(self, t: float) -> dict[str, Any]:
         """The PS figures, and where a worker's cycle went besides compute (means, seconds):

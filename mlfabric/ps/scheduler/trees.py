@@ -47,10 +47,10 @@ Multi-server batches (§10.2) keep Alg. 3 (docs/mlfabric_scheduler.md, "Trees").
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 
 from mlfabric.ps.scheduler.aggregation import AggregationResult, GroupPlan, Objective, PullBatchPlan, objectives
 from mlfabric.ps.scheduler.netstate import INF, NetState, Transfer, _stats, _subtract, down_link, up_link
@@ -118,9 +118,7 @@ def shape_tree(hosts: Sequence[int], *, send: Sequence[float], fan: Sequence[flo
     n = len(hosts)
     if n == 0:
         return {}, sink
-    send_a = np.asarray(send, dtype=float)
-    fan_a = np.asarray(fan, dtype=float)
-    top = float(min(sink, send_a.min()))
+    top = float(min(sink, min(send)))
     if n == 1 or top <= 0.0:
         # one node (or nothing moves now: a chain, the timelines decide when)
         parent: dict[int, int | None] = {hosts[0]: None}
@@ -128,27 +126,37 @@ def shape_tree(hosts: Sequence[int], *, send: Sequence[float], fan: Sequence[flo
             parent[b] = a
         return parent, max(top, 0.0)
 
-    def slots(r: float) -> np.ndarray:
-        s = np.floor(fan_a / r * (1 + 1e-12))
-        return np.minimum(s, limit) if limit is not None else s
+    if limit is None and all(top <= f < 2 * top for f in fan):
+        # every host can relay exactly one stream at the top rate: the chain the search below
+        # would build (same order), without the search (the common case: equal NICs)
+        order_ = sorted(range(n), key=lambda i: (-fan[i], hosts[i]))
+        parent = {hosts[order_[0]]: None}
+        for a, b in zip(order_, order_[1:]):
+            parent[hosts[b]] = hosts[a]
+        return parent, top
 
+    fan_l = [float(f) for f in fan]
+
+    def slots(r: float) -> list[int]:
+        out = [int(f / r * (1 + 1e-12)) for f in fan_l]
+        return [min(x, limit) for x in out] if limit is not None else out
+
+    # the largest rate whose child slots cover the tree: lower the rate to the next value at
+    # which some host gains a slot until they do (each step adds one slot or more: <= n - 1
+    # steps of n hosts; trees have at most max_nodes hosts)
     rate = top
-    if slots(rate).sum() < n - 1:
-        lo, hi = 0.0, top  # slots(hi) short; find the largest rate whose slots cover the tree
-        best = fan_a.max() / (n - 1)  # one node takes every child: always enough slots
-        lo = min(best, hi)
-        for _ in range(40):
-            mid = 0.5 * (lo + hi)
-            if slots(mid).sum() >= n - 1:
-                lo = mid
-            else:
-                hi = mid
-        rate = lo
-    if rate <= 0.0:  # no host can forward now: a chain, the timelines decide when
-        cap = np.ones(n)
-    else:
+    cap = slots(rate) if rate > 0.0 else [0] * n
+    while rate > 0.0 and sum(cap) < n - 1:
+        gains = [f / (c + 1) for f, c in zip(fan_l, cap) if limit is None or c < limit]
+        nxt = max(gains, default=0.0)
+        if nxt <= 0.0 or nxt >= rate:
+            rate = 0.0
+            break
+        rate = nxt
         cap = slots(rate)
-    order = sorted(range(n), key=lambda i: (-cap[i], -fan_a[i], hosts[i]))
+    if rate <= 0.0:  # no host can forward now: a chain, the timelines decide when
+        cap = [1] * n
+    order = sorted(range(n), key=lambda i: (-cap[i], -fan_l[i], hosts[i]))
     parent = {hosts[order[0]]: None}
     free = [[order[0], int(cap[order[0]])]]  # breadth first: nodes with slots, shallowest first
     head = 0
@@ -185,45 +193,44 @@ def _walk_common(net: NetState, links: dict[int, int], size: float, start: float
     at one common rate, at every instant ``min(residual / streams)``: the end and profile
     (segments from the first positive rate on, equal neighbours merged)."""
     items = [(net.times[l], net.rates[l], m) for l, m in links.items()]
-    idx = []
-    for tl, _, _ in items:
-        i = 0
-        lo, hi = 0, len(tl)
-        while lo < hi:  # bisect_right(tl, start) - 1
-            mid = (lo + hi) // 2
-            if tl[mid] <= start:
-                lo = mid + 1
-            else:
-                hi = mid
-        i = lo - 1
-        if i < 0:
-            raise ValueError(f"start {start} is before the network state's origin")
-        idx.append(i)
+    idx = [bisect_right(tl, start) - 1 for tl, _, _ in items]
+    if min(idx) < 0:
+        raise ValueError(f"start {start} is before the network state's origin")
+    # each link's current (residual / streams, next breakpoint); only links at a breakpoint move
+    cur = [(rl[i] / m, tl[i + 1] if i + 1 < len(tl) else INF) for (tl, rl, m), i in zip(items, idx)]
     t, rem = start, size
     pt: list[float] = []
     pr: list[float] = []
     while True:
-        r, nxt = INF, INF
-        for k, (tl, rl, m) in enumerate(items):
-            i = idx[k]
-            v = rl[i] / m
-            if v < r:
-                r = v
-            if i + 1 < len(tl) and tl[i + 1] < nxt:
-                nxt = tl[i + 1]
-        if (pt or r > 0.0) and (not pr or pr[-1] != r):
+        r = min([c[0] for c in cur])
+        if r <= 0.0:
+            # nothing moves until every full link has residual again: jump there at once
+            # (the other links' breakpoints on the way change nothing: the rate is 0)
+            nxt = min([c[1] for c in cur if c[0] <= 0.0])
+            if nxt == INF:
+                return INF, pt, pr
+            if pt and pr[-1] != 0.0:
+                pt.append(t)
+                pr.append(0.0)
+            t = nxt
+            for k, (tl, rl, m) in enumerate(items):
+                if cur[k][1] <= t:
+                    i = idx[k] = bisect_right(tl, t, idx[k]) - 1
+                    cur[k] = (rl[i] / m, tl[i + 1] if i + 1 < len(tl) else INF)
+            continue
+        nxt = min([c[1] for c in cur])
+        if not pr or pr[-1] != r:
             pt.append(t)
             pr.append(r)
-        if r > 0.0:
-            if nxt == INF or r * (nxt - t) >= rem:
-                return t + rem / r, pt, pr
-            rem -= r * (nxt - t)
-        elif nxt == INF:
-            return INF, pt, pr
+        if nxt == INF or r * (nxt - t) >= rem:
+            return t + rem / r, pt, pr
+        rem -= r * (nxt - t)
         t = nxt
-        for k, (tl, _, _) in enumerate(items):
-            if idx[k] + 1 < len(tl) and tl[idx[k] + 1] == nxt:
-                idx[k] += 1
+        for k, c in enumerate(cur):
+            if c[1] == nxt:
+                tl, rl, m = items[k]
+                i = idx[k] = idx[k] + 1
+                cur[k] = (rl[i] / m, tl[i + 1] if i + 1 < len(tl) else INF)
 
 
 def _apply_common(net: NetState, links: dict[int, int], pt: list[float], pr: list[float], end: float) -> None:
@@ -295,14 +302,15 @@ def tree_aggregate(batch: Batch, ordered: OrderResult, *, net: NetState, objecti
     server = batch.servers[0]
     order = list(ordered.order)
     state = net.fork()
-    sizes = batch.sizes[:, 0]
+    sizes = batch.sizes[:, 0].tolist()
     if not order:
         return AggregationResult(split=0, direct=(), groups=(), member_transfers={}, commit={}, obj_async=0.0,
                                  obj_sync=0.0, splits_tried=1)
     big = float(max(sizes[g] for g in order))
+    peaks = state.peak.tolist()  # the shaping reads the state before any tree is reserved
 
     def rate(link: int) -> float:
-        return _rate(state, link)
+        return peaks[link]
 
     limit = max_nodes(big, chunk_bytes)
     sink = rate(down_link(server))
@@ -442,4 +450,20 @@ def repair_tree(nodes: Sequence[TreeNode], lost: int) -> tuple[tuple[TreeNode, .
     return tuple(out), gone.members
 
 
-__all__ += ["multicast_depths"]
+def attach_to_multicast(net: NetState, *, tree: dict[int, tuple[int, ...]], server: int, host: int,
+                        model_size: float, start: float) -> tuple[int, Transfer]:
+    """A pull that arrives while a multicast is in flight is answered from it (#36: the
+    freshest version already in flight): ``host`` becomes a leaf of ``tree`` under the relay
+    whose up-link has the most residual (leaves first: their up-links carry nothing of this
+    tree), which forwards the chunks it holds and those still coming. Returns the relay and
+    the reserved transfer (on ``net``, changed). A relay cannot send a chunk before it has
+    it: the transfer ends no earlier than the relay's own copy, the caller's to add."""
+    nodes = [h for dsts in tree.values() for h in dsts if h != host]
+    if not nodes:
+        raise ValueError("attach_to_multicast: the tree has no node to relay from")
+    forwarding = {h for h, dsts in tree.items() if dsts}
+    relay = max(nodes, key=lambda h: (h not in forwarding, float(net.peak[up_link(h)]), -h))
+    return relay, net.reserve(relay, host, model_size, start)
+
+
+__all__ += ["attach_to_multicast", "multicast_depths"]

@@ -32,7 +32,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from ...monitor import Ledger, NetworkMonitor
 from ...scheduler import BatchSchedule, NetState, PullBatchPlan, Scheduler, SchedulerConfig, UpdateRequest, plan_pull_batch
-from ...scheduler.trees import plan_multicast
+from ...scheduler.trees import attach_to_multicast, plan_multicast
 from .settings import avg_rate_bps
 
 
@@ -520,6 +520,8 @@ class PullBatcher:
     chunk_bytes: int = 0
     busy_until: float = 0.0
     _draws: random.Random | None = field(default=None, repr=False)
+    #: the multicast in flight (trees): who forwards to whom, so that late pulls join it
+    inflight: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False)
 
     def ready(self, now: float, sends_done: bool) -> bool:
         """Whether a batch of pulls may go now: the last batch's sends are done and past
@@ -538,6 +540,7 @@ class PullBatcher:
             plan = plan_multicast(network, server=me, pullers=hosts, model_size=model_size,
                                   chunk_bytes=self.chunk_bytes, start=now)
             self.busy_until = max((t.end for t in plan.transfers if t.src == me), default=now)
+            self.inflight = dict(plan.tree)
             return plan
         if self._draws is None:
             self._draws = random.Random(self.seed * 7_919 + self.server)
@@ -546,6 +549,23 @@ class PullBatcher:
                                answered_first=list(answered_first))
         self.busy_until = max((t.end for t in plan.transfers if t.src == me), default=now)
         return plan
+
+
+    def attach(self, network: NetState, *, me: int, host: int, model_size: float, now: float) -> PullBatchPlan | None:
+        """With ``trees``, a pull that is ready while a multicast is in flight (before
+        :meth:`ready`) is answered from it: ``host`` joins the tree as a leaf
+        (:func:`mlfabric.ps.scheduler.trees.attach_to_multicast`) and gets the version in
+        flight, not a later one after the round. None: nothing in flight to join (the pull
+        waits for the next round) or the host is already in it."""
+        if not self.trees or now >= self.busy_until or not self.inflight:
+            return None
+        if any(host in dsts for dsts in self.inflight.values()):
+            return None
+        relay, transfer = attach_to_multicast(network.fork(), tree=self.inflight, server=me, host=host,
+                                              model_size=model_size, start=now)
+        self.inflight[relay] = (*self.inflight.get(relay, ()), host)
+        return PullBatchPlan(groups=(), by_server=(), transfers=(transfer,), tree={relay: (host,)},
+                             chunk_bytes=self.chunk_bytes)
 
 
 __all__ = ["BatchPlan", "BatchingCore", "Entry", "GroupOrder", "OrderBook", "OrderPort", "PullBatcher", "Request",
