@@ -12,8 +12,8 @@ The scheduled modes run the runtime's own code, not a copy: every batch is plann
 in batches through :func:`mlfabric.ps.scheduler.distribute` (model distribution, §10.3), as
 :mod:`mlfabric.ps.policies.scheduled` does.
 
-The network is a star of hosts (host 0 the server, hosts ``1..W`` the workers) whose NICs
-have an up and a down capacity, redrawn every ``churn_period_s`` from the churn model (the
+The network is a star of hosts (host 0 the server, hosts ``1..W/N`` the workers, ``N =
+workers_per_host`` to a host sharing its NIC) whose NICs have an up and a down capacity, redrawn every ``churn_period_s`` from the churn model (the
 emulator's :func:`mlfabric.emu.churn.churn_schedule`, same seed, same draws). Transfers are
 fluid flows sharing each NIC max-min fairly; a transfer the scheduler reserved is capped at
 its planned rate (the runtime paces it so). Control messages (requests, decisions, pull
@@ -29,6 +29,13 @@ requests) take no time. Modes:
   by the server in the planned order (an aggregate of m updates takes m versions, as in the
   runtime); a worker's pull is answered once its update is applied;
 * ``mlfabric-s``: BSP rounds whose updates the scheduler orders and aggregates (obj_sync).
+
+With ``trees`` (#36; ``simulate mlfabric --trees``, its default) the scheduler aggregates
+each batch through pipelined trees over the members' hosts and distributes each model version
+down multicast trees; a tree is one flow whose edges move at one common rate (it takes ``k``
+shares of a NIC its ``k`` streams cross), its sum at the server ``depth - 1`` chunk times
+after its bytes are through. A host's co-located workers' requests are summed by the core
+(one host request). RR-Sync then rings the hosts (the intra-host sum is free).
 
 "Time to target": the paper times each mode to a test accuracy; a flow-level simulator has no
 accuracy, so each mode is timed to a number of applied worker updates (``updates``, the same
