@@ -288,3 +288,23 @@ def test_a_lost_root_hands_the_tree_to_its_first_child() -> None:
     assert lost == (30,) and {n.host: n.parent for n in fixed} == {1: None, 2: 1, 4: 1}
     with pytest.raises(ValueError, match="not a node"):
         repair_tree(nodes, 9)
+
+
+def test_mlfabric_s_on_trees_plans_a_rounds_last_requests_at_once() -> None:
+    def core(trees: bool) -> BatchingCore:
+        return BatchingCore(servers=[0], aggregators=[], hosts=4, tau=None, seed=0, interval_s=0.1, slack_s=1.0,
+                            rate_bps=80e9, monitor_lag_s=0.0, trees=trees, chunk_bytes=1 << 20)
+
+    for trees in (False, True):
+        c = core(trees)
+        assert not c.due(0.0, {1, 2, 3})  # the first turn sets the tick
+        for rank in (1, 2):
+            c.request(Request(rank=rank, id=1, model="m", version=0, sizes=(1e6,)))
+        assert c.turn(0.1, {1, 2, 3}, lambda m: 0)  # the tick: ranks 1 and 2 planned
+        c.request(Request(rank=3, id=1, model="m", version=0, sizes=(1e6,)))
+        # rank 3 is the round's last: with trees it goes at once, without it waits for the tick
+        assert c.due(0.15, {1, 2, 3}) is trees
+        if trees:
+            c.turn(0.15, {1, 2, 3}, lambda m: 0)
+            c.request(Request(rank=1, id=2, model="m", version=1, sizes=(1e6,)))
+            assert not c.due(0.16, {1, 2, 3})  # a new round: everyone counts again

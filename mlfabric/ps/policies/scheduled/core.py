@@ -176,6 +176,7 @@ class BatchingCore:
                  chunk_bytes: int = 0) -> None:
         self.host_of = host_of
         self.trees, self.chunk_bytes = trees, int(chunk_bytes)
+        self._round: set[int] = set()  # MLfabric-S on trees: the ranks planned in this BSP round
         self.sync = tau is None
         self.interval_s, self.slack_s = interval_s, slack_s
         self.servers = list(servers)
@@ -217,6 +218,13 @@ class BatchingCore:
         if not any(self.pending.values()):
             return False
         waiting = {r.rank for reqs in self.pending.values() for r in reqs}
+        if self.sync and self.trees:
+            # MLfabric-S on trees (#36): a BSP round holds one update per worker, so the round's
+            # last requests (every worker not yet planned in this round waiting) cannot grow
+            # either: plan them at once, not at the next tick (the round's critical path)
+            if counted <= self._round:
+                self._round = set()
+            return (counted - self._round) <= waiting
         return counted <= waiting
 
     def wake_at(self) -> float | None:
@@ -258,6 +266,8 @@ class BatchingCore:
     def plan(self, model: str, pending: list[Request], v_init: int, now: float) -> BatchPlan:
         """Plan one batch: order and drops (Alg. 2), aggregation (Alg. 3) on the residual network."""
         started = time.perf_counter()
+        if self.sync:
+            self._round |= {rank for r in pending for rank in r.ranks}
         if self.host_of is not None:
             pending = merge_host_requests(pending, self.host_of)
         host = self.host_of or (lambda rank: rank)
