@@ -308,3 +308,33 @@ def test_mlfabric_s_on_trees_plans_a_rounds_last_requests_at_once() -> None:
             c.turn(0.15, {1, 2, 3}, lambda m: 0)
             c.request(Request(rank=1, id=2, model="m", version=1, sizes=(1e6,)))
             assert not c.due(0.16, {1, 2, 3})  # a new round: everyone counts again
+
+
+def test_a_lost_distributor_in_the_middle_of_a_multicast_is_bypassed() -> None:
+    from mlfabric.ps.scheduler.trees import multicast_depths, repair_multicast
+
+    net = NetState.star(9, GB)
+    plan = plan_multicast(net, server=0, pullers=list(range(1, 9)), model_size=100e6, chunk_bytes=1 << 20, start=0.0)
+    middle = next(h for h, dsts in plan.tree.items() if h != 0 and dsts and any(h in d for d in plan.tree.values()))
+    fixed = repair_multicast(plan.tree, middle)
+    reached = [h for dsts in fixed.values() for h in dsts]
+    assert sorted(reached) == sorted(set(range(1, 9)) - {middle}) and len(reached) == len(set(reached))
+    assert set(multicast_depths(fixed, 0)) == set(reached)  # all still connected to the server
+    with pytest.raises(ValueError, match="does not receive"):
+        repair_multicast(fixed, middle)
+
+
+def test_a_pull_during_a_multicast_joins_it_as_a_leaf() -> None:
+    from mlfabric.ps.policies.scheduled.core import PullBatcher
+
+    batcher = PullBatcher(distributors=0, seed=0, server=0, trees=True, chunk_bytes=1 << 20)
+    net = NetState.star(8, GB)
+    plan = batcher.plan(net, me=0, pullers=[1, 2, 3, 4], model_size=100e6, now=0.0)
+    assert not batcher.ready(0.01, True) and batcher.busy_until == pytest.approx(max(t.end for t in plan.transfers))
+    joined = batcher.attach(net, me=0, host=6, model_size=100e6, now=0.01)
+    assert joined is not None
+    (relay, dsts), = joined.tree.items()
+    assert dsts == (6,) and relay in (1, 2, 3, 4) and not plan.tree.get(relay)  # a leaf of the round relays
+    assert joined.transfers[0].src == relay and joined.transfers[0].dst == 6
+    assert batcher.attach(net, me=0, host=6, model_size=100e6, now=0.02) is None  # already in it
+    assert batcher.attach(net, me=0, host=7, model_size=100e6, now=batcher.busy_until) is None  # round over

@@ -37,6 +37,8 @@ out; nothing here sends or reads a clock):
 * :func:`plan_multicast` -- model distribution: the pullers' hosts in trees rooted at the
   server (the same shaping, up and down swapped: each node receives once, forwards to its
   children), so a model version leaves the server once per tree (about once).
+* :func:`repair_multicast` -- a relay lost in the middle of a multicast: the hosts it fed are
+  fed by its own sender; everyone else still gets exactly one copy.
 * :func:`repair_tree` -- a node lost in the middle of a tree: its children's subtrees are
   re-attached to its parent (a lost root's first child becomes the root and adopts the
   others); the lost node's own members are reported lost (their updates were on it),
@@ -466,4 +468,24 @@ def attach_to_multicast(net: NetState, *, tree: dict[int, tuple[int, ...]], serv
     return relay, net.reserve(relay, host, model_size, start)
 
 
-__all__ += ["attach_to_multicast", "multicast_depths"]
+def repair_multicast(tree: dict[int, tuple[int, ...]], lost: int) -> dict[int, tuple[int, ...]]:
+    """A multicast ``tree`` (``PullBatchPlan.tree``) without the relay ``lost``: the hosts it
+    forwarded to are fed by its own sender instead (the server, for a root), in its place;
+    every other host is still reached exactly once. Raises if ``lost`` is not in the tree."""
+    sender = next((src for src, dsts in tree.items() if lost in dsts), None)
+    if sender is None:
+        raise ValueError(f"host {lost} does not receive in this multicast tree")
+    orphans = tree.get(lost, ())
+    out: dict[int, tuple[int, ...]] = {}
+    for src, dsts in tree.items():
+        if src == lost:
+            continue
+        new: list[int] = []
+        for h in dsts:
+            new += list(orphans) if h == lost else [h]
+        if new:
+            out[src] = tuple(new)
+    return out
+
+
+__all__ += ["attach_to_multicast", "multicast_depths", "repair_multicast"]
