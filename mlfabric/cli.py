@@ -1265,7 +1265,7 @@ def simulate_mlfabric_cmd(
                                                               "none.")] = "N1,N2,N3",
     churn_period: Annotated[str, typer.Option("--churn-period", help="Seconds between NIC rate redraws.")] = "5s",
     sync: Annotated[str, typer.Option(help="Modes: allreduce (RR-Sync), tree-allreduce (Tr-Sync), ps-async, "
-                                           "mlfabric-a:TAU, mlfabric-s.")] =
+                                           "mlfabric-a:TAU, mlfabric-s, mlfabric-allreduce (§6, on a worker root).")] =
         "allreduce,tree-allreduce,ps-async,mlfabric-a:30,mlfabric-s",
     updates: Annotated[int, typer.Option(min=1, help="Worker updates every mode must apply (the work to the "
                                               "target).")] = 3000,

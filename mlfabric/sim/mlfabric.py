@@ -28,7 +28,9 @@ requests) take no time. Modes:
   planned by the scheduler (order, drops, aggregation at ``aggregators`` worker hosts), applied
   by the server in the planned order (an aggregate of m updates takes m versions, as in the
   runtime); a worker's pull is answered once its update is applied;
-* ``mlfabric-s``: BSP rounds whose updates the scheduler orders and aggregates (obj_sync).
+* ``mlfabric-s``: BSP rounds whose updates the scheduler orders and aggregates (obj_sync);
+* ``mlfabric-allreduce``: MLfabric's AllReduce (§6): MLfabric-S with a worker host (drawn
+  once per run from the seed) as the root the updates are pushed to and the sum pulled from.
 
 With ``trees`` (#36; ``simulate mlfabric --trees``, its default) the scheduler aggregates
 each batch through pipelined trees over the members' hosts and distributes each model version
@@ -49,6 +51,7 @@ import dataclasses
 import heapq
 import itertools
 import math
+import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -62,7 +65,7 @@ from mlfabric.ps.policies.scheduled.settings import ScheduledSettings, aggregato
 __all__ = ["MLfabricSimConfig", "PAPER_TABLE2", "SIM_MODES", "compare_with_emulation", "cycle_floor_s",
            "simulate_mlfabric", "simulate_mode", "simulate_table2", "table2", "updates_to_target"]
 
-SIM_MODES = ("allreduce", "tree-allreduce", "ps-async", "mlfabric-a:TAU", "mlfabric-s")
+SIM_MODES = ("allreduce", "tree-allreduce", "ps-async", "mlfabric-a:TAU", "mlfabric-s", "mlfabric-allreduce")
 #: The paper's Table 2: MLfabric-A-30's speedup in time to 74% accuracy w.r.t. RR-Sync.
 PAPER_TABLE2 = {"C1": {"N1": 1.74, "N2": 1.23, "N3": 1.42}, "C2": {"N1": 2.96, "N2": 2.0, "N3": 2.32},
                 "C3": {"N1": 1.90, "N2": 1.33, "N3": 1.42}}
@@ -386,6 +389,7 @@ class _PS:
         self.model_version = [0] * config.workers  # the version each worker computes from
         self.hosts = config.workers // config.workers_per_host  # worker hosts 1..hosts
         self.model_copies = 0  # model transfers that left the server
+        self.server = 0  # the host updates go to and the model comes from (a worker host: allreduce's root)
 
     def host(self, worker: int) -> int:
         return worker // self.config.workers_per_host + 1
@@ -418,7 +422,8 @@ class _PS:
         """The run's counts and delays, and the server NIC's busy share (bytes it carried over
         the capacity it offered, in and out; ``server_busy`` the larger)."""
         net = self.clock.net
-        busy = {d: net.sent.get((d, 0), 0.0) / net.offered[(d, 0)] if net.offered.get((d, 0)) else 0.0
+        srv = self.server
+        busy = {d: net.sent.get((d, srv), 0.0) / net.offered[(d, srv)] if net.offered.get((d, srv)) else 0.0
                 for d in ("u", "d")}
         return {"time_s": t, "applied": self.applied, "dropped": self.dropped, "versions": self.version,
                 "max_delay": max(self.delays, default=0),
@@ -468,13 +473,15 @@ class _Scheduled(_PS):
     rate, plus its fill), an aggregator forwarding its group's sum once every member is in,
     and MLfabric-S's rounds (BSP)."""
 
-    def __init__(self, *args: Any, tau: int | None) -> None:
+    def __init__(self, *args: Any, tau: int | None, root: bool = False) -> None:
         super().__init__(*args)
         c = self.config
         self.sync = tau is None
-        aggs = aggregator_ranks(range(1, self.hosts + 1), c.aggregators)  # worker hosts, as the runtime's
+        if root:  # MLfabric's AllReduce (§6): a worker host, drawn once per run, is the root
+            self.server = 1 + random.Random(c.seed).randrange(self.hosts)
+        aggs = [h for h in aggregator_ranks(range(1, self.hosts + 1), c.aggregators) if h != self.server]
         wph = c.workers_per_host
-        self.core = BatchingCore(servers=[0], aggregators=aggs, hosts=self.hosts + 1, tau=tau, seed=c.seed,
+        self.core = BatchingCore(servers=[self.server], aggregators=aggs, hosts=self.hosts + 1, tau=tau, seed=c.seed,
                                  interval_s=c.interval_s, slack_s=c.slack_s, rate_bps=c.rate_bps,
                                  monitor_lag_s=c.monitor_lag_s,
                                  host_of=(lambda rank: host_of_rank(rank, wph)) if wph > 1 else None,
@@ -484,7 +491,7 @@ class _Scheduled(_PS):
         for h in range(up.size):
             self.core.report(h, float(up[h]), float(down[h]), 0.0)
         self.book = OrderBook()
-        self.distribution = PullBatcher(distributors=c.distributors, seed=c.seed, server=0, trees=c.trees,
+        self.distribution = PullBatcher(distributors=c.distributors, seed=c.seed, server=self.server, trees=c.trees,
                                         chunk_bytes=c.chunk_bytes if c.trees else 0)
         # each worker's requests not planned yet, oldest first: (id, version)
         self.open: list[list[tuple[int, int]]] = [[] for _ in range(c.workers)]
@@ -507,7 +514,7 @@ class _Scheduled(_PS):
         # #36: a worker's pull does not wait for its own update (it is answered by the next
         # multicast); the scheduler still drops what would break the delay bound
         self.pull_at_request = c.pull_after == "request"
-        self.clock.net.watch = (0,)
+        self.clock.net.watch = (self.server,)
         self.inflight_version: int | None = None  # the version of the multicast in flight (trees)
         self.inflight_at: dict[int, float] = {}   # when each of its hosts has its copy
 
@@ -587,7 +594,7 @@ class _Scheduled(_PS):
             if d.group == 0:
                 key = ("u", d.rank, d.id)
                 self.clock.at(t + d.start_in, lambda now, ws=workers, vs=versions, key=key, rate=rate, src=src,
-                              batch=plan.batch: self.clock.net.add(src, 0, size, lambda end: self.arrive(batch, key, ws, vs, end),
+                              batch=plan.batch: self.clock.net.add(src, self.server, size, lambda end: self.arrive(batch, key, ws, vs, end),
                                                                    rate))
             elif d.group in nodes:  # summed where it is (its host is a node of the tree)
                 ws, vs, start = tree_in.setdefault(d.group, ([], [], t))
@@ -608,7 +615,7 @@ class _Scheduled(_PS):
         """A pipelined aggregation tree (cut-through): its edges as one flow at a common rate
         (capped at the planned rate), the sum at the server ``depth - 1`` chunk times after
         the bytes are through (each relay holds one chunk)."""
-        edges = [(n.host, 0 if n.parent is None else n.parent) for n in nodes]
+        edges = [(n.host, self.server if n.parent is None else n.parent) for n in nodes]
         depth = _depth({n.host: n.parent for n in nodes})
         chunk = nodes[0].chunk_bytes
         slot = nodes[0].slot
@@ -627,7 +634,7 @@ class _Scheduled(_PS):
         if len(got) == len(group.members):  # the aggregator forwards the sum once every member is in
             ws = [w for m in got for w in m[0]]
             vs = [v for m in got for v in m[1]]
-            self.clock.net.add(group.host, 0, self.config.update_bytes,
+            self.clock.net.add(group.host, self.server, self.config.update_bytes,
                                lambda end: self.arrive(batch, ("g", group.slot), ws, vs, end),
                                _cap(group.rates[0] if group.rates else None))
 
@@ -698,11 +705,19 @@ class _Scheduled(_PS):
         for w in batch:
             on_host.setdefault(self.host(w), []).append(w)
         version, size = self.version, self.config.update_bytes
-        plan = self.distribution.plan(self.core.network(t), me=0, pullers=list(on_host), model_size=size, now=t)
+        if self.server in on_host:  # the root's own workers: the model is there
+            for w in on_host.pop(self.server):
+                self.waits["model"].append(0.0)
+                self.model_version[w] = version
+                self.compute(w, t)
+            if not on_host:
+                return
+        plan = self.distribution.plan(self.core.network(t), me=self.server, pullers=list(on_host), model_size=size,
+                                      now=t)
         self.core.reserve(list(plan.transfers))
         self.inflight_version = version
         self.inflight_at = {}
-        self.model_copies += len(plan.forwards(0).get(0, ()))
+        self.model_copies += len(plan.forwards(self.server).get(self.server, ()))
 
         def got(h: int, now: float) -> None:
             for w in on_host.pop(h, ()):
@@ -716,7 +731,7 @@ class _Scheduled(_PS):
                 self.answer(now)  # the pulls that became ready meanwhile
 
         if plan.tree:
-            for root in plan.tree.get(0, ()):
+            for root in plan.tree.get(self.server, ()):
                 sub = {root: None}
                 queue = [root]
                 while queue:
@@ -735,7 +750,7 @@ class _Scheduled(_PS):
                     server_sent(now)
 
                 self.answering += 1
-                self.clock.net.add_tree([(0 if p is None else p, h) for h, p in sub.items()], size, through)
+                self.clock.net.add_tree([(self.server if p is None else p, h) for h, p in sub.items()], size, through)
             return
         relays = {d: list(ws) for d, ws in plan.groups}
 
@@ -751,10 +766,10 @@ class _Scheduled(_PS):
 
         for d in reversed(list(relays)):
             self.answering += 1
-            self.clock.net.add(0, d, size, lambda now, d=d: at_relay(d, now))
+            self.clock.net.add(self.server, d, size, lambda now, d=d: at_relay(d, now))
         for h in plan.by_server:
             self.answering += 1
-            self.clock.net.add(0, h, size, lambda now, h=h: direct_done(h, now))
+            self.clock.net.add(self.server, h, size, lambda now, h=h: direct_done(h, now))
 
     def join_inflight(self, t: float) -> None:
         """Pulls ready while a multicast is in flight join it (PullBatcher.attach): the relay
@@ -765,7 +780,7 @@ class _Scheduled(_PS):
             waiting.setdefault(self.host(w), []).append(w)
         left = []
         for h, ws in waiting.items():
-            plan = self.distribution.attach(self.core.network(t), me=0, host=h, model_size=size, now=t)
+            plan = self.distribution.attach(self.core.network(t), me=self.server, host=h, model_size=size, now=t)
             if plan is None:
                 left += ws
                 continue
@@ -864,9 +879,9 @@ def simulate_mode(config: MLfabricSimConfig, mode: str) -> dict[str, Any]:
         tau = int(mode.split(":", 1)[1]) if ":" in mode else None
         ps: _PS = _Async(config, env, clock, needed, tau=tau)
         _follow_churn(env, clock)
-    elif mode.startswith("mlfabric-a:") or mode == "mlfabric-s":
-        tau = int(mode.split(":", 1)[1]) if mode != "mlfabric-s" else None
-        ps = _Scheduled(config, env, clock, needed, tau=tau)
+    elif mode.startswith("mlfabric-a:") or mode in ("mlfabric-s", "mlfabric-allreduce"):
+        tau = int(mode.split(":", 1)[1]) if mode.startswith("mlfabric-a:") else None
+        ps = _Scheduled(config, env, clock, needed, tau=tau, root=mode == "mlfabric-allreduce")
         _follow_churn(env, clock, ps.monitor)
     else:
         raise ValueError(f"unknown simulated mode {mode!r}; choose from {', '.join(SIM_MODES)}")
@@ -993,7 +1008,7 @@ def compare_with_emulation(config: MLfabricSimConfig, train_json: dict[str, Any]
 
 
 def _simulated(mode: str) -> bool:
-    return mode in ("allreduce", "tree-allreduce", "ps-async", "mlfabric-s") or mode.startswith(("mlfabric-a:",
+    return mode in ("allreduce", "tree-allreduce", "ps-async", "mlfabric-s", "mlfabric-allreduce") or mode.startswith(("mlfabric-a:",
                                                                                                    "ps-async:"))
 
 

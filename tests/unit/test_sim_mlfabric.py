@@ -298,3 +298,14 @@ def test_the_trees_ceiling_is_reported_and_obeyed() -> None:
     assert floors["trees"] == pytest.approx(c + config.interval_s / 2 + 2 * t)
     a = simulate_mlfabric(config, ["allreduce", "mlfabric-a:6"])[1]
     assert 0 < a["speedup"] <= a["ceiling_trees"] <= a["ceiling_any"]
+
+
+def test_mlfabrics_allreduce_is_mlfabric_s_rooted_at_a_worker_host() -> None:
+    config = MLfabricSimConfig(**{**HOSTS2, "churn": None})
+    r = simulate_mode(config, "mlfabric-allreduce")
+    assert r["applied"] == 160 and r["versions"] == 20 and r["max_delay"] == 0  # one version per round
+    assert r["updates_per_server_transfer"] > 1  # the root's NIC takes sums, not single updates
+    s = simulate_mode(config, "mlfabric-s")
+    assert r["time_s"] != s["time_s"]  # another sink: the root's own workers need no transfer
+    with pytest.raises(ValueError, match="unknown simulated mode"):
+        simulate_mode(config, "mlfabric-allreduce:3")
