@@ -13,7 +13,8 @@ in batches through :func:`mlfabric.ps.scheduler.distribute` (model distribution,
 :mod:`mlfabric.ps.policies.scheduled` does.
 
 The network is a star of hosts (host 0 the server, hosts ``1..W/N`` the workers, ``N =
-workers_per_host`` to a host sharing its NIC) whose NICs have an up and a down capacity, redrawn every ``churn_period_s`` from the churn model (the
+workers_per_host`` to a host sharing its NIC) whose NICs have an up and a down capacity,
+redrawn every ``churn_period_s`` from the churn model (the
 emulator's :func:`mlfabric.emu.churn.churn_schedule`, same seed, same draws). Transfers are
 fluid flows sharing each NIC max-min fairly; a transfer the scheduler reserved is capped at
 its planned rate (the runtime paces it so). Control messages (requests, decisions, pull
@@ -60,7 +61,8 @@ import numpy as np
 from mlfabric.emu.churn import churn_model, churn_schedule
 from mlfabric.ps.monitor import NetworkMonitor
 from mlfabric.ps.policies.scheduled.core import BatchingCore, BatchPlan, GroupOrder, OrderBook, PullBatcher, Request
-from mlfabric.ps.policies.scheduled.settings import ScheduledSettings, aggregator_ranks, check_tree_settings, host_of_rank
+from mlfabric.ps.policies.scheduled.settings import (ScheduledSettings, aggregator_ranks, check_tree_settings,
+                                                      host_of_rank)
 
 __all__ = ["MLfabricSimConfig", "PAPER_TABLE2", "SIM_MODES", "compare_with_emulation", "cycle_floor_s",
            "simulate_mlfabric", "simulate_mode", "simulate_table2", "table2", "updates_to_target"]
@@ -594,8 +596,8 @@ class _Scheduled(_PS):
             if d.group == 0:
                 key = ("u", d.rank, d.id)
                 self.clock.at(t + d.start_in, lambda now, ws=workers, vs=versions, key=key, rate=rate, src=src,
-                              batch=plan.batch: self.clock.net.add(src, self.server, size, lambda end: self.arrive(batch, key, ws, vs, end),
-                                                                   rate))
+                              batch=plan.batch: self.clock.net.add(
+                                  src, self.server, size, lambda end: self.arrive(batch, key, ws, vs, end), rate))
             elif d.group in nodes:  # summed where it is (its host is a node of the tree)
                 ws, vs, start = tree_in.setdefault(d.group, ([], [], t))
                 ws += workers
@@ -604,9 +606,9 @@ class _Scheduled(_PS):
             else:
                 g = groups[d.group]
                 self.clock.at(t + d.start_in, lambda now, ws=workers, vs=versions, g=g, rate=rate, src=src,
-                              batch=plan.batch: self.clock.net.add(src, d_hop(g), size,
-                                                                   lambda end: self.member_in(batch, g, ws, vs, members_in, end),
-                                                                   rate))
+                              batch=plan.batch: self.clock.net.add(
+                                  src, d_hop(g), size, lambda end: self.member_in(batch, g, ws, vs, members_in, end),
+                                  rate))
         for slot, (ws, vs, start) in tree_in.items():
             self.clock.at(start, lambda now, slot=slot, ws=ws, vs=vs, batch=plan.batch:
                           self.send_tree(batch, nodes[slot], ws, vs))
@@ -622,7 +624,8 @@ class _Scheduled(_PS):
         rate = _cap(nodes[0].rates[0] if nodes[0].rates else None)
 
         def through(t: float, r: float) -> None:
-            fill = (depth - 1) * (chunk if chunk else self.config.update_bytes) / r if math.isfinite(r) and r > 0 else 0.0
+            unit = chunk if chunk else self.config.update_bytes
+            fill = (depth - 1) * unit / r if math.isfinite(r) and r > 0 else 0.0
             self.clock.at(t + fill, lambda now: self.arrive(batch, ("g", slot), workers, versions, now))
 
         self.clock.net.add_tree(edges, self.config.update_bytes, through, rate)
@@ -1008,7 +1011,8 @@ def compare_with_emulation(config: MLfabricSimConfig, train_json: dict[str, Any]
 
 
 def _simulated(mode: str) -> bool:
-    return mode in ("allreduce", "tree-allreduce", "ps-async", "mlfabric-s", "mlfabric-allreduce") or mode.startswith(("mlfabric-a:",
+    return mode in ("allreduce", "tree-allreduce", "ps-async", "mlfabric-s",
+                    "mlfabric-allreduce") or mode.startswith(("mlfabric-a:",
                                                                                                    "ps-async:"))
 
 

@@ -97,8 +97,9 @@ def _plan_trees(batch: Batch, net: NetState, objective: str, chunk_bytes: int) -
     from mlfabric.ps.scheduler.trees import tree_aggregate
 
     ordered = order_updates(batch, net)
-    return Plan(ordered=ordered, aggregated=tree_aggregate(batch, ordered, net=net, objective=objective,  # type: ignore[arg-type]
-                                                           chunk_bytes=chunk_bytes))
+    trees = tree_aggregate(batch, ordered, net=net, objective=objective,  # type: ignore[arg-type]
+                           chunk_bytes=chunk_bytes)
+    return Plan(ordered=ordered, aggregated=trees)
 
 
 def _timed(fn: Callable[[], Plan]) -> tuple[float, Plan]:

@@ -240,7 +240,8 @@ class Scheduler:
         dropped.sort(key=lambda d: d.update_id)
         aggregates = tuple(GroupPlan(slot=grp.slot, hosts=grp.hosts, members=tuple(reqs[g].update_id for g in grp.members),
                                      ready=grp.ready, transfers=grp.transfers, arrival=grp.arrival, commit=grp.commit,
-                                     nodes=tuple(dataclasses.replace(n, members=tuple(reqs[g].update_id for g in n.members))
+                                     nodes=tuple(dataclasses.replace(n, members=tuple(reqs[g].update_id
+                                                                                      for g in n.members))
                                                  for n in grp.nodes), chunk_bytes=grp.chunk_bytes)
                            for grp in agg.groups)
         return BatchSchedule(decisions=tuple(kept + dropped), aggregates=aggregates, split=agg.split,

@@ -190,7 +190,8 @@ def _nodes(parent: dict[int, int | None], members: dict[int, list[int]]) -> tupl
     return tuple(out)
 
 
-def _walk_common(net: NetState, links: dict[int, int], size: float, start: float) -> tuple[float, list[float], list[float]]:
+def _walk_common(net: NetState, links: dict[int, int], size: float,
+                 start: float) -> tuple[float, list[float], list[float]]:
     """Send ``size`` bytes from ``start`` on every link of ``links`` (link -> streams on it)
     at one common rate, at every instant ``min(residual / streams)``: the end and profile
     (segments from the first positive rate on, equal neighbours merged)."""
@@ -283,8 +284,8 @@ def reserve_tree(net: NetState, edges: Sequence[tuple[int, int]], size: float, s
         raise ValueError(f"tree {list(edges)} never completes: a link on it has no capacity left")
     _apply_common(net, links, pt, pr, end)
     tp, rp = tuple(pt), tuple(pr)
-    trs = tuple(Transfer(s, d, float(size), start, end, tp, rp) if s != d else Transfer(s, d, float(size), start, start, (), ())
-                for s, d in edges)
+    trs = tuple(Transfer(s, d, float(size), start, end, tp, rp) if s != d
+                else Transfer(s, d, float(size), start, start, (), ()) for s, d in edges)
     return trs, end
 
 
