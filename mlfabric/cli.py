@@ -1335,7 +1335,7 @@ def simulate_mlfabric_cmd(
                       caption="speedup in time to the same applied updates (simulated)"
                               + (f"; after <=: the most any scheduler could reach {design} "
                                  "(docs/mlfabric_scheduler.md, Table 2); in brackets: the paper's MLfabric-A-30"
-                                 if mode.startswith("mlfabric-a") else ""),
+                                 if mode.startswith("mlfabric-a:") else ""),
                       caption_justify="left")
         table.add_column("compute")
         for name in names:
@@ -1344,7 +1344,7 @@ def simulate_mlfabric_cmd(
             cells = []
             for name in names:
                 value = grid.get(inj, {}).get(name)
-                paper = PAPER_TABLE2.get(inj, {}).get(name) if mode.startswith("mlfabric-a") else None
+                paper = PAPER_TABLE2.get(inj, {}).get(name) if mode.startswith("mlfabric-a:") else None
                 ceiling = ceilings.get((inj, name))
                 cells.append(("-" if value is None else f"{value:.2f}") + (f" <={ceiling:.2f}" if ceiling else "")
                              + (f" [{paper:.2f}]" if paper else ""))

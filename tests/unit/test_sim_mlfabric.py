@@ -309,3 +309,17 @@ def test_mlfabrics_allreduce_is_mlfabric_s_rooted_at_a_worker_host() -> None:
     assert r["time_s"] != s["time_s"]  # another sink: the root's own workers need no transfer
     with pytest.raises(ValueError, match="unknown simulated mode"):
         simulate_mode(config, "mlfabric-allreduce:3")
+
+
+def test_the_cli_prints_the_papers_figures_beside_mlfabric_a_only(tmp_path: Any) -> None:
+    # regression: "mlfabric-allreduce" starts with "mlfabric-a" and got MLfabric-A-30's figures
+    from mlfabric.cli import app
+
+    result = CliRunner().invoke(app, ["simulate", "mlfabric", "--workers", "4", "--workers-per-host", "2",
+                                      "--update-size", "1MB", "--rate", "80mbit", "--compute", "50ms", "--inject",
+                                      "C1", "--churn", "N1", "--sync", "allreduce,mlfabric-allreduce,mlfabric-a:4",
+                                      "--updates", "40", "--chunk-size", "64KiB"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    allreduce_table = result.output.split("mlfabric-allreduce vs RR-Sync")[1].split("vs RR-Sync")[0]
+    assert "[1.74]" not in allreduce_table and "[1.74]" in result.output.split("mlfabric-a:4 vs RR-Sync")[1]
+    assert "where the PS modes' time went" in result.output
