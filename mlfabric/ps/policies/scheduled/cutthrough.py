@@ -28,7 +28,7 @@ The aggregator thread (:mod:`.aggregator`) and the server (:mod:`.server`) drive
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
@@ -57,6 +57,12 @@ def chunk_count(numel: int, chunk_elems: int) -> int:
     if chunk_elems <= 0 or chunk_elems >= numel:
         return 1
     return -(-numel // chunk_elems)
+
+
+def chunk_elems(chunk_bytes: int, element_size: int) -> int:
+    """A chunk's elements for ``chunk_bytes`` (0: store-and-forward, one chunk); every node of a
+    tree derives it the same way from the plan's ``chunk_bytes``."""
+    return max(1, chunk_bytes // element_size) if chunk_bytes > 0 else 0
 
 
 def chunk_span(index: int, numel: int, chunk_elems: int) -> tuple[int, int]:
@@ -203,4 +209,62 @@ class Assembler:
         return Assembly(tensor=self.tensor, members=members, torn=len(sets) > 1)
 
 
-__all__ = ["Assembler", "Assembly", "ChunkSum", "Forward", "Member", "Source", "chunk_count", "chunk_span"]
+# --------------------------------------------------------------------------- a slot's tree
+
+
+@dataclass(frozen=True)
+class TreeNode:
+    """One aggregator host of a group's tree: where it forwards (None: the servers), the
+    aggregator hosts it waits for and its direct members (rank, update id)."""
+
+    parent: int | None
+    children: tuple[int, ...]
+    members: tuple[tuple[int, int], ...]
+
+
+Tree = dict[int, TreeNode]
+
+
+def encode_tree(tree: Tree) -> list[list[Any]]:
+    """As the group and decision messages carry it (JSON: lists)."""
+    return [[host, n.parent, list(n.children), [list(m) for m in n.members]] for host, n in sorted(tree.items())]
+
+
+def decode_tree(data: Sequence[Sequence[Any]]) -> Tree:
+    return {int(host): TreeNode(parent=None if parent is None else int(parent), children=tuple(int(c) for c in children),
+                                members=tuple((int(r), int(i)) for r, i in members))
+            for host, parent, children, members in data}
+
+
+def node_inputs(tree: Tree, host: int) -> list[Source]:
+    """What ``host`` sums: its members' updates, then its children's partial sums."""
+    node = tree[host]
+    return [("m", r, i) for r, i in node.members] + [("c", c) for c in node.children]
+
+
+def tree_root(tree: Tree, host: int) -> int:
+    """The root above ``host`` (the node that forwards to the servers; a group summed on
+    several hosts, one per server component, has one root per host)."""
+    seen = {host}
+    while tree[host].parent is not None:
+        host = tree[host].parent  # type: ignore[assignment]
+        if host in seen or host not in tree:
+            raise ValueError(f"a group's tree is not a tree: its parents loop or leave it at host {host}")
+        seen.add(host)
+    return host
+
+
+def reroute(tree: Tree, hop: int, gone: Callable[[int], bool]) -> tuple[int | None, list[tuple[int, list[Source]]]]:
+    """Where a contribution meant for tree node ``hop`` goes when nodes are ``gone``: the
+    nearest live ancestor (None: the servers), and the lost nodes it stands in for, each with
+    its inputs (what the receiver's :meth:`ChunkSum.lost` needs)."""
+    chain: list[tuple[int, list[Source]]] = []
+    current: int | None = hop
+    while current is not None and gone(current):
+        chain.append((current, node_inputs(tree, current)))
+        current = tree[current].parent
+    return current, chain
+
+
+__all__ = ["Assembler", "Assembly", "ChunkSum", "Forward", "Member", "Source", "Tree", "TreeNode", "chunk_count",
+           "chunk_elems", "chunk_span", "decode_tree", "encode_tree", "node_inputs", "reroute", "tree_root"]

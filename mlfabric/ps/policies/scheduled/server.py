@@ -30,6 +30,7 @@ from ...policy import answer_directly
 from ...protocol import payload_tensor
 from ...scheduler import NetState
 from .core import Entry, OrderBook, PullBatcher, entry_count, entry_key
+from .cutthrough import Assembler, Assembly, ChunkSum
 from .service import SchedulerService
 from .settings import ScheduledSettings
 
@@ -62,6 +63,13 @@ class ScheduledServerSide:
         # the time after which the round goes on without it.
         self._expected: dict[tuple[str, int], dict[int, float]] = {}
         self._routed_in: dict[tuple[str, int], set[int]] = {}  # (model, round) -> ranks whose update is in
+        # Aggregation trees (.cutthrough): per (model, batch, slot) the root's chunks being put
+        # together (a ChunkSum over the root, whose inputs stand in for it if it is lost), and
+        # the groups already handed on (their late chunks are ignored).
+        self._assembling: dict[tuple[str, int, int], tuple[ChunkSum, Assembler, float]] = {}
+        self._assembled: dict[tuple[str, int, int], float] = {}
+        self.torn = 0
+        self._group_deadlines: dict[tuple[str, int, int], float] = {}  # when the order book skips a group entry
 
     # -- the serving loop's hooks --------------------------------------------------------------
 
@@ -88,6 +96,9 @@ class ScheduledServerSide:
         if "batch" not in header:
             server.stats.unscheduled += 1
             return False
+        if "chunk" in header:  # a chunk of a tree's aggregate (its root's, or re-routed around it)
+            self._tree_chunk(server, worker, header, payload)
+            return True
         if server.config.consistency.kind == "bsp":
             self._expected_arrived(server, header)
             return False
@@ -98,7 +109,80 @@ class ScheduledServerSide:
         return True
 
     def step(self, server: "ServerPort", now: float) -> None:
+        if self._assembling:
+            self._expire_assemblies(server, now)
         self.apply_batches(server, now)
+        if self._assembling or self._assembled:  # incomplete aggregates: their entries were skipped long ago
+            limit = server.config.timeout_s
+            for key in [k for k, (_, _, t) in self._assembling.items() if now - t > limit]:
+                del self._assembling[key]
+            for key in [k for k, t in self._assembled.items() if now - t > limit]:
+                del self._assembled[key]
+            with self._order_lock:
+                for key in [k for k, t in self._group_deadlines.items() if now - t > limit]:
+                    del self._group_deadlines[key]
+
+    def _expire_assemblies(self, server: "ServerPort", now: float) -> None:
+        """A tree's aggregate still incomplete at its entry's deadline (its root was lost and one
+        of the inputs standing in for it never came): what came goes on, just before the order
+        book would skip the entry (a chunk nobody sent leaves it incomplete: skipped)."""
+        with self._order_lock:
+            due = [k for k in self._assembling if now >= self._group_deadlines.get(k, float("inf"))]
+        for key in due:
+            chunk_sum, assembler, _ = self._assembling[key]
+            for forward in chunk_sum.expire():
+                whole = assembler.add(forward)
+                if whole is not None:
+                    self._deliver(server, key, whole, clock=0)
+                    break
+            self._assembling.pop(key, None)
+
+    def _tree_chunk(self, server: "ServerPort", worker: int, header: dict[str, Any], payload: memoryview) -> None:
+        """One chunk of a tree's aggregate for this server's component; once every chunk is in,
+        the whole aggregate goes the way of an aggregator's push (held for its entry, or counted
+        toward its round); a torn one (chunks summed over different members) is not applied:
+        its entry is skipped at its deadline like a late one."""
+        shard = server.shard(header["model"], "push")
+        key = (shard.spec.name, int(header["batch"]), int(header["slot"]))
+        if key in self._assembled:
+            return
+        now = time.monotonic()
+        elems, index = int(header["elems"]), int(header["chunk"])
+        entry = self._assembling.get(key)
+        if entry is None:
+            entry = self._assembling[key] = (ChunkSum([("c", int(header["root"]))], shard.length, elems),
+                                             Assembler(shard.length, elems, shard.spec.torch_dtype), now)
+        chunk_sum, assembler, _ = entry
+        _, length = chunk_sum.span(index)
+        tensor = payload_tensor(payload, shard.spec.torch_dtype, length,
+                                f"chunk {index} of group {key[2]} of batch {key[1]} to server {server.server}").clone()
+        forwards = []
+        for host, inputs in header.get("lost", []):
+            forwards += chunk_sum.lost(("c", int(host)), [tuple(s) for s in inputs])
+        forwards += chunk_sum.add(tuple(header["source"]), index, tensor, [tuple(m) for m in header["members"]])
+        for forward in forwards:
+            whole = assembler.add(forward)
+            if whole is not None:
+                self._deliver(server, key, whole, clock=int(header.get("clock", 0)))
+                return
+
+    def _deliver(self, server: "ServerPort", key: tuple[str, int, int], whole: Assembly, clock: int) -> None:
+        """A whole aggregate goes the way of an aggregator's push; a torn one is not applied."""
+        self._assembling.pop(key, None)
+        self._assembled[key] = time.monotonic()
+        if whole.torn:
+            self.torn += 1
+            log.warning("%s: group %d of batch %d of %r: its chunks hold different updates (a node forwarded at "
+                        "its deadline after part of the sum had gone): not applied, its entry is skipped",
+                        server.who, key[2], key[1], key[0])
+            return
+        members = whole.members
+        push = {"op": protocol.PUSH, "model": key[0], "batch": key[1], "slot": key[2], "clock": clock,
+                "version": min(m[2] for m in members), "norm": 0.0,
+                "workers": [server.layout.worker_index(m[0]) for m in members],
+                "versions": [m[2] for m in members], "members": [[m[0], m[1]] for m in members]}
+        # the sender named: a member worker of the aggregate (the runtime refuses non-workers)
+        server.receive_push(server.layout.worker_index(members[0][0]), push, tensor_bytes(whole.tensor))
 
     def finish(self, server: "ServerPort") -> None:
         self.apply_batches(server, float("inf"))  # what arrived of the last batches, in order
@@ -108,6 +192,9 @@ class ScheduledServerSide:
         runs beside this loop)."""
         with self._order_lock:
             self._incoming_orders.append((order, received))
+            for e in order["entries"]:
+                if e[0] == "g":
+                    self._group_deadlines[(order["model"], int(order["batch"]), int(e[1]))] = received + float(e[3])
             if not order.get("sync"):
                 self._planned_ahead[order["model"]] += sum(entry_count(e) for e in order["entries"])
         server.wake()

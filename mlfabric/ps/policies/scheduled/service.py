@@ -25,6 +25,7 @@ from ...monitor import Ledger, NetworkMonitor
 from ...scheduler import NetState
 from ...scheduler.replication import ReplicaUnit, ReplicationPlan, plan_replication
 from .core import BatchingCore, BatchPlan, CoreStats, Request
+from .cutthrough import TreeNode, encode_tree
 from .settings import UNITS_PER_BATCH, ScheduledSettings, aggregator_ranks, avg_rate_bps
 
 if TYPE_CHECKING:
@@ -211,18 +212,27 @@ class SchedulerService:
             else:
                 self.transport.send(rank, protocol.request_tag(session), b"", meta=protocol.encode(**order),
                                     channel=channel)
+        trees = plan_trees(plan) if not plan.sync else {}
         for d in plan.decisions:
             if d.drop:
                 meta = protocol.encode(op="decision", drop=True, reason=d.reason, batch=plan.batch)
             else:
+                # a member of a tree sends chunk by chunk and keeps its update till its node's
+                # deadline (to send it again around the node if it is lost): it gets the tree
+                tree = trees.get(d.group) if d.group else None
+                node = next((g for g in tree[1] if any(m == (d.rank, d.id) for m in g.members)), None) if tree else None
+                extra = {} if node is None else {"tree": tree[0], "chunk_bytes": int(getattr(node, "chunk_bytes", 0)),
+                                                 "hold_in": node.deadline_in + self.settings.slack_s}
                 meta = protocol.encode(op="decision", drop=False, batch=plan.batch, group=d.group, position=d.position,
-                                       hop=list(d.hop), start_in=d.start_in, rates=list(d.rates))
+                                       hop=list(d.hop), start_in=d.start_in, rates=list(d.rates), **extra)
             self.transport.send(d.rank, protocol.tag(protocol.DECISION, session, d.id), b"", meta=meta,
                                 channel=channel)
         for g in plan.groups:
+            extra = {} if g.slot not in trees else {"tree": trees[g.slot][0],
+                                                    "chunk_bytes": int(getattr(g, "chunk_bytes", 0))}
             meta = protocol.encode(op="group", batch=plan.batch, slot=g.slot, model=plan.model,
                                    members=[list(m) for m in g.members], servers=list(g.servers),
-                                   deadline_in=g.deadline_in, rates=list(g.rates))
+                                   deadline_in=g.deadline_in, rates=list(g.rates), **extra)
             self.transport.send(g.host, protocol.tag(protocol.AGGREGATE, session), b"", meta=meta, channel=channel)
 
     # -- network replication (§5.3) ----------------------------------------------------------
@@ -340,6 +350,27 @@ class SchedulerService:
             self.transport.send(replica, protocol.tag(protocol.REPLICATE, session), b"", channel=channel,
                                 meta=protocol.encode(op="units", model=model, units=list(plan.frozen),
                                                      commit_in=[plan.replica_commit[k] - now for k in plan.frozen]))
+
+
+def plan_trees(plan: BatchPlan) -> dict[int, tuple[list[list[Any]], list[Any]]]:
+    """Per group slot whose nodes form a tree (a node with a ``parent`` or ``children``, or
+    cut-through ``chunk_bytes``: :class:`~.core.GroupOrder`'s tree fields), the tree as the
+    messages carry it and its nodes' orders. Slots of today's one-level, store-and-forward
+    groups are left out: they keep the plain group path (:meth:`Aggregator._forward_ready`).
+    MLfabric-S (``sync``) has none: its rounds sum whatever arrives, so its nodes forward
+    their members' sums straight to the servers."""
+    slots: dict[int, list[Any]] = {}
+    for g in plan.groups:
+        slots.setdefault(g.slot, []).append(g)
+    trees = {}
+    for slot, nodes in slots.items():
+        if not any(getattr(g, "parent", None) is not None or getattr(g, "children", ()) or getattr(g, "chunk_bytes", 0)
+                   for g in nodes):
+            continue
+        tree = {g.host: TreeNode(parent=getattr(g, "parent", None), children=tuple(getattr(g, "children", ())),
+                                 members=tuple(tuple(m) for m in g.members)) for g in nodes}
+        trees[slot] = (encode_tree(tree), nodes)
+    return trees
 
 
 # --------------------------------------------------------------------------- the worker's daemon

@@ -24,6 +24,7 @@ from mlfabric.transport.base import SendHandle, Transport, tensor_bytes
 from ... import protocol
 from ...waits import wait_until
 from .aggregator import Aggregator, wait_sent
+from .cutthrough import chunk_count, chunk_elems, chunk_span, decode_tree, tree_root
 from .settings import ScheduledSettings
 
 if TYPE_CHECKING:
@@ -44,6 +45,23 @@ class DaemonStats:
     def as_dict(self) -> dict[str, int]:
         return {"requested": self.requested, "dropped_by_scheduler": self.dropped, "fallbacks": self.fallbacks,
                 "sent_to_aggregators": self.aggregated}
+
+
+def tree_chunks(model: str, decision: dict[str, Any], server: int, component: torch.Tensor,
+                fields: dict[str, Any]) -> list[tuple[dict[str, Any], torch.Tensor]]:
+    """One member's component as the chunks its tree node sums (framing: :mod:`.aggregator`,
+    "aggregation trees"); ``fields``: the push's (rank, id, version, clock)."""
+    elems = chunk_elems(int(decision.get("chunk_bytes", 0)), component.element_size())
+    numel = component.numel()
+    root = tree_root(decode_tree(decision["tree"]), int(decision["hop"][server]))
+    member = [int(fields["rank"]), int(fields["id"]), int(fields["version"])]
+    out = []
+    for index in range(chunk_count(numel, elems)):
+        start, length = chunk_span(index, numel, elems)
+        out.append(({"model": model, "batch": int(decision["batch"]), "slot": int(decision["group"]), "server": server,
+                     "chunk": index, "elems": elems, "source": ["m", member[0], member[1]], "members": [member],
+                     "clock": int(fields.get("clock", 0)), "root": root}, component[start:start + length]))
+    return out
 
 
 class ScheduledWorkerSide:
@@ -116,6 +134,12 @@ class ScheduledWorkerSide:
             if hop in w.serving:  # a server (or the replica that took over one), else an aggregator
                 handles.append(transport.send(hop, protocol.request_tag(session), tensor_bytes(component),
                                               meta=protocol.encode(**fields), channel=w.channel))
+            elif "tree" in decision:  # a node of a multi-level (or cut-through) tree: chunk by chunk
+                self.stats.aggregated += 1
+                assert self._aggregator is not None
+                handles += self._aggregator.contribute(model, j, hop, decode_tree(decision["tree"]),
+                                                       tree_chunks(model, decision, j, component, fields),
+                                                       float(decision.get("hold_in", w.config.timeout_s)))
             else:
                 self.stats.aggregated += 1
                 member = {**fields, "op": "member", "slot": decision["group"], "server": j}

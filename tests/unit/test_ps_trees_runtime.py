@@ -1,0 +1,170 @@
+"""The ``scheduled`` policy's multi-level, cut-through aggregation trees running for real on
+threads (memory transport): every update applied exactly once, and a tree node lost in the
+middle of a tree repaired (its subtree sent to its parent) without losing or double-counting
+an update.
+
+    .venv/bin/python -m pytest tests/unit/test_ps_trees_runtime.py -q
+
+The trees are the planner's to choose (``GroupOrder.parent`` / ``children`` / ``chunk_bytes``);
+here a stand-in shapes each batch into one chain over its members (depth = members), so that
+the runtime's side is tested whatever the planner picks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from mlfabric.ps import PSConfig, PSLayout, local_jobs
+from mlfabric.ps.policies.scheduled import ScheduledSettings, SchedulerService
+from mlfabric.ps.policies.scheduled.aggregator import Aggregator
+
+STEPS, SIZE, CHUNK_BYTES = 4, 2000, 1024  # 8 KB of float32 in 8 chunks
+
+
+@dataclass(frozen=True)
+class TreeOrder:
+    """A GroupOrder with the tree fields of the shared interface (#36)."""
+
+    host: int
+    slot: int
+    members: tuple[tuple[int, int], ...]
+    servers: tuple[int, ...]
+    deadline_in: float
+    rates: tuple[float | None, ...]
+    parent: int | None = None
+    children: tuple[int, ...] = ()
+    chunk_bytes: int = 0
+
+
+def chain_every_batch(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Each batch's applied requests become one group (slot 1) summed along a chain of their
+    workers in rank order: the first is the root, each node's own update its one member."""
+    dispatch = SchedulerService._dispatch
+    depths: list[int] = []
+
+    def chained(self: SchedulerService, plan: Any, now: float) -> None:
+        kept = [d for d in plan.decisions if not d.drop]
+        if kept:
+            ranks = sorted(d.rank for d in kept)
+            deadline = max(e[3] for e in plan.entries)
+            plan.entries = [["g", 1, len(kept), deadline, ranks]]
+            plan.decisions = [d if d.drop else dataclasses.replace(d, group=1, hop=(d.rank,), rates=(None,))
+                              for d in plan.decisions]
+            by_rank = {d.rank: d for d in kept}
+            plan.groups = [TreeOrder(host=r, slot=1, members=((r, by_rank[r].id),), servers=(0,), deadline_in=deadline,
+                                     rates=(None,), parent=ranks[i - 1] if i else None,
+                                     children=(ranks[i + 1],) if i + 1 < len(ranks) else (), chunk_bytes=CHUNK_BYTES)
+                           for i, r in enumerate(ranks)]
+            depths.append(len(ranks))
+        dispatch(self, plan, now)
+
+    monkeypatch.setattr(SchedulerService, "_dispatch", chained)
+    return depths
+
+
+def _run(layout: PSLayout, config: PSConfig) -> tuple[dict[Any, Any], torch.Tensor, list[Any]]:
+    """Every worker pushes one-hot updates (worker w, step s: element w * STEPS + s), so the
+    final model shows each update applied once (-lr/W), never (0) or twice (-2 lr/W)."""
+    jobs = local_jobs(layout, config)
+    out: dict[Any, Any] = {}
+
+    def serve(job: Any) -> None:
+        out["server"] = job.serve()
+        out["model"] = job.server.shards["m"].values.clone()
+
+    def work(job: Any) -> None:
+        w = job.worker
+        w.init_model("m", torch.zeros(SIZE), lr=1.0)
+        try:
+            for step in range(STEPS):
+                w.pull_flat("m")
+                update = torch.zeros(SIZE)
+                update[w.index * STEPS + step] = 1.0
+                out.setdefault(("pushed", w.index), []).append(step)
+                w.push("m", update)
+                w.clock()
+            w.leave()
+        except Exception as exc:  # noqa: BLE001 - the node the test kills
+            out[("error", w.index)] = exc
+        out[w.index] = w.routing.stats.as_dict()
+
+    threads = [threading.Thread(target=serve if j.role == "server" else work, args=(j,), daemon=True) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    for j in jobs:
+        j.comm.close()
+    return out, out["model"], jobs
+
+
+def _config(timeout_s: float = 20) -> PSConfig:
+    return PSConfig(consistency="async:100", timeout_s=timeout_s, routing="scheduled",
+                    scheduled=ScheduledSettings(interval_s=0.05, aggregators=2, rate_bps=1e9, slack_s=0.5))
+
+
+def test_updates_summed_along_multi_level_cut_through_trees_are_applied_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    depths = chain_every_batch(monkeypatch)
+    layout = PSLayout(servers=1, workers=4)
+    out, model, jobs = _run(layout, _config())
+    assert not [k for k in out if isinstance(k, tuple) and k[0] == "error"]
+    assert max(depths) >= 3  # trees of depth >= 3 ran
+    assert torch.equal(model[:4 * STEPS], torch.full((4 * STEPS,), -0.25))  # every update, exactly once
+    assert torch.count_nonzero(model[4 * STEPS:]) == 0
+    server = out["server"]
+    assert server.worker_updates == 4 * STEPS and server.skipped == 0 and server.dropped == 0
+    assert server.unscheduled == 0 and server.errors == []
+    aggregators = [j.worker.routing._aggregator for j in jobs if j.role == "worker"]
+    assert sum(a.chunks_forwarded for a in aggregators) >= 8 * len(depths)  # chunk by chunk
+    assert sum(a.rerouted for a in aggregators) == 0 and jobs[0].server.routing.torn == 0
+
+
+def test_a_node_lost_mid_tree_is_repaired_without_losing_or_double_counting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second node of the first chain of depth >= 3 dies when its child's first chunk
+    reaches it (before it forwarded anything): its child sends its chunks to the root instead.
+    Every update but the dead node's own in that batch is applied, each exactly once."""
+    chain_every_batch(monkeypatch)
+    victim_rank = 2
+    killed: list[tuple[int, int]] = []
+    take = Aggregator._tree_chunk
+
+    def dies_mid_tree(self: Aggregator, header: dict[str, Any], payload: Any) -> None:
+        me = self.worker.transport.rank
+        if me == victim_rank and killed:
+            return  # dead: nothing more is summed or sent here
+        if (me == victim_rank and not killed and header["source"][0] == "c"
+                and self._trees.get((int(header["batch"]), int(header["slot"]))) is not None
+                and self._trees[(int(header["batch"]), int(header["slot"]))].tree[me].parent is not None):
+            killed.append((int(header["batch"]), int(header["slot"])))
+            self.worker.transport.close()
+            self._stop.set()  # and its aggregator thread ends, as the process would
+            return
+        take(self, header, payload)
+
+    monkeypatch.setattr(Aggregator, "_tree_chunk", dies_mid_tree)
+    layout = PSLayout(servers=1, workers=4)
+    # (the killed rank's own pull then waits for its closed transport: 5 s, not 20)
+    out, model, jobs = _run(layout, _config(timeout_s=5))
+    assert killed, "no chain put rank 2 in the middle"
+    victim = layout.worker_index(victim_rank)
+    values = model[:4 * STEPS].view(4, STEPS)
+    assert set(model.unique().tolist()) <= {0.0, -0.25}  # nothing applied twice
+    for w in range(4):
+        pushed = len(out.get(("pushed", w), []))
+        applied = int((values[w] == -0.25).sum())
+        if w == victim:
+            assert applied == pushed - 1  # its own update of the batch it died in, and only that
+        else:
+            assert applied == pushed == STEPS  # its subtree was re-routed: nothing lost
+    server = out["server"]
+    assert server.worker_updates == int((model == -0.25).sum()) and server.skipped == 0
+    aggregators = [j.worker.routing._aggregator for j in jobs if j.role == "worker" and j.rank != victim_rank]
+    assert sum(a.rerouted for a in aggregators) >= 1 and jobs[0].server.routing.torn == 0
