@@ -50,7 +50,7 @@ import numpy as np
 from mlfabric.emu.churn import churn_model, churn_schedule
 from mlfabric.ps.monitor import NetworkMonitor
 from mlfabric.ps.policies.scheduled.core import BatchingCore, BatchPlan, GroupOrder, OrderBook, PullBatcher, Request
-from mlfabric.ps.policies.scheduled.settings import ScheduledSettings, aggregator_ranks
+from mlfabric.ps.policies.scheduled.settings import ScheduledSettings, aggregator_ranks, check_tree_settings, host_of_rank
 
 __all__ = ["MLfabricSimConfig", "PAPER_TABLE2", "SIM_MODES", "compare_with_emulation", "cycle_floor_s",
            "simulate_mlfabric", "simulate_mode", "simulate_table2", "table2", "updates_to_target"]
@@ -86,6 +86,12 @@ class MLfabricSimConfig:
     #: the runtime does) or at once, the update travelling on its own ("request").
     pull_after: str = "applied"
     seed: int = 0
+    #: #36 (ScheduledSettings' names): multi-level pipelined aggregation trees and multicast
+    #: model distribution (False: Alg. 3's and §10.3's one level), their cut-through chunk,
+    #: and co-located workers per host (their updates summed on the host, no NIC).
+    trees: bool = False
+    chunk_bytes: int = ScheduledSettings.chunk_bytes
+    workers_per_host: int = 1
 
     def __post_init__(self) -> None:
         from mlfabric.sim.compute import straggler_preset
@@ -102,6 +108,10 @@ class MLfabricSimConfig:
             raise ValueError("updates (and every updates_needed) must be >= 1")
         if self.aggregators < 0 or self.distributors < 0:
             raise ValueError("aggregators and distributors must be >= 0")
+        check_tree_settings(self.chunk_bytes, self.workers_per_host)
+        if self.workers % self.workers_per_host:
+            raise ValueError(f"workers ({self.workers}) must be a multiple of workers_per_host "
+                             f"({self.workers_per_host})")
         if self.straggler is not None:
             straggler_preset(self.straggler)  # raises with the accepted spellings
         if self.churn is not None:
@@ -115,26 +125,53 @@ class MLfabricSimConfig:
 
 
 class _Flow:
-    __slots__ = ("src", "dst", "left", "cap", "rate", "done")
+    """A transfer, or a pipelined tree's edges moving at one common rate (``links``: each NIC
+    direction it crosses and how many of its streams cross it)."""
 
-    def __init__(self, src: int, dst: int, size: float, cap: float, done: Callable[[float], None]) -> None:
+    __slots__ = ("src", "dst", "left", "cap", "rate", "done", "links")
+
+    def __init__(self, src: int, dst: int, size: float, cap: float, done: Callable[[float], None],
+                 links: tuple[tuple[tuple[str, int], int], ...] | None = None) -> None:
         self.src, self.dst, self.left, self.cap, self.rate, self.done = src, dst, size, cap, 0.0, done
+        self.links = links if links is not None else ((("u", src), 1), (("d", dst), 1))
 
 
 class _StarNet:
     """Flows on a star's NICs (up and down capacity per host, bytes/s), shared max-min fairly;
-    a flow never goes above its cap (a reserved, paced transfer)."""
+    a flow never goes above its cap (a reserved, paced transfer). A tree flow (:meth:`add_tree`)
+    is every edge of a cut-through tree at one rate: it takes ``k`` shares of a NIC its ``k``
+    streams cross (weighted max-min). ``sent`` counts the bytes each NIC direction carried
+    and ``offered`` its capacity over time (the busy share)."""
 
     def __init__(self, up: np.ndarray, down: np.ndarray) -> None:
         self.up, self.down = up.astype(float), down.astype(float)
         self.flows: list[_Flow] = []
         self.now = 0.0
+        self.sent: dict[tuple[str, int], float] = {}
+        self.offered: dict[tuple[str, int], float] = {}
+        self.watch: tuple[int, ...] = ()  # hosts whose NICs' bytes are counted
 
     def add(self, src: int, dst: int, size: float, done: Callable[[float], None], cap: float = math.inf) -> None:
         if src == dst or size <= 0:
             done(self.now)
             return
         self.flows.append(_Flow(src, dst, size, cap, done))
+        self._allocate()
+
+    def add_tree(self, edges: Sequence[tuple[int, int]], size: float, done: Callable[[float, float], None],
+                 cap: float = math.inf) -> None:
+        """The edges (src, dst) of one pipelined tree, ``size`` bytes each at one common rate;
+        ``done(t, rate)`` when the bytes are through (the caller adds the pipeline's fill)."""
+        counts: dict[tuple[str, int], int] = {}
+        for src, dst in edges:
+            if src != dst:
+                for link in (("u", src), ("d", dst)):
+                    counts[link] = counts.get(link, 0) + 1
+        if not counts or size <= 0:
+            done(self.now, math.inf)
+            return
+        flow = _Flow(-1, -1, size, cap, lambda t: done(t, flow.rate), tuple(counts.items()))
+        self.flows.append(flow)
         self._allocate()
 
     def set_capacity(self, up: np.ndarray, down: np.ndarray) -> None:
@@ -151,17 +188,16 @@ class _StarNet:
         while live:
             users: dict[tuple[str, int], int] = {}
             for f in live:
-                for link in (("u", f.src), ("d", f.dst)):
-                    users[link] = users.get(link, 0) + 1
+                for link, k in f.links:
+                    users[link] = users.get(link, 0) + k
             step = min(min(residual[link] / n for link, n in users.items()), min(f.cap - f.rate for f in live))
             step = max(step, 0.0)
             for f in live:
                 f.rate += step
-                residual[("u", f.src)] -= step
-                residual[("d", f.dst)] -= step
+                for link, k in f.links:
+                    residual[link] -= step * k
             full = {link for link in users if residual[link] <= 1e-9 * max(1.0, step)}
-            live = [f for f in live if ("u", f.src) not in full and ("d", f.dst) not in full
-                    and f.rate < f.cap * (1 - 1e-12)]
+            live = [f for f in live if not any(link in full for link, _ in f.links) and f.rate < f.cap * (1 - 1e-12)]
 
     def next_finish(self) -> float:
         return min((self.now + f.left / f.rate for f in self.flows if f.rate > 0), default=math.inf)
@@ -171,7 +207,14 @@ class _StarNet:
         dt = t - self.now
         self.now = t
         done: list[_Flow] = []
+        for h in self.watch:
+            for link, cap in ((("u", h), self.up[h]), (("d", h), self.down[h])):
+                self.offered[link] = self.offered.get(link, 0.0) + cap * dt
         for f in self.flows:
+            if self.watch:
+                for link, k in f.links:
+                    if link[1] in self.watch:
+                        self.sent[link] = self.sent.get(link, 0.0) + f.rate * k * dt
             f.left -= f.rate * dt
             if f.left <= max(1e-3, f.rate * 1e-9):  # within a nanosecond of its end
                 done.append(f)
@@ -220,7 +263,7 @@ class _Environment:
         from mlfabric.sim.compute import straggler_preset
 
         self.config = config
-        hosts = config.workers + 1
+        hosts = config.workers // config.workers_per_host + 1
         base = config.rate_bps / 8
         self.changes: list[tuple[float, np.ndarray, np.ndarray]] = [(0.0, np.full(hosts, base), np.full(hosts, base))]
         self._schedule = None
@@ -313,10 +356,12 @@ def _collective_s(kind: str, workers: int, size: float, up: np.ndarray, down: np
 def _sync_collective(config: MLfabricSimConfig, env: _Environment, kind: str, needed: int) -> dict[str, Any]:
     t, iteration, cache = 0.0, 0, {}
     w = config.workers
+    hosts = w // config.workers_per_host  # the ring runs over the hosts: a host's workers sum locally
     while iteration * w < needed:
         t += max(env.compute(k, iteration) for k in range(w))
         up, down = env.capacities_at(t)
-        t += _collective_s(kind, w, config.update_bytes, up, down, cache)
+        if hosts > 1:
+            t += _collective_s(kind, hosts, config.update_bytes, up, down, cache)
         iteration += 1
     return {"time_s": t, "iterations": iteration, "applied": iteration * w, "dropped": 0, "max_delay": 0}
 
@@ -332,9 +377,11 @@ class _PS:
         self.delays: list[int] = []
         self.iteration = [0] * config.workers
         self.model_version = [0] * config.workers  # the version each worker computes from
+        self.hosts = config.workers // config.workers_per_host  # worker hosts 1..hosts
+        self.model_copies = 0  # model transfers that left the server
 
     def host(self, worker: int) -> int:
-        return worker + 1
+        return worker // self.config.workers_per_host + 1
 
     def start(self) -> None:
         for w in range(self.config.workers):
@@ -361,9 +408,15 @@ class _PS:
         return self.applied >= self.needed
 
     def figures(self, t: float) -> dict[str, Any]:
+        """The run's counts and delays, and the server NIC's busy share (bytes it carried over
+        the capacity it offered, in and out; ``server_busy`` the larger)."""
+        net = self.clock.net
+        busy = {d: net.sent.get((d, 0), 0.0) / net.offered[(d, 0)] if net.offered.get((d, 0)) else 0.0
+                for d in ("u", "d")}
         return {"time_s": t, "applied": self.applied, "dropped": self.dropped, "versions": self.version,
                 "max_delay": max(self.delays, default=0),
-                "mean_delay": _mean(self.delays)}
+                "mean_delay": _mean(self.delays),
+                "server_busy_in": busy["d"], "server_busy_out": busy["u"], "server_busy": max(busy.values())}
 
 
 class _Async(_PS):
@@ -372,6 +425,10 @@ class _Async(_PS):
     def __init__(self, *args: Any, tau: int | None) -> None:
         super().__init__(*args)
         self.tau = tau
+        self.clock.net.watch = (0,)
+
+    def figures(self, t: float) -> dict[str, Any]:
+        return {**super().figures(t), "updates_per_server_transfer": 1.0}
 
     def computed(self, w: int, t: float) -> None:
         v = self.model_version[w]
@@ -394,28 +451,36 @@ class _Scheduled(_PS):
     """MLfabric-A (``tau``) or MLfabric-S (``tau=None``) on the simulated network, driving the
     runtime's own cores (:mod:`mlfabric.ps.policies.scheduled.core`): the
     :class:`~mlfabric.ps.policies.scheduled.core.BatchingCore` batches and plans (as the
-    scheduler service beside server 0 does), the
+    scheduler service beside server 0 does; with several workers per host it sums a host's
+    requests, :func:`~mlfabric.ps.policies.scheduled.core.merge_host_requests`), the
     :class:`~mlfabric.ps.policies.scheduled.core.OrderBook` applies each batch in its order
     and skips what is ``slack_s`` late (as each server's loop does), the
     :class:`~mlfabric.ps.policies.scheduled.core.PullBatcher` times and splits the batches of
-    pulls (model distribution). What stays here is the simulation: the flows, an aggregator
-    forwarding its group's sum once every member is in, and MLfabric-S's rounds (BSP)."""
+    pulls (model distribution, §10.3's distributors or #36's multicast trees). What stays
+    here is the simulation: the flows (a pipelined tree as one flow of its edges at a common
+    rate, plus its fill), an aggregator forwarding its group's sum once every member is in,
+    and MLfabric-S's rounds (BSP)."""
 
     def __init__(self, *args: Any, tau: int | None) -> None:
         super().__init__(*args)
         c = self.config
         self.sync = tau is None
-        aggs = aggregator_ranks(range(1, c.workers + 1), c.aggregators)  # worker hosts, as the runtime's
-        self.core = BatchingCore(servers=[0], aggregators=aggs, hosts=c.workers + 1, tau=tau, seed=c.seed,
+        aggs = aggregator_ranks(range(1, self.hosts + 1), c.aggregators)  # worker hosts, as the runtime's
+        wph = c.workers_per_host
+        self.core = BatchingCore(servers=[0], aggregators=aggs, hosts=self.hosts + 1, tau=tau, seed=c.seed,
                                  interval_s=c.interval_s, slack_s=c.slack_s, rate_bps=c.rate_bps,
-                                 monitor_lag_s=c.monitor_lag_s)
+                                 monitor_lag_s=c.monitor_lag_s,
+                                 host_of=(lambda rank: host_of_rank(rank, wph)) if wph > 1 else None,
+                                 trees=c.trees, chunk_bytes=c.chunk_bytes if c.trees else 0)
         self.monitor = self.core.monitor
         up, down = self.env.capacities_at(0.0)
         for h in range(up.size):
             self.core.report(h, float(up[h]), float(down[h]), 0.0)
         self.book = OrderBook()
-        self.distribution = PullBatcher(distributors=c.distributors, seed=c.seed, server=0)
-        self.requests: dict[tuple[int, int], tuple[int, int]] = {}  # (host, id) -> (worker, version)
+        self.distribution = PullBatcher(distributors=c.distributors, seed=c.seed, server=0, trees=c.trees,
+                                        chunk_bytes=c.chunk_bytes if c.trees else 0)
+        # each worker's requests not planned yet, oldest first: (id, version)
+        self.open: list[list[tuple[int, int]]] = [[] for _ in range(c.workers)]
         self.pulls: list[int] = []                  # workers whose pull is ready to answer
         self.answering = 0
         self.round_in = 0  # MLfabric-S: worker updates of the open round applied so far
@@ -429,8 +494,13 @@ class _Scheduled(_PS):
         self.waits: dict[str, list[float]] = {"batch": [], "commit": [], "model": []}
         self.batch_sizes: list[int] = []
         self.units = 0  # what the server received: direct updates and aggregates
+        self.model_lag: list[int] = []  # server version minus the version a worker starts computing on
         self.plans: list[BatchPlan] = []  # every plan, when ``record_plans`` (tests compare them)
         self.record_plans = False
+        # #36: a worker's pull does not wait for its own update (it is answered by the next
+        # multicast); the scheduler still drops what would break the delay bound
+        self.pull_at_request = c.pull_after == "request"
+        self.clock.net.watch = (0,)
 
     def start(self) -> None:
         super().start()
@@ -442,65 +512,114 @@ class _Scheduled(_PS):
         self._wakes.add((at, fn.__name__))
         self.clock.at(at, fn)
 
+    def compute(self, w: int, t: float) -> None:
+        self.model_lag.append(self.version - self.model_version[w])
+        super().compute(w, t)
+
     def computed(self, w: int, t: float) -> None:
         self.stamp[w] = t
         request_id = self.next_id[w]
         self.next_id[w] += 1
-        self.requests[(self.host(w), request_id)] = (w, self.model_version[w])
-        self.core.request(Request(rank=self.host(w), id=request_id, model="m", version=self.model_version[w],
+        self.open[w].append((request_id, self.model_version[w]))
+        self.core.request(Request(rank=w + 1, id=request_id, model="m", version=self.model_version[w],
                                   sizes=(self.config.update_bytes,), clock=self.iteration[w] - 1))
-        if self.config.pull_after == "request" and not self.sync:
+        if self.pull_at_request and not self.sync:
             self.pull_ready([w], t)
         self.turn(t)  # as the scheduler's thread wakes on every request
 
     def turn(self, t: float) -> None:
         """The scheduler's turn at ``t`` (what the service's loop does when it wakes)."""
-        counted = {self.host(w) for w in range(self.config.workers)}
+        counted = {w + 1 for w in range(self.config.workers)}
         for plan in self.core.turn(t, counted, lambda model: self.version + (0 if self.sync else self.book.planned[model])):
             self.carry_out(plan, t)
         if not self.done():
             self._wake(self.core.wake_at(), self.turn)
 
+    def _members(self, request: Request) -> tuple[list[int], list[int]]:
+        """The workers (and the versions they computed from) of a planned request: each
+        member's oldest open request (a host request lists a worker once per update in it)."""
+        workers, versions = [], []
+        for rank in request.ranks:
+            w = rank - 1
+            _, v = self.open[w].pop(0)
+            workers.append(w)
+            versions.append(v)
+        return workers, versions
+
     def carry_out(self, plan: BatchPlan, t: float) -> None:
         if self.record_plans:
             self.plans.append(plan)
+        by_key = {(r.rank, r.id): r for r in plan.requests}
         for r in plan.requests:
-            w, _ = self.requests[(r.rank, r.id)]
-            self.waits["batch"].append(t - self.stamp[w])
-            self.stamp[w] = t
-        self.batch_sizes.append(len(plan.requests))
+            for rank in r.ranks:
+                self.waits["batch"].append(t - self.stamp[rank - 1])
+                self.stamp[rank - 1] = t
+        self.batch_sizes.append(sum(r.count for r in plan.requests))
         self.units += len(plan.entries)
         if not self.sync:
             self.book.add_order(plan.order(), t)  # the order reaches the server at once
-        groups = {g.slot: g for g in plan.groups}
-        members_in: dict[int, list[tuple[int, int]]] = {}
+        groups = {g.slot: g for g in plan.groups}  # one level: the slot's aggregator
+        nodes: dict[int, list[GroupOrder]] = {}    # trees: every node of the slot's tree
+        for g in plan.groups:
+            if g.chunk_bytes or g.parent is not None or g.children:
+                nodes.setdefault(g.slot, []).append(g)
+        members_in: dict[int, list[tuple[list[int], list[int]]]] = {}
+        tree_in: dict[int, tuple[list[int], list[int], float]] = {}
+        size = self.config.update_bytes
         for d in plan.decisions:
-            w, v = self.requests.pop((d.rank, d.id))
+            workers, versions = self._members(by_key[(d.rank, d.id)])
             if d.drop:
-                self.dropped += 1
-                if self.config.pull_after == "applied" or self.sync:
-                    self.pull_ready([w], t)
+                self.dropped += len(workers)
+                if (not self.pull_at_request) or self.sync:
+                    self.pull_ready(workers, t)
                 continue
             rate = _cap(d.rates[0] if d.rates else None)
+            src = self.host(workers[0])
             if d.group == 0:
                 key = ("u", d.rank, d.id)
-                self.clock.at(t + d.start_in, lambda now, w=w, v=v, key=key, rate=rate, batch=plan.batch:
-                              self.clock.net.add(self.host(w), 0, self.config.update_bytes,
-                                                 lambda end: self.arrive(batch, key, [w], [v], end), rate))
+                self.clock.at(t + d.start_in, lambda now, ws=workers, vs=versions, key=key, rate=rate, src=src,
+                              batch=plan.batch: self.clock.net.add(src, 0, size, lambda end: self.arrive(batch, key, ws, vs, end),
+                                                                   rate))
+            elif d.group in nodes:  # summed where it is (its host is a node of the tree)
+                ws, vs, start = tree_in.setdefault(d.group, ([], [], t))
+                ws += workers
+                vs += versions
+                tree_in[d.group] = (ws, vs, max(start, t + d.start_in))
             else:
                 g = groups[d.group]
-                self.clock.at(t + d.start_in, lambda now, w=w, v=v, g=g, rate=rate, batch=plan.batch:
-                              self.clock.net.add(self.host(w), d_hop(g), self.config.update_bytes,
-                                                 lambda end: self.member_in(batch, g, w, v, members_in, end), rate))
+                self.clock.at(t + d.start_in, lambda now, ws=workers, vs=versions, g=g, rate=rate, src=src,
+                              batch=plan.batch: self.clock.net.add(src, d_hop(g), size,
+                                                                   lambda end: self.member_in(batch, g, ws, vs, members_in, end),
+                                                                   rate))
+        for slot, (ws, vs, start) in tree_in.items():
+            self.clock.at(start, lambda now, slot=slot, ws=ws, vs=vs, batch=plan.batch:
+                          self.send_tree(batch, nodes[slot], ws, vs))
 
-    def member_in(self, batch: int, group: GroupOrder, w: int, v: int, members_in: dict[int, list[tuple[int, int]]],
-                  t: float) -> None:
+    def send_tree(self, batch: int, nodes: list[GroupOrder], workers: list[int], versions: list[int]) -> None:
+        """A pipelined aggregation tree (cut-through): its edges as one flow at a common rate
+        (capped at the planned rate), the sum at the server ``depth - 1`` chunk times after
+        the bytes are through (each relay holds one chunk)."""
+        edges = [(n.host, 0 if n.parent is None else n.parent) for n in nodes]
+        depth = _depth({n.host: n.parent for n in nodes})
+        chunk = nodes[0].chunk_bytes
+        slot = nodes[0].slot
+        rate = _cap(nodes[0].rates[0] if nodes[0].rates else None)
+
+        def through(t: float, r: float) -> None:
+            fill = (depth - 1) * (chunk if chunk else self.config.update_bytes) / r if math.isfinite(r) and r > 0 else 0.0
+            self.clock.at(t + fill, lambda now: self.arrive(batch, ("g", slot), workers, versions, now))
+
+        self.clock.net.add_tree(edges, self.config.update_bytes, through, rate)
+
+    def member_in(self, batch: int, group: GroupOrder, workers: list[int], versions: list[int],
+                  members_in: dict[int, list[tuple[list[int], list[int]]]], t: float) -> None:
         got = members_in.setdefault(group.slot, [])
-        got.append((w, v))
+        got.append((workers, versions))
         if len(got) == len(group.members):  # the aggregator forwards the sum once every member is in
-            workers, versions = [m[0] for m in got], [m[1] for m in got]
+            ws = [w for m in got for w in m[0]]
+            vs = [v for m in got for v in m[1]]
             self.clock.net.add(group.host, 0, self.config.update_bytes,
-                               lambda end: self.arrive(batch, ("g", group.slot), workers, versions, end),
+                               lambda end: self.arrive(batch, ("g", group.slot), ws, vs, end),
                                _cap(group.rates[0] if group.rates else None))
 
     def arrive(self, batch: int, key: tuple[Any, ...], workers: list[int], versions: list[int], t: float) -> None:
@@ -534,14 +653,14 @@ class _Scheduled(_PS):
             self.dropped += len(workers)
         else:
             self.apply(workers, versions)
-        if self.config.pull_after == "applied":
+        if not self.pull_at_request:
             self.pull_ready(workers, self.now)
 
     def skip_entry(self, ranks: frozenset[int], count: int) -> None:
         """An entry ``slack_s`` late is skipped; its workers' pulls are no longer held."""
         self.skipped_count += count
-        if self.config.pull_after == "applied":
-            self.pull_ready([h - 1 for h in sorted(ranks)], self.now)
+        if not self.pull_at_request:
+            self.pull_ready([r - 1 for r in sorted(ranks)], self.now)
 
     def pull_ready(self, workers: Sequence[int], t: float) -> None:
         for w in workers:
@@ -550,30 +669,56 @@ class _Scheduled(_PS):
         self.answer(t)
 
     def answer(self, t: float) -> None:
-        """Model distribution: the runtime's PullBatcher, k° distributors."""
+        """Model distribution: the runtime's PullBatcher (k° distributors, or a multicast
+        tree per group of hosts); a host's copy serves every worker on it that pulled."""
         if not self.pulls:
             return
-        if self.answering or not self.distribution.ready(t, True):
+        if (self.answering and not self.config.trees) or not self.distribution.ready(t, True):
             if not self.answering:
                 self._wake(self.distribution.answer_at(), self.answer)
             return
         batch, self.pulls = self.pulls, []
+        on_host: dict[int, list[int]] = {}
+        for w in batch:
+            on_host.setdefault(self.host(w), []).append(w)
         version, size = self.version, self.config.update_bytes
-        plan = self.distribution.plan(self.core.network(t), me=0, pullers=[self.host(w) for w in batch],
-                                      model_size=size, now=t)
-        relays = {d: list(ws) for d, ws in plan.groups}
-        direct = list(plan.by_server)
+        plan = self.distribution.plan(self.core.network(t), me=0, pullers=list(on_host), model_size=size, now=t)
         self.core.reserve(list(plan.transfers))
+        self.model_copies += len(plan.forwards(0).get(0, ()))
 
         def got(h: int, now: float) -> None:
-            self.waits["model"].append(now - self.stamp[h - 1])
-            self.model_version[h - 1] = version
-            self.compute(h - 1, now)
+            for w in on_host.pop(h, ()):
+                self.waits["model"].append(now - self.stamp[w])
+                self.model_version[w] = version
+                self.compute(w, now)
 
         def server_sent(now: float) -> None:
             self.answering -= 1
             if not self.answering:
                 self.answer(now)  # the pulls that became ready meanwhile
+
+        if plan.tree:
+            for root in plan.tree.get(0, ()):
+                sub = {root: None}
+                queue = [root]
+                while queue:
+                    h = queue.pop(0)
+                    for c in plan.tree.get(h, ()):
+                        sub[c] = h
+                        queue.append(c)
+                depths = _depths(sub)
+                chunk = plan.chunk_bytes
+
+                def through(now: float, r: float, depths: dict[int, int] = depths) -> None:
+                    for h, dh in depths.items():
+                        fill = (dh - 1) * (chunk if chunk else size) / r if math.isfinite(r) and r > 0 else 0.0
+                        self.clock.at(now + fill, lambda at, h=h: got(h, at))
+                    server_sent(now)
+
+                self.answering += 1
+                self.clock.net.add_tree([(0 if p is None else p, h) for h, p in sub.items()], size, through)
+            return
+        relays = {d: list(ws) for d, ws in plan.groups}
 
         def at_relay(d: int, now: float) -> None:
             got(d, now)
@@ -588,7 +733,7 @@ class _Scheduled(_PS):
         for d in reversed(list(relays)):
             self.answering += 1
             self.clock.net.add(0, d, size, lambda now, d=d: at_relay(d, now))
-        for h in direct:
+        for h in plan.by_server:
             self.answering += 1
             self.clock.net.add(0, h, size, lambda now, h=h: direct_done(h, now))
 
@@ -596,13 +741,32 @@ class _Scheduled(_PS):
         """The PS figures, and where a worker's cycle went besides compute (means, seconds):
         waiting for the scheduler's next batch, from the batch to its update applied at the
         server, from its pull being answerable to the model received; and how much the
-        server's NIC was spared: worker updates per batch and server transfers per batch."""
+        server's NIC was spared: worker updates per batch, server transfers per batch, worker
+        updates per server transfer (applied or not) and the model copies the server sent."""
         batches = max(len(self.batch_sizes), 1)
         return {**super().figures(t), "batches": len(self.batch_sizes),
                 "mean_batch": sum(self.batch_sizes) / batches, "server_transfers_per_batch": self.units / batches,
-                "skipped": self.skipped_count,
+                "updates_per_server_transfer": sum(self.batch_sizes) / max(self.units, 1),
+                "model_copies": self.model_copies,
+                "skipped": self.skipped_count, "max_model_lag": max(self.model_lag, default=0),
                 "batch_wait_s": _mean(self.waits["batch"]), "commit_wait_s": _mean(self.waits["commit"]),
                 "model_wait_s": _mean(self.waits["model"])}
+
+
+def _depths(parent: dict[int, int | None]) -> dict[int, int]:
+    """Each node's depth in a tree given as ``{node: parent or None}`` (a root: 1)."""
+    out: dict[int, int] = {}
+    for h in parent:
+        d, cur = 1, parent[h]
+        while cur is not None:
+            d += 1
+            cur = parent[cur]
+        out[h] = d
+    return out
+
+
+def _depth(parent: dict[int, int | None]) -> int:
+    return max(_depths(parent).values(), default=1)
 
 
 class _SimServer:

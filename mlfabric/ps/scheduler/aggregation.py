@@ -80,6 +80,12 @@ class GroupPlan:
     transfers: tuple[Transfer, ...]
     arrival: float
     commit: float
+    nodes: tuple = ()
+    """#36 trees (:class:`mlfabric.ps.scheduler.trees.TreeNode`, root first): the group's
+    pipelined tree, ``hosts[0]`` its root and ``transfers`` one per edge; empty: Alg. 3's one
+    aggregator per server."""
+    chunk_bytes: int = 0
+    """The tree's cut-through chunk (0: store-and-forward)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -412,6 +418,26 @@ class PullBatchPlan:
     """Pullers the server sends the model itself (group 0 and the distributors nobody needs)."""
     transfers: tuple[Transfer, ...]
     """Every transfer the answers reserve (for the ledger and the server's busy time)."""
+    tree: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """Multicast distribution (#36): per sending host (the server included) the hosts it
+    forwards the model to, a pipelined tree or chain rooted at the server. Empty: §10.3's one
+    level, read from ``groups`` and ``by_server`` (:meth:`forwards` gives it either way)."""
+    chunk_bytes: int = 0
+    """> 0: a relay forwards chunk i of the model as soon as it has it (cut-through); 0:
+    once the whole model is in (store-and-forward, §10.3)."""
+
+    def forwards(self, server: int) -> dict[int, tuple[int, ...]]:
+        """Who sends the model to whom, whichever way it was planned: ``tree``, or (§10.3) the
+        ``server`` host to the distributors (k°..1) and ``by_server``, each distributor to its
+        group."""
+        if self.tree:
+            return dict(self.tree)
+        out: dict[int, tuple[int, ...]] = {}
+        relays = tuple(d for d, _ in self.groups)
+        if self.by_server or relays:
+            out[server] = (*reversed(relays), *self.by_server)
+        out.update({d: tuple(ws) for d, ws in self.groups})
+        return out
 
 
 def plan_pull_batch(net: NetState, *, server: int, pullers: Sequence[int], model_size: float, distributors: int,

@@ -25,6 +25,7 @@ Replication (§5.3) is not part of this module (docs/mlfabric_scheduler.md).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -33,6 +34,7 @@ import numpy as np
 from mlfabric.ps.scheduler.aggregation import AggregationResult, GroupPlan, Objective, aggregate
 from mlfabric.ps.scheduler.netstate import NetState, Transfer
 from mlfabric.ps.scheduler.ordering import Batch, OrderResult, list_order, longest_first, order_updates
+from mlfabric.ps.scheduler.trees import tree_aggregate
 
 __all__ = ["BatchSchedule", "Decision", "Plan", "Scheduler", "SchedulerConfig", "UpdateRequest", "plan_batch"]
 
@@ -48,6 +50,9 @@ class UpdateRequest:
     """Model version the update was computed from."""
     norm: float = 0.0
     """``||u||`` (kept for the replication step's divergence bound, §5.3)."""
+    count: int = 1
+    """Worker updates summed in it (a host request, #36): the server applies it as ``count``
+    versions, so the deadlines count positions of the batch's largest request (below)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +61,12 @@ class SchedulerConfig:
     mode: Literal["async", "sync"] = "async"
     aggregation: bool = True
     seed: int = 0
+    trees: bool = False
+    """#36: aggregation by pipelined trees over the members' hosts
+    (:func:`mlfabric.ps.scheduler.trees.tree_aggregate`) instead of Alg. 3 (one-server
+    batches; several servers keep Alg. 3). The ordering step is today's either way."""
+    chunk_bytes: int = 0
+    """The trees' cut-through chunk (0: store-and-forward)."""
 
     def __post_init__(self) -> None:
         if self.tau_max < 0:
@@ -179,7 +190,11 @@ class Scheduler:
                 raise ValueError(f"update {r.update_id} was computed from version {r.version} > current {version}")
         deadlines = None
         if self.config.mode == "async":
-            deadlines = tuple(r.version + self.config.tau_max - version for r in reqs)
+            # A request of m worker updates takes m versions. Position p then lands at a
+            # version <= v_init + M p (M: the batch's largest count), so dl // M positions
+            # keep every member within tau_max; with single updates (M = 1) this is eq. 9.
+            most = max((r.count for r in reqs), default=1)
+            deadlines = tuple((r.version + self.config.tau_max - version) // most for r in reqs)
         sizes = np.array([r.sizes for r in reqs], dtype=float).reshape(len(reqs), len(self.servers))
         return reqs, Batch(src=tuple(r.worker for r in reqs), sizes=sizes, servers=self.servers, deadlines=deadlines)
 
@@ -189,11 +204,23 @@ class Scheduler:
         reqs, batch = self.batch(requests, version=version)
         hosts = self.group_hosts(version)
         objective: Objective = "async" if self.config.mode == "async" else "sync"
-        plan = plan_batch(batch, network, hosts, objective=objective, start=start)
-        agg = fewest_hops(plan.aggregated, batch, plan.ordered, objective, start)
+        if self.config.trees and len(self.servers) == 1:
+            # the same ordering (Alg. 2: order, drops, positions), aggregation by trees
+            ordered = order_updates(batch, network, start=start)
+            plan = Plan(ordered=ordered, aggregated=tree_aggregate(batch, ordered, net=network, objective=objective,
+                                                                   start=start, chunk_bytes=self.config.chunk_bytes))
+            agg = plan.aggregated
+        else:
+            plan = plan_batch(batch, network, hosts, objective=objective, start=start)
+            agg = fewest_hops(plan.aggregated, batch, plan.ordered, objective, start)
         hop = agg.hop()
         groups = {grp.slot: grp for grp in agg.groups}
         position = {g: i + 1 for i, g in enumerate(plan.ordered.order)}
+        applied_at: dict[int, int] = {}  # worker updates applied up to and including each position
+        total = 0
+        for g in plan.ordered.order:
+            total += reqs[g].count
+            applied_at[g] = total
         kept: list[Decision] = []
         dropped: list[Decision] = []
         for od in plan.ordered.decisions:
@@ -208,11 +235,13 @@ class Scheduler:
             kept.append(Decision(
                 update_id=r.update_id, worker=r.worker, dropped=False, position=pos, next_hop=tuple(nh), group=slot,
                 start=min((t.begin for t in trs), default=start), t_en=max((t.end for t in trs), default=start),
-                commit=agg.commit[od.index], delay=version + pos - r.version, transfers=trs))
+                commit=agg.commit[od.index], delay=version + applied_at[od.index] - r.version, transfers=trs))
         kept.sort(key=lambda d: d.position)
         dropped.sort(key=lambda d: d.update_id)
         aggregates = tuple(GroupPlan(slot=grp.slot, hosts=grp.hosts, members=tuple(reqs[g].update_id for g in grp.members),
-                                     ready=grp.ready, transfers=grp.transfers, arrival=grp.arrival, commit=grp.commit)
+                                     ready=grp.ready, transfers=grp.transfers, arrival=grp.arrival, commit=grp.commit,
+                                     nodes=tuple(dataclasses.replace(n, members=tuple(reqs[g].update_id for g in n.members))
+                                                 for n in grp.nodes), chunk_bytes=grp.chunk_bytes)
                            for grp in agg.groups)
         return BatchSchedule(decisions=tuple(kept + dropped), aggregates=aggregates, split=agg.split,
                              obj_async=agg.obj_async, obj_sync=agg.obj_sync, version=version)

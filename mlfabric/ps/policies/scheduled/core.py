@@ -32,6 +32,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from ...monitor import Ledger, NetworkMonitor
 from ...scheduler import BatchSchedule, NetState, PullBatchPlan, Scheduler, SchedulerConfig, UpdateRequest, plan_pull_batch
+from ...scheduler.trees import plan_multicast
 from .settings import avg_rate_bps
 
 
@@ -42,7 +43,13 @@ from .settings import avg_rate_bps
 class Request:
     """One update request as the scheduler sees it: who (``rank``), the worker's id for it,
     the model, the version it was computed from, its norm, the worker's clock and the size of
-    each server component (bytes)."""
+    each server component (bytes).
+
+    Host-local aggregation (#36): ``members`` are the worker ranks whose updates are summed
+    on their host (shared memory, no NIC) into this one request; empty means just ``rank``.
+    ``rank`` and ``id`` are then the host's leading member and that member's request id (the
+    pair stays unique), ``version`` is the **oldest** member's version (so the delay bound the
+    scheduler enforces holds for every member) and :attr:`count` worker updates travel as one."""
 
     rank: int
     id: int
@@ -51,6 +58,17 @@ class Request:
     sizes: tuple[float, ...]
     norm: float = 0.0
     clock: int = 0
+    members: tuple[int, ...] = ()
+
+    @property
+    def count(self) -> int:
+        """Worker updates this request carries (1 unless host-local members are summed in it)."""
+        return max(1, len(self.members))
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The worker ranks whose updates it carries (``members``, or just ``rank``)."""
+        return self.members or (self.rank,)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,7 +92,15 @@ class RequestDecision:
 class GroupOrder:
     """What one aggregator host is told: its group (slot) of a batch, the members (rank, id),
     the server components it sums, when to forward what came (seconds from the plan) and the
-    planned rate of each forward."""
+    planned rate of each forward.
+
+    Multi-level pipelined trees (#36; the defaults are today's one level, store-and-forward):
+    ``parent`` is the host this node forwards its sum to (None: the servers, one per server
+    component, as today: the tree's root, the entry the server applies); ``children`` are the
+    aggregator hosts whose partial sums it also waits for, beside its direct ``members``;
+    ``chunk_bytes`` > 0 makes it cut-through: chunk i of the sum is forwarded as soon as chunk
+    i has arrived from every input (members and children), 0 is store-and-forward. Every node
+    of one tree carries the batch's ``slot``."""
 
     host: int
     slot: int
@@ -82,6 +108,9 @@ class GroupOrder:
     servers: tuple[int, ...]
     deadline_in: float
     rates: tuple[float | None, ...]
+    parent: int | None = None
+    children: tuple[int, ...] = ()
+    chunk_bytes: int = 0
 
 
 @dataclass(kw_only=True)
@@ -130,17 +159,29 @@ class BatchingCore:
     """The scheduler's decisions (module docstring). ``servers``: the rank (host) serving each
     shard; ``aggregators``: the worker hosts that may aggregate; ``hosts``: how many hosts the
     monitor tracks; ``tau``: MLfabric-A's delay bound (None: MLfabric-S, ``sync``);
-    ``first_batch``: the first batch number (a promoted replica numbers its own apart)."""
+    ``first_batch``: the first batch number (a promoted replica numbers its own apart).
+
+    #36: ``host_of`` maps a worker rank to its host (the network node the scheduler plans
+    on; None: the rank is the host, today). Requests of co-located workers waiting for the
+    same batch are summed on their host into one request (:func:`merge_host_requests`: the
+    rule is "what is ready at the batch"; a worker finishing after its host's request was
+    planned goes in a later batch on its own or with its host's next ones). ``trees``: plan
+    aggregation as multi-level pipelined trees (:mod:`mlfabric.ps.scheduler.trees`) with
+    ``chunk_bytes`` cut-through chunks instead of Alg. 3's one level."""
 
     def __init__(self, *, servers: Sequence[int], aggregators: Sequence[int], hosts: int, tau: int | None,
                  seed: int, interval_s: float, slack_s: float, rate_bps: float, monitor_lag_s: float,
-                 first_batch: int = 1) -> None:
+                 first_batch: int = 1, host_of: Callable[[int], int] | None = None, trees: bool = False,
+                 chunk_bytes: int = 0) -> None:
+        self.host_of = host_of
+        self.trees, self.chunk_bytes = trees, int(chunk_bytes)
         self.sync = tau is None
         self.interval_s, self.slack_s = interval_s, slack_s
         self.servers = list(servers)
         self.scheduler = Scheduler(SchedulerConfig(tau_max=0 if tau is None else int(tau),
                                                    mode="sync" if self.sync else "async",
-                                                   aggregation=bool(aggregators), seed=seed),
+                                                   aggregation=bool(aggregators) or trees, seed=seed,
+                                                   trees=trees, chunk_bytes=int(chunk_bytes)),
                                    servers=list(servers), aggregators=list(aggregators))
         self.monitor = NetworkMonitor(hosts=hosts, default_bps=rate_bps / 8, lag_s=monitor_lag_s)
         self.ledger = Ledger()
@@ -216,8 +257,12 @@ class BatchingCore:
     def plan(self, model: str, pending: list[Request], v_init: int, now: float) -> BatchPlan:
         """Plan one batch: order and drops (Alg. 2), aggregation (Alg. 3) on the residual network."""
         started = time.perf_counter()
-        requests = [UpdateRequest(update_id=i, worker=r.rank, sizes=tuple(r.sizes), version=min(r.version, v_init),
-                                  norm=r.norm) for i, r in enumerate(pending)]
+        if self.host_of is not None:
+            pending = merge_host_requests(pending, self.host_of)
+        host = self.host_of or (lambda rank: rank)
+        requests = [UpdateRequest(update_id=i, worker=host(r.rank), sizes=tuple(r.sizes),
+                                  version=min(r.version, v_init), norm=r.norm, count=r.count)
+                    for i, r in enumerate(pending)]
         schedule = self.scheduler.schedule(requests, version=v_init, network=self.network(now), now=now)
         self.ledger.add([t for d in schedule.applied() for t in d.transfers] +
                         [t for g in schedule.aggregates for t in g.transfers])
@@ -238,8 +283,18 @@ class BatchingCore:
                                                  rates=tuple(avg_rate_bps(t) for t in d.transfers)))
         groups = []
         for g in schedule.aggregates:
-            self.stats.aggregated += len(g.members)
+            self.stats.aggregated += sum(pending[m].count for m in g.members)
             group = tuple((pending[m].rank, pending[m].id) for m in g.members)
+            if g.nodes:  # a pipelined tree (#36): one order per node, its own members
+                rate = avg_rate_bps(g.transfers[0]) if g.transfers else None
+                deadline = max(0.0, g.commit - now) + self.slack_s
+                for node in g.nodes:
+                    groups.append(GroupOrder(host=node.host, slot=g.slot,
+                                             members=tuple((pending[m].rank, pending[m].id) for m in node.members),
+                                             servers=tuple(range(len(self.servers))), deadline_in=deadline,
+                                             rates=(rate,), parent=node.parent, children=node.children,
+                                             chunk_bytes=g.chunk_bytes))
+                continue
             for host in sorted(set(g.hosts)):
                 servers = tuple(j for j, h in enumerate(g.hosts) if h == host)
                 groups.append(GroupOrder(host=host, slot=g.slot, members=group, servers=servers,
@@ -263,17 +318,42 @@ class BatchingCore:
             commit = d.commit or now
             deadline = max(0.0, commit - now) + self.slack_s
             if d.group == 0 or not entries or entries[-1][0] != "g" or entries[-1][1] != d.group:
-                entries.append(["u", r.rank, r.id, deadline, [r.rank]] if d.group == 0
-                               else ["g", d.group, 1, deadline, [r.rank]])
+                entries.append(["u", r.rank, r.id, deadline, list(r.ranks)] if d.group == 0
+                               else ["g", d.group, r.count, deadline, list(r.ranks)])
                 members.append([r])
                 commits.append(commit)
             else:
-                entries[-1][2] += 1
+                entries[-1][2] += r.count
                 entries[-1][3] = max(entries[-1][3], deadline)
-                entries[-1][4].append(r.rank)
+                entries[-1][4].extend(r.ranks)
                 members[-1].append(r)
                 commits[-1] = max(commits[-1], commit)
         return entries, members, commits
+
+
+def merge_host_requests(requests: Sequence[Request], host_of: Callable[[int], int]) -> list[Request]:
+    """Host-local aggregation's rule (#36): the requests of one model waiting for a batch
+    whose workers share a host become one request, the sum of their updates, in the order
+    of each host's first request. Its ``members`` are every worker rank in it (a request
+    already merged keeps its members), ``rank``/``id`` its first request's (the host's
+    leading member: the pair stays unique), ``version`` the oldest, ``norm`` the sum of norms
+    (a bound of the sum's norm), ``clock`` the oldest, ``sizes`` the largest per component
+    (a sum of dense same-shaped updates is as large as one). A host's lone request is kept as
+    it is (no members added): with one worker per host nothing changes."""
+    by_host: dict[tuple[str, int], list[Request]] = {}
+    for r in requests:
+        by_host.setdefault((r.model, host_of(r.rank)), []).append(r)
+    out: list[Request] = []
+    for group in by_host.values():
+        if len(group) == 1:
+            out.append(group[0])
+            continue
+        first = group[0]
+        members = tuple(m for r in group for m in r.ranks)
+        out.append(Request(rank=first.rank, id=first.id, model=first.model, version=min(r.version for r in group),
+                           sizes=tuple(max(c) for c in zip(*(r.sizes for r in group))),
+                           norm=sum(r.norm for r in group), clock=min(r.clock for r in group), members=members))
+    return out
 
 
 # --------------------------------------------------------------------------- the servers' orders
@@ -298,8 +378,11 @@ class Entry:
 
 def entry_count(entry: list[Any]) -> int:
     """Worker updates in one entry of a batch order as the scheduler sends it: ``["u", rank,
-    id, ...]`` one, ``["g", slot, count, ...]`` an aggregate's members."""
-    return 1 if entry[0] == "u" else int(entry[2])
+    id, deadline, ranks, ...]`` one per rank in ``ranks`` (one, or a host request's members,
+    #36), ``["g", slot, count, ...]`` an aggregate's ``count``."""
+    if entry[0] == "u":
+        return max(1, len(entry[4])) if len(entry) > 4 else 1
+    return int(entry[2])
 
 
 def entry_key(header: dict[str, Any]) -> tuple[Any, ...]:
@@ -425,10 +508,20 @@ class PullBatcher:
     distributors: int
     seed: int
     server: int
+    #: #36: distribute each batch of pulls down a pipelined multicast tree of the pullers' hosts
+    #: (:func:`mlfabric.ps.scheduler.trees.plan_multicast`, ``PullBatchPlan.tree``) with
+    #: ``chunk_bytes`` cut-through chunks; False: §10.3's k° distributors.
+    trees: bool = False
+    chunk_bytes: int = 0
     busy_until: float = 0.0
     _draws: random.Random | None = field(default=None, repr=False)
 
     def ready(self, now: float, sends_done: bool) -> bool:
+        """Whether a batch of pulls may go now. With ``trees`` at once: each model version
+        leaves the server about once, down its own multicast trees, and the planner shares the
+        server's up-link between versions in flight from the residual bandwidths."""
+        if self.trees:
+            return True
         return sends_done and now >= self.busy_until
 
     def answer_at(self) -> float:
@@ -436,6 +529,12 @@ class PullBatcher:
 
     def plan(self, network: NetState, *, me: int, pullers: list[int], model_size: float, now: float,
              answered_first: Sequence[int] = ()) -> PullBatchPlan:
+        if self.trees:
+            hosts = list(dict.fromkeys([*answered_first, *pullers]))  # a host receives the model once
+            plan = plan_multicast(network, server=me, pullers=hosts, model_size=model_size,
+                                  chunk_bytes=self.chunk_bytes, start=now)
+            self.busy_until = max((t.end for t in plan.transfers if t.src == me), default=now)
+            return plan
         if self._draws is None:
             self._draws = random.Random(self.seed * 7_919 + self.server)
         plan = plan_pull_batch(network, server=me, pullers=pullers, model_size=model_size,
@@ -446,4 +545,4 @@ class PullBatcher:
 
 
 __all__ = ["BatchPlan", "BatchingCore", "Entry", "GroupOrder", "OrderBook", "OrderPort", "PullBatcher", "Request",
-           "RequestDecision", "entry_count", "entry_key"]
+           "RequestDecision", "entry_count", "entry_key", "merge_host_requests"]
