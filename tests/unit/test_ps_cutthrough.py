@@ -184,3 +184,19 @@ def test_bad_chunks_are_refused() -> None:
         ChunkSum([], N, CHUNK)
     assert node.add(("m", 1, 1), 0, torch.zeros(3, dtype=torch.int64), []) != []
     assert node.add(("m", 1, 1), 0, torch.zeros(3, dtype=torch.int64), []) == [] and node.ignored == 1
+
+
+def test_reroute_goes_to_the_nearest_live_ancestor_naming_the_lost_nodes() -> None:
+    from mlfabric.ps.policies.scheduled.cutthrough import TreeNode, decode_tree, encode_tree, reroute, tree_root
+
+    # server <- 1 <- 2 <- 3 (member (3, 7)); 2 also holds member (2, 5)
+    tree = {1: TreeNode(parent=None, children=(2,), members=((1, 1),)),
+            2: TreeNode(parent=1, children=(3,), members=((2, 5),)),
+            3: TreeNode(parent=2, children=(), members=((3, 7),))}
+    assert decode_tree(encode_tree(tree)) == tree and tree_root(tree, 3) == 1
+    assert reroute(tree, 2, lambda h: False) == (2, [])
+    assert reroute(tree, 2, lambda h: h == 2) == (1, [(2, [("m", 2, 5), ("c", 3)])])
+    dest, chain = reroute(tree, 2, lambda h: h in (1, 2))
+    assert dest is None and [h for h, _ in chain] == [2, 1]  # the servers, standing in for both
+    with pytest.raises(ValueError, match="loop"):
+        tree_root({1: TreeNode(parent=2, children=(), members=()), 2: TreeNode(parent=1, children=(), members=())}, 1)

@@ -168,3 +168,19 @@ def test_a_node_lost_mid_tree_is_repaired_without_losing_or_double_counting(monk
     assert server.worker_updates == int((model == -0.25).sum()) and server.skipped == 0
     aggregators = [j.worker.routing._aggregator for j in jobs if j.role == "worker" and j.rank != victim_rank]
     assert sum(a.rerouted for a in aggregators) >= 1 and jobs[0].server.routing.torn == 0
+
+
+def test_the_planners_trees_apply_every_update_once() -> None:
+    """The scheduler's own trees (``ScheduledSettings(trees=True)``): each member summed on its
+    own host, the hosts in pipelined trees, chunk by chunk."""
+    layout = PSLayout(servers=1, workers=4)
+    config = PSConfig(consistency="async:100", timeout_s=20, routing="scheduled",
+                      scheduled=ScheduledSettings(interval_s=0.05, aggregators=2, rate_bps=1e9, slack_s=0.5,
+                                                  trees=True, chunk_bytes=CHUNK_BYTES))
+    out, model, jobs = _run(layout, config)
+    assert not [k for k in out if isinstance(k, tuple) and k[0] == "error"]
+    assert torch.equal(model[:4 * STEPS], torch.full((4 * STEPS,), -0.25))
+    server = out["server"]
+    assert server.worker_updates == 4 * STEPS and server.skipped == 0 and server.errors == []
+    aggregators = [j.worker.routing._aggregator for j in jobs if j.role == "worker"]
+    assert server.scheduler["aggregated"] > 0 and sum(a.chunks_forwarded for a in aggregators) > 0

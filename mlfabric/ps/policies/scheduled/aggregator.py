@@ -559,7 +559,9 @@ class Aggregator:
         dest, chain = (None, []) if parent is None else reroute(group.tree, parent, gone)
         lost = [[host, [list(s) for s in inputs]] for host, inputs in chain]
         target = w.server_rank(j) if dest is None else dest
-        rate = group.rates[group.servers.index(j)] if group.rates and j in group.servers else None
+        # one rate per component, or one for the whole tree (every edge runs at the tree's rate)
+        rate = (group.rates[min(group.servers.index(j), len(group.rates) - 1)]
+                if group.rates and j in group.servers else None)
         if target not in group.paced and rate is not None and w.transport.pace_connection(target, w.channel, rate):
             group.paced.add(target)
         handles = self._send_chunks(group.model, dest, j, lost, messages)

@@ -26,7 +26,7 @@ from ...scheduler import NetState
 from ...scheduler.replication import ReplicaUnit, ReplicationPlan, plan_replication
 from .core import BatchingCore, BatchPlan, CoreStats, Request
 from .cutthrough import TreeNode, encode_tree
-from .settings import UNITS_PER_BATCH, ScheduledSettings, aggregator_ranks, avg_rate_bps
+from .settings import UNITS_PER_BATCH, ScheduledSettings, aggregator_ranks, avg_rate_bps, host_of_rank
 
 if TYPE_CHECKING:
     from mlfabric.ps.policy import ServerPort
@@ -89,7 +89,9 @@ class SchedulerService:
                                  tau=None if self.sync else int(consistency.delay_bound or 0),
                                  seed=server.config.seed, interval_s=settings.interval_s, slack_s=settings.slack_s,
                                  rate_bps=settings.rate_bps, monitor_lag_s=settings.monitor_lag_s,
-                                 first_batch=1 + (self.transport.rank << 20))
+                                 first_batch=1 + (self.transport.rank << 20),
+                                 host_of=self._host_of if settings.workers_per_host > 1 else None,
+                                 trees=settings.trees, chunk_bytes=settings.chunk_bytes if settings.trees else 0)
         self.monitor, self.ledger = self.core.monitor, self.core.ledger
         # The ledger is read and extended by this thread (pushes) and by server 0's loop
         # (model distribution, :meth:`network`).
@@ -111,6 +113,11 @@ class SchedulerService:
         self._history_norm: dict[tuple[str, int], float] = {}
         self._unit_members: dict[int, list[tuple[int, int]]] = {}  # unit key -> its (rank, update id)
         self._warned_violation = False
+
+    def _host_of(self, rank: int) -> int:
+        """The host of worker ``rank``: its host's leading worker rank (``workers_per_host``
+        consecutive workers to a host, :func:`~.settings.host_of_rank`)."""
+        return host_of_rank(rank, self.settings.workers_per_host, first=self.layout.worker_ranks[0])
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="mlfabric-ps-scheduler", daemon=True)
@@ -223,8 +230,11 @@ class SchedulerService:
                 node = next((g for g in tree[1] if any(m == (d.rank, d.id) for m in g.members)), None) if tree else None
                 extra = {} if node is None else {"tree": tree[0], "chunk_bytes": int(getattr(node, "chunk_bytes", 0)),
                                                  "hold_in": node.deadline_in + self.settings.slack_s}
+                # a tree member goes to the node that lists it (its own host: the planner's
+                # hop names the group's root, where Alg. 3's one aggregator would be)
+                hop = list(d.hop) if node is None else [node.host] * len(d.hop)
                 meta = protocol.encode(op="decision", drop=False, batch=plan.batch, group=d.group, position=d.position,
-                                       hop=list(d.hop), start_in=d.start_in, rates=list(d.rates), **extra)
+                                       hop=hop, start_in=d.start_in, rates=list(d.rates), **extra)
             self.transport.send(d.rank, protocol.tag(protocol.DECISION, session, d.id), b"", meta=meta,
                                 channel=channel)
         for g in plan.groups:
