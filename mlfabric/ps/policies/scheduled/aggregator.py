@@ -232,7 +232,9 @@ class Aggregator:
                 del self._replica_sums[key]
             # copies still kept: their units were punted, the scheduler asks for them later
             return (any(g.planned and len(g.sent) < len(g.servers) for g in self._groups.values())
-                    or any(g.planned for g in self._trees.values())
+                    # a tree node with chunks in and its order still on the way is open too:
+                    # a worker whose own update its node sums must not leave before the order
+                    or any(g.planned or g.early for g in self._trees.values())
                     or bool(self._copies) or bool(self._replications) or any(not h.done() for h, *_ in self._replicating)
                     or bool(self._replica_sums))
 

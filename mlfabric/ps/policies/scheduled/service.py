@@ -220,6 +220,15 @@ class SchedulerService:
                 self.transport.send(rank, protocol.request_tag(session), b"", meta=protocol.encode(**order),
                                     channel=channel)
         trees = plan_trees(plan) if not plan.sync else {}
+        # Groups before decisions: a node learns its order before its members (itself among
+        # them) send their chunks, and its worker cannot leave in between.
+        for g in plan.groups:
+            extra = {} if g.slot not in trees else {"tree": trees[g.slot][0],
+                                                    "chunk_bytes": int(getattr(g, "chunk_bytes", 0))}
+            meta = protocol.encode(op="group", batch=plan.batch, slot=g.slot, model=plan.model,
+                                   members=[list(m) for m in g.members], servers=list(g.servers),
+                                   deadline_in=g.deadline_in, rates=list(g.rates), **extra)
+            self.transport.send(g.host, protocol.tag(protocol.AGGREGATE, session), b"", meta=meta, channel=channel)
         for d in plan.decisions:
             if d.drop:
                 meta = protocol.encode(op="decision", drop=True, reason=d.reason, batch=plan.batch)
@@ -237,13 +246,6 @@ class SchedulerService:
                                        hop=hop, start_in=d.start_in, rates=list(d.rates), **extra)
             self.transport.send(d.rank, protocol.tag(protocol.DECISION, session, d.id), b"", meta=meta,
                                 channel=channel)
-        for g in plan.groups:
-            extra = {} if g.slot not in trees else {"tree": trees[g.slot][0],
-                                                    "chunk_bytes": int(getattr(g, "chunk_bytes", 0))}
-            meta = protocol.encode(op="group", batch=plan.batch, slot=g.slot, model=plan.model,
-                                   members=[list(m) for m in g.members], servers=list(g.servers),
-                                   deadline_in=g.deadline_in, rates=list(g.rates), **extra)
-            self.transport.send(g.host, protocol.tag(protocol.AGGREGATE, session), b"", meta=meta, channel=channel)
 
     # -- network replication (§5.3) ----------------------------------------------------------
 
