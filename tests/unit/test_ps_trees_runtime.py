@@ -184,3 +184,107 @@ def test_the_planners_trees_apply_every_update_once() -> None:
     assert server.worker_updates == 4 * STEPS and server.skipped == 0 and server.errors == []
     aggregators = [j.worker.routing._aggregator for j in jobs if j.role == "worker"]
     assert server.scheduler["aggregated"] > 0 and sum(a.chunks_forwarded for a in aggregators) > 0
+
+
+def test_the_model_is_multicast_down_trees_chunk_by_chunk() -> None:
+    """With ``trees``, each batch of pulls leaves the server once per tree root; relays pass it
+    on chunk by chunk; every worker ends with the server's model."""
+    layout = PSLayout(servers=1, workers=4)
+    config = PSConfig(consistency="async:100", timeout_s=20, routing="scheduled",
+                      scheduled=ScheduledSettings(interval_s=0.05, aggregators=2, rate_bps=1e9, slack_s=0.5,
+                                                  trees=True, chunk_bytes=CHUNK_BYTES))
+    jobs = local_jobs(layout, config)
+    out: dict[Any, Any] = {}
+
+    def run(job: Any) -> None:
+        if job.role == "server":
+            out["server"] = job.serve()
+            out["model"] = job.server.shards["m"].values.clone()
+            return
+        w = job.worker
+        w.init_model("m", torch.zeros(SIZE), lr=1.0)
+        for step in range(STEPS):
+            w.pull_flat("m")
+            update = torch.zeros(SIZE)
+            update[w.index * STEPS + step] = 1.0
+            w.push("m", update)
+            w.clock()
+        time.sleep(1.0)  # the last updates are applied (their batch's deadline is < 1 s)
+        out[w.index] = w.pull_flat("m")
+        out[("relayed", w.index)] = w.stats.relayed
+        w.leave()
+
+    threads = [threading.Thread(target=run, args=(j,), daemon=True) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    for j in jobs:
+        j.comm.close()
+    assert torch.equal(out["model"][:4 * STEPS], torch.full((4 * STEPS,), -0.25))
+    for w in range(4):  # the last pull (after every update was applied) is the server's model
+        assert torch.equal(out[w], out["model"])
+    server = out["server"]
+    assert server.pulls_relayed > 0 and sum(out[("relayed", w)] for w in range(4)) >= server.pulls_relayed
+
+
+def test_a_relay_lost_mid_multicast_tree_leaves_no_one_without_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first relay asked to pass a chunk on closes its transport instead: the pullers below
+    it ask the server directly and still serve their own subtrees (no hang, no timeout)."""
+    from mlfabric.ps.worker import PSWorker
+
+    relay = PSWorker._relay
+    died: list[int] = []
+    lock = threading.Lock()
+
+    def dies_when_relaying(self: PSWorker, children: Any, header: Any, msg: Any) -> None:
+        with lock:
+            first = bool(children) and not died
+            if first:
+                died.append(self.index)
+        if first:
+            self.transport.close()
+            raise RuntimeError("relay gone")
+        relay(self, children, header, msg)
+
+    monkeypatch.setattr(PSWorker, "_relay", dies_when_relaying)
+    layout = PSLayout(servers=1, workers=4)
+    config = PSConfig(consistency="bsp", timeout_s=20, routing="scheduled",
+                      scheduled=ScheduledSettings(interval_s=0.05, aggregators=0, rate_bps=8e6, trees=True,
+                                                  chunk_bytes=CHUNK_BYTES))
+    jobs = local_jobs(layout, config)
+    finals: dict[Any, Any] = {}
+
+    def work(job: Any) -> None:
+        if job.role == "server":
+            finals["server"] = job.serve()
+            return
+        w = job.worker
+        w.init_model("m", torch.zeros(SIZE), lr=1.0)
+        try:
+            for _ in range(2):
+                params = w.pull_flat("m")
+                w.push("m", params - 1)
+                w.clock()
+            w.leave()
+            finals[w.index] = params
+        except RuntimeError as exc:
+            finals[w.index] = exc
+
+    threads = [threading.Thread(target=work, args=(j,), daemon=True) for j in jobs]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    assert time.monotonic() - started < 10
+    for j in jobs:
+        j.comm.close()
+    gone = [w for w in range(4) if isinstance(finals[w], RuntimeError)]
+    assert gone == died and len(died) == 1, finals
+    assert finals["server"].pulls_relayed >= 1 and finals["server"].errors == []
+    alive = [finals[w] for w in range(4) if w not in gone]
+    for params in alive:  # all answered, with the same model of round 1
+        torch.testing.assert_close(params, alive[0])

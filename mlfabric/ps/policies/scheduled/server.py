@@ -30,7 +30,7 @@ from ...policy import answer_directly
 from ...protocol import payload_tensor
 from ...scheduler import NetState
 from .core import Entry, OrderBook, PullBatcher, entry_count, entry_key
-from .cutthrough import Assembler, Assembly, ChunkSum
+from .cutthrough import Assembler, Assembly, ChunkSum, chunk_count, chunk_elems, chunk_span
 from .service import SchedulerService
 from .settings import ScheduledSettings
 
@@ -224,7 +224,12 @@ class ScheduledServerSide:
             self._planned_ahead[model] -= count
 
     def held_ranks(self, server: "ServerPort", model: str) -> set[int]:
-        """Workers with an update in a batch entry not applied (or skipped) yet."""
+        """Workers with an update in a batch entry not applied (or skipped) yet: their pulls
+        wait for it. With ``trees`` (#36) none: a pull is answered at once from the freshest
+        version, not queued behind the worker's own update, which the order book applies in
+        its turn (its delay still within the bound: the scheduler planned it so or dropped it)."""
+        if self.settings.trees:
+            return set()
         with self._order_lock:
             incoming = [o for o, _ in self._incoming_orders if o["model"] == model and not o.get("sync")]
         return {int(r) for o in incoming for e in o["entries"] for r in e[4]} | self.book.held_ranks(model)
@@ -295,6 +300,8 @@ class ScheduledServerSide:
         the next batch: the server's NIC is busy anyway, and together they share one send to
         a distributor instead of each taking the server's up-link. (The transport's handles
         alone would not do: a socket takes a few MB into its buffer at once.)"""
+        if self.settings.trees:  # multicast: each batch of pulls goes at once, down its own trees
+            return True
         self._answering = [h for h in self._answering if not h.done()]
         busy_until = self._pulls.answer_at() if self._pulls is not None else 0.0
         return not self._answering and time.monotonic() >= busy_until
@@ -314,11 +321,14 @@ class ScheduledServerSide:
             net = NetState([rate] * server.layout.world_size, [rate] * server.layout.world_size, origin=now)
         if self._pulls is None:
             self._pulls = PullBatcher(distributors=self.settings.distributors, seed=server.config.seed,
-                                      server=server.server)
+                                      server=server.server, trees=self.settings.trees,
+                                      chunk_bytes=self.settings.chunk_bytes if self.settings.trees else 0)
         me = server.transport.rank
         lost = server.transport.lost_peers
         pull_of = {p.rank: p for p in pulls}
         asked = [p.rank for p in pulls if p.direct or p.rank in lost]  # to be answered by the server itself
+        if self.settings.trees:
+            return self._multicast(server, net, pull_of, asked, shard, header, now)
         plan = self._pulls.plan(net, me=me, pullers=[r for r in pull_of if r not in asked],
                                 model_size=float(shard.numel() * shard.element_size()), now=now,
                                 answered_first=asked)
@@ -341,6 +351,49 @@ class ScheduledServerSide:
         self._answering = list(handles)
         return handles
 
+
+
+    def _multicast(self, server: "ServerPort", net: NetState, pull_of: "dict[int, PendingPull]", asked: list[int],
+                   shard: torch.Tensor, header: bytes, now: float) -> list[SendHandle]:
+        """#36's model distribution: the version leaves the server once per tree root and
+        spreads down ``PullBatchPlan.tree`` (the planner's multicast trees over the pullers),
+        chunk by chunk: a relay sends chunk i on while it receives chunk i+1
+        (:meth:`mlfabric.ps.worker.PSWorker._gather_chunks`). Every puller below a root gets a
+        "via" note naming its parent and the tree (its own children in it, whom it serves even
+        if its parent is lost and it asks the server directly). Pulls asked directly (a lost
+        relay's) are answered by the server itself."""
+        assert self._pulls is not None
+        me = server.transport.rank
+        tree_pullers = [r for r in pull_of if r not in asked]
+        plan = self._pulls.plan(net, me=me, pullers=tree_pullers, model_size=float(shard.numel() * shard.element_size()),
+                                now=now)
+        server.stats.pull_batches += 1
+        session, channel = server.config.session, server.channel
+        mtree = {str(h): [[c, pull_of[c].request_id] for c in kids] for h, kids in plan.tree.items() if h != me}
+        parent = {c: h for h, kids in plan.tree.items() for c in kids}
+        fields = protocol.decode(header)
+        handles: list[SendHandle] = answer_directly(server, [pull_of[r] for r in asked], shard, header)
+        for rank in tree_pullers:
+            if parent.get(rank, me) != me:
+                server.transport.send(rank, protocol.reply_tag(session, pull_of[rank].request_id), b"", channel=channel,
+                                      meta=protocol.encode(op="via", distributor=parent[rank], mtree=mtree))
+                server.stats.pulls_relayed += 1
+        elems = chunk_elems(plan.chunk_bytes, shard.element_size())
+        numel = shard.numel()
+        chunks = chunk_count(numel, elems)
+        for root in plan.tree.get(me, ()):
+            rid = pull_of[root].request_id
+            for index in range(chunks):
+                start, length = chunk_span(index, numel, elems)
+                meta = protocol.encode(**fields, mtree=mtree, chunk=index, chunks=chunks, elems=elems or numel,
+                                       itemsize=shard.element_size(), nbytes=numel * shard.element_size())
+                handles.append(server.transport.send(root, protocol.reply_tag(session, rid),
+                                                     tensor_bytes(shard[start:start + length]), meta=meta,
+                                                     channel=channel))
+        if self.scheduler_service is not None:
+            self.scheduler_service.reserve(list(plan.transfers))
+        self._answering = list(handles)
+        return handles
 
 
 __all__ = ["ScheduledServerSide"]

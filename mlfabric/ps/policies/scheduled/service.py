@@ -219,7 +219,7 @@ class SchedulerService:
             else:
                 self.transport.send(rank, protocol.request_tag(session), b"", meta=protocol.encode(**order),
                                     channel=channel)
-        trees = plan_trees(plan) if not plan.sync else {}
+        trees = plan_trees(plan)
         # Groups before decisions: a node learns its order before its members (itself among
         # them) send their chunks, and its worker cannot leave in between.
         for g in plan.groups:
@@ -369,8 +369,7 @@ def plan_trees(plan: BatchPlan) -> dict[int, tuple[list[list[Any]], list[Any]]]:
     cut-through ``chunk_bytes``: :class:`~.core.GroupOrder`'s tree fields), the tree as the
     messages carry it and its nodes' orders. Slots of today's one-level, store-and-forward
     groups are left out: they keep the plain group path (:meth:`Aggregator._forward_ready`).
-    MLfabric-S (``sync``) has none: its rounds sum whatever arrives, so its nodes forward
-    their members' sums straight to the servers."""
+    MLfabric-S runs the same trees: the server counts a tree's aggregate toward its round."""
     slots: dict[int, list[Any]] = {}
     for g in plan.groups:
         slots.setdefault(g.slot, []).append(g)
