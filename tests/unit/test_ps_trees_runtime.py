@@ -288,3 +288,26 @@ def test_a_relay_lost_mid_multicast_tree_leaves_no_one_without_the_model(monkeyp
     alive = [finals[w] for w in range(4) if w not in gone]
     for params in alive:  # all answered, with the same model of round 1
         torch.testing.assert_close(params, alive[0])
+
+
+@pytest.mark.parametrize("trees", [True, False])
+def test_co_located_workers_push_one_host_sum(trees: bool) -> None:
+    """Two workers per host (#36): the scheduler merges a host's requests into one, the
+    co-located member hands its update to the host's leading worker, which pushes the sum
+    (down a tree, or Alg. 3's way): every update applied exactly once, in fewer server
+    transfers than updates, and the model pulled once per host (the other worker gets it
+    from its host's first puller)."""
+    layout = PSLayout(servers=1, workers=4)
+    config = PSConfig(consistency="async:100", timeout_s=20, routing="scheduled",
+                      scheduled=ScheduledSettings(interval_s=0.05, aggregators=2, rate_bps=1e9, slack_s=0.5,
+                                                  trees=trees, chunk_bytes=CHUNK_BYTES, workers_per_host=2))
+    out, model, jobs = _run(layout, config)
+    assert not [k for k in out if isinstance(k, tuple) and k[0] == "error"]
+    assert torch.equal(model[:4 * STEPS], torch.full((4 * STEPS,), -0.25))
+    server = out["server"]
+    assert server.worker_updates == 4 * STEPS and server.skipped == 0 and server.errors == []
+    assert server.dropped == 0 and server.unscheduled == 0
+    parts = sum(out[w]["host_parts"] for w in range(4))
+    sums = sum(out[w]["host_sums"] for w in range(4))
+    assert parts >= 1 and sums >= 1 and parts >= sums
+    assert server.updates_applied < server.worker_updates  # some transfers carried a host's two updates

@@ -411,11 +411,14 @@ class Aggregator:
                 log.warning("%s: aggregator: group %d of batch %d forwarded with %d of %d members (deadline)",
                             w.who, slot, batch, len(got), len(group.members))
             first = got[0][0]
+            # a member may be a host sum (#36): it names every worker update in it
             meta = protocol.encode(op=protocol.PUSH, model=group.model, batch=batch, slot=slot,
                                    clock=first["clock"], version=first["version"], norm=0.0,
-                                   workers=[w.layout.worker_index(int(h["rank"])) for h, _ in got],
-                                   versions=[int(h["version"]) for h, _ in got],
-                                   members=[[int(h["rank"]), int(h["id"])] for h, _ in got])
+                                   workers=[x for h, _ in got for x in h.get("workers")
+                                            or [w.layout.worker_index(int(h["rank"]))]],
+                                   versions=[int(x) for h, _ in got for x in h.get("versions") or [h["version"]]],
+                                   members=[m for h, _ in got for m in h.get("members")
+                                            or [[int(h["rank"]), int(h["id"])]]])
             rate = group.rates[group.servers.index(j)] if group.rates else None
             server = w.server_rank(j)
             paced = rate is not None and w.transport.pace_connection(server, w.channel, rate)

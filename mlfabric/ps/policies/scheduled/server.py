@@ -32,7 +32,7 @@ from ...scheduler import NetState
 from .core import Entry, OrderBook, PullBatcher, entry_count, entry_key
 from .cutthrough import Assembler, Assembly, ChunkSum, chunk_count, chunk_elems, chunk_span
 from .service import SchedulerService
-from .settings import ScheduledSettings
+from .settings import ScheduledSettings, host_of_rank
 
 if TYPE_CHECKING:
     from mlfabric.ps.policy import ServerPort
@@ -365,12 +365,24 @@ class ScheduledServerSide:
         assert self._pulls is not None
         me = server.transport.rank
         tree_pullers = [r for r in pull_of if r not in asked]
-        plan = self._pulls.plan(net, me=me, pullers=tree_pullers, model_size=float(shard.numel() * shard.element_size()),
-                                now=now)
+        # one puller per host in the trees; its co-located pullers hang below it (the model
+        # reaches a host once and goes on over shared memory)
+        wph, first = self.settings.workers_per_host, server.layout.worker_ranks[0]
+        reps: dict[int, int] = {}
+        local: dict[int, list[int]] = {}
+        for rank in tree_pullers:
+            rep = reps.setdefault(host_of_rank(rank, wph, first) if wph > 1 else rank, rank)
+            if rep != rank:
+                local.setdefault(rep, []).append(rank)
+        plan = self._pulls.plan(net, me=me, pullers=list(reps.values()),
+                                model_size=float(shard.numel() * shard.element_size()), now=now)
         server.stats.pull_batches += 1
         session, channel = server.config.session, server.channel
-        mtree = {str(h): [[c, pull_of[c].request_id] for c in kids] for h, kids in plan.tree.items() if h != me}
-        parent = {c: h for h, kids in plan.tree.items() for c in kids}
+        tree = {h: [*kids, *local.get(h, [])] for h, kids in plan.tree.items()}
+        for rep, ranks in local.items():
+            tree.setdefault(rep, list(ranks))
+        mtree = {str(h): [[c, pull_of[c].request_id] for c in kids] for h, kids in tree.items() if h != me}
+        parent = {c: h for h, kids in tree.items() for c in kids}
         fields = protocol.decode(header)
         handles: list[SendHandle] = answer_directly(server, [pull_of[r] for r in asked], shard, header)
         for rank in tree_pullers:
@@ -381,7 +393,7 @@ class ScheduledServerSide:
         elems = chunk_elems(plan.chunk_bytes, shard.element_size())
         numel = shard.numel()
         chunks = chunk_count(numel, elems)
-        for root in plan.tree.get(me, ()):
+        for root in tree.get(me, ()):
             rid = pull_of[root].request_id
             for index in range(chunks):
                 start, length = chunk_span(index, numel, elems)

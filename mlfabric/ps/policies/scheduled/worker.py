@@ -22,6 +22,7 @@ import torch
 from mlfabric.transport.base import SendHandle, Transport, tensor_bytes
 
 from ... import protocol
+from ...protocol import payload_tensor
 from ...waits import wait_until
 from .aggregator import Aggregator, wait_sent
 from .cutthrough import chunk_count, chunk_elems, chunk_span, decode_tree, tree_root
@@ -41,10 +42,12 @@ class DaemonStats:
     dropped: int = 0
     fallbacks: int = 0
     aggregated: int = 0
+    host_parts: int = 0  # updates handed to the host's leading worker (#36)
+    host_sums: int = 0   # host sums this worker pushed as its host's leader
 
     def as_dict(self) -> dict[str, int]:
         return {"requested": self.requested, "dropped_by_scheduler": self.dropped, "fallbacks": self.fallbacks,
-                "sent_to_aggregators": self.aggregated}
+                "sent_to_aggregators": self.aggregated, "host_parts": self.host_parts, "host_sums": self.host_sums}
 
 
 def tree_chunks(model: str, decision: dict[str, Any], server: int, component: torch.Tensor,
@@ -54,12 +57,14 @@ def tree_chunks(model: str, decision: dict[str, Any], server: int, component: to
     elems = chunk_elems(int(decision.get("chunk_bytes", 0)), component.element_size())
     numel = component.numel()
     root = tree_root(decode_tree(decision["tree"]), int(decision["hop"][server]))
-    member = [int(fields["rank"]), int(fields["id"]), int(fields["version"])]
+    members = ([[int(r), int(i), int(v)] for (r, i), v in zip(fields["members"], fields["versions"])]
+               if "members" in fields else [[int(fields["rank"]), int(fields["id"]), int(fields["version"])]])
+    member = members[0]
     out = []
     for index in range(chunk_count(numel, elems)):
         start, length = chunk_span(index, numel, elems)
         out.append(({"model": model, "batch": int(decision["batch"]), "slot": int(decision["group"]), "server": server,
-                     "chunk": index, "elems": elems, "source": ["m", member[0], member[1]], "members": [member],
+                     "chunk": index, "elems": elems, "source": ["m", member[0], member[1]], "members": members,
                      "clock": int(fields.get("clock", 0)), "root": root}, component[start:start + length]))
     return out
 
@@ -124,10 +129,16 @@ class ScheduledWorkerSide:
         if decision["drop"]:
             self.stats.dropped += 1
             return False
+        if "host" in decision:  # host-local aggregation: the host's leading worker pushes the sum
+            self._hand_to_host(decision, request_id, components, first)
+            return True
+        host: dict[str, Any] = {}
+        if decision.get("host_members"):
+            components, host = self._host_sum(decision, request_id, components, first)
         time.sleep(float(decision["start_in"]))
         handles, paced = [], []
         for j, (component, push, hop) in enumerate(zip(components, pushes, decision["hop"])):
-            fields = push.fields(batch=decision["batch"], id=request_id, rank=transport.rank)
+            fields = push.fields(batch=decision["batch"], id=request_id, rank=transport.rank, **host)
             rate = decision["rates"][j] if j < len(decision["rates"]) else None
             if hop != transport.rank and rate is not None and transport.pace_connection(hop, w.channel, rate):
                 paced.append(hop)
@@ -154,6 +165,55 @@ class ScheduledWorkerSide:
         for hop in paced:
             transport.pace_connection(hop, w.channel, None)
         return True
+
+    def _hand_to_host(self, decision: dict[str, Any], request_id: int, components: list[torch.Tensor],
+                      first: protocol.Push) -> None:
+        """A co-located member's update goes to its host's leading worker (#36; the
+        transport's link between two ranks of one host is shared memory: no NIC)."""
+        w = self._worker
+        tag = protocol.tag(protocol.DECISION, w.config.session, int(decision["host_id"]))
+        handles = [w.transport.send(int(decision["host"]), tag, tensor_bytes(c), channel=w.channel,
+                                    meta=protocol.encode(op="hostpart", server=j, rank=w.transport.rank, id=request_id,
+                                                         version=first.version, clock=first.clock))
+                   for j, c in enumerate(components)]
+        self.stats.host_parts += 1
+        wait_sent(w.transport, handles, w.config.timeout_s)
+
+    def _host_sum(self, decision: dict[str, Any], request_id: int, components: list[torch.Tensor],
+                  first: protocol.Push) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        """The host's leading worker sums its co-located members' updates into its own (each
+        component, in the members' order), waiting for them at most ``decision_timeout_s``
+        (a member that does not come is left out, and named); returns the sums and the push
+        fields naming every update in them (``workers``, ``versions``, ``members``)."""
+        w = self._worker
+        transport = w.transport
+        tag = protocol.tag(protocol.DECISION, w.config.session, request_id)
+        totals = [c.detach().clone() for c in components]
+        ranks, ids, versions = [transport.rank], [request_id], [int(first.version)]
+        deadline = time.monotonic() + self.settings.decision_timeout_s
+        for rank, rid in decision["host_members"]:
+            parts: list[tuple[dict[str, Any], Any]] = []
+            for _ in components:
+                msg = wait_until(transport, lambda r=int(rank): transport.mailbox.take(w.channel, tag, r), deadline,
+                                 who=w.who, what=f"the update of co-located {w.layout.describe(int(rank))}",
+                                 required=False, poll=0.05)
+                if msg is None:
+                    break
+                parts.append((protocol.decode(msg.meta), msg))
+            if len(parts) < len(components):
+                log.warning("%s: host-local aggregation: the update of %s did not come within %.1f s; the host's "
+                            "sum goes without it", w.who, w.layout.describe(int(rank)), self.settings.decision_timeout_s)
+                continue
+            for header, msg in parts:
+                j = int(header["server"])
+                totals[j].add_(payload_tensor(msg.payload, totals[j].dtype, totals[j].numel(),
+                                              f"host part of {w.layout.describe(int(rank))}").view_as(totals[j]))
+            ranks.append(int(rank))
+            ids.append(int(rid))
+            versions.append(int(parts[0][0]["version"]))
+        self.stats.host_sums += 1
+        return totals, {"workers": [w.layout.worker_index(r) for r in ranks], "versions": versions,
+                        "members": [[r, i] for r, i in zip(ranks, ids)]}
 
     def _decision(self, request_id: int) -> dict[str, Any] | None:
         w = self._worker
