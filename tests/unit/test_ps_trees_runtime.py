@@ -16,7 +16,7 @@ import dataclasses
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -43,9 +43,11 @@ class TreeOrder:
     chunk_bytes: int = 0
 
 
-def chain_every_batch(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def chain_every_batch(patch: Callable[[Any, str, Any], None]) -> list[int]:
     """Each batch's applied requests become one group (slot 1) summed along a chain of their
-    workers in rank order: the first is the root, each node's own update its one member."""
+    workers in rank order: the first is the root, each node's own update its one member.
+    ``patch``: ``monkeypatch.setattr`` (threads), or ``setattr`` in a rank's own process
+    (tests/local/test_ps_trees_processes.py)."""
     dispatch = SchedulerService._dispatch
     depths: list[int] = []
 
@@ -65,7 +67,7 @@ def chain_every_batch(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             depths.append(len(ranks))
         dispatch(self, plan, now)
 
-    monkeypatch.setattr(SchedulerService, "_dispatch", chained)
+    patch(SchedulerService, "_dispatch", chained)
     return depths
 
 
@@ -112,7 +114,7 @@ def _config(timeout_s: float = 20) -> PSConfig:
 
 
 def test_updates_summed_along_multi_level_cut_through_trees_are_applied_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    depths = chain_every_batch(monkeypatch)
+    depths = chain_every_batch(monkeypatch.setattr)
     layout = PSLayout(servers=1, workers=4)
     out, model, jobs = _run(layout, _config())
     assert not [k for k in out if isinstance(k, tuple) and k[0] == "error"]
@@ -131,7 +133,7 @@ def test_a_node_lost_mid_tree_is_repaired_without_losing_or_double_counting(monk
     """The second node of the first chain of depth >= 3 dies when its child's first chunk
     reaches it (before it forwarded anything): its child sends its chunks to the root instead.
     Every update but the dead node's own in that batch is applied, each exactly once."""
-    chain_every_batch(monkeypatch)
+    chain_every_batch(monkeypatch.setattr)
     victim_rank = 2
     killed: list[tuple[int, int]] = []
     take = Aggregator._tree_chunk
@@ -144,7 +146,7 @@ def test_a_node_lost_mid_tree_is_repaired_without_losing_or_double_counting(monk
                 and self._trees.get((int(header["batch"]), int(header["slot"]))) is not None
                 and self._trees[(int(header["batch"]), int(header["slot"]))].tree[me].parent is not None):
             killed.append((int(header["batch"]), int(header["slot"])))
-            self.worker.transport.close()
+            self.worker.transport.fabric.kill(me)  # a crash: the others see it lost (no goodbye)
             self._stop.set()  # and its aggregator thread ends, as the process would
             return
         take(self, header, payload)

@@ -77,6 +77,8 @@ class _TreeGroup:
     paced: set[int] = field(default_factory=set)
     partial: bool = False
     since: float = 0.0
+    repaired: set[int] = field(default_factory=set)   # lost nodes whose inputs stand in here
+    early_out: list[tuple[int, list[Forward]]] = field(default_factory=list)  # chunks a repair completed
 
 
 @dataclass
@@ -157,6 +159,7 @@ class Aggregator:
         self._trees: dict[tuple[int, int], _TreeGroup] = {}
         self._trees_done: dict[tuple[int, int], float] = {}  # finished nodes: late chunks are ignored
         self._held: list[_Held] = []
+        self._redirected: set[tuple[tuple[int, int], int]] = set()  # (group, node) a parent said is lost
         self.rerouted = 0
         self.chunks_forwarded = 0
 
@@ -235,6 +238,11 @@ class Aggregator:
                     # a tree node with chunks in and its order still on the way is open too:
                     # a worker whose own update its node sums must not leave before the order
                     or any(g.planned or g.early for g in self._trees.values())
+                    # what this host sent toward a tree node is kept until the group's deadline:
+                    # if the node crashes meanwhile it goes again (unless the node left on
+                    # purpose: it forwarded its sums before its goodbye)
+                    or any(h.until > time.monotonic() and h.hop not in transport.departed_peers
+                           for h in self._held)
                     or bool(self._copies) or bool(self._replications) or any(not h.done() for h, *_ in self._replicating)
                     or bool(self._replica_sums))
 
@@ -256,6 +264,8 @@ class Aggregator:
                     self._tree_group(header)
                 elif header["op"] == "tchunk":
                     self._tree_chunk(header, msg.payload)
+                elif header["op"] == "treroute":
+                    self._treroute(header)
                 elif header["op"] == "group":
                     with self._lock:
                         group = self._groups.setdefault((int(header["batch"]), int(header["slot"])), _Group())
@@ -448,12 +458,24 @@ class Aggregator:
             for fields, tensor in messages:
                 self._tree_chunk(fields, tensor.clone())
             return []
+        group_key = (int(messages[0][0]["batch"]), int(messages[0][0]["slot"]))
         held = _Held(hop=hop, tree=tree, until=time.monotonic() + hold_s, server=server,
-                     messages=[(f, t.detach().clone()) for f, t in messages], dest=hop)
-        handles = self._send_chunks(model, held.dest, server, [], held.messages)
+                     messages=[(f, t.detach().clone()) for f, t in messages], dest=hop, key=(group_key, server))
+        dest, chain = reroute(tree, hop, self._lost(group_key))
+        held.dest = dest
+        handles = self._send_chunks(model, dest, server, [[h, [list(x) for x in inputs]] for h, inputs in chain],
+                                    held.messages)
         with self._lock:
             self._held.append(held)
         return handles
+
+    def _lost(self, key: tuple[int, int]) -> Any:
+        """Whether a tree node of group ``key`` is lost: its process crashed (the transport
+        says so), or the nearest live ancestor asked for its inputs (it saw the crash first:
+        a sender does not always notice a peer it only sends to). A node that left on purpose
+        (goodbye) forwarded its sums before it went: not lost."""
+        lost = self.worker.transport.lost_peers
+        return lambda host: host in lost or (key, host) in self._redirected
 
     def _send_chunks(self, model: str, dest: int | None, server: int, lost: list[Any],
                      messages: list[tuple[dict[str, Any], torch.Tensor]]) -> list[SendHandle]:
@@ -497,6 +519,45 @@ class Aggregator:
             early, group.early = group.early, []
         for fields, tensor in early:
             self._tree_chunk(fields, tensor)
+
+    def _repairs(self) -> list[tuple[int, dict[str, Any]]]:
+        """(Caller holds the lock.) Nodes of this host's unfinished trees that crashed and whose
+        nearest live ancestor is this node: their inputs stand in for them here
+        (:meth:`~.cutthrough.ChunkSum.lost`), and each live input is asked to send what it
+        sent toward the lost node here ("treroute"; it keeps it until the deadline)."""
+        w = self.worker
+        me, lost = w.transport.rank, w.transport.lost_peers
+        asks = []
+        for key, group in self._trees.items():
+            if not group.planned or not lost:
+                continue
+            for host in group.tree:
+                if host not in lost or host in group.repaired:
+                    continue
+                parent = group.tree[host].parent
+                dest = None if parent is None else reroute(group.tree, parent, lambda h: h in lost)[0]
+                if dest != me:
+                    continue
+                group.repaired.add(host)
+                inputs = node_inputs(group.tree, host)
+                for j, chunk_sum in group.sums.items():
+                    out = chunk_sum.lost(("c", host), inputs)
+                    if out:  # the stand-ins' chunks were here already
+                        group.early_out.append((j, out))
+                log.warning("%s: aggregator: tree node %s of group %d of batch %d lost: its inputs are asked to send "
+                            "here", w.who, w.layout.describe(host), key[1], key[0])
+                for source in inputs:
+                    rank = int(source[1])
+                    if rank != me and rank not in lost:
+                        asks.append((rank, {"batch": key[0], "slot": key[1], "lost": host, "dest": me}))
+        return asks
+
+    def _treroute(self, header: dict[str, Any]) -> None:
+        """A parent saw tree node ``lost`` crash: what this host sent toward it goes to ``dest``."""
+        key = (int(header["batch"]), int(header["slot"]))
+        with self._lock:
+            self._redirected.add((key, int(header["lost"])))
+        self.worker.transport.mailbox.notify()  # the next _tree_step re-routes the held chunks
 
     def _level_share(self, tree: Tree, host: int) -> float:
         """How much earlier than the group's deadline this node forwards what came: the slack
@@ -560,8 +621,7 @@ class Aggregator:
         messages = [({"model": group.model, "batch": key[0], "slot": key[1], "server": j, "chunk": f.index,
                       "elems": group.elems, "source": ["c", me], "members": [list(m) for m in f.members],
                       "clock": group.clock, "root": root}, f.tensor) for f in forwards]
-        gone = w.transport.is_gone
-        dest, chain = (None, []) if parent is None else reroute(group.tree, parent, gone)
+        dest, chain = (None, []) if parent is None else reroute(group.tree, parent, self._lost(key))
         lost = [[host, [list(s) for s in inputs]] for host, inputs in chain]
         target = w.server_rank(j) if dest is None else dest
         # one rate per component, or one for the whole tree (every edge runs at the tree's rate)
@@ -618,12 +678,20 @@ class Aggregator:
             for key in [k for k, t in self._trees_done.items() if now - t > w.config.timeout_s]:
                 del self._trees_done[key]
             self._held = [h for h in self._held if h.until > now]
+            asks = self._repairs()
             moved = []
             for held in self._held:
-                dest, chain = reroute(held.tree, held.hop, w.transport.is_gone)
+                dest, chain = reroute(held.tree, held.hop, self._lost(held.key[0]))
                 if dest != held.dest:
                     held.dest = dest
                     moved.append((held, [[host, [list(s) for s in inputs]] for host, inputs in chain]))
+        for key, group in list(self._trees.items()):
+            while group.early_out:
+                j, out = group.early_out.pop()
+                self._tree_forward(key, group, j, out)
+        for rank, fields in asks:
+            w.transport.send(rank, protocol.tag(protocol.AGGREGATE, w.config.session), b"", channel=w.channel,
+                             meta=protocol.encode(op="treroute", **fields))
         for held, lost in moved:
             self.rerouted += 1
             where = "the servers" if held.dest is None else w.layout.describe(held.dest)
