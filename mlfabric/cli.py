@@ -815,6 +815,8 @@ def bench_scheduler(
     json_path: JsonOption = None,
     quiet: QuietOption = False,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the batches and NIC rates.")] = 0,
+    trees: Annotated[bool, typer.Option("--trees/--no-trees", help="Also plan each batch with #36's pipelined "
+                                        "trees (the same ordering), timed beside.")] = False,
 ) -> None:
     """MLfabric §7.4: ms per batch of the update scheduler vs its plain reference, same batches."""
     from mlfabric.ps.scheduler.bench import SchedulerBenchConfig, render_table, run_scheduler_bench
@@ -1244,7 +1246,15 @@ def _fmt_change(value: Optional[float]) -> str:
 @simulate_app.command("mlfabric")
 def simulate_mlfabric_cmd(
     ctx: typer.Context,
-    workers: Annotated[int, typer.Option(min=1, help="Workers (one host each; the server on its own host).")] = 30,
+    workers: Annotated[int, typer.Option(min=1, help="Workers (the server on its own host).")] = 30,
+    workers_per_host: Annotated[int, typer.Option("--workers-per-host", min=1, help="Workers sharing a host (and "
+                                                  "its NIC); the MLfabric modes sum their updates on the host "
+                                                  "and the host gets the model once; RR-Sync's ring runs over "
+                                                  "the hosts (the paper's setting: 2).")] = 1,
+    trees: Annotated[bool, typer.Option("--trees/--no-trees", help="MLfabric modes: pipelined multi-level "
+                                        "aggregation trees and multicast model distribution (#36); --no-trees: "
+                                        "Alg. 3's one level and §10.3's distributors.")] = True,
+    chunk_size: Annotated[str, typer.Option("--chunk-size", help="The trees' cut-through chunk.")] = "1MiB",
     update_size: Annotated[str, typer.Option("--update-size", help="Update (= model) size.")] = "100MB",
     rate: Annotated[str, typer.Option(help="Every NIC's rate before churn.")] = "10gbit",
     compute: Annotated[str, typer.Option(help="A worker's compute per update at nominal speed.")] = "100ms",
@@ -1296,6 +1306,7 @@ def simulate_mlfabric_cmd(
     modes = split_list(sync, "modes")
     config = config_from(ctx, MLfabricSimConfig,
                          update_bytes=float(size_option(update_size, "--update-size", itemsize=None)),
+                         chunk_bytes=int(size_option(chunk_size, "--chunk-size", itemsize=None)),
                          rate_bps=rate_option(rate, "--rate"), compute_s=_parse_or_usage(parse_duration, compute),
                          churn_period_s=_parse_or_usage(parse_duration, churn_period), updates_needed=needed,
                          interval_s=_parse_or_usage(parse_duration, interval),
@@ -1316,12 +1327,14 @@ def simulate_mlfabric_cmd(
     names = [c or "none" for c in churns]
     for mode in [m for m in modes if m != "allreduce"]:
         grid = table2(rows, mode)
-        ceilings = {(r["inject"], r["churn"]): r.get("ceiling_one_level") for r in rows if r["mode"] == mode}
+        ceiling_key = "ceiling_trees" if config.trees else "ceiling_one_level"
+        ceilings = {(r["inject"], r["churn"]): r.get(ceiling_key) for r in rows if r["mode"] == mode}
+        design = ("with trees and multicast (the batch wait, an update's and a model's transfer in every cycle)"
+                  if config.trees else "with one level of aggregation and distribution and this --pull-after")
         table = Table(title=f"{mode} vs RR-Sync", title_justify="left", box=box.SIMPLE_HEAD,
                       caption="speedup in time to the same applied updates (simulated)"
-                              + ("; after <=: the most any scheduler could reach with one level of aggregation "
-                                 "and distribution and this --pull-after (docs/mlfabric_scheduler.md, Table 2); "
-                                 "in brackets: the paper's MLfabric-A-30"
+                              + (f"; after <=: the most any scheduler could reach {design} "
+                                 "(docs/mlfabric_scheduler.md, Table 2); in brackets: the paper's MLfabric-A-30"
                                  if mode.startswith("mlfabric-a") else ""),
                       caption_justify="left")
         table.add_column("compute")
@@ -1337,6 +1350,7 @@ def simulate_mlfabric_cmd(
                              + (f" [{paper:.2f}]" if paper else ""))
             table.add_row(inj, *cells)
         console.print(table)
+    _print_cycle_parts(rows)
     if json_path is not None:
         import dataclasses
         import shlex
@@ -1344,6 +1358,29 @@ def simulate_mlfabric_cmd(
         write_json(json_path, {"benchmark": "simulate-mlfabric", "command": shlex.join(invocation(ctx)),
                                "config": dataclasses.asdict(config), "runs": rows,
                                "table2": {m: table2(rows, m) for m in modes}, "paper_table2": PAPER_TABLE2})
+
+
+def _print_cycle_parts(rows: list[dict[str, Any]]) -> None:
+    """simulate mlfabric: where the PS modes' time went, per cell (check 2 of #36)."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title="where the PS modes' time went", title_justify="left", box=box.SIMPLE_HEAD,
+                  caption="upd/xfer: worker updates per update transfer into the server; busy: the server NIC's "
+                          "busy share (in/out); waits: a worker's mean wait for its batch, its update applied, "
+                          "its model (seconds); dropped: worker updates dropped by the delay bound",
+                  caption_justify="left")
+    for name in ("compute", "network", "mode", "upd/xfer", "busy in/out", "batch", "commit", "model", "dropped",
+                 "max delay"):
+        table.add_column(name, justify="left" if name in ("compute", "network", "mode") else "right")
+    for r in rows:
+        if "server_busy" not in r:
+            continue
+        table.add_row(r["inject"], r["churn"], r["mode"], f"{r.get('updates_per_server_transfer', 1.0):.2f}",
+                      f"{r['server_busy_in']:.2f}/{r['server_busy_out']:.2f}",
+                      *(f"{r[k]:.3f}" if k in r else "-" for k in ("batch_wait_s", "commit_wait_s", "model_wait_s")),
+                      str(r["dropped"]), str(r["max_delay"]))
+    console.print(table)
 
 
 def _compare_emulated(config: Any, paths: list[Path], json_path: Optional[Path]) -> None:

@@ -12,8 +12,8 @@ The scheduled modes run the runtime's own code, not a copy: every batch is plann
 in batches through :func:`mlfabric.ps.scheduler.distribute` (model distribution, §10.3), as
 :mod:`mlfabric.ps.policies.scheduled` does.
 
-The network is a star of hosts (host 0 the server, hosts ``1..W`` the workers) whose NICs
-have an up and a down capacity, redrawn every ``churn_period_s`` from the churn model (the
+The network is a star of hosts (host 0 the server, hosts ``1..W/N`` the workers, ``N =
+workers_per_host`` to a host sharing its NIC) whose NICs have an up and a down capacity, redrawn every ``churn_period_s`` from the churn model (the
 emulator's :func:`mlfabric.emu.churn.churn_schedule`, same seed, same draws). Transfers are
 fluid flows sharing each NIC max-min fairly; a transfer the scheduler reserved is capped at
 its planned rate (the runtime paces it so). Control messages (requests, decisions, pull
@@ -29,6 +29,13 @@ requests) take no time. Modes:
   by the server in the planned order (an aggregate of m updates takes m versions, as in the
   runtime); a worker's pull is answered once its update is applied;
 * ``mlfabric-s``: BSP rounds whose updates the scheduler orders and aggregates (obj_sync).
+
+With ``trees`` (#36; ``simulate mlfabric --trees``, its default) the scheduler aggregates
+each batch through pipelined trees over the members' hosts and distributes each model version
+down multicast trees; a tree is one flow whose edges move at one common rate (it takes ``k``
+shares of a NIC its ``k`` streams cross), its sum at the server ``depth - 1`` chunk times
+after its bytes are through. A host's co-located workers' requests are summed by the core
+(one host request). RR-Sync then rings the hosts (the intra-host sum is free).
 
 "Time to target": the paper times each mode to a test accuracy; a flow-level simulator has no
 accuracy, so each mode is timed to a number of applied worker updates (``updates``, the same
@@ -501,6 +508,8 @@ class _Scheduled(_PS):
         # multicast); the scheduler still drops what would break the delay bound
         self.pull_at_request = c.pull_after == "request"
         self.clock.net.watch = (0,)
+        self.inflight_version: int | None = None  # the version of the multicast in flight (trees)
+        self.inflight_at: dict[int, float] = {}   # when each of its hosts has its copy
 
     def start(self) -> None:
         super().start()
@@ -673,8 +682,15 @@ class _Scheduled(_PS):
         tree per group of hosts); a host's copy serves every worker on it that pulled."""
         if not self.pulls:
             return
-        if (self.answering and not self.config.trees) or not self.distribution.ready(t, True):
-            if not self.answering:
+        if self.answering or not self.distribution.ready(t, True):
+            # answered at once (pull_after="request"), a pull joins the multicast in flight;
+            # held behind its own update ("applied") it waits for the next version instead:
+            # joining hands it the version in flight, older than the one its update made, and
+            # under a delay bound as tight as MLfabric-A-30's on 30 workers that dooms its next
+            # update more often than the shorter wait gains (docs/mlfabric_scheduler.md, "Trees")
+            if self.config.trees and self.pull_at_request and self.inflight_version is not None:
+                self.join_inflight(t)
+            if self.pulls and not self.answering:
                 self._wake(self.distribution.answer_at(), self.answer)
             return
         batch, self.pulls = self.pulls, []
@@ -684,6 +700,8 @@ class _Scheduled(_PS):
         version, size = self.version, self.config.update_bytes
         plan = self.distribution.plan(self.core.network(t), me=0, pullers=list(on_host), model_size=size, now=t)
         self.core.reserve(list(plan.transfers))
+        self.inflight_version = version
+        self.inflight_at = {}
         self.model_copies += len(plan.forwards(0).get(0, ()))
 
         def got(h: int, now: float) -> None:
@@ -712,6 +730,7 @@ class _Scheduled(_PS):
                 def through(now: float, r: float, depths: dict[int, int] = depths) -> None:
                     for h, dh in depths.items():
                         fill = (dh - 1) * (chunk if chunk else size) / r if math.isfinite(r) and r > 0 else 0.0
+                        self.inflight_at[h] = now + fill
                         self.clock.at(now + fill, lambda at, h=h: got(h, at))
                     server_sent(now)
 
@@ -736,6 +755,37 @@ class _Scheduled(_PS):
         for h in plan.by_server:
             self.answering += 1
             self.clock.net.add(0, h, size, lambda now, h=h: direct_done(h, now))
+
+    def join_inflight(self, t: float) -> None:
+        """Pulls ready while a multicast is in flight join it (PullBatcher.attach): the relay
+        forwards what it holds; the joiner's copy is complete no earlier than the relay's."""
+        version, size = self.inflight_version, self.config.update_bytes
+        waiting: dict[int, list[int]] = {}
+        for w in self.pulls:
+            waiting.setdefault(self.host(w), []).append(w)
+        left = []
+        for h, ws in waiting.items():
+            plan = self.distribution.attach(self.core.network(t), me=0, host=h, model_size=size, now=t)
+            if plan is None:
+                left += ws
+                continue
+            self.core.reserve(list(plan.transfers))
+            (relay, _), = plan.tree.items()
+
+            def done(end: float, h: int = h, ws: list[int] = ws, relay: int = relay) -> None:
+                ready = self.inflight_at.get(relay, end)  # the relay's own copy (known once its tree is through)
+                at = max(end, ready)
+                self.inflight_at[h] = at
+                self.clock.at(at, lambda now: self.joined(ws, version, now))
+
+            self.clock.net.add(relay, h, size, done)
+        self.pulls = left
+
+    def joined(self, workers: list[int], version: int, t: float) -> None:
+        for w in workers:
+            self.waits["model"].append(t - self.stamp[w])
+            self.model_version[w] = version
+            self.compute(w, t)
 
     def figures(self, t: float) -> dict[str, Any]:
         """The PS figures, and where a worker's cycle went besides compute (means, seconds):
@@ -844,6 +894,14 @@ def cycle_floor_s(config: MLfabricSimConfig) -> dict[str, float]:
     ``c + T`` and ``one_level`` the same argument on the model's way out through one level of
     distributors (§10.3): ``y >= c + T / 2 + W T^2 / (2 y)``.
 
+    #36's design (``trees``, ``pull_after="applied"``): the server's NIC takes one transfer
+    per batch whatever its size, so it no longer bounds the cycle; what does is the batch
+    wait (a request waits for the next batch: ``interval / 2`` on average with requests
+    arriving at random), the update's way up its tree and the model's way down (``T`` each
+    at the nominal rate, plus the pipelines' fill, at least a chunk time per level: the
+    shallowest tree over ``H`` hosts of one relay per host is the chain, whose mean depth we
+    do not count -- a floor): ``trees``: ``c + interval / 2 + 2T``.
+
     docs/mlfabric_scheduler.md, "Table 2", reads them against RR-Sync."""
     from mlfabric.sim.compute import straggler_preset
 
@@ -852,7 +910,8 @@ def cycle_floor_s(config: MLfabricSimConfig) -> dict[str, float]:
     t = config.update_bytes * 8 / config.rate_bps
     transfers = 2 if config.pull_after == "applied" else 1  # in the cycle, besides compute
     b = c + (transfers - 0.5) * t
-    return {"any": c + transfers * t, "one_level": (b + math.sqrt(b * b + 2 * config.workers * t * t)) / 2}
+    return {"any": c + transfers * t, "one_level": (b + math.sqrt(b * b + 2 * config.workers * t * t)) / 2,
+            "trees": c + config.interval_s / 2 + transfers * t}
 
 
 def simulate_mlfabric(config: MLfabricSimConfig, modes: Sequence[str]) -> list[dict[str, Any]]:
@@ -869,6 +928,8 @@ def simulate_mlfabric(config: MLfabricSimConfig, modes: Sequence[str]) -> list[d
             cycles = config.needed(r["mode"]) / config.workers  # each worker's cycles, at the least
             r["ceiling_any"] = base / (cycles * floors["any"])
             r["ceiling_one_level"] = base / (cycles * floors["one_level"])
+            if config.trees:
+                r["ceiling_trees"] = base / (cycles * floors["trees"])
     return runs
 
 

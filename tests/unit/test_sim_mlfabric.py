@@ -240,3 +240,61 @@ def test_no_simulated_run_beats_its_ceiling() -> None:
     assert 0 < r["speedup"] <= r["ceiling_one_level"] <= r["ceiling_any"]
     assert r["ceiling_any"] > a["ceiling_any"] and r["ceiling_one_level"] > a["ceiling_one_level"]
     assert (r["applied"] + r["dropped"]) * cycle_floor_s(request)["one_level"] <= r["time_s"] * config.workers * 1.05
+
+
+# --------------------------------------------------------------------------- #36: trees, hosts
+
+HOSTS2 = {**SMALL, "workers": 8, "workers_per_host": 2, "updates": 160, "straggler": "C1", "churn": "N1",
+          "churn_period_s": 0.5, "trees": True, "chunk_bytes": 1 << 16}
+
+
+def test_a_tree_flow_moves_every_edge_at_one_rate_sharing_nics_by_streams() -> None:
+    net = _StarNet(np.full(4, 10.0), np.full(4, 10.0))
+    ends: dict[str, tuple[float, float]] = {}
+    # hosts 1 and 3 into 2, 2 into the server 0: host 2's down-link carries two streams
+    net.add_tree([(1, 2), (3, 2), (2, 0)], 10.0, lambda t, r: ends.setdefault("tree", (t, r)))
+    assert net.flows[0].rate == pytest.approx(5.0)
+    net.add(2, 3, 10.0, lambda t: ends.setdefault("other", (t, 0.0)))  # shares host 2's up-link max-min
+    assert [f.rate for f in net.flows] == pytest.approx([5.0, 5.0])
+    while net.flows:
+        for f in net.advance(net.next_finish()):
+            f.done(net.now)
+    assert ends["tree"] == pytest.approx((2.0, 5.0))
+
+
+def test_rr_sync_rings_the_hosts_when_workers_share_them() -> None:
+    from mlfabric.sim import ring_closed_form_s
+
+    config = MLfabricSimConfig(**{**SMALL, "workers": 8, "workers_per_host": 2, "updates": 80})
+    ring = simulate_mode(config, "allreduce")
+    # the host sums its two workers' gradients for free; the ring runs over the 4 hosts
+    assert ring["time_s"] == pytest.approx(10 * (0.05 + ring_closed_form_s(4, 1 * MB, 80e6)), rel=1e-6)
+    with pytest.raises(ValueError, match="multiple of workers_per_host"):
+        MLfabricSimConfig(**{**SMALL, "workers": 5, "workers_per_host": 2})
+
+
+def test_trees_and_host_requests_keep_the_delay_bound_and_spare_the_servers_nic() -> None:
+    config = MLfabricSimConfig(**HOSTS2)
+    a = simulate_mode(config, "mlfabric-a:6")
+    assert a["applied"] >= 160 and a["versions"] == a["applied"]
+    assert a["max_delay"] <= 6  # no applied update's delay above tau
+    assert a["max_model_lag"] <= 6  # and no worker computed on a version more than tau behind
+    assert a["updates_per_server_transfer"] > 1.5  # trees (and hosts) carry several updates per transfer
+    assert 0 < a["server_busy_in"] <= 1 and 0 < a["server_busy_out"] <= 1
+    assert a["server_busy"] == max(a["server_busy_in"], a["server_busy_out"])
+    assert simulate_mode(config, "mlfabric-a:6") == a  # deterministic for a seed
+    s = simulate_mode(config, "mlfabric-s")
+    assert s["applied"] == 160 and s["versions"] == 20 and s["max_delay"] == 0
+    assert s["updates_per_server_transfer"] > 2
+    plain = simulate_mode(dataclasses.replace(config, trees=False), "mlfabric-a:6")
+    assert plain["updates_per_server_transfer"] < a["updates_per_server_transfer"]
+
+
+def test_the_trees_ceiling_is_reported_and_obeyed() -> None:
+    config = MLfabricSimConfig(**{**HOSTS2, "churn": None})
+    floors = cycle_floor_s(config)
+    t = 1 * MB * 8 / 80e6
+    c = 0.05 * (1 + 0.1 * (2 - 1))  # C1: 10% of draws 2x slower
+    assert floors["trees"] == pytest.approx(c + config.interval_s / 2 + 2 * t)
+    a = simulate_mlfabric(config, ["allreduce", "mlfabric-a:6"])[1]
+    assert 0 < a["speedup"] <= a["ceiling_trees"] <= a["ceiling_any"]

@@ -53,6 +53,10 @@ class SchedulerBenchConfig:
     aggregators: int = 2
     mode: str = "async"
     seed: int = 0
+    trees: bool = False
+    """#36: also plan every batch with pipelined trees (the same ordering, then
+    :func:`~mlfabric.ps.scheduler.trees.tree_aggregate`), timed beside the fast pipeline."""
+    chunk_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         if not self.updates or any(u < 4 for u in self.updates):
@@ -87,6 +91,16 @@ def plan_key(plan: Plan) -> tuple[Any, ...]:
             a.obj_async, a.obj_sync)
 
 
+def _plan_trees(batch: Batch, net: NetState, objective: str, chunk_bytes: int) -> Plan:
+    """What the scheduler runs with ``trees``: the ordering step, then the trees."""
+    from mlfabric.ps.scheduler.ordering import order_updates
+    from mlfabric.ps.scheduler.trees import tree_aggregate
+
+    ordered = order_updates(batch, net)
+    return Plan(ordered=ordered, aggregated=tree_aggregate(batch, ordered, net=net, objective=objective,  # type: ignore[arg-type]
+                                                           chunk_bytes=chunk_bytes))
+
+
 def _timed(fn: Callable[[], Plan]) -> tuple[float, Plan]:
     t0 = time.perf_counter()
     out = fn()
@@ -99,6 +113,9 @@ def run_scheduler_bench(config: SchedulerBenchConfig, *, argv: list[str] | None 
     results = []
     for u in config.updates:
         fast_ms, py_ms, ref_ms, identical, stats = [], [], [], True, []
+        trees_ms: list[float] = []
+        trees_groups: list[int] = []
+        same_order = True
         for r in range(config.repeats):
             batch, net, hosts = section_7_4_batch(u, aggregators=config.aggregators, seed=config.seed + r,
                                                   mode=config.mode)
@@ -106,6 +123,13 @@ def run_scheduler_bench(config: SchedulerBenchConfig, *, argv: list[str] | None 
                 on_step(f"|U|={u} batch {r + 1}/{config.repeats}")
             ms, plan = _timed(lambda: plan_batch(batch, net, hosts, objective=objective))
             fast_ms.append(ms)
+            if config.trees:
+                tms, tplan = _timed(lambda: _plan_trees(batch, net, objective, config.chunk_bytes))
+                trees_ms.append(tms)
+                trees_groups.append(len(tplan.aggregated.groups))
+                # the order (and so every delay) is the ordering step's, as without trees; the
+                # MLfabric-S pipeline may pick its longest-first list instead, so only async compares
+                same_order = same_order and (objective == "sync" or tplan.ordered.order == plan.ordered.order)
             agg = plan.aggregated
             stats.append((len(plan.ordered.order), agg.split, len(agg.groups), agg.splits_tried))
             if r < config.reference_repeats:
@@ -126,6 +150,9 @@ def run_scheduler_bench(config: SchedulerBenchConfig, *, argv: list[str] | None 
             "kept_mean": float(np.mean([s[0] for s in stats])), "split_mean": float(np.mean([s[1] for s in stats])),
             "groups_mean": float(np.mean([s[2] for s in stats])),
             "splits_walked_mean": float(np.mean([s[3] for s in stats])),
+            **({"trees_ms": statistics.median(trees_ms), "trees_ms_all": trees_ms,
+                "trees_groups_mean": float(np.mean(trees_groups)), "trees_same_order": same_order}
+               if config.trees else {}),
         })
     return {
         "command": " ".join(argv) if argv else None,
@@ -143,8 +170,9 @@ def render_table(result: dict[str, Any]) -> "Table":
     table = Table(title=f"MLfabric scheduler per batch (§7.4 setting, {result['config']['aggregators']} aggregators, "
                         f"mode {result['config']['mode']})")
     fast = "fast ms" + (" (C)" if result.get("compiled") else " (Python)")
+    trees = bool(result["config"].get("trees"))
     for col in ("|U|", fast, "python ms", "reference ms", "speedup", "identical", "paper ms", "kept", "split", "groups",
-                "splits walked"):
+                "splits walked", *(("trees ms", "trees", "same order") if trees else ())):
         table.add_column(col, justify="right")
     for r in result["results"]:
         table.add_row(str(r["updates"]), f"{r['ms']:.2f}",
@@ -154,5 +182,7 @@ def render_table(result: dict[str, Any]) -> "Table":
                       "-" if r["identical"] is None else ("yes" if r["identical"] else "NO"),
                       "-" if r["paper_ms"] is None else f"{r['paper_ms']:.0f}",
                       f"{r['kept_mean']:.0f}", f"{r['split_mean']:.0f}", f"{r['groups_mean']:.1f}",
-                      f"{r['splits_walked_mean']:.0f}")
+                      f"{r['splits_walked_mean']:.0f}",
+                      *((f"{r['trees_ms']:.2f}", f"{r['trees_groups_mean']:.1f}",
+                         "yes" if r["trees_same_order"] else "NO") if trees else ()))
     return table

@@ -16,7 +16,7 @@ out; nothing here sends or reads a clock):
   groups (one order entry each, as Alg. 3's groups): a group's hosts are its members' own
   hosts (each member's update is summed where it is: no NIC), and its tree is shaped by
   :func:`shape_tree`. Grouping rule: an update joins the open group unless its host's
-  residual up-rate and the group's rates would differ by more than ``spread`` (x2) -- a slow
+  up-rate and the group's rates would differ by more than ``spread`` (x1.5) -- a slow
   NIC would hold the whole pipelined tree to its rate, so slow hosts form their own trees
   (which cost, pipelined, about what one slow transfer costs) -- or the tree would grow past
   :func:`max_nodes` hosts (then its pipeline latency would exceed a quarter of a transfer).
@@ -26,8 +26,8 @@ out; nothing here sends or reads a clock):
   ``r``, so ``r <= min(sink, every up)`` and a node may take ``floor(down / r)`` children:
   the largest ``r`` whose child slots cover the tree is found (bisection), the hosts with
   the most slots are placed nearest the root, breadth first (equal NICs give a chain, the
-  bandwidth-optimal shape; slow down-links become leaves). Rates are each link's mean
-  residual over the next transfer time, so a link busy with an earlier batch counts as slow.
+  bandwidth-optimal shape; slow down-links become leaves). A link's rate here is its
+  largest residual (:func:`_rate`); the reservation then follows the timelines exactly.
 * :func:`reserve_tree` -- a tree's reservation on the residual timelines: one rate profile
   for every edge, at every instant the minimum over the tree's links of residual /
   multiplicity (a node's down link carries one stream per child), and ``depth - 1`` chunks
@@ -37,6 +37,8 @@ out; nothing here sends or reads a clock):
 * :func:`plan_multicast` -- model distribution: the pullers' hosts in trees rooted at the
   server (the same shaping, up and down swapped: each node receives once, forwards to its
   children), so a model version leaves the server once per tree (about once).
+* :func:`repair_multicast` -- a relay lost in the middle of a multicast: the hosts it fed are
+  fed by its own sender; everyone else still gets exactly one copy.
 * :func:`repair_tree` -- a node lost in the middle of a tree: its children's subtrees are
   re-attached to its parent (a lost root's first child becomes the root and adopts the
   others); the lost node's own members are reported lost (their updates were on it),
@@ -47,10 +49,10 @@ Multi-server batches (§10.2) keep Alg. 3 (docs/mlfabric_scheduler.md, "Trees").
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 
 from mlfabric.ps.scheduler.aggregation import AggregationResult, GroupPlan, Objective, PullBatchPlan, objectives
 from mlfabric.ps.scheduler.netstate import INF, NetState, Transfer, _stats, _subtract, down_link, up_link
@@ -60,7 +62,7 @@ __all__ = ["SPREAD", "TreeNode", "max_nodes", "plan_multicast", "repair_tree", "
            "tree_aggregate", "tree_depth"]
 
 #: An update joins an open group while the group's host rates stay within this factor.
-SPREAD = 2.0
+SPREAD = 1.5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,8 +100,13 @@ def tree_depth(nodes: Sequence[TreeNode]) -> int:
     return depth
 
 
-def _mean_rate(net: NetState, link: int, start: float, horizon: float) -> float:
-    return net.capacity_integral(link, start, start + horizon) / horizon
+def _rate(net: NetState, link: int) -> float:
+    """What a link offers a tree: its largest residual (its capacity once the reservations
+    running now end). Why not the residual now, nor its mean over the next transfer time:
+    hosts busy for a moment with another tree or model would fall into groups and shapes of
+    their own (more server transfers); the reservation (:func:`reserve_tree`) then waits
+    for them exactly (measured: docs/mlfabric_scheduler.md, "Trees")."""
+    return float(net.peak[link])
 
 
 def shape_tree(hosts: Sequence[int], *, send: Sequence[float], fan: Sequence[float], sink: float,
@@ -113,9 +120,7 @@ def shape_tree(hosts: Sequence[int], *, send: Sequence[float], fan: Sequence[flo
     n = len(hosts)
     if n == 0:
         return {}, sink
-    send_a = np.asarray(send, dtype=float)
-    fan_a = np.asarray(fan, dtype=float)
-    top = float(min(sink, send_a.min()))
+    top = float(min(sink, min(send)))
     if n == 1 or top <= 0.0:
         # one node (or nothing moves now: a chain, the timelines decide when)
         parent: dict[int, int | None] = {hosts[0]: None}
@@ -123,24 +128,37 @@ def shape_tree(hosts: Sequence[int], *, send: Sequence[float], fan: Sequence[flo
             parent[b] = a
         return parent, max(top, 0.0)
 
-    def slots(r: float) -> np.ndarray:
-        s = np.floor(fan_a / r * (1 + 1e-12))
-        return np.minimum(s, limit) if limit is not None else s
+    if limit is None and all(top <= f < 2 * top for f in fan):
+        # every host can relay exactly one stream at the top rate: the chain the search below
+        # would build (same order), without the search (the common case: equal NICs)
+        order_ = sorted(range(n), key=lambda i: (-fan[i], hosts[i]))
+        parent = {hosts[order_[0]]: None}
+        for a, b in zip(order_, order_[1:]):
+            parent[hosts[b]] = hosts[a]
+        return parent, top
 
+    fan_l = [float(f) for f in fan]
+
+    def slots(r: float) -> list[int]:
+        out = [int(f / r * (1 + 1e-12)) for f in fan_l]
+        return [min(x, limit) for x in out] if limit is not None else out
+
+    # the largest rate whose child slots cover the tree: lower the rate to the next value at
+    # which some host gains a slot until they do (each step adds one slot or more: <= n - 1
+    # steps of n hosts; trees have at most max_nodes hosts)
     rate = top
-    if slots(rate).sum() < n - 1:
-        lo, hi = 0.0, top  # slots(hi) short; find the largest rate whose slots cover the tree
-        best = fan_a.max() / (n - 1)  # one node takes every child: always enough slots
-        lo = min(best, hi)
-        for _ in range(40):
-            mid = 0.5 * (lo + hi)
-            if slots(mid).sum() >= n - 1:
-                lo = mid
-            else:
-                hi = mid
-        rate = lo
-    cap = slots(rate)
-    order = sorted(range(n), key=lambda i: (-cap[i], -fan_a[i], hosts[i]))
+    cap = slots(rate) if rate > 0.0 else [0] * n
+    while rate > 0.0 and sum(cap) < n - 1:
+        gains = [f / (c + 1) for f, c in zip(fan_l, cap) if limit is None or c < limit]
+        nxt = max(gains, default=0.0)
+        if nxt <= 0.0 or nxt >= rate:
+            rate = 0.0
+            break
+        rate = nxt
+        cap = slots(rate)
+    if rate <= 0.0:  # no host can forward now: a chain, the timelines decide when
+        cap = [1] * n
+    order = sorted(range(n), key=lambda i: (-cap[i], -fan_l[i], hosts[i]))
     parent = {hosts[order[0]]: None}
     free = [[order[0], int(cap[order[0]])]]  # breadth first: nodes with slots, shallowest first
     head = 0
@@ -177,45 +195,44 @@ def _walk_common(net: NetState, links: dict[int, int], size: float, start: float
     at one common rate, at every instant ``min(residual / streams)``: the end and profile
     (segments from the first positive rate on, equal neighbours merged)."""
     items = [(net.times[l], net.rates[l], m) for l, m in links.items()]
-    idx = []
-    for tl, _, _ in items:
-        i = 0
-        lo, hi = 0, len(tl)
-        while lo < hi:  # bisect_right(tl, start) - 1
-            mid = (lo + hi) // 2
-            if tl[mid] <= start:
-                lo = mid + 1
-            else:
-                hi = mid
-        i = lo - 1
-        if i < 0:
-            raise ValueError(f"start {start} is before the network state's origin")
-        idx.append(i)
+    idx = [bisect_right(tl, start) - 1 for tl, _, _ in items]
+    if min(idx) < 0:
+        raise ValueError(f"start {start} is before the network state's origin")
+    # each link's current (residual / streams, next breakpoint); only links at a breakpoint move
+    cur = [(rl[i] / m, tl[i + 1] if i + 1 < len(tl) else INF) for (tl, rl, m), i in zip(items, idx)]
     t, rem = start, size
     pt: list[float] = []
     pr: list[float] = []
     while True:
-        r, nxt = INF, INF
-        for k, (tl, rl, m) in enumerate(items):
-            i = idx[k]
-            v = rl[i] / m
-            if v < r:
-                r = v
-            if i + 1 < len(tl) and tl[i + 1] < nxt:
-                nxt = tl[i + 1]
-        if (pt or r > 0.0) and (not pr or pr[-1] != r):
+        r = min([c[0] for c in cur])
+        if r <= 0.0:
+            # nothing moves until every full link has residual again: jump there at once
+            # (the other links' breakpoints on the way change nothing: the rate is 0)
+            nxt = min([c[1] for c in cur if c[0] <= 0.0])
+            if nxt == INF:
+                return INF, pt, pr
+            if pt and pr[-1] != 0.0:
+                pt.append(t)
+                pr.append(0.0)
+            t = nxt
+            for k, (tl, rl, m) in enumerate(items):
+                if cur[k][1] <= t:
+                    i = idx[k] = bisect_right(tl, t, idx[k]) - 1
+                    cur[k] = (rl[i] / m, tl[i + 1] if i + 1 < len(tl) else INF)
+            continue
+        nxt = min([c[1] for c in cur])
+        if not pr or pr[-1] != r:
             pt.append(t)
             pr.append(r)
-        if r > 0.0:
-            if nxt == INF or r * (nxt - t) >= rem:
-                return t + rem / r, pt, pr
-            rem -= r * (nxt - t)
-        elif nxt == INF:
-            return INF, pt, pr
+        if nxt == INF or r * (nxt - t) >= rem:
+            return t + rem / r, pt, pr
+        rem -= r * (nxt - t)
         t = nxt
-        for k, (tl, _, _) in enumerate(items):
-            if idx[k] + 1 < len(tl) and tl[idx[k] + 1] == nxt:
-                idx[k] += 1
+        for k, c in enumerate(cur):
+            if c[1] == nxt:
+                tl, rl, m = items[k]
+                i = idx[k] = idx[k] + 1
+                cur[k] = (rl[i] / m, tl[i + 1] if i + 1 < len(tl) else INF)
 
 
 def _apply_common(net: NetState, links: dict[int, int], pt: list[float], pr: list[float], end: float) -> None:
@@ -287,26 +304,26 @@ def tree_aggregate(batch: Batch, ordered: OrderResult, *, net: NetState, objecti
     server = batch.servers[0]
     order = list(ordered.order)
     state = net.fork()
-    sizes = batch.sizes[:, 0]
+    sizes = batch.sizes[:, 0].tolist()
     if not order:
         return AggregationResult(split=0, direct=(), groups=(), member_transfers={}, commit={}, obj_async=0.0,
                                  obj_sync=0.0, splits_tried=1)
     big = float(max(sizes[g] for g in order))
-    horizon = max(big / max(float(state.peak[down_link(server)]), 1.0), 1e-9)
-    cache: dict[int, float] = {}
+    peaks = state.peak.tolist()  # the shaping reads the state before any tree is reserved
 
     def rate(link: int) -> float:
-        if link not in cache:
-            cache[link] = _mean_rate(state, link, start, horizon)
-        return cache[link]
+        return peaks[link]
 
     limit = max_nodes(big, chunk_bytes)
+    sink = rate(down_link(server))
     # consecutive groups: (indices, hosts in first-seen order)
     groups: list[tuple[list[int], list[int]]] = []
     lo = hi = 0.0
     for g in order:
         h = batch.src[g]
-        u = rate(up_link(h)) if h != server else INF
+        # what the host's stream can get: no tree into the server goes faster than its NIC,
+        # so hosts faster than the server are all alike (one tree, not one per NIC speed)
+        u = min(rate(up_link(h)), sink) if h != server else INF
         if groups:
             idx, hosts = groups[-1]
             if h in hosts:
@@ -320,7 +337,6 @@ def tree_aggregate(batch: Batch, ordered: OrderResult, *, net: NetState, objecti
                 continue
         groups.append(([g], [h]))
         lo = hi = u
-    sink = rate(down_link(server))
     shaped = []
     for idx, hosts in groups:
         parent, r = shape_tree(hosts, send=[rate(up_link(h)) for h in hosts],
@@ -369,10 +385,9 @@ def plan_multicast(net: NetState, *, server: int, pullers: Sequence[int], model_
     state = net.fork()
     if not pullers:
         return PullBatchPlan(groups=(), by_server=(), transfers=(), tree={}, chunk_bytes=chunk_bytes)
-    horizon = max(model_size / max(float(state.peak[up_link(server)]), 1.0), 1e-9)
-    down = {h: _mean_rate(state, down_link(h), start, horizon) for h in pullers}
-    up = {h: _mean_rate(state, up_link(h), start, horizon) for h in pullers}
-    src = _mean_rate(state, up_link(server), start, horizon)
+    src = _rate(state, up_link(server))
+    down = {h: min(_rate(state, down_link(h)), src) for h in pullers}  # no tree goes faster than the server
+    up = {h: _rate(state, up_link(h)) for h in pullers}
     limit = max_nodes(model_size, chunk_bytes)
     ranked = sorted(pullers, key=lambda h: (-down[h], h))
     groups: list[list[int]] = []
@@ -437,4 +452,40 @@ def repair_tree(nodes: Sequence[TreeNode], lost: int) -> tuple[tuple[TreeNode, .
     return tuple(out), gone.members
 
 
-__all__ += ["multicast_depths"]
+def attach_to_multicast(net: NetState, *, tree: dict[int, tuple[int, ...]], server: int, host: int,
+                        model_size: float, start: float) -> tuple[int, Transfer]:
+    """A pull that arrives while a multicast is in flight is answered from it (#36: the
+    freshest version already in flight): ``host`` becomes a leaf of ``tree`` under the relay
+    whose up-link has the most residual (leaves first: their up-links carry nothing of this
+    tree), which forwards the chunks it holds and those still coming. Returns the relay and
+    the reserved transfer (on ``net``, changed). A relay cannot send a chunk before it has
+    it: the transfer ends no earlier than the relay's own copy, the caller's to add."""
+    nodes = [h for dsts in tree.values() for h in dsts if h != host]
+    if not nodes:
+        raise ValueError("attach_to_multicast: the tree has no node to relay from")
+    forwarding = {h for h, dsts in tree.items() if dsts}
+    relay = max(nodes, key=lambda h: (h not in forwarding, float(net.peak[up_link(h)]), -h))
+    return relay, net.reserve(relay, host, model_size, start)
+
+
+def repair_multicast(tree: dict[int, tuple[int, ...]], lost: int) -> dict[int, tuple[int, ...]]:
+    """A multicast ``tree`` (``PullBatchPlan.tree``) without the relay ``lost``: the hosts it
+    forwarded to are fed by its own sender instead (the server, for a root), in its place;
+    every other host is still reached exactly once. Raises if ``lost`` is not in the tree."""
+    sender = next((src for src, dsts in tree.items() if lost in dsts), None)
+    if sender is None:
+        raise ValueError(f"host {lost} does not receive in this multicast tree")
+    orphans = tree.get(lost, ())
+    out: dict[int, tuple[int, ...]] = {}
+    for src, dsts in tree.items():
+        if src == lost:
+            continue
+        new: list[int] = []
+        for h in dsts:
+            new += list(orphans) if h == lost else [h]
+        if new:
+            out[src] = tuple(new)
+    return out
+
+
+__all__ += ["attach_to_multicast", "multicast_depths", "repair_multicast"]

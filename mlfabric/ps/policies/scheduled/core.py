@@ -32,7 +32,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from ...monitor import Ledger, NetworkMonitor
 from ...scheduler import BatchSchedule, NetState, PullBatchPlan, Scheduler, SchedulerConfig, UpdateRequest, plan_pull_batch
-from ...scheduler.trees import plan_multicast
+from ...scheduler.trees import attach_to_multicast, plan_multicast
 from .settings import avg_rate_bps
 
 
@@ -164,8 +164,9 @@ class BatchingCore:
     #36: ``host_of`` maps a worker rank to its host (the network node the scheduler plans
     on; None: the rank is the host, today). Requests of co-located workers waiting for the
     same batch are summed on their host into one request (:func:`merge_host_requests`: the
-    rule is "what is ready at the batch"; a worker finishing after its host's request was
-    planned goes in a later batch on its own or with its host's next ones). ``trees``: plan
+    rule is "what is ready at the batch, from the same model version"; a worker finishing after
+    its host's request was planned goes in a later batch on its own or with its host's next
+    ones). ``trees``: plan
     aggregation as multi-level pipelined trees (:mod:`mlfabric.ps.scheduler.trees`) with
     ``chunk_bytes`` cut-through chunks instead of Alg. 3's one level."""
 
@@ -175,6 +176,7 @@ class BatchingCore:
                  chunk_bytes: int = 0) -> None:
         self.host_of = host_of
         self.trees, self.chunk_bytes = trees, int(chunk_bytes)
+        self._round: set[int] = set()  # MLfabric-S on trees: the ranks planned in this BSP round
         self.sync = tau is None
         self.interval_s, self.slack_s = interval_s, slack_s
         self.servers = list(servers)
@@ -216,6 +218,13 @@ class BatchingCore:
         if not any(self.pending.values()):
             return False
         waiting = {r.rank for reqs in self.pending.values() for r in reqs}
+        if self.sync and self.trees:
+            # MLfabric-S on trees (#36): a BSP round holds one update per worker, so the round's
+            # last requests (every worker not yet planned in this round waiting) cannot grow
+            # either: plan them at once, not at the next tick (the round's critical path)
+            if counted <= self._round:
+                self._round = set()
+            return (counted - self._round) <= waiting
         return counted <= waiting
 
     def wake_at(self) -> float | None:
@@ -257,6 +266,8 @@ class BatchingCore:
     def plan(self, model: str, pending: list[Request], v_init: int, now: float) -> BatchPlan:
         """Plan one batch: order and drops (Alg. 2), aggregation (Alg. 3) on the residual network."""
         started = time.perf_counter()
+        if self.sync:
+            self._round |= {rank for r in pending for rank in r.ranks}
         if self.host_of is not None:
             pending = merge_host_requests(pending, self.host_of)
         host = self.host_of or (lambda rank: rank)
@@ -333,16 +344,20 @@ class BatchingCore:
 
 def merge_host_requests(requests: Sequence[Request], host_of: Callable[[int], int]) -> list[Request]:
     """Host-local aggregation's rule (#36): the requests of one model waiting for a batch
-    whose workers share a host become one request, the sum of their updates, in the order
-    of each host's first request. Its ``members`` are every worker rank in it (a request
-    already merged keeps its members), ``rank``/``id`` its first request's (the host's
-    leading member: the pair stays unique), ``version`` the oldest, ``norm`` the sum of norms
-    (a bound of the sum's norm), ``clock`` the oldest, ``sizes`` the largest per component
-    (a sum of dense same-shaped updates is as large as one). A host's lone request is kept as
-    it is (no members added): with one worker per host nothing changes."""
-    by_host: dict[tuple[str, int], list[Request]] = {}
+    whose workers share a host **and were computed from the same model version** become one
+    request, the sum of their updates, in the order of each such set's first request. A
+    host's workers receive the model together (one copy per host), so they normally share
+    the version; a straggler still computing on an older one goes on its own (merged, its
+    older version would make the pair's deadline its own: one doomed update would doom both).
+    Its ``members`` are every worker rank in it (a request already merged keeps its members),
+    ``rank``/``id`` its first request's (the host's leading member: the pair stays unique),
+    ``version`` the members' (the oldest, were they to differ), ``norm`` the sum of norms (a
+    bound of the sum's norm), ``clock`` the oldest, ``sizes`` the largest per component (a
+    sum of dense same-shaped updates is as large as one). A lone request is kept as it is
+    (no members added): with one worker per host nothing changes."""
+    by_host: dict[tuple[str, int, int], list[Request]] = {}
     for r in requests:
-        by_host.setdefault((r.model, host_of(r.rank)), []).append(r)
+        by_host.setdefault((r.model, host_of(r.rank), r.version), []).append(r)
     out: list[Request] = []
     for group in by_host.values():
         if len(group) == 1:
@@ -515,13 +530,14 @@ class PullBatcher:
     chunk_bytes: int = 0
     busy_until: float = 0.0
     _draws: random.Random | None = field(default=None, repr=False)
+    #: the multicast in flight (trees): who forwards to whom, so that late pulls join it
+    inflight: dict[int, tuple[int, ...]] = field(default_factory=dict, repr=False)
 
     def ready(self, now: float, sends_done: bool) -> bool:
-        """Whether a batch of pulls may go now. With ``trees`` at once: each model version
-        leaves the server about once, down its own multicast trees, and the planner shares the
-        server's up-link between versions in flight from the residual bandwidths."""
-        if self.trees:
-            return True
+        """Whether a batch of pulls may go now: the last batch's sends are done and past
+        their planned end on the server's up-link. With ``trees`` too (measured: letting a
+        version's multicast start while the last is in flight saturates the server's up-link
+        and shares every relay's NICs, and the pulls wait longer; docs/mlfabric_scheduler.md)."""
         return sends_done and now >= self.busy_until
 
     def answer_at(self) -> float:
@@ -534,6 +550,7 @@ class PullBatcher:
             plan = plan_multicast(network, server=me, pullers=hosts, model_size=model_size,
                                   chunk_bytes=self.chunk_bytes, start=now)
             self.busy_until = max((t.end for t in plan.transfers if t.src == me), default=now)
+            self.inflight = dict(plan.tree)
             return plan
         if self._draws is None:
             self._draws = random.Random(self.seed * 7_919 + self.server)
@@ -542,6 +559,23 @@ class PullBatcher:
                                answered_first=list(answered_first))
         self.busy_until = max((t.end for t in plan.transfers if t.src == me), default=now)
         return plan
+
+
+    def attach(self, network: NetState, *, me: int, host: int, model_size: float, now: float) -> PullBatchPlan | None:
+        """With ``trees``, a pull that is ready while a multicast is in flight (before
+        :meth:`ready`) is answered from it: ``host`` joins the tree as a leaf
+        (:func:`mlfabric.ps.scheduler.trees.attach_to_multicast`) and gets the version in
+        flight, not a later one after the round. None: nothing in flight to join (the pull
+        waits for the next round) or the host is already in it."""
+        if not self.trees or now >= self.busy_until or not self.inflight:
+            return None
+        if any(host in dsts for dsts in self.inflight.values()):
+            return None
+        relay, transfer = attach_to_multicast(network.fork(), tree=self.inflight, server=me, host=host,
+                                              model_size=model_size, start=now)
+        self.inflight[relay] = (*self.inflight.get(relay, ()), host)
+        return PullBatchPlan(groups=(), by_server=(), transfers=(transfer,), tree={relay: (host,)},
+                             chunk_bytes=self.chunk_bytes)
 
 
 __all__ = ["BatchPlan", "BatchingCore", "Entry", "GroupOrder", "OrderBook", "OrderPort", "PullBatcher", "Request",
