@@ -300,8 +300,6 @@ class ScheduledServerSide:
         the next batch: the server's NIC is busy anyway, and together they share one send to
         a distributor instead of each taking the server's up-link. (The transport's handles
         alone would not do: a socket takes a few MB into its buffer at once.)"""
-        if self.settings.trees:  # multicast: each batch of pulls goes at once, down its own trees
-            return True
         self._answering = [h for h in self._answering if not h.done()]
         busy_until = self._pulls.answer_at() if self._pulls is not None else 0.0
         return not self._answering and time.monotonic() >= busy_until
