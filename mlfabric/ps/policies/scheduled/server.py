@@ -225,11 +225,9 @@ class ScheduledServerSide:
 
     def held_ranks(self, server: "ServerPort", model: str) -> set[int]:
         """Workers with an update in a batch entry not applied (or skipped) yet: their pulls
-        wait for it. With ``trees`` (#36) none: a pull is answered at once from the freshest
-        version, not queued behind the worker's own update, which the order book applies in
-        its turn (its delay still within the bound: the scheduler planned it so or dropped it)."""
-        if self.settings.trees:
-            return set()
+        wait for it. With ``trees`` too: the trees branch measured answering from the version
+        in flight instead (``PullBatcher.attach``) worse under the delay bound (the next update
+        is older at planning, more are dropped; docs/mlfabric_scheduler.md "Trees")."""
         with self._order_lock:
             incoming = [o for o, _ in self._incoming_orders if o["model"] == model and not o.get("sync")]
         return {int(r) for o in incoming for e in o["entries"] for r in e[4]} | self.book.held_ranks(model)
