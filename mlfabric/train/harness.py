@@ -1030,7 +1030,9 @@ def run_eager_training(config: EagerTrainConfig, *, argv: Sequence[str] | None =
             "rate_bps": emulation.rate_bps, "churn": emulation.churn,
             "churn_period_s": emulation.churn_period_s if emulation.churn is not None else None,
             "churn_seed": config.seed if emulation.churn is not None else None,
-            "placement": ("one rank per host of a star of each launch's ranks (PS: servers on hosts 0..S-1)"
+            "placement": (f"{config.workers_per_host} worker ranks per host of a star (PS: servers and replicas "
+                          "one per host, hosts 0..S-1; rank_hosts per launch)" if config.workers_per_host > 1 else
+                          "one rank per host of a star of each launch's ranks (PS: servers on hosts 0..S-1)"
                           if emulation.ps_topology is None else
                           f"one rank per host; the PS launch on {emulation.ps_topology} (servers on hosts "
                           "0..S-1), the collective launch on a star"),
