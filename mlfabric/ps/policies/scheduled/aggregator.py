@@ -2,7 +2,12 @@
 
     .venv/bin/python -m pytest tests/unit/test_ps_scheduled.py tests/unit/test_ps_network_replication.py -q
 
-(:mod:`mlfabric.ps.policies.scheduled`, "Aggregators" and "Replication".)
+(:mod:`mlfabric.ps.policies.scheduled`, "Aggregators" and "Replication".) With trees (#36)
+the same thread runs this host's node of each group's multi-level, cut-through tree (the
+summing is :mod:`.cutthrough`'s; framing and repair: "aggregation trees" below and
+docs/mlfabric_scheduler.md, "At runtime"):
+
+    .venv/bin/python -m pytest tests/unit/test_ps_trees_runtime.py tests/local/test_ps_trees_processes.py -q
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ the scheduler beside server 0, its decision awaited at most ``decision_timeout_s
 update is pushed unscheduled, a fallback), each component sent at its planned start, paced at
 its planned rate, to its next hop (a server, or an aggregator). The worker's
 :class:`~mlfabric.ps.policies.scheduled.aggregator.Aggregator` thread starts with the first push.
+#36: a member of a tree sends its update chunk by chunk to its node (:func:`tree_chunks`);
+co-located workers hand theirs to the host request's leading worker, which pushes the sum
+(``ScheduledWorkerSide._host_sum``; ``tests/unit/test_ps_trees_runtime.py``).
 """
 
 from __future__ import annotations
