@@ -313,3 +313,48 @@ def test_co_located_workers_push_one_host_sum(trees: bool) -> None:
     sums = sum(out[w]["host_sums"] for w in range(4))
     assert parts >= 1 and sums >= 1 and parts >= sums
     assert server.updates_applied < server.worker_updates  # some transfers carried a host's two updates
+
+
+@pytest.mark.parametrize("workers_per_host", [1, 2])
+def test_mlfabric_s_on_trees_is_synchronous_sgd(workers_per_host: int) -> None:
+    """MLfabric-S with trees (and host sums): each round's updates reach the server down
+    cut-through trees, the model comes down multicast trees, and the rounds are exactly
+    direct BSP's (integer-valued updates: sums exact in any order)."""
+    layout = PSLayout(servers=1, workers=4)
+    results = {}
+    for routing in ("direct", "scheduled"):
+        config = PSConfig(consistency="bsp", timeout_s=20, routing=routing,
+                          scheduled=ScheduledSettings(interval_s=0.05, rate_bps=1e9, trees=True, chunk_bytes=64,
+                                                      workers_per_host=workers_per_host))
+        jobs = local_jobs(layout, config)
+        finals: dict[int, torch.Tensor] = {}
+        stats: dict[int, Any] = {}
+
+        def work(job: Any) -> None:
+            if job.role == "server":
+                stats[job.rank] = job.serve()
+                return
+            w = job.worker
+            w.init_model("m", torch.zeros(64), lr=1.0)
+            for step in range(4):
+                w.pull_flat("m")
+                w.push("m", torch.arange(64.0) * (w.index + 1) + step)
+                w.clock()
+            finals[w.index] = w.pull_flat("m")
+            w.leave()
+
+        threads = [threading.Thread(target=work, args=(j,), daemon=True) for j in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a rank hung"
+        for j in jobs:
+            j.comm.close()
+        results[routing] = (finals, stats)
+    direct, scheduled = results["direct"], results["scheduled"]
+    for w in range(4):
+        assert torch.equal(scheduled[0][w], direct[0][0])
+    s = scheduled[1][0]
+    assert s.updates_applied == 4 and s.worker_updates == 16 and s.skipped == 0 and s.dropped == 0
+    assert s.scheduler["aggregated"] > 0 and s.unscheduled == 0
