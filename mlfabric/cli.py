@@ -1540,6 +1540,16 @@ def train(
                                            "Default: allreduce,eager-solo; lda: "
                                            "allreduce,ps-async,mlfabric-a:8.")] = None,
     servers: Annotated[int, typer.Option(min=1, help="PS modes: server processes (beside --workers workers).")] = 1,
+    workers_per_host: Annotated[int, typer.Option(
+        "--workers-per-host", min=1,
+        help="Co-located workers per host (MLfabric's setup: 2): local ranks grouped into hosts, or with --emulate "
+             "that many worker ranks per emulated host (servers on hosts of their own). mlfabric-a/-s sum a host's "
+             "updates there (shared memory) and pull the model once per host; allreduce (RR-Sync) reduces in the "
+             "host, then rings across hosts.")] = 1,
+    trees: Annotated[bool, typer.Option(
+        "--trees/--no-trees", help="mlfabric-a/-s: aggregate down pipelined multi-level trees chosen per batch and "
+                                   "multicast each model version down pipelined trees (issue #36); off: Alg. 3's "
+                                   "one level of aggregators and §10.3's one level of distributors.")] = False,
     replicas: Annotated[int, typer.Option(min=0, help="PS modes: replica processes (replica i mirrors server i % "
                                                "servers).")] = 0,
     replication: Annotated[Optional[str], typer.Option(

@@ -198,18 +198,25 @@ def rank_hosts(n_hosts: int, ranks_per_host: int = 1, placement: str = "consecut
 
 
 def cluster_launch_config(plan: ClusterPlan, *, master_port: int = 29500, ranks_per_host: int = 1,
-                          placement: str = "consecutive", **options: Any) -> LaunchConfig:
+                          placement: str = "consecutive", hosts: Sequence[int] | None = None,
+                          **options: Any) -> LaunchConfig:
     """A :class:`~mlfabric.bench.procs.LaunchConfig` that runs rank ``r`` inside host
     ``rank_hosts(...)[r]`` of ``plan`` (host ``r`` with one rank per host) with that host's
     :meth:`ClusterPlan.rank_env` (what ``mlfabric launch`` gives its ranks too). Ranks of one
     host share its namespace, so they reach each other through shared memory
     (``transport/shm.py``) and the other hosts through the host's NICs. ``options`` are the
-    other ``LaunchConfig`` fields (``timeout_s``, ``capture_output``, ...)."""
+    other ``LaunchConfig`` fields (``timeout_s``, ``capture_output``, ...). ``hosts``: the host
+    of every rank given outright instead (``mlfabric train --workers-per-host``: the servers
+    one to a host, the workers several)."""
     from mlfabric.bench.procs import LaunchConfig
 
-    hosts = rank_hosts(plan.n_hosts, ranks_per_host, placement)
+    several = ranks_per_host > 1 or (hosts is not None and len(set(hosts)) < len(hosts))
+    if hosts is None:
+        hosts = rank_hosts(plan.n_hosts, ranks_per_host, placement)
+    elif not hosts or min(hosts) < 0 or max(hosts) >= plan.n_hosts:
+        raise ValueError(f"rank hosts {list(hosts)} outside the topology's hosts 0..{plan.n_hosts - 1}")
     prefixes, envs = plan.command_prefixes(), plan.rank_envs()
-    if ranks_per_host > 1:
+    if several:
         # The topology spec numbers hosts, one rank each (BML's digits): with several ranks
         # per host it would misdescribe the job, so the ranks learn their hosts instead.
         envs = [{k: v for k, v in env.items() if k != TOPOLOGY_ENV} for env in envs]

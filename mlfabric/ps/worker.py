@@ -484,6 +484,9 @@ class PSWorker:
         A worker whose distributor is lost before the shard came asks the server again, to be
         answered directly."""
         header, msg = self._await(server, request_id, what)
+        # Multicast (#36): this worker's children in the model's tree (the server's answer or
+        # the "via" note names the tree, ``mtree``: host -> [[child, its request id], ...])
+        children = [(int(c), int(rid)) for c, rid in (header.get("mtree") or {}).get(str(self.transport.rank), [])]
         relayed_here = header["op"] == "via"
         if relayed_here:
             relay = int(header["distributor"])
@@ -491,6 +494,8 @@ class PSWorker:
                 msg = self._take(relay, protocol.reply_tag(self.config.session, request_id),
                                  f"{what} (relayed by {self.layout.describe(relay)})")
                 header = protocol.decode(msg.meta)
+                if "chunks" in header:
+                    return self._gather_chunks(relay, request_id, header, msg, children, what)
             except PeerLostError:
                 if relay not in self.transport.lost_peers and relay not in self.transport.departed_peers:
                     raise
@@ -501,7 +506,13 @@ class PSWorker:
                                     channel=self.channel,
                                     meta=protocol.Pull(id=retry, model=model, clock=self.clock_value,
                                                        staleness=staleness, direct=True).encode())
-                return self._await(server, retry, what)
+                header, msg = self._await(server, retry, what)
+                self._relay(children, header, msg)  # the subtree below still waits on this worker
+                return header, msg
+        elif "chunks" in header:  # a multicast tree's root: the chunks come from the server
+            return self._gather_chunks(self.server_rank(server), request_id, header, msg, children, what)
+        if children:
+            self._relay(children, header, msg)
         forward = header.pop("forward", None)
         if forward and not relayed_here:
             # The header goes on as it came (not decoded and encoded again): its ``forward`` is
@@ -512,6 +523,45 @@ class PSWorker:
                 self._inflight.append((handle, msg))  # the received buffer stays alive until sent
             self.stats.relayed += len(forward)
         return header, msg
+
+    def _relay(self, children: list[tuple[int, int]], header: dict[str, Any], msg: Message) -> None:
+        """Send a model message (a chunk, or the whole shard) on to this worker's children in
+        the model's multicast tree, as it came (the received buffer stays alive until sent)."""
+        if not children:
+            return
+        meta = protocol.encode(**header)
+        for rank, rid in children:
+            handle = self.transport.send(rank, protocol.reply_tag(self.config.session, rid), msg.payload, meta=meta,
+                                         channel=self.channel)
+            self._inflight.append((handle, msg))
+        self.stats.relayed += len(children)
+
+    def _gather_chunks(self, src: int, request_id: int, header: dict[str, Any], msg: Message,
+                       children: list[tuple[int, int]], what: str) -> tuple[dict[str, Any], Message]:
+        """A shard multicast chunk by chunk (#36): each chunk goes on to the children as soon as
+        it is here (cut-through: the next one is being received meanwhile), and into one
+        buffer; returns the whole shard as one message. A whole answer in between (the
+        sender's relay was lost and it asked the server directly) replaces the chunks."""
+        chunks, elems = int(header["chunks"]), int(header["elems"])
+        itemsize = int(header["itemsize"])
+        buffer = bytearray(int(header["nbytes"]))
+        got: set[int] = set()
+        tag = protocol.reply_tag(self.config.session, request_id)
+        while True:
+            self._relay(children, header, msg)
+            if "chunks" not in header:
+                return header, msg
+            index = int(header["chunk"])
+            start = index * elems * itemsize
+            buffer[start:start + msg.payload.nbytes] = msg.payload
+            got.add(index)
+            if len(got) == chunks:
+                break
+            msg = self._take(src, tag, f"{what} (chunk {len(got) + 1} of {chunks} from {self.layout.describe(src)})")
+            header = protocol.decode(msg.meta)
+        whole = {k: v for k, v in header.items() if k not in ("chunk", "chunks", "elems", "itemsize", "nbytes", "mtree")}
+        return whole, Message(src=src, tag=tag, channel=self.channel, meta=protocol.encode(**whole),
+                              payload=memoryview(buffer))
 
     def _await(self, server: int, request_id: int, what: str) -> tuple[dict[str, Any], Message]:
         msg = self._take(self.server_rank(server), protocol.reply_tag(self.config.session, request_id), what)

@@ -260,6 +260,14 @@ class EagerTrainConfig:
     #: ``"server:AT"``: server 0's process is SIGKILLed AT seconds into the (one) PS run and its
     #: replica takes over (:mod:`mlfabric.train.failover`: failover_s, lost_divergence, ...).
     fail: str | None = None
+    #: #36: co-located workers per host (local runs: ranks grouped into hosts; emulated: that
+    #: many worker ranks per emulated host, servers on hosts of their own). MLfabric-A/-S sum a
+    #: host's updates there and pull the model once per host; RR-Sync (allreduce) goes
+    #: host-hierarchical (reduce in the host, ring across hosts).
+    workers_per_host: int = 1
+    #: #36: MLfabric-A/-S aggregate down pipelined multi-level trees and multicast the model
+    #: (ScheduledSettings.trees); False: Alg. 3 and §10.3 at one level.
+    trees: bool = False
     #: None: local ranks on loopback; otherwise every rank on a host of an emulated star (root).
     emulation: TrainEmulation | None = None
     #: The metric every run's time to target is measured at (MLfabric's Table 2: time to a
@@ -311,6 +319,12 @@ class EagerTrainConfig:
         if refusal is not None:
             raise ValueError(f"--fail {self.fail} with {ps_runs[0]}: no failover there ({refusal})")
 
+    def host_placement(self, world: int, ps: bool) -> list[int]:
+        """The emulated host of every rank of a launch of ``world`` ranks: the servers' and
+        replicas' (PS launch) one each, then ``workers_per_host`` workers to a host."""
+        first = self.ps_ranks if ps else 0
+        return list(range(first)) + [first + (r - first) // self.workers_per_host for r in range(first, world)]
+
     @property
     def failure(self) -> "Failure | None":
         """``fail`` parsed (:class:`mlfabric.train.failover.Failure`), None without one."""
@@ -326,6 +340,9 @@ class EagerTrainConfig:
             raise ValueError(f"unknown workload {self.workload!r}; choose one of {', '.join(WORKLOADS)}")
         if self.workers < 1:
             raise ValueError(f"need at least one worker, got {self.workers}")
+        if self.workers_per_host < 1 or self.workers % self.workers_per_host:
+            raise ValueError(f"--workers ({self.workers}) must be a multiple of --workers-per-host "
+                             f"({self.workers_per_host}, at least 1)")
         check_distinct(self.modes, "modes")
         for mode in self.modes:
             if is_ps_mode(mode):
@@ -726,7 +743,9 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
                                                               replicas=config.replicas,
                                                               replication=config.replication,
                                                               div_max=config.div_max,
-                                                              measure_divergence=config.measure_divergence),
+                                                              measure_divergence=config.measure_divergence,
+                                                              workers_per_host=config.workers_per_host,
+                                                              trees=config.trees),
                                  **({"checkpoint_every": config.checkpoint_every, "checkpoint_dir": checkpoints}
                                     if checkpoints else {}))
         if session.role != "worker":
@@ -751,7 +770,14 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
                                    keep_dropped=getattr(task, "keep_dropped_updates", False))
         final_flat = torch.zeros(numel)
     elif mode in (SYNCHRONOUS, TREE_SYNC):
-        trainer = _AllreduceSGD(optimizer, model, comm, "tree" if mode == TREE_SYNC else config.algorithm)
+        algorithm = "tree" if mode == TREE_SYNC else config.algorithm
+        if config.workers_per_host > 1 and mode == SYNCHRONOUS:
+            # RR-Sync with co-located workers: reduce in each host, the ring across hosts.
+            # Local ranks share one machine: the hosts are the harness's grouping of them.
+            if config.emulation is None:
+                comm.hosts = tuple(r // config.workers_per_host for r in range(comm.world_size))
+            algorithm = "host_hierarchical"
+        trainer = _AllreduceSGD(optimizer, model, comm, algorithm)
     else:
         # A seed per run gives each run its own persistent collective (nothing carries over).
         trainer = EagerSGD(optimizer, model, comm, quorum=mode.removeprefix("eager-"),
@@ -988,7 +1014,9 @@ def run_eager_training(config: EagerTrainConfig, *, argv: Sequence[str] | None =
         ranks = per_run[index]
         workers = [r for r in ranks if r.is_worker]
         stats = [r.stats for r in workers if r.stats is not None]
-        ps_figures = (summarize([r.ps_server for r in ranks if r.ps_server], [r.ps_worker for r in workers])
+        ps_figures = (summarize([r.ps_server for r in ranks if r.ps_server], [r.ps_worker for r in workers],
+                                run_s=max(r.loop_s for r in workers),
+                                nic_rate_bps=config.emulation.rate_bps if config.emulation is not None else None)
                       if is_ps_mode(mode) else None)
         if ps_figures is not None and failover:
             ps_figures.update(failover)
@@ -1014,7 +1042,9 @@ def run_eager_training(config: EagerTrainConfig, *, argv: Sequence[str] | None =
             "rate_bps": emulation.rate_bps, "churn": emulation.churn,
             "churn_period_s": emulation.churn_period_s if emulation.churn is not None else None,
             "churn_seed": config.seed if emulation.churn is not None else None,
-            "placement": ("one rank per host of a star of each launch's ranks (PS: servers on hosts 0..S-1)"
+            "placement": (f"{config.workers_per_host} worker ranks per host of a star (PS: servers and replicas "
+                          "one per host, hosts 0..S-1; rank_hosts per launch)" if config.workers_per_host > 1 else
+                          "one rank per host of a star of each launch's ranks (PS: servers on hosts 0..S-1)"
                           if emulation.ps_topology is None else
                           f"one rank per host; the PS launch on {emulation.ps_topology} (servers on hosts "
                           "0..S-1), the collective launch on a star"),
@@ -1080,7 +1110,12 @@ def _launch_config(config: EagerTrainConfig, world: int, *, ps: bool, env: dict[
     from mlfabric.emu.launcher import emulated_launch
 
     name = "parameter-server" if ps else "collective"
-    record: dict[str, Any] = {"launch": name, "topology": emulation.launch_topology(world, ps), "hosts": world}
+    # #36: workers_per_host worker ranks share a host (servers and replicas one each)
+    placed = config.host_placement(world, ps)
+    hosts = max(placed) + 1
+    record: dict[str, Any] = {"launch": name, "topology": emulation.launch_topology(hosts, ps), "hosts": hosts}
+    if config.workers_per_host > 1:
+        record["rank_hosts"] = placed
     reduced: list[float] = []  # per redraw: the share of NIC directions below the full rate
     if emulation.churn is not None and trace_dir is not None:
         record["churn_trace"] = str(Path(trace_dir) / f"churn-{name}.csv")
@@ -1092,7 +1127,8 @@ def _launch_config(config: EagerTrainConfig, world: int, *, ps: bool, env: dict[
                          on_built=lambda plan: record.update(cluster=plan.prefix), churn=emulation.churn,
                          churn_period_s=emulation.churn_period_s, churn_seed=config.seed,
                          trace_path=record.get("churn_trace"), on_churn=on_churn,
-                         timeout_s=config.timeout_s, capture_output=capture_output) as launch:
+                         timeout_s=config.timeout_s, capture_output=capture_output,
+                         **({"hosts": placed} if config.workers_per_host > 1 else {})) as launch:
         records.append(record)
         yield dataclasses.replace(launch, env={**launch.env, **env})
     if emulation.churn is not None:

@@ -72,11 +72,15 @@ def mlnet_options(mode: str) -> dict[str, Any]:
 
 def session_options(mode: str, delay_bound: int | None = None, nic_rate_bps: float | None = None, *,
                     replicas: int = 0, replication: str = "chain", div_max: str | None = None,
-                    measure_divergence: bool = True) -> dict[str, Any]:
+                    measure_divergence: bool = True, workers_per_host: int = 1,
+                    trees: bool = False) -> dict[str, Any]:
     """The :meth:`mlfabric.ps.PSJob.session` options of a PS mode: its consistency and, for
     MLfabric-A, the scheduled routing policy (planning with the NIC rate when known; with
     ``replicas``, replicating as ``replication`` says within ``div_max`` and measuring the
-    replicas' divergence at batch ends)."""
+    replicas' divergence at batch ends). MLfabric-A and -S (#36): ``workers_per_host``
+    co-located workers summed on their host, ``trees`` for pipelined aggregation trees and
+    multicast model distribution."""
+    issue36 = {"workers_per_host": workers_per_host, "trees": trees}
     if mode.startswith(MLNET):
         return mlnet_options(mode)
     if mode.startswith(PREFIX) and POLICY_SEP in mode:
@@ -88,7 +92,7 @@ def session_options(mode: str, delay_bound: int | None = None, nic_rate_bps: flo
         from mlfabric.ps.policies.scheduled.settings import DEFAULT_RATE_BPS, ScheduledSettings
 
         return {"consistency": Consistency(kind="bsp"), "routing": "scheduled",
-                "scheduled": ScheduledSettings(rate_bps=nic_rate_bps or DEFAULT_RATE_BPS)}
+                "scheduled": ScheduledSettings(rate_bps=nic_rate_bps or DEFAULT_RATE_BPS, **issue36)}
     if mode.startswith(MLFABRIC_A):
         from mlfabric.ps.policies.scheduled.settings import DEFAULT_RATE_BPS, ScheduledSettings
 
@@ -102,7 +106,7 @@ def session_options(mode: str, delay_bound: int | None = None, nic_rate_bps: flo
         replicating = {"replication": replication, "measure_divergence": measure_divergence,
                        "divergence": DivergenceBound.parse(div_max) if div_max else None} if replicas else {}
         return {"consistency": Consistency(kind="async", delay_bound=bound), "routing": "scheduled",
-                "scheduled": ScheduledSettings(rate_bps=nic_rate_bps or DEFAULT_RATE_BPS, **replicating)}
+                "scheduled": ScheduledSettings(rate_bps=nic_rate_bps or DEFAULT_RATE_BPS, **replicating, **issue36)}
     return {"consistency": ps_consistency(mode, delay_bound)}
 
 
@@ -192,9 +196,11 @@ def serve_run(session: "PSJob", numel: int, dtype: "torch.dtype", *,
     return stats, final
 
 
-def summarize(server_stats: list[dict[str, Any]], worker_stats: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(server_stats: list[dict[str, Any]], worker_stats: list[dict[str, Any]], *, run_s: float | None = None,
+              nic_rate_bps: float | None = None) -> dict[str, Any]:
     """The run's PS figures (``runs[]`` fields of train's JSON) from every server's and
-    replica's statistics (serve_run's) and every worker's."""
+    replica's statistics (serve_run's) and every worker's. ``run_s`` and ``nic_rate_bps`` (the
+    run's time and the NICs' rate, when known) give each server NIC's busy share."""
     replica_stats = [s["replica"] if "replica" in s else s["took_over"] for s in server_stats
                      if "replica" in s or "took_over" in s]
     server_stats = [s for s in server_stats if "replica" not in s]
@@ -225,6 +231,13 @@ def summarize(server_stats: list[dict[str, Any]], worker_stats: list[dict[str, A
         "replica_bytes": (sum(r["bytes_in"] for r in replica_stats) if replica_stats
                           else sum(s.get("replica_bytes", 0) for s in server_stats)),
         "server_nic_bytes": [s["bytes_in"] + s["bytes_out"] - s.get("probe_bytes", 0) for s in server_stats],
+        # #36: worker updates per update transfer the servers applied (a host sum or an
+        # aggregate carries several), and each server NIC's busy share: its busier direction's
+        # bytes over the run time at the NIC's rate (None when the rate is not known)
+        "updates_per_server_transfer": (applied_worker / sum(s["updates_applied"] for s in server_stats)
+                                        if sum(s["updates_applied"] for s in server_stats) else None),
+        "server_nic_busy": ([8 * max(s["bytes_in"], s["bytes_out"]) / (run_s * nic_rate_bps) for s in server_stats]
+                            if run_s and nic_rate_bps else None),
         "max_divergence": max((r["max_divergence"] for r in replica_stats if r["max_divergence"] is not None),
                               default=None),
         "max_divergence_estimate": max((r["max_divergence_estimate"] for r in replica_stats

@@ -63,6 +63,23 @@ def test_cluster_launch_config_places_rank_r_on_host_r():
     assert [list(p) for p in config.command_prefix] == plan.command_prefixes()
 
 
+def test_cluster_launch_config_places_ranks_on_given_hosts():
+    """``mlfabric train --workers-per-host 2 --emulate``: the server alone, workers two to a host."""
+    from mlfabric.train.harness import EagerTrainConfig
+
+    placed = EagerTrainConfig(workers=4, workers_per_host=2, modes=("mlfabric-a:8",)).host_placement(5, ps=True)
+    assert placed == [0, 1, 1, 2, 2]
+    plan = plan_cluster("star:n=3", 1e9, prefix="mfabce")
+    config = cluster_launch_config(plan, hosts=placed)
+    prefixes, envs = plan.command_prefixes(), plan.rank_envs()
+    assert config.world_size == 5 and [list(p) for p in config.command_prefix] == [prefixes[h] for h in placed]
+    assert all("MLFABRIC_TOPOLOGY" not in env for env in config.rank_env)  # the ranks learn their hosts
+    with pytest.raises(ValueError, match=r"outside the topology's hosts 0\.\.2"):
+        cluster_launch_config(plan, hosts=[0, 3])
+    with pytest.raises(ValueError, match="multiple of --workers-per-host"):
+        EagerTrainConfig(workers=3, workers_per_host=2)
+
+
 def test_launcher_fallback_still_sets_the_topology():
     out = io.StringIO()
     script = "import os; print(os.environ['RANK'], os.environ['MLFABRIC_TOPOLOGY'])"

@@ -2,7 +2,12 @@
 
     .venv/bin/python -m pytest tests/unit/test_ps_scheduled.py tests/unit/test_ps_network_replication.py -q
 
-(:mod:`mlfabric.ps.policies.scheduled`, "Aggregators" and "Replication".)
+(:mod:`mlfabric.ps.policies.scheduled`, "Aggregators" and "Replication".) With trees (#36)
+the same thread runs this host's node of each group's multi-level, cut-through tree (the
+summing is :mod:`.cutthrough`'s; framing and repair: "aggregation trees" below and
+docs/mlfabric_scheduler.md, "At runtime"):
+
+    .venv/bin/python -m pytest tests/unit/test_ps_trees_runtime.py tests/local/test_ps_trees_processes.py -q
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from mlfabric.transport.base import SendHandle, Transport, tensor_bytes
 from ... import protocol
 from ...protocol import payload_tensor
 from ...waits import sends_done
+from .cutthrough import (ChunkSum, Forward, Tree, chunk_elems, chunk_span, decode_tree, node_inputs,
+                         reroute, tree_root)
 from .settings import ScheduledSettings, unit_scheduler
 
 if TYPE_CHECKING:
@@ -53,6 +60,45 @@ def _sum_in_order(tensors: list[torch.Tensor]) -> torch.Tensor:
     for t in tensors[1:]:
         total.add_(t)
     return total
+
+
+@dataclass
+class _TreeGroup:
+    """This host's node of a group's aggregation tree (multi-level, cut-through): one
+    :class:`~.cutthrough.ChunkSum` per server component; chunks that came before the group's
+    order wait in ``early``."""
+
+    model: str = ""
+    planned: bool = False
+    tree: Tree = field(default_factory=dict)
+    servers: list[int] = field(default_factory=list)
+    deadline: float = float("inf")
+    rates: list[float | None] = field(default_factory=list)
+    elems: int = 0
+    clock: int = 0
+    sums: dict[int, ChunkSum] = field(default_factory=dict)
+    early: list[tuple[dict[str, Any], torch.Tensor]] = field(default_factory=list)
+    handles: list[SendHandle] = field(default_factory=list)
+    paced: set[int] = field(default_factory=set)
+    partial: bool = False
+    since: float = 0.0
+    repaired: set[int] = field(default_factory=set)   # lost nodes whose inputs stand in here
+    early_out: list[tuple[int, list[Forward]]] = field(default_factory=list)  # chunks a repair completed
+
+
+@dataclass
+class _Held:
+    """A contribution sent toward a tree node (a member's chunks, or a node's forwarded
+    chunks), kept until the group's deadline: if the node is lost meanwhile, it goes again to
+    the nearest live ancestor (:func:`~.cutthrough.reroute`)."""
+
+    hop: int
+    tree: Tree
+    until: float
+    server: int                # the component j (its server when no ancestor is left)
+    messages: list[tuple[dict[str, Any], torch.Tensor]]
+    dest: int | None = None    # where it went last (None: the servers)
+    key: Any = None            # a node's forwards: ((batch, slot), component), one record for all chunks
 
 
 @dataclass
@@ -114,6 +160,13 @@ class Aggregator:
         self._replica_sums: dict[tuple[int, int], _ReplicaSum] = {}
         self.copies_sent = 0
         self.copies_evicted = 0
+        # aggregation trees (multi-level, cut-through: module docstring of .cutthrough)
+        self._trees: dict[tuple[int, int], _TreeGroup] = {}
+        self._trees_done: dict[tuple[int, int], float] = {}  # finished nodes: late chunks are ignored
+        self._held: list[_Held] = []
+        self._redirected: set[tuple[tuple[int, int], int]] = set()  # (group, node) a parent said is lost
+        self.rerouted = 0
+        self.chunks_forwarded = 0
 
     def keep(self, model: str, update_id: int, components: list[torch.Tensor]) -> None:
         """Keep a copy of a scheduled update until the scheduler asks for it."""
@@ -187,6 +240,14 @@ class Aggregator:
                 del self._replica_sums[key]
             # copies still kept: their units were punted, the scheduler asks for them later
             return (any(g.planned and len(g.sent) < len(g.servers) for g in self._groups.values())
+                    # a tree node with chunks in and its order still on the way is open too:
+                    # a worker whose own update its node sums must not leave before the order
+                    or any(g.planned or g.early for g in self._trees.values())
+                    # what this host sent toward a tree node is kept until the group's deadline:
+                    # if the node crashes meanwhile it goes again (unless the node left on
+                    # purpose: it forwarded its sums before its goodbye)
+                    or any(h.until > time.monotonic() and h.hop not in transport.departed_peers
+                           for h in self._held)
                     or bool(self._copies) or bool(self._replications) or any(not h.done() for h, *_ in self._replicating)
                     or bool(self._replica_sums))
 
@@ -204,7 +265,13 @@ class Aggregator:
             version = mailbox.version
             while (msg := mailbox.take(w.channel, tag)) is not None:
                 header = protocol.decode(msg.meta)
-                if header["op"] == "group":
+                if header["op"] == "group" and "tree" in header:
+                    self._tree_group(header)
+                elif header["op"] == "tchunk":
+                    self._tree_chunk(header, msg.payload)
+                elif header["op"] == "treroute":
+                    self._treroute(header)
+                elif header["op"] == "group":
                     with self._lock:
                         group = self._groups.setdefault((int(header["batch"]), int(header["slot"])), _Group())
                         group.model, group.planned = header["model"], True
@@ -222,6 +289,7 @@ class Aggregator:
                     self.add_member(header, payload_tensor(msg.payload, spec.torch_dtype, length,
                                                            "aggregated member").clone())
             self._forward_ready(time.monotonic())
+            self._tree_step(time.monotonic())
             wait = self._send_replications(time.monotonic())
             w.transport.progress(version, min(0.05, wait))
 
@@ -358,11 +426,14 @@ class Aggregator:
                 log.warning("%s: aggregator: group %d of batch %d forwarded with %d of %d members (deadline)",
                             w.who, slot, batch, len(got), len(group.members))
             first = got[0][0]
+            # a member may be a host sum (#36): it names every worker update in it
             meta = protocol.encode(op=protocol.PUSH, model=group.model, batch=batch, slot=slot,
                                    clock=first["clock"], version=first["version"], norm=0.0,
-                                   workers=[w.layout.worker_index(int(h["rank"])) for h, _ in got],
-                                   versions=[int(h["version"]) for h, _ in got],
-                                   members=[[int(h["rank"]), int(h["id"])] for h, _ in got])
+                                   workers=[x for h, _ in got for x in h.get("workers")
+                                            or [w.layout.worker_index(int(h["rank"]))]],
+                                   versions=[int(x) for h, _ in got for x in h.get("versions") or [h["version"]]],
+                                   members=[m for h, _ in got for m in h.get("members")
+                                            or [[int(h["rank"]), int(h["id"])]]])
             rate = group.rates[group.servers.index(j)] if group.rates else None
             server = w.server_rank(j)
             paced = rate is not None and w.transport.pace_connection(server, w.channel, rate)
@@ -372,3 +443,264 @@ class Aggregator:
             if paced:
                 w.transport.pace_connection(server, w.channel, None)
             self.forwarded += 1
+
+    # -- aggregation trees: multi-level, cut-through (.cutthrough) -----------------------------
+    #
+    # Framing: every chunk is one transport message (op "tchunk" on the aggregate tag toward a
+    # tree node; op "push" on the request tag toward a server) whose meta names the group
+    # (model, batch, slot), the component ``server``, the chunk index ``chunk`` and size
+    # ``elems``, the ``source`` it comes from (["m", rank, id] or ["c", host]), the updates
+    # summed into it (``members``: [rank, id, version]), the tree's ``root`` and, when it was
+    # re-routed around lost nodes, ``lost``: [[host, its inputs], ...]. A node therefore sends
+    # chunk i (the transport's sender) while chunk i+1 is still being received (its reader).
+
+    def contribute(self, model: str, server: int, hop: int, tree: Tree, messages: list[tuple[dict[str, Any], torch.Tensor]],
+                   hold_s: float) -> list[SendHandle]:
+        """A member's update, as chunks, toward its tree node ``hop`` (this host's own node:
+        summed at once); kept ``hold_s`` to be sent again around ``hop`` if it is lost."""
+        w = self.worker
+        if hop == w.transport.rank:
+            for fields, tensor in messages:
+                self._tree_chunk(fields, tensor.clone())
+            return []
+        group_key = (int(messages[0][0]["batch"]), int(messages[0][0]["slot"]))
+        held = _Held(hop=hop, tree=tree, until=time.monotonic() + hold_s, server=server,
+                     messages=[(f, t.detach().clone()) for f, t in messages], dest=hop, key=(group_key, server))
+        dest, chain = reroute(tree, hop, self._lost(group_key))
+        held.dest = dest
+        handles = self._send_chunks(model, dest, server, [[h, [list(x) for x in inputs]] for h, inputs in chain],
+                                    held.messages)
+        with self._lock:
+            self._held.append(held)
+        return handles
+
+    def _lost(self, key: tuple[int, int]) -> Any:
+        """Whether a tree node of group ``key`` is lost: its process crashed (the transport
+        says so), or the nearest live ancestor asked for its inputs (it saw the crash first:
+        a sender does not always notice a peer it only sends to). A node that left on purpose
+        (goodbye) forwarded its sums before it went: not lost."""
+        lost = self.worker.transport.lost_peers
+        return lambda host: host in lost or (key, host) in self._redirected
+
+    def _send_chunks(self, model: str, dest: int | None, server: int, lost: list[Any],
+                     messages: list[tuple[dict[str, Any], torch.Tensor]]) -> list[SendHandle]:
+        w = self.worker
+        session = w.config.session
+        extra = {"lost": lost} if lost else {}
+        handles = []
+        for fields, tensor in messages:
+            if dest is None:  # the servers: the chunk counts toward the group's entry there
+                handles.append(w.transport.send(w.server_rank(server), protocol.request_tag(session),
+                                                tensor_bytes(tensor), channel=w.channel,
+                                                meta=protocol.encode(**fields, **extra, op=protocol.PUSH)))
+            else:
+                handles.append(w.transport.send(dest, protocol.tag(protocol.AGGREGATE, session), tensor_bytes(tensor),
+                                                channel=w.channel, meta=protocol.encode(**fields, **extra, op="tchunk")))
+        return handles
+
+    def _tree_group(self, header: dict[str, Any]) -> None:
+        """This host's order as a node of a group's tree."""
+        w = self.worker
+        key = (int(header["batch"]), int(header["slot"]))
+        spec = w.models.get(header["model"])
+        if spec is None:
+            log.error("%s: aggregator: tree group %d of batch %d for unknown model %r ignored", w.who, key[1], key[0],
+                      header["model"])
+            return
+        me = w.transport.rank
+        with self._lock:
+            if key in self._trees_done:
+                return
+            group = self._trees.setdefault(key, _TreeGroup(since=time.monotonic()))
+            group.model, group.planned = header["model"], True
+            group.tree = decode_tree(header["tree"])
+            group.servers = [int(j) for j in header["servers"]]
+            group.deadline = time.monotonic() + float(header["deadline_in"]) - self._level_share(group.tree, me)
+            group.rates = list(header["rates"])
+            group.elems = chunk_elems(int(header.get("chunk_bytes", 0)), torch.empty((), dtype=spec.torch_dtype).element_size())
+            shards = spec.shards(w.layout.servers)
+            inputs = node_inputs(group.tree, me)
+            group.sums = {j: ChunkSum(inputs, shards[j][1], group.elems) for j in group.servers}
+            early, group.early = group.early, []
+        for fields, tensor in early:
+            self._tree_chunk(fields, tensor)
+
+    def _repairs(self) -> list[tuple[int, dict[str, Any]]]:
+        """(Caller holds the lock.) Nodes of this host's unfinished trees that crashed and whose
+        nearest live ancestor is this node: their inputs stand in for them here
+        (:meth:`~.cutthrough.ChunkSum.lost`), and each live input is asked to send what it
+        sent toward the lost node here ("treroute"; it keeps it until the deadline)."""
+        w = self.worker
+        me, lost = w.transport.rank, w.transport.lost_peers
+        asks = []
+        for key, group in self._trees.items():
+            if not group.planned or not lost:
+                continue
+            for host in group.tree:
+                if host not in lost or host in group.repaired:
+                    continue
+                parent = group.tree[host].parent
+                dest = None if parent is None else reroute(group.tree, parent, lambda h: h in lost)[0]
+                if dest != me:
+                    continue
+                group.repaired.add(host)
+                inputs = node_inputs(group.tree, host)
+                for j, chunk_sum in group.sums.items():
+                    out = chunk_sum.lost(("c", host), inputs)
+                    if out:  # the stand-ins' chunks were here already
+                        group.early_out.append((j, out))
+                log.warning("%s: aggregator: tree node %s of group %d of batch %d lost: its inputs are asked to send "
+                            "here", w.who, w.layout.describe(host), key[1], key[0])
+                for source in inputs:
+                    rank = int(source[1])
+                    if rank != me and rank not in lost:
+                        asks.append((rank, {"batch": key[0], "slot": key[1], "lost": host, "dest": me}))
+        return asks
+
+    def _treroute(self, header: dict[str, Any]) -> None:
+        """A parent saw tree node ``lost`` crash: what this host sent toward it goes to ``dest``."""
+        key = (int(header["batch"]), int(header["slot"]))
+        with self._lock:
+            self._redirected.add((key, int(header["lost"])))
+        self.worker.transport.mailbox.notify()  # the next _tree_step re-routes the held chunks
+
+    def _level_share(self, tree: Tree, host: int) -> float:
+        """How much earlier than the group's deadline this node forwards what came: the slack
+        is shared out among the levels (a node at depth d of a tree of height D leaves
+        ``slack * (d + 1) / (D + 2)`` before it), so that each level's partial sum still
+        reaches the next one, and the root's the server, before the server skips the entry."""
+        def depth(h: int) -> int:
+            parent = tree[h].parent
+            return 0 if parent is None else 1 + depth(parent)
+        height = max(depth(h) for h in tree)
+        return self.settings.slack_s * (depth(host) + 1) / (height + 2)
+
+    def _tree_chunk(self, header: dict[str, Any], payload: memoryview | torch.Tensor) -> None:
+        """A chunk for this host's node (a member's, a child's, or one re-routed around a lost node)."""
+        w = self.worker
+        key = (int(header["batch"]), int(header["slot"]))
+        j, index, elems = int(header["server"]), int(header["chunk"]), int(header["elems"])
+        if isinstance(payload, torch.Tensor):
+            tensor = payload
+        else:
+            spec = w.models.get(header["model"])
+            if spec is None:
+                return
+            numel = spec.shards(w.layout.servers)[j][1]
+            _, length = chunk_span(index, numel, elems)
+            tensor = payload_tensor(payload, spec.torch_dtype, length, f"chunk {index} of group {key[1]}").clone()
+        with self._lock:
+            if key in self._trees_done:
+                return  # the node finished (at its deadline): too late
+            group = self._trees.setdefault(key, _TreeGroup(since=time.monotonic()))
+            if not group.planned:
+                group.early.append((header, tensor))
+                return
+            if group.elems != elems:
+                log.error("%s: aggregator: chunk of %d elements from %s for group %d of batch %d, which cuts chunks of "
+                          "%d: ignored (the planner's chunk_bytes differ between messages)", w.who, elems,
+                          header.get("source"), key[1], key[0], group.elems)
+                return
+            chunk_sum = group.sums.get(j)
+            if chunk_sum is None:
+                log.error("%s: aggregator: chunk for server component %d of group %d of batch %d, which this node does "
+                          "not sum: ignored", w.who, j, key[1], key[0])
+                return
+            out: list[Forward] = []
+            for host, inputs in header.get("lost", []):
+                out += chunk_sum.lost(("c", int(host)), [tuple(s) for s in inputs])
+            out += chunk_sum.add(tuple(header["source"]), index, tensor, [tuple(m) for m in header["members"]])
+            if not group.clock:
+                group.clock = int(header.get("clock", 0))
+        self._tree_forward(key, group, j, out)
+
+    def _tree_forward(self, key: tuple[int, int], group: _TreeGroup, j: int, forwards: list[Forward]) -> None:
+        """Send the chunks the node's sum handed back on: to its parent (or the nearest live
+        ancestor, naming the lost ones) or, at the root, to the server of component ``j``."""
+        if not forwards:
+            return
+        w = self.worker
+        me = w.transport.rank
+        parent = group.tree[me].parent
+        root = tree_root(group.tree, me)
+        messages = [({"model": group.model, "batch": key[0], "slot": key[1], "server": j, "chunk": f.index,
+                      "elems": group.elems, "source": ["c", me], "members": [list(m) for m in f.members],
+                      "clock": group.clock, "root": root}, f.tensor) for f in forwards]
+        dest, chain = (None, []) if parent is None else reroute(group.tree, parent, self._lost(key))
+        lost = [[host, [list(s) for s in inputs]] for host, inputs in chain]
+        target = w.server_rank(j) if dest is None else dest
+        # one rate per component, or one for the whole tree (every edge runs at the tree's rate)
+        rate = (group.rates[min(group.servers.index(j), len(group.rates) - 1)]
+                if group.rates and j in group.servers else None)
+        if target not in group.paced and rate is not None and w.transport.pace_connection(target, w.channel, rate):
+            group.paced.add(target)
+        handles = self._send_chunks(group.model, dest, j, lost, messages)
+        self.chunks_forwarded += len(forwards)
+        with self._lock:
+            group.handles += handles
+            if parent is not None:  # kept until the deadline: the parent may still be lost
+                held = next((h for h in self._held if h.key == (key, j) and h.dest == dest), None)
+                if held is None:
+                    self._held.append(_Held(hop=parent, tree=group.tree, server=j, messages=messages, dest=dest,
+                                            until=group.deadline + self.settings.slack_s, key=(key, j)))
+                else:
+                    held.messages += messages
+
+    def _tree_step(self, now: float) -> None:
+        """Deadlines (forward what came: .cutthrough's expire), finished nodes, and contributions
+        whose tree node was lost (sent again to the nearest live ancestor)."""
+        w = self.worker
+        expired: list[tuple[tuple[int, int], _TreeGroup, int, list[Forward]]] = []
+        with self._lock:
+            for key, group in list(self._trees.items()):
+                if not group.planned:
+                    if now - group.since > w.config.timeout_s:
+                        log.error("%s: aggregator: %d chunks for group %d of batch %d but no order for it in %.0f s: "
+                                  "dropped", w.who, len(group.early), key[1], key[0], w.config.timeout_s)
+                        del self._trees[key]
+                    continue
+                if now >= group.deadline:
+                    for j, chunk_sum in group.sums.items():
+                        if not chunk_sum.done:
+                            missing = chunk_sum.waiting_for()
+                            out = chunk_sum.expire()
+                            if out:
+                                group.partial = True
+                                log.warning("%s: aggregator: group %d of batch %d (component %d) forwarded at its "
+                                            "deadline without %s", w.who, key[1], key[0], j, sorted(map(str, missing)))
+                            expired.append((key, group, j, out))
+        for key, group, j, out in expired:
+            self._tree_forward(key, group, j, out)
+        with self._lock:
+            for key, group in list(self._trees.items()):
+                if group.planned and all(s.done for s in group.sums.values()) and all(h.done() for h in group.handles):
+                    for target in group.paced:
+                        w.transport.pace_connection(target, w.channel, None)
+                    self.forwarded += 1
+                    self.partial += int(group.partial)
+                    del self._trees[key]
+                    self._trees_done[key] = now
+            for key in [k for k, t in self._trees_done.items() if now - t > w.config.timeout_s]:
+                del self._trees_done[key]
+            self._held = [h for h in self._held if h.until > now]
+            asks = self._repairs()
+            moved = []
+            for held in self._held:
+                dest, chain = reroute(held.tree, held.hop, self._lost(held.key[0]))
+                if dest != held.dest:
+                    held.dest = dest
+                    moved.append((held, [[host, [list(s) for s in inputs]] for host, inputs in chain]))
+        for key, group in list(self._trees.items()):
+            while group.early_out:
+                j, out = group.early_out.pop()
+                self._tree_forward(key, group, j, out)
+        for rank, fields in asks:
+            w.transport.send(rank, protocol.tag(protocol.AGGREGATE, w.config.session), b"", channel=w.channel,
+                             meta=protocol.encode(op="treroute", **fields))
+        for held, lost in moved:
+            self.rerouted += 1
+            where = "the servers" if held.dest is None else w.layout.describe(held.dest)
+            log.warning("%s: aggregator: tree node %s lost: %d chunks sent again to %s", w.who,
+                        w.layout.describe(held.hop), len(held.messages), where)
+            model = held.messages[0][0]["model"]
+            self._send_chunks(model, held.dest, held.server, lost, held.messages)

@@ -30,8 +30,9 @@ from ...policy import answer_directly
 from ...protocol import payload_tensor
 from ...scheduler import NetState
 from .core import Entry, OrderBook, PullBatcher, entry_count, entry_key
+from .cutthrough import Assembler, Assembly, ChunkSum, chunk_count, chunk_elems, chunk_span
 from .service import SchedulerService
-from .settings import ScheduledSettings
+from .settings import ScheduledSettings, host_of_rank
 
 if TYPE_CHECKING:
     from mlfabric.ps.policy import ServerPort
@@ -62,6 +63,13 @@ class ScheduledServerSide:
         # the time after which the round goes on without it.
         self._expected: dict[tuple[str, int], dict[int, float]] = {}
         self._routed_in: dict[tuple[str, int], set[int]] = {}  # (model, round) -> ranks whose update is in
+        # Aggregation trees (.cutthrough): per (model, batch, slot) the root's chunks being put
+        # together (a ChunkSum over the root, whose inputs stand in for it if it is lost), and
+        # the groups already handed on (their late chunks are ignored).
+        self._assembling: dict[tuple[str, int, int], tuple[ChunkSum, Assembler, float]] = {}
+        self._assembled: dict[tuple[str, int, int], float] = {}
+        self.torn = 0
+        self._group_deadlines: dict[tuple[str, int, int], float] = {}  # when the order book skips a group entry
 
     # -- the serving loop's hooks --------------------------------------------------------------
 
@@ -88,6 +96,9 @@ class ScheduledServerSide:
         if "batch" not in header:
             server.stats.unscheduled += 1
             return False
+        if "chunk" in header:  # a chunk of a tree's aggregate (its root's, or re-routed around it)
+            self._tree_chunk(server, worker, header, payload)
+            return True
         if server.config.consistency.kind == "bsp":
             self._expected_arrived(server, header)
             return False
@@ -98,7 +109,80 @@ class ScheduledServerSide:
         return True
 
     def step(self, server: "ServerPort", now: float) -> None:
+        if self._assembling:
+            self._expire_assemblies(server, now)
         self.apply_batches(server, now)
+        if self._assembling or self._assembled:  # incomplete aggregates: their entries were skipped long ago
+            limit = server.config.timeout_s
+            for key in [k for k, (_, _, t) in self._assembling.items() if now - t > limit]:
+                del self._assembling[key]
+            for key in [k for k, t in self._assembled.items() if now - t > limit]:
+                del self._assembled[key]
+            with self._order_lock:
+                for key in [k for k, t in self._group_deadlines.items() if now - t > limit]:
+                    del self._group_deadlines[key]
+
+    def _expire_assemblies(self, server: "ServerPort", now: float) -> None:
+        """A tree's aggregate still incomplete at its entry's deadline (its root was lost and one
+        of the inputs standing in for it never came): what came goes on, just before the order
+        book would skip the entry (a chunk nobody sent leaves it incomplete: skipped)."""
+        with self._order_lock:
+            due = [k for k in self._assembling if now >= self._group_deadlines.get(k, float("inf"))]
+        for key in due:
+            chunk_sum, assembler, _ = self._assembling[key]
+            for forward in chunk_sum.expire():
+                whole = assembler.add(forward)
+                if whole is not None:
+                    self._deliver(server, key, whole, clock=0)
+                    break
+            self._assembling.pop(key, None)
+
+    def _tree_chunk(self, server: "ServerPort", worker: int, header: dict[str, Any], payload: memoryview) -> None:
+        """One chunk of a tree's aggregate for this server's component; once every chunk is in,
+        the whole aggregate goes the way of an aggregator's push (held for its entry, or counted
+        toward its round); a torn one (chunks summed over different members) is not applied:
+        its entry is skipped at its deadline like a late one."""
+        shard = server.shard(header["model"], "push")
+        key = (shard.spec.name, int(header["batch"]), int(header["slot"]))
+        if key in self._assembled:
+            return
+        now = time.monotonic()
+        elems, index = int(header["elems"]), int(header["chunk"])
+        entry = self._assembling.get(key)
+        if entry is None:
+            entry = self._assembling[key] = (ChunkSum([("c", int(header["root"]))], shard.length, elems),
+                                             Assembler(shard.length, elems, shard.spec.torch_dtype), now)
+        chunk_sum, assembler, _ = entry
+        _, length = chunk_sum.span(index)
+        tensor = payload_tensor(payload, shard.spec.torch_dtype, length,
+                                f"chunk {index} of group {key[2]} of batch {key[1]} to server {server.server}").clone()
+        forwards = []
+        for host, inputs in header.get("lost", []):
+            forwards += chunk_sum.lost(("c", int(host)), [tuple(s) for s in inputs])
+        forwards += chunk_sum.add(tuple(header["source"]), index, tensor, [tuple(m) for m in header["members"]])
+        for forward in forwards:
+            whole = assembler.add(forward)
+            if whole is not None:
+                self._deliver(server, key, whole, clock=int(header.get("clock", 0)))
+                return
+
+    def _deliver(self, server: "ServerPort", key: tuple[str, int, int], whole: Assembly, clock: int) -> None:
+        """A whole aggregate goes the way of an aggregator's push; a torn one is not applied."""
+        self._assembling.pop(key, None)
+        self._assembled[key] = time.monotonic()
+        if whole.torn:
+            self.torn += 1
+            log.warning("%s: group %d of batch %d of %r: its chunks hold different updates (a node forwarded at "
+                        "its deadline after part of the sum had gone): not applied, its entry is skipped",
+                        server.who, key[2], key[1], key[0])
+            return
+        members = whole.members
+        push = {"op": protocol.PUSH, "model": key[0], "batch": key[1], "slot": key[2], "clock": clock,
+                "version": min(m[2] for m in members), "norm": 0.0,
+                "workers": [server.layout.worker_index(m[0]) for m in members],
+                "versions": [m[2] for m in members], "members": [[m[0], m[1]] for m in members]}
+        # the sender named: a member worker of the aggregate (the runtime refuses non-workers)
+        server.receive_push(server.layout.worker_index(members[0][0]), push, tensor_bytes(whole.tensor))
 
     def finish(self, server: "ServerPort") -> None:
         self.apply_batches(server, float("inf"))  # what arrived of the last batches, in order
@@ -108,6 +192,9 @@ class ScheduledServerSide:
         runs beside this loop)."""
         with self._order_lock:
             self._incoming_orders.append((order, received))
+            for e in order["entries"]:
+                if e[0] == "g":
+                    self._group_deadlines[(order["model"], int(order["batch"]), int(e[1]))] = received + float(e[3])
             if not order.get("sync"):
                 self._planned_ahead[order["model"]] += sum(entry_count(e) for e in order["entries"])
         server.wake()
@@ -137,7 +224,10 @@ class ScheduledServerSide:
             self._planned_ahead[model] -= count
 
     def held_ranks(self, server: "ServerPort", model: str) -> set[int]:
-        """Workers with an update in a batch entry not applied (or skipped) yet."""
+        """Workers with an update in a batch entry not applied (or skipped) yet: their pulls
+        wait for it. With ``trees`` too: the trees branch measured answering from the version
+        in flight instead (``PullBatcher.attach``) worse under the delay bound (the next update
+        is older at planning, more are dropped; docs/mlfabric_scheduler.md "Trees")."""
         with self._order_lock:
             incoming = [o for o, _ in self._incoming_orders if o["model"] == model and not o.get("sync")]
         return {int(r) for o in incoming for e in o["entries"] for r in e[4]} | self.book.held_ranks(model)
@@ -227,11 +317,14 @@ class ScheduledServerSide:
             net = NetState([rate] * server.layout.world_size, [rate] * server.layout.world_size, origin=now)
         if self._pulls is None:
             self._pulls = PullBatcher(distributors=self.settings.distributors, seed=server.config.seed,
-                                      server=server.server)
+                                      server=server.server, trees=self.settings.trees,
+                                      chunk_bytes=self.settings.chunk_bytes if self.settings.trees else 0)
         me = server.transport.rank
         lost = server.transport.lost_peers
         pull_of = {p.rank: p for p in pulls}
         asked = [p.rank for p in pulls if p.direct or p.rank in lost]  # to be answered by the server itself
+        if self.settings.trees:
+            return self._multicast(server, net, pull_of, asked, shard, header, now)
         plan = self._pulls.plan(net, me=me, pullers=[r for r in pull_of if r not in asked],
                                 model_size=float(shard.numel() * shard.element_size()), now=now,
                                 answered_first=asked)
@@ -254,6 +347,61 @@ class ScheduledServerSide:
         self._answering = list(handles)
         return handles
 
+
+
+    def _multicast(self, server: "ServerPort", net: NetState, pull_of: "dict[int, PendingPull]", asked: list[int],
+                   shard: torch.Tensor, header: bytes, now: float) -> list[SendHandle]:
+        """#36's model distribution: the version leaves the server once per tree root and
+        spreads down ``PullBatchPlan.tree`` (the planner's multicast trees over the pullers),
+        chunk by chunk: a relay sends chunk i on while it receives chunk i+1
+        (:meth:`mlfabric.ps.worker.PSWorker._gather_chunks`). Every puller below a root gets a
+        "via" note naming its parent and the tree (its own children in it, whom it serves even
+        if its parent is lost and it asks the server directly). Pulls asked directly (a lost
+        relay's) are answered by the server itself."""
+        assert self._pulls is not None
+        me = server.transport.rank
+        tree_pullers = [r for r in pull_of if r not in asked]
+        # one puller per host in the trees; its co-located pullers hang below it (the model
+        # reaches a host once and goes on over shared memory)
+        wph, first = self.settings.workers_per_host, server.layout.worker_ranks[0]
+        reps: dict[int, int] = {}
+        local: dict[int, list[int]] = {}
+        for rank in tree_pullers:
+            rep = reps.setdefault(host_of_rank(rank, wph, first) if wph > 1 else rank, rank)
+            if rep != rank:
+                local.setdefault(rep, []).append(rank)
+        plan = self._pulls.plan(net, me=me, pullers=list(reps.values()),
+                                model_size=float(shard.numel() * shard.element_size()), now=now)
+        server.stats.pull_batches += 1
+        session, channel = server.config.session, server.channel
+        tree = {h: [*kids, *local.get(h, [])] for h, kids in plan.tree.items()}
+        for rep, ranks in local.items():
+            tree.setdefault(rep, list(ranks))
+        mtree = {str(h): [[c, pull_of[c].request_id] for c in kids] for h, kids in tree.items() if h != me}
+        parent = {c: h for h, kids in tree.items() for c in kids}
+        fields = protocol.decode(header)
+        handles: list[SendHandle] = answer_directly(server, [pull_of[r] for r in asked], shard, header)
+        for rank in tree_pullers:
+            if parent.get(rank, me) != me:
+                server.transport.send(rank, protocol.reply_tag(session, pull_of[rank].request_id), b"", channel=channel,
+                                      meta=protocol.encode(op="via", distributor=parent[rank], mtree=mtree))
+                server.stats.pulls_relayed += 1
+        elems = chunk_elems(plan.chunk_bytes, shard.element_size())
+        numel = shard.numel()
+        chunks = chunk_count(numel, elems)
+        for root in tree.get(me, ()):
+            rid = pull_of[root].request_id
+            for index in range(chunks):
+                start, length = chunk_span(index, numel, elems)
+                meta = protocol.encode(**fields, mtree=mtree, chunk=index, chunks=chunks, elems=elems or numel,
+                                       itemsize=shard.element_size(), nbytes=numel * shard.element_size())
+                handles.append(server.transport.send(root, protocol.reply_tag(session, rid),
+                                                     tensor_bytes(shard[start:start + length]), meta=meta,
+                                                     channel=channel))
+        if self.scheduler_service is not None:
+            self.scheduler_service.reserve(list(plan.transfers))
+        self._answering = list(handles)
+        return handles
 
 
 __all__ = ["ScheduledServerSide"]

@@ -25,7 +25,8 @@ from ...monitor import Ledger, NetworkMonitor
 from ...scheduler import NetState
 from ...scheduler.replication import ReplicaUnit, ReplicationPlan, plan_replication
 from .core import BatchingCore, BatchPlan, CoreStats, Request
-from .settings import UNITS_PER_BATCH, ScheduledSettings, aggregator_ranks, avg_rate_bps
+from .cutthrough import TreeNode, encode_tree
+from .settings import UNITS_PER_BATCH, ScheduledSettings, aggregator_ranks, avg_rate_bps, host_of_rank
 
 if TYPE_CHECKING:
     from mlfabric.ps.policy import ServerPort
@@ -88,7 +89,9 @@ class SchedulerService:
                                  tau=None if self.sync else int(consistency.delay_bound or 0),
                                  seed=server.config.seed, interval_s=settings.interval_s, slack_s=settings.slack_s,
                                  rate_bps=settings.rate_bps, monitor_lag_s=settings.monitor_lag_s,
-                                 first_batch=1 + (self.transport.rank << 20))
+                                 first_batch=1 + (self.transport.rank << 20),
+                                 host_of=self._host_of if settings.workers_per_host > 1 else None,
+                                 trees=settings.trees, chunk_bytes=settings.chunk_bytes if settings.trees else 0)
         self.monitor, self.ledger = self.core.monitor, self.core.ledger
         # The ledger is read and extended by this thread (pushes) and by server 0's loop
         # (model distribution, :meth:`network`).
@@ -110,6 +113,12 @@ class SchedulerService:
         self._history_norm: dict[tuple[str, int], float] = {}
         self._unit_members: dict[int, list[tuple[int, int]]] = {}  # unit key -> its (rank, update id)
         self._warned_violation = False
+        self._request_ids: dict[tuple[str, int], int] = {}
+
+    def _host_of(self, rank: int) -> int:
+        """The host of worker ``rank``: its host's leading worker rank (``workers_per_host``
+        consecutive workers to a host, :func:`~.settings.host_of_rank`)."""
+        return host_of_rank(rank, self.settings.workers_per_host, first=self.layout.worker_ranks[0])
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="mlfabric-ps-scheduler", daemon=True)
@@ -186,6 +195,9 @@ class SchedulerService:
     def _take(self, msg: Any, now: float) -> None:
         header = protocol.decode(msg.meta)
         if header["op"] == "request":
+            # the last request of each worker: a host request (#36) names only its leading
+            # member's id, the others' decisions need theirs
+            self._request_ids[(header["model"], msg.src)] = int(header["id"])
             self.core.request(Request(rank=msg.src, id=int(header["id"]), model=header["model"],
                                       version=int(header["version"]), norm=float(header.get("norm") or 0.0),
                                       clock=int(header.get("clock", 0)),
@@ -211,19 +223,71 @@ class SchedulerService:
             else:
                 self.transport.send(rank, protocol.request_tag(session), b"", meta=protocol.encode(**order),
                                     channel=channel)
+        trees = plan_trees(plan, self._node_ranks(plan))
+        # Groups before decisions: a node learns its order before its members (itself among
+        # them) send their chunks, and its worker cannot leave in between.
+        for g in plan.groups:
+            extra = {} if g.slot not in trees else {"tree": trees[g.slot][0],
+                                                    "chunk_bytes": int(getattr(g, "chunk_bytes", 0))}
+            meta = protocol.encode(op="group", batch=plan.batch, slot=g.slot, model=plan.model,
+                                   members=[list(m) for m in g.members], servers=list(g.servers),
+                                   deadline_in=g.deadline_in, rates=list(g.rates), **extra)
+            self.transport.send(trees[g.slot][2][g.host] if g.slot in trees else g.host,
+                                protocol.tag(protocol.AGGREGATE, session), b"", meta=meta, channel=channel)
+        requests = {(r.rank, r.id): r for r in plan.requests}
         for d in plan.decisions:
+            host = self._host_members(plan, requests.get((d.rank, d.id)), d)
             if d.drop:
                 meta = protocol.encode(op="decision", drop=True, reason=d.reason, batch=plan.batch)
             else:
+                # a member of a tree sends chunk by chunk and keeps its update till its node's
+                # deadline (to send it again around the node if it is lost): it gets the tree
+                tree = trees.get(d.group) if d.group else None
+                node = next((g for g in tree[1] if any(m == (d.rank, d.id) for m in g.members)), None) if tree else None
+                extra = {} if node is None else {"tree": tree[0], "chunk_bytes": int(getattr(node, "chunk_bytes", 0)),
+                                                 "hold_in": node.deadline_in + self.settings.slack_s}
+                # a tree member goes to the node that lists it (its own host: the planner's
+                # hop names the group's root, where Alg. 3's one aggregator would be)
+                hop = list(d.hop) if node is None else [tree[2][node.host]] * len(d.hop)
+                if host:
+                    extra["host_members"] = host
                 meta = protocol.encode(op="decision", drop=False, batch=plan.batch, group=d.group, position=d.position,
-                                       hop=list(d.hop), start_in=d.start_in, rates=list(d.rates))
+                                       hop=hop, start_in=d.start_in, rates=list(d.rates), **extra)
             self.transport.send(d.rank, protocol.tag(protocol.DECISION, session, d.id), b"", meta=meta,
                                 channel=channel)
-        for g in plan.groups:
-            meta = protocol.encode(op="group", batch=plan.batch, slot=g.slot, model=plan.model,
-                                   members=[list(m) for m in g.members], servers=list(g.servers),
-                                   deadline_in=g.deadline_in, rates=list(g.rates))
-            self.transport.send(g.host, protocol.tag(protocol.AGGREGATE, session), b"", meta=meta, channel=channel)
+
+    def _node_ranks(self, plan: BatchPlan) -> dict[int, int]:
+        """The rank that runs each tree node: with several workers per host the planner's
+        nodes are hosts (numbered like :func:`~.settings.host_of_rank`), run by the host
+        request's leading worker (the node's first member), or the host's first worker for a
+        node without members; with one worker per host a node is its rank."""
+        if self.settings.workers_per_host <= 1:
+            return {g.host: g.host for g in plan.groups}
+        k, first = self.settings.workers_per_host, self.layout.worker_ranks[0]
+        return {g.host: g.members[0][0] if g.members else first + (g.host - first) * k for g in plan.groups}
+
+    def _host_members(self, plan: BatchPlan, request: Request | None, d: Any) -> list[list[int]]:
+        """Host-local aggregation (#36): the co-located members summed into a host request
+        (``Request.members``) beside its leading one, as ``[rank, request id]``; each is told
+        to hand its update to the leader (over shared memory: the transport's link between
+        ranks of one host) or that it was dropped with the host request."""
+        if request is None or len(request.members) <= 1:
+            return []
+        session, channel = self.server.config.session, self.server.channel
+        out = []
+        for rank in request.members:
+            if rank == request.rank:
+                continue
+            rid = self._request_ids.get((plan.model, rank))
+            if rid is None:
+                log.error("%s: scheduler: host request of %s names %s, whose request id is unknown: its update is "
+                          "left out", self.server.who, self.layout.describe(request.rank), self.layout.describe(rank))
+                continue
+            out.append([rank, rid])
+            meta = protocol.encode(op="decision", drop=d.drop, reason=d.reason, batch=plan.batch, host=request.rank,
+                                   host_id=request.id)
+            self.transport.send(rank, protocol.tag(protocol.DECISION, session, rid), b"", meta=meta, channel=channel)
+        return out
 
     # -- network replication (§5.3) ----------------------------------------------------------
 
@@ -340,6 +404,31 @@ class SchedulerService:
             self.transport.send(replica, protocol.tag(protocol.REPLICATE, session), b"", channel=channel,
                                 meta=protocol.encode(op="units", model=model, units=list(plan.frozen),
                                                      commit_in=[plan.replica_commit[k] - now for k in plan.frozen]))
+
+
+def plan_trees(plan: BatchPlan, ranks: dict[int, int]) -> dict[int, tuple[list[list[Any]], list[Any], dict[int, int]]]:
+    """Per group slot whose nodes form a tree (a node with a ``parent`` or ``children``, or
+    cut-through ``chunk_bytes``: :class:`~.core.GroupOrder`'s tree fields), the tree as the
+    messages carry it (in ranks: ``ranks`` maps a node's host to the rank running it), its
+    nodes' orders and that map. Slots of today's one-level, store-and-forward
+    groups are left out: they keep the plain group path (:meth:`Aggregator._forward_ready`).
+    MLfabric-S runs the same trees: the server counts a tree's aggregate toward its round."""
+    slots: dict[int, list[Any]] = {}
+    for g in plan.groups:
+        slots.setdefault(g.slot, []).append(g)
+    trees = {}
+    for slot, nodes in slots.items():
+        if not any(getattr(g, "parent", None) is not None or getattr(g, "children", ()) or getattr(g, "chunk_bytes", 0)
+                   for g in nodes):
+            continue
+        def rank(host: int | None) -> int | None:
+            return None if host is None else ranks.get(host, host)
+
+        tree = {rank(g.host): TreeNode(parent=rank(getattr(g, "parent", None)),
+                                       children=tuple(rank(c) for c in getattr(g, "children", ())),
+                                       members=tuple(tuple(m) for m in g.members)) for g in nodes}
+        trees[slot] = (encode_tree(tree), nodes, {g.host: rank(g.host) for g in nodes})
+    return trees
 
 
 # --------------------------------------------------------------------------- the worker's daemon

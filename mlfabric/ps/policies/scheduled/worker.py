@@ -7,6 +7,9 @@ the scheduler beside server 0, its decision awaited at most ``decision_timeout_s
 update is pushed unscheduled, a fallback), each component sent at its planned start, paced at
 its planned rate, to its next hop (a server, or an aggregator). The worker's
 :class:`~mlfabric.ps.policies.scheduled.aggregator.Aggregator` thread starts with the first push.
+#36: a member of a tree sends its update chunk by chunk to its node (:func:`tree_chunks`);
+co-located workers hand theirs to the host request's leading worker, which pushes the sum
+(``ScheduledWorkerSide._host_sum``; ``tests/unit/test_ps_trees_runtime.py``).
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ import torch
 from mlfabric.transport.base import SendHandle, Transport, tensor_bytes
 
 from ... import protocol
+from ...protocol import payload_tensor
 from ...waits import wait_until
 from .aggregator import Aggregator, wait_sent
+from .cutthrough import chunk_count, chunk_elems, chunk_span, decode_tree, tree_root
 from .settings import ScheduledSettings
 
 if TYPE_CHECKING:
@@ -47,11 +52,33 @@ class DaemonStats:
     decision_wait_s: float = 0.0
     start_wait_s: float = 0.0
     send_s: float = 0.0
+    host_parts: int = 0  # updates handed to the host's leading worker (#36)
+    host_sums: int = 0   # host sums this worker pushed as its host's leader
 
     def as_dict(self) -> dict[str, Any]:
         return {"requested": self.requested, "dropped_by_scheduler": self.dropped, "fallbacks": self.fallbacks,
                 "sent_to_aggregators": self.aggregated, "decision_wait_s": self.decision_wait_s,
-                "start_wait_s": self.start_wait_s, "send_s": self.send_s}
+                "start_wait_s": self.start_wait_s, "send_s": self.send_s, "host_parts": self.host_parts,
+                "host_sums": self.host_sums}
+
+
+def tree_chunks(model: str, decision: dict[str, Any], server: int, component: torch.Tensor,
+                fields: dict[str, Any]) -> list[tuple[dict[str, Any], torch.Tensor]]:
+    """One member's component as the chunks its tree node sums (framing: :mod:`.aggregator`,
+    "aggregation trees"); ``fields``: the push's (rank, id, version, clock)."""
+    elems = chunk_elems(int(decision.get("chunk_bytes", 0)), component.element_size())
+    numel = component.numel()
+    root = tree_root(decode_tree(decision["tree"]), int(decision["hop"][server]))
+    members = ([[int(r), int(i), int(v)] for (r, i), v in zip(fields["members"], fields["versions"])]
+               if "members" in fields else [[int(fields["rank"]), int(fields["id"]), int(fields["version"])]])
+    member = members[0]
+    out = []
+    for index in range(chunk_count(numel, elems)):
+        start, length = chunk_span(index, numel, elems)
+        out.append(({"model": model, "batch": int(decision["batch"]), "slot": int(decision["group"]), "server": server,
+                     "chunk": index, "elems": elems, "source": ["m", member[0], member[1]], "members": members,
+                     "clock": int(fields.get("clock", 0)), "root": root}, component[start:start + length]))
+    return out
 
 
 class ScheduledWorkerSide:
@@ -117,18 +144,30 @@ class ScheduledWorkerSide:
         if decision["drop"]:
             self.stats.dropped += 1
             return False
+        if "host" in decision:  # host-local aggregation: the host's leading worker pushes the sum
+            self._hand_to_host(decision, request_id, components, first)
+            return True
+        host: dict[str, Any] = {}
+        if decision.get("host_members"):
+            components, host = self._host_sum(decision, request_id, components, first)
         time.sleep(float(decision["start_in"]))
         started = time.monotonic()
         self.stats.start_wait_s += started - decided
         handles, paced = [], []
         for j, (component, push, hop) in enumerate(zip(components, pushes, decision["hop"])):
-            fields = push.fields(batch=decision["batch"], id=request_id, rank=transport.rank)
+            fields = push.fields(batch=decision["batch"], id=request_id, rank=transport.rank, **host)
             rate = decision["rates"][j] if j < len(decision["rates"]) else None
             if hop != transport.rank and rate is not None and transport.pace_connection(hop, w.channel, rate):
                 paced.append(hop)
             if hop in w.serving:  # a server (or the replica that took over one), else an aggregator
                 handles.append(transport.send(hop, protocol.request_tag(session), tensor_bytes(component),
                                               meta=protocol.encode(**fields), channel=w.channel))
+            elif "tree" in decision:  # a node of a multi-level (or cut-through) tree: chunk by chunk
+                self.stats.aggregated += 1
+                assert self._aggregator is not None
+                handles += self._aggregator.contribute(model, j, hop, decode_tree(decision["tree"]),
+                                                       tree_chunks(model, decision, j, component, fields),
+                                                       float(decision.get("hold_in", w.config.timeout_s)))
             else:
                 self.stats.aggregated += 1
                 member = {**fields, "op": "member", "slot": decision["group"], "server": j}
@@ -144,6 +183,55 @@ class ScheduledWorkerSide:
             transport.pace_connection(hop, w.channel, None)
         self.stats.send_s += time.monotonic() - started
         return True
+
+    def _hand_to_host(self, decision: dict[str, Any], request_id: int, components: list[torch.Tensor],
+                      first: protocol.Push) -> None:
+        """A co-located member's update goes to its host's leading worker (#36; the
+        transport's link between two ranks of one host is shared memory: no NIC)."""
+        w = self._worker
+        tag = protocol.tag(protocol.DECISION, w.config.session, int(decision["host_id"]))
+        handles = [w.transport.send(int(decision["host"]), tag, tensor_bytes(c), channel=w.channel,
+                                    meta=protocol.encode(op="hostpart", server=j, rank=w.transport.rank, id=request_id,
+                                                         version=first.version, clock=first.clock))
+                   for j, c in enumerate(components)]
+        self.stats.host_parts += 1
+        wait_sent(w.transport, handles, w.config.timeout_s)
+
+    def _host_sum(self, decision: dict[str, Any], request_id: int, components: list[torch.Tensor],
+                  first: protocol.Push) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        """The host's leading worker sums its co-located members' updates into its own (each
+        component, in the members' order), waiting for them at most ``decision_timeout_s``
+        (a member that does not come is left out, and named); returns the sums and the push
+        fields naming every update in them (``workers``, ``versions``, ``members``)."""
+        w = self._worker
+        transport = w.transport
+        tag = protocol.tag(protocol.DECISION, w.config.session, request_id)
+        totals = [c.detach().clone() for c in components]
+        ranks, ids, versions = [transport.rank], [request_id], [int(first.version)]
+        deadline = time.monotonic() + self.settings.decision_timeout_s
+        for rank, rid in decision["host_members"]:
+            parts: list[tuple[dict[str, Any], Any]] = []
+            for _ in components:
+                msg = wait_until(transport, lambda r=int(rank): transport.mailbox.take(w.channel, tag, r), deadline,
+                                 who=w.who, what=f"the update of co-located {w.layout.describe(int(rank))}",
+                                 required=False, poll=0.05)
+                if msg is None:
+                    break
+                parts.append((protocol.decode(msg.meta), msg))
+            if len(parts) < len(components):
+                log.warning("%s: host-local aggregation: the update of %s did not come within %.1f s; the host's "
+                            "sum goes without it", w.who, w.layout.describe(int(rank)), self.settings.decision_timeout_s)
+                continue
+            for header, msg in parts:
+                j = int(header["server"])
+                totals[j].add_(payload_tensor(msg.payload, totals[j].dtype, totals[j].numel(),
+                                              f"host part of {w.layout.describe(int(rank))}").view_as(totals[j]))
+            ranks.append(int(rank))
+            ids.append(int(rid))
+            versions.append(int(parts[0][0]["version"]))
+        self.stats.host_sums += 1
+        return totals, {"workers": [w.layout.worker_index(r) for r in ranks], "versions": versions,
+                        "members": [[r, i] for r, i in zip(ranks, ids)]}
 
     def _decision(self, request_id: int) -> dict[str, Any] | None:
         w = self._worker
