@@ -1,6 +1,7 @@
 """An elastic communicator: a membership that shrinks on a lost rank and grows on a joiner.
 
-    .venv/bin/python -m pytest tests/unit/test_elastic_membership.py tests/local/test_elastic_processes.py -q
+    .venv/bin/python -m pytest -q tests/unit/test_elastic_membership.py tests/unit/test_elastic_recovery_faults.py \
+        tests/local/test_elastic_processes.py
     .venv/bin/mlfabric train --workload hyperplane --workers 4 --sync allreduce --elastic \\
         --fail worker:2@3 --rejoin 2 --dim 1024 --train-samples 8192 --json -
 
@@ -191,11 +192,12 @@ class ElasticCommunicator:
 
     # -- changes -----------------------------------------------------------------------------
 
-    def reconfigure(self, reason: str) -> Membership:
+    def reconfigure(self, reason: str, *, after_commit: bool = False) -> Membership:
         """Form the next epoch with the members that are still alive (and any joiner), bring
         every member to the highest committed step, and return the new membership. Call it
         on every member when a collective failed, or after a step whose allreduce said that
-        joiners wait."""
+        joiners wait (``after_commit``: every collective called here completed, so peers
+        still finishing the last one are let finish it instead of failing it)."""
         if self._closed:
             raise ElasticError(f"member {self.member}: the elastic communicator is closed")
         began = time.time()
@@ -207,7 +209,7 @@ class ElasticCommunicator:
         log.warning("member %d: leaving membership epoch %d %s (members gone: %s): %s", self.member,
                     self.membership.epoch, list(members), sorted(gone) or "none seen here", reason)
         self._move(self.membership.epoch + 1, previous=members, gone=gone, joiner=False, reason=reason,
-                   began=began, grace_s=self.grace_s, old=old)
+                   began=began, grace_s=self.grace_s, old=old, leave_clean=after_commit)
         assert self.membership is not None
         return self.membership
 
@@ -225,9 +227,11 @@ class ElasticCommunicator:
             epoch = max(epoch + 1, self.ms.current_epoch() + 1)
 
     def _move(self, epoch: int, *, previous: Sequence[int], gone: set[int], joiner: bool, reason: str,
-              began: float, grace_s: float, old: Communicator | None = None, optional: bool = False) -> bool:
+              began: float, grace_s: float, old: Communicator | None = None, optional: bool = False,
+              leave_clean: bool = False) -> bool:
         """Agree on ``epoch`` and set it up, going on to later epochs while members die during
-        the setup. ``optional`` (a joiner): return False when the quorum closed without us."""
+        the setup. ``optional`` (a joiner): return False when the quorum closed without us.
+        ``leave_clean``: ``old``'s collectives all completed here (see :func:`_say_goodbye`)."""
         previous = tuple(previous)
         deadline = time.monotonic() + self.timeout
         while True:
@@ -240,11 +244,12 @@ class ElasticCommunicator:
                     seen |= {old_members[p] for p in old_transport.gone_peers if p < len(old_members)}
                 return seen
 
-            leaving = old
+            leaving, clean = old, leave_clean
+            leave_clean = False  # a later epoch's communicator is left after a failure
 
             def registered() -> None:
                 if leaving is not None:
-                    _say_goodbye(leaving, reason)
+                    _say_goodbye(leaving, reason, clean=clean)
 
             membership = agree(self.ms, epoch, self.member, previous=previous, gone=gone_now,
                                step=self.state.committed if self._has_state else -1,
@@ -374,8 +379,10 @@ class ElasticCommunicator:
             # The senders' chunk: every member must cut the buffer alike.
             comm.striped_copy(blob, sources, receivers, chunk_bytes=int(header["chunk_bytes"]))
         except MlfabricError as exc:
+            # The collective's error names dense ranks; the log must name members.
             raise _TransferBroken(f"the state transfer from {list(source_ids)} to {list(receiver_ids)} "
-                                  f"broke: {exc}") from exc
+                                  f"broke: {exc} (ranks of membership epoch {epoch} are members "
+                                  f"{list(membership.members)}, in that order)") from exc
         if me in sources:
             return 0, source_ids, receiver_ids
         got = zlib.crc32(_bytes(blob))
@@ -401,9 +408,13 @@ class ElasticCommunicator:
                 if time.monotonic() > deadline:
                     raise _TransferBroken(f"members {[m for m in source_ids if m not in headers]} never described "
                                           f"their state within {self.timeout:g} s")
-                lost = [membership.members[p] for p in comm.transport.gone_peers]
-                if lost:
-                    raise _TransferBroken(f"members {lost} left before describing their state")
+                gone = {membership.members[p] for p in comm.transport.gone_peers}
+                silent = [m for m in source_ids if m not in headers and m in gone]
+                if silent:
+                    # Only those whose description is missing: the others may have left after
+                    # describing theirs (a sender that finished, then failed its next step).
+                    raise _TransferBroken(f"members {silent} left before describing their state "
+                                          f"(gone from membership epoch {membership.epoch}: {sorted(gone)})")
                 time.sleep(0.005)
         return headers
 
@@ -437,16 +448,21 @@ def _bytes(blob: torch.Tensor) -> memoryview:
     return memoryview(blob.numpy()) if blob.numel() else memoryview(b"")
 
 
-def _say_goodbye(comm: Communicator, reason: str) -> None:
+def _say_goodbye(comm: Communicator, reason: str, *, clean: bool = False) -> None:
     """Tell the old epoch's peers that this member left it (the goodbye a closing transport
     sends, naming the collectives it will not finish), without closing the transport yet: its
     peers may still run a collective of that epoch and must fail it now, not at its timeout
     (a joiner whose transfer failed while the senders finished theirs), while this member
     still learns, through the open transport, which peers die during the quorum."""
-    # last_seq -1: it finishes no collective of this epoch, not even one it had called (the
-    # executor's own goodbye would count a collective that failed here as called, and a peer
-    # waiting in it for a rank that died unseen by that peer would wait for its timeout).
-    farewell = Farewell(reason=f"it left membership epoch's collectives ({reason})", last_seq=-1).encode()
+    # After a failure, last_seq -1: it finishes no collective of this epoch, not even one it
+    # had called (the executor's own goodbye would count a collective that failed here as
+    # called, and a peer waiting in it for a rank that died unseen by that peer would wait
+    # for its timeout). ``clean`` (every collective called here completed: a step committed,
+    # then joiners are admitted): the executor's own note, so a peer still receiving the last
+    # step's data (sent before this goodbye, on the same connections) completes that step
+    # instead of aborting it (it did, and then needed a state transfer for nothing).
+    note = f"it left membership epoch's collectives ({reason})"
+    farewell = comm.executor.farewell(note) if clean else Farewell(reason=note, last_seq=-1).encode()
     transport = comm.transport
     for peer in range(transport.world_size):
         if peer != transport.rank and not transport.is_gone(peer):

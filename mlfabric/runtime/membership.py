@@ -25,7 +25,7 @@ worker: the launcher's, not a worker's), under ``elastic/<job>/e<E>/``:
 Every epoch gets a fresh transport whose job token is :func:`epoch_token` of the job's token
 and ``E``: the token rides the handshake of every connection, and a connection whose token is
 another epoch's is refused before a byte of it is delivered, so nothing from an old
-membership ever reaches a tensor (``tests/unit/test_elastic_membership.py`` injects such a
+membership ever reaches a tensor (``tests/unit/test_elastic_recovery_faults.py`` injects such a
 message).
 """
 

@@ -194,7 +194,7 @@ class Elastic:
         if self.on_commit is not None:
             self.on_commit(self.committed, self)
         if joiners > 0:
-            self.comm.reconfigure(f"admitting joiners after step {self.committed}")
+            self.comm.reconfigure(f"admitting joiners after step {self.committed}", after_commit=True)
         return True
 
     def _ddp_step(self, weight: float) -> bool:
@@ -226,7 +226,7 @@ class Elastic:
         if self.on_commit is not None:
             self.on_commit(self.committed, self)
         if joiners > 0:
-            self.comm.reconfigure(f"admitting joiners after step {self.committed}")
+            self.comm.reconfigure(f"admitting joiners after step {self.committed}", after_commit=True)
         return True
 
     def finish(self) -> None:
