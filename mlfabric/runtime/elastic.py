@@ -1,6 +1,6 @@
 """An elastic communicator: a membership that shrinks on a lost rank and grows on a joiner.
 
-    .venv/bin/python -m pytest -q tests/unit/test_elastic_membership.py tests/unit/test_elastic_recovery_faults.py \
+    .venv/bin/python -m pytest -q tests/unit/test_elastic_membership.py tests/unit/test_elastic_recovery_faults.py \\
         tests/local/test_elastic_processes.py
     .venv/bin/mlfabric train --workload hyperplane --workers 4 --sync allreduce --elastic \\
         --fail worker:2@3 --rejoin 2 --dim 1024 --train-samples 8192 --json -
