@@ -49,6 +49,7 @@ from mlfabric.transport.tcp import TcpTransport
 
 from .communicator import DEFAULT_TIMEOUT_S, Communicator
 from .control import Farewell
+from .fair_share import nic_rates_from
 from .membership import (
     DEFAULT_GRACE_S,
     ElasticError,
@@ -99,12 +100,15 @@ class MembershipChange:
     transferred_bytes: int
     sources: tuple[int, ...]   # member ids that sent state
     receivers: tuple[int, ...]  # member ids that received it
+    #: Seconds of the striped copy alone (the network part of ``synced - formed``, which also
+    #: holds the senders' packing and checksums); 0 without a transfer.
+    copy_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "members": list(self.members), "reason": self.reason,
                 "began": self.began, "formed": self.formed, "synced": self.synced,
                 "transferred_bytes": self.transferred_bytes, "sources": list(self.sources),
-                "receivers": list(self.receivers)}
+                "receivers": list(self.receivers), "copy_s": self.copy_s}
 
 
 class _EpochFailed(Exception):
@@ -155,6 +159,7 @@ class ElasticCommunicator:
         self.membership: Membership | None = None
         self.history: list[MembershipChange] = []
         self._closed = False
+        self._copy_s = 0.0  # the last state transfer's striped copy (MembershipChange.copy_s)
         # A joiner holds no state until its first transfer: it registers as step -1, so it is
         # never chosen to send.
         # At the start only the lowest member's state counts (like DDP's broadcast from rank 0):
@@ -288,7 +293,7 @@ class ElasticCommunicator:
             self._has_state = True
             change = MembershipChange(epoch=epoch, members=membership.members, reason=reason, began=began,
                                       formed=formed, synced=time.time(), transferred_bytes=sent,
-                                      sources=sources, receivers=receivers)
+                                      sources=sources, receivers=receivers, copy_s=self._copy_s)
             self.history.append(change)
             log.warning("member %d: membership epoch %d: members %s (rank %d of %d), %s; state from %s to %s",
                         self.member, epoch, list(membership.members), self.rank, self.world_size, reason,
@@ -354,6 +359,7 @@ class ElasticCommunicator:
     def _sync(self, comm: Communicator, membership: Membership) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
         """Bring every member to the epoch's committed step: (bytes received here, source ids,
         receiver ids)."""
+        self._copy_s = 0.0
         sources, receivers = membership.sources(), membership.receivers()
         source_ids = tuple(membership.members[i] for i in sources)
         receiver_ids = tuple(membership.members[i] for i in receivers)
@@ -375,6 +381,8 @@ class ElasticCommunicator:
                                    "their training diverged: restart the job from a checkpoint")
             header = next(iter(headers.values()))
             blob = torch.empty(int(header["nbytes"]), dtype=torch.uint8)
+        paced = self._pace_transfer(comm, sources, receivers) if me in sources else []
+        copy_began = time.perf_counter()
         try:
             # The senders' chunk: every member must cut the buffer alike.
             comm.striped_copy(blob, sources, receivers, chunk_bytes=int(header["chunk_bytes"]))
@@ -383,6 +391,13 @@ class ElasticCommunicator:
             raise _TransferBroken(f"the state transfer from {list(source_ids)} to {list(receiver_ids)} "
                                   f"broke: {exc} (ranks of membership epoch {epoch} are members "
                                   f"{list(membership.members)}, in that order)") from exc
+        finally:
+            for peer in paced:  # the epoch's later collectives run unpaced
+                try:
+                    comm.transport.pace_connection(peer, comm.transport.channels[0], None)
+                except MlfabricError:
+                    pass  # the receiver is gone: nothing left to pace
+        self._copy_s = time.perf_counter() - copy_began
         if me in sources:
             return 0, source_ids, receiver_ids
         got = zlib.crc32(_bytes(blob))
@@ -393,6 +408,21 @@ class ElasticCommunicator:
         self.state.unpack(header, blob)
         self._has_state = True
         return blob.numel(), source_ids, receiver_ids
+
+    def _pace_transfer(self, comm: Communicator, sources: Sequence[int], receivers: Sequence[int]) -> list[int]:
+        """Pace this sender's connections to the receivers at its share of a NIC (the NIC
+        rate, ``MLFABRIC_NIC_RATE``, over the larger of the senders and the receivers): the
+        senders then fill each receiver's downlink together without overrunning its queue.
+        Unpaced, S senders' bursts into one 1 Gbit/s port of the emulator lost packets and
+        the striped copy from 3 senders ran at 0.58 of one TCP flow (docs/results.md).
+        Returns the receivers paced (none when the rate is unknown)."""
+        transport = comm.transport
+        channel = transport.channels[0]
+        rate = nic_rates_from(None, transport.channels).get(channel)
+        if rate is None or len(sources) < 2:
+            return []  # one sender keeps its flow's own congestion control
+        share = rate / max(len(sources), len(receivers))
+        return [peer for peer in receivers if transport.pace_connection(peer, channel, share)]
 
     def _source_headers(self, comm: Communicator, membership: Membership,
                         source_ids: tuple[int, ...]) -> dict[int, dict[str, Any]]:

@@ -354,3 +354,28 @@ def test_bad_elastic_options_are_usage_errors(args: list[str], message: str) -> 
     result = CliRunner().invoke(app, ["train", "--workload", "hyperplane", *args], env={"COLUMNS": "300"})
     assert result.exit_code == 2, result.output
     assert message in result.output
+
+
+def test_several_senders_pace_their_share_of_the_nic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the NIC rate known (MLFABRIC_NIC_RATE, as the emulator sets it), each of S senders
+    paces its connection to the joiner at rate / S during the copy and lifts the cap after
+    it; one sender (the first epoch's) does not pace. Unpaced, 3 senders into one emulated
+    1 Gbit/s port ran at 0.58 of one TCP flow (docs/results.md)."""
+    from mlfabric.transport.tcp import TcpTransport
+
+    calls: list[tuple[int, int, float | None]] = []
+    original = TcpTransport.pace_connection
+
+    def record(self: TcpTransport, peer: int, channel: str, rate_bps: float | None) -> bool:
+        calls.append((self.rank, peer, rate_bps))
+        return original(self, peer, channel, rate_bps)
+
+    monkeypatch.setattr(TcpTransport, "pace_connection", record)
+    monkeypatch.setenv("MLFABRIC_NIC_RATE", "1gbit")
+    out, errors = run_members(dist.HashStore(), {0: {}, 1: {}, 2: {}, 5: {"initial": None, "start_after": 0}},
+                              6, (0, 1, 2), lambda member, el: None, step_s=0.005)
+    assert not errors, errors
+    paced = sorted((rank, peer, rate) for rank, peer, rate in calls if rate is not None)
+    assert paced == [(0, 3, pytest.approx(1e9 / 3)), (1, 3, pytest.approx(1e9 / 3)), (2, 3, pytest.approx(1e9 / 3))]
+    assert sorted((rank, peer) for rank, peer, rate in calls if rate is None) == [(0, 3), (1, 3), (2, 3)]
+    assert all(torch.equal(out[0]["params"], out[m]["params"]) for m in (1, 2, 5))

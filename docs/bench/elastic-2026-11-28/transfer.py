@@ -8,7 +8,8 @@ For each sender count S, S members (processes) hold a state of MB megabytes (a S
 of one uint8 buffer: model and optimizer bytes alike), run tiny steps until a joiner asks in,
 then form the next epoch with it; the joiner's rate is the state's bytes over the time from
 its epoch's connection to the checked state (``MembershipChange.synced - formed``: the
-senders' packing, the striped copy and the CRC-32 checks). S=1 is one TCP flow: the
+senders' packing, the striped copy and the CRC-32 checks); ``copy_rate_mb_s`` is the striped
+copy's alone (``MembershipChange.copy_s``, the network part). S=1 is one TCP flow: the
 baseline the issue compares with.
 
 ``--emulate RATE`` (root): every member on its own host of an emulated star of S+1 hosts
@@ -65,7 +66,9 @@ def member(port: int, member_id: int, senders: int, nbytes: int, out: "mp.Queue[
         change = ec.history[0]
         out.put({"bytes": change.transferred_bytes, "seconds": change.synced - change.formed,
                  "crc_ok": zlib.crc32(holder.data.numpy()) == zlib.crc32(Blob(nbytes, True).data.numpy()),
-                 "sources": list(change.sources)})
+                 "sources": list(change.sources), "members": list(change.members),
+                 "steps": {str(k): v for k, v in ec.membership.steps.items()}, "epoch": change.epoch,
+                 "copy_s": change.copy_s})
     else:
         while True:
             flag = torch.tensor([1.0 if ec.rank == 0 and ec.joiners_waiting() else 0.0])
@@ -122,7 +125,8 @@ def run(senders: int, nbytes: int, hosts: list[dict[str, Any]] | None = None) ->
     result = out.get(timeout=300)
     for p in procs:
         p.join(60)
-    return {"senders": senders, "mb": nbytes / 1e6, **result, "rate_mb_s": result["bytes"] / result["seconds"] / 1e6}
+    return {"senders": senders, "mb": nbytes / 1e6, **result, "rate_mb_s": result["bytes"] / result["seconds"] / 1e6,
+            "copy_rate_mb_s": result["bytes"] / result["copy_s"] / 1e6}
 
 
 def _run_emulated_members(store: Any, senders: int, nbytes: int, hosts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -153,11 +157,16 @@ def _run_emulated_members(store: Any, senders: int, nbytes: int, hosts: list[dic
     with open(out) as f:
         result = json.load(f)
     os.unlink(out)
-    return {"senders": senders, "mb": nbytes / 1e6, **result, "rate_mb_s": result["bytes"] / result["seconds"] / 1e6}
+    return {"senders": senders, "mb": nbytes / 1e6, **result, "rate_mb_s": result["bytes"] / result["seconds"] / 1e6,
+            "copy_rate_mb_s": result["bytes"] / result["copy_s"] / 1e6}
 
 
-def run_in_cluster(senders: int, nbytes: int, rate_bps: float) -> dict[str, Any]:
-    """One transfer on a fresh emulated star of ``senders + 1`` hosts, beside one TCP flow's goodput."""
+def run_in_cluster(senders: int, nbytes: int, rate_bps: float, pace: bool = True) -> dict[str, Any]:
+    """One transfer on a fresh emulated star of ``senders + 1`` hosts, beside one TCP flow's
+    goodput. ``pace`` False: the members do not know the NIC rate, so the senders do not pace
+    (the comparison for mlfabric/runtime/elastic.py's ``_pace_transfer``)."""
+    from mlfabric.runtime.fair_share import NIC_RATE_ENV
+
     import subprocess
     import sys
     import tempfile
@@ -167,8 +176,8 @@ def run_in_cluster(senders: int, nbytes: int, rate_bps: float) -> dict[str, Any]
 
     plan = plan_cluster(f"star:n={senders + 1}", rate_bps, prefix=new_prefix())
     prefixes = plan.command_prefixes()
-    hosts = [{"prefix": prefixes[h], "env": plan.rank_env(h), "address": plan.hosts[h].address}
-             for h in range(senders + 1)]
+    hosts = [{"prefix": prefixes[h], "env": {k: v for k, v in plan.rank_env(h).items() if pace or k != NIC_RATE_ENV},
+              "address": plan.hosts[h].address} for h in range(senders + 1)]
     with tempfile.TemporaryDirectory(prefix="transfer-emu-") as tmp, Cluster.create(plan, temporary_dir=tmp):
         goodput = two_host_goodput_bps(plan, src=0, dst=senders)
         out = os.path.join(tmp, "row.json")
@@ -181,8 +190,8 @@ def run_in_cluster(senders: int, nbytes: int, rate_bps: float) -> dict[str, Any]
         with open(out) as f:
             row = json.load(f)
     goodput_mb_s = goodput / 8 / 1e6
-    return {**row, "cluster": plan.prefix, "rate_bps": rate_bps, "one_flow_goodput_mb_s": goodput_mb_s,
-            "of_one_flow": row["rate_mb_s"] / goodput_mb_s}
+    return {**row, "cluster": plan.prefix, "rate_bps": rate_bps, "paced": pace, "one_flow_goodput_mb_s": goodput_mb_s,
+            "of_one_flow": row["rate_mb_s"] / goodput_mb_s, "copy_of_one_flow": row["copy_rate_mb_s"] / goodput_mb_s}
 
 
 def main() -> None:
@@ -201,18 +210,21 @@ def main() -> None:
     parser.add_argument("--senders", type=int, nargs="+", default=[1, 3])
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--emulate", default=None, metavar="RATE", help="root: on an emulated star at RATE, e.g. 1gbit")
+    parser.add_argument("--no-pace", action="store_true", help="with --emulate: the senders do not pace")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if args.emulate:
         from mlfabric.units import parse_rate
 
         rate = parse_rate(args.emulate)
-        rows = [run_in_cluster(s, int(args.mb * 1e6), rate) for _ in range(args.repeat) for s in args.senders]
+        rows = [run_in_cluster(s, int(args.mb * 1e6), rate, pace=not args.no_pace)
+                for _ in range(args.repeat) for s in args.senders]
     else:
         rows = [run(s, int(args.mb * 1e6)) for _ in range(args.repeat) for s in args.senders]
     for row in rows:
-        extra = (f"; one TCP flow {row['one_flow_goodput_mb_s']:.1f} MB/s, {row['of_one_flow']:.2f} of it"
-                 if "of_one_flow" in row else "")
+        extra = (f"; one TCP flow {row['one_flow_goodput_mb_s']:.1f} MB/s, {row['of_one_flow']:.2f} of it "
+                 f"(the copy alone: {row['copy_rate_mb_s']:.0f} MB/s, {row['copy_of_one_flow']:.2f})"
+                 if "of_one_flow" in row else f" (the copy alone: {row['copy_rate_mb_s']:.0f} MB/s)")
         print(f"{row['senders']} sender(s): {row['mb']:.0f} MB in {row['seconds']:.3f} s = {row['rate_mb_s']:.0f} MB/s "
               f"(from {row['sources']}, CRC ok: {row['crc_ok']}){extra}", flush=True)
     if args.json:
