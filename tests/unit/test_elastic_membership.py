@@ -359,8 +359,7 @@ def test_bad_elastic_options_are_usage_errors(args: list[str], message: str) -> 
 def test_several_senders_pace_their_share_of_the_nic(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the NIC rate known (MLFABRIC_NIC_RATE, as the emulator sets it), each of S senders
     paces its connection to the joiner at rate / S during the copy and lifts the cap after
-    it; one sender (the first epoch's) does not pace. Unpaced, 3 senders into one emulated
-    1 Gbit/s port ran at 0.58 of one TCP flow (docs/results.md)."""
+    it; one sender (the first epoch's) does not pace."""
     from mlfabric.transport.tcp import TcpTransport
 
     calls: list[tuple[int, int, float | None]] = []
@@ -379,3 +378,20 @@ def test_several_senders_pace_their_share_of_the_nic(monkeypatch: pytest.MonkeyP
     assert paced == [(0, 3, pytest.approx(1e9 / 3)), (1, 3, pytest.approx(1e9 / 3)), (2, 3, pytest.approx(1e9 / 3))]
     assert sorted((rank, peer) for rank, peer, rate in calls if rate is None) == [(0, 3), (1, 3), (2, 3)]
     assert all(torch.equal(out[0]["params"], out[m]["params"]) for m in (1, 2, 5))
+
+
+def test_a_member_that_registers_and_leaves_during_the_check_is_not_left_out() -> None:
+    """Regression (the emulated transfer runs, 2 of 9 left a sender out): member 0 registers
+    for epoch 1 and says goodbye to epoch 0 while member 1 is checking the quorum. Member 1
+    reading the registrations before asking who is gone saw 0 gone but not registered and
+    closed epoch 1 without it; reading who is gone first, it sees 0's registration."""
+    ms = MembershipStore(dist.HashStore(), "t")
+
+    def zero_registers_then_leaves() -> set[int]:
+        if ms.registration(1, 0) is None:
+            ms.register(1, 0, step=4, signature="s", joiner=False)
+        return {0}
+
+    won = agree(ms, 1, 1, previous=(0, 1), gone=zero_registers_then_leaves, step=4, signature="s", joiner=False,
+                timeout=5.0, grace_s=10.0)
+    assert won is not None and won.members == (0, 1) and won.steps == {0: 4, 1: 4}
