@@ -75,7 +75,7 @@ def member(port: int, member_id: int, senders: int, nbytes: int, out: "mp.Queue[
             assert ec.comm is not None
             ec.comm.allreduce(flag)
             if flag.item() > 0:
-                ec.reconfigure("admitting the joiner")
+                ec.reconfigure("admitting the joiner", after_commit=True)  # the flag's allreduce completed here
                 break
             time.sleep(0.01)
     ec.finish()
