@@ -92,8 +92,12 @@ def _batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor
 def _ddp_member(store: dist.Store, member: int, steps: int, out: dict, errors: dict, *,
                 leave_at: int | None = None, abort_at: int | None = None) -> None:
     try:
-        torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(DIM, 8), nn.Tanh(), nn.Linear(8, 1))
+        # Seeded per parameter, not through torch's global generator: the members are threads
+        # sharing it, and the reference run must start from the same parameters.
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.3)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         el = Elastic(model, opt, store=store, member=member, initial=(0, 1, 2), timeout=20, grace_s=3)
         ddp = el.ddp()
