@@ -35,16 +35,19 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 import torch
 
 from mlfabric.errors import MlfabricError, TransportError
 from mlfabric.transport.base import CONTROL_CHANNEL, GOODBYE_TAG
+from mlfabric.collectives.bcube import hierarchy_of
+from mlfabric.topo.spec import TopologySpec
 from mlfabric.transport.tcp import TcpTransport
 
 from .communicator import DEFAULT_TIMEOUT_S, Communicator
@@ -132,7 +135,8 @@ class ElasticCommunicator:
                  initial: Sequence[int] | None = None, job: str = "job", address: str = "127.0.0.1",
                  timeout: float = DEFAULT_TIMEOUT_S, grace_s: float = DEFAULT_GRACE_S,
                  connect_s: float = DEFAULT_CONNECT_S, chunk_bytes: int = DEFAULT_TRANSFER_CHUNK,
-                 watchdog: float | None = None) -> None:
+                 watchdog: float | None = None, topology: str | None = None,
+                 hosts: Mapping[int, int] | None = None) -> None:
         if member < 0:
             raise ValueError(f"member id must be >= 0, got {member}")
         if initial is not None:
@@ -148,6 +152,11 @@ class ElasticCommunicator:
         self.connect_s = float(connect_s)
         self.chunk_bytes = int(chunk_bytes)
         self.watchdog = watchdog
+        #: The cluster's shape (e.g. "bcube:n=3,k=2": member id i on its host i) and each
+        #: member's host (host_hierarchical), for the epochs' communicators: see _connect.
+        self.topology = None if topology is None else TopologySpec.parse(topology)
+        self.hosts = None if hosts is None else {int(m): int(h) for m, h in hosts.items()}
+        self._fallbacks_logged: set[tuple[int, str]] = set()
         self.token = self.ms.job_token()
         if initial is not None and self.ms.current_epoch() >= 0:
             # The job runs already: this is a restarted process given the same arguments as
@@ -333,10 +342,53 @@ class ElasticCommunicator:
             if dead:
                 raise _EpochFailed(f"cannot connect to members {dead}", gone=dead)
             self._all_connected(membership)
-            return Communicator(transport, timeout=self.timeout, watchdog=self.watchdog)
+            return Communicator(transport, timeout=self.timeout, watchdog=self.watchdog,
+                                topology=self._topology_of(membership), hosts=self._hosts_of(membership))
         except BaseException:
             transport.close(b"")
             raise
+
+    # -- what the remaining hosts support -------------------------------------------------------
+
+    def _topology_of(self, membership: Membership) -> TopologySpec | None:
+        """The topology for an epoch: the cluster's shape when its members are exactly the
+        shape's hosts (member id i on host i), else none: with a host missing (N-1 members) or
+        another process in its place, BCube's and the switch hierarchy's schedules do not fit,
+        and the epoch's allreduce falls back (:meth:`algorithm_for`)."""
+        if self.topology is None:
+            return None
+        if self.topology.kind == "edges":
+            return self.topology
+        hosts = math.prod(hierarchy_of(self.topology))
+        return self.topology if membership.members == tuple(range(hosts)) else None
+
+    def _hosts_of(self, membership: Membership) -> list[int] | None:
+        """Each dense rank's host (from the member -> host map), for host_hierarchical over the
+        ranks that remain (hosts may now hold different counts of ranks; a host with none is
+        simply absent); None: the transport's own guess (the endpoints' addresses)."""
+        if self.hosts is None:
+            return None
+        missing = [m for m in membership.members if m not in self.hosts]
+        if missing:
+            raise ElasticError(f"member {self.member}: members {missing} have no host in the hosts map "
+                               f"{self.hosts}: give every member id that may join its host")
+        return [self.hosts[m] for m in membership.members]
+
+    def algorithm_for(self, wanted: str) -> str:
+        """The allreduce to run in the current epoch for ``wanted``: itself where the epoch
+        supports it, else ``ring`` (BCube and the switch hierarchy need the full cluster's
+        shape: see :meth:`_topology_of`), logged once per epoch and algorithm."""
+        assert self.comm is not None and self.membership is not None
+        if wanted in ("bcube", "hierarchical") and self.comm.topology is None:
+            key = (self.membership.epoch, wanted)
+            if key not in self._fallbacks_logged:
+                self._fallbacks_logged.add(key)
+                shape = "no topology was given" if self.topology is None else (
+                    f"members {list(self.membership.members)} are not the hosts of {self.topology}")
+                log.warning("member %d: membership epoch %d runs ring instead of %s (%s)", self.member,
+                            self.membership.epoch, wanted, shape)
+            return "ring"
+        return wanted
 
     def _all_connected(self, membership: Membership) -> None:
         """Wait until every member has dialled every other. Why: a member's death is seen by

@@ -42,11 +42,12 @@ import time
 import contextlib
 import logging
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
+from mlfabric.collectives import choose_allreduce
 from mlfabric.errors import CollectiveError, MlfabricError
 from mlfabric.runtime.communicator import DEFAULT_TIMEOUT_S, Communicator
 from mlfabric.runtime.elastic import DEFAULT_CONNECT_S, ElasticCommunicator
@@ -72,12 +73,17 @@ def model_signature(model: nn.Module) -> str:
 
 class Elastic:
     """See the module docstring. ``on_commit(step, elastic)`` is called after each committed
-    step (measurements); ``algorithm`` is the allreduce schedule (ring, halving_doubling, tree)."""
+    step (measurements); ``algorithm`` is the allreduce schedule (ring, halving_doubling, tree,
+    host_hierarchical, bcube, ...). ``topology`` (e.g. "bcube:n=2,k=2", member id i on host i)
+    and ``hosts`` (member id -> host) describe the cluster: BCube and the switch hierarchy run
+    while the members are exactly the topology's hosts and fall back to ring when one is lost
+    (back again once it rejoins); host_hierarchical runs over the hosts that remain."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, store: Store, member: int,
                  initial: Sequence[int] | None = None, algorithm: str = "ring", job: str = "job",
                  address: str = "127.0.0.1", timeout: float = DEFAULT_TIMEOUT_S, grace_s: float = DEFAULT_GRACE_S,
-                 connect_s: float = DEFAULT_CONNECT_S,
+                 connect_s: float = DEFAULT_CONNECT_S, topology: str | None = None,
+                 hosts: Mapping[int, int] | None = None,
                  on_commit: Callable[[int, "Elastic"], None] | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -90,8 +96,10 @@ class Elastic:
         self.committed = 0
         self.aborted = 0
         self.on_commit = on_commit
+        choose_allreduce(algorithm, 0, 2)  # an unknown name fails here, not at the first step
         self.comm = ElasticCommunicator(store, member, self, initial=initial, job=job, address=address,
-                                        timeout=timeout, grace_s=grace_s, connect_s=connect_s)
+                                        timeout=timeout, grace_s=grace_s, connect_s=connect_s,
+                                        topology=topology, hosts=hosts)
         self._group: ElasticProcessGroup | None = None
         self._ddp: DistributedDataParallel | None = None
         # The first failure of a DDP gradient bucket's allreduce in the current step.
@@ -175,7 +183,7 @@ class Elastic:
         comm = self.comm.comm
         assert comm is not None
         try:
-            comm.allreduce(buf, algorithm=self.algorithm)
+            comm.allreduce(buf, algorithm=self.comm.algorithm_for(self.algorithm))
         except MlfabricError as exc:
             self.aborted += 1
             self.comm.reconfigure(f"step {self.committed} aborted: {type(exc).__name__}: {exc}")
@@ -210,7 +218,7 @@ class Elastic:
             try:
                 # Commits the step: every rank's buckets completed (a rank whose bucket failed
                 # never calls this; it leaves the epoch, which fails this allreduce everywhere).
-                comm.allreduce(buf, algorithm=self.algorithm)
+                comm.allreduce(buf, algorithm=self.comm.algorithm_for(self.algorithm))
             except MlfabricError as exc:
                 failed = exc
         if failed is not None:
@@ -349,6 +357,16 @@ class ElasticProcessGroup(ProcessGroupMlfabric):
         comm = self._elastic.comm.comm
         assert comm is not None
         return comm
+
+    # DDP's buckets run the wrapper's algorithm where the current membership supports it, else
+    # its fallback (ElasticCommunicator.algorithm_for).
+    @property
+    def algorithm(self) -> str:
+        return self._elastic.comm.algorithm_for(self._elastic.algorithm)
+
+    @algorithm.setter
+    def algorithm(self, value: str) -> None:
+        pass  # ProcessGroupMlfabric's constructor sets it; the wrapper's algorithm is the one
 
     @property
     def p2p(self) -> PointToPoint:

@@ -6,8 +6,9 @@
 Each member trains a linear model with :class:`mlfabric.torch.elastic.Elastic` over loopback
 tcp and a shared in-memory store; ``plan`` says, per member id, when it leaves (``leave_at``:
 it raises :class:`Died`, its thread ends and its sockets close, which its peers see as a
-departed peer: the path of a lost one after detection), whether it starts later as a joiner
-(``start_after``: once the store's membership epoch reaches that) and its ``initial`` list.
+departed peer: the path of a lost one after detection), whether it then comes back as a
+joiner (``rejoin_after``: once the store's membership epoch reaches that), whether it starts
+later as a joiner (``start_after``) and its ``initial`` list.
 ``patch(member, elastic)`` replaces parts of a member to make it die at a chosen point.
 """
 
@@ -41,13 +42,16 @@ class Died(Exception):
 
 
 def run_members(store: dist.Store, plan: dict[int, dict], steps: int, initial: tuple[int, ...],
-                patch: Callable[[int, Elastic], None], *, step_s: float = 0.0) -> tuple[dict, dict]:
+                patch: Callable[[int, Elastic], None], *, step_s: float = 0.0,
+                options: dict | None = None) -> tuple[dict, dict]:
     """Run the members of ``plan`` to ``steps`` committed steps (``step_s``: a pause per step,
-    standing in for compute); returns ({member: params and history}, {member: its exception})."""
+    standing in for compute; ``options``: more arguments of every member's Elastic); returns
+    ({member: params and history}, {member: its exception})."""
     out: dict = {}
     errors: dict[int, BaseException] = {}
 
-    def run(member: int) -> None:
+    def run(member: int, restarted: bool = False) -> None:
+        spec = plan[member]
         model = nn.Linear(DIM, 1)
         with torch.no_grad():
             for p in model.parameters():
@@ -55,11 +59,12 @@ def run_members(store: dist.Store, plan: dict[int, dict], steps: int, initial: t
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         el = None
         try:
-            el = Elastic(model, opt, store=store, member=member, initial=plan[member].get("initial", initial),
-                         timeout=20, grace_s=3, connect_s=1.0)
+            el = Elastic(model, opt, store=store, member=member,
+                         initial=None if restarted else spec.get("initial", initial),
+                         timeout=20, grace_s=3, connect_s=1.0, **(options or {}))
             patch(member, el)
             while el.committed < steps:
-                if plan[member].get("leave_at") == el.committed:
+                if spec.get("leave_at") == el.committed and not restarted:
                     raise Died()
                 x, y = batch(el.committed, el.rank, el.world_size)
                 opt.zero_grad()
@@ -69,11 +74,21 @@ def run_members(store: dist.Store, plan: dict[int, dict], steps: int, initial: t
                 el.step(weight=len(x))
             out[member] = {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone(),
                            "history": el.comm.history, "aborted": el.aborted}
-        except BaseException as exc:  # noqa: BLE001 - a Died is the plan; others fail the test
+        except Died as exc:
+            if "rejoin_after" not in spec:
+                errors[member] = exc
+        except BaseException as exc:  # noqa: BLE001 - fails the test
             errors[member] = exc
         finally:
             if el is not None:
                 el.close()
+        if "rejoin_after" in spec and not restarted and member not in errors and member not in out:
+            # Restarted (as torchrun would) once the others formed epoch ``rejoin_after``: it joins.
+            ms = MembershipStore(store)
+            deadline = time.monotonic() + 30
+            while ms.current_epoch() < spec["rejoin_after"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            run(member, restarted=True)
 
     threads = {m: threading.Thread(target=run, args=(m,), daemon=True) for m in plan if "start_after" not in plan[m]}
     for t in threads.values():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 import pytest
 import torch
@@ -395,3 +396,64 @@ def test_a_member_that_registers_and_leaves_during_the_check_is_not_left_out() -
     won = agree(ms, 1, 1, previous=(0, 1), gone=zero_registers_then_leaves, step=4, signature="s", joiner=False,
                 timeout=5.0, grace_s=10.0)
     assert won is not None and won.members == (0, 1) and won.steps == {0: 4, 1: 4}
+
+
+def _record_algorithms(seen: dict) -> Callable[[int, Elastic], None]:
+    """A patch that records, per member, (epoch, the allreduce the step ran) at every step."""
+    def patch(member: int, el: Elastic) -> None:
+        original = el.comm.algorithm_for
+
+        def record(wanted: str) -> str:
+            got = original(wanted)
+            seen.setdefault(member, []).append((el.comm.epoch, got))
+            return got
+        el.comm.algorithm_for = record  # type: ignore[method-assign]
+    return patch
+
+
+def test_bcube_falls_back_to_ring_while_a_host_is_missing_and_returns_after_the_rejoin(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Four members on BCube(2,2) (member i on host i) allreduce with BML; member 3 leaves:
+    the three that remain are not a BCube, so their epoch runs ring (logged once); member 3
+    comes back and the full membership runs bcube again. All end with the same parameters."""
+    seen: dict = {}
+    out, errors = run_members(dist.HashStore(), {0: {}, 1: {}, 2: {}, 3: {"leave_at": 4, "rejoin_after": 1}}, 24,
+                              (0, 1, 2, 3), _record_algorithms(seen), step_s=0.02,
+                              options={"algorithm": "bcube", "topology": "bcube:n=2,k=2"})
+    assert not errors, errors
+    runs = {}
+    for epoch, algorithm in seen[0]:
+        runs.setdefault(epoch, set()).add(algorithm)
+    members = {c.epoch: c.members for c in out[0]["history"]}
+    assert runs[0] == {"bcube"} and members[0] == (0, 1, 2, 3)
+    assert runs[1] == {"ring"} and members[1] == (0, 1, 2)
+    last = max(runs)
+    assert runs[last] == {"bcube"} and members[last] == (0, 1, 2, 3), (runs, members)
+    assert caplog.text.count("membership epoch 1 runs ring instead of bcube (members [0, 1, 2] are not the hosts "
+                             "of bcube:n=2,k=2)") == 3  # once per member of that epoch
+    assert all(torch.equal(out[0]["params"], out[m]["params"]) for m in (1, 2, 3))
+
+
+def test_host_hierarchical_runs_over_the_hosts_that_remain() -> None:
+    """Members 0, 1 on host 0 and 2, 3 on host 1 reduce host by host; member 3 leaves: the
+    epoch of 0, 1, 2 still runs host_hierarchical, over hosts [0, 0, 1]."""
+    seen: dict = {}
+    hosts_seen: list = []
+
+    def patch(member: int, el: Elastic) -> None:
+        _record_algorithms(seen)(member, el)
+        if member == 0:
+            original = el.comm._connect
+
+            def connect(membership: Membership):  # type: ignore[no-untyped-def]
+                comm = original(membership)
+                hosts_seen.append((membership.epoch, comm.hosts))
+                return comm
+            el.comm._connect = connect  # type: ignore[method-assign]
+
+    out, errors = run_members(dist.HashStore(), {0: {}, 1: {}, 2: {}, 3: {"leave_at": 4}}, 12, (0, 1, 2, 3), patch,
+                              options={"algorithm": "host_hierarchical", "hosts": {0: 0, 1: 0, 2: 1, 3: 1}})
+    assert set(errors) == {3}, errors
+    assert {a for _, a in seen[0]} == {"host_hierarchical"}
+    assert (1, (0, 0, 1)) in hosts_seen, hosts_seen
+    assert torch.equal(out[0]["params"], out[1]["params"]) and torch.equal(out[0]["params"], out[2]["params"])
