@@ -12,14 +12,19 @@ start it again, it joins and receives the model and optimizer state.
     torchrun --nproc-per-node 1 --max-restarts 1 --master-port 29661 examples/elastic.py worker \
         --port 29650 --member 1 --initial 0,1,2
 
+    # --ddp: the model runs as torch's DistributedDataParallel over the "mlfabric" backend's
+    # elastic process group (Elastic.ddp()); the gradients are allreduced during backward
+
 Each worker prints one line per membership change and, at the end, its step count, loss and
 a checksum of its parameters: every worker alive at the end prints the same checksum.
-Exercised by ``python -m pytest tests/local/test_elastic_processes.py -k torchrun``.
+Exercised by ``python -m pytest tests/local/test_elastic_processes.py -k torchrun`` (with and
+without ``--ddp``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 import zlib
 from datetime import timedelta
@@ -41,6 +46,7 @@ def batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Te
 
 
 def worker(args: argparse.Namespace) -> None:
+    print(f"member {args.member}: process {os.getpid()} started", flush=True)
     store = dist.TCPStore(args.host, args.port, is_master=False, timeout=timedelta(seconds=30))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
@@ -51,6 +57,10 @@ def worker(args: argparse.Namespace) -> None:
     except JobFinishedError as exc:
         print(exc, flush=True)
         return
+    # DDP over the elastic group (or the wrapper's own allreduce): the loop is the same.
+    net = elastic.ddp() if args.ddp else model
+    if args.ddp:
+        print(f"member {args.member}: DDP over {elastic.process_group!r}", flush=True)
     seen = -1
     loss = torch.tensor(float("nan"))
     while elastic.committed < args.steps:
@@ -60,14 +70,17 @@ def worker(args: argparse.Namespace) -> None:
                   flush=True)
         x, y = batch(elastic.committed, elastic.rank, elastic.world_size)
         optimizer.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
+        loss = nn.functional.mse_loss(net(x), y)
         loss.backward()
         time.sleep(args.step_time)  # stands in for a real model's compute
-        elastic.step(weight=len(x))
+        if args.ddp:
+            elastic.step()  # every rank's batch is the same size: DDP averages ranks equally
+        else:
+            elastic.step(weight=len(x))
     elastic.finish()
     _, state = elastic.pack()
-    print(f"member {args.member}: done {elastic.committed} steps, loss {loss.item():.4f}, aborted {elastic.aborted}, "
-          f"state crc32 {zlib.crc32(state.numpy()):#010x}", flush=True)
+    print(f"member {args.member}: done {elastic.committed} steps with members {list(elastic.members)}, "
+          f"loss {loss.item():.4f}, aborted {elastic.aborted}, state crc32 {zlib.crc32(state.numpy()):#010x}", flush=True)
     elastic.close()
 
 
@@ -91,6 +104,8 @@ def main() -> None:
             p.add_argument("--initial", default="", help="the first members' ids (omit to join a running job)")
             p.add_argument("--steps", type=int, default=200)
             p.add_argument("--step-time", type=float, default=0.02, help="seconds of emulated compute per step")
+            p.add_argument("--ddp", action="store_true",
+                           help="train through torch's DistributedDataParallel over the elastic group")
     args = parser.parse_args()
     (serve if args.role == "store" else worker)(args)
 

@@ -1658,7 +1658,7 @@ def train(
                             algorithm=algorithm, dim=dim, train_samples=train_samples, epochs=epochs,
                             batch_size=batch_size, lr=lr,
                             momentum=momentum, compute_time=compute_time, seed=seed, timeout=timeout, emulate=emulate,
-                            transport=transport, json_path=json_path, elastic=elastic)
+                            transport=transport, json_path=json_path, elastic=elastic, rate=rate)
     import dataclasses
 
     from mlfabric.train.ps_modes import is_ps_mode

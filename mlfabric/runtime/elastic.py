@@ -1,6 +1,7 @@
 """An elastic communicator: a membership that shrinks on a lost rank and grows on a joiner.
 
-    .venv/bin/python -m pytest tests/unit/test_elastic_membership.py tests/local/test_elastic_processes.py -q
+    .venv/bin/python -m pytest -q tests/unit/test_elastic_membership.py tests/unit/test_elastic_recovery_faults.py \\
+        tests/local/test_elastic_processes.py
     .venv/bin/mlfabric train --workload hyperplane --workers 4 --sync allreduce --elastic \\
         --fail worker:2@3 --rejoin 2 --dim 1024 --train-samples 8192 --json -
 
@@ -34,20 +35,24 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 import torch
 
 from mlfabric.errors import MlfabricError, TransportError
 from mlfabric.transport.base import CONTROL_CHANNEL, GOODBYE_TAG
+from mlfabric.collectives.bcube import hierarchy_of
+from mlfabric.topo.spec import TopologySpec
 from mlfabric.transport.tcp import TcpTransport
 
 from .communicator import DEFAULT_TIMEOUT_S, Communicator
 from .control import Farewell
+from .fair_share import nic_rates_from
 from .membership import (
     DEFAULT_GRACE_S,
     ElasticError,
@@ -98,12 +103,15 @@ class MembershipChange:
     transferred_bytes: int
     sources: tuple[int, ...]   # member ids that sent state
     receivers: tuple[int, ...]  # member ids that received it
+    #: Seconds of the striped copy alone (the network part of ``synced - formed``, which also
+    #: holds the senders' packing and checksums); 0 without a transfer.
+    copy_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "members": list(self.members), "reason": self.reason,
                 "began": self.began, "formed": self.formed, "synced": self.synced,
                 "transferred_bytes": self.transferred_bytes, "sources": list(self.sources),
-                "receivers": list(self.receivers)}
+                "receivers": list(self.receivers), "copy_s": self.copy_s}
 
 
 class _EpochFailed(Exception):
@@ -127,7 +135,8 @@ class ElasticCommunicator:
                  initial: Sequence[int] | None = None, job: str = "job", address: str = "127.0.0.1",
                  timeout: float = DEFAULT_TIMEOUT_S, grace_s: float = DEFAULT_GRACE_S,
                  connect_s: float = DEFAULT_CONNECT_S, chunk_bytes: int = DEFAULT_TRANSFER_CHUNK,
-                 watchdog: float | None = None) -> None:
+                 watchdog: float | None = None, topology: str | None = None,
+                 hosts: Mapping[int, int] | None = None) -> None:
         if member < 0:
             raise ValueError(f"member id must be >= 0, got {member}")
         if initial is not None:
@@ -143,6 +152,11 @@ class ElasticCommunicator:
         self.connect_s = float(connect_s)
         self.chunk_bytes = int(chunk_bytes)
         self.watchdog = watchdog
+        #: The cluster's shape (e.g. "bcube:n=3,k=2": member id i on its host i) and each
+        #: member's host (host_hierarchical), for the epochs' communicators: see _connect.
+        self.topology = None if topology is None else TopologySpec.parse(topology)
+        self.hosts = None if hosts is None else {int(m): int(h) for m, h in hosts.items()}
+        self._fallbacks_logged: set[tuple[int, str]] = set()
         self.token = self.ms.job_token()
         if initial is not None and self.ms.current_epoch() >= 0:
             # The job runs already: this is a restarted process given the same arguments as
@@ -154,6 +168,7 @@ class ElasticCommunicator:
         self.membership: Membership | None = None
         self.history: list[MembershipChange] = []
         self._closed = False
+        self._copy_s = 0.0  # the last state transfer's striped copy (MembershipChange.copy_s)
         # A joiner holds no state until its first transfer: it registers as step -1, so it is
         # never chosen to send.
         # At the start only the lowest member's state counts (like DDP's broadcast from rank 0):
@@ -191,11 +206,12 @@ class ElasticCommunicator:
 
     # -- changes -----------------------------------------------------------------------------
 
-    def reconfigure(self, reason: str) -> Membership:
+    def reconfigure(self, reason: str, *, after_commit: bool = False) -> Membership:
         """Form the next epoch with the members that are still alive (and any joiner), bring
         every member to the highest committed step, and return the new membership. Call it
         on every member when a collective failed, or after a step whose allreduce said that
-        joiners wait."""
+        joiners wait (``after_commit``: every collective called here completed, so peers
+        still finishing the last one are let finish it instead of failing it)."""
         if self._closed:
             raise ElasticError(f"member {self.member}: the elastic communicator is closed")
         began = time.time()
@@ -207,7 +223,7 @@ class ElasticCommunicator:
         log.warning("member %d: leaving membership epoch %d %s (members gone: %s): %s", self.member,
                     self.membership.epoch, list(members), sorted(gone) or "none seen here", reason)
         self._move(self.membership.epoch + 1, previous=members, gone=gone, joiner=False, reason=reason,
-                   began=began, grace_s=self.grace_s, old=old)
+                   began=began, grace_s=self.grace_s, old=old, leave_clean=after_commit)
         assert self.membership is not None
         return self.membership
 
@@ -225,9 +241,11 @@ class ElasticCommunicator:
             epoch = max(epoch + 1, self.ms.current_epoch() + 1)
 
     def _move(self, epoch: int, *, previous: Sequence[int], gone: set[int], joiner: bool, reason: str,
-              began: float, grace_s: float, old: Communicator | None = None, optional: bool = False) -> bool:
+              began: float, grace_s: float, old: Communicator | None = None, optional: bool = False,
+              leave_clean: bool = False) -> bool:
         """Agree on ``epoch`` and set it up, going on to later epochs while members die during
-        the setup. ``optional`` (a joiner): return False when the quorum closed without us."""
+        the setup. ``optional`` (a joiner): return False when the quorum closed without us.
+        ``leave_clean``: ``old``'s collectives all completed here (see :func:`_say_goodbye`)."""
         previous = tuple(previous)
         deadline = time.monotonic() + self.timeout
         while True:
@@ -240,11 +258,12 @@ class ElasticCommunicator:
                     seen |= {old_members[p] for p in old_transport.gone_peers if p < len(old_members)}
                 return seen
 
-            leaving = old
+            leaving, clean = old, leave_clean
+            leave_clean = False  # a later epoch's communicator is left after a failure
 
             def registered() -> None:
                 if leaving is not None:
-                    _say_goodbye(leaving, reason)
+                    _say_goodbye(leaving, reason, clean=clean)
 
             membership = agree(self.ms, epoch, self.member, previous=previous, gone=gone_now,
                                step=self.state.committed if self._has_state else -1,
@@ -283,7 +302,7 @@ class ElasticCommunicator:
             self._has_state = True
             change = MembershipChange(epoch=epoch, members=membership.members, reason=reason, began=began,
                                       formed=formed, synced=time.time(), transferred_bytes=sent,
-                                      sources=sources, receivers=receivers)
+                                      sources=sources, receivers=receivers, copy_s=self._copy_s)
             self.history.append(change)
             log.warning("member %d: membership epoch %d: members %s (rank %d of %d), %s; state from %s to %s",
                         self.member, epoch, list(membership.members), self.rank, self.world_size, reason,
@@ -323,10 +342,53 @@ class ElasticCommunicator:
             if dead:
                 raise _EpochFailed(f"cannot connect to members {dead}", gone=dead)
             self._all_connected(membership)
-            return Communicator(transport, timeout=self.timeout, watchdog=self.watchdog)
+            return Communicator(transport, timeout=self.timeout, watchdog=self.watchdog,
+                                topology=self._topology_of(membership), hosts=self._hosts_of(membership))
         except BaseException:
             transport.close(b"")
             raise
+
+    # -- what the remaining hosts support -------------------------------------------------------
+
+    def _topology_of(self, membership: Membership) -> TopologySpec | None:
+        """The topology for an epoch: the cluster's shape when its members are exactly the
+        shape's hosts (member id i on host i), else none: with a host missing (N-1 members) or
+        another process in its place, BCube's and the switch hierarchy's schedules do not fit,
+        and the epoch's allreduce falls back (:meth:`algorithm_for`)."""
+        if self.topology is None:
+            return None
+        if self.topology.kind == "edges":
+            return self.topology
+        hosts = math.prod(hierarchy_of(self.topology))
+        return self.topology if membership.members == tuple(range(hosts)) else None
+
+    def _hosts_of(self, membership: Membership) -> list[int] | None:
+        """Each dense rank's host (from the member -> host map), for host_hierarchical over the
+        ranks that remain (hosts may now hold different counts of ranks; a host with none is
+        simply absent); None: the transport's own guess (the endpoints' addresses)."""
+        if self.hosts is None:
+            return None
+        missing = [m for m in membership.members if m not in self.hosts]
+        if missing:
+            raise ElasticError(f"member {self.member}: members {missing} have no host in the hosts map "
+                               f"{self.hosts}: give every member id that may join its host")
+        return [self.hosts[m] for m in membership.members]
+
+    def algorithm_for(self, wanted: str) -> str:
+        """The allreduce to run in the current epoch for ``wanted``: itself where the epoch
+        supports it, else ``ring`` (BCube and the switch hierarchy need the full cluster's
+        shape: see :meth:`_topology_of`), logged once per epoch and algorithm."""
+        assert self.comm is not None and self.membership is not None
+        if wanted in ("bcube", "hierarchical") and self.comm.topology is None:
+            key = (self.membership.epoch, wanted)
+            if key not in self._fallbacks_logged:
+                self._fallbacks_logged.add(key)
+                shape = "no topology was given" if self.topology is None else (
+                    f"members {list(self.membership.members)} are not the hosts of {self.topology}")
+                log.warning("member %d: membership epoch %d runs ring instead of %s (%s)", self.member,
+                            self.membership.epoch, wanted, shape)
+            return "ring"
+        return wanted
 
     def _all_connected(self, membership: Membership) -> None:
         """Wait until every member has dialled every other. Why: a member's death is seen by
@@ -349,6 +411,7 @@ class ElasticCommunicator:
     def _sync(self, comm: Communicator, membership: Membership) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
         """Bring every member to the epoch's committed step: (bytes received here, source ids,
         receiver ids)."""
+        self._copy_s = 0.0
         sources, receivers = membership.sources(), membership.receivers()
         source_ids = tuple(membership.members[i] for i in sources)
         receiver_ids = tuple(membership.members[i] for i in receivers)
@@ -370,12 +433,23 @@ class ElasticCommunicator:
                                    "their training diverged: restart the job from a checkpoint")
             header = next(iter(headers.values()))
             blob = torch.empty(int(header["nbytes"]), dtype=torch.uint8)
+        paced = self._pace_transfer(comm, sources, receivers) if me in sources else []
+        copy_began = time.perf_counter()
         try:
             # The senders' chunk: every member must cut the buffer alike.
             comm.striped_copy(blob, sources, receivers, chunk_bytes=int(header["chunk_bytes"]))
         except MlfabricError as exc:
+            # The collective's error names dense ranks; the log must name members.
             raise _TransferBroken(f"the state transfer from {list(source_ids)} to {list(receiver_ids)} "
-                                  f"broke: {exc}") from exc
+                                  f"broke: {exc} (ranks of membership epoch {epoch} are members "
+                                  f"{list(membership.members)}, in that order)") from exc
+        finally:
+            for peer in paced:  # the epoch's later collectives run unpaced
+                try:
+                    comm.transport.pace_connection(peer, comm.transport.channels[0], None)
+                except MlfabricError:
+                    pass  # the receiver is gone: nothing left to pace
+        self._copy_s = time.perf_counter() - copy_began
         if me in sources:
             return 0, source_ids, receiver_ids
         got = zlib.crc32(_bytes(blob))
@@ -386,6 +460,24 @@ class ElasticCommunicator:
         self.state.unpack(header, blob)
         self._has_state = True
         return blob.numel(), source_ids, receiver_ids
+
+    def _pace_transfer(self, comm: Communicator, sources: Sequence[int], receivers: Sequence[int]) -> list[int]:
+        """Pace this sender's connections to the receivers at its share of a NIC (the NIC
+        rate, ``MLFABRIC_NIC_RATE``, over the larger of the senders and the receivers). Why:
+        S senders into one receiver's port otherwise rely on TCP alone to share it, bursting
+        into its queue; paced at their share they fill it together with a short queue (what
+        mlfabric does for its other many-to-one traffic). Measured with 3 senders on the
+        emulator at 1 Gbit/s (docs/results.md), the copy ran at 0.99-1.01 of one TCP flow
+        paced and 0.96-1.16 unpaced: no difference shown at 3 senders (the copy's timer
+        starts at the receiver, so that comparison is coarse). Returns the receivers paced
+        (none when the rate is unknown or there is one sender)."""
+        transport = comm.transport
+        channel = transport.channels[0]
+        rate = nic_rates_from(None, transport.channels).get(channel)
+        if rate is None or len(sources) < 2:
+            return []  # one sender keeps its flow's own congestion control
+        share = rate / max(len(sources), len(receivers))
+        return [peer for peer in receivers if transport.pace_connection(peer, channel, share)]
 
     def _source_headers(self, comm: Communicator, membership: Membership,
                         source_ids: tuple[int, ...]) -> dict[int, dict[str, Any]]:
@@ -401,9 +493,13 @@ class ElasticCommunicator:
                 if time.monotonic() > deadline:
                     raise _TransferBroken(f"members {[m for m in source_ids if m not in headers]} never described "
                                           f"their state within {self.timeout:g} s")
-                lost = [membership.members[p] for p in comm.transport.gone_peers]
-                if lost:
-                    raise _TransferBroken(f"members {lost} left before describing their state")
+                gone = {membership.members[p] for p in comm.transport.gone_peers}
+                silent = [m for m in source_ids if m not in headers and m in gone]
+                if silent:
+                    # Only those whose description is missing: the others may have left after
+                    # describing theirs (a sender that finished, then failed its next step).
+                    raise _TransferBroken(f"members {silent} left before describing their state "
+                                          f"(gone from membership epoch {membership.epoch}: {sorted(gone)})")
                 time.sleep(0.005)
         return headers
 
@@ -437,16 +533,21 @@ def _bytes(blob: torch.Tensor) -> memoryview:
     return memoryview(blob.numpy()) if blob.numel() else memoryview(b"")
 
 
-def _say_goodbye(comm: Communicator, reason: str) -> None:
+def _say_goodbye(comm: Communicator, reason: str, *, clean: bool = False) -> None:
     """Tell the old epoch's peers that this member left it (the goodbye a closing transport
     sends, naming the collectives it will not finish), without closing the transport yet: its
     peers may still run a collective of that epoch and must fail it now, not at its timeout
     (a joiner whose transfer failed while the senders finished theirs), while this member
     still learns, through the open transport, which peers die during the quorum."""
-    # last_seq -1: it finishes no collective of this epoch, not even one it had called (the
-    # executor's own goodbye would count a collective that failed here as called, and a peer
-    # waiting in it for a rank that died unseen by that peer would wait for its timeout).
-    farewell = Farewell(reason=f"it left membership epoch's collectives ({reason})", last_seq=-1).encode()
+    # After a failure, last_seq -1: it finishes no collective of this epoch, not even one it
+    # had called (the executor's own goodbye would count a collective that failed here as
+    # called, and a peer waiting in it for a rank that died unseen by that peer would wait
+    # for its timeout). ``clean`` (every collective called here completed: a step committed,
+    # then joiners are admitted): the executor's own note, so a peer still receiving the last
+    # step's data (sent before this goodbye, on the same connections) completes that step
+    # instead of aborting it (it did, and then needed a state transfer for nothing).
+    note = f"it left membership epoch's collectives ({reason})"
+    farewell = comm.executor.farewell(note) if clean else Farewell(reason=note, last_seq=-1).encode()
     transport = comm.transport
     for peer in range(transport.world_size):
         if peer != transport.rank and not transport.is_gone(peer):

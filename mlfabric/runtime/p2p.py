@@ -116,8 +116,8 @@ class PointToPoint:
         self._post(_Pending(future, peer, tag, self._deadline(timeout), tensor))
         return future
 
-    def close(self) -> None:
-        """Fail whatever is still pending and stop the thread; idempotent."""
+    def close(self, reason: str = "the process group was shut down") -> None:
+        """Fail whatever is still pending (saying ``reason``) and stop the thread; idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -127,8 +127,8 @@ class PointToPoint:
             self._sends.clear()
         self.transport.mailbox.notify()
         for item in pending:
-            _fail(item.future, CollectiveError(f"{item.describe(self.rank)} did not complete: the "
-                                               "process group was shut down", rank=self.rank, peer=item.peer))
+            _fail(item.future, CollectiveError(f"{item.describe(self.rank)} did not complete: {reason}",
+                                               rank=self.rank, peer=item.peer))
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 

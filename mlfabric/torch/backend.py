@@ -32,6 +32,7 @@ Exercise it with ``python -m pytest tests/local/test_torch_backend.py tests/unit
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ import torch.distributed as dist
 import mlfabric
 from mlfabric._plugin import BACKEND_NAME, register_backend
 from mlfabric.collectives import choose_allreduce
-from mlfabric.errors import CollectiveError, CollectiveTimeoutError
+from mlfabric.errors import CollectiveError, CollectiveTimeoutError, PeerLeftError, PeerLostError
 from mlfabric.runtime.communicator import Communicator, reduce_op_name
 from mlfabric.runtime.p2p import PointToPoint
 
@@ -53,6 +54,8 @@ TRANSPORT_ENV = "MLFABRIC_TRANSPORT"
 DEFAULT_ALGORITHM = "auto"
 DEFAULT_TRANSPORT = "tcp"  # receives in place; measured faster than zmq (docs/results.md)
 BACKEND_TRANSPORTS = ("tcp", "zmq")  # "torch" would need a process group of its own
+
+_log = logging.getLogger("mlfabric.torch")
 
 __all__ = ["ALGORITHM_ENV", "TRANSPORT_ENV", "MlfabricWork", "ProcessGroupMlfabric",
            "ProcessGroupOptions", "create_process_group", "register_backend"]
@@ -151,16 +154,28 @@ class ProcessGroupMlfabric(dist.ProcessGroup):
     def __init__(self, comm: Communicator, options: ProcessGroupOptions, *, group_name: str = "",
                  global_ranks: Sequence[int] = ()) -> None:
         super().__init__(comm.rank, comm.world_size)
-        self.comm = comm
+        self._comm = comm
         self.options = options
         self.algorithm = str(options.algorithm)
-        self.p2p = PointToPoint(comm.transport, timeout=comm.timeout)
+        self._p2p = PointToPoint(comm.transport, timeout=comm.timeout)
         self.global_ranks = tuple(global_ranks) or tuple(range(comm.world_size))
         self._group_name = group_name
         self._group_desc = ""
         self._closed = False
+        # The first failure of one of this group's operations (errored() reports it).
+        self._error: BaseException | None = None
         # The works started between _start_coalescing and _end_coalescing (None: not coalescing).
         self._coalesced: list[MlfabricWork] | None = None
+
+    # The communicator and point-to-point endpoint every method runs on (properties: the
+    # elastic group, mlfabric/torch/elastic.py, answers with its current membership's).
+    @property
+    def comm(self) -> Communicator:
+        return self._comm
+
+    @property
+    def p2p(self) -> PointToPoint:
+        return self._p2p
 
     # -- what torch asks about the group -----------------------------------------------------
 
@@ -421,25 +436,75 @@ class ProcessGroupMlfabric(dist.ProcessGroup):
                           source_rank=lambda: int(future.value()))
 
     # -- lifetime ------------------------------------------------------------------------------
+    #
+    # What torch and fault-tolerant trainers expect of a group's lifetime (torchft's process
+    # groups have the same three): ``errored()`` says, without blocking, whether the group is
+    # broken and must be replaced; ``shutdown()`` (``destroy_process_group``) leaves in order;
+    # ``abort()`` (``_abort_process_group``, a trainer that gave up on a peer) fails whatever is
+    # in flight at once. None of them raises or waits for a dead peer, and each may follow the
+    # other, any number of times.
+
+    def errored(self) -> Exception | None:
+        """The error that broke this group, or None while it is healthy: the first failure of
+        one of its operations, else a peer seen lost or departed while nothing was in flight
+        (its next collective would fail). Does not block."""
+        if self._error is not None:
+            return self._error  # type: ignore[return-value]
+        transport = self.comm.transport
+        lost = dict(transport.lost_peers)
+        gone = sorted(set(lost) | set(transport.departed_peers))
+        if gone:
+            peer = gone[0]
+            kind, how = (PeerLostError, f"was lost ({lost[peer]})") if peer in lost else (PeerLeftError, "left")
+            return kind(f"rank {self.rank()}: group rank {peer} {how}; this process group cannot run "
+                        "collectives any more: destroy it and build a new one (or use "
+                        "mlfabric.torch.Elastic, which does)", rank=self.rank(), peer=peer)
+        if self._closed:
+            return CollectiveError(f"rank {self.rank()}: the process group was shut down or aborted",
+                                   rank=self.rank())
+        return None
 
     def shutdown(self) -> None:
-        """Close the connections (``destroy_process_group`` calls this); idempotent."""
+        """Close the connections, telling the peers which operations this rank leaves
+        unfinished (``destroy_process_group`` calls this); pending operations fail. Idempotent;
+        never raises (a dead peer cannot be told, and leaving must still succeed)."""
+        self._close("the process group was shut down")
+
+    def abort(self) -> None:
+        """Fail every operation in flight and drop the connections (torch's
+        ``_abort_process_group``; a trainer that gave up on a peer): the same close as
+        :meth:`shutdown` (mlfabric's close does not wait for peers: a goodbye to a dead one is
+        skipped), with its own reason in the pending operations' errors. Idempotent; never raises."""
+        self._close("the process group was aborted")
+
+    def _close(self, reason: str) -> None:
         if self._closed:
             return
         self._closed = True
-        self.p2p.close()
-        self.comm.close()
-
-    abort = shutdown
+        for close in (lambda: self.p2p.close(reason), lambda: self.comm.close(reason=reason)):
+            try:
+                close()
+            except Exception as exc:  # noqa: BLE001 - see shutdown(): closing must succeed
+                _log.warning("rank %d: %s; closing raised %s: %s (ignored)", self.rank(), reason,
+                             type(exc).__name__, exc)
 
     # -- helpers -------------------------------------------------------------------------------
 
     def _work(self, future: torch.futures.Future, outputs: list[torch.Tensor], what: str, *,
               source_rank: Callable[[], int] | None = None) -> MlfabricWork:
         work = MlfabricWork(future, outputs, what, rank=self.rank(), source_rank=source_rank)
+        future.add_done_callback(self._note_failure)
         if self._coalesced is not None:
             self._coalesced.append(work)
         return work
+
+    def _note_failure(self, done: torch.futures.Future) -> None:
+        """Keep the first error of an operation of this group (``errored()``)."""
+        if self._error is None:
+            try:
+                done.value()
+            except BaseException as exc:  # noqa: BLE001 - kept, the caller's wait() raises it
+                self._error = exc
 
     # torch's ``_coalescing_manager(group, device)`` (NCCL-style coalescing) brackets ops with
     # these; without them torch fails inside, with "No backend type associated with device

@@ -28,7 +28,14 @@ membership, so an elastic run follows a fault-free run of the same seed up to fl
 * ``parameters_equal``: every rank alive at the end holds bit-identical parameters and
   optimizer state (CRC-32 of the packed state).
 
-Built for the ``hyperplane`` workload; the emulator (``--emulate``) does not run it yet.
+Built for the ``hyperplane`` workload. ``--emulate`` (root) runs each worker on its own host
+of an emulated star (``star:n=WORKERS``, every NIC at ``--rate``, default 1 Gbit/s): the
+parent moves into host 0's namespace (the store must be reachable from every host: the root
+namespace is not on the emulated fabric), each worker (and its restart) runs in its host's
+namespace and binds its epoch transports to its host's address.
+
+    sudo .venv/bin/mlfabric train --workload hyperplane --workers 4 --sync allreduce --elastic \
+        --fail worker:2@3 --rejoin 2 --dim 1024 --train-samples 8192 --compute-time 20ms --emulate --json -
 """
 
 from __future__ import annotations
@@ -45,11 +52,14 @@ import tempfile
 import time
 import zlib
 from dataclasses import asdict, dataclass, field
+from dataclasses import fields as dataclass_fields
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from mlfabric.units import parse_duration
+
+from .failover import WORKER_FAIL_FORM, WorkerFailure, _worker_failures, parse_fail
 
 if TYPE_CHECKING:
     from mlfabric.runtime.membership import MembershipStore
@@ -57,10 +67,12 @@ if TYPE_CHECKING:
 __all__ = ["ElasticRunConfig", "ElasticRunResult", "WorkerFailure", "parse_failures", "run_elastic_training", "summary_line"]
 
 #: ``--fail`` in elastic runs.
-FAIL_FORM = "worker:RANK@SECONDS[,worker:RANK@SECONDS...] (e.g. worker:2@3) or churn:NxK"
+FAIL_FORM = WORKER_FAIL_FORM
 #: Defaults of the hyperplane workload in elastic runs (eager.py's, for one launch).
 DEFAULTS = {"batch_size": 256, "lr": 0.05, "momentum": 0.0, "epochs": 48}
 STORE_ENV = "MLFABRIC_ELASTIC_STORE"
+#: Set in the parent that runs inside an emulated cluster's host 0 (see run_elastic_training).
+_IN_CLUSTER_ENV = "MLFABRIC_ELASTIC_IN_CLUSTER"
 #: The leader's committed step, published for the parent's churn (only when churning).
 STEP_KEY = "train/step"
 
@@ -69,48 +81,22 @@ class ElasticRunError(RuntimeError):
     """A worker failed on its own, or the run did not finish within its timeout."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class WorkerFailure:
-    """SIGKILL worker ``rank`` ``at_s`` seconds after the run's start."""
-
-    rank: int
-    at_s: float
-
-
 def parse_churn(spec: str) -> tuple[int, int] | None:
-    """``churn:15x5`` -> (15, 5); None for any other ``--fail``."""
+    """``churn:15x5`` -> (15, 5); None for any other ``--fail`` (one parser for every form:
+    :func:`mlfabric.train.failover.parse_fail`)."""
     if not spec.startswith("churn:"):
         return None
-    every, _, times = spec.removeprefix("churn:").partition("x")
-    try:
-        return int(every), int(times)
-    except ValueError:
-        raise ValueError(f"--fail {spec!r}: churn:NxK kills a random worker every N steps, K times "
-                         "(e.g. churn:15x5)") from None
+    return parse_fail(spec).churn
 
 
 def parse_failures(spec: str, workers: int) -> tuple[WorkerFailure, ...]:
-    """``worker:2@3,worker:1@6.5`` -> failures, checked against the job's ``workers``."""
-    out = []
-    for part in (p.strip() for p in spec.split(",") if p.strip()):
-        role, _, rest = part.partition(":")
-        rank_text, at, when = rest.partition("@")
-        if role != "worker" or not at:
-            raise ValueError(f"--fail {part!r}: an elastic run kills workers: {FAIL_FORM}"
-                             + ("; the parameter server's server:AT is for the PS modes" if role == "server" else ""))
-        try:
-            rank = int(rank_text)
-        except ValueError:
-            raise ValueError(f"--fail {part!r}: {rank_text!r} is not a worker rank ({FAIL_FORM})") from None
-        if not 0 <= rank < workers:
-            raise ValueError(f"--fail {part!r}: worker {rank} is outside the job (workers 0-{workers - 1})")
-        at_s = parse_duration(when)
-        if at_s < 0:
-            raise ValueError(f"--fail {part!r}: the time must be >= 0 seconds")
-        out.append(WorkerFailure(rank=rank, at_s=at_s))
-    if not out:
-        raise ValueError(f"--fail is empty: {FAIL_FORM}")
-    return tuple(sorted(out, key=lambda f: f.at_s))
+    """``worker:2@3,worker:1@6.5`` -> failures, checked against the job's ``workers``
+    (:func:`mlfabric.train.failover.parse_fail`'s worker form; the others are refused here)."""
+    role = spec.strip().partition(":")[0]
+    if role != "worker":
+        # The message names the elastic forms (and where server:AT belongs).
+        return _worker_failures(spec, workers)
+    return parse_fail(spec, workers=workers).workers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,6 +118,8 @@ class ElasticRunConfig:
     #: (every N steps, K times): SIGKILL a random live worker once the job has run N steps with
     #: every worker in it, K times (``--fail churn:NxK``; each restarted after ``rejoin_s``).
     churn: tuple[int, int] | None = None
+    #: ``--emulate``: every worker on its own host of an emulated star, NICs at this rate.
+    emulate_rate_bps: float | None = None
 
     def __post_init__(self) -> None:
         if self.workers < 2:
@@ -198,14 +186,20 @@ class ElasticRunResult:
 # -- the parent ------------------------------------------------------------------------------
 
 
-def run_elastic_training(config: ElasticRunConfig, *, log_dir: Path | None = None) -> ElasticRunResult:
+def run_elastic_training(config: ElasticRunConfig, *, log_dir: Path | None = None,
+                         hosts: Sequence[dict[str, Any]] | None = None) -> ElasticRunResult:
     """Run the job (see module); raises :class:`ElasticRunError` naming the worker and showing
-    its log when one fails by itself or the run exceeds ``config.timeout_s``."""
+    its log when one fails by itself or the run exceeds ``config.timeout_s``. ``hosts`` (the
+    emulated run's parent, inside host 0): per worker its command prefix, environment and
+    address."""
     import torch.distributed as dist
 
     from mlfabric.runtime.membership import MembershipStore
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+    if config.emulate_rate_bps is not None and hosts is None:
+        return _run_emulated(config, log_dir)
+    address = "127.0.0.1" if hosts is None else str(hosts[0]["address"])
+    store = dist.TCPStore(address, 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=30))
     with tempfile.TemporaryDirectory(prefix="mlfabric-elastic-") as tmp:
         work = Path(log_dir) if log_dir is not None else Path(tmp)
@@ -218,13 +212,18 @@ def run_elastic_training(config: ElasticRunConfig, *, log_dir: Path | None = Non
             generation[rank] = generation.get(rank, -1) + 1
             logs[rank] = work / f"worker{rank}-{generation[rank]}.log"
             args = {**asdict(config), "failures": [], "member": rank, "joining": joining,
-                    "out": str(work / f"worker{rank}-{generation[rank]}.json")}
+                    "out": str(work / f"worker{rank}-{generation[rank]}.json"),
+                    "address": "127.0.0.1" if hosts is None else hosts[rank]["address"]}
             # One intra-op thread: several workers share the host's cores, and OpenMP's
             # spinning threads starved a restarting worker for tens of seconds.
-            env = {**os.environ, STORE_ENV: f"127.0.0.1:{store.port}", "OMP_NUM_THREADS": "1"}
+            env = {**os.environ, STORE_ENV: f"{address}:{store.port}", "OMP_NUM_THREADS": "1",
+                   **({} if hosts is None else hosts[rank]["env"])}
+            # Emulated: the host's prefix (ip netns exec ...; every step execs, so the pid is the
+            # worker's and a SIGKILL reaches it).
+            prefix = [] if hosts is None else list(hosts[rank]["prefix"])
             with open(logs[rank], "w") as log_file:
-                procs[rank] = subprocess.Popen([sys.executable, "-m", "mlfabric.train.elastic", json.dumps(args)],
-                                               stdout=log_file, stderr=subprocess.STDOUT, env=env)
+                procs[rank] = subprocess.Popen([*prefix, sys.executable, "-m", "mlfabric.train.elastic",
+                                                json.dumps(args)], stdout=log_file, stderr=subprocess.STDOUT, env=env)
 
         deadline = time.monotonic() + config.timeout_s
         killed: list[tuple[int, float]] = []
@@ -291,6 +290,49 @@ def run_elastic_training(config: ElasticRunConfig, *, log_dir: Path | None = Non
         result.events = ([{"event": "kill", "worker": r, "at_s": round(t - t0, 3)} for r, t in killed]
                          + [{"event": "restart", "worker": r, "at_s": round(t - t0, 3)} for r, t in restarted])
         return result
+
+
+def _run_emulated(config: ElasticRunConfig, log_dir: Path | None) -> ElasticRunResult:
+    """``--emulate``: build a star of ``config.workers`` hosts, run the parent in host 0's
+    namespace (``python -m mlfabric.train.elastic --parent``) with every worker on its host,
+    tear the cluster down, and return what the parent wrote."""
+    from mlfabric.emu.cluster import Cluster, new_prefix, plan_cluster
+
+    assert config.emulate_rate_bps is not None
+    plan = plan_cluster(f"star:n={config.workers}", config.emulate_rate_bps, prefix=new_prefix())
+    prefixes = plan.command_prefixes()
+    hosts = [{"prefix": prefixes[r], "env": plan.rank_env(r), "address": plan.hosts[r].address}
+             for r in range(config.workers)]
+    with tempfile.TemporaryDirectory(prefix="mlfabric-elastic-emu-") as tmp:
+        work = Path(log_dir) if log_dir is not None else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        out = Path(tmp) / "result.json"
+        spec = {"config": _config_to_dict(config), "hosts": hosts, "log_dir": str(work), "out": str(out)}
+        with Cluster.create(plan, temporary_dir=tmp):
+            proc = subprocess.run([*prefixes[0], sys.executable, "-m", "mlfabric.train.elastic", "--parent",
+                                   json.dumps(spec)], env={**os.environ, _IN_CLUSTER_ENV: plan.prefix},
+                                  capture_output=True, text=True, timeout=config.timeout_s + 120)
+        if proc.returncode != 0 or not out.exists():
+            raise ElasticRunError(f"the emulated run's parent (in host 0 of cluster {plan.prefix}) failed "
+                                  f"(exit status {proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+        data = json.loads(out.read_text())
+    names = {f.name for f in dataclass_fields(ElasticRunResult)} - {"config"}
+    result = ElasticRunResult(config=config, **{k: v for k, v in data.items() if k in names})
+    result.events.append({"event": "cluster", "prefix": plan.prefix, "topology": str(plan.spec),
+                          "rate_bps": plan.rate_bps})
+    return result
+
+
+def _config_to_dict(config: ElasticRunConfig) -> dict[str, Any]:
+    out = asdict(config)
+    out["failures"] = [asdict(f) for f in config.failures]
+    out["churn"] = None if config.churn is None else list(config.churn)
+    return out
+
+
+def _config_from_dict(data: dict[str, Any]) -> ElasticRunConfig:
+    return ElasticRunConfig(**{**data, "failures": tuple(WorkerFailure(**f) for f in data["failures"]),
+                               "churn": None if data["churn"] is None else tuple(data["churn"])})
 
 
 def _members(ms: MembershipStore) -> tuple[int, ...]:
@@ -410,7 +452,7 @@ def _worker(args: dict[str, Any]) -> None:
     try:
         elastic = Elastic(model, optimizer, store=store, member=args["member"],
                           initial=None if args["joining"] else range(args["workers"]), algorithm=args["algorithm"],
-                          timeout=60.0, grace_s=args["grace_s"],
+                          timeout=60.0, grace_s=args["grace_s"], address=args.get("address", "127.0.0.1"),
                           on_commit=on_commit)
     except JobFinishedError as exc:
         print(exc, flush=True)
@@ -447,7 +489,17 @@ def _worker(args: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="One worker of an elastic run (started by mlfabric train --elastic).")
     parser.add_argument("config", help="the worker's settings as JSON")
-    _worker(json.loads(parser.parse_args(argv).config))
+    parser.add_argument("--parent", action="store_true",
+                        help="run the emulated run's parent (inside host 0; the JSON has config, hosts, log_dir, out)")
+    args = parser.parse_args(argv)
+    if args.parent:
+        spec = json.loads(args.config)
+        result = run_elastic_training(_config_from_dict(spec["config"]), log_dir=Path(spec["log_dir"]),
+                                      hosts=spec["hosts"])
+        data = result.to_dict()
+        Path(spec["out"]).write_text(json.dumps({k: v for k, v in data.items() if k not in ("mode", "elastic", "config")}))
+        return
+    _worker(json.loads(args.config))
 
 
 if __name__ == "__main__":
@@ -460,7 +512,8 @@ if __name__ == "__main__":
 def run_from_cli(*, workload: str, workers: int, sync: str | None, fail: str | None, rejoin: str | None,
                  algorithm: str, dim: int, train_samples: int | None, epochs: int | None, batch_size: int | None,
                  lr: float | None, momentum: float | None, compute_time: str, seed: int, timeout: float,
-                 emulate: bool, transport: str, json_path: Path | None, elastic: bool) -> None:
+                 emulate: bool, transport: str, json_path: Path | None, elastic: bool,
+                 rate: str | None = None) -> None:
     """``mlfabric train ... --elastic``: check the options (usage errors exit 2), run, print
     the summary, write the JSON."""
     import typer
@@ -476,8 +529,18 @@ def run_from_cli(*, workload: str, workers: int, sync: str | None, fail: str | N
         raise usage(f"--elastic runs --sync allreduce only, not {sync!r}")
     if workload != "hyperplane":
         raise usage(f"--elastic runs the hyperplane workload so far, not {workload}")
+    emulate_rate_bps = None
     if emulate:
-        raise usage("--elastic does not run on the emulator yet: drop --emulate")
+        from mlfabric.cli import rate_option
+        from mlfabric.emu.cmd import have_root
+
+        from .harness import EMULATE_NEEDS_ROOT
+
+        if not have_root():
+            raise usage(EMULATE_NEEDS_ROOT)
+        emulate_rate_bps = rate_option(rate or "1gbit", "--rate", emulated=True)
+    elif rate is not None:
+        raise usage("--rate sets the emulated NICs' rate: add --emulate")
     if transport != "tcp":
         raise usage(f"--elastic runs over the tcp transport, not {transport}")
     try:
@@ -486,7 +549,7 @@ def run_from_cli(*, workload: str, workers: int, sync: str | None, fail: str | N
         config = ElasticRunConfig(
             workers=workers, failures=failures, churn=churn, rejoin_s=None if rejoin is None else parse_duration(rejoin),
             algorithm=algorithm, dim=dim, seed=seed, timeout_s=timeout,
-            compute_time_s=parse_duration(compute_time),
+            compute_time_s=parse_duration(compute_time), emulate_rate_bps=emulate_rate_bps,
             **{k: v for k, v in (("train_samples", train_samples), ("epochs", epochs), ("batch_size", batch_size),
                                  ("lr", lr), ("momentum", momentum)) if v is not None})
     except ValueError as exc:

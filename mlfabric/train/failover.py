@@ -23,6 +23,10 @@ seconds into its training loop, after writing the time to ``killed-worker.json``
 children re-attach (:mod:`mlfabric.ps.policies.mlnet`). The run reports ``killed_worker`` and
 ``repaired_s``: the kill to the first re-attachment answered.
 
+Every ``--fail`` form (these two, and the elastic runs' ``worker:RANK@S[,...]`` and
+``churn:NxK``) is parsed by :func:`parse_fail`; each kind of run takes its own forms from it
+and names the others' (``tests/unit/test_fail_spec.py``).
+
 Only one parameter-server run per command can fail this way (its process is gone for the
 runs after it); run the unfailed baseline as another command.
 """
@@ -47,11 +51,83 @@ if TYPE_CHECKING:
 KILL_RECORD = "killed-server.pt"
 WORKER_KILL_RECORD = "killed-worker.json"
 FAIL_FORM = "server:AT or aggregator:AT (seconds after the run's start, e.g. server:6 or aggregator:2.5s)"
+#: ``--fail`` of elastic runs (mlfabric/train/elastic.py).
+WORKER_FAIL_FORM = "worker:RANK@SECONDS[,worker:RANK@SECONDS...] (e.g. worker:2@3) or churn:NxK"
 ROLES = ("server", "aggregator")
 
 
 class FailoverError(RuntimeError):
     """The failure was not carried out as asked (the run ended first, nobody took over)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerFailure:
+    """SIGKILL worker ``rank`` ``at_s`` seconds after the run's start (elastic runs)."""
+
+    rank: int
+    at_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailSpec:
+    """``--fail`` parsed, every form in one place: ``server:AT`` / ``aggregator:AT`` (the
+    parameter server's; ``at_s``), ``worker:RANK@S[,...]`` (elastic runs; ``workers``) or
+    ``churn:NxK`` (elastic runs; ``churn`` = (N, K)). Which forms a run takes is its
+    caller's to say (:meth:`Failure.parse`, :func:`mlfabric.train.elastic.parse_failures`)."""
+
+    role: str  # "server", "aggregator", "worker" or "churn"
+    at_s: float | None = None
+    workers: tuple[WorkerFailure, ...] = ()
+    churn: tuple[int, int] | None = None
+
+
+def parse_fail(text: str, *, workers: int | None = None) -> FailSpec:
+    """Parse any ``--fail`` form (see :class:`FailSpec`); ``workers``: the job's workers,
+    against which ``worker:RANK`` is checked. Raises ValueError naming the form expected."""
+    spec = text.strip()
+    role, sep, rest = spec.partition(":")
+    if role == "churn":
+        every, _, times = rest.partition("x")
+        try:
+            return FailSpec(role="churn", churn=(int(every), int(times)))
+        except ValueError:
+            raise ValueError(f"--fail {spec!r}: churn:NxK kills a random worker every N steps, K times "
+                             "(e.g. churn:15x5)") from None
+    if role == "worker":
+        return FailSpec(role="worker", workers=_worker_failures(spec, workers))
+    if role not in ROLES or not sep:
+        raise ValueError(f"--fail {text!r}: expected {FAIL_FORM}, or in elastic runs {WORKER_FAIL_FORM}")
+    try:
+        at_s = parse_duration(rest)  # "6" is seconds
+    except ValueError:
+        raise ValueError(f"--fail {text!r}: expected {FAIL_FORM}") from None
+    if not at_s > 0:
+        raise ValueError(f"--fail {text!r}: the time must be positive, got {at_s}")
+    return FailSpec(role=role, at_s=at_s)
+
+
+def _worker_failures(spec: str, workers: int | None) -> tuple[WorkerFailure, ...]:
+    """``worker:2@3,worker:1@6.5`` -> failures in time order (ranks checked against ``workers``)."""
+    out = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        role, _, rest = part.partition(":")
+        rank_text, at, when = rest.partition("@")
+        if role != "worker" or not at:
+            raise ValueError(f"--fail {part!r}: an elastic run kills workers: {WORKER_FAIL_FORM}"
+                             + ("; the parameter server's server:AT is for the PS modes" if role == "server" else ""))
+        try:
+            rank = int(rank_text)
+        except ValueError:
+            raise ValueError(f"--fail {part!r}: {rank_text!r} is not a worker rank ({WORKER_FAIL_FORM})") from None
+        if workers is not None and not 0 <= rank < workers:
+            raise ValueError(f"--fail {part!r}: worker {rank} is outside the job (workers 0-{workers - 1})")
+        at_s = parse_duration(when)
+        if at_s < 0:
+            raise ValueError(f"--fail {part!r}: the time must be >= 0 seconds")
+        out.append(WorkerFailure(rank=rank, at_s=at_s))
+    if not out:
+        raise ValueError(f"--fail is empty: {WORKER_FAIL_FORM}")
+    return tuple(sorted(out, key=lambda f: f.at_s))
 
 
 @dataclass(frozen=True)
@@ -64,16 +140,17 @@ class Failure:
 
     @classmethod
     def parse(cls, text: str) -> "Failure":
-        role, sep, when = text.partition(":")
-        if role not in ROLES or not sep:
-            raise ValueError(f"--fail {text!r}: expected {FAIL_FORM}")
+        """The parameter server's forms of :func:`parse_fail`."""
         try:
-            at_s = parse_duration(when)  # "6" is seconds
-        except ValueError:
-            raise ValueError(f"--fail {text!r}: expected {FAIL_FORM}") from None
-        if not at_s > 0:
-            raise ValueError(f"--fail {text!r}: the time must be positive, got {at_s}")
-        return cls(role=role, at_s=at_s)
+            spec = parse_fail(text)
+        except ValueError as exc:
+            if text.strip().partition(":")[0] in ROLES:
+                raise
+            raise ValueError(f"--fail {text!r}: expected {FAIL_FORM}") from exc
+        if spec.role not in ROLES or spec.at_s is None:
+            raise ValueError(f"--fail {text!r}: expected {FAIL_FORM} ({spec.role}: is for elastic runs, "
+                             "--sync allreduce --elastic)")
+        return cls(role=spec.role, at_s=spec.at_s)
 
 
 def aggregator_victim(parents: "Any") -> int:

@@ -49,11 +49,13 @@ def test_cli_writes_the_elastic_figures(tmp_path: Path) -> None:
     assert run["members"] == [{"epoch": 0, "members": [0, 1], "reason": "start"}]
 
 
-def test_ranks_each_under_its_own_torchrun_survive_a_kill_and_the_restart_rejoins(tmp_path: Path) -> None:
-    """Issue #38 check 5 without DDP: three ranks, each under its own torchrun with
-    --max-restarts 1; one rank's worker process is SIGKILLed: the other two go on without
-    restarting, torchrun restarts the killed one with its original arguments, it joins, and
-    all three end with the same state."""
+@pytest.mark.parametrize("ddp", [False, True], ids=["wrapper", "ddp"])
+def test_ranks_each_under_its_own_torchrun_survive_a_kill_and_the_restart_rejoins(tmp_path: Path, ddp: bool) -> None:
+    """Issue #38 check 5: three ranks, each under its own torchrun with --max-restarts 1; one
+    rank's worker process is SIGKILLed: the other two go on without restarting, torchrun
+    restarts the killed one with its original arguments, it joins, and all three end with the
+    same state. ``ddp``: the script trains torch's DistributedDataParallel over the "mlfabric"
+    backend's elastic process group (Elastic.ddp()); else the wrapper allreduces itself."""
     import os
     import re
     import signal
@@ -74,7 +76,8 @@ def test_ranks_each_under_its_own_torchrun_survive_a_kill_and_the_restart_rejoin
             procs[f"w{m}"] = subprocess.Popen(
                 [str(torchrun), "--nproc-per-node", "1", "--max-restarts", "1", f"--master-port={free_port()}",
                  str(example), "worker", "--port", port, "--member", str(m), "--initial", "0,1,2", "--steps", "400",
-                 "--step-time", "0.05"], env=env, stdout=logs[f"w{m}"].open("w"), stderr=subprocess.STDOUT)
+                 "--step-time", "0.05", *(["--ddp"] if ddp else [])],
+                env=env, stdout=logs[f"w{m}"].open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while "epoch 0" not in logs["w1"].read_text() and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -90,6 +93,13 @@ def test_ranks_each_under_its_own_torchrun_survive_a_kill_and_the_restart_rejoin
         assert len(crcs) == 1, texts
         assert "members [0, 2]" in texts[0] and "the job is running" in texts[1], texts
         assert "aborted 0" in texts[1]  # the restarted process: no step of its own was lost
+        # Training completes with all three: the restarted one ends in the job, not outside it.
+        assert all("done 400 steps with members [0, 1, 2]" in text for text in texts.values()), texts
+        # The survivors were never restarted (one worker process each); the killed one was, once.
+        starts = {m: len(re.findall(r"process \d+ started", text)) for m, text in texts.items()}
+        assert starts == {0: 1, 1: 2, 2: 1}, starts
+        if ddp:
+            assert all("DDP over ElasticProcessGroup(" in text for text in texts.values()), texts
     finally:
         for proc in procs.values():
             if proc.poll() is None:

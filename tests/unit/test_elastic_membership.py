@@ -10,8 +10,6 @@ SIGKILL are in tests/local/test_elastic_processes.py.
 
 from __future__ import annotations
 
-import json
-import socket
 import threading
 import time
 from typing import Callable
@@ -32,7 +30,9 @@ from mlfabric.runtime.membership import (
 )
 from mlfabric.schedule import Recv, Send, validate
 from mlfabric.torch.elastic import Elastic
-from mlfabric.transport.base import encode_header
+
+from tests.unit.elastic_members import DIM, run_members
+from tests.unit.elastic_members import batch as _batch
 
 # -- pure logic ------------------------------------------------------------------------------
 
@@ -122,17 +122,6 @@ def test_quorum_times_out_with_a_clear_error() -> None:
 
 # -- members as threads ----------------------------------------------------------------------
 
-DIM = 6
-
-
-def _batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 * step + 7)
-    x = torch.randn(12, DIM, generator=gen)
-    y = x.sum(1, keepdim=True)
-    part = torch.arange(12)[rank::world]
-    return x[part], y[part]
-
-
 def _train(store: dist.Store, member: int, steps: int, initial: tuple[int, ...] | None, *,
            leave_at: int | None = None, dim: int = DIM, out: dict | None = None) -> None:
     model = nn.Linear(dim, 1)
@@ -207,6 +196,34 @@ def test_survivors_go_on_and_a_joiner_catches_up() -> None:
     assert torch.allclose(ref[0]["params"], out[0]["params"], atol=1e-5)
 
 
+def test_admitting_a_joiner_aborts_no_step() -> None:
+    """Regression (check 4's joiner test, 1 run in 4): the members commit a step whose
+    allreduce says a joiner waits, then leave the epoch; the first to leave said it finished
+    none of the epoch's collectives, which failed the step on a member still receiving its
+    last bytes: that member aborted a step it could have committed and needed a state
+    transfer. Now a member that leaves after a commit lets the others finish the step."""
+    def slow_member_2(member: int, el: Elastic) -> None:
+        # Member 2 takes in its messages late, so it is the last to complete each step: the
+        # others leave the epoch while its last bytes wait in its mailbox.
+        if member == 2:
+            executor = el.comm.comm.executor
+            original = executor._pass
+
+            def late_pass(*args, **kwargs):  # type: ignore[no-untyped-def]
+                time.sleep(0.02)
+                return original(*args, **kwargs)
+            executor._pass = late_pass
+
+    for _ in range(2):
+        out, errors = run_members(dist.HashStore(), {0: {}, 1: {}, 2: {}, 5: {"initial": None, "start_after": 0}},
+                                  12, (0, 1, 2), slow_member_2, step_s=0.005)
+        assert not errors, errors
+        assert [out[m]["aborted"] for m in (0, 1, 2, 5)] == [0, 0, 0, 0]
+        joins = [c for c in out[0]["history"] if 5 in c.members]
+        assert len(joins) == 1 and joins[0].receivers == (5,), joins
+        assert all(torch.equal(out[0]["params"], out[m]["params"]) for m in (1, 2, 5))
+
+
 def test_a_joiner_with_another_model_is_refused_and_the_job_goes_on() -> None:
     store = dist.HashStore()
     out: dict = {}
@@ -230,134 +247,6 @@ def test_a_joiner_with_another_model_is_refused_and_the_job_goes_on() -> None:
     assert set(errors) == {5}
     assert out[0]["committed"] == out[1]["committed"] == 40
     assert torch.equal(out[0]["params"], out[1]["params"])
-
-
-def test_a_message_from_an_old_membership_is_never_delivered() -> None:
-    """A connection made with epoch 0's token to an epoch-1 transport is refused at its
-    handshake; the same frame with epoch 1's token is delivered (the test can fail)."""
-    from mlfabric.transport.framing import add_frame
-    from mlfabric.transport.tcp import TcpTransport
-
-    job = b"j" * 16
-    live = TcpTransport(0, 2, epoch_token(job, 1))
-    try:
-        host, port = live.endpoints["0"].removeprefix("tcp://").rsplit(":", 1)
-        for epoch in (0, 1):
-            with socket.create_connection((host, int(port)), timeout=5) as sock:
-                sock.sendall(encode_header(epoch_token(job, epoch), 1, 0, 0))
-                parts: list = []
-                add_frame(parts, 77, b"", memoryview(b"stale" if epoch == 0 else b"fresh"), 0)
-                sock.sendall(b"".join(bytes(p) for p in parts))
-                deadline = time.monotonic() + 5
-                while time.monotonic() < deadline:
-                    if epoch == 0 and live.rejected_messages:
-                        break
-                    if epoch == 1 and live.mailbox.pending():
-                        break
-                    time.sleep(0.01)
-            if epoch == 0:
-                assert live.rejected_messages == 1
-                time.sleep(0.2)
-                assert live.mailbox.pending() == 0
-        msg = live.try_recv(77, src=1)
-        assert msg is not None and bytes(msg.payload) == b"fresh"
-    finally:
-        live.close()
-
-
-# -- faults during recovery --------------------------------------------------------------------
-
-
-class _Died(Exception):
-    """Stands for a process that dies at a chosen point (its thread ends, its sockets close)."""
-
-
-def _run_members(store: dist.Store, plan: dict[int, dict], steps: int, initial: tuple[int, ...],
-                 patch: Callable[[int, Elastic], None]) -> tuple[dict, dict]:
-    out: dict = {}
-    errors: dict[int, BaseException] = {}
-
-    def run(member: int) -> None:
-        model = nn.Linear(DIM, 1)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        el = None
-        try:
-            el = Elastic(model, opt, store=store, member=member, initial=plan[member].get("initial", initial),
-                         timeout=20, grace_s=3, connect_s=1.0)
-            patch(member, el)
-            while el.committed < steps:
-                if plan[member].get("leave_at") == el.committed:
-                    raise _Died()
-                x, y = _batch(el.committed, el.rank, el.world_size)
-                opt.zero_grad()
-                nn.functional.mse_loss(model(x), y).backward()
-                el.step(weight=len(x))
-            out[member] = {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone(),
-                           "history": el.comm.history}
-        except BaseException as exc:  # noqa: BLE001 - a _Died is the plan; others fail the test
-            errors[member] = exc
-        finally:
-            if el is not None:
-                el.close()
-
-    threads = {m: threading.Thread(target=run, args=(m,), daemon=True) for m in plan if "start_after" not in plan[m]}
-    for t in threads.values():
-        t.start()
-    for m, spec in plan.items():
-        if "start_after" in spec:
-            ms = MembershipStore(store)
-            deadline = time.monotonic() + 30
-            while ms.current_epoch() < spec["start_after"] and time.monotonic() < deadline:
-                time.sleep(0.01)
-            threads[m] = threading.Thread(target=run, args=(m,), daemon=True)
-            threads[m].start()
-    for t in threads.values():
-        t.join(90)
-    assert all(not t.is_alive() for t in threads.values())
-    return out, errors
-
-
-def test_a_member_that_dies_during_the_quorum_is_left_out_of_the_next_epoch() -> None:
-    """Member 3 leaves; member 2 registers for the next epoch and dies before connecting: the
-    others find it silent at connection time and form one more epoch without it."""
-    def patch(member: int, el: Elastic) -> None:
-        if member == 2:
-            def die(membership: Membership) -> None:
-                raise _Died()
-            el.comm._connect = die  # type: ignore[method-assign]
-
-    plan = {0: {}, 1: {}, 2: {}, 3: {"leave_at": 5}}
-    out, errors = _run_members(dist.HashStore(), plan, 20, (0, 1, 2, 3), patch)
-    assert set(errors) == {2, 3} and all(isinstance(e, _Died) for e in errors.values()), errors
-    assert torch.equal(out[0]["params"], out[1]["params"])
-    # Epoch 1 (0, 1, 2) closed but never formed (member 2 never connected): epoch 2 did.
-    assert [(c.epoch, c.members) for c in out[0]["history"]] == [(0, (0, 1, 2, 3)), (2, (0, 1))]
-
-
-def test_a_sender_that_dies_during_the_state_transfer_is_replaced_by_the_others() -> None:
-    """A joiner's state comes from members 0, 1 and 2; member 1 dies as the transfer starts: the
-    joiner and the others form the next epoch and the joiner receives the state from 0 and 2."""
-    def patch(member: int, el: Elastic) -> None:
-        el.comm.chunk_bytes = 8  # the 56-byte state in 7 chunks, striped over the three senders
-        if member == 1:
-            original = el.comm._sync
-
-            def die_when_sending(comm, membership):  # type: ignore[no-untyped-def]
-                if membership.receivers():
-                    comm.transport.close(b"")  # dies: its peers lose it mid-transfer
-                    raise _Died()
-                return original(comm, membership)
-            el.comm._sync = die_when_sending  # type: ignore[method-assign]
-
-    plan = {0: {}, 1: {}, 2: {}, 5: {"initial": None, "start_after": 0}}
-    out, errors = _run_members(dist.HashStore(), plan, 30, (0, 1, 2), patch)
-    assert set(errors) == {1} and isinstance(errors[1], _Died), errors
-    assert torch.equal(out[0]["params"], out[2]["params"]) and torch.equal(out[0]["params"], out[5]["params"])
-    joined = out[5]["history"][0]
-    assert joined.members == (0, 2, 5) and set(joined.sources) == {0, 2} and joined.receivers == (5,)
 
 
 def test_leaving_an_epoch_fails_the_peers_collective_at_once() -> None:
@@ -468,33 +357,103 @@ def test_bad_elastic_options_are_usage_errors(args: list[str], message: str) -> 
     assert message in result.output
 
 
-def test_a_member_that_never_dials_its_peers_is_left_out_within_the_connect_bound() -> None:
-    """Regression (churn run): a member that dies (here: hangs) after publishing its endpoints
-    but before dialling its peers is invisible to them; without the connection barrier they
-    waited for the collective timeout. Now the epoch fails within 2 x connect_s and the next
-    one forms without it."""
+def test_several_senders_pace_their_share_of_the_nic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the NIC rate known (MLFABRIC_NIC_RATE, as the emulator sets it), each of S senders
+    paces its connection to the joiner at rate / S during the copy and lifts the cap after
+    it; one sender (the first epoch's) does not pace."""
     from mlfabric.transport.tcp import TcpTransport
 
-    zombies: list[TcpTransport] = []
+    calls: list[tuple[int, int, float | None]] = []
+    original = TcpTransport.pace_connection
+
+    def record(self: TcpTransport, peer: int, channel: str, rate_bps: float | None) -> bool:
+        calls.append((self.rank, peer, rate_bps))
+        return original(self, peer, channel, rate_bps)
+
+    monkeypatch.setattr(TcpTransport, "pace_connection", record)
+    monkeypatch.setenv("MLFABRIC_NIC_RATE", "1gbit")
+    out, errors = run_members(dist.HashStore(), {0: {}, 1: {}, 2: {}, 5: {"initial": None, "start_after": 0}},
+                              6, (0, 1, 2), lambda member, el: None, step_s=0.005)
+    assert not errors, errors
+    paced = sorted((rank, peer, rate) for rank, peer, rate in calls if rate is not None)
+    assert paced == [(0, 3, pytest.approx(1e9 / 3)), (1, 3, pytest.approx(1e9 / 3)), (2, 3, pytest.approx(1e9 / 3))]
+    assert sorted((rank, peer) for rank, peer, rate in calls if rate is None) == [(0, 3), (1, 3), (2, 3)]
+    assert all(torch.equal(out[0]["params"], out[m]["params"]) for m in (1, 2, 5))
+
+
+def test_a_member_that_registers_and_leaves_during_the_check_is_not_left_out() -> None:
+    """Regression (the emulated transfer runs, 2 of 9 left a sender out): member 0 registers
+    for epoch 1 and says goodbye to epoch 0 while member 1 is checking the quorum. Member 1
+    reading the registrations before asking who is gone saw 0 gone but not registered and
+    closed epoch 1 without it; reading who is gone first, it sees 0's registration."""
+    ms = MembershipStore(dist.HashStore(), "t")
+
+    def zero_registers_then_leaves() -> set[int]:
+        if ms.registration(1, 0) is None:
+            ms.register(1, 0, step=4, signature="s", joiner=False)
+        return {0}
+
+    won = agree(ms, 1, 1, previous=(0, 1), gone=zero_registers_then_leaves, step=4, signature="s", joiner=False,
+                timeout=5.0, grace_s=10.0)
+    assert won is not None and won.members == (0, 1) and won.steps == {0: 4, 1: 4}
+
+
+def _record_algorithms(seen: dict) -> Callable[[int, Elastic], None]:
+    """A patch that records, per member, (epoch, the allreduce the step ran) at every step."""
+    def patch(member: int, el: Elastic) -> None:
+        original = el.comm.algorithm_for
+
+        def record(wanted: str) -> str:
+            got = original(wanted)
+            seen.setdefault(member, []).append((el.comm.epoch, got))
+            return got
+        el.comm.algorithm_for = record  # type: ignore[method-assign]
+    return patch
+
+
+def test_bcube_falls_back_to_ring_while_a_host_is_missing_and_returns_after_the_rejoin(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Four members on BCube(2,2) (member i on host i) allreduce with BML; member 3 leaves:
+    the three that remain are not a BCube, so their epoch runs ring (logged once); member 3
+    comes back and the full membership runs bcube again. All end with the same parameters."""
+    seen: dict = {}
+    out, errors = run_members(dist.HashStore(), {0: {}, 1: {}, 2: {}, 3: {"leave_at": 4, "rejoin_after": 1}}, 24,
+                              (0, 1, 2, 3), _record_algorithms(seen), step_s=0.02,
+                              options={"algorithm": "bcube", "topology": "bcube:n=2,k=2"})
+    assert not errors, errors
+    runs = {}
+    for epoch, algorithm in seen[0]:
+        runs.setdefault(epoch, set()).add(algorithm)
+    members = {c.epoch: c.members for c in out[0]["history"]}
+    assert runs[0] == {"bcube"} and members[0] == (0, 1, 2, 3)
+    assert runs[1] == {"ring"} and members[1] == (0, 1, 2)
+    last = max(runs)
+    assert runs[last] == {"bcube"} and members[last] == (0, 1, 2, 3), (runs, members)
+    assert caplog.text.count("membership epoch 1 runs ring instead of bcube (members [0, 1, 2] are not the hosts "
+                             "of bcube:n=2,k=2)") == 3  # once per member of that epoch
+    assert all(torch.equal(out[0]["params"], out[m]["params"]) for m in (1, 2, 3))
+
+
+def test_host_hierarchical_runs_over_the_hosts_that_remain() -> None:
+    """Members 0, 1 on host 0 and 2, 3 on host 1 reduce host by host; member 3 leaves: the
+    epoch of 0, 1, 2 still runs host_hierarchical, over hosts [0, 0, 1]."""
+    seen: dict = {}
+    hosts_seen: list = []
 
     def patch(member: int, el: Elastic) -> None:
-        if member == 1:
-            def hang(membership: Membership) -> None:
-                transport = TcpTransport(membership.rank_of(1), membership.world_size,
-                                         epoch_token(el.comm.token, membership.epoch))
-                zombies.append(transport)
-                el.comm.ms.publish(membership.epoch, 1, "endpoints", json.dumps(transport.endpoints))
-                raise _Died()
-            el.comm._connect = hang  # type: ignore[method-assign]
+        _record_algorithms(seen)(member, el)
+        if member == 0:
+            original = el.comm._connect
 
-    start = time.monotonic()
-    try:
-        out, errors = _run_members(dist.HashStore(), {0: {}, 1: {}, 2: {}, 3: {"leave_at": 3}}, 10, (0, 1, 2, 3),
-                                   patch)
-    finally:
-        for transport in zombies:
-            transport.close()
-    assert set(errors) == {1, 3}, errors
-    assert [c.members for c in out[0]["history"]] == [(0, 1, 2, 3), (0, 2)]
-    assert torch.equal(out[0]["params"], out[2]["params"])
-    assert time.monotonic() - start < 18  # the collective timeout (20 s) was not waited for
+            def connect(membership: Membership):  # type: ignore[no-untyped-def]
+                comm = original(membership)
+                hosts_seen.append((membership.epoch, comm.hosts))
+                return comm
+            el.comm._connect = connect  # type: ignore[method-assign]
+
+    out, errors = run_members(dist.HashStore(), {0: {}, 1: {}, 2: {}, 3: {"leave_at": 4}}, 12, (0, 1, 2, 3), patch,
+                              options={"algorithm": "host_hierarchical", "hosts": {0: 0, 1: 0, 2: 1, 3: 1}})
+    assert set(errors) == {3}, errors
+    assert {a for _, a in seen[0]} == {"host_hierarchical"}
+    assert (1, (0, 0, 1)) in hosts_seen, hosts_seen
+    assert torch.equal(out[0]["params"], out[1]["params"]) and torch.equal(out[0]["params"], out[2]["params"])
