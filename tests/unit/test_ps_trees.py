@@ -11,11 +11,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlfabric.ps.policies.scheduled.core import BatchingCore, GroupOrder, Request, merge_host_requests
-from mlfabric.ps.policies.scheduled.treenode import TreeNodeCore, repair_orders, repaired_entry
+from mlfabric.ps.policies.scheduled.cutthrough import ChunkSum
+from mlfabric.ps.policies.scheduled.repair import repair_orders, repaired_entry
 from mlfabric.ps.scheduler import NetState, Scheduler, SchedulerConfig, UpdateRequest
 from mlfabric.ps.scheduler.netstate import Transfer, down_link, up_link
 from mlfabric.ps.scheduler.ordering import Batch, order_updates
@@ -174,51 +176,36 @@ def test_host_requests_merge_what_is_ready_from_the_same_version() -> None:
 # --------------------------------------------------------------------------- tree nodes, repair
 
 
-def _drive(orders: list[GroupOrder], inputs: dict[tuple[int, int], np.ndarray], chunk: int,
-           rng: random.Random) -> tuple[np.ndarray, int]:
-    """Every node of one tree fed its members' chunks in a random order and its children's
-    forwards as they come; returns the root's sum (chunks in order) and its count."""
-    elements = next(iter(inputs.values())).size
-    counts = {}
-    nodes = {o.host: TreeNodeCore(o, elements=elements, chunk_elements=chunk, counts=counts) for o in orders}
+def _drive(orders: list[GroupOrder], inputs: dict[tuple[int, int], torch.Tensor], chunk: int,
+           rng: random.Random) -> tuple[torch.Tensor, int]:
+    """Every node of one planned tree -- the runtime's :class:`ChunkSum` -- fed its members'
+    chunks in a random order and its children's forwards as they come; returns the root's sum
+    and how many updates are in it."""
+    elements = next(iter(inputs.values())).numel()
+    nodes = {o.host: ChunkSum([("m", *m) for m in o.members] + [("c", c) for c in o.children], elements, chunk)
+             for o in orders}
+    parent = {o.host: o.parent for o in orders}
     pending = [(o.host, m, i) for o in orders for m in o.members for i in range(nodes[o.host].chunks)]
     rng.shuffle(pending)
-    root: dict[int, np.ndarray] = {}
-    count = 0
-    queue: list[tuple[int, Any, int, np.ndarray, int | None]] = []
+    root: dict[int, torch.Tensor] = {}
+    members: set[Any] = set()
+    queue: list[tuple[int, Any, int, torch.Tensor, Any]] = []
     while pending or queue:
         if queue and (not pending or rng.random() < 0.5):
-            host, source, index, data, n = queue.pop(0)
+            host, source, index, data, summed = queue.pop(0)
         else:
-            host, source, index = pending.pop()
-            lo, hi = nodes[host].bounds[index]
-            data, n = inputs[source][lo:hi], None
-        for f in nodes[host].add(source, index, data, n):
-            if f.parent is None:
-                assert f.index not in root and f.index == len(root)  # in order, once
-                root[f.index] = f.data
-                count = f.count
+            host, member, index = pending.pop()
+            start, length = nodes[host].span(index)
+            source, data, summed = ("m", *member), inputs[member][start:start + length], [(*member, 0)]
+        for f in nodes[host].add(source, index, data, summed):
+            if parent[host] is None:
+                assert f.index not in root  # each chunk reaches the server once
+                root[f.index] = f.tensor
+                members |= set(f.members)
             else:
-                queue.append((f.parent, ("child", host), f.index, f.data, f.count))
+                queue.append((parent[host], ("c", host), f.index, f.tensor, f.members))
     assert all(n.done for n in nodes.values())
-    return np.concatenate([root[i] for i in range(len(root))]), count
-
-
-def test_a_tree_node_forwards_chunk_i_once_every_input_has_it() -> None:
-    order = GroupOrder(host=2, slot=1, members=((2, 1),), servers=(0,), deadline_in=1.0, rates=(None,), parent=5,
-                       children=(3,), chunk_bytes=8)
-    node = TreeNodeCore(order, elements=5, chunk_elements=2)
-    assert node.chunks == 3
-    assert node.add((2, 1), 0, np.array([1, 2])) == []  # the child's chunk 0 is not in yet
-    assert node.add((2, 1), 1, np.array([3, 4])) == []
-    out = node.add(("child", 3), 0, np.array([10, 20]), count=3)  # the child's subtree holds 3 updates
-    assert [(f.parent, f.index, f.data.tolist(), f.count) for f in out] == [(5, 0, [11, 22], 4)]
-    out = node.add(("child", 3), 1, np.array([30, 40]))  # cut-through: chunk 1 goes before chunk 2 exists
-    assert [f.index for f in out] == [1] and not node.done
-    with pytest.raises(ValueError, match="came twice"):
-        node.add(("child", 3), 1, np.array([30, 40]))
-    with pytest.raises(ValueError, match="not one of its inputs"):
-        node.add(("child", 9), 2, np.array([1]))
+    return torch.cat([root[i] for i in range(len(root))]), len(members)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -234,7 +221,7 @@ def test_cut_through_sums_are_exact_with_integer_inputs(seed: int) -> None:
     members = {h: [(h * 10 + k, 1) for k in range(rng.randint(1, 2))] for h in hosts}
     orders = [GroupOrder(host=h, slot=1, members=tuple(members[h]), servers=(0,), deadline_in=1.0, rates=(None,),
                          parent=parent[h], children=tuple(kids[h]), chunk_bytes=64) for h in hosts]
-    inputs = {m: np_rng.integers(-2**40, 2**40, size=37) for h in hosts for m in members[h]}
+    inputs = {m: torch.from_numpy(np_rng.integers(-2**40, 2**40, size=37)) for h in hosts for m in members[h]}
     total, count = _drive(orders, inputs, chunk=8, rng=rng)
     assert total.tolist() == sum(inputs.values()).tolist()  # exact
     assert count == len(inputs)
@@ -259,13 +246,13 @@ def test_a_lost_node_in_the_middle_is_repaired_without_losing_or_double_counting
     assert sorted(kept) == sorted(m for g in orders for m in g.members if m not in lost)
     assert len(kept) == len(set(kept))
     by_host = {g.host: g for g in fixed}
-    for g in fixed:
+    for g in fixed:  # every node reaches the one root through live parents, with no cycle
         seen, cur = set(), g
         while cur.parent is not None:
-            assert cur.host not in seen
+            assert cur.host not in seen and cur.host in by_host[cur.parent].children
             seen.add(cur.host)
             cur = by_host[cur.parent]
-            assert g.host in cur.children or g.host in seen or True
+    assert sum(g.parent is None for g in fixed) == 1
     assert all(c in by_host and by_host[c].parent == g.host for g in fixed for c in g.children)
     entry = repaired_entry(plan.entries[0], lost, plan.requests)
     assert entry[2] == 16 - 2 and sorted(entry[4]) == sorted(set(range(1, 17)) - set(middle.members[0][:1]) -
@@ -273,7 +260,7 @@ def test_a_lost_node_in_the_middle_is_repaired_without_losing_or_double_counting
     # the repaired tree sums exactly the surviving updates (integer inputs), each once
     rng = random.Random(1)
     by_rank = {r.rank: r for r in plan.requests}
-    inputs = {m: np.full(11, by_rank[m[0]].rank * 1000 + 7, dtype=np.int64) for g in fixed for m in g.members}
+    inputs = {m: torch.full((11,), by_rank[m[0]].rank * 1000 + 7, dtype=torch.int64) for g in fixed for m in g.members}
     total, count = _drive(fixed, inputs, chunk=4, rng=rng)
     assert total.tolist() == sum(inputs.values()).tolist() and count == len(inputs) == 7
 
