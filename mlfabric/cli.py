@@ -339,6 +339,20 @@ JsonOption = Annotated[Optional[Path], typer.Option(
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress display (shown on standard error, "
                                                                  "and only when it is a terminal).")]
 
+#: ``--workers-per-host`` and ``--trees`` (issue #36), the same in ``simulate mlfabric`` and
+#: ``train``; each command gives its default (the simulator plans trees by default, the
+#: runtime does not yet: docs/mlfabric_scheduler.md, "At runtime", says why).
+WorkersPerHostOption = Annotated[int, typer.Option(
+    "--workers-per-host", min=1,
+    help="Co-located workers per host (MLfabric's setup: 2): the MLfabric modes sum a host's updates on the host "
+         "(no NIC) and the model reaches the host once; allreduce (RR-Sync) reduces in the host, then rings across "
+         "hosts. train: local ranks grouped into hosts, or with --emulate that many worker ranks per emulated host "
+         "(servers on hosts of their own).")]
+TreesOption = Annotated[bool, typer.Option(
+    "--trees/--no-trees", help="MLfabric modes: aggregate down pipelined multi-level trees chosen per batch and "
+                               "multicast each model version down pipelined trees (issue #36); --no-trees: Alg. 3's "
+                               "one level of aggregators and §10.3's one level of distributors.")]
+
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` as indented JSON to ``path``, or to standard output when ``path`` is
@@ -1247,13 +1261,8 @@ def _fmt_change(value: Optional[float]) -> str:
 def simulate_mlfabric_cmd(
     ctx: typer.Context,
     workers: Annotated[int, typer.Option(min=1, help="Workers (the server on its own host).")] = 30,
-    workers_per_host: Annotated[int, typer.Option("--workers-per-host", min=1, help="Workers sharing a host (and "
-                                                  "its NIC); the MLfabric modes sum their updates on the host "
-                                                  "and the host gets the model once; RR-Sync's ring runs over "
-                                                  "the hosts (the paper's setting: 2).")] = 1,
-    trees: Annotated[bool, typer.Option("--trees/--no-trees", help="MLfabric modes: pipelined multi-level "
-                                        "aggregation trees and multicast model distribution (#36); --no-trees: "
-                                        "Alg. 3's one level and §10.3's distributors.")] = True,
+    workers_per_host: WorkersPerHostOption = 1,
+    trees: TreesOption = True,
     chunk_size: Annotated[str, typer.Option("--chunk-size", help="The trees' cut-through chunk.")] = "1MiB",
     update_size: Annotated[str, typer.Option("--update-size", help="Update (= model) size.")] = "100MB",
     rate: Annotated[str, typer.Option(help="Every NIC's rate before churn.")] = "10gbit",
@@ -1540,16 +1549,8 @@ def train(
                                            "Default: allreduce,eager-solo; lda: "
                                            "allreduce,ps-async,mlfabric-a:8.")] = None,
     servers: Annotated[int, typer.Option(min=1, help="PS modes: server processes (beside --workers workers).")] = 1,
-    workers_per_host: Annotated[int, typer.Option(
-        "--workers-per-host", min=1,
-        help="Co-located workers per host (MLfabric's setup: 2): local ranks grouped into hosts, or with --emulate "
-             "that many worker ranks per emulated host (servers on hosts of their own). mlfabric-a/-s sum a host's "
-             "updates there (shared memory) and pull the model once per host; allreduce (RR-Sync) reduces in the "
-             "host, then rings across hosts.")] = 1,
-    trees: Annotated[bool, typer.Option(
-        "--trees/--no-trees", help="mlfabric-a/-s: aggregate down pipelined multi-level trees chosen per batch and "
-                                   "multicast each model version down pipelined trees (issue #36); off: Alg. 3's "
-                                   "one level of aggregators and §10.3's one level of distributors.")] = False,
+    workers_per_host: WorkersPerHostOption = 1,
+    trees: TreesOption = False,
     replicas: Annotated[int, typer.Option(min=0, help="PS modes: replica processes (replica i mirrors server i % "
                                                "servers).")] = 0,
     replication: Annotated[Optional[str], typer.Option(
