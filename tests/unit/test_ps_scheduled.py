@@ -460,3 +460,24 @@ def test_a_workers_scheduled_pushes_say_where_their_time_went() -> None:
     assert figures["decision_wait_ms"] == pytest.approx(1e3 * sum(d["decision_wait_s"] for d in daemons) / 12)
     assert figures["send_ms"] == pytest.approx(1e3 * sum(d["send_s"] for d in daemons) / sent)
     assert _scheduled_figures([{"skipped": 0}], []) == {}  # not a scheduled run: nothing added
+
+
+def test_a_pull_answer_to_a_dead_worker_does_not_hold_the_next_pulls() -> None:
+    """Regression: the transport never completes a send to a peer that died or left, and the
+    scheduled server waited for its last batch of pull answers to be sent before answering
+    the next: one answer to a SIGKILLed worker stopped the server answering anyone."""
+    from types import SimpleNamespace
+
+    from mlfabric.ps.policies.scheduled.server import ScheduledServerSide
+    from mlfabric.transport.base import SendHandle
+
+    side = ScheduledServerSide(ScheduledSettings())
+    transport = SimpleNamespace(lost_peers={}, departed_peers=set())
+    server = SimpleNamespace(transport=transport)
+    side._answering = [(3, SendHandle(done=False)), (4, SendHandle(done=True))]
+    assert not side.ready_to_answer(server)  # rank 3's answer is still being sent
+    transport.lost_peers[3] = "sending to it failed; process died?"
+    assert side.ready_to_answer(server) and side._answering == []
+    side._answering = [(5, SendHandle(done=False))]
+    transport.departed_peers.add(5)  # a worker that left is no different
+    assert side.ready_to_answer(server)

@@ -46,7 +46,8 @@ class ScheduledServerSide:
 
     def __init__(self, settings: ScheduledSettings) -> None:
         self.settings = settings
-        self._answering: list[SendHandle] = []  # the last batch of pull answers
+        # the last batch of pull answers: (the rank it goes to, its send)
+        self._answering: list[tuple[int, SendHandle]] = []
         self._pulls: PullBatcher | None = None  # model distribution's core (made with the server's seed)
         #: The scheduler, on server 0 (or the replica that took server 0 over).
         self.scheduler_service: SchedulerService | None = None
@@ -298,7 +299,10 @@ class ScheduledServerSide:
         the next batch: the server's NIC is busy anyway, and together they share one send to
         a distributor instead of each taking the server's up-link. (The transport's handles
         alone would not do: a socket takes a few MB into its buffer at once.)"""
-        self._answering = [h for h in self._answering if not h.done()]
+        # A send to a peer that died or left never completes (the transport drops it): it
+        # must not hold every later pull (it did: the server stopped answering anyone).
+        gone = set(server.transport.lost_peers) | set(server.transport.departed_peers)
+        self._answering = [(r, h) for r, h in self._answering if not h.done() and r not in gone]
         busy_until = self._pulls.answer_at() if self._pulls is not None else 0.0
         return not self._answering and time.monotonic() >= busy_until
 
@@ -333,8 +337,10 @@ class ScheduledServerSide:
         fields = protocol.decode(header)
         payload = tensor_bytes(shard)
         handles: list[SendHandle] = []
+        to: list[int] = []  # beside each handle, the rank it sends to
         for d, members in reversed(plan.groups):  # the paper's order: distributor k° first
             forward = [[w, pull_of[w].request_id] for w in members]
+            to.append(d)
             handles.append(server.transport.send(d, protocol.reply_tag(session, pull_of[d].request_id), payload,
                                                  meta=protocol.encode(**fields, forward=forward), channel=channel))
             for w in members:
@@ -342,9 +348,10 @@ class ScheduledServerSide:
                                       meta=protocol.encode(op="via", distributor=d), channel=channel)
             server.stats.pulls_relayed += len(members)
         handles += answer_directly(server, [pull_of[r] for r in plan.by_server], shard, header)
+        to += list(plan.by_server)
         if service is not None:
             service.reserve(list(plan.transfers))
-        self._answering = list(handles)
+        self._answering = list(zip(to, handles))
         return handles
 
 
@@ -381,6 +388,7 @@ class ScheduledServerSide:
         parent = {c: h for h, kids in tree.items() for c in kids}
         fields = protocol.decode(header)
         handles: list[SendHandle] = answer_directly(server, [pull_of[r] for r in asked], shard, header)
+        to: list[int] = list(asked)  # beside each handle, the rank it sends to
         for rank in tree_pullers:
             if parent.get(rank, me) != me:
                 server.transport.send(rank, protocol.reply_tag(session, pull_of[rank].request_id), b"", channel=channel,
@@ -395,12 +403,13 @@ class ScheduledServerSide:
                 start, length = chunk_span(index, numel, elems)
                 meta = protocol.encode(**fields, mtree=mtree, chunk=index, chunks=chunks, elems=elems or numel,
                                        itemsize=shard.element_size(), nbytes=numel * shard.element_size())
+                to.append(root)
                 handles.append(server.transport.send(root, protocol.reply_tag(session, rid),
                                                      tensor_bytes(shard[start:start + length]), meta=meta,
                                                      channel=channel))
         if self.scheduler_service is not None:
             self.scheduler_service.reserve(list(plan.transfers))
-        self._answering = list(handles)
+        self._answering = list(zip(to, handles))
         return handles
 
 
