@@ -264,7 +264,7 @@ def host_hierarchical_allgather(world_size: int, rank: int, count: int, *, hosts
 
     if rank != leader:
         # 1. hand my piece to the leader; 3. get back every piece I lack.
-        mine = b.send(leader, piece[rank], 0, channel=channel)
+        b.send(leader, piece[rank], 0, channel=channel)
         sent += piece[rank].length
         others = [r for r in range(world_size) if r != rank]
         for index, sl in enumerate(block(others)):

@@ -40,7 +40,6 @@ import os
 import shutil
 import subprocess
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Callable

@@ -66,7 +66,6 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any

@@ -18,6 +18,7 @@ from mlfabric.ps import PSConfig, PSLayout, local_jobs
 from mlfabric.ps.monitor import Ledger, NetworkMonitor
 from mlfabric.ps.scheduler import NetState, down_link, up_link
 from mlfabric.ps.policies.scheduled import ScheduledSettings, aggregator_ranks
+from tests.unit.ps_relay_loss import lost_and_survivors, two_rounds_losing_a_relay
 
 
 def test_monitor_reports_are_seen_after_the_lag() -> None:
@@ -399,45 +400,15 @@ def test_a_distributor_lost_before_relaying_makes_its_workers_ask_the_server_aga
         return header, msg
 
     monkeypatch.setattr(PSWorker, "_await", dies_when_asked_to_relay)
-    layout = PSLayout(servers=1, workers=4)
     config = PSConfig(consistency="bsp", timeout_s=20, routing="scheduled",
                       # planned at 1 MB/s: each 64 KB answer holds the server's next batch for
                       # 64 ms, so a round's pulls meet in one batch whatever the threads' timing
                       scheduled=ScheduledSettings(interval_s=0.05, aggregators=0, distributors=1, rate_bps=8e6))
-    jobs = local_jobs(layout, config)
-    finals: dict[int, Any] = {}
-
-    def work(job: Any) -> None:
-        if job.role == "server":
-            finals["server"] = job.serve()
-            return
-        w = job.worker
-        w.init_model("m", torch.zeros(16_384), lr=1.0)
-        try:
-            for _ in range(2):
-                params = w.pull_flat("m")
-                w.push("m", params - 1)
-                w.clock()
-            w.leave()
-            finals[w.index] = params
-        except RuntimeError as exc:
-            finals[w.index] = exc
-
-    threads = [threading.Thread(target=work, args=(j,), daemon=True) for j in jobs]
-    started = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    assert time.monotonic() - started < 10
-    for j in jobs:
-        j.comm.close()
-    gone = [w for w in range(4) if isinstance(finals[w], RuntimeError)]
+    finals = two_rounds_losing_a_relay(config, 16_384)
+    gone, alive = lost_and_survivors(finals)
     assert gone == died, finals  # the distributor that died, and no one else
     server = finals["server"]
     assert server.pulls_relayed >= 1 and server.errors == []
-    alive = [finals[w] for w in range(4) if w not in gone]
     for params in alive:  # all answered, with the same model of round 1
         torch.testing.assert_close(params, alive[0])
 

@@ -24,6 +24,7 @@ import torch
 from mlfabric.ps import PSConfig, PSLayout, local_jobs
 from mlfabric.ps.policies.scheduled import ScheduledSettings, SchedulerService
 from mlfabric.ps.policies.scheduled.aggregator import Aggregator
+from tests.unit.ps_relay_loss import lost_and_survivors, two_rounds_losing_a_relay
 
 STEPS, SIZE, CHUNK_BYTES = 4, 2000, 1024  # 8 KB of float32 in 8 chunks
 
@@ -251,43 +252,13 @@ def test_a_relay_lost_mid_multicast_tree_leaves_no_one_without_the_model(monkeyp
         relay(self, children, header, msg)
 
     monkeypatch.setattr(PSWorker, "_relay", dies_when_relaying)
-    layout = PSLayout(servers=1, workers=4)
     config = PSConfig(consistency="bsp", timeout_s=20, routing="scheduled",
                       scheduled=ScheduledSettings(interval_s=0.05, aggregators=0, rate_bps=8e6, trees=True,
                                                   chunk_bytes=CHUNK_BYTES))
-    jobs = local_jobs(layout, config)
-    finals: dict[Any, Any] = {}
-
-    def work(job: Any) -> None:
-        if job.role == "server":
-            finals["server"] = job.serve()
-            return
-        w = job.worker
-        w.init_model("m", torch.zeros(SIZE), lr=1.0)
-        try:
-            for _ in range(2):
-                params = w.pull_flat("m")
-                w.push("m", params - 1)
-                w.clock()
-            w.leave()
-            finals[w.index] = params
-        except RuntimeError as exc:
-            finals[w.index] = exc
-
-    threads = [threading.Thread(target=work, args=(j,), daemon=True) for j in jobs]
-    started = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    assert time.monotonic() - started < 10
-    for j in jobs:
-        j.comm.close()
-    gone = [w for w in range(4) if isinstance(finals[w], RuntimeError)]
+    finals = two_rounds_losing_a_relay(config, SIZE)
+    gone, alive = lost_and_survivors(finals)
     assert gone == died and len(died) == 1, finals
     assert finals["server"].pulls_relayed >= 1 and finals["server"].errors == []
-    alive = [finals[w] for w in range(4) if w not in gone]
     for params in alive:  # all answered, with the same model of round 1
         torch.testing.assert_close(params, alive[0])
 

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import torch
 
-from mlfabric.errors import CollectiveTimeoutError, PeerLostError
+from mlfabric.errors import CollectiveTimeoutError
 from mlfabric.order.dag import recv_name
 from mlfabric.runtime.fair_share import PAYLOAD_FRACTION
 from mlfabric.transport.base import SendHandle, tensor_bytes

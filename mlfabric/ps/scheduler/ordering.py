@@ -42,7 +42,7 @@ fallback and the multi-server path. :func:`list_order` reserves a given list ins
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal

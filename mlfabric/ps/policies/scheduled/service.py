@@ -21,7 +21,6 @@ from mlfabric.transport.base import Transport
 
 from ... import protocol
 from ...divergence import update_norm
-from ...monitor import Ledger, NetworkMonitor
 from ...scheduler import NetState
 from ...scheduler.replication import ReplicaUnit, ReplicationPlan, plan_replication
 from .core import BatchingCore, BatchPlan, CoreStats, Request

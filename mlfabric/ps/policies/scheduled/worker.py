@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mlfabric.transport.base import SendHandle, Transport, tensor_bytes
+from mlfabric.transport.base import SendHandle, tensor_bytes
 
 from ... import protocol
 from ...protocol import payload_tensor
