@@ -297,6 +297,38 @@ def test_mlfabric_s_on_trees_plans_a_rounds_last_requests_at_once() -> None:
             assert not c.due(0.16, {1, 2, 3})  # a new round: everyone counts again
 
 
+def test_mlfabric_a_on_trees_holds_its_batch_while_the_servers_down_link_is_busy() -> None:
+    from mlfabric.ps.policies.scheduled.core import PACE_LEAD_S
+
+    def core(trees: bool) -> BatchingCore:  # 1 GB/s NICs: a 300 MB update takes 0.3 s
+        return BatchingCore(servers=[0], aggregators=[], hosts=4, tau=30, seed=0, interval_s=0.1, slack_s=1.0,
+                            rate_bps=8e9, monitor_lag_s=0.0, trees=trees, chunk_bytes=1 << 20)
+
+    def ask(c: BatchingCore, rank: int) -> None:
+        c.request(Request(rank=rank, id=1, model="m", version=0, sizes=(300e6,)))
+
+    for trees in (False, True):
+        c = core(trees)
+        assert not c.due(0.0, {1, 2, 3})  # the first turn sets the tick
+        ask(c, 1)
+        (first,) = c.turn(0.1, {1, 2, 3}, lambda m: 0)
+        # the one tree reaches the server 0.3 s after the batch: the down-link is busy until then
+        assert c.link_free == (pytest.approx(0.4) if trees else 0.0)
+        assert first.commits == [pytest.approx(0.4)]
+        ask(c, 2)
+        # the tick: without trees the batch goes; with them it waits for the link (less the lead)
+        assert c.due(0.2, {1, 2, 3}) is not trees
+        if not trees:
+            continue
+        assert c.wake_at() == pytest.approx(0.4 - PACE_LEAD_S)
+        assert not c.due(0.3, {1, 2, 3})
+        ask(c, 3)  # arrives while the link is busy: it joins the held batch
+        (second,) = c.turn(0.4 - PACE_LEAD_S, {1, 2, 3}, lambda m: 0)
+        assert sorted(r.rank for r in second.requests) == [2, 3] and len(second.entries) == 1
+        # one tree of both; it cannot reach the server before the first is through
+        assert c.link_free >= 0.4 + 0.3 - 1e-9 and c.wake_at() == pytest.approx(c.link_free - PACE_LEAD_S)
+
+
 def test_a_lost_distributor_in_the_middle_of_a_multicast_is_bypassed() -> None:
     from mlfabric.ps.scheduler.trees import multicast_depths, repair_multicast
 

@@ -11,7 +11,8 @@ simulated MLfabric modes run the runtime's batching, planning, application order
 distribution, not a copy of them:
 
 * :class:`BatchingCore` -- the scheduler: update requests and monitor reports in; every
-  ``interval_s`` (or as soon as every worker still counted has a request waiting) one
+  ``interval_s`` (or as soon as every worker still counted has a request waiting; MLfabric-A
+  on trees: and not before the server's down-link is about free of the trees planned) one
   :class:`BatchPlan` per model out: the servers' application order (entries), each request's
   decision (drop, or next hop / start / rate per server component) and each aggregator's group.
 * :class:`OrderBook` -- a server applying batches in their planned order: orders and arrived
@@ -35,6 +36,13 @@ from ...scheduler import BatchSchedule, NetState, PullBatchPlan, Scheduler, Sche
 from ...scheduler.trees import attach_to_multicast, plan_multicast
 from .settings import avg_rate_bps
 
+#: MLfabric-A on trees (#36): a batch is not planned before the server's down-link is, less
+#: this lead, planned free of the trees already planned (as well as not before the
+#: ``interval_s`` tick). Every tree costs the server's down-link a whole transfer whatever its
+#: size, so a batch every 100 ms while a transfer takes 80-160 ms queues small trees at the
+#: server; holding the batch while the link is busy lets it grow instead. 30 ms: 0 / 15 / 30 /
+#: 60 ms measured within 0.02x of each other in C1/C2-N1 (docs/mlfabric_scheduler.md, "Trees").
+PACE_LEAD_S = 0.03
 
 # --------------------------------------------------------------------------- the scheduler
 
@@ -191,6 +199,10 @@ class BatchingCore:
         self.pending: dict[str, list[Request]] = {}
         self._batches = itertools.count(first_batch)
         self.next_batch: float | None = None  # set by the first turn
+        #: MLfabric-A on trees: when the server's down-link is planned free of the trees
+        #: planned so far (the latest arrival of a tree at the server); the next batch is
+        #: planned PACE_LEAD_S before then (:meth:`due`)
+        self.link_free = 0.0
 
     # -- inputs ----------------------------------------------------------------------------------
 
@@ -210,9 +222,16 @@ class BatchingCore:
     def due(self, now: float, counted: set[int]) -> bool:
         """Whether a batch is planned now: the interval is over, or every worker still counted
         (``counted``: their ranks) has a request waiting -- the batch cannot grow, a worker has
-        one push outstanding at a time, so waiting out the interval only adds latency."""
+        one push outstanding at a time, so waiting out the interval only adds latency.
+
+        MLfabric-A on trees (#36) also paces its batches on the server's down-link: nothing is
+        due until the trees planned so far are due at the server within :data:`PACE_LEAD_S`
+        (``link_free``); requests arriving while the link is busy make the next batch bigger
+        rather than queueing another small tree behind it."""
         if self.next_batch is None:
             self.next_batch = now + self.interval_s
+        if self.trees and not self.sync and now < self.link_free - PACE_LEAD_S:
+            return False
         if now >= self.next_batch:
             return True
         if not any(self.pending.values()):
@@ -229,6 +248,8 @@ class BatchingCore:
 
     def wake_at(self) -> float | None:
         """When the next batch is due at the latest (the driver wakes the core then)."""
+        if self.trees and not self.sync and self.next_batch is not None:
+            return max(self.next_batch, self.link_free - PACE_LEAD_S)
         return self.next_batch
 
     def turn(self, now: float, counted: set[int], v_init: Callable[[str], int | None],
@@ -277,6 +298,8 @@ class BatchingCore:
         schedule = self.scheduler.schedule(requests, version=v_init, network=self.network(now), now=now)
         self.ledger.add([t for d in schedule.applied() for t in d.transfers] +
                         [t for g in schedule.aggregates for t in g.transfers])
+        if self.trees and schedule.aggregates:
+            self.link_free = max(self.link_free, max(g.arrival for g in schedule.aggregates))
         self.stats.plan_ms.append(1e3 * (time.perf_counter() - started))
         self.stats.batches += 1
         self.stats.requests += len(requests)
@@ -578,5 +601,5 @@ class PullBatcher:
                              chunk_bytes=self.chunk_bytes)
 
 
-__all__ = ["BatchPlan", "BatchingCore", "Entry", "GroupOrder", "OrderBook", "OrderPort", "PullBatcher", "Request",
-           "RequestDecision", "entry_count", "entry_key", "merge_host_requests"]
+__all__ = ["PACE_LEAD_S", "BatchPlan", "BatchingCore", "Entry", "GroupOrder", "OrderBook", "OrderPort", "PullBatcher",
+           "Request", "RequestDecision", "entry_count", "entry_key", "merge_host_requests"]
