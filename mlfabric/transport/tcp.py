@@ -444,7 +444,7 @@ class TcpTransport(Transport):
                 # were on the way: drop it, and everything after it on this connection.
                 self._reject(f"a message of peer {src}'s replaced incarnation {incarnation} (tag {tag})")
                 return
-            self.payload_received(src, tag, channel, meta, payload, in_place)
+            self._arrived(src, tag, channel, meta, payload, in_place)
 
     # -- what the links call (framing.LinkOwner) ---------------------------------------------
 
@@ -474,6 +474,10 @@ class TcpTransport(Transport):
             # Only a replaced process ever had a shared-memory link with a restarted rank.
             self._reject(f"a message of peer {src}'s replaced process on its old shared-memory link (tag {tag})")
             return
+        self._arrived(src, tag, channel, meta, payload, in_place)
+
+    def _arrived(self, src: int, tag: int, channel: str, meta: bytes, payload: memoryview, in_place: bool) -> None:
+        """A payload has fully arrived from a live incarnation: count and deliver it."""
         if in_place:
             with self._offer_lock:  # readers of several connections count here
                 self.bytes_in_place += payload.nbytes

@@ -4,8 +4,8 @@ old process sent is delivered once the new one is in.
 
     python -m pytest tests/unit/test_ps_rejoin.py -q
 
-Threads in one process, on the tcp transport over loopback (no shared memory: the restarted
-rank never gets a shared-memory link). A worker is "killed" by shutting its transport down
+Threads in one process, on the tcp transport over loopback (with and without shared memory
+between the first processes; the restarted rank never gets a shared-memory link). A worker is "killed" by shutting its transport down
 without a goodbye: its peers see exactly what a SIGKILL shows them (connections that end).
 """
 
@@ -31,14 +31,14 @@ from mlfabric.transport.tcp import TcpTransport
 TAG = 77
 
 
-def _job(world: int) -> tuple[dist.HashStore, list[TcpTransport]]:
+def _job(world: int, shm: bool = False) -> tuple[dist.HashStore, list[TcpTransport]]:
     store = dist.HashStore()
     out: dict[int, TcpTransport] = {}
     errors: list[BaseException] = []
 
     def build(rank: int) -> None:
         try:
-            out[rank] = TcpTransport.create(store, rank, world, timeout=10.0, shared_memory=False)
+            out[rank] = TcpTransport.create(store, rank, world, timeout=10.0, shared_memory=shm)
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -95,12 +95,12 @@ def test_a_new_incarnation_replaces_the_old_and_nothing_old_is_delivered() -> No
         _wait(lambda: t0.rejected_messages > rejected, 5, "the stale message to be rejected")
         # A connection that says it is incarnation 0 now is refused at the handshake.
         port = int(t0.endpoints["0"].rsplit(":", 1)[1])
+        before = t0.rejected_messages
         with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
             raw.sendall(encode_header(t1.token, 1, 0, 0))
             parts: list[memoryview] = []
             add_frame(parts, TAG, b"", memoryview(b"injected"), 0)
             raw.sendall(b"".join(bytes(p) for p in parts))
-            before = t0.rejected_messages
             _wait(lambda: t0.rejected_messages > before, 5, "the old incarnation's handshake to be refused")
         time.sleep(0.2)
         assert t0.try_recv(TAG, src=1) is None
@@ -116,11 +116,12 @@ def test_a_new_incarnation_replaces_the_old_and_nothing_old_is_delivered() -> No
                 t.close()
 
 
-@pytest.mark.parametrize("consistency", ["bsp", "ssp:1", "async"])
-def test_a_killed_worker_comes_back_and_counts_again(consistency: str) -> None:
+@pytest.mark.parametrize("consistency,shm", [("bsp", False), ("bsp", True), ("ssp:1", True), ("async", False)])
+def test_a_killed_worker_comes_back_and_counts_again(consistency: str, shm: bool) -> None:
+    """``shm``: the first processes share memory (one host); the restarted one has TCP only."""
     layout = PSLayout(servers=1, workers=2)
     config = PSConfig(consistency=Consistency.parse(consistency), timeout_s=10.0, lost_worker_wait_s=0.3)
-    store, (t0, t1, t2) = _job(3)
+    store, (t0, t1, t2) = _job(3, shm)
     server = ParameterServer(t0, layout, config)
     serving = server.start()
     t2b = None
