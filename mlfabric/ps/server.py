@@ -281,9 +281,6 @@ class ParameterServer:
         taken in first (if not yet), the transport sends to the new process from now on,
         and the worker counts again from the clock :meth:`ClockBook.rejoin` gives it, which
         the answer carries. Its pulls are answered as anyone's (the current model)."""
-        if self.config.routing != "direct":
-            raise ValueError(f"a restarted worker cannot rejoin under routing {self.config.routing!r} yet "
-                             "(direct routing only; docs/elastic.md)")
         readmit = getattr(self.transport, "readmit", None)
         if readmit is None:
             raise ValueError(f"this job's transport ({type(self.transport).__name__}) cannot take a restarted "
@@ -299,6 +296,11 @@ class ParameterServer:
             log.error("%s", text)
             self.stats.errors.append(text)
             return
+        if self.config.routing != "direct":
+            # Refused after the readmission, so that the refusal reaches the new process (it
+            # raises it, naming this server); the worker stays out of the clocks.
+            raise ValueError(f"a restarted worker cannot rejoin under routing {self.config.routing!r} yet "
+                             "(direct routing only; docs/elastic.md): restart the job instead")
         clock = self.book.rejoin(worker, now)
         self._seen_lost.discard(rank)
         self.stats.rejoined_workers.append(worker)
