@@ -215,3 +215,30 @@ def test_a_worker_that_never_returns_keeps_todays_behaviour() -> None:
     finally:
         for t in (t1, t0):
             t.close()
+
+
+def test_rejoin_bad_input_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mlfabric.ps
+    from mlfabric.ps.job import incarnation_from_env
+
+    monkeypatch.setenv("MLFABRIC_INCARNATION", "x")
+    with pytest.raises(ValueError, match="MLFABRIC_INCARNATION='x'"):
+        incarnation_from_env()
+    monkeypatch.setenv("MLFABRIC_INCARNATION", "-1")
+    with pytest.raises(ValueError, match=">= 0"):
+        incarnation_from_env()
+    for name, value in {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match="rank 0 \\(server 0\\): only workers rejoin"):
+        mlfabric.ps.init(incarnation=1)  # refused before any connection is tried
+    with pytest.raises(ValueError, match="tcp transport only"):
+        mlfabric.ps.init(incarnation=1, transport="zmq")
+    with pytest.raises(ValueError, match="incarnation >= 1"):
+        TcpTransport.rejoin(dist.HashStore(), 1, 2, 0, peers=[0])
+    store, (t0, t1) = _job(2)
+    try:
+        with pytest.raises(Exception, match="no restarted incarnation of it has connected"):
+            t0.readmit(1, t1.endpoints)
+    finally:
+        t0.close()
+        t1.close()
