@@ -436,12 +436,16 @@ class TcpTransport(Transport):
             if frame is None:
                 return
             _, tag, channel, meta, nbytes = frame
+            if self.incarnations.get(src, 0) != incarnation:
+                # The process that sent it was replaced by a restarted one while its bytes
+                # were on the way: drop it, and everything after it on this connection
+                # (before its payload could land in a destination offered to the new one).
+                self._reject(f"a message of peer {src}'s replaced incarnation {incarnation} (tag {tag})")
+                return
             payload, in_place = self.payload_destination(channel, tag, src, meta, nbytes)
             if nbytes and not stream.read_into(payload):
                 return
-            if self.incarnations.get(src, 0) != incarnation:
-                # The process that sent it was replaced by a restarted one while its bytes
-                # were on the way: drop it, and everything after it on this connection.
+            if self.incarnations.get(src, 0) != incarnation:  # replaced while its payload arrived
                 self._reject(f"a message of peer {src}'s replaced incarnation {incarnation} (tag {tag})")
                 return
             self._arrived(src, tag, channel, meta, payload, in_place)
