@@ -110,7 +110,8 @@ def incarnation_from_env() -> int:
     try:
         value = int(text)
     except ValueError:
-        raise ValueError(f"{INCARNATION_ENV}={text!r}: expected an integer >= 0 (1 for a worker's first restart)") from None
+        raise ValueError(f"{INCARNATION_ENV}={text!r}: expected an integer >= 0 "
+                         "(1 for a worker's first restart)") from None
     if value < 0:
         raise ValueError(f"{INCARNATION_ENV}={value}: expected an integer >= 0")
     return value

@@ -5,8 +5,9 @@ old process sent is delivered once the new one is in.
     python -m pytest tests/unit/test_ps_rejoin.py -q
 
 Threads in one process, on the tcp transport over loopback (with and without shared memory
-between the first processes; the restarted rank never gets a shared-memory link). A worker is "killed" by shutting its transport down
-without a goodbye: its peers see exactly what a SIGKILL shows them (connections that end).
+between the first processes; the restarted rank never gets a shared-memory link). A worker is
+"killed" by shutting its transport down without a goodbye: its peers see exactly what a
+SIGKILL shows them (connections that end).
 """
 
 from __future__ import annotations
@@ -150,8 +151,8 @@ def test_a_killed_worker_comes_back_and_counts_again(consistency: str, shm: bool
             w2.pull("m")
             w2.push("m", {"w": torch.ones(8)})
             w2.clock()
-        _wait(lambda: server.stats.updates_by_worker[1] >= 3 if consistency != "bsp" else server.book.rounds_closed >= 3,
-              10, "worker 1's first updates")
+        _wait(lambda: (server.book.rounds_closed >= 3 if consistency == "bsp"
+                       else server.stats.updates_by_worker[1] >= 3), 10, "worker 1's first updates")
         t2._shutdown()  # killed: no goodbye
         _wait(lambda: 1 in server.stats.lost_workers, 5, "the server to see worker 1 lost")
         before = server.stats.updates_by_worker[1]
