@@ -12,8 +12,14 @@ to the socket by the sending thread itself, without a hand-off.
 Layout. Each channel has a listening socket (``channel_addrs`` / ``MLFABRIC_CHANNEL_ADDRS``,
 so that a host with k NICs binds k addresses). Every rank connects to every peer on every
 channel; a connection carries one direction only. It opens with a handshake (magic, job
-token, source rank, channel index: :func:`mlfabric.transport.base.encode_header`); anything
-else, or a wrong token, is logged, counted and closed before a byte can reach a tensor. Then
+token, source rank, the source process's incarnation in the tag field, channel index:
+:func:`mlfabric.transport.base.encode_header`); anything else, or a wrong token, is logged,
+counted and closed before a byte can reach a tensor. A rank's restarted process
+(:meth:`TcpTransport.rejoin`, incarnation k >= 1) replaces the old one at every peer it
+connects to: the old process's connections and shared-memory link deliver nothing from then
+on, an older incarnation's handshake is refused, and the peer sends to the new process once
+it is told its endpoints (:meth:`TcpTransport.readmit`; the parameter server's rejoin:
+``tests/unit/test_ps_rejoin.py``). Then
 each message is a frame (``framing.py``: a header with tag, meta length, payload length and
 channel index, the meta bytes and the payload). Control messages ride the first channel.
 
