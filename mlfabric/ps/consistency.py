@@ -129,16 +129,17 @@ class ClockBook:
         if worker not in self.departed:
             self.lost_at.setdefault(worker, now)
 
-    def rejoin(self, worker: int, now: float) -> int:
+    def rejoin(self, worker: int, now: float, *, pushed: int = 0) -> int:
         """A lost (or departed) worker is back (a restarted process): it counts again, and its
         clock becomes the slowest other counted worker's (in BSP at least the rounds closed:
-        it takes part from the first open round on), never below its own (the rounds it had
-        pushed to are not pushed to twice). Returns that clock."""
+        it takes part from the first open round on), never below its own nor below
+        ``pushed`` (one past the last open round holding its update, which its old process
+        pushed without sending the clock): no round gets its update twice. Returns that clock."""
         others = [w for w in self.counted(now) if w != worker]
         clock = min((self.clocks[w] for w in others), default=max(self.clocks))
         if self.consistency.kind == "bsp":
             clock = max(clock, self.rounds_closed)
-        clock = max(clock, self.clocks[worker])
+        clock = max(clock, self.clocks[worker], pushed)
         self.lost_at.pop(worker, None)
         self.departed.discard(worker)
         self.clocks[worker] = clock

@@ -243,3 +243,42 @@ def test_rejoin_bad_input_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         t0.close()
         t1.close()
+
+
+def test_a_round_the_old_process_pushed_to_does_not_get_its_update_twice() -> None:
+    """BSP: the killed process pushed round 0 but died before its clock; the restarted one
+    counts from round 1, so round 0 holds its update once."""
+    layout = PSLayout(servers=1, workers=2)
+    config = PSConfig(consistency=Consistency.parse("bsp"), timeout_s=10.0, lost_worker_wait_s=5.0)
+    store, (t0, t1, t2) = _job(3)
+    server = ParameterServer(t0, layout, config)
+    serving = server.start()
+    t2b = None
+    try:
+        w1, w2 = PSWorker(t1, layout, config), PSWorker(t2, layout, config)
+        init = {"w": torch.zeros(4)}
+        other = threading.Thread(target=w1.init_model, args=("m", init))
+        other.start()
+        w2.init_model("m", init)
+        other.join(10)
+        w2.push("m", {"w": torch.ones(4)})  # round 0, and no clock: it dies here
+        _wait(lambda: 0 in server.shards["m"].rounds, 5, "worker 1's push of round 0")
+        t2._shutdown()
+        _wait(lambda: 1 in server.stats.lost_workers, 5, "the loss")
+        t2b = TcpTransport.rejoin(store, 2, 3, 1, peers=[0], timeout=5.0)
+        w2b = PSWorker(t2b, layout, config)
+        assert w2b.rejoin(1) == 1  # not 0: round 0 has its update already
+        w2b.init_model("m", init)
+        w1.push("m", {"w": torch.ones(4)})
+        w1.clock()
+        w1.pull("m")  # round 0 closed: both updates, once each
+        assert server.stats.updates_by_worker == {0: 1, 1: 1}
+        assert server.shards["m"].values.tolist() == pytest.approx([-0.01] * 4)  # lr 0.01 x the mean of two ones
+        w1.leave()
+        w2b.leave()
+        serving.join(10)
+        assert not server.stats.errors
+    finally:
+        for t in (t1, t2b, t0):
+            if t is not None:
+                t.close()
