@@ -155,6 +155,10 @@ class PSWorker:
         with self._lock:
             self._check_open("rejoin")
             endpoints = dict(getattr(self.transport, "endpoints", {}))
+            # Request ids of this process apart from the old one's (replies carry them in their
+            # tags): an answer meant for the old process can never pass for one of ours. Below
+            # 2**38, where an mlnet node's own ids start.
+            self._ids = itertools.count(1 + (incarnation % 64) * (1 << 32))
             ids = []
             for j in range(self.layout.servers):
                 request_id = next(self._ids)
