@@ -296,7 +296,7 @@ class ParameterServer:
             log.error("%s", text)
             self.stats.errors.append(text)
             return
-        if self.config.routing != "direct":
+        if not self.routing.takes_back_workers:
             # Refused after the readmission, so that the refusal reaches the new process (it
             # raises it, naming this server); the worker stays out of the clocks.
             raise ValueError(f"a restarted worker cannot rejoin under routing {self.config.routing!r} yet "

@@ -282,3 +282,34 @@ def test_a_round_the_old_process_pushed_to_does_not_get_its_update_twice() -> No
         for t in (t1, t2b, t0):
             if t is not None:
                 t.close()
+
+
+def test_a_rejoin_under_mlnet_is_refused_naming_it() -> None:
+    """MLNET's trees cannot take a node back yet: the restarted worker raises the server's
+    refusal (it reaches the new process: it is readmitted first), the job goes on."""
+    from dataclasses import replace
+
+    from mlfabric.ps.protocol import PSRequestError
+
+    layout = PSLayout(servers=1, workers=2)
+    config = PSConfig(consistency=Consistency.parse("ssp:1"), timeout_s=10.0, routing="mlnet")
+    store, (t0, t1, t2) = _job(3)
+    server = ParameterServer(t0, layout, config)
+    serving = server.start()
+    t2b = None
+    try:
+        w1 = PSWorker(t1, layout, config)
+        t2._shutdown()
+        _wait(lambda: 2 in t0.lost_peers, 5, "the loss")
+        t2b = TcpTransport.rejoin(store, 2, 3, 1, peers=[0], timeout=5.0)
+        started = time.monotonic()
+        with pytest.raises(PSRequestError, match="cannot rejoin under routing 'mlnet'"):
+            PSWorker(t2b, layout, replace(config, routing="direct")).rejoin(1)
+        assert time.monotonic() - started < 2.0
+        assert server.stats.rejoined_workers == []
+        w1.leave()
+    finally:
+        for t in (t1, t2b, t0):
+            if t is not None:
+                t.close()
+        serving.join(10)
