@@ -22,7 +22,8 @@ happen now.
 Workers that leave cleanly are out of the clocks at once in every model. A worker *lost*
 (killed, disconnected) is out at once in SSP and async; BSP waits ``lost_worker_wait_s`` for
 it (the job's patience with a missing contribution) and then closes its rounds without it,
-and the rounds say which workers were missing.
+and the rounds say which workers were missing. A lost worker whose restarted process comes
+back (:meth:`ClockBook.rejoin`) counts again from the slowest other worker's clock on.
 """
 
 from __future__ import annotations
@@ -127,6 +128,22 @@ class ClockBook:
     def lose(self, worker: int, now: float) -> None:
         if worker not in self.departed:
             self.lost_at.setdefault(worker, now)
+
+    def rejoin(self, worker: int, now: float, *, pushed: int = 0) -> int:
+        """A lost (or departed) worker is back (a restarted process): it counts again, and its
+        clock becomes the slowest other counted worker's (in BSP at least the rounds closed:
+        it takes part from the first open round on), never below its own nor below
+        ``pushed`` (one past the last open round holding its update, which its old process
+        pushed without sending the clock): no round gets its update twice. Returns that clock."""
+        others = [w for w in self.counted(now) if w != worker]
+        clock = min((self.clocks[w] for w in others), default=max(self.clocks))
+        if self.consistency.kind == "bsp":
+            clock = max(clock, self.rounds_closed)
+        clock = max(clock, self.clocks[worker], pushed)
+        self.lost_at.pop(worker, None)
+        self.departed.discard(worker)
+        self.clocks[worker] = clock
+        return clock
 
     # -- questions ---------------------------------------------------------------------------
 

@@ -19,10 +19,18 @@ available as ``job.comm`` for collectives over all ranks (evaluation, barriers).
 :meth:`PSJob.session` opens a further, independent PS instance on the same ranks (one per
 training run: each has its own models, clocks and statistics). :func:`local_jobs` gives the
 same on threads (the in-process transport), for tests.
+
+A worker whose process was killed can be started again with ``MLFABRIC_INCARNATION=k`` (its
+k-th restart; the same RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT as before; or
+``init(incarnation=k)``): :func:`init` then connects it to the running job's servers
+(:meth:`mlfabric.transport.tcp.TcpTransport.rejoin`, the tcp transport only), the servers take
+it back (:meth:`PSWorker.rejoin`) and the same code as at the start goes on (``init_model``
+checks the layout, ``pull`` gets the current model). ``tests/local/test_ps_rejoin_processes.py``.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from typing import Any
 
@@ -93,16 +101,40 @@ class PSJob:
         self.close()
 
 
+#: A restarted worker's incarnation (1 for its first restart): :func:`init` rejoins the job.
+INCARNATION_ENV = "MLFABRIC_INCARNATION"
+
+
+def incarnation_from_env() -> int:
+    text = os.environ.get(INCARNATION_ENV, "").strip() or "0"
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{INCARNATION_ENV}={text!r}: expected an integer >= 0 "
+                         "(1 for a worker's first restart)") from None
+    if value < 0:
+        raise ValueError(f"{INCARNATION_ENV}={value}: expected an integer >= 0")
+    return value
+
+
 def init(*, servers: int | None = None, replicas: int | None = None, consistency: str | Consistency = "bsp",
          transport: str = "tcp", timeout: float = 60.0, lost_worker_wait_s: float | None = None,
-         routing: str = "direct", seed: int = 0, pace_ordered_pulls: bool = False, **init_options: Any) -> PSJob:
+         routing: str = "direct", seed: int = 0, pace_ordered_pulls: bool = False, incarnation: int | None = None,
+         **init_options: Any) -> PSJob:
     """Join the job (:func:`mlfabric.init`'s rendezvous and ``init_options``) and take this
     rank's role. ``servers``/``replicas`` default to ``MLFABRIC_PS_SERVERS`` (1) and
     ``MLFABRIC_PS_REPLICAS`` (0); the other ranks are workers. ``timeout`` bounds every wait;
     ``lost_worker_wait_s`` (default: a sixth of it) is how long BSP waits for a lost worker;
-    ``pace_ordered_pulls``: :class:`PSConfig`'s."""
+    ``pace_ordered_pulls``: :class:`PSConfig`'s. ``incarnation`` (default
+    ``MLFABRIC_INCARNATION``, else 0): >= 1 for a restarted worker, which rejoins the running
+    job (module docstring)."""
     import mlfabric
 
+    incarnation = incarnation_from_env() if incarnation is None else incarnation
+    if incarnation:
+        return _rejoin(incarnation, servers=servers, replicas=replicas, consistency=consistency, transport=transport,
+                       timeout=timeout, lost_worker_wait_s=lost_worker_wait_s, routing=routing, seed=seed,
+                       pace_ordered_pulls=pace_ordered_pulls, **init_options)
     comm = mlfabric.init(transport=transport, timeout=timeout, **init_options)
     try:
         layout = PSLayout.for_world(comm.world_size, servers, replicas)
@@ -121,3 +153,42 @@ def local_jobs(layout: PSLayout, config: PSConfig | None = None) -> list[PSJob]:
     config = config or PSConfig()
     comms = mlfabric.local_world(layout.world_size, timeout=config.timeout_s)
     return [PSJob(comm, layout, config) for comm in comms]
+
+
+def _rejoin(incarnation: int, *, servers: int | None, replicas: int | None, consistency: str | Consistency,
+            transport: str, timeout: float, lost_worker_wait_s: float | None, routing: str, seed: int,
+            pace_ordered_pulls: bool, **init_options: Any) -> PSJob:
+    """A restarted worker back in its running job: the job's store (served by rank 0, a
+    server), a tcp transport connected to the servers as ``incarnation``, and the servers'
+    consent (:meth:`PSWorker.rejoin`). Its communicator reaches the servers only: no
+    collective over every rank."""
+    from mlfabric.runtime.rendezvous import connect_store, job_info
+    from mlfabric.transport.sockets import local_address_towards
+    from mlfabric.transport.tcp import TcpTransport
+
+    if transport != "tcp":
+        raise ValueError(f"a restarted worker ({INCARNATION_ENV}={incarnation}) rejoins over the tcp transport only, "
+                         f"not {transport!r}")
+    if init_options:
+        raise ValueError(f"a restarted worker takes none of {sorted(init_options)}: it joins the job's servers as "
+                         "they are")
+    job = job_info()
+    layout = PSLayout.for_world(job.world_size, servers, replicas)
+    if layout.role(job.rank) != "worker":
+        raise ValueError(f"{INCARNATION_ENV}={incarnation} on {layout.describe(job.rank)}: only workers rejoin "
+                         "(a lost server is replaced by its replica)")
+    config = PSConfig(consistency=consistency, timeout_s=timeout, routing=routing, seed=seed,
+                      lost_worker_wait_s=lost_worker_wait_s, pace_ordered_pulls=pace_ordered_pulls)
+    store = connect_store(job, timeout)
+    tr = TcpTransport.rejoin(store, job.rank, job.world_size, incarnation, layout.server_ranks,
+                             bind_addrs={"0": local_address_towards(job.master_addr)}, timeout=timeout)
+    try:
+        comm = Communicator(tr, timeout=timeout)
+        comm.store = store
+        ps_job = PSJob(comm, layout, config)
+        assert ps_job.worker is not None
+        ps_job.worker.rejoin(incarnation)
+    except BaseException:
+        tr.close()
+        raise
+    return ps_job

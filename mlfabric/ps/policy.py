@@ -141,6 +141,10 @@ class Policy:
     #: Whether pushes need the update's norm (MLfabric's scheduler plans on it; computing it
     #: costs a float64 pass over the gradient, so the worker skips it when no policy reads it).
     needs_push_norm = False
+    #: Whether a restarted worker may rejoin (``ParameterServer._rejoin``): only where the
+    #: policy holds no per-worker state that a new process would have to be taken back into
+    #: (trees, schedules). The direct policy sets it; others refuse the rejoin, naming them.
+    takes_back_workers = False
 
     # -- configuration -----------------------------------------------------------------------
 

@@ -51,6 +51,7 @@ INIT, PUSH, CLOCK, PULL, LEAVE, STATS = "init", "push", "clock", "pull", "leave"
 ORDER = "order"  # from the scheduler to a server: a batch's application order
 ADOPT = "adopt"  # from a worker to a replica promoted to server: the worker's clock
 ATTACH = "attach"  # from an mlnet node to its new parent (node or server) after a repair
+REJOIN = "rejoin"  # from a restarted worker (a new incarnation of its rank) to every server
 
 
 class PSRequestError(MlfabricError, ValueError):
@@ -178,6 +179,17 @@ class Adopt(Header):
     clock: int
 
 
+@dataclass(frozen=True, slots=True)
+class Rejoin(Header):
+    """From a restarted worker (its rank's ``incarnation``-th process) to a server: take it back
+    and send to it at ``endpoints`` (its new listeners); answered by :class:`Rejoined`."""
+
+    OP: ClassVar[str] = REJOIN
+    id: int
+    incarnation: int
+    endpoints: dict[str, str]
+
+
 # -- server -> worker (answers on the reply tags) -------------------------------------------------
 
 
@@ -208,6 +220,14 @@ class Piece(Header):
 class Ok(Header):
     OP: ClassVar[str] = "ok"
     version: int
+
+
+@dataclass(frozen=True, slots=True)
+class Rejoined(Header):
+    """A server took a restarted worker back: it counts again from ``clock`` on."""
+
+    OP: ClassVar[str] = "rejoined"
+    clock: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 
+from mlfabric.errors import TransportError
 from mlfabric.runtime.fair_share import nic_rates_from
 from mlfabric.transport.base import SendHandle, Transport, tensor_bytes
 
@@ -68,6 +69,10 @@ class ServerStats:
     bytes_out: int = 0
     lost_workers: list[int] = field(default_factory=list)
     departed_workers: list[int] = field(default_factory=list)
+    #: Workers taken back after a restart (one entry per rejoin), and the gradients applied
+    #: per worker (whose updates counted, before and after a rejoin).
+    rejoined_workers: list[int] = field(default_factory=list)
+    updates_by_worker: Counter = field(default_factory=Counter)
     missing_rounds: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     #: The scheduled routing policy: entries of a batch's order that had not arrived in time
@@ -99,7 +104,8 @@ class ServerStats:
                 "delays": {str(k): v for k, v in sorted(self.delays.items())}, "pulls": self.pulls,
                 "clock_lag": {str(k): v for k, v in sorted(self.clock_lag.items())},
                 "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "lost_workers": self.lost_workers,
-                "departed_workers": self.departed_workers,
+                "departed_workers": self.departed_workers, "rejoined_workers": self.rejoined_workers,
+                "updates_by_worker": {str(k): v for k, v in sorted(self.updates_by_worker.items())},
                 "missing_rounds": [[t, list(w)] for t, w in self.missing_rounds], "errors": self.errors,
                 "skipped": self.skipped, "unscheduled": self.unscheduled, "scheduler": self.scheduler,
                 "replica_bytes": self.replica_bytes, "probe_bytes": self.probe_bytes,
@@ -270,6 +276,42 @@ class ParameterServer:
             if self.layout.role(rank) == "worker" and self.layout.worker_index(rank) not in self.book.departed:
                 self._leave(self.layout.worker_index(rank))
 
+    def _rejoin(self, rank: int, worker: int, header: dict[str, Any]) -> None:
+        """A restarted process of worker ``rank`` asks back in: the old process's loss is
+        taken in first (if not yet), the transport sends to the new process from now on,
+        and the worker counts again from the clock :meth:`ClockBook.rejoin` gives it, which
+        the answer carries. Its pulls are answered as anyone's (the current model)."""
+        readmit = getattr(self.transport, "readmit", None)
+        if readmit is None:
+            raise ValueError(f"this job's transport ({type(self.transport).__name__}) cannot take a restarted "
+                             "process back; use the tcp transport")
+        now = time.monotonic()
+        self._track_membership(now)  # the old process's loss, if the transport only just saw it
+        try:
+            readmit(rank, header["endpoints"])
+        except TransportError as exc:
+            # Nothing can reach the new process: it stays lost here, and its own wait for
+            # this answer runs out naming this server.
+            text = f"{self.who}: could not take back restarted {self.layout.describe(rank)}: {exc}"
+            log.error("%s", text)
+            self.stats.errors.append(text)
+            return
+        if not self.routing.takes_back_workers:
+            # Refused after the readmission, so that the refusal reaches the new process (it
+            # raises it, naming this server); the worker stays out of the clocks.
+            raise ValueError(f"a restarted worker cannot rejoin under routing {self.config.routing!r} yet "
+                             "(direct routing only; docs/elastic.md): restart the job instead")
+        # An open BSP round may hold an update its old process pushed without the clock after it.
+        pushed = max((t + 1 for shard in self.shards.values() for t, entry in shard.rounds.items()
+                      if worker in entry.workers), default=0)
+        clock = self.book.rejoin(worker, now, pushed=pushed)
+        self._seen_lost.discard(rank)
+        self.stats.rejoined_workers.append(worker)
+        log.warning("%s: %s is back (incarnation %s); it counts again from clock %d", self.who,
+                    self.layout.describe(rank), header.get("incarnation"), clock)
+        self.transport.send(rank, protocol.reply_tag(self.config.session, int(header["id"])), b"",
+                            meta=protocol.Rejoined(clock=clock).encode(), channel=self.channel)
+
     def _leave(self, worker: int) -> None:
         if worker not in self.book.departed:
             self.book.leave(worker)
@@ -302,6 +344,8 @@ class ParameterServer:
             op = header["op"]
             if op == protocol.PUSH:
                 self.receive_push(worker, header, msg.payload)
+            elif op == protocol.REJOIN:
+                self._rejoin(msg.src, worker, header)
             elif self.routing.claim_message(self, msg.src, header, msg.payload):
                 pass  # the policy's own request (an mlnet node re-attaching)
             elif op == protocol.CLOCK:
@@ -436,6 +480,7 @@ class ParameterServer:
         shard.version += 1 if self.config.consistency.kind == "bsp" else len(workers)
         self.stats.updates_applied += 1
         self.stats.worker_updates += len(workers)
+        self.stats.updates_by_worker.update(workers)
         if self.stats.first_update_at is None:
             self.stats.first_update_at = time.time()
         every = self.config.checkpoint_every

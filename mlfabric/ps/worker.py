@@ -65,11 +65,12 @@ class WorkerStats:
     pull_clocks: list[tuple[int, int | None]] = field(default_factory=list)
     relayed: int = 0  # model shards this worker forwarded as a distributor (§10.3)
     pushes_dropped: int = 0  # updates MLfabric's scheduler dropped (push returned False)
+    rejoined_at_clock: int | None = None  # a restarted worker: the clock it was taken back at
 
     def as_dict(self) -> dict[str, Any]:
         lat = sorted(self.pull_latency_s)
         return {"pushes": self.pushes, "pulls": self.pulls, "relayed": self.relayed,
-                "pushes_dropped": self.pushes_dropped,
+                "pushes_dropped": self.pushes_dropped, "rejoined_at_clock": self.rejoined_at_clock,
                 "pull_latency_ms_mean": 1e3 * sum(lat) / len(lat) if lat else None,
                 "pull_latency_ms_p50": 1e3 * lat[len(lat) // 2] if lat else None,
                 "pull_latency_ms_max": 1e3 * lat[-1] if lat else None}
@@ -141,6 +142,41 @@ class PSWorker:
             self.models[name] = spec
             self.versions[name] = versions
             return spec
+
+    def rejoin(self, incarnation: int) -> int:
+        """This worker's process was restarted (its rank's ``incarnation``-th process, on a
+        transport from :meth:`mlfabric.transport.tcp.TcpTransport.rejoin`): ask every server
+        to take it back. Each answers with the clock it counts this worker from; the worker
+        takes the highest and tells the others (an adopt, ahead of its first push on the same
+        connection), so that no server counts it in a round it will not push to. Returns that
+        clock. Then call :meth:`init_model` as at the start (the servers keep their model:
+        only the layout is checked) and :meth:`pull` the current model. Bounded by the
+        config's ``timeout_s`` per server, naming it."""
+        with self._lock:
+            self._check_open("rejoin")
+            endpoints = dict(getattr(self.transport, "endpoints", {}))
+            # Request ids of this process apart from the old one's (replies carry them in their
+            # tags): an answer meant for the old process can never pass for one of ours. Below
+            # 2**38, where an mlnet node's own ids start.
+            self._ids = itertools.count(1 + (incarnation % 64) * (1 << 32))
+            ids = []
+            for j in range(self.layout.servers):
+                request_id = next(self._ids)
+                ids.append(request_id)
+                self.transport.send(self.server_rank(j), protocol.request_tag(self.config.session), b"",
+                                    meta=protocol.Rejoin(id=request_id, incarnation=incarnation,
+                                                         endpoints=endpoints).encode(), channel=self.channel)
+            clocks = [int(self._await(j, request_id, f"rejoin (incarnation {incarnation})")[0]["clock"])
+                      for j, request_id in enumerate(ids)]
+            clock = max(clocks)
+            tag = protocol.request_tag(self.config.session)
+            for j, theirs in enumerate(clocks):
+                if theirs != clock:
+                    self.transport.send(self.server_rank(j), tag, b"", meta=protocol.Adopt(clock=clock).encode(),
+                                        channel=self.channel)
+            self.clock_value = clock
+            self.stats.rejoined_at_clock = clock
+            return clock
 
     # -- push -----------------------------------------------------------------------------------
 

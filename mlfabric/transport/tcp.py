@@ -12,8 +12,14 @@ to the socket by the sending thread itself, without a hand-off.
 Layout. Each channel has a listening socket (``channel_addrs`` / ``MLFABRIC_CHANNEL_ADDRS``,
 so that a host with k NICs binds k addresses). Every rank connects to every peer on every
 channel; a connection carries one direction only. It opens with a handshake (magic, job
-token, source rank, channel index: :func:`mlfabric.transport.base.encode_header`); anything
-else, or a wrong token, is logged, counted and closed before a byte can reach a tensor. Then
+token, source rank, the source process's incarnation in the tag field, channel index:
+:func:`mlfabric.transport.base.encode_header`); anything else, or a wrong token, is logged,
+counted and closed before a byte can reach a tensor. A rank's restarted process
+(:meth:`TcpTransport.rejoin`, incarnation k >= 1) replaces the old one at every peer it
+connects to: the old process's connections and shared-memory link deliver nothing from then
+on, an older incarnation's handshake is refused, and the peer sends to the new process once
+it is told its endpoints (:meth:`TcpTransport.readmit`; the parameter server's rejoin:
+``tests/unit/test_ps_rejoin.py``). Then
 each message is a frame (``framing.py``: a header with tag, meta length, payload length and
 channel index, the meta bytes and the payload). Control messages ride the first channel.
 
@@ -42,6 +48,7 @@ Exercise it with ``python -m pytest tests/local/test_socket_transports.py tests/
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import threading
@@ -95,8 +102,22 @@ class TcpTransport(Transport):
     def __init__(self, rank: int, world_size: int, token: bytes, *,
                  channels: tuple[str, ...] = ("0",), bind_addrs: Mapping[str, str] | None = None,
                  pace_bps: Mapping[str, float] | None = None, connect_timeout: float = 60.0,
-                 shared_memory: bool = False, priority: int | None = None) -> None:
+                 shared_memory: bool = False, priority: int | None = None, incarnation: int = 0) -> None:
         super().__init__(rank, world_size, channels)
+        #: Which start of this rank's process this is: 0 at the job's start, k for its k-th
+        #: restart (:meth:`rejoin`). Every connection's handshake carries it; a peer holds each
+        #: rank's newest and refuses older ones (see :meth:`_admit`).
+        if incarnation < 0:
+            raise ValueError(f"rank {rank}: incarnation must be >= 0, got {incarnation}")
+        self.incarnation = incarnation
+        #: The newest incarnation seen per peer (absent: 0), and per peer how often it was
+        #: readmitted (a loss reported for an older incarnation is then ignored).
+        self.incarnations: dict[int, int] = {}
+        self.readmissions: dict[int, int] = {}
+        self._incarnation_lock = threading.Lock()
+        # Peers that had a shared-memory link before a new incarnation of them connected:
+        # whatever that link still delivers is the old process's.
+        self._stale_shm: set[int] = set()
         #: The job's traffic priority (MLNET §3), marked on every connection: ``priority``, or
         #: ``MLFABRIC_PRIORITY`` (0, unmarked, when neither is given).
         self.priority = priority_from_env() if priority is None else parse_priority(priority)
@@ -174,8 +195,62 @@ class TcpTransport(Transport):
                 continue
             for name in self.channels:
                 sock = self._dial(peer, endpoints[name])
-                sock.sendall(encode_header(self.token, self.rank, 0, self._channel_index[name]))
+                sock.sendall(encode_header(self.token, self.rank, self.incarnation, self._channel_index[name]))
                 self._outgoing[(peer, name)] = OrderedLink(self, peer, name, sock)
+
+    @classmethod
+    def rejoin(cls, store, rank: int, world_size: int, incarnation: int, peers: Sequence[int], *,
+               channels: tuple[str, ...] = ("0",), bind_addrs: Mapping[str, str] | None = None,
+               timeout: float = 60.0, priority: int | None = None) -> "TcpTransport":
+        """A restarted process of ``rank`` (its ``incarnation``-th start, >= 1) back in the
+        running job: the job's token and ``peers``' endpoints from ``store`` (published at the
+        job's rendezvous; the store must outlive the rank's first process), a connection to
+        each of them, and this process's own endpoints republished. TCP only: a restarted
+        process gets no shared-memory link (its peers' shared-memory state is the old
+        process's). A peer accepts the connections as a new incarnation of ``rank`` and stops
+        taking anything the old one sent; it sends back once it is asked to
+        (:meth:`readmit` with :attr:`endpoints`, e.g. by the parameter server's rejoin request)."""
+        if incarnation < 1:
+            raise ValueError(f"rank {rank}: a rejoining process needs an incarnation >= 1 (got {incarnation})")
+        token = bytes.fromhex(store.get("token").decode())
+        transport = cls(rank, world_size, token, channels=channels, bind_addrs=bind_addrs, connect_timeout=timeout,
+                        shared_memory=False, priority=priority, incarnation=incarnation)
+        try:
+            store.set(f"endpoints/{rank}", json.dumps(transport.endpoints))
+            transport.connect({peer: json.loads(store.get(f"endpoints/{peer}").decode()) for peer in peers})
+        except BaseException:
+            transport._shutdown()
+            raise
+        return transport
+
+    def readmit(self, peer: int, endpoints: Mapping[str, str]) -> None:
+        """Send to a new incarnation of ``peer`` (whose connections here were accepted as such)
+        at ``endpoints``: dial it on every channel, replacing the old process's connections,
+        and take it off the lost and departed peers. Raises TransportError naming the peer if
+        it cannot be reached within ``connect_timeout``."""
+        if not self.incarnations.get(peer):
+            raise TransportError(f"rank {self.rank}: readmit(peer {peer}) but no restarted incarnation of it has "
+                                 "connected here (it must connect first: TcpTransport.rejoin)")
+        check_endpoints(self.rank, peer, endpoints, self.channels)
+        links = {}
+        for name in self.channels:
+            sock = self._dial(peer, endpoints[name])
+            sock.sendall(encode_header(self.token, self.rank, self.incarnation, self._channel_index[name]))
+            links[name] = OrderedLink(self, peer, name, sock)
+        with self._incarnation_lock:
+            self.readmissions[peer] = self.readmissions.get(peer, 0) + 1
+            self._shm_peers = self._shm_peers - {peer}
+            old = [self._outgoing.get((peer, name)) for name in self.channels]
+            for name, link in links.items():
+                self._outgoing[(peer, name)] = link
+            self.lost_peers.pop(peer, None)
+            self.departed_peers.discard(peer)
+            self.farewells.pop(peer, None)
+        for link in old:
+            if link is not None:
+                link.close()
+        log.info("rank %d: readmitted peer %d (incarnation %d)", self.rank, peer, self.incarnations[peer])
+        self.mailbox.notify()
 
     def _dial(self, peer: int, endpoint: str) -> socket.socket:
         address = peer_address(endpoint)
@@ -287,10 +362,12 @@ class TcpTransport(Transport):
 
     def _read(self, sock: socket.socket, address: tuple) -> None:
         src = None
+        incarnation = 0
         try:
-            src = self._handshake(sock, address)
-            if src is not None:
-                self._read_messages(sock, src)
+            admitted = self._handshake(sock, address)
+            if admitted is not None:
+                src, incarnation = admitted
+                self._read_messages(sock, src, incarnation)
         except OSError as exc:
             if not self._stop.is_set() and src is not None:
                 log.debug("rank %d: connection from peer %d failed: %s", self.rank, src, exc)
@@ -298,12 +375,12 @@ class TcpTransport(Transport):
             with self._incoming_lock:
                 self._incoming.discard(sock)
             sock.close()
-        if src is not None and not self._stop.is_set():
+        if src is not None and not self._stop.is_set() and self.incarnations.get(src, 0) == incarnation:
             self.link_ended(src, "its connection closed without a goodbye (process died?)")
 
-    def _handshake(self, sock: socket.socket, address: tuple) -> int | None:
-        """The source rank of a connection that proves it belongs to the job; None (after
-        logging the rejection) for anything else."""
+    def _handshake(self, sock: socket.socket, address: tuple) -> tuple[int, int] | None:
+        """The source rank and incarnation of a connection that proves it belongs to the job;
+        None (after logging the rejection) for anything else."""
         sock.settimeout(HANDSHAKE_TIMEOUT_S)
         raw = bytearray(HANDSHAKE_BYTES)
         try:
@@ -318,29 +395,66 @@ class TcpTransport(Transport):
                 self._reject(f"{reason} from {address}")
             return None
         try:
-            src, _, channel_index = decode_header(raw, self.token)
+            src, incarnation, channel_index = decode_header(raw, self.token)
         except ValueError as exc:
             self._reject(f"{exc} from {address}")
             return None
         if not 0 <= src < self.world_size or src == self.rank or channel_index not in self._index_channel:
             self._reject(f"bad source {src} or channel index {channel_index} from {address}")
             return None
+        if not self._admit(src, incarnation, address):
+            return None
         sock.settimeout(None)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
         set_priority(sock, self.priority)  # its ACKs
-        return src
+        return src, incarnation
 
-    def _read_messages(self, sock: socket.socket, src: int) -> None:
+    def _admit(self, src: int, incarnation: int, address: tuple) -> bool:
+        """Whether a connection of ``src``'s ``incarnation`` is taken. An older incarnation
+        than the newest seen is refused (a message of a process that was replaced is never
+        delivered); a newer one replaces the old process: the old one is reported lost now if
+        it was not yet (a restarted rank proves its old process gone), and from here on the
+        old process's connections deliver nothing."""
+        with self._incarnation_lock:
+            known = self.incarnations.get(src, 0)
+            if incarnation < known:
+                stale = True
+            else:
+                stale = False
+                if incarnation > known:
+                    self.incarnations[src] = incarnation
+                    if src in self._shm_peers:
+                        self._stale_shm.add(src)
+        if stale:
+            self._reject(f"a connection of peer {src}'s incarnation {incarnation} from {address}, but its "
+                         f"incarnation {known} has replaced it (a message of the old process)")
+            return False
+        if incarnation > known:
+            log.warning("rank %d: peer %d connected as incarnation %d (was %d): its old process is gone",
+                        self.rank, src, incarnation, known)
+            self._peer_lost(src, f"replaced by its incarnation {incarnation} (restarted)")
+        return True
+
+    def _read_messages(self, sock: socket.socket, src: int, incarnation: int = 0) -> None:
         stream = FrameReader(sock)
         while True:
             frame = stream.frame(self, src)
             if frame is None:
                 return
             _, tag, channel, meta, nbytes = frame
+            if self.incarnations.get(src, 0) != incarnation:
+                # The process that sent it was replaced by a restarted one while its bytes
+                # were on the way: drop it, and everything after it on this connection
+                # (before its payload could land in a destination offered to the new one).
+                self._reject(f"a message of peer {src}'s replaced incarnation {incarnation} (tag {tag})")
+                return
             payload, in_place = self.payload_destination(channel, tag, src, meta, nbytes)
             if nbytes and not stream.read_into(payload):
                 return
-            self.payload_received(src, tag, channel, meta, payload, in_place)
+            if self.incarnations.get(src, 0) != incarnation:  # replaced while its payload arrived
+                self._reject(f"a message of peer {src}'s replaced incarnation {incarnation} (tag {tag})")
+                return
+            self._arrived(src, tag, channel, meta, payload, in_place)
 
     # -- what the links call (framing.LinkOwner) ---------------------------------------------
 
@@ -366,6 +480,14 @@ class TcpTransport(Transport):
 
     def payload_received(self, src: int, tag: int, channel: str, meta: bytes, payload: memoryview, in_place: bool) -> None:
         """A payload has fully arrived (over TCP or shared memory): count and deliver it."""
+        if self._stale_shm and src in self._stale_shm:
+            # Only a replaced process ever had a shared-memory link with a restarted rank.
+            self._reject(f"a message of peer {src}'s replaced process on its old shared-memory link (tag {tag})")
+            return
+        self._arrived(src, tag, channel, meta, payload, in_place)
+
+    def _arrived(self, src: int, tag: int, channel: str, meta: bytes, payload: memoryview, in_place: bool) -> None:
+        """A payload has fully arrived from a live incarnation: count and deliver it."""
         if in_place:
             with self._offer_lock:  # readers of several connections count here
                 self.bytes_in_place += payload.nbytes
@@ -373,10 +495,14 @@ class TcpTransport(Transport):
 
     def link_ended(self, peer: int, reason: str) -> None:
         """A connection with ``peer`` ended: a peer that said goodbye left; one that did not
-        died. The goodbye rides the first channel and may still be in flight on it."""
+        died. The goodbye rides the first channel and may still be in flight on it. A link of
+        a process that a restarted one replaced meanwhile says nothing about the new one."""
+        admissions = (self.incarnations.get(peer, 0), self.readmissions.get(peer, 0))
         deadline = time.monotonic() + GOODBYE_GRACE_S
         while time.monotonic() < deadline and peer not in self.departed_peers and not self._stop.is_set():
             time.sleep(0.01)
+        if admissions != (self.incarnations.get(peer, 0), self.readmissions.get(peer, 0)):
+            return
         if peer not in self.departed_peers and not self._stop.is_set():
             self._peer_lost(peer, reason)
 

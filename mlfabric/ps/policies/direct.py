@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 class DirectRouting(Policy):
     name = "direct"
+    takes_back_workers = True  # nothing per worker to rebuild: a restarted worker may rejoin
 
 
 def _factory(config: "PSConfig") -> Policy:
