@@ -92,3 +92,55 @@ def test_a_gpu_model_trains_elastically_and_a_joiner_gets_its_adam_state_on_its_
         assert cuda[m]["state"] == {"exp_avg": "cuda", "exp_avg_sq": "cuda", "step": "cpu"}, cuda[m]["state"]
     cpu = _run(torch.device("cpu"), 12, leave=True)
     assert torch.allclose(cpu[0]["params"], cuda[0]["params"], atol=1e-5)
+
+
+
+_DDP_MEMBER = """
+import json, sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+from torch import nn
+from mlfabric.torch.elastic import Elastic
+member, port, dim = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+store = dist.TCPStore("127.0.0.1", port, 2, member == 0, timeout=timedelta(seconds=60))
+model = nn.Sequential(nn.Linear(dim, 8), nn.Tanh(), nn.Linear(8, 1))
+with torch.no_grad():
+    for i, p in enumerate(model.parameters()):
+        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 0.3)
+model.cuda()
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+el = Elastic(model, opt, store=store, member=member, initial=(0, 1), timeout=20, grace_s=3)
+ddp = el.ddp()
+while el.committed < 6:
+    gen = torch.Generator().manual_seed(1000 * el.committed + 7)
+    x = torch.randn(12, dim, generator=gen)[el.rank::el.world_size].cuda()
+    opt.zero_grad()
+    nn.functional.mse_loss(ddp(x), x.sum(1, keepdim=True)).backward()
+    el.step()
+print(json.dumps({"params": torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()]).tolist(),
+                  "devices": sorted({p.device.type for p in model.parameters()}), "committed": el.committed}))
+el.finish()
+el.close()
+"""
+
+
+def test_ddp_on_the_elastic_group_with_a_gpu_model() -> None:
+    """DDP's buckets are CUDA tensors: the "mlfabric" backend's elastic group stages them
+    through host memory; two members (processes: a process's CUDA backward passes all run on
+    one autograd thread, so two members as threads of one process would block each other in
+    DDP's hook) end with equal parameters, still on the GPU."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", _DDP_MEMBER, str(m), str(port), str(DIM)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for m in (0, 1)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    got = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert [g["committed"] for g in got] == [6, 6] and all(g["devices"] == ["cuda"] for g in got)
+    assert got[0]["params"] == got[1]["params"]
