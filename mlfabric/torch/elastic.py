@@ -202,13 +202,7 @@ class Elastic:
                 p.grad = torch.zeros_like(p)
             p.grad.copy_(buf[offset:offset + size].view_as(p.grad))  # back to p's device
             offset += size
-        self.optimizer.step()
-        self.committed += 1
-        if self.on_commit is not None:
-            self.on_commit(self.committed, self)
-        if joiners > 0:
-            self.comm.reconfigure(f"admitting joiners after step {self.committed}", after_commit=True)
-        return True
+        return self._commit(joiners)
 
     def _ddp_step(self, weight: float) -> bool:
         if weight != 1.0:
@@ -234,6 +228,11 @@ class Elastic:
         for p in self.params:
             if p.grad is not None:
                 p.grad.div_(contributors)
+        return self._commit(joiners)
+
+    def _commit(self, joiners: float) -> bool:
+        """The step's gradients are averaged on every live rank: apply them, and admit the
+        joiners the leader said are waiting (after the commit: they receive this step's state)."""
         self.optimizer.step()
         self.committed += 1
         if self.on_commit is not None:
