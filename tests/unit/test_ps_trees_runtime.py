@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import pytest
@@ -24,24 +23,13 @@ import torch
 from mlfabric.ps import PSConfig, PSLayout, local_jobs
 from mlfabric.ps.policies.scheduled import ScheduledSettings, SchedulerService
 from mlfabric.ps.policies.scheduled.aggregator import Aggregator
+from mlfabric.ps.policies.scheduled.core import GroupOrder
 from tests.unit.ps_relay_loss import lost_and_survivors, two_rounds_losing_a_relay
 
 STEPS, SIZE, CHUNK_BYTES = 4, 2000, 1024  # 8 KB of float32 in 8 chunks
 
 
-@dataclass(frozen=True)
-class TreeOrder:
-    """A GroupOrder with the tree fields of the shared interface (#36)."""
-
-    host: int
-    slot: int
-    members: tuple[tuple[int, int], ...]
-    servers: tuple[int, ...]
-    deadline_in: float
-    rates: tuple[float | None, ...]
-    parent: int | None = None
-    children: tuple[int, ...] = ()
-    chunk_bytes: int = 0
+TreeOrder = GroupOrder  # the core's order of one tree node (#36's parent / children / chunk_bytes)
 
 
 def chain_every_batch(patch: Callable[[Any, str, Any], None]) -> list[int]:
