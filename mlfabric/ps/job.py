@@ -39,6 +39,7 @@ from mlfabric.runtime.communicator import Communicator
 from .config import PSConfig
 from .consistency import Consistency
 from .layout import PSLayout
+from .policy import make_policy
 from .replica import Replica
 from .server import ParameterServer, ServerStats
 from .worker import PSWorker
@@ -120,12 +121,12 @@ def incarnation_from_env() -> int:
 def init(*, servers: int | None = None, replicas: int | None = None, consistency: str | Consistency = "bsp",
          transport: str = "tcp", timeout: float = 60.0, lost_worker_wait_s: float | None = None,
          routing: str = "direct", seed: int = 0, pace_ordered_pulls: bool = False, incarnation: int | None = None,
-         **init_options: Any) -> PSJob:
+         mlnet: Any = None, **init_options: Any) -> PSJob:
     """Join the job (:func:`mlfabric.init`'s rendezvous and ``init_options``) and take this
     rank's role. ``servers``/``replicas`` default to ``MLFABRIC_PS_SERVERS`` (1) and
     ``MLFABRIC_PS_REPLICAS`` (0); the other ranks are workers. ``timeout`` bounds every wait;
     ``lost_worker_wait_s`` (default: a sixth of it) is how long BSP waits for a lost worker;
-    ``pace_ordered_pulls``: :class:`PSConfig`'s. ``incarnation`` (default
+    ``pace_ordered_pulls``, ``mlnet`` (the trees of ``routing="mlnet"``): :class:`PSConfig`'s. ``incarnation`` (default
     ``MLFABRIC_INCARNATION``, else 0): >= 1 for a restarted worker, which rejoins the running
     job (module docstring)."""
     import mlfabric
@@ -134,12 +135,12 @@ def init(*, servers: int | None = None, replicas: int | None = None, consistency
     if incarnation:
         return _rejoin(incarnation, servers=servers, replicas=replicas, consistency=consistency, transport=transport,
                        timeout=timeout, lost_worker_wait_s=lost_worker_wait_s, routing=routing, seed=seed,
-                       pace_ordered_pulls=pace_ordered_pulls, **init_options)
+                       pace_ordered_pulls=pace_ordered_pulls, mlnet=mlnet, **init_options)
     comm = mlfabric.init(transport=transport, timeout=timeout, **init_options)
     try:
         layout = PSLayout.for_world(comm.world_size, servers, replicas)
         config = PSConfig(consistency=consistency, timeout_s=timeout, routing=routing, seed=seed,
-                          lost_worker_wait_s=lost_worker_wait_s, pace_ordered_pulls=pace_ordered_pulls)
+                          lost_worker_wait_s=lost_worker_wait_s, pace_ordered_pulls=pace_ordered_pulls, mlnet=mlnet)
     except ValueError:
         comm.close()
         raise
@@ -157,11 +158,11 @@ def local_jobs(layout: PSLayout, config: PSConfig | None = None) -> list[PSJob]:
 
 def _rejoin(incarnation: int, *, servers: int | None, replicas: int | None, consistency: str | Consistency,
             transport: str, timeout: float, lost_worker_wait_s: float | None, routing: str, seed: int,
-            pace_ordered_pulls: bool, **init_options: Any) -> PSJob:
+            pace_ordered_pulls: bool, mlnet: Any = None, **init_options: Any) -> PSJob:
     """A restarted worker back in its running job: the job's store (served by rank 0, a
     server), a tcp transport connected to the servers as ``incarnation``, and the servers'
-    consent (:meth:`PSWorker.rejoin`). Its communicator reaches the servers only: no
-    collective over every rank."""
+    consent (:meth:`PSWorker.rejoin`). Its communicator reaches the servers (and, where the
+    policy asks, the other workers still alive): no collective over every rank."""
     from mlfabric.runtime.rendezvous import connect_store, job_info
     from mlfabric.transport.sockets import local_address_towards
     from mlfabric.transport.tcp import TcpTransport
@@ -178,10 +179,12 @@ def _rejoin(incarnation: int, *, servers: int | None, replicas: int | None, cons
         raise ValueError(f"{INCARNATION_ENV}={incarnation} on {layout.describe(job.rank)}: only workers rejoin "
                          "(a lost server is replaced by its replica)")
     config = PSConfig(consistency=consistency, timeout_s=timeout, routing=routing, seed=seed,
-                      lost_worker_wait_s=lost_worker_wait_s, pace_ordered_pulls=pace_ordered_pulls)
+                      lost_worker_wait_s=lost_worker_wait_s, pace_ordered_pulls=pace_ordered_pulls, mlnet=mlnet)
     store = connect_store(job, timeout)
+    # mlnet's node talks to the other workers (its tree neighbours) too; the dead ones count as lost
+    others = [r for r in layout.worker_ranks if r != job.rank] if make_policy(config).rejoin_reaches_workers else []
     tr = TcpTransport.rejoin(store, job.rank, job.world_size, incarnation, layout.server_ranks,
-                             bind_addrs={"0": local_address_towards(job.master_addr)}, timeout=timeout)
+                             bind_addrs={"0": local_address_towards(job.master_addr)}, timeout=timeout, reach=others)
     try:
         comm = Communicator(tr, timeout=timeout)
         comm.store = store

@@ -145,6 +145,9 @@ class Policy:
     #: policy holds no per-worker state that a new process would have to be taken back into
     #: (trees, schedules). The direct policy sets it; others refuse the rejoin, naming them.
     takes_back_workers = False
+    #: Whether a restarted worker's transport dials the other workers too, not only the
+    #: servers (mlnet: its node talks to tree neighbours; one that cannot be reached counts as lost).
+    rejoin_reaches_workers = False
 
     # -- configuration -----------------------------------------------------------------------
 
@@ -190,6 +193,15 @@ class Policy:
         worker's clock (an ADOPT), unless the policy tells it otherwise."""
         worker.transport.send(replica, protocol.request_tag(worker.config.session), b"", channel=worker.channel,
                               meta=protocol.Adopt(clock=worker.clock_value).encode())
+
+    def before_rejoin(self, worker: WorkerPort, incarnation: int) -> int:
+        """A restarted worker is about to ask the servers back in (:meth:`PSWorker.rejoin`):
+        prepare its way back and return the first clock the policy can take it at (its
+        servers count it from there or later; mlnet: its node re-enters the trees)."""
+        return 0
+
+    def after_rejoin(self, worker: WorkerPort, clock: int) -> None:
+        """The servers took the restarted worker back: it counts from ``clock`` on."""
 
     def flush(self, timeout: float) -> None:
         """The worker leaves: what the policy still holds leaves before the leave message."""

@@ -182,12 +182,15 @@ class Adopt(Header):
 @dataclass(frozen=True, slots=True)
 class Rejoin(Header):
     """From a restarted worker (its rank's ``incarnation``-th process) to a server: take it back
-    and send to it at ``endpoints`` (its new listeners); answered by :class:`Rejoined`."""
+    and send to it at ``endpoints`` (its new listeners); answered by :class:`Rejoined`.
+    ``at_least``: the first clock its policy can take it at (mlnet: the clock its new parents
+    in the trees send up next), never counted from below it."""
 
     OP: ClassVar[str] = REJOIN
     id: int
     incarnation: int
     endpoints: dict[str, str]
+    at_least: int = 0
 
 
 # -- server -> worker (answers on the reply tags) -------------------------------------------------
@@ -349,18 +352,38 @@ class TreeLeave(Header):
 
 @dataclass(frozen=True, slots=True)
 class Attach(Header):
-    """A node re-attaching asks its new parent (``id``: its answer's reply tag) what it has."""
+    """A node re-attaching asks its new parent (``id``: its answer's reply tag) what it has.
+    ``rejoin``: a restarted worker's node re-entering the tree as a leaf (MLNET §3): the
+    parent takes it from the next clock it sends up (its answer's ``through`` + 1)."""
 
     OP: ClassVar[str] = ATTACH
-    OMIT_NONE: ClassVar[tuple[str, ...]] = ("workers",)
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ("workers", "rejoin")
     id: int
     workers: list[int] | None = None
+    rejoin: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Attached(Header):
+    """The answer to :class:`Attach`: the last clock the parent has of the subtree (to a
+    re-entering node: the last it sent up without it). ``fell_back``: the trees are torn down
+    (the re-entering node pushes and pulls directly)."""
+
     OP: ClassVar[str] = "attached"
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ("fell_back",)
     through: int
+    fell_back: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Reentered(Header):
+    """From a restarted worker's tree node to every other worker's: it is back at
+    ``endpoints`` (they send to it again) and sits as a leaf below its first live ancestor, not
+    at its place as built (their repairs no longer count on it, MLNET §3)."""
+
+    OP: ClassVar[str] = "reentered"
+    tree: int
+    endpoints: dict[str, str]
 
 
 def encode(**fields: Any) -> bytes:

@@ -300,11 +300,11 @@ class ParameterServer:
             # Refused after the readmission, so that the refusal reaches the new process (it
             # raises it, naming this server); the worker stays out of the clocks.
             raise ValueError(f"a restarted worker cannot rejoin under routing {self.config.routing!r} yet "
-                             "(direct routing only; docs/elastic.md): restart the job instead")
+                             "(direct and mlnet routing only; docs/elastic.md): restart the job instead")
         # An open BSP round may hold an update its old process pushed without the clock after it.
         pushed = max((t + 1 for shard in self.shards.values() for t, entry in shard.rounds.items()
                       if worker in entry.workers), default=0)
-        clock = self.book.rejoin(worker, now, pushed=pushed)
+        clock = self.book.rejoin(worker, now, pushed=max(pushed, int(header.get("at_least", 0))))
         self._seen_lost.discard(rank)
         self.stats.rejoined_workers.append(worker)
         log.warning("%s: %s is back (incarnation %s); it counts again from clock %d", self.who,

@@ -159,13 +159,14 @@ class PSWorker:
             # tags): an answer meant for the old process can never pass for one of ours. Below
             # 2**38, where an mlnet node's own ids start.
             self._ids = itertools.count(1 + (incarnation % 64) * (1 << 32))
+            at_least = self.routing.before_rejoin(self, incarnation)
             ids = []
             for j in range(self.layout.servers):
                 request_id = next(self._ids)
                 ids.append(request_id)
                 self.transport.send(self.server_rank(j), protocol.request_tag(self.config.session), b"",
-                                    meta=protocol.Rejoin(id=request_id, incarnation=incarnation,
-                                                         endpoints=endpoints).encode(), channel=self.channel)
+                                    meta=protocol.Rejoin(id=request_id, incarnation=incarnation, endpoints=endpoints,
+                                                         at_least=at_least).encode(), channel=self.channel)
             clocks = [int(self._await(j, request_id, f"rejoin (incarnation {incarnation})")[0]["clock"])
                       for j, request_id in enumerate(ids)]
             clock = max(clocks)
@@ -176,6 +177,7 @@ class PSWorker:
                                         channel=self.channel)
             self.clock_value = clock
             self.stats.rejoined_at_clock = clock
+            self.routing.after_rejoin(self, clock)
             return clock
 
     # -- push -----------------------------------------------------------------------------------

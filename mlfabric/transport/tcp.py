@@ -87,6 +87,9 @@ log = logging.getLogger("mlfabric.transport.tcp")
 
 HANDSHAKE_BYTES = len(encode_header(bytes(TOKEN_BYTES), 0, 0, 0))
 CONNECT_RETRY_S = 0.05
+#: How long a rejoining process tries a peer that may have died (TcpTransport.rejoin's
+#: ``reach``): a dead process's listener refuses at once, a live one answers in milliseconds.
+REACH_TIMEOUT_S = 1.0
 
 #: Frames per ``sendmsg`` in :meth:`TcpTransport.send_many`: up to three parts each, under
 #: Linux's 1024 iovecs per call.
@@ -201,7 +204,8 @@ class TcpTransport(Transport):
     @classmethod
     def rejoin(cls, store, rank: int, world_size: int, incarnation: int, peers: Sequence[int], *,
                channels: tuple[str, ...] = ("0",), bind_addrs: Mapping[str, str] | None = None,
-               timeout: float = 60.0, priority: int | None = None) -> "TcpTransport":
+               timeout: float = 60.0, priority: int | None = None, reach: Sequence[int] = (),
+               reach_timeout: float = REACH_TIMEOUT_S) -> "TcpTransport":
         """A restarted process of ``rank`` (its ``incarnation``-th start, >= 1) back in the
         running job: the job's token and ``peers``' endpoints from ``store`` (published at the
         job's rendezvous; the store must outlive the rank's first process), a connection to
@@ -209,7 +213,10 @@ class TcpTransport(Transport):
         process gets no shared-memory link (its peers' shared-memory state is the old
         process's). A peer accepts the connections as a new incarnation of ``rank`` and stops
         taking anything the old one sent; it sends back once it is asked to
-        (:meth:`readmit` with :attr:`endpoints`, e.g. by the parameter server's rejoin request)."""
+        (:meth:`readmit` with :attr:`endpoints`, e.g. by the parameter server's rejoin request).
+        ``reach``: peers that may have died meanwhile (other workers): each is dialed for at
+        most ``reach_timeout`` s, and one that does not answer counts as lost (its process is
+        gone: its listeners refuse at once) instead of failing the rejoin."""
         if incarnation < 1:
             raise ValueError(f"rank {rank}: a rejoining process needs an incarnation >= 1 (got {incarnation})")
         token = bytes.fromhex(store.get("token").decode())
@@ -218,10 +225,29 @@ class TcpTransport(Transport):
         try:
             store.set(f"endpoints/{rank}", json.dumps(transport.endpoints))
             transport.connect({peer: json.loads(store.get(f"endpoints/{peer}").decode()) for peer in peers})
+            for peer in reach:
+                transport._reach(peer, json.loads(store.get(f"endpoints/{peer}").decode()), reach_timeout)
         except BaseException:
             transport._shutdown()
             raise
         return transport
+
+    def _reach(self, peer: int, endpoints: Mapping[str, str], timeout: float) -> None:
+        """Dial ``peer`` on every channel within ``timeout`` s, or record it lost (why)."""
+        check_endpoints(self.rank, peer, endpoints, self.channels)
+        links = {}
+        try:
+            for name in self.channels:
+                sock = self._dial(peer, endpoints[name], timeout)
+                sock.sendall(encode_header(self.token, self.rank, self.incarnation, self._channel_index[name]))
+                links[name] = OrderedLink(self, peer, name, sock)
+        except (TransportError, OSError) as exc:
+            for link in links.values():
+                link.close()
+            self._peer_lost(peer, f"not reachable when this process rejoined ({exc})")
+            return
+        for name, link in links.items():
+            self._outgoing[(peer, name)] = link
 
     def readmit(self, peer: int, endpoints: Mapping[str, str]) -> None:
         """Send to a new incarnation of ``peer`` (whose connections here were accepted as such)
@@ -252,9 +278,9 @@ class TcpTransport(Transport):
         log.info("rank %d: readmitted peer %d (incarnation %d)", self.rank, peer, self.incarnations[peer])
         self.mailbox.notify()
 
-    def _dial(self, peer: int, endpoint: str) -> socket.socket:
+    def _dial(self, peer: int, endpoint: str, timeout: float | None = None) -> socket.socket:
         address = peer_address(endpoint)
-        deadline = time.monotonic() + self.connect_timeout
+        deadline = time.monotonic() + (self.connect_timeout if timeout is None else timeout)
         while True:
             try:
                 sock = socket.create_connection(address, timeout=max(0.1, deadline - time.monotonic()))

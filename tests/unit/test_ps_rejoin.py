@@ -284,15 +284,21 @@ def test_a_round_the_old_process_pushed_to_does_not_get_its_update_twice() -> No
                 t.close()
 
 
-def test_a_rejoin_under_mlnet_is_refused_naming_it() -> None:
-    """MLNET's trees cannot take a node back yet: the restarted worker raises the server's
-    refusal (it reaches the new process: it is readmitted first), the job goes on."""
+def test_a_rejoin_under_a_policy_that_cannot_take_workers_back_is_refused_naming_it() -> None:
+    """A policy whose ``takes_back_workers`` is False (the seam's default; MLfabric's scheduled
+    policy, a user's policy) refuses a restarted worker: it raises the server's refusal (it
+    reaches the new process: it is readmitted first), the job goes on."""
     from dataclasses import replace
 
+    from mlfabric.ps.policy import Policy, register_policy
     from mlfabric.ps.protocol import PSRequestError
 
+    class KeepsWorkersOut(Policy):
+        name = "test-keeps-workers-out"
+
+    register_policy(KeepsWorkersOut.name, lambda config: KeepsWorkersOut(), replace=True)
     layout = PSLayout(servers=1, workers=2)
-    config = PSConfig(consistency=Consistency.parse("ssp:1"), timeout_s=10.0, routing="mlnet")
+    config = PSConfig(consistency=Consistency.parse("ssp:1"), timeout_s=10.0, routing=KeepsWorkersOut.name)
     store, (t0, t1, t2) = _job(3)
     server = ParameterServer(t0, layout, config)
     serving = server.start()
@@ -303,7 +309,7 @@ def test_a_rejoin_under_mlnet_is_refused_naming_it() -> None:
         _wait(lambda: 2 in t0.lost_peers, 5, "the loss")
         t2b = TcpTransport.rejoin(store, 2, 3, 1, peers=[0], timeout=5.0)
         started = time.monotonic()
-        with pytest.raises(PSRequestError, match="cannot rejoin under routing 'mlnet'"):
+        with pytest.raises(PSRequestError, match="cannot rejoin under routing 'test-keeps-workers-out'"):
             PSWorker(t2b, layout, replace(config, routing="direct")).rejoin(1)
         assert time.monotonic() - started < 2.0
         assert server.stats.rejoined_workers == []

@@ -144,6 +144,9 @@ class NodeStats:
     repairs: int = 0
     fallbacks: int = 0
     resent_clocks: int = 0
+    #: Restarted workers this node took back as leaves (MLNET §3's recovered node re-entering),
+    #: one entry per tree and re-entry.
+    taken_back: list[int] = field(default_factory=list)
     #: When each re-attachment was answered (wall clock): the end of a repair or fall back.
     attached_at: list[float] = field(default_factory=list)
     #: (this worker's clock, the model clock of the copy it got) for every pull, every tree.
@@ -160,7 +163,7 @@ class NodeStats:
                 "pulls_from_cache": self.pulls_from_cache, "pulls_upstream": self.pulls_upstream,
                 "lost_children": self.lost_children, "max_staleness": self.max_staleness,
                 "adopted": self.adopted, "repairs": self.repairs, "fallbacks": self.fallbacks,
-                "resent_clocks": self.resent_clocks, "attached_at": self.attached_at}
+                "resent_clocks": self.resent_clocks, "attached_at": self.attached_at, "taken_back": self.taken_back}
 
 
 @dataclass
@@ -213,6 +216,11 @@ class _Tree:
     own: dict[int, dict[str, _Sum]] = field(default_factory=dict)
     #: A re-attachment waiting for its answer (request id): nothing goes up meanwhile.
     attaching: int | None = None
+    #: A restarted worker's node re-entering this tree: the answer of its new parent is
+    #: awaited (``entering``), then the first clock that parent takes from it (``entry``;
+    #: None: under the server, or the trees fell back).
+    entering: bool = False
+    entry: int | None = None
     #: The server rank a root-level node sends to: the server, or the replica it re-attached
     #: to after a failover (the worker's thread may redirect first; the node follows by
     #: re-attaching, never in the middle of a clock).
@@ -281,7 +289,7 @@ class TreeCore:
     (``sim/mlnet.py``) drives the same class over its network. ``lost``: the peers lost with
     why, as the driver sees them (the runtime hands the transport's live mapping)."""
 
-    def __init__(self, port: TreePort, parents: np.ndarray) -> None:
+    def __init__(self, port: TreePort, parents: np.ndarray, *, rejoining: bool = False) -> None:
         self.port = port
         self.layout = port.layout
         me = port.index
@@ -292,8 +300,15 @@ class TreeCore:
         self.lost: Mapping[int, str] = {}
         self._loss_seen: dict[int, float] = {}  # lost interior node rank -> when this node saw it
         self._attaching: dict[int, tuple[int, int]] = {}  # request id -> (tree, new parent rank)
-        self.trees = [_Tree(server=j, parent=int(parents[j, me]), members=[me, *children_of(parents[j], me)],
-                            through={m: -1 for m in [me, *children_of(parents[j], me)]},
+        #: A restarted worker's node (:meth:`enter`): it re-enters every tree as a leaf, its
+        #: children as built having been adopted when its old process was lost.
+        self.rejoining = rejoining
+        #: Workers whose restarted process re-entered the trees as a leaf (their ``Reentered``
+        #: note): repairs pass over them as over the lost, for their place as built is gone.
+        self.reentered: set[int] = set()
+        self.trees = [_Tree(server=j, parent=int(parents[j, me]),
+                            members=[me] if rejoining else [me, *children_of(parents[j], me)],
+                            through={m: -1 for m in ([me] if rejoining else [me, *children_of(parents[j], me)])},
                             server_rank=port.server_rank(j))
                       for j in range(self.layout.servers)]
         self.stats = NodeStats()
@@ -339,6 +354,10 @@ class TreeCore:
             for tree in self.trees:
                 tree.final.add(me)
                 tree.leaves.append((tree.through[me], [me]))
+        elif kind == "enter":
+            self._enter_all(*args)
+        elif kind == "rejoined":
+            self._rejoined(*args)
 
     _event = event  # the hand-driven repair tests' name for it
 
@@ -350,8 +369,15 @@ class TreeCore:
         """A message from rank ``src``'s node on this node's tag (``part``: a sum's tensor)."""
         tree = self.trees[int(header["tree"])]
         child = self.layout.worker_index(src)
+        if header["op"] == protocol.Reentered.OP:
+            self.reentered.add(child)
+            self._loss_seen.pop(src, None)  # its next loss is a new one (the fall-back window)
+            return
         if header["op"] == protocol.ATTACH:
-            self._attach_request(tree, child, header)
+            if header.get("rejoin"):
+                self._take_back(tree, child, header)
+            else:
+                self._attach_request(tree, child, header)
             return
         if header["op"] == FALL_BACK:
             if not self.fallen_back:
@@ -587,7 +613,15 @@ class TreeCore:
             if why is None:
                 continue
             if tree.parent >= 0 and parent in self.lost:
-                self._reattach(tree, tree.parent, why)
+                if tree.entering:  # its answer will never come: the next live ancestor
+                    self._enter(tree)
+                elif self.rejoining:
+                    # A re-entered leaf: the subtree its lost parent's adopter takes over is the
+                    # one as built, without it; a second failure here tears the trees down.
+                    self._fall_back(f"the parent {self.layout.describe(parent)} of re-entered "
+                                    f"{self.layout.describe(self.port.rank)} in server {tree.server}'s tree is gone")
+                else:
+                    self._reattach(tree, tree.parent, why)
                 continue
             if tree.parent < 0 and parent in self.lost and self.port.fail_over(parent):
                 # MLNET §3's failed root, waited for and reconnected: a replica takes the server's
@@ -610,11 +644,17 @@ class TreeCore:
         """Whether ``worker`` has children in some server's tree (as built)."""
         return any(children_of(self.parents[j], worker) for j in range(len(self.trees)))
 
+    def _gone_as_built(self, worker: int) -> bool:
+        """Whether ``worker``'s place in the trees as built is empty: lost, or re-entered as a
+        leaf elsewhere (its children as built were adopted when it was lost)."""
+        return self.layout.worker_rank(worker) in self.lost or worker in self.reentered
+
     def _live_below(self, tree: _Tree, worker: int) -> list[int]:
-        """The children of ``worker`` in ``tree`` as built, a lost one replaced by its own."""
+        """The children of ``worker`` in ``tree`` as built, a gone one (lost or re-entered)
+        replaced by its own."""
         out = []
         for child in children_of(self.parents[tree.server], worker):
-            if self.layout.worker_rank(child) in self.lost:
+            if self._gone_as_built(child):
                 out += self._live_below(tree, child)
             else:
                 out.append(child)
@@ -631,7 +671,9 @@ class TreeCore:
             if clock > last:
                 entry.parts.pop(lost, None)
                 entry.clocked.pop(lost, None)
-        orphans = [] if self.fallen_back else [o for o in self._live_below(tree, lost) if o not in tree.members]
+        # a re-entered leaf has no subtree here (its children as built went elsewhere)
+        orphans = [] if self.fallen_back or lost in self.reentered else \
+            [o for o in self._live_below(tree, lost) if o not in tree.members]
         for orphan in orphans:
             tree.members.append(orphan)
             tree.through[orphan] = last
@@ -644,15 +686,20 @@ class TreeCore:
 
     def _reattach(self, tree: _Tree, lost: int, why: str) -> None:
         """The parent node is lost: attach to its first live ancestor as built (or the server)."""
-        new = int(self.parents[tree.server, lost])
-        while new >= 0 and self.layout.worker_rank(new) in self.lost:
-            new = int(self.parents[tree.server, new])
+        new = self._live_ancestor(tree, lost)
         log.warning("%s: mlnet parent %s in server %d's tree is gone (%s); re-attaching to %s", self.who,
                     self.layout.describe(self.layout.worker_rank(lost)), tree.server, why,
                     "the server" if new < 0 else self.layout.describe(self.layout.worker_rank(new)))
         tree.parent = new
         self.stats.repairs += 1
         self._attach(tree)
+
+    def _live_ancestor(self, tree: _Tree, worker: int) -> int:
+        """The first ancestor of ``worker`` as built whose place is not gone (-1: the server)."""
+        new = int(self.parents[tree.server, worker])
+        while new >= 0 and self._gone_as_built(new):
+            new = int(self.parents[tree.server, new])
+        return new
 
     def _attach(self, tree: _Tree) -> None:
         """Ask the new parent (node or server) for the last clock it has of this subtree;
@@ -679,25 +726,40 @@ class TreeCore:
         """A node re-attaches here: adopt the lost members above it if this node has not seen
         them go yet, and answer with the last clock this node has of its subtree."""
         while child not in tree.members:
-            above = next((m for m in tree.members[1:] if child in subtree_of(self.parents[tree.server], m)), None)
-            if above is None or self.fallen_back:
-                log.error("%s: ignored an mlnet re-attachment of %s in server %d's tree (not below this node%s)",
-                          self.who, self.layout.describe(self.layout.worker_rank(child)), tree.server,
-                          "; the trees fell back" if self.fallen_back else "")
+            above = next((m for m in tree.members[1:] if m not in self.reentered
+                          and child in subtree_of(self.parents[tree.server], m)), None)
+            if self.fallen_back:
+                log.error("%s: ignored an mlnet re-attachment of %s in server %d's tree (the trees fell back)",
+                          self.who, self.layout.describe(self.layout.worker_rank(child)), tree.server)
+                return
+            if above is None:
+                # Not below this node as the trees are now (failures around a re-entered node):
+                # rather than leave the subtree waiting, tear the trees down (MLNET §3).
+                self._fall_back(f"{self.layout.describe(self.layout.worker_rank(child))} re-attached in server "
+                                f"{tree.server}'s tree to a node it is not below")
                 return
             self._adopt(tree, above, "its child re-attached here")
         self.outbox.append(Send(self.layout.worker_rank(child), "reply", request_id=int(header["id"]),
                                 fields=protocol.Attached(through=tree.through[child]).fields(), track=False))
 
-    def attached(self, request_id: int, through: int, wall: float) -> None:
+    def attached(self, request_id: int, through: int, wall: float, *, fell_back: bool = False) -> None:
         """The new parent has this subtree's clocks up to ``through``: send the later ones
         again (the sums kept; after a fall back, this worker's own pushes), then go on.
-        ``wall``: the wall-clock time (``stats.attached_at``)."""
+        ``wall``: the wall-clock time (``stats.attached_at``). To a re-entering node
+        (:meth:`enter`): the parent takes it from clock ``through + 1``, or (``fell_back``) the
+        trees are torn down and it goes directly to the servers."""
         j, _ = self._attaching.pop(request_id)
         tree = self.trees[j]
         if tree.attaching != request_id:
             return  # superseded by a later re-attachment
         tree.attaching = None
+        if tree.entering:
+            tree.entering = False
+            if fell_back and not self.fallen_back:
+                self._fall_back_alone()
+            elif not fell_back:
+                tree.entry = through + 1
+            return
         self.stats.attached_at.append(wall)
         kept = tree.own if self.fallen_back else tree.sent
         missing = list(range(through + 1, tree.next_clock))
@@ -718,6 +780,90 @@ class TreeCore:
         for model in list(tree.waiting):
             self._ask(tree, model)
 
+    # -- a restarted worker re-enters the trees (MLNET §3) ------------------------------------------
+
+    def _enter_all(self, endpoints: dict[str, str]) -> None:
+        """This node's worker was restarted (``rejoining``): tell every reachable worker it is
+        back at ``endpoints`` (they send to it again and pass over its place as built in their
+        repairs), then ask each tree's first live ancestor to take it as a leaf. The peers lost
+        when it came back are old losses: they do not count toward the fall-back window."""
+        for rank in self.lost:
+            self._loss_seen[rank] = -math.inf
+        note = protocol.Reentered(tree=0, endpoints=dict(endpoints)).fields()
+        for rank in self.layout.worker_ranks:
+            if rank != self.port.rank and rank not in self.lost:
+                self.outbox.append(Send(rank, "tree", fields=note, track=False))
+        for tree in self.trees:
+            self._enter(tree)
+
+    def _enter(self, tree: _Tree) -> None:
+        """Ask the first live ancestor as built (none: the server, which takes the worker back
+        itself) to take this node as a leaf of ``tree``."""
+        tree.parent = self._live_ancestor(tree, self.port.index)
+        tree.entering = tree.parent >= 0 and not self.fallen_back
+        if not tree.entering:
+            return
+        request_id = next(self._ids)
+        tree.attaching = request_id
+        dest = self.layout.worker_rank(tree.parent)
+        self.outbox.append(Send(dest, "tree", fields=protocol.Attach(id=request_id, rejoin=True).fields(
+            tree=tree.server), track=False))
+        self._attaching[request_id] = (tree.server, dest)
+
+    def entered(self) -> bool:
+        """Whether every tree's new parent answered (:meth:`enter`)."""
+        return not any(tree.entering for tree in self.trees)
+
+    def entering_parents(self) -> list[int]:
+        """The ranks whose answer a re-entering node still waits for."""
+        return [self.layout.worker_rank(t.parent) for t in self.trees if t.entering]
+
+    def entry_clock(self) -> int:
+        """The first clock every new parent can take this node at (0: none asked)."""
+        return max((t.entry for t in self.trees if t.entry is not None), default=0)
+
+    def _rejoined(self, clock: int) -> None:
+        """The servers count this worker from ``clock``: each new parent gets an empty clock
+        for every clock from its entry to there (it forwards them without this worker), and
+        the node's own clocks start at ``clock``."""
+        me = self.port.index
+        for tree in self.trees:
+            if tree.parent >= 0 and tree.entry is not None:
+                for filler in range(tree.entry, clock):
+                    self._up(tree, protocol.CLOCK, protocol.TreeClock(clock=filler, workers=[]).body())
+            tree.next_clock = clock
+            tree.through[me] = clock - 1
+
+    def _take_back(self, tree: _Tree, child: int, header: dict[str, Any]) -> None:
+        """A restarted worker's node asks to re-enter ``tree`` below this node: it becomes a leaf
+        member from the next clock this node sends up (what its old process left here counts
+        as for any lost child), answered with the last clock sent up without it."""
+        rank = self.layout.worker_rank(child)
+        reply = {"peer": rank, "on": "reply", "request_id": int(header["id"]), "track": False}
+        if self.fallen_back:
+            self.outbox.append(Send(**reply, fields=protocol.Attached(through=-1, fell_back=True).fields()))
+            return
+        if child in tree.members:  # its old process's loss not handled yet: handle it first
+            self._adopt(tree, child, "restarted")
+        tree.members.append(child)
+        tree.through[child] = tree.next_clock - 1
+        tree.final.discard(child)
+        self.stats.taken_back.append(child)
+        log.warning("%s: restarted %s re-enters server %d's mlnet tree here, as a leaf, from clock %d", self.who,
+                    self.layout.describe(rank), tree.server, tree.next_clock)
+        self.outbox.append(Send(**reply, fields=protocol.Attached(through=tree.next_clock - 1).fields()))
+
+    def _fall_back_alone(self) -> None:
+        """A re-entering node learns the trees fell back: it goes directly to the servers
+        (its rejoin asks them for its clock), telling nobody (everyone else already did)."""
+        self.fallen_back = True
+        self.stats.fallbacks += 1
+        for tree in self.trees:
+            tree.parent, tree.entering, tree.entry = -1, False, None
+            if tree.attaching is not None:
+                self._attaching.pop(tree.attaching, None)
+                tree.attaching = None
+
     def _fall_back(self, why: str) -> None:
         """Several tree nodes lost at once (MLNET §3): tear the trees down; every worker pushes
         and pulls directly to the servers from now on, sending again what they lack of its own
@@ -730,6 +876,7 @@ class TreeCore:
         for tree in self.trees:
             children = tree.members[1:]
             tree.members = [me]
+            tree.entering, tree.entry = False, None
             for entry in tree.pending.values():
                 for child in children:
                     entry.parts.pop(child, None)
@@ -781,15 +928,18 @@ class TreeNode:
     here), the answers from above and the peers gone, and carries out the core's actions over
     the transport (headers encoded once here)."""
 
-    def __init__(self, worker: "WorkerPort", parents: np.ndarray) -> None:
+    def __init__(self, worker: "WorkerPort", parents: np.ndarray, *, rejoining: bool = False) -> None:
         self.worker = worker
         self.transport = worker.transport
         self.layout = worker.layout
         self.session = worker.config.session
         self.channel = worker.channel
         self.tag = protocol.tag(protocol.TREE, self.session)
-        self.core = TreeCore(_WorkerTreePort(worker), parents)
+        self.core = TreeCore(_WorkerTreePort(worker), parents, rejoining=rejoining)
         self.core.lost = self.transport.lost_peers  # the transport's live mapping
+        self._entered = threading.Event()
+        if rejoining:  # before the thread runs: the peers lost by now are old losses
+            self.core.event("enter", dict(getattr(self.transport, "endpoints", {})))
         self._events: collections.deque[tuple[Any, ...]] = collections.deque()
         #: Sends not yet complete: (peer, handle, what must stay alive until then).
         self._sending: list[tuple[int, SendHandle, Any]] = []
@@ -819,6 +969,22 @@ class TreeNode:
             raise self.core.error
         self._events.append(event)
         self.transport.mailbox.notify()
+
+    def wait_entered(self, timeout: float) -> int:
+        """A restarted worker's node: wait until every tree's new parent took it back
+        (:meth:`TreeCore.enter`); returns the first clock they all can take it at. Raises
+        PeerLostError naming a parent that did not answer within ``timeout``."""
+        self.transport.mailbox.notify()
+        if not self._entered.wait(timeout):
+            if self.core.error is not None:
+                raise self.core.error
+            waiting = self.core.entering_parents()
+            raise PeerLostError(f"{self.worker.who}: rejoin: no answer within {timeout:g} s from its new mlnet "
+                                f"parent(s) {', '.join(self.layout.describe(r) for r in waiting)}; restart it again "
+                                "or the job", rank=self.transport.rank, peer=waiting[0] if waiting else None)
+        if self.core.error is not None:
+            raise self.core.error
+        return self.core.entry_clock()
 
     def leave(self, timeout: float) -> None:
         """The worker leaves: serve the children until their subtrees left, then stop."""
@@ -871,18 +1037,23 @@ class TreeNode:
         gone = self._gone_peers()
         while self._events:
             core.event(*self._events.popleft())
+        readmitted = []
         while (msg := mailbox.take(self.channel, self.tag)) is not None:
-            self._from_child(msg)
+            readmitted += self._from_child(msg)
+        for rank in readmitted:  # back since the snapshot: not gone
+            gone.pop(rank, None)
         for request_id, src in core.waiting_replies():
             msg = mailbox.take(self.channel, protocol.reply_tag(self.session, request_id), src)
             if msg is None:
                 continue
             header = protocol.decode(msg.meta)
             if header["op"] == "attached":
-                core.attached(request_id, int(header["through"]), time.time())
+                core.attached(request_id, int(header["through"]), time.time(), fell_back=bool(header.get("fell_back")))
             else:
                 core.copy_arrived(request_id, header, bytes(msg.meta), msg.payload)
         core.watch(gone, time.monotonic())
+        if core.entered() or core.error is not None:
+            self._entered.set()
         core.forward()
         self._carry_out()
         # A send to a peer gone never completes (the transports' contract): forget it.
@@ -890,15 +1061,27 @@ class TreeNode:
         self._sending = [(p, h, x) for p, h, x in self._sending if not h.done() and p not in gone_now]
         return core.finished() and not self._sending
 
-    def _from_child(self, msg: Message) -> None:
-        """A message on the tree tag: decoded once, a sum's payload viewed as its tensor."""
+    def _from_child(self, msg: Message) -> list[int]:
+        """A message on the tree tag: decoded once, a sum's payload viewed as its tensor; a
+        restarted worker's note that it is back readmits it on the transport first (returned:
+        the rank readmitted, if so)."""
         header = protocol.decode(msg.meta)
+        if header["op"] == protocol.Reentered.OP:
+            try:
+                self.transport.readmit(msg.src, header["endpoints"])
+            except (TransportError, AttributeError) as exc:  # AttributeError: not a tcp transport
+                log.error("%s: cannot send to restarted %s (%s); it stays lost here", self.worker.who,
+                          self.layout.describe(msg.src), exc)
+                return []
+            self.core.from_child(msg.src, header)
+            return [msg.src]
         part = None
         if header["op"] == protocol.PUSH:
             dtype = getattr(torch, header["dtype"])
             numel = msg.payload.nbytes // torch.empty((), dtype=dtype).element_size()
             part = payload_tensor(msg.payload, dtype, numel, f"mlnet sum from {self.layout.describe(msg.src)}")
         self.core.from_child(msg.src, header, part)
+        return []
 
     def _carry_out(self) -> None:
         """The core's actions, in order, over the transport."""
@@ -939,6 +1122,9 @@ class MLNetRouting(Policy):
 
     name = "mlnet"
     commits_on_clock = True
+    #: A restarted worker re-enters the trees as a leaf (MLNET §3; :meth:`before_rejoin`).
+    takes_back_workers = True
+    rejoin_reaches_workers = True
 
     def __init__(self, settings: MLNetSettings | None = None) -> None:
         self.settings = settings or MLNetSettings()
@@ -956,7 +1142,7 @@ class MLNetRouting(Policy):
 
     # -- worker side -----------------------------------------------------------------------------
 
-    def _node(self, worker: "WorkerPort") -> TreeNode:
+    def _node(self, worker: "WorkerPort", *, rejoining: bool = False) -> TreeNode:
         with self._lock:
             if self.node is None:
                 if worker.config.consistency.kind not in ("bsp", "ssp"):
@@ -964,7 +1150,7 @@ class MLNetRouting(Policy):
                                      f"consistency {worker.config.consistency}")
                 layout = worker.layout
                 self.node = TreeNode(worker, self.settings.parents(layout.workers, layout.servers,
-                                                                   list(layout.worker_ranks)))
+                                                                   list(layout.worker_ranks)), rejoining=rejoining)
             return self.node
 
     def send_push(self, worker: "WorkerPort", model: str, components: list[torch.Tensor],
@@ -989,6 +1175,16 @@ class MLNetRouting(Policy):
 
     def after_failover(self, worker: "WorkerPort", replica: int) -> None:
         """The worker's tree node re-attaches to the replica and tells it the clocks (no ADOPT)."""
+
+    def before_rejoin(self, worker: "WorkerPort", incarnation: int) -> int:
+        """MLNET §3's recovered node: the restarted worker's node re-enters every tree as a leaf
+        of its first live ancestor and returns the first clock they all take it at."""
+        if self.node is not None:
+            raise ValueError(f"{worker.who}: rejoin must come before any push, pull or clock")
+        return self._node(worker, rejoining=True).wait_entered(worker.config.timeout_s)
+
+    def after_rejoin(self, worker: "WorkerPort", clock: int) -> None:
+        self._node(worker).submit("rejoined", clock)
 
     def flush(self, timeout: float) -> None:
         """The worker leaves: its node forwards what it holds and serves its children until
