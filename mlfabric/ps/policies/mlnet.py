@@ -42,6 +42,10 @@ live ancestor (or the server) and sends again the clocks it lacks; two nodes los
 clock, at nodes and servers, so nothing is half-applied. A lost server whose replica takes
 over (SSP, ``PSLayout(replicas=...)``) is replaced: the root-level nodes attach to the replica
 and send again the clocks it lacks; without one, the worker's next call fails, naming it.
+A killed worker's restarted process (``MLFABRIC_INCARNATION``) re-enters every tree as a leaf
+of its first live ancestor, from the next clock that ancestor sends up (:meth:`TreeCore._enter_all`
+and :meth:`TreeCore._take_back`; ``tests/unit/test_ps_mlnet_reentry.py``); a later failure
+that touches it tears the trees down.
 """
 
 from __future__ import annotations
@@ -972,7 +976,7 @@ class TreeNode:
 
     def wait_entered(self, timeout: float) -> int:
         """A restarted worker's node: wait until every tree's new parent took it back
-        (:meth:`TreeCore.enter`); returns the first clock they all can take it at. Raises
+        (:meth:`TreeCore._enter_all`); returns the first clock they all can take it at. Raises
         PeerLostError naming a parent that did not answer within ``timeout``."""
         self.transport.mailbox.notify()
         if not self._entered.wait(timeout):
