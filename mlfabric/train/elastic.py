@@ -28,7 +28,8 @@ membership, so an elastic run follows a fault-free run of the same seed up to fl
 * ``parameters_equal``: every rank alive at the end holds bit-identical parameters and
   optimizer state (CRC-32 of the packed state).
 
-Built for the ``hyperplane`` workload. ``--emulate`` (root) runs each worker on its own host
+Trains the ``hyperplane``, ``mlp``, ``lenet5`` and ``lstm`` workloads (:data:`WORKLOADS`; their
+batch, lr, momentum and epochs default to the other modes' of ``mlfabric train``). ``--emulate`` (root) runs each worker on its own host
 of an emulated star (``star:n=WORKERS``, every NIC at ``--rate``, default 1 Gbit/s): the
 parent moves into host 0's namespace (the store must be reachable from every host: the root
 namespace is not on the emulated fabric), each worker (and its restart) runs in its host's
@@ -68,8 +69,12 @@ __all__ = ["ElasticRunConfig", "ElasticRunResult", "WorkerFailure", "parse_failu
 
 #: ``--fail`` in elastic runs.
 FAIL_FORM = WORKER_FAIL_FORM
-#: Defaults of the hyperplane workload in elastic runs (eager.py's, for one launch).
-DEFAULTS = {"batch_size": 256, "lr": 0.05, "momentum": 0.0, "epochs": 48}
+#: The workloads an elastic run trains (LDA's count updates are sums, not the mean of
+#: gradients the wrapper takes over the members of a step).
+WORKLOADS = ("hyperplane", "mlp", "lenet5", "lstm")
+#: Training-set sizes of elastic runs where not the workload's own: the hyperplane's 8,192
+#: samples (not eager-SGD's 32,768) keep a 4-worker run with a kill and a rejoin to a minute.
+TRAIN_SAMPLES = {"hyperplane": 8192}
 STORE_ENV = "MLFABRIC_ELASTIC_STORE"
 #: Set in the parent that runs inside an emulated cluster's host 0 (see run_elastic_training).
 _IN_CLUSTER_ENV = "MLFABRIC_ELASTIC_IN_CLUSTER"
@@ -105,12 +110,15 @@ class ElasticRunConfig:
     failures: tuple[WorkerFailure, ...] = ()
     rejoin_s: float | None = None
     algorithm: str = "ring"
-    dim: int = 1024
-    train_samples: int = 8192
-    epochs: int = DEFAULTS["epochs"]
-    batch_size: int = DEFAULTS["batch_size"]
-    lr: float = DEFAULTS["lr"]
-    momentum: float = DEFAULTS["momentum"]
+    #: One of :data:`WORKLOADS`; the settings below left None take its defaults
+    #: (:data:`mlfabric.train.harness.WORKLOAD_DEFAULTS`, :data:`TRAIN_SAMPLES`, its spec's).
+    workload: str = "hyperplane"
+    dim: int = 1024  # the hyperplane's
+    train_samples: int = None  # type: ignore[assignment]  # resolved in __post_init__
+    epochs: int = None  # type: ignore[assignment]
+    batch_size: int = None  # type: ignore[assignment]
+    lr: float = None  # type: ignore[assignment]
+    momentum: float = None  # type: ignore[assignment]
     compute_time_s: float = 0.0
     seed: int = 0
     timeout_s: float = 600.0
@@ -122,6 +130,16 @@ class ElasticRunConfig:
     emulate_rate_bps: float | None = None
 
     def __post_init__(self) -> None:
+        from .harness import WORKLOAD_DEFAULTS
+
+        if self.workload not in WORKLOADS:
+            why = " (LDA's count updates add up; the wrapper averages gradients)" if self.workload == "lda" else ""
+            raise ValueError(f"--elastic trains {', '.join(WORKLOADS)}, not {self.workload!r}{why}")
+        defaults = {**WORKLOAD_DEFAULTS[self.workload],
+                    "train_samples": TRAIN_SAMPLES.get(self.workload) or _spec_class(self.workload)().train_samples}
+        for name in ("train_samples", "epochs", "batch_size", "lr", "momentum"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, defaults[name])
         if self.workers < 2:
             raise ValueError(f"--elastic needs at least 2 workers (got {self.workers}): with one there is "
                              "nobody to go on when it is lost")
@@ -323,6 +341,20 @@ def _run_emulated(config: ElasticRunConfig, log_dir: Path | None) -> ElasticRunR
     return result
 
 
+def _spec_class(workload: str) -> Any:
+    from .workloads import HyperplaneSpec, LeNet5Spec, LstmSpec, MlpSpec
+
+    return {"hyperplane": HyperplaneSpec, "mlp": MlpSpec, "lenet5": LeNet5Spec, "lstm": LstmSpec}[workload]
+
+
+def make_task(workload: str, *, dim: int, train_samples: int, seed: int) -> Any:
+    """An elastic run's task (:data:`mlfabric.train.harness.TASKS`), the same on every worker."""
+    from .harness import TASKS
+
+    sizes = {"dim": dim} if workload == "hyperplane" else {}
+    return TASKS[workload](_spec_class(workload)(train_samples=train_samples, **sizes), seed)
+
+
 def _config_to_dict(config: ElasticRunConfig) -> dict[str, Any]:
     out = asdict(config)
     out["failures"] = [asdict(f) for f in config.failures]
@@ -392,7 +424,10 @@ def _summarize(config: ElasticRunConfig, outputs: list[dict[str, Any]], killed: 
     crcs = {o["state_crc32"] for o in finished}
     final = sorted(o["member"] for o in finished)
     lowest = min(finished, key=lambda o: o["member"])
-    return ElasticRunResult(config=config, wall_s=round(wall_s, 3), steps=config.steps, metric="mse",
+    from .harness import TASKS
+
+    return ElasticRunResult(config=config, wall_s=round(wall_s, 3), steps=config.steps,
+                            metric=TASKS[config.workload].metric,
                             final_metric=lowest["metric"], recovery_s=recovery, rejoin_s=rejoin,
                             steps_lost=max(o["aborted"] for o in finished), members=[changes[e] for e in sorted(changes)],
                             parameters_equal=len(crcs) == 1, final_members=final, transferred_bytes=transferred,
@@ -407,7 +442,7 @@ def summary_line(result: ElasticRunResult) -> str:
         return (f"{', '.join('?' if v is None else f'{v:.2f}' for v in values)} s "
                 f"(median {statistics.median(known):.2f})")
 
-    return (f"elastic allreduce on {result.config.workers} workers: {result.steps} steps in {result.wall_s:.1f} s; "
+    return (f"elastic allreduce, {result.config.workload}, on {result.config.workers} workers: {result.steps} steps in {result.wall_s:.1f} s; "
             f"recovery {figures(result.recovery_s)}; rejoin {figures(result.rejoin_s)}; steps lost "
             f"{result.steps_lost}; final {result.metric} {result.final_metric:.4f}; members at the end "
             f"{result.final_members}; parameters equal: {result.parameters_equal}")
@@ -424,11 +459,9 @@ def _worker(args: dict[str, Any]) -> None:
     from mlfabric.runtime.membership import JobFinishedError
     from mlfabric.torch.elastic import Elastic
 
-    from .workloads import Hyperplane, HyperplaneSpec
-
     host, port = os.environ[STORE_ENV].rsplit(":", 1)
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
-    task = Hyperplane(HyperplaneSpec(dim=args["dim"], train_samples=args["train_samples"]), seed=args["seed"])
+    task = make_task(args["workload"], dim=args["dim"], train_samples=args["train_samples"], seed=args["seed"])
     x, y = task.shard(0, 1)
     xv, yv = task.val()
     torch.manual_seed(args["seed"])
@@ -472,7 +505,7 @@ def _worker(args: dict[str, Any]) -> None:
                 args["seed"] * 1_000_003 + epoch))
         index = perms[epoch][within * global_batch:(within + 1) * global_batch][elastic.rank::elastic.world_size]
         optimizer.zero_grad()
-        task.loss(model, x[index], y[index]).backward()
+        task.loss(model, task.batch(x, index), y[index]).backward()
         if args["compute_time_s"]:
             time.sleep(args["compute_time_s"])
         elastic.step(weight=float(len(index)))
@@ -527,8 +560,6 @@ def run_from_cli(*, workload: str, workers: int, sync: str | None, fail: str | N
         raise usage("--rejoin restarts workers of an elastic run: add --elastic")
     if sync not in (None, "allreduce"):
         raise usage(f"--elastic runs --sync allreduce only, not {sync!r}")
-    if workload != "hyperplane":
-        raise usage(f"--elastic runs the hyperplane workload so far, not {workload}")
     emulate_rate_bps = None
     if emulate:
         from mlfabric.cli import rate_option
@@ -548,7 +579,7 @@ def run_from_cli(*, workload: str, workers: int, sync: str | None, fail: str | N
         failures = parse_failures(fail, workers) if fail is not None and churn is None else ()
         config = ElasticRunConfig(
             workers=workers, failures=failures, churn=churn, rejoin_s=None if rejoin is None else parse_duration(rejoin),
-            algorithm=algorithm, dim=dim, seed=seed, timeout_s=timeout,
+            algorithm=algorithm, workload=workload, dim=dim, seed=seed, timeout_s=timeout,
             compute_time_s=parse_duration(compute_time), emulate_rate_bps=emulate_rate_bps,
             **{k: v for k, v in (("train_samples", train_samples), ("epochs", epochs), ("batch_size", batch_size),
                                  ("lr", lr), ("momentum", momentum)) if v is not None})

@@ -26,7 +26,7 @@ gradients a step: the one where the network shows), ``mlp`` (an MLP on a random-
 10-class classification, accuracy) and ``lda`` (:mod:`mlfabric.train.lda`: distributed LDA by
 collapsed Gibbs sampling, MLfabric §7; a step sweeps a batch of the worker's documents and its
 word-topic count delta goes through the mode; metric: held-out log-likelihood per token).
-Their default batch, lr, momentum and epochs are in :data:`_DEFAULTS`.
+Their default batch, lr, momentum and epochs are in :data:`WORKLOAD_DEFAULTS`.
 
 On the emulator (root; :class:`TrainEmulation`, ``--emulate --rate 1gbit [--churn N1]``)
 every rank of a launch runs on its own host of an emulated star (``star:n=<ranks of that
@@ -103,7 +103,7 @@ def target(run: RunResult) -> float:
         return run.final_metric - TARGET_TOLERANCE["log-likelihood"] * abs(run.final_metric)
     return run.final_metric - TARGET_TOLERANCE["accuracy"]
 WORKLOADS = ("hyperplane", "lstm", "lenet5", "mlp", "lda")
-_TASKS = {"hyperplane": Hyperplane, "lstm": SequenceTask, "lenet5": LeNet5Task, "mlp": MlpTask, "lda": LdaTask}
+TASKS = {"hyperplane": Hyperplane, "lstm": SequenceTask, "lenet5": LeNet5Task, "mlp": MlpTask, "lda": LdaTask}
 # Per workload: per-worker batch, lr, momentum, epochs, epochs between model averages.
 # Hyperplane: eager-SGD Table 1 (8 workers x 256 = 2,048 per step, 48 epochs). Its 32,768
 # samples make 16-step epochs, so a model average every 2 epochs is every 32 steps (see
@@ -121,7 +121,7 @@ _TASKS = {"hyperplane": Hyperplane, "lstm": SequenceTask, "lenet5": LeNet5Task, 
 # workers), so a step is an iteration of the paper's (a sweep of the shard); lr 1 and no momentum are the
 # only values that add the count deltas exactly (mlfabric.train.lda). 40 iterations: the
 # held-out log-likelihood is within 0.05 nats of its plateau after about 35 sweeps.
-_DEFAULTS = {
+WORKLOAD_DEFAULTS = {
     "hyperplane": {"batch_size": 256, "lr": 0.05, "momentum": 0.0, "epochs": 48, "sync_every_epochs": 2},
     "lstm": {"batch_size": 16, "lr": 0.1, "momentum": 0.9, "epochs": 16, "sync_every_epochs": 10},
     "lenet5": {"batch_size": 32, "lr": 0.02, "momentum": 0.9, "epochs": 4, "sync_every_epochs": 2},
@@ -399,7 +399,7 @@ class EagerTrainConfig:
     # Resolved settings (the workload's defaults where None).
     def _setting(self, name: str) -> Any:
         value = getattr(self, name)
-        return value if value is not None else _DEFAULTS[self.workload][name]
+        return value if value is not None else WORKLOAD_DEFAULTS[self.workload][name]
 
     @property
     def epochs_(self) -> int:
@@ -435,7 +435,7 @@ class EagerTrainConfig:
     @property
     def metric(self) -> str:
         """``"mse"`` (lower is better), ``"accuracy"`` or ``"log-likelihood"`` (lda)."""
-        return _TASKS[self.workload].metric
+        return TASKS[self.workload].metric
 
     @property
     def ps_ranks(self) -> int:
@@ -461,7 +461,7 @@ class EagerTrainConfig:
         return [kind for kind in (False, True) if kind in kinds]
 
     def task(self) -> Hyperplane | SequenceTask | LeNet5Task | MlpTask | LdaTask:
-        return _TASKS[self.workload](self.spec, self.seed)
+        return TASKS[self.workload](self.spec, self.seed)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -357,6 +357,30 @@ def test_bad_elastic_options_are_usage_errors(args: list[str], message: str) -> 
     assert message in result.output
 
 
+def test_an_elastic_run_takes_its_workloads_defaults_and_refuses_lda() -> None:
+    from mlfabric.train.elastic import ElasticRunConfig
+    from mlfabric.train.harness import WORKLOAD_DEFAULTS
+
+    mlp = ElasticRunConfig(workers=2, workload="mlp")
+    assert (mlp.batch_size, mlp.lr, mlp.momentum, mlp.epochs, mlp.train_samples) == (64, 0.1, 0.9, 8, 32_768)
+    assert WORKLOAD_DEFAULTS["mlp"]["lr"] == mlp.lr
+    hyper = ElasticRunConfig(workers=2)
+    assert (hyper.workload, hyper.train_samples, hyper.epochs, hyper.batch_size) == ("hyperplane", 8192, 48, 256)
+    assert ElasticRunConfig(workers=2, workload="lenet5", epochs=1).epochs == 1  # given settings stay
+    with pytest.raises(ValueError, match="not 'lda'.*count updates"):
+        ElasticRunConfig(workers=2, workload="lda")
+
+
+def test_an_elastic_lda_run_is_a_usage_error() -> None:
+    from typer.testing import CliRunner
+
+    from mlfabric.cli import app
+
+    result = CliRunner().invoke(app, ["train", "--workload", "lda", "--workers", "2", "--elastic"],
+                                env={"COLUMNS": "300"})
+    assert result.exit_code == 2 and "--elastic trains hyperplane, mlp, lenet5, lstm" in result.output
+
+
 def test_several_senders_pace_their_share_of_the_nic(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the NIC rate known (MLFABRIC_NIC_RATE, as the emulator sets it), each of S senders
     paces its connection to the joiner at rate / S during the copy and lifts the cap after
