@@ -72,50 +72,6 @@ def reply_tag(session: int, request_id: int) -> int:
     return tag(REPLY, session, request_id)
 
 
-@dataclass(frozen=True, slots=True)
-class Push:
-    """A push's header before it is on the wire: the worker fills it, the policy encodes it
-    once, with what it adds (a batch, an id), as it sends (never decoded on the sender)."""
-
-    model: str
-    clock: int
-    version: int
-    norm: float | None = None
-
-    def fields(self, **extra: Any) -> dict[str, Any]:
-        return {"op": PUSH, "model": self.model, "clock": self.clock, "version": self.version, "norm": self.norm,
-                **extra}
-
-    def encode(self, **extra: Any) -> bytes:
-        return encode(**self.fields(**extra))
-
-
-@dataclass(frozen=True, slots=True)
-class Pull:
-    """A pull's header before it is on the wire (see :class:`Push`). ``staleness``: the pull's
-    own bound (None: the job's); ``order``: an ordered pull's order; ``direct``: answer from the
-    server itself (the worker's distributor was lost)."""
-
-    id: int
-    model: str
-    clock: int
-    staleness: float | None = None
-    order: str | None = None
-    direct: bool = False
-
-    def fields(self, **extra: Any) -> dict[str, Any]:
-        out: dict[str, Any] = {"op": PULL, "id": self.id, "model": self.model, "clock": self.clock,
-                               "staleness": self.staleness}
-        if self.order is not None:
-            out["order"] = self.order
-        if self.direct:
-            out["direct"] = True
-        return {**out, **extra}
-
-    def encode(self, **extra: Any) -> bytes:
-        return encode(**self.fields(**extra))
-
-
 class Header:
     """A typed header: ``OP`` its kind (``meta["op"]``), its dataclass fields the rest, in order.
     :meth:`encode` is the one JSON encoding of it (fields listed in ``OMIT_NONE`` are left out
@@ -142,6 +98,34 @@ class Header:
 
     def encode(self, **extra: Any) -> bytes:
         return encode(**self.fields(**extra))
+
+
+@dataclass(frozen=True, slots=True)
+class Push(Header):
+    """A push's header before it is on the wire: the worker fills it, the policy encodes it
+    once, with what it adds (a batch, an id), as it sends (never decoded on the sender)."""
+
+    OP: ClassVar[str] = PUSH
+    model: str
+    clock: int
+    version: int
+    norm: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Pull(Header):
+    """A pull's header before it is on the wire (see :class:`Push`). ``staleness``: the pull's
+    own bound (None: the job's); ``order``: an ordered pull's order; ``direct``: answer from the
+    server itself (the worker's distributor was lost)."""
+
+    OP: ClassVar[str] = PULL
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ("order", "direct")
+    id: int
+    model: str
+    clock: int
+    staleness: float | None = None
+    order: str | None = None
+    direct: bool | None = None
 
 
 # -- worker -> server (besides Push and Pull) ----------------------------------------------------
