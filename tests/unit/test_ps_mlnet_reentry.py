@@ -185,3 +185,20 @@ def test_a_re_entered_leaf_lost_again_leaves_its_children_as_built_where_they_ar
     core.lost = {rank2: "test: killed"}
     core.watch({rank2: "lost: test"}, 10.0)
     assert core.trees[0].members == [1] and core.stats.adopted == 0
+
+
+def test_a_restarted_parent_answers_a_restarted_child_only_once_it_is_counted_again() -> None:
+    # w1 and w2 restarted together: w2 asks w1, which does not know its own first clock yet;
+    # answered with it, so that w2's clocks are neither sent too early nor dropped as late
+    core = _core(1, rejoining=True)
+    core.event("enter", ENDPOINTS)
+    _sends(core)
+    rank2 = LAYOUT.worker_rank(2)
+    core.from_child(rank2, protocol.Reentered(tree=0, endpoints=ENDPOINTS).fields())
+    core.from_child(rank2, protocol.Attach(id=8, rejoin=True).fields(tree=0))
+    assert core.take_actions() == [] and core.trees[0].members == [1]
+    core.attached(_attach_id(core), 3, 0.0)
+    core.event("rejoined", 9)
+    answers = [a for a in core.take_actions() if a.on == "reply"]
+    assert [(a.peer, a.request_id, a.fields) for a in answers] == [(rank2, 8, {"op": "attached", "through": 8})]
+    assert core.trees[0].members == [1, 2] and core.trees[0].through[2] == 8

@@ -307,6 +307,10 @@ class TreeCore:
         #: A restarted worker's node (:meth:`enter`): it re-enters every tree as a leaf, its
         #: children as built having been adopted when its old process was lost.
         self.rejoining = rejoining
+        #: A restarted node: the clock the servers count it from (None until they have), and
+        #: the re-entries of other restarted nodes asked of it meanwhile.
+        self.rejoining_clock: int | None = None
+        self._deferred: list[tuple[_Tree, int, dict[str, Any]]] = []
         #: Workers whose restarted process re-entered the trees as a leaf (their ``Reentered``
         #: note): repairs pass over them as over the lost, for their place as built is gone.
         self.reentered: set[int] = set()
@@ -803,6 +807,9 @@ class TreeCore:
     def _enter(self, tree: _Tree) -> None:
         """Ask the first live ancestor as built (none: the server, which takes the worker back
         itself) to take this node as a leaf of ``tree``."""
+        if tree.attaching is not None:  # asked of a parent lost since: its answer will not come
+            self._attaching.pop(tree.attaching, None)
+            tree.attaching = None
         tree.parent = self._live_ancestor(tree, self.port.index)
         tree.entering = tree.parent >= 0 and not self.fallen_back
         if not tree.entering:
@@ -837,11 +844,18 @@ class TreeCore:
                     self._up(tree, protocol.CLOCK, protocol.TreeClock(clock=filler, workers=[]).body())
             tree.next_clock = clock
             tree.through[me] = clock - 1
+        self.rejoining_clock = clock
+        self._answer_deferred()
 
     def _take_back(self, tree: _Tree, child: int, header: dict[str, Any]) -> None:
         """A restarted worker's node asks to re-enter ``tree`` below this node: it becomes a leaf
         member from the next clock this node sends up (what its old process left here counts
         as for any lost child), answered with the last clock sent up without it."""
+        if self.rejoining and self.rejoining_clock is None and not self.fallen_back:
+            # Restarted itself and not yet counted again: its first clock is not known, so the
+            # child's would be guessed; it is answered once the servers have counted this one.
+            self._deferred.append((tree, child, header))
+            return
         rank = self.layout.worker_rank(child)
         reply = {"peer": rank, "on": "reply", "request_id": int(header["id"]), "track": False}
         if self.fallen_back:
@@ -867,6 +881,14 @@ class TreeCore:
             if tree.attaching is not None:
                 self._attaching.pop(tree.attaching, None)
                 tree.attaching = None
+        self._answer_deferred()
+
+    def _answer_deferred(self) -> None:
+        """Answer the re-entries held while this node was not yet counted (:meth:`_take_back`):
+        now that it is, or that the trees fell back (they are told so)."""
+        deferred, self._deferred = self._deferred, []
+        for tree, child, header in deferred:
+            self._take_back(tree, child, header)
 
     def _fall_back(self, why: str) -> None:
         """Several tree nodes lost at once (MLNET §3): tear the trees down; every worker pushes
@@ -895,6 +917,7 @@ class TreeCore:
         for rank in self.layout.worker_ranks:
             if rank != self.port.rank and rank not in self.lost:
                 self.outbox.append(Send(rank, "tree", fields={"op": FALL_BACK, "tree": 0, "why": why}, track=False))
+        self._answer_deferred()
 
     def fail(self, error: PeerLostError) -> None:
         """Every waiting pull and the worker's next call get ``error``."""
