@@ -1606,8 +1606,9 @@ def train(
                                                                                 "lenet5, 32768 mlp).")] = None,
     frame_time: Annotated[str, typer.Option("--frame-time", help="lstm: emulated accelerator time per padded time "
                                                                  "step (sleep), e.g. 2ms; 0: CPU compute only.")] = "0",
-    compute_time: Annotated[str, typer.Option("--compute-time", help="lenet5, mlp: emulated accelerator time per "
-                                                                     "step (sleep after the CPU's), e.g. 60ms.")] = "0",
+    compute_time: Annotated[str, typer.Option("--compute-time", help="hyperplane, lenet5, mlp: emulated accelerator "
+                                                                     "time per step (sleep after the CPU's), e.g. "
+                                                                     "60ms.")] = "0",
     image_size: Annotated[Optional[int], typer.Option("--image-size", min=1, help="lenet5: image side (default 28; 16 "
                                                                            "makes a 1.1M-parameter model).")] = None,
     hidden: Annotated[Optional[int], typer.Option(min=1, help="mlp: the student's hidden width (default 256: 143k "
@@ -1692,16 +1693,18 @@ def train(
     check_processes(workers + (servers + replicas if any(is_ps_mode(mode) for mode in modes) else 0),
                     "--workers + --servers + --replicas")
     samples = {"train_samples": train_samples} if train_samples else {}
-    hyper = make_config(HyperplaneSpec, dim=dim, **(samples if workload == "hyperplane" else {}))
+    compute_s = _parse_or_usage(parse_duration, compute_time)
+    hyper = make_config(HyperplaneSpec, dim=dim, **(samples if workload == "hyperplane" else {}),
+                        **({"compute_time_s": compute_s} if workload == "hyperplane" else {}))
     if workload == "hyperplane":  # each rank draws its shard of the training set and the whole validation set
         rows = hyper.train_samples + hyper.val_samples * workers
         check_memory(FLOAT32 * hyper.dim * rows, "--dim",
                      f"the hyperplane data ({rows:,} rows x {hyper.dim:,} float32)")
     lstm = make_config(LstmSpec, frame_time_s=_parse_or_usage(parse_duration, frame_time),
                        **(samples if workload == "lstm" else {}))
-    compute_s = _parse_or_usage(parse_duration, compute_time)
-    if compute_s and workload not in ("lenet5", "mlp"):
-        raise typer.BadParameter(f"--compute-time applies to lenet5 and mlp (lstm: --frame-time), not {workload}")
+    if compute_s and workload not in ("hyperplane", "lenet5", "mlp"):
+        raise typer.BadParameter(f"--compute-time applies to hyperplane, lenet5 and mlp (lstm: --frame-time), "
+                                 f"not {workload}")
     if image_size is not None and workload != "lenet5":
         raise typer.BadParameter(f"--image-size applies to lenet5, not {workload}")
     lenet5 = make_config(LeNet5Spec, compute_time_s=compute_s, **({"image_size": image_size} if image_size else {}),
