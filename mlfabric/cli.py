@@ -1574,16 +1574,18 @@ def train(
                                           "versions (0: never; the baseline of MLfabric's replication).")] = 0,
     fail: Annotated[Optional[str], typer.Option(
         "--fail", help="server:AT: SIGKILL server 0's process AT seconds into the (one) PS run; its replica takes "
-                       "over (needs --replicas; reports failover_s, lost_divergence, lost_updates). With --elastic: "
-                       "worker:RANK@SECONDS[,...] SIGKILLs those workers; churn:NxK a random one every N steps, "
-                       "K times.")] = None,
+                       "over (needs --replicas; reports failover_s, lost_divergence, lost_updates). With --elastic, "
+                       "or with one of ps-bsp, ps-ssp:S, ps-async: worker:RANK@SECONDS[,...] SIGKILLs those workers "
+                       "(RANK: 0..workers-1); with --elastic, churn:NxK a random one every N steps, K times.")] = None,
     elastic: Annotated[bool, typer.Option(
         "--elastic", help="--sync allreduce that survives lost workers: the survivors agree on a new membership and "
                           "go on; reports recovery_s, rejoin_s, steps_lost, members, parameters_equal "
                           "(mlfabric/train/elastic.py).")] = False,
     rejoin: Annotated[Optional[str], typer.Option(
-        "--rejoin", metavar="AFTER_S", help="With --elastic --fail: restart each killed worker AFTER_S seconds after "
-                                            "its kill; it joins the running job and receives its state.")] = None,
+        "--rejoin", metavar="AFTER_S", help="With --fail worker:... (--elastic, or a ps-bsp, ps-ssp:S or ps-async "
+                                            "run): restart each killed worker AFTER_S seconds after its kill; it "
+                                            "joins the running job (elastic: receives its state; PS: pulls the "
+                                            "servers' model) and trains to the end.")] = None,
     inject: Annotated[Optional[list[str]], typer.Option(
         help="Delay injection, repeatable (each runs every mode): one-random:300ms (one random worker per step), "
              "random:300ms,2, skew:50ms,50ms,rotate, C1|C2|C3 (MLfabric's compute stragglers), none.")] = None,
@@ -1653,7 +1655,12 @@ def train(
 
     All (injection, mode) runs share one launch and run one after the other; the table shows
     each eager mode's throughput and final metric relative to allreduce under the same injection."""
-    if elastic or rejoin is not None:
+    from mlfabric.train.ps_rejoin import kills_ps_workers
+
+    # A PS mode with --fail worker:... / --rejoin / --elastic: its workers killed and taken back
+    # (mlfabric/train/ps_rejoin.py), with the config built below as for any PS run.
+    ps_kills = kills_ps_workers(sync, fail, rejoin, elastic)
+    if (elastic or rejoin is not None) and not ps_kills:
         from mlfabric.train.elastic import run_from_cli
 
         return run_from_cli(workload=workload, workers=workers, sync=sync, fail=fail, rejoin=rejoin,
@@ -1729,7 +1736,11 @@ def train(
             raise typer.BadParameter("--churn-period needs --churn N1|N2|N3")
     config = config_from(ctx, EagerTrainConfig, modes=modes, injects=injects, hyperplane=hyper, lstm=lstm,
                          lenet5=lenet5, mlp=mlp, lda=lda, timeout_s=timeout, emulation=emulation,
-                         replication=replication)
+                         replication=replication, **({"fail": None} if ps_kills else {}))
+    if ps_kills:
+        from mlfabric.train.ps_rejoin import run_from_cli as run_ps_kills
+
+        return run_ps_kills(config, fail=fail, rejoin=rejoin, elastic=elastic, json_path=json_path)
     if emulate:
         from mlfabric.emu.cmd import have_root
 
