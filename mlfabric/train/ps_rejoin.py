@@ -31,6 +31,13 @@ the parent computes, per kill and per restart:
   killed worker (the survivors' next committed step); under SSP and async each survivor's
   next applied update (short unless a survivor is held at the staleness bound until the
   servers give the lost worker up). None if some survivor had none (the run ended first).
+  ``detection_s`` (one per kill): the kill until every server's transport had reported the
+  worker lost (the transport's goodbye grace, 0.5 s, after the link closed). ``stall_s`` (one
+  per kill): the longest time server 0 applied no update, from its last update before the kill
+  to its first after it gave the worker up (detection, plus the lost-worker wait under BSP) --
+  the time training stood still: under BSP about ``recovery_s``; under SSP the time the
+  survivors were held at the staleness bound, which ``recovery_s`` (their next update, often
+  before the bound is reached) does not show; under async about one step.
 * ``rejoin_s`` (one per restart): from the restarted process's start (``Popen``) to the first
   update holding its gradient that every server has applied; ``rejoin_startup_s`` is the part
   of it before the process asked to rejoin (imports and data), as in elastic runs.
@@ -158,6 +165,8 @@ class PSRejoinResult:
     metric: str
     final_metric: float
     recovery_s: list[float | None]
+    detection_s: list[float | None]           # per kill: until every server's transport reported it lost
+    stall_s: list[float | None]               # per kill: the longest time without an update on server 0
     rejoin_s: list[float]
     rejoin_startup_s: list[float]
     members: list[dict[str, Any]]
@@ -189,7 +198,9 @@ class PSRejoinResult:
                   "rejoin_s": self.config.rejoin_s, "lost_worker_wait_s": self.config.lost_worker_wait_s}
         return {**self.ps, "mode": self.config.mode, "elastic": False, "config": config, "wall_s": self.wall_s,
                 "steps": self.steps, "metric": self.metric, "final_metric": self.final_metric,
-                "recovery_s": self.recovery_s, "rejoin_s": self.rejoin_s, "rejoin_startup_s": self.rejoin_startup_s,
+                "recovery_s": self.recovery_s, "detection_s": self.detection_s,
+                "stall_s": self.stall_s, "rejoin_s": self.rejoin_s,
+                "rejoin_startup_s": self.rejoin_startup_s,
                 "members": self.members, "rejoined_workers": self.rejoined_workers,
                 "lost_workers": self.lost_workers, "final_members": self.final_members,
                 "rejoined_too_late": self.rejoined_too_late, "events": self.events,
@@ -224,6 +235,11 @@ class UpdateTimes:
     def __init__(self, server: ParameterServer) -> None:
         self.server = server
         self.entries: list[tuple[float, tuple[int, ...]]] = []
+        #: (wall-clock time, worker) of each worker the transport reported lost.
+        self.lost: list[tuple[float, int]] = []
+        layout = server.layout
+        server.transport.on_peer_lost(lambda peer, reason: self.lost.append((time.time(), layout.worker_index(peer)))
+                                      if layout.role(peer) == "worker" else None)
 
     def turn(self) -> None:
         for shard in self.server.shards.values():
@@ -273,7 +289,8 @@ def _rank(args: dict[str, Any]) -> None:
             job.comm.close()
         torch.save(final, out.with_suffix(".pt"))
         out.write_text(json.dumps({"role": "server", "rank": rank, "stats": stats,
-                                   "updates": [[t, list(w)] for t, w in times.entries]}))
+                                   "updates": [[t, list(w)] for t, w in times.entries],
+                                   "lost": times.lost}))
         return
     optimizer = torch.optim.SGD(model.parameters(), lr=train.lr_, momentum=train.momentum_)
     try:
@@ -346,8 +363,11 @@ def _launch(config: PSRejoinConfig, config_path: Path, work: Path, *,
     from mlfabric.ps.job import INCARNATION_ENV
     from mlfabric.ps.layout import REPLICAS_ENV, SERVERS_ENV
 
+    import shutil
+
     train = config.train
-    work.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(work, ignore_errors=True)  # an earlier run's files (its loop starts) would mislead this one
+    work.mkdir(parents=True)
     world = train.servers + train.workers
     port = free_port()
     procs: dict[int, subprocess.Popen] = {}
@@ -468,6 +488,19 @@ def _first(updates: Sequence[Sequence[Any]], after: float, holds: int, without: 
                  if t > after and holds in workers and (without is None or without not in workers)), None)
 
 
+def _stall(updates: Sequence[Sequence[Any]], t_kill: float, given_up: float | None) -> float | None:
+    """The longest time without an update applied (on one server) from the last update
+    before ``t_kill`` to the first after ``given_up`` (when the servers stopped waiting for
+    the killed worker); None when either end is missing."""
+    times = sorted(t for t, _ in updates)
+    before = [t for t in times if t <= t_kill]
+    after = [t for t in times if given_up is not None and t > given_up]
+    if not before or not after:
+        return None
+    span = [before[-1], *(t for t in times if before[-1] < t < after[0]), after[0]]
+    return round(max(b - a for a, b in zip(span, span[1:])), 4)
+
+
 def _latest(times: Sequence[float | None]) -> float | None:
     return None if not times or any(t is None for t in times) else max(t for t in times if t is not None)
 
@@ -484,12 +517,20 @@ def _summarize(config: PSRejoinConfig, launch: _Launch) -> PSRejoinResult:
     # Which workers are counted when: a kill takes one out, its restart's first update puts it back.
     changes: list[tuple[float, str, int]] = [(t, "killed", w) for w, t in launch.killed]
     recovery: list[float | None] = []
+    detection: list[float | None] = []
+    stall: list[float | None] = []
+    bsp = config.mode == "ps-bsp"
     for w, t_kill in launch.killed:
+        seen = [next((t for t, v in s.get("lost", ()) if v == w and t >= t_kill - 0.05), None) for s in servers]
+        detected = _latest(seen)
+        detection.append(None if detected is None else round(max(0.0, detected - t_kill), 4))
         down = {v for v, t in launch.killed if t <= t_kill} - {v for v, t in launch.restarted if t <= t_kill}
         survivors = [v for v in range(train.workers) if v not in down]
         per_survivor = [_latest([_first(u, t_kill, v, without=w) for u in updates]) for v in survivors]
         done = _latest(per_survivor)
         recovery.append(None if done is None else round(done - t_kill, 4))
+        given_up = None if detected is None else detected + (config.lost_worker_wait_s if bsp else 0.0)
+        stall.append(_stall(updates[0], t_kill, given_up))
     rejoin: list[float] = []
     startup: list[float] = []
     too_late = list(launch.late)
@@ -517,7 +558,8 @@ def _summarize(config: PSRejoinConfig, launch: _Launch) -> PSRejoinResult:
               + [{"event": "restart", "worker": w, "at_s": round(t - launch.t0, 3)} for w, t in launch.restarted])
     return PSRejoinResult(
         config=config, wall_s=round(launch.wall_s, 3), steps=train.steps, metric=train.metric,
-        final_metric=_evaluate(config, launch.finals), recovery_s=recovery, rejoin_s=rejoin,
+        final_metric=_evaluate(config, launch.finals), recovery_s=recovery, detection_s=detection,
+        stall_s=stall, rejoin_s=rejoin,
         rejoin_startup_s=startup, members=members, rejoined_workers=list(servers[0]["stats"]["rejoined_workers"]),
         lost_workers=list(servers[0]["stats"]["lost_workers"]), final_members=finished,
         rejoined_too_late=sorted(set(too_late)), events=sorted(events, key=lambda e: e["at_s"]), ps=summary,
