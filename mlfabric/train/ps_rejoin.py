@@ -598,9 +598,9 @@ def run_from_cli(train: EagerTrainConfig, *, fail: str | None, rejoin: str | Non
     from mlfabric.units import parse_duration
 
     if elastic:
-        raise typer.BadParameter(f"--elastic is the allreduce runs' membership (--sync allreduce --elastic); "
-                                 f"{','.join(train.modes)} takes a killed worker back without it: drop --elastic "
-                                 "(--fail worker:RANK@SECONDS --rejoin AFTER_S)")
+        raise typer.BadParameter(f"--elastic runs --sync allreduce only (its membership); {','.join(train.modes)} "
+                                 "takes a killed worker back without it: drop --elastic (--fail worker:RANK@SECONDS "
+                                 "--rejoin AFTER_S)")
     try:
         rejoin_s = None if rejoin is None else parse_duration(rejoin)
         failures: tuple[WorkerFailure, ...] = ()
