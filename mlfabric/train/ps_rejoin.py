@@ -40,7 +40,9 @@ the parent computes, per kill and per restart:
   before the bound is reached) does not show; under async about one step.
 * ``rejoin_s`` (one per restart): from the restarted process's start (``Popen``) to the first
   update holding its gradient that every server has applied; ``rejoin_startup_s`` is the part
-  of it before the process asked to rejoin (imports and data), as in elastic runs.
+  of it before the process asked to rejoin (Python, torch, the data, the model and its
+  optimizer), as in elastic runs; the rest is the join (store, connections, the servers'
+  consent, the model's layout check and pull) and one step.
 * ``members``: the workers counted after each change (start, each kill, each rejoin);
   ``rejoined_workers``, ``lost_workers``: server 0's (one entry per rejoin / loss);
   ``final_members``: the workers whose process trained to the end.
@@ -274,12 +276,15 @@ def _rank(args: dict[str, Any]) -> None:
     task = train.task()
     worker = rank - train.servers
     x, y = task.shard(worker, train.workers) if worker >= 0 else (None, None)
-    ready = time.time()  # imports and data done: what follows is the join
+    torch.manual_seed(train.seed)  # the same initial model on every rank
+    model = task.model()
+    # Built before the join: torch's first optimizer imports more of torch (~0.9 s here).
+    optimizer = torch.optim.SGD(model.parameters(), lr=train.lr_, momentum=train.momentum_)
+    ready = time.time()  # imports, data and model done: what follows is the join
     job = mlfabric.ps.init(servers=train.servers, replicas=0, consistency=ps_consistency(config.mode, train.delay_bound),
                            transport="tcp", timeout=min(train.timeout_s, 120.0), seed=train.seed,
                            lost_worker_wait_s=config.lost_worker_wait_s)
-    torch.manual_seed(train.seed)  # the same initial model on every rank
-    model = task.model()
+    joined = time.time()  # taken back (a restarted worker) or in the job
     if job.server is not None:
         times = UpdateTimes(job.server)
         job.server.on_turn = times.turn
@@ -292,20 +297,21 @@ def _rank(args: dict[str, Any]) -> None:
                                    "updates": [[t, list(w)] for t, w in times.entries],
                                    "lost": times.lost}))
         return
-    optimizer = torch.optim.SGD(model.parameters(), lr=train.lr_, momentum=train.momentum_)
     try:
         trainer = PSOptimizer(optimizer, model, job.worker)
         first_step = int(job.worker.stats.rejoined_at_clock or 0) if incarnation else 0
         if not incarnation:
             job.comm.barrier()  # serve_run's: the servers answer before anyone's clock starts
-        Path(f"{out}.start").write_text(str(time.time()))
+        loop_start = time.time()
+        Path(f"{out}.start").write_text(str(loop_start))
         loop = train_steps(train, task, model, trainer, x, y, worker=worker, inject=train.injects[0],
                            first_step=first_step)
         ps_worker = {**trainer.stats.as_dict(), "failovers": trainer.worker.failovers}
     finally:
         job.close()
     out.write_text(json.dumps({"role": "worker", "worker": worker, "incarnation": incarnation, "started": started,
-                               "ready": ready, "first_step": first_step, "steps": loop.steps, "loop_s": loop.loop_s,
+                               "ready": ready, "joined": joined, "loop_start": loop_start, "first_step": first_step,
+                               "steps": loop.steps, "loop_s": loop.loop_s,
                                "ps_worker": ps_worker}))
 
 
