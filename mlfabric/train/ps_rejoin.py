@@ -345,14 +345,21 @@ def run_ps_rejoin(config: PSRejoinConfig, *, log_dir: Path | None = None) -> PSR
     import platform
     import socket
 
+    import shutil
+
     load = os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="mlfabric-ps-rejoin-") as tmp:
-        work = Path(log_dir) if log_dir is not None else Path(tmp)
-        work.mkdir(parents=True, exist_ok=True)
-        config_path = work / "config.pkl"
-        config_path.write_bytes(pickle.dumps(config))
+    work = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="mlfabric-ps-rejoin-"))
+    work.mkdir(parents=True, exist_ok=True)
+    config_path = work / "config.pkl"
+    config_path.write_bytes(pickle.dumps(config))
+    try:
         baseline = _launch(config, config_path, work / "baseline", failures=()) if config.baseline else None
         launch = _launch(config, config_path, work / "run", failures=config.failures)
+    except PSRejoinError as exc:
+        # The logs the message names stay for the reader (a temporary directory included).
+        raise PSRejoinError(f"{exc}\n(the ranks' logs and outputs are kept in {work})") from None
+    if log_dir is None:
+        shutil.rmtree(work, ignore_errors=True)
     result = _summarize(config, launch)
     if baseline is not None:
         result.baseline_final_metric = _evaluate(config, baseline.finals)
@@ -420,8 +427,11 @@ def _launch(config: PSRejoinConfig, config_path: Path, work: Path, *,
             raise PSRejoinError(f"rank {rank} ({'server' if rank in servers else f'worker {rank - train.servers}'}) "
                                 f"failed (exit status {code}; log {logs[rank]}); the end of its log:\n{tail}")
         if time.monotonic() > deadline:
-            raise PSRejoinError("the run did not finish within its timeout (--timeout); the ranks' logs: "
-                                + ", ".join(str(p) for p in logs.values()))
+            running = [r for r, proc in procs.items() if proc.poll() is None]
+            tails = "".join(f"\n--- rank {r} ({logs[r].name}), still running; the end of its log:\n"
+                            f"{logs[r].read_text()[-1500:]}" for r in running)
+            raise PSRejoinError(f"the run did not finish within its timeout ({train.timeout_s:g} s, --timeout); "
+                                f"ranks still running: {running}{tails}")
         return all(p.poll() is not None for r, p in procs.items() if r not in dead)
 
     try:
@@ -457,6 +467,10 @@ def _launch(config: PSRejoinConfig, config_path: Path, work: Path, *,
                     dead.discard(rank)
                     start(rank)
                     restarted.append((rank - train.servers, time.time()))
+            if all(procs[s].poll() is not None for s in servers):
+                # The job is over: a restart still due has nothing to rejoin.
+                late += [rank - train.servers for _, what, rank in pending if what == "rejoin"]
+                pending = [event for event in pending if event[1] != "rejoin"]
             if check() and not pending:
                 break
             time.sleep(0.01)

@@ -74,3 +74,26 @@ def test_a_killed_ssp_or_async_worker_restarts_and_rejoins(mode: str, tmp_path: 
     run = run_ps_rejoin(config, log_dir=tmp_path).to_dict()
     _check_run(run, mode)
     assert run["baseline_final_metric"] is None and run["metric_ratio"] is None
+
+
+def test_a_run_past_its_timeout_names_the_ranks_still_running_and_keeps_their_logs() -> None:
+    """Bounded: a run that cannot finish in time (here: 2 s, less than the ranks' start) is
+    stopped, every process killed, and the error names the ranks still running, shows their
+    logs' ends and says where the logs are (kept, although the directory is a temporary one)."""
+    import shutil
+
+    from mlfabric.train.failover import parse_fail
+    from mlfabric.train.harness import EagerTrainConfig
+    from mlfabric.train.ps_rejoin import PSRejoinConfig, PSRejoinError, run_ps_rejoin
+    from mlfabric.train.workloads import HyperplaneSpec
+
+    train = EagerTrainConfig(workload="hyperplane", workers=2, servers=1, modes=("ps-bsp",), batch_size=32,
+                             hyperplane=HyperplaneSpec(dim=16, train_samples=1024), timeout_s=2)
+    config = PSRejoinConfig(train=train, failures=parse_fail("worker:1@1", workers=2).workers, baseline=False)
+    with pytest.raises(PSRejoinError, match=r"within its timeout \(2 s, --timeout\); ranks still running: \[") as info:
+        run_ps_rejoin(config)
+    kept = Path(str(info.value).rsplit("kept in ", 1)[1].rstrip(")"))
+    try:
+        assert (kept / "run" / "rank0-0.log").exists()
+    finally:
+        shutil.rmtree(kept, ignore_errors=True)
