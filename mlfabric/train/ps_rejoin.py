@@ -45,7 +45,8 @@ the parent computes, per kill and per restart:
   consent, the model's layout check and pull) and one step.
 * ``members``: the workers counted after each change (start, each kill, each rejoin);
   ``rejoined_workers``, ``lost_workers``: server 0's (one entry per rejoin / loss);
-  ``final_members``: the workers whose process trained to the end.
+  ``final_members``: the workers whose process trained to the end; ``rejoined_too_late``:
+  restarts that came after the job had ended, or had no update of theirs applied.
 * ``final_metric``: the validation metric of the servers' final model; with the fault-free
   comparison (on by default: the same launch without the kill, first) ``baseline_final_metric``
   and ``metric_ratio`` (the run's over the fault-free one's) beside it.
