@@ -1574,16 +1574,18 @@ def train(
                                           "versions (0: never; the baseline of MLfabric's replication).")] = 0,
     fail: Annotated[Optional[str], typer.Option(
         "--fail", help="server:AT: SIGKILL server 0's process AT seconds into the (one) PS run; its replica takes "
-                       "over (needs --replicas; reports failover_s, lost_divergence, lost_updates). With --elastic: "
-                       "worker:RANK@SECONDS[,...] SIGKILLs those workers; churn:NxK a random one every N steps, "
-                       "K times.")] = None,
+                       "over (needs --replicas; reports failover_s, lost_divergence, lost_updates). With --elastic, "
+                       "or with one of ps-bsp, ps-ssp:S, ps-async: worker:RANK@SECONDS[,...] SIGKILLs those workers "
+                       "(RANK: 0..workers-1); with --elastic, churn:NxK a random one every N steps, K times.")] = None,
     elastic: Annotated[bool, typer.Option(
         "--elastic", help="--sync allreduce that survives lost workers: the survivors agree on a new membership and "
                           "go on; reports recovery_s, rejoin_s, steps_lost, members, parameters_equal "
                           "(mlfabric/train/elastic.py).")] = False,
     rejoin: Annotated[Optional[str], typer.Option(
-        "--rejoin", metavar="AFTER_S", help="With --elastic --fail: restart each killed worker AFTER_S seconds after "
-                                            "its kill; it joins the running job and receives its state.")] = None,
+        "--rejoin", metavar="AFTER_S", help="With --fail worker:... (--elastic, or a ps-bsp, ps-ssp:S or ps-async "
+                                            "run): restart each killed worker AFTER_S seconds after its kill; it "
+                                            "joins the running job (elastic: receives its state; PS: pulls the "
+                                            "servers' model) and trains to the end.")] = None,
     inject: Annotated[Optional[list[str]], typer.Option(
         help="Delay injection, repeatable (each runs every mode): one-random:300ms (one random worker per step), "
              "random:300ms,2, skew:50ms,50ms,rotate, C1|C2|C3 (MLfabric's compute stragglers), none.")] = None,
@@ -1606,8 +1608,9 @@ def train(
                                                                                 "lenet5, 32768 mlp).")] = None,
     frame_time: Annotated[str, typer.Option("--frame-time", help="lstm: emulated accelerator time per padded time "
                                                                  "step (sleep), e.g. 2ms; 0: CPU compute only.")] = "0",
-    compute_time: Annotated[str, typer.Option("--compute-time", help="lenet5, mlp: emulated accelerator time per "
-                                                                     "step (sleep after the CPU's), e.g. 60ms.")] = "0",
+    compute_time: Annotated[str, typer.Option("--compute-time", help="hyperplane, lenet5, mlp: emulated accelerator "
+                                                                     "time per step (sleep after the CPU's), e.g. "
+                                                                     "60ms.")] = "0",
     image_size: Annotated[Optional[int], typer.Option("--image-size", min=1, help="lenet5: image side (default 28; 16 "
                                                                            "makes a 1.1M-parameter model).")] = None,
     hidden: Annotated[Optional[int], typer.Option(min=1, help="mlp: the student's hidden width (default 256: 143k "
@@ -1652,7 +1655,12 @@ def train(
 
     All (injection, mode) runs share one launch and run one after the other; the table shows
     each eager mode's throughput and final metric relative to allreduce under the same injection."""
-    if elastic or rejoin is not None:
+    from mlfabric.train.ps_rejoin import kills_ps_workers
+
+    # A PS mode with --fail worker:... / --rejoin / --elastic: its workers killed and taken back
+    # (mlfabric/train/ps_rejoin.py), with the config built below as for any PS run.
+    ps_kills = kills_ps_workers(sync, fail, rejoin, elastic)
+    if (elastic or rejoin is not None) and not ps_kills:
         from mlfabric.train.elastic import run_from_cli
 
         return run_from_cli(workload=workload, workers=workers, sync=sync, fail=fail, rejoin=rejoin,
@@ -1692,16 +1700,18 @@ def train(
     check_processes(workers + (servers + replicas if any(is_ps_mode(mode) for mode in modes) else 0),
                     "--workers + --servers + --replicas")
     samples = {"train_samples": train_samples} if train_samples else {}
-    hyper = make_config(HyperplaneSpec, dim=dim, **(samples if workload == "hyperplane" else {}))
+    compute_s = _parse_or_usage(parse_duration, compute_time)
+    hyper = make_config(HyperplaneSpec, dim=dim, **(samples if workload == "hyperplane" else {}),
+                        **({"compute_time_s": compute_s} if workload == "hyperplane" else {}))
     if workload == "hyperplane":  # each rank draws its shard of the training set and the whole validation set
         rows = hyper.train_samples + hyper.val_samples * workers
         check_memory(FLOAT32 * hyper.dim * rows, "--dim",
                      f"the hyperplane data ({rows:,} rows x {hyper.dim:,} float32)")
     lstm = make_config(LstmSpec, frame_time_s=_parse_or_usage(parse_duration, frame_time),
                        **(samples if workload == "lstm" else {}))
-    compute_s = _parse_or_usage(parse_duration, compute_time)
-    if compute_s and workload not in ("lenet5", "mlp"):
-        raise typer.BadParameter(f"--compute-time applies to lenet5 and mlp (lstm: --frame-time), not {workload}")
+    if compute_s and workload not in ("hyperplane", "lenet5", "mlp"):
+        raise typer.BadParameter(f"--compute-time applies to hyperplane, lenet5 and mlp (lstm: --frame-time), "
+                                 f"not {workload}")
     if image_size is not None and workload != "lenet5":
         raise typer.BadParameter(f"--image-size applies to lenet5, not {workload}")
     lenet5 = make_config(LeNet5Spec, compute_time_s=compute_s, **({"image_size": image_size} if image_size else {}),
@@ -1726,7 +1736,11 @@ def train(
             raise typer.BadParameter("--churn-period needs --churn N1|N2|N3")
     config = config_from(ctx, EagerTrainConfig, modes=modes, injects=injects, hyperplane=hyper, lstm=lstm,
                          lenet5=lenet5, mlp=mlp, lda=lda, timeout_s=timeout, emulation=emulation,
-                         replication=replication)
+                         replication=replication, **({"fail": None} if ps_kills else {}))
+    if ps_kills:
+        from mlfabric.train.ps_rejoin import run_from_cli as run_ps_kills
+
+        return run_ps_kills(config, fail=fail, rejoin=rejoin, elastic=elastic, json_path=json_path)
     if emulate:
         from mlfabric.emu.cmd import have_root
 

@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from mlfabric.units import parse_duration
 
-from .failover import WORKER_FAIL_FORM, WorkerFailure, _worker_failures, parse_fail
+from .failover import WORKER_FAIL_FORM, WorkerFailure, _worker_failures, check_worker_failures, parse_fail
 
 if TYPE_CHECKING:
     from mlfabric.runtime.membership import MembershipStore
@@ -143,19 +143,14 @@ class ElasticRunConfig:
         if self.workers < 2:
             raise ValueError(f"--elastic needs at least 2 workers (got {self.workers}): with one there is "
                              "nobody to go on when it is lost")
-        if self.rejoin_s is not None and self.rejoin_s < 0:
+        if self.churn is None:
+            check_worker_failures(self.failures, self.workers, self.rejoin_s)
+        elif self.rejoin_s is not None and self.rejoin_s < 0:
             raise ValueError("--rejoin must be >= 0 seconds")
-        if self.rejoin_s is not None and not self.failures and self.churn is None:
-            raise ValueError("--rejoin restarts killed workers: give --fail worker:RANK@SECONDS")
         if self.churn is not None and (self.rejoin_s is None or min(self.churn) < 1):
             raise ValueError("--fail churn:NxK kills a worker every N steps K times (N, K >= 1) and needs --rejoin")
         if self.algorithm not in ("ring", "halving_doubling", "tree"):
             raise ValueError(f"--elastic runs ring, halving_doubling or tree, not {self.algorithm!r}")
-        for failure in self.failures:
-            if not 0 <= failure.rank < self.workers:
-                raise ValueError(f"--fail worker:{failure.rank}: outside the job (workers 0-{self.workers - 1})")
-        if len({f.rank for f in self.failures}) < len(self.failures) and self.rejoin_s is None:
-            raise ValueError("--fail names one worker twice: without --rejoin it is dead after the first")
         if min(self.dim, self.train_samples, self.epochs, self.batch_size) < 1 or self.compute_time_s < 0:
             raise ValueError("dim, train samples, epochs and batch size must be positive, compute time >= 0")
         if self.train_samples < self.batch_size * self.workers:

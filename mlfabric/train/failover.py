@@ -23,9 +23,11 @@ seconds into its training loop, after writing the time to ``killed-worker.json``
 children re-attach (:mod:`mlfabric.ps.policies.mlnet`). The run reports ``killed_worker`` and
 ``repaired_s``: the kill to the first re-attachment answered.
 
-Every ``--fail`` form (these two, and the elastic runs' ``worker:RANK@S[,...]`` and
+Every ``--fail`` form (these two, ``worker:RANK@S[,...]`` -- the elastic allreduce runs'
+and the PS modes' worker kills, :mod:`mlfabric.train.ps_rejoin` -- and the elastic runs'
 ``churn:NxK``) is parsed by :func:`parse_fail`; each kind of run takes its own forms from it
-and names the others' (``tests/unit/test_fail_spec.py``).
+and names the others' (``tests/unit/test_fail_spec.py``); :func:`check_worker_failures` is
+the check both runs that kill workers make of them.
 
 Only one parameter-server run per command can fail this way (its process is gone for the
 runs after it); run the unfailed baseline as another command.
@@ -53,6 +55,10 @@ WORKER_KILL_RECORD = "killed-worker.json"
 FAIL_FORM = "server:AT or aggregator:AT (seconds after the run's start, e.g. server:6 or aggregator:2.5s)"
 #: ``--fail`` of elastic runs (mlfabric/train/elastic.py).
 WORKER_FAIL_FORM = "worker:RANK@SECONDS[,worker:RANK@SECONDS...] (e.g. worker:2@3) or churn:NxK"
+#: ``--fail`` of the PS modes' worker kills (mlfabric/train/ps_rejoin.py): RANK is the worker's
+#: index (0..workers-1; its launch rank is servers + RANK), as in elastic runs.
+PS_WORKER_FAIL_FORM = ("worker:RANK@SECONDS[,worker:RANK@SECONDS...] (RANK: a worker, 0..workers-1; e.g. "
+                       "worker:2@3)")
 ROLES = ("server", "aggregator")
 
 
@@ -113,8 +119,10 @@ def _worker_failures(spec: str, workers: int | None) -> tuple[WorkerFailure, ...
         role, _, rest = part.partition(":")
         rank_text, at, when = rest.partition("@")
         if role != "worker" or not at:
-            raise ValueError(f"--fail {part!r}: an elastic run kills workers: {WORKER_FAIL_FORM}"
-                             + ("; the parameter server's server:AT is for the PS modes" if role == "server" else ""))
+            raise ValueError(f"--fail {part!r}: an elastic run kills workers (so does a ps-bsp, ps-ssp:S or "
+                             f"ps-async run's --fail worker:...): {WORKER_FAIL_FORM}"
+                             + ("; the parameter server's server:AT is for the PS modes' replica failover "
+                                "(--replicas, without --rejoin)" if role == "server" else ""))
         try:
             rank = int(rank_text)
         except ValueError:
@@ -128,6 +136,22 @@ def _worker_failures(spec: str, workers: int | None) -> tuple[WorkerFailure, ...
     if not out:
         raise ValueError(f"--fail is empty: {WORKER_FAIL_FORM}")
     return tuple(sorted(out, key=lambda f: f.at_s))
+
+
+def check_worker_failures(failures: tuple[WorkerFailure, ...], workers: int, rejoin_s: float | None) -> None:
+    """What every run that kills workers checks (``mlfabric train --elastic`` and the PS
+    modes' ``--fail worker:...``): each rank inside the job, a worker named twice only if it
+    is restarted in between, ``--rejoin`` not negative and only with a worker to restart.
+    Raises ValueError naming the option."""
+    if rejoin_s is not None and rejoin_s < 0:
+        raise ValueError("--rejoin must be >= 0 seconds")
+    if rejoin_s is not None and not failures:
+        raise ValueError("--rejoin restarts killed workers: give --fail worker:RANK@SECONDS")
+    for failure in failures:
+        if not 0 <= failure.rank < workers:
+            raise ValueError(f"--fail worker:{failure.rank}: outside the job (workers 0-{workers - 1})")
+    if len({f.rank for f in failures}) < len(failures) and rejoin_s is None:
+        raise ValueError("--fail names one worker twice: without --rejoin it is dead after the first")
 
 
 @dataclass(frozen=True)
@@ -149,7 +173,9 @@ class Failure:
             raise ValueError(f"--fail {text!r}: expected {FAIL_FORM}") from exc
         if spec.role not in ROLES or spec.at_s is None:
             raise ValueError(f"--fail {text!r}: expected {FAIL_FORM} ({spec.role}: is for elastic runs, "
-                             "--sync allreduce --elastic)")
+                             "--sync allreduce --elastic"
+                             + (", and for one ps-bsp, ps-ssp:S or ps-async run (mlfabric.train.ps_rejoin)"
+                                if spec.role == "worker" else "") + ")")
         return cls(role=spec.role, at_s=spec.at_s)
 
 

@@ -784,10 +784,60 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
                            sync_every_epochs=config.sync_every_epochs_, algorithm=config.algorithm,
                            seed=config.seed * 1_000 + index)
     worker = rank - (config.ps_ranks if ps_job is not None else 0)
+    kill_at = _aggregator_kill_at(config, trainer, worker) if fault_dir is not None else None
+    comm.barrier()
+    loop = train_steps(config, task, model, trainer, x, y, worker=worker, inject=inject, kill_at=kill_at,
+                       fault_dir=fault_dir)
+    snapshots, walls, train_losses = loop.snapshots, loop.walls, loop.train_losses
+    injected, loop_s, churn_offset = loop.injected, loop.loop_s, loop.churn_offset_s
+    ps_worker = None
+    if isinstance(trainer, PSOptimizer):
+        ps_worker = {**trainer.stats.as_dict(), "failovers": trainer.worker.failovers}
+        trainer.leave()
+        ps_worker.update(trainer.worker.routing.worker_report() or {})  # mlnet: its tree node's figures
+    else:
+        trainer.synchronize()
+    stats = trainer.stats.as_dict() if isinstance(trainer, EagerSGD) else None
+    return _finish_run(config, comm, task, model, val, rank, numel, snapshots=torch.stack(snapshots), walls=walls,
+                       train_losses=train_losses, loop_s=loop_s, injected=injected, stats=stats,
+                       ps_worker=ps_worker, final_flat=final_flat, apart=fault_dir is not None,
+                       churn_offset_s=churn_offset)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopResult:
+    """What :func:`train_steps` measured, per epoch it ran (``first_epoch`` on)."""
+
+    first_epoch: int
+    steps: int                      # this worker's steps
+    walls: list[float]              # since the loop's start, at each epoch end
+    snapshots: list[Any]            # the worker's model (flat) at each epoch end
+    train_losses: list[float]       # mean minibatch loss of each epoch
+    injected: float                 # seconds of injected delay
+    loop_s: float
+    churn_offset_s: float | None    # where the loop starts in its launch's churn (emulated, churned)
+
+
+def train_steps(config: EagerTrainConfig, task: Any, model: Any, trainer: Any, x: Any, y: Any, *, worker: int,
+                inject: str, first_step: int = 0, kill_at: float | None = None,
+                fault_dir: str | None = None) -> LoopResult:
+    """One worker's training loop, every mode's (``trainer``: allreduce, EagerSGD or
+    PSOptimizer): per step a minibatch of its shard in its seeded order, the loss, the
+    injected delay and the emulated device time, ``trainer.step()``; per epoch the trainer's
+    epoch end and a snapshot of the model. ``first_step`` (a restarted PS worker,
+    :mod:`mlfabric.train.ps_rejoin`): go on from that global step -- its epoch and batch
+    order as a worker that never stopped would have them; under async, from the epoch the
+    servers' version is in. ``kill_at`` (``--fail aggregator:AT``): this worker crashes that
+    many seconds into the loop, recorded in ``fault_dir``."""
+    import torch
+
+    from mlfabric.torch import PSOptimizer
+
     injector = StepDelay(inject, worker, config.workers, seed=config.seed)
     order = torch.Generator().manual_seed(config.seed * 1_000_003 + worker)  # same batches in every run
     n = y.shape[0]
     batch = config.batch_size_
+    per_epoch = config.steps_per_epoch
     snapshots: list[torch.Tensor] = []
     walls: list[float] = []
     train_losses: list[float] = []
@@ -798,18 +848,26 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
     # asynchronous PS, and the model is not left to the slowest worker's shard alone at the end.
     budget = None
     if isinstance(trainer, PSOptimizer) and trainer.worker.config.consistency.kind == "async":
-        budget = config.steps_per_epoch * config.workers
-    perm, cursor = torch.randperm(n, generator=order), 0
-    kill_at = _aggregator_kill_at(config, trainer, worker) if fault_dir is not None else None
-    comm.barrier()
+        budget = per_epoch * config.workers
+    # The batch order of a worker that has taken first_step steps: one permutation per pass.
+    perm = torch.randperm(n, generator=order)
+    for _ in range(first_step // per_epoch):
+        perm = torch.randperm(n, generator=order)
+    cursor = first_step % per_epoch
+    if budget is not None:
+        first_epoch = min(config.epochs_, trainer.worker.versions[trainer.name][0] // budget) if first_step else 0
+        skip = 0
+    else:
+        first_epoch, skip = divmod(first_step, per_epoch)
+    steps = 0
     start = time.perf_counter()
     churn_offset = trace_offset_s()  # where this run starts in its launch's churn (emulated, churned)
-    for epoch in range(config.epochs_):
+    for epoch in range(first_epoch, config.epochs_):
         losses = []
-        i = 0
-        while (i < config.steps_per_epoch if budget is None
+        i = skip if epoch == first_epoch else 0
+        while (i < per_epoch if budget is None
                else trainer.worker.versions[trainer.name][0] < (epoch + 1) * budget):
-            if cursor == config.steps_per_epoch:  # a pass over this worker's shard is done
+            if cursor == per_epoch:  # a pass over this worker's shard is done
                 perm, cursor = torch.randperm(n, generator=order), 0
             picked = perm[cursor * batch:(cursor + 1) * batch]
             cursor += 1
@@ -830,24 +888,15 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
                 time.sleep(pause)
             injected += delay
             trainer.step()
+            steps += 1
             losses.append(float(loss.detach()))
         trainer.epoch_end()
         walls.append(time.perf_counter() - start)
         snapshots.append(torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone())
         train_losses.append(statistics.fmean(losses) if losses else math.nan)
-    loop_s = time.perf_counter() - start
-    ps_worker = None
-    if isinstance(trainer, PSOptimizer):
-        ps_worker = {**trainer.stats.as_dict(), "failovers": trainer.worker.failovers}
-        trainer.leave()
-        ps_worker.update(trainer.worker.routing.worker_report() or {})  # mlnet: its tree node's figures
-    else:
-        trainer.synchronize()
-    stats = trainer.stats.as_dict() if isinstance(trainer, EagerSGD) else None
-    return _finish_run(config, comm, task, model, val, rank, numel, snapshots=torch.stack(snapshots), walls=walls,
-                       train_losses=train_losses, loop_s=loop_s, injected=injected, stats=stats,
-                       ps_worker=ps_worker, final_flat=final_flat, apart=fault_dir is not None,
-                       churn_offset_s=churn_offset)
+    return LoopResult(first_epoch=first_epoch, steps=steps, walls=walls, snapshots=snapshots,
+                      train_losses=train_losses, injected=injected, loop_s=time.perf_counter() - start,
+                      churn_offset_s=churn_offset)
 
 
 def _aggregator_kill_at(config: EagerTrainConfig, trainer: Any, worker: int) -> float | None:

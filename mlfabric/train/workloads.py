@@ -68,10 +68,14 @@ class HyperplaneSpec:
     train_samples: int = 32_768  # eager-SGD Table 1
     val_samples: int = 2_048
     noise: float = 2.0  # standard deviation of the label noise
+    #: Emulated accelerator seconds per step (a sleep after the CPU's, as LeNet5Spec's): gives
+    #: runs a known length, e.g. the worker kills and rejoins of mlfabric.train.ps_rejoin.
+    compute_time_s: float = 0.0
 
     def __post_init__(self) -> None:
         if min(self.dim, self.train_samples, self.val_samples) < 1 or not self.noise >= 0:
             raise ValueError(f"hyperplane sizes must be positive and noise >= 0, got {self}")
+        _check_compute_time(self.compute_time_s)
 
 
 class Hyperplane:
@@ -108,9 +112,9 @@ class Hyperplane:
     def batch(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return x[index]
 
-    @staticmethod
-    def device_time(x: torch.Tensor) -> float:
-        return 0.0
+    def device_time(self, x: torch.Tensor) -> float:
+        """Emulated accelerator seconds of a batch: the spec's fixed ``compute_time_s``."""
+        return self.spec.compute_time_s
 
     def model(self) -> nn.Module:
         return nn.Linear(self.spec.dim, 1)
