@@ -163,6 +163,9 @@ class ParameterServer:
         #: Called at every turn of the serving loop, between requests (fault injection:
         #: ``mlfabric train --fail server:AT`` crashes the process there, its model whole).
         self.on_turn: Callable[[], None] | None = None
+        #: Called after every update applied (its :class:`UpdateInfo`), on the serving thread:
+        #: a measurement's hook (``mlfabric.train.ps_rejoin`` times each update with it).
+        self.on_apply: Callable[[UpdateInfo], None] | None = None
         transport.on_peer_lost(lambda peer, reason: transport.mailbox.notify())
 
     # -- API (MLfabric Table 1) ----------------------------------------------------------------
@@ -472,6 +475,8 @@ class ParameterServer:
         info = UpdateInfo(model=shard.spec.name, server=self.server, version=shard.version, workers=workers,
                           computed_from=computed_from, weight=weight)
         shard.rule(shard.values, gradient, info)
+        if self.on_apply is not None:
+            self.on_apply(info)
         for v in computed_from:
             self.stats.delays[shard.version - v] += 1
         # A BSP round is one update; an aggregate of m asynchronous updates counts as m (its

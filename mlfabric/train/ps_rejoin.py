@@ -53,7 +53,8 @@ the parent computes, per kill and per restart:
 
 The field names are those of the elastic allreduce runs (:mod:`mlfabric.train.elastic`) where
 the meaning is the same. Only the PS modes whose routing takes a worker back run this way
-(``ps-bsp``, ``ps-ssp:S``, ``ps-async``; one per command), over the tcp transport, without
+(``ps-bsp``, ``ps-ssp:S``, ``ps-async``, and MLNET's ``mlnet-binary|rack|tree:D[+ssp:S]``,
+whose restarted node re-enters the trees as a leaf; one per command), over the tcp transport, without
 replicas, the emulator or ``--elastic`` (usage errors: ``--elastic`` is the allreduce runs'
 membership, a PS mode takes a worker back without it).
 """
@@ -83,8 +84,9 @@ if TYPE_CHECKING:
 __all__ = ["LOST_WORKER_WAIT_S", "PSRejoinConfig", "PSRejoinError", "PSRejoinResult", "UpdateTimes",
            "kills_ps_workers", "run_ps_rejoin", "summary_line"]
 
-#: The PS modes whose workers can be killed and taken back (direct routing).
-MODES_FORM = "ps-bsp, ps-ssp:S or ps-async"
+#: The PS modes whose workers can be killed and taken back (direct routing, and MLNET's trees,
+#: which a restarted worker re-enters as a leaf).
+MODES_FORM = "ps-bsp, ps-ssp:S, ps-async or mlnet-binary|rack|tree:D[+ssp:S]"
 #: How long BSP waits for a lost worker before its rounds close without it (seconds).
 LOST_WORKER_WAIT_S = 0.5
 #: A rank's settings (the pickled config, its output file) as JSON, in the rank's environment.
@@ -121,7 +123,7 @@ class PSRejoinConfig:
     lost_worker_wait_s: float = LOST_WORKER_WAIT_S
 
     def __post_init__(self) -> None:
-        from .ps_modes import POLICY_SEP, PREFIX, is_ps_mode
+        from .ps_modes import MLNET, POLICY_SEP, PREFIX, is_ps_mode
 
         train = self.train
         check_worker_failures(self.failures, train.workers, self.rejoin_s)
@@ -132,9 +134,9 @@ class PSRejoinConfig:
             raise ValueError(f"--fail worker:... kills a process of one parameter-server run: give one --sync mode "
                              f"of {MODES_FORM} (got {','.join(train.modes)}); run others as their own commands")
         mode = ps[0]
-        if not mode.startswith(PREFIX) or POLICY_SEP in mode:
+        if not (mode.startswith(PREFIX) or mode.startswith(MLNET)) or POLICY_SEP in mode:
             raise ValueError(f"--fail worker:... under {mode}: a restarted worker is taken back under direct "
-                             f"routing only, i.e. {MODES_FORM} (mlnet and the scheduler's policies refuse it)")
+                             f"and mlnet routing only, i.e. {MODES_FORM} (the scheduler's policies refuse it)")
         if len(train.injects) != 1:
             raise ValueError(f"--fail worker:... runs one injection, got {len(train.injects)}")
         if train.workers < 2:
@@ -215,39 +217,19 @@ class PSRejoinResult:
 # -- the servers' record ---------------------------------------------------------------------
 
 
-class _TimedRule:
-    """A shard's update rule that also records when it ran and for which workers."""
-
-    def __init__(self, rule: Any, entries: list[tuple[float, tuple[int, ...]]]) -> None:
-        self.rule, self.entries = rule, entries
-
-    def __call__(self, values: Any, gradient: Any, info: Any) -> None:
-        self.rule(values, gradient, info)
-        self.entries.append((time.time(), tuple(info.workers)))
-
-    def __getattr__(self, name: str) -> Any:  # the rule's own state (its momentum history)
-        return getattr(self.rule, name)
-
-
 class UpdateTimes:
-    """Every update a server applies: (wall-clock time, the workers whose gradients it holds).
-    Installed as the server's per-turn hook (:attr:`ParameterServer.on_turn`), it wraps each
-    shard's rule once the shard exists -- the server has no per-update hook of its own, and its
-    statistics count updates without their times (``first_update_at`` only)."""
+    """Every update a server applies: (wall-clock time, the workers whose gradients it holds),
+    from the server's :attr:`ParameterServer.on_apply` hook; and when its transport reported
+    each worker lost."""
 
     def __init__(self, server: ParameterServer) -> None:
-        self.server = server
         self.entries: list[tuple[float, tuple[int, ...]]] = []
         #: (wall-clock time, worker) of each worker the transport reported lost.
         self.lost: list[tuple[float, int]] = []
         layout = server.layout
         server.transport.on_peer_lost(lambda peer, reason: self.lost.append((time.time(), layout.worker_index(peer)))
                                       if layout.role(peer) == "worker" else None)
-
-    def turn(self) -> None:
-        for shard in self.server.shards.values():
-            if not isinstance(shard.rule, _TimedRule):
-                shard.rule = _TimedRule(shard.rule, self.entries)
+        server.on_apply = lambda info: self.entries.append((time.time(), tuple(info.workers)))
 
 
 # -- a rank ------------------------------------------------------------------------------------
@@ -265,7 +247,7 @@ def _rank(args: dict[str, Any]) -> None:
     from mlfabric.torch import PSOptimizer
 
     from .harness import train_steps
-    from .ps_modes import ps_consistency, serve_run
+    from .ps_modes import MLNET, mlnet_options, ps_consistency, serve_run
 
     with open(args["config"], "rb") as f:
         config: PSRejoinConfig = pickle.load(f)
@@ -282,13 +264,14 @@ def _rank(args: dict[str, Any]) -> None:
     # Built before the join: torch's first optimizer imports more of torch (~0.9 s here).
     optimizer = torch.optim.SGD(model.parameters(), lr=train.lr_, momentum=train.momentum_)
     ready = time.time()  # imports, data and model done: what follows is the join
-    job = mlfabric.ps.init(servers=train.servers, replicas=0, consistency=ps_consistency(config.mode, train.delay_bound),
+    routing = mlnet_options(config.mode) if config.mode.startswith(MLNET) else \
+        {"consistency": ps_consistency(config.mode, train.delay_bound)}
+    job = mlfabric.ps.init(servers=train.servers, replicas=0, **routing,
                            transport="tcp", timeout=min(train.timeout_s, 120.0), seed=train.seed,
                            lost_worker_wait_s=config.lost_worker_wait_s)
     joined = time.time()  # taken back (a restarted worker) or in the job
     if job.server is not None:
         times = UpdateTimes(job.server)
-        job.server.on_turn = times.turn
         try:
             stats, final = serve_run(job, sum(p.numel() for p in model.parameters()), torch.float32)
         finally:

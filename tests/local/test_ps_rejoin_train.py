@@ -1,7 +1,7 @@
 """A parameter-server worker SIGKILLed a second into training and restarted half a second
 later as a new process, which rejoins and trains to the end (issue #38): ``mlfabric train
---sync ps-bsp --fail worker:1@1 --rejoin 0.5`` end to end, and the same under SSP and async
-through :func:`mlfabric.train.ps_rejoin.run_ps_rejoin`.
+--sync ps-bsp --fail worker:1@1 --rejoin 0.5`` end to end, and the same under SSP on MLNET's
+trees and under async through :func:`mlfabric.train.ps_rejoin.run_ps_rejoin`.
 
     .venv/bin/python -m pytest tests/local/test_ps_rejoin_train.py -q
 
@@ -59,8 +59,10 @@ def test_cli_kills_a_bsp_worker_restarts_it_and_compares_with_a_fault_free_run(t
     assert "recovery" in proc.stdout and "rejoined [1]" in proc.stdout
 
 
-@pytest.mark.parametrize("mode", ["ps-ssp:1", "ps-async"])
+@pytest.mark.parametrize("mode", ["mlnet-tree:1+ssp:1", "ps-async"])
 def test_a_killed_ssp_or_async_worker_restarts_and_rejoins(mode: str, tmp_path: Path) -> None:
+    """SSP under MLNET's trees (a chain server <- w0 <- w1 <- w2: the killed w1 is the middle,
+    w0 adopts w2, the restarted w1 re-enters as w0's leaf), async under direct routing."""
     from mlfabric.train.failover import parse_fail
     from mlfabric.train.harness import EagerTrainConfig
     from mlfabric.train.ps_rejoin import PSRejoinConfig, run_ps_rejoin
