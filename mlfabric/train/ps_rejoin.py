@@ -505,6 +505,19 @@ def _stall(updates: Sequence[Sequence[Any]], t_kill: float, given_up: float | No
     return round(max(b - a for a, b in zip(span, span[1:])), 4)
 
 
+def _down_at(killed: Sequence[tuple[int, float]], restarted: Sequence[tuple[int, float]], t: float) -> set[int]:
+    """The workers whose last kill or restart up to ``t`` was a kill (one worker may be killed,
+    restarted and killed again)."""
+    events = sorted([(at, 1, w) for w, at in killed if at <= t] + [(at, 0, w) for w, at in restarted if at <= t])
+    down: set[int] = set()
+    for _, is_kill, w in events:
+        if is_kill:
+            down.add(w)
+        else:
+            down.discard(w)
+    return down
+
+
 def _latest(times: Sequence[float | None]) -> float | None:
     return None if not times or any(t is None for t in times) else max(t for t in times if t is not None)
 
@@ -528,7 +541,7 @@ def _summarize(config: PSRejoinConfig, launch: _Launch) -> PSRejoinResult:
         seen = [next((t for t, v in s.get("lost", ()) if v == w and t >= t_kill - 0.05), None) for s in servers]
         detected = _latest(seen)
         detection.append(None if detected is None else round(max(0.0, detected - t_kill), 4))
-        down = {v for v, t in launch.killed if t <= t_kill} - {v for v, t in launch.restarted if t <= t_kill}
+        down = _down_at(launch.killed, launch.restarted, t_kill)  # w among them
         survivors = [v for v in range(train.workers) if v not in down]
         per_survivor = [_latest([_first(u, t_kill, v, without=w) for u in updates]) for v in survivors]
         done = _latest(per_survivor)
@@ -540,8 +553,8 @@ def _summarize(config: PSRejoinConfig, launch: _Launch) -> PSRejoinResult:
     too_late = list(launch.late)
     for k, (w, t_start) in enumerate(launch.restarted):
         back = _latest([_first(u, t_start, w) for u in updates])
-        joiner = next((o for o in workers if o["worker"] == w and o["incarnation"] >= 1
-                       and o["started"] >= t_start - 1), None)
+        joiner = min((o for o in workers if o["worker"] == w and o["incarnation"] >= 1
+                      and o["started"] >= t_start - 1), key=lambda o: o["started"], default=None)
         if back is None or joiner is None:
             too_late.append(w)  # it had no step left, or the job ended during its rejoin
             continue

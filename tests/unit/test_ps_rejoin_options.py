@@ -115,3 +115,31 @@ def test_recovery_stall_and_rejoin_come_from_the_update_times(monkeypatch: pytes
     result = ps_rejoin._summarize(config, late)
     assert result.rejoin_s == [] and result.rejoined_too_late == [1]
     assert [m["members"] for m in result.members] == [[0, 1, 2], [0, 2]]
+
+
+def test_a_worker_killed_twice_has_a_recovery_and_a_rejoin_for_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: worker 1 killed at 101.0, restarted at 101.5, killed again at 105.0 and
+    restarted at 105.5. The second kill's survivors are workers 0 and 2 (worker 1 itself was
+    counted among them: its recovery was None), and each restart is matched with its own process."""
+    import mlfabric.train.ps_rejoin as ps_rejoin
+    from mlfabric.train.failover import WorkerFailure
+    from mlfabric.train.harness import EagerTrainConfig
+    from mlfabric.train.workloads import HyperplaneSpec
+
+    monkeypatch.setattr(ps_rejoin, "_evaluate", lambda config, finals: 4.2)
+    train = EagerTrainConfig(workload="hyperplane", workers=3, modes=("ps-bsp",),
+                             hyperplane=HyperplaneSpec(dim=8, train_samples=1024))
+    config = ps_rejoin.PSRejoinConfig(train=train, failures=(WorkerFailure(rank=1, at_s=1.0),
+                                                             WorkerFailure(rank=1, at_s=5.0)),
+                                      rejoin_s=0.5, baseline=False)
+    updates = [[100.9, [0, 1, 2]], [102.0, [0, 2]], [103.0, [0, 1, 2]], [104.9, [0, 1, 2]], [106.0, [0, 2]],
+               [107.5, [0, 1, 2]]]
+    launch = _launch(updates, lost=[(101.5, 1), (105.5, 1)], killed=[(1, 101.0), (1, 105.0)],
+                     restarted=[(1, 101.5), (1, 105.5)], joiner_ready=0.0)
+    for out, ready in zip([o for o in launch.outputs if o.get("incarnation") == 1], (102.5, 106.5)):
+        out["ready"] = ready
+    launch.outputs[-1]["incarnation"] = 2
+    result = ps_rejoin._summarize(config, launch)
+    assert result.recovery_s == [1.0, 1.0]
+    assert result.rejoin_s == [1.5, 2.0] and result.rejoin_startup_s == [1.0, 1.0]
+    assert [m["members"] for m in result.members] == [[0, 1, 2], [0, 2], [0, 1, 2], [0, 2], [0, 1, 2]]
