@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from mlfabric.bench.procs import run_ranks
-from tests.local.test_ps_rejoin_processes import ROOT, _steps
+from tests.local.test_ps_rejoin_processes import ROOT, _steps, train_until_back
 
 pytestmark = pytest.mark.local
 
@@ -94,16 +94,7 @@ def _rank(tmp_text: str) -> Any:
         if job.rank == VICTIM:
             _steps(w, lambda: True, 3)
             os.kill(os.getpid(), signal.SIGKILL)
-        back = tmp / "worker-1-back"
-        steps, since = 0, 0
-        deadline = time.monotonic() + 40
-        while since < 15 and time.monotonic() < deadline:
-            w.push("m", {"w": torch.ones(16)})
-            w.clock()
-            w.pull("m")
-            steps += 1
-            since += back.exists()
-            time.sleep(0.02)
+        steps = train_until_back(w, tmp / "worker-1-back", 15)
         (tmp / f"rank-{job.rank}-done").touch()
         return {"steps": steps, "node": w.routing.stats.as_dict()}
     finally:

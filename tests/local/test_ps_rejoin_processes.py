@@ -53,6 +53,21 @@ def _steps(w: Any, stop: Any, at_least: int) -> int:
     return n
 
 
+def train_until_back(w: Any, back: Path, steps_after: int) -> int:
+    """A surviving worker's loop: push, clock, pull until ``steps_after`` steps after the file
+    ``back`` (the restarted worker's sign) appeared, within 40 s; returns its steps."""
+    steps, since = 0, 0
+    deadline = time.monotonic() + 40
+    while since < steps_after and time.monotonic() < deadline:
+        w.push("m", {"w": torch.ones(16)})
+        w.clock()
+        w.pull("m")
+        steps += 1
+        since += back.exists()
+        time.sleep(0.02)
+    return steps
+
+
 def restarted() -> None:
     """The restarted worker (run by rank 0 as ``python -c``): rejoin, train until the other
     worker has left (its file), and print what it saw as JSON."""
@@ -104,16 +119,7 @@ def _rank(tmp: str) -> Any:
             _steps(w, lambda: True, 3)
             os.kill(os.getpid(), signal.SIGKILL)
         # Worker 0 goes on until the restarted worker has taken part for a while.
-        back = Path(tmp) / "worker-1-back"
-        steps, since = 0, 0
-        deadline = time.monotonic() + 40
-        while since < 20 and time.monotonic() < deadline:
-            w.push("m", {"w": torch.ones(16)})
-            w.clock()
-            w.pull("m")
-            steps += 1
-            since += back.exists()
-            time.sleep(0.02)
+        steps = train_until_back(w, Path(tmp) / "worker-1-back", 20)
         done.touch()
         return {"steps": steps}
     finally:
