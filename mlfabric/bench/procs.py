@@ -40,11 +40,11 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 __all__ = [
     "LaunchConfig", "RankEnv", "RankFailedError", "RankFailure", "RankTimeoutError", "check_choices",
-    "check_distinct", "free_port", "rank_env", "report", "run_module", "run_ranks",
+    "check_distinct", "free_port", "rank_env", "report", "run_module", "run_ranks", "stop_processes",
 ]
 
 
@@ -510,6 +510,18 @@ def _kill(proc: subprocess.Popen) -> None:
         proc.wait(timeout=5.0)
     except subprocess.TimeoutExpired:
         pass
+
+
+def stop_processes(procs: Iterable[subprocess.Popen], timeout: float = 10.0) -> None:
+    """Kill every process of ``procs`` still running and reap it (waiting at most ``timeout``
+    s for each): a parent's last step, on success or error, so that nothing outlives it."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:  # a zombie's parent is us: nothing more to do
+                print(f"mlfabric: process {proc.pid} did not end within {timeout:g} s of SIGKILL", file=sys.stderr)
 
 
 def _describe_exit(code: int | None) -> str:

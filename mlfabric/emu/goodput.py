@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from mlfabric.bench.procs import stop_processes
+
 if TYPE_CHECKING:
     from mlfabric.emu.cluster import ClusterPlan
 
@@ -148,10 +150,7 @@ def run_flows(plan: ClusterPlan, pairs: Sequence[tuple[int, int]], *, seconds: f
             results.append(json.loads(out.strip().splitlines()[-1]))
         return results
     finally:
-        for proc in [*receivers, *senders]:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        stop_processes([*receivers, *senders])
 
 
 def two_host_goodput_bps(plan: ClusterPlan, *, src: int = 0, dst: int = 1, seconds: float = 2.5,

@@ -58,6 +58,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from mlfabric.bench.procs import stop_processes
 from mlfabric.units import parse_duration
 
 from .failover import WORKER_FAIL_FORM, WorkerFailure, _worker_failures, check_worker_failures, parse_fail
@@ -290,10 +291,7 @@ def run_elastic_training(config: ElasticRunConfig, *, log_dir: Path | None = Non
                 time.sleep(0.01)
             wall_s = time.time() - t0
         finally:
-            for proc in procs.values():
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait(10)
+            stop_processes(procs.values())
         outputs = [json.loads(p.read_text()) for p in sorted(work.glob("worker*.json"))]
         # What killed processes had recorded (their recoveries from earlier kills count too).
         done = {p.with_suffix("").name for p in work.glob("worker*.json")}

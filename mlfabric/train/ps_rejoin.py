@@ -356,7 +356,7 @@ def run_ps_rejoin(config: PSRejoinConfig, *, log_dir: Path | None = None) -> PSR
 
 def _launch(config: PSRejoinConfig, config_path: Path, work: Path, *,
             failures: tuple[WorkerFailure, ...]) -> _Launch:
-    from mlfabric.bench.procs import free_port
+    from mlfabric.bench.procs import free_port, stop_processes
     from mlfabric.ps.job import INCARNATION_ENV
     from mlfabric.ps.layout import REPLICAS_ENV, SERVERS_ENV
 
@@ -460,10 +460,7 @@ def _launch(config: PSRejoinConfig, config_path: Path, work: Path, *,
             time.sleep(0.01)
         wall_s = time.time() - t0
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+        stop_processes(procs.values())
     import torch
 
     outputs = [json.loads(p.read_text()) for p in outs if p.exists()]

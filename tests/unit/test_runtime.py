@@ -431,3 +431,17 @@ def test_send_many_default_sends_each_message_in_order_and_all_sent_waits_for_ev
     assert not together.done()
     parts[2].set_done()
     assert together.done()
+
+
+def test_stop_processes_kills_what_still_runs_and_leaves_the_ended_alone() -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from mlfabric.bench.procs import stop_processes
+
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait(30)
+    stop_processes([running, ended], timeout=10)
+    assert running.returncode == -signal.SIGKILL and ended.returncode == 0
