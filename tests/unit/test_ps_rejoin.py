@@ -84,8 +84,9 @@ def test_a_new_incarnation_replaces_the_old_and_nothing_old_is_delivered() -> No
         assert t0.try_recv(TAG, src=1).payload.tobytes() == b"before"
         # A restarted process of rank 1 connects while the old one still has its connection open.
         t1b = TcpTransport.rejoin(store, 1, 2, 1, peers=[0], timeout=5.0)
-        _wait(lambda: t0.incarnations.get(1) == 1, 5, "the new incarnation's handshake")
-        assert 1 in t0.lost_peers and "incarnation 1" in t0.lost_peers[1]
+        # The handshake records the incarnation, then reports the old process lost: wait for both.
+        _wait(lambda: t0.incarnations.get(1) == 1 and 1 in t0.lost_peers, 5, "the new incarnation's handshake")
+        assert "incarnation 1" in t0.lost_peers[1]
         t0.readmit(1, t1b.endpoints)
         assert 1 not in t0.lost_peers
         rejected = t0.rejected_messages
