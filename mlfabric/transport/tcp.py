@@ -196,10 +196,8 @@ class TcpTransport(Transport):
                 self._shm.connect(peer, self.connect_timeout)
                 self._shm_peers = self._shm_peers | {peer}
                 continue
-            for name in self.channels:
-                sock = self._dial(peer, endpoints[name])
-                sock.sendall(encode_header(self.token, self.rank, self.incarnation, self._channel_index[name]))
-                self._outgoing[(peer, name)] = OrderedLink(self, peer, name, sock)
+            for name, link in self._open_links(peer, endpoints).items():
+                self._outgoing[(peer, name)] = link
 
     @classmethod
     def rejoin(cls, store, rank: int, world_size: int, incarnation: int, peers: Sequence[int], *,
@@ -235,15 +233,9 @@ class TcpTransport(Transport):
     def _reach(self, peer: int, endpoints: Mapping[str, str], timeout: float) -> None:
         """Dial ``peer`` on every channel within ``timeout`` s, or record it lost (why)."""
         check_endpoints(self.rank, peer, endpoints, self.channels)
-        links = {}
         try:
-            for name in self.channels:
-                sock = self._dial(peer, endpoints[name], timeout)
-                sock.sendall(encode_header(self.token, self.rank, self.incarnation, self._channel_index[name]))
-                links[name] = OrderedLink(self, peer, name, sock)
+            links = self._open_links(peer, endpoints, timeout)
         except (TransportError, OSError) as exc:
-            for link in links.values():
-                link.close()
             self._peer_lost(peer, f"not reachable when this process rejoined ({exc})")
             return
         for name, link in links.items():
@@ -258,11 +250,7 @@ class TcpTransport(Transport):
             raise TransportError(f"rank {self.rank}: readmit(peer {peer}) but no restarted incarnation of it has "
                                  "connected here (it must connect first: TcpTransport.rejoin)")
         check_endpoints(self.rank, peer, endpoints, self.channels)
-        links = {}
-        for name in self.channels:
-            sock = self._dial(peer, endpoints[name])
-            sock.sendall(encode_header(self.token, self.rank, self.incarnation, self._channel_index[name]))
-            links[name] = OrderedLink(self, peer, name, sock)
+        links = self._open_links(peer, endpoints)
         with self._incarnation_lock:
             self.readmissions[peer] = self.readmissions.get(peer, 0) + 1
             self._shm_peers = self._shm_peers - {peer}
@@ -277,6 +265,22 @@ class TcpTransport(Transport):
                 link.close()
         log.info("rank %d: readmitted peer %d (incarnation %d)", self.rank, peer, self.incarnations[peer])
         self.mailbox.notify()
+
+    def _open_links(self, peer: int, endpoints: Mapping[str, str],
+                    timeout: float | None = None) -> dict[str, OrderedLink]:
+        """One connection to ``peer`` per channel, each announcing this process (token, rank,
+        incarnation, channel); the ones opened are closed again if another fails."""
+        links: dict[str, OrderedLink] = {}
+        try:
+            for name in self.channels:
+                sock = self._dial(peer, endpoints[name], timeout)
+                sock.sendall(encode_header(self.token, self.rank, self.incarnation, self._channel_index[name]))
+                links[name] = OrderedLink(self, peer, name, sock)
+        except BaseException:
+            for link in links.values():
+                link.close()
+            raise
+        return links
 
     def _dial(self, peer: int, endpoint: str, timeout: float | None = None) -> socket.socket:
         address = peer_address(endpoint)
