@@ -807,9 +807,7 @@ class TreeCore:
     def _enter(self, tree: _Tree) -> None:
         """Ask the first live ancestor as built (none: the server, which takes the worker back
         itself) to take this node as a leaf of ``tree``."""
-        if tree.attaching is not None:  # asked of a parent lost since: its answer will not come
-            self._attaching.pop(tree.attaching, None)
-            tree.attaching = None
+        self._forget_attach(tree)  # asked of a parent lost since: its answer will not come
         tree.parent = self._live_ancestor(tree, self.port.index)
         tree.entering = tree.parent >= 0 and not self.fallen_back
         if not tree.entering:
@@ -878,10 +876,15 @@ class TreeCore:
         self.stats.fallbacks += 1
         for tree in self.trees:
             tree.parent, tree.entering, tree.entry = -1, False, None
-            if tree.attaching is not None:
-                self._attaching.pop(tree.attaching, None)
-                tree.attaching = None
+            self._forget_attach(tree)
         self._answer_deferred()
+
+    def _forget_attach(self, tree: _Tree) -> None:
+        """Stop waiting for the answer to ``tree``'s attachment (it will not come, or no longer
+        matters)."""
+        if tree.attaching is not None:
+            self._attaching.pop(tree.attaching, None)
+            tree.attaching = None
 
     def _answer_deferred(self) -> None:
         """Answer the re-entries held while this node was not yet counted (:meth:`_take_back`):
