@@ -544,7 +544,7 @@ def run_from_cli(*, workload: str, workers: int, sync: str | None, fail: str | N
     the summary, write the JSON."""
     import typer
 
-    from mlfabric.cli import console, write_json
+    from mlfabric.cli import console, run_or_exit, write_json
 
     def usage(message: str) -> typer.BadParameter:
         return typer.BadParameter(message)
@@ -578,11 +578,7 @@ def run_from_cli(*, workload: str, workers: int, sync: str | None, fail: str | N
                                  ("lr", lr), ("momentum", momentum)) if v is not None})
     except ValueError as exc:
         raise usage(str(exc)) from None
-    try:
-        result = run_elastic_training(config)
-    except ElasticRunError as exc:
-        console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
-        raise typer.Exit(1) from None
+    result = run_or_exit(lambda: run_elastic_training(config), (ElasticRunError,))
     console.print(summary_line(result), markup=False, highlight=False)
     if json_path is not None:
         write_json(json_path, {"runs": [result.to_dict()]})

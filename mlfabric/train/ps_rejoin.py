@@ -608,7 +608,7 @@ def run_from_cli(train: EagerTrainConfig, *, fail: str | None, rejoin: str | Non
     (usage errors exit 2), run, print the summary, write the JSON."""
     import typer
 
-    from mlfabric.cli import console, write_json
+    from mlfabric.cli import console, run_or_exit, write_json
     from mlfabric.units import parse_duration
 
     if elastic:
@@ -629,11 +629,7 @@ def run_from_cli(train: EagerTrainConfig, *, fail: str | None, rejoin: str | Non
         config = PSRejoinConfig(train=train, failures=failures, rejoin_s=rejoin_s)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    try:
-        result = run_ps_rejoin(config)
-    except PSRejoinError as exc:
-        console.print(f"[bold red]error:[/] {exc}", markup=True, highlight=False)
-        raise typer.Exit(1) from None
+    result = run_or_exit(lambda: run_ps_rejoin(config), (PSRejoinError,))
     console.print(summary_line(result), markup=False, highlight=False)
     if json_path is not None:
         write_json(json_path, {"runs": [result.to_dict()]})
