@@ -65,6 +65,18 @@ def _attach_id(core: TreeCore) -> int:
     return request_id
 
 
+def _re_entered(worker: int, through: int, clock: int) -> TreeCore:
+    """Worker ``worker``'s restarted node, taken back by its parent after ``through`` and
+    counted by the servers from ``clock``, its actions so far taken."""
+    core = _core(worker, rejoining=True)
+    core.event("enter", ENDPOINTS)
+    _sends(core)
+    core.attached(_attach_id(core), through, 0.0)
+    core.event("rejoined", clock)
+    core.take_actions()
+    return core
+
+
 def test_a_restarted_node_tells_everyone_then_enters_below_its_first_live_ancestor() -> None:
     core = _core(2, rejoining=True, lost=(1,))  # its parent as built, w1, is lost: w0 takes it
     assert core.trees[0].members == [2]  # its children as built were adopted when it was lost
@@ -117,11 +129,7 @@ def test_a_node_that_finds_the_trees_torn_down_goes_to_the_servers() -> None:
 
 
 def test_a_re_entered_leaf_whose_parent_is_lost_tears_the_trees_down() -> None:
-    core = _core(2, rejoining=True)
-    core.event("enter", ENDPOINTS)
-    _sends(core)
-    core.attached(_attach_id(core), 4, 0.0)
-    core.event("rejoined", 5)
+    core = _re_entered(2, through=4, clock=5)
     core.lost = {LAYOUT.worker_rank(1): "test: killed"}
     core.watch({LAYOUT.worker_rank(1): "lost: test"}, 50.0)
     assert core.fallen_back
@@ -172,12 +180,7 @@ def test_a_re_entered_leaf_lost_again_leaves_its_children_as_built_where_they_ar
     # w1 and w2 were lost; w0 adopted w3. w1 came back (a leaf of w0), then w2, whose first
     # live ancestor as it sees it is w1: w1 takes it as a leaf. w2 lost again: w1 must not
     # adopt w3 (it sends to w0), or it would wait for w3's clocks forever.
-    core = _core(1, rejoining=True)
-    core.event("enter", ENDPOINTS)
-    _sends(core)
-    core.attached(_attach_id(core), 3, 0.0)
-    core.event("rejoined", 4)
-    core.take_actions()
+    core = _re_entered(1, through=3, clock=4)
     rank2 = LAYOUT.worker_rank(2)
     core.from_child(rank2, protocol.Reentered(tree=0, endpoints=ENDPOINTS).fields())
     core.from_child(rank2, protocol.Attach(id=8, rejoin=True).fields(tree=0))
