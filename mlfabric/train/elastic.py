@@ -61,7 +61,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 from mlfabric.bench.procs import stop_processes
 from mlfabric.units import parse_duration
 
-from .failover import WORKER_FAIL_FORM, WorkerFailure, _worker_failures, check_worker_failures, parse_fail
+from .failover import (WORKER_FAIL_FORM, WorkerFailure, _worker_failures, check_worker_failures, parse_fail,
+                       still_running)
 
 if TYPE_CHECKING:
     from mlfabric.runtime.membership import MembershipStore
@@ -373,8 +374,8 @@ def _check_alive(procs: dict[int, subprocess.Popen], logs: dict[int, Path], *, k
             tail = logs[rank].read_text()[-3000:]
             raise ElasticRunError(f"worker {rank} failed (exit status {code}); the end of its log:\n{tail}")
     if time.monotonic() > deadline:
-        raise ElasticRunError("the elastic run did not finish within its timeout; the workers' logs: "
-                              + ", ".join(str(p) for p in logs.values()))
+        raise ElasticRunError(f"the elastic run did not finish within its timeout (--timeout); "
+                              f"{still_running(procs, logs)}")
 
 
 def _summarize(config: ElasticRunConfig, outputs: list[dict[str, Any]], killed: list[tuple[int, float]],

@@ -40,7 +40,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from mlfabric.units import parse_duration
 
@@ -152,6 +152,16 @@ def check_worker_failures(failures: tuple[WorkerFailure, ...], workers: int, rej
             raise ValueError(f"--fail worker:{failure.rank}: outside the job (workers 0-{workers - 1})")
     if len({f.rank for f in failures}) < len(failures) and rejoin_s is None:
         raise ValueError("--fail names one worker twice: without --rejoin it is dead after the first")
+
+
+def still_running(procs: "Mapping[int, Any]", logs: "Mapping[int, Path]", chars: int = 1500) -> str:
+    """For a run past its timeout: the ranks whose process still runs, each with the end of its
+    log -- the message must carry them, for the log directory may be a temporary one, removed
+    with the error (the elastic and the PS kill runs)."""
+    running = [rank for rank, proc in procs.items() if proc.poll() is None]
+    tails = "".join(f"\n--- rank {rank} ({logs[rank].name}), still running; the end of its log:\n"
+                    f"{logs[rank].read_text()[-chars:]}" for rank in running)
+    return f"ranks still running: {running}{tails}"
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .failover import PS_WORKER_FAIL_FORM, WorkerFailure, check_worker_failures, parse_fail
+from .failover import PS_WORKER_FAIL_FORM, WorkerFailure, check_worker_failures, parse_fail, still_running
 
 if TYPE_CHECKING:
     from mlfabric.ps.server import ParameterServer
@@ -411,11 +411,8 @@ def _launch(config: PSRejoinConfig, config_path: Path, work: Path, *,
             raise PSRejoinError(f"rank {rank} ({'server' if rank in servers else f'worker {rank - train.servers}'}) "
                                 f"failed (exit status {code}; log {logs[rank]}); the end of its log:\n{tail}")
         if time.monotonic() > deadline:
-            running = [r for r, proc in procs.items() if proc.poll() is None]
-            tails = "".join(f"\n--- rank {r} ({logs[r].name}), still running; the end of its log:\n"
-                            f"{logs[r].read_text()[-1500:]}" for r in running)
             raise PSRejoinError(f"the run did not finish within its timeout ({train.timeout_s:g} s, --timeout); "
-                                f"ranks still running: {running}{tails}")
+                                f"{still_running(procs, logs)}")
         return all(p.poll() is not None for r, p in procs.items() if r not in dead)
 
     try:

@@ -481,3 +481,18 @@ def test_host_hierarchical_runs_over_the_hosts_that_remain() -> None:
     assert {a for _, a in seen[0]} == {"host_hierarchical"}
     assert (1, (0, 0, 1)) in hosts_seen, hosts_seen
     assert torch.equal(out[0]["params"], out[1]["params"]) and torch.equal(out[0]["params"], out[2]["params"])
+
+
+def test_an_elastic_run_past_its_timeout_names_the_workers_still_running() -> None:
+    """Regression: the message listed log paths in a temporary directory removed with the
+    error; it carries the still-running ranks and their logs' ends instead."""
+    from typer.testing import CliRunner
+
+    from mlfabric.cli import app
+
+    result = CliRunner().invoke(app, ["train", "--workload", "hyperplane", "--workers", "2", "--elastic", "--dim",
+                                      "16", "--train-samples", "512", "--batch-size", "64", "--epochs", "1",
+                                      "--timeout", "0.5"], env={"COLUMNS": "300"})
+    assert result.exit_code == 1, result.output
+    assert "did not finish within its timeout" in result.output
+    assert "ranks still running: [0, 1]" in result.output and "--- rank 0 (worker0-0.log)" in result.output
