@@ -1267,6 +1267,10 @@ def simulate_mlfabric_cmd(
     update_size: Annotated[str, typer.Option("--update-size", help="Update (= model) size.")] = "100MB",
     rate: Annotated[str, typer.Option(help="Every NIC's rate before churn.")] = "10gbit",
     compute: Annotated[str, typer.Option(help="A worker's compute per update at nominal speed.")] = "100ms",
+    compute_jitter: Annotated[float, typer.Option(
+        "--compute-jitter", min=0.0, max=0.99,
+        help="A step's compute varies uniformly by up to this fraction either way (keeps identical async "
+             "workers from staying in phase in the fluid model; 0: off).")] = 0.1,
     inject: Annotated[str, typer.Option(help="Compute settings, comma-separated: C1, C2, C3 (MLfabric §7), "
                                              "none.")] = "C1,C2,C3",
     # Not the config's one `churn`: the grid's settings (config_from takes options named like fields).
@@ -1292,7 +1296,8 @@ def simulate_mlfabric_cmd(
     emulated: Annotated[Optional[list[Path]], typer.Option(
         help="Instead of the grid: the cells of these emulated train JSONs (train --emulate --churn N --target "
              "T), each mode timed to the updates it needed there; emulated vs simulated speedups. Repeatable; "
-             "give --update-size and --compute of that run.")] = None,
+             "give --update-size of that run (each mode computes as its run measured; --compute and "
+             "--compute-jitter for runs that did not record it).")] = None,
     json_path: JsonOption = None,
     quiet: QuietOption = False,
 ) -> None:

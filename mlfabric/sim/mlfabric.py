@@ -66,6 +66,7 @@ from mlfabric.ps.policies.scheduled.settings import (ScheduledSettings, aggregat
                                                       host_of_rank)
 
 __all__ = ["ChurnReplay", "MLfabricSimConfig", "PAPER_TABLE2", "SIM_MODES", "churn_replay", "compare_with_emulation",
+           "measured_compute",
            "cycle_floor_s", "simulate_mlfabric", "simulate_mode", "simulate_table2", "table2", "updates_to_target"]
 
 SIM_MODES = ("allreduce", "tree-allreduce", "ps-async", "mlfabric-a:TAU", "mlfabric-s", "mlfabric-allreduce")
@@ -73,6 +74,7 @@ SIM_MODES = ("allreduce", "tree-allreduce", "ps-async", "mlfabric-a:TAU", "mlfab
 PAPER_TABLE2 = {"C1": {"N1": 1.74, "N2": 1.23, "N3": 1.42}, "C2": {"N1": 2.96, "N2": 2.0, "N3": 2.32},
                 "C3": {"N1": 1.90, "N2": 1.33, "N3": 1.42}}
 _STRAGGLER_STREAM = 11  # seed stream of the compute draws (distinct from churn's)
+_JITTER_STREAM = 12     # seed stream of the compute spread's draws
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,14 @@ class MLfabricSimConfig:
     update_bytes: float = 100e6
     rate_bps: float = 10e9
     compute_s: float = 0.1
+    #: A step's compute varies by up to this fraction either way (uniform, mean-preserving),
+    #: besides the stragglers. Why: in a fluid model identical async workers that start
+    #: together stay in phase forever (max-min sharing ends simultaneous transfers together,
+    #: and the phase is neutrally stable), so ps-async alternated "all push" and "all pull" on
+    #: the server's NIC and came out up to 24% slower than the emulated runs, where real step
+    #: times and TCP spread them out. Any spread breaks the phase; the figures barely depend
+    #: on its size (docs/simulator.md, "Compute spread"). 0 turns it off.
+    compute_jitter: float = 0.1
     straggler: str | None = "C1"       # C1-C3, "PROB,SLOWDOWN" or None
     churn: str | None = "N1"           # N1-N3, "RATE:PROB,..." or None
     churn_period_s: float = 5.0
@@ -130,6 +140,8 @@ class MLfabricSimConfig:
                 raise ValueError(f"{name} must be a positive number, got {value}")
         if not (math.isfinite(self.compute_s) and self.compute_s >= 0) or self.monitor_lag_s < 0:
             raise ValueError(f"compute_s and monitor_lag_s must be >= 0, got {self.compute_s}, {self.monitor_lag_s}")
+        if not (0 <= self.compute_jitter < 1):
+            raise ValueError(f"compute_jitter must be in [0, 1) (a fraction of compute_s), got {self.compute_jitter}")
         if self.updates < 1 or any(v < 1 for v in self.updates_needed.values()):
             raise ValueError("updates (and every updates_needed) must be >= 1")
         if self.aggregators < 0 or self.distributors < 0:
@@ -306,6 +318,7 @@ class _Environment:
         model = straggler_preset(config.straggler) if config.straggler else None
         self._straggler = model
         self._rng = np.random.default_rng(np.random.SeedSequence([config.seed, _STRAGGLER_STREAM]))
+        self._jitter_rng = np.random.default_rng(np.random.SeedSequence([config.seed, _JITTER_STREAM]))
         self._factors: list[np.ndarray] = []
 
     def _draw(self) -> None:
@@ -332,13 +345,20 @@ class _Environment:
         return (self.config.churn_period_s * k for k in itertools.count(1))
 
     def compute(self, worker: int, iteration: int) -> float:
+        """Compute time of a worker's ``iteration``-th step: ``compute_s`` x straggler factor x
+        (1 + a uniform spread of ``compute_jitter``). Drawn per iteration for all workers at
+        once (a stream of its own each), so a worker's times do not depend on event order."""
         while len(self._factors) <= iteration:
             w = self.config.workers
             if self._straggler is None:
-                self._factors.append(np.ones(w))
+                factors = np.ones(w)
             else:
                 draws = self._rng.random(w)
-                self._factors.append(np.where(draws < self._straggler.probability, self._straggler.slowdown, 1.0))
+                factors = np.where(draws < self._straggler.probability, self._straggler.slowdown, 1.0)
+            jitter = self.config.compute_jitter
+            if jitter:
+                factors = factors * self._jitter_rng.uniform(1.0 - jitter, 1.0 + jitter, w)
+            self._factors.append(factors)
         return self.config.compute_s * float(self._factors[iteration][worker])
 
 
@@ -952,11 +972,14 @@ def cycle_floor_s(config: MLfabricSimConfig) -> dict[str, float]:
             "trees": c + config.interval_s / 2 + transfers * t}
 
 
-def simulate_mlfabric(config: MLfabricSimConfig, modes: Sequence[str]) -> list[dict[str, Any]]:
+def simulate_mlfabric(config: MLfabricSimConfig, modes: Sequence[str], *,
+                      mode_configs: dict[str, MLfabricSimConfig] | None = None) -> list[dict[str, Any]]:
     """Every mode on the same draws; adds ``speedup`` (allreduce's time over the mode's) and,
     for MLfabric-A, the ceilings of that speedup under the config's pull
-    (:func:`cycle_floor_s`: ``ceiling_any``, ``ceiling_one_level``)."""
-    runs = [simulate_mode(config, m) for m in modes]
+    (:func:`cycle_floor_s`: ``ceiling_any``, ``ceiling_one_level``). ``mode_configs``: a
+    mode's own config where it differs (e.g. the compute its emulated run measured)."""
+    mode_configs = mode_configs or {}
+    runs = [simulate_mode(mode_configs.get(m, config), m) for m in modes]
     base = next((r["time_s"] for r in runs if r["mode"] == "allreduce"), None)
     floors = cycle_floor_s(config)
     for r in runs:
@@ -1063,7 +1086,9 @@ def compare_with_emulation(config: MLfabricSimConfig, train_json: dict[str, Any]
     Where the run recorded where each mode started in its launch's churn and the launch's
     capacity trace is at hand (its recorded path, or in ``base_dir``: the JSON's directory),
     each mode replays the part of the trace it met (``replayed`` in its row); otherwise
-    every mode draws the churn from time 0 under the run's seed."""
+    every mode draws the churn from time 0 under the run's seed. Where the run measured its
+    steps' compute (``compute_s``), each mode computes as its run did
+    (:func:`measured_compute`; ``compute_measured`` in its row); otherwise ``config``'s."""
     emulation = train_json["metadata"].get("emulation") or {}
     churn = emulation.get("churn")
     workers = int(train_json["config"]["workers"])
@@ -1084,13 +1109,25 @@ def compare_with_emulation(config: MLfabricSimConfig, train_json: dict[str, Any]
         cell = dataclasses.replace(config, workers=workers, churn=churn, straggler=None if inject == "none" else inject,
                                    updates_needed={m: int(needed[m]) for m in modes},  # type: ignore[arg-type]
                                    churn_replay={m: replays[(inject, m)] for m in modes if (inject, m) in replays})
-        for r in simulate_mlfabric(cell, modes):
+        measured = {m: measured_compute(cell, runs[m]) for m in modes if runs[m].get("compute_s")}
+        for r in simulate_mlfabric(cell, modes, mode_configs=measured):
             emulated = 1.0 if r["mode"] == "allreduce" else speedups.get((inject, r["mode"]), {}).get("time_speedup")
+            used = measured.get(r["mode"], cell)
             rows.append({"inject": inject, "churn": churn or "none", "mode": r["mode"], "updates": needed[r["mode"]],
-                         "replayed": (inject, r["mode"]) in replays,
+                         "replayed": (inject, r["mode"]) in replays, "compute_measured": r["mode"] in measured,
+                         "compute_s": used.compute_s, "compute_jitter": used.compute_jitter,
                          "emulated_speedup": emulated, "simulated_speedup": r["speedup"],
                          "sim_over_emu": r["speedup"] / emulated if emulated else None, "simulated": r})
     return rows
+
+
+def measured_compute(config: MLfabricSimConfig, run: dict[str, Any]) -> MLfabricSimConfig:
+    """``config`` with the compute an emulated run measured (its ``compute_s``: mean and cv of a
+    worker step, injected delays left out): ``compute_s`` the mean, ``compute_jitter`` the
+    uniform spread of the same standard deviation (half-width sqrt(3) cv, at most 0.9)."""
+    measured = run["compute_s"]
+    return dataclasses.replace(config, compute_s=float(measured["mean"]),
+                               compute_jitter=min(0.9, math.sqrt(3.0) * float(measured["cv"])))
 
 
 def _simulated(mode: str) -> bool:

@@ -498,6 +498,11 @@ class RunResult:
     #: The runs of one launch follow each other under one churn, so each meets its own part of
     #: the launch's capacity trace (``simulate mlfabric --emulated`` replays that part).
     churn_offset_s: float | None = None
+    #: A worker step's compute as measured over every worker's steps (forward, backward, the
+    #: emulated device time; the injected straggler delay left out): ``mean`` seconds and
+    #: ``cv`` (standard deviation / mean). ``simulate mlfabric --emulated`` reads the
+    #: simulator's compute spread against it (docs/simulator.md, "Compute spread").
+    compute_s: dict[str, float] | None = None
 
     @property
     def label(self) -> str:
@@ -659,6 +664,7 @@ class _RankRun:
     #: Seconds from its launch's churn start (the capacity trace's time 0) to this worker's
     #: loop start; None without churn.
     churn_offset_s: float | None = None
+    compute_steps_s: tuple[float, ...] = ()  # this worker's measured compute per step
     #: A run whose server is killed (``--fail``): no collective over every rank at its end;
     #: each rank hands its part to the parent, which evaluates (:func:`_evaluate_in_parent`).
     parts: "_RunParts | None" = None
@@ -790,6 +796,7 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
                        fault_dir=fault_dir)
     snapshots, walls, train_losses = loop.snapshots, loop.walls, loop.train_losses
     injected, loop_s, churn_offset = loop.injected, loop.loop_s, loop.churn_offset_s
+    compute_steps = tuple(loop.compute_steps_s)
     ps_worker = None
     if isinstance(trainer, PSOptimizer):
         ps_worker = {**trainer.stats.as_dict(), "failovers": trainer.worker.failovers}
@@ -801,7 +808,7 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
     return _finish_run(config, comm, task, model, val, rank, numel, snapshots=torch.stack(snapshots), walls=walls,
                        train_losses=train_losses, loop_s=loop_s, injected=injected, stats=stats,
                        ps_worker=ps_worker, final_flat=final_flat, apart=fault_dir is not None,
-                       churn_offset_s=churn_offset)
+                       churn_offset_s=churn_offset, compute_steps_s=compute_steps)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -816,6 +823,7 @@ class LoopResult:
     injected: float                 # seconds of injected delay
     loop_s: float
     churn_offset_s: float | None    # where the loop starts in its launch's churn (emulated, churned)
+    compute_steps_s: list[float]    # each step's compute (forward, backward, device time; no injection)
 
 
 def train_steps(config: EagerTrainConfig, task: Any, model: Any, trainer: Any, x: Any, y: Any, *, worker: int,
@@ -860,6 +868,7 @@ def train_steps(config: EagerTrainConfig, task: Any, model: Any, trainer: Any, x
     else:
         first_epoch, skip = divmod(first_step, per_epoch)
     steps = 0
+    compute_steps: list[float] = []
     start = time.perf_counter()
     churn_offset = trace_offset_s()  # where this run starts in its launch's churn (emulated, churned)
     for epoch in range(first_epoch, config.epochs_):
@@ -886,6 +895,7 @@ def train_steps(config: EagerTrainConfig, task: Any, model: Any, trainer: Any, x
             pause = delay + device
             if pause > 0:
                 time.sleep(pause)
+            compute_steps.append(time.perf_counter() - computed - delay)
             injected += delay
             trainer.step()
             steps += 1
@@ -896,7 +906,7 @@ def train_steps(config: EagerTrainConfig, task: Any, model: Any, trainer: Any, x
         train_losses.append(statistics.fmean(losses) if losses else math.nan)
     return LoopResult(first_epoch=first_epoch, steps=steps, walls=walls, snapshots=snapshots,
                       train_losses=train_losses, injected=injected, loop_s=time.perf_counter() - start,
-                      churn_offset_s=churn_offset)
+                      churn_offset_s=churn_offset, compute_steps_s=compute_steps)
 
 
 def _aggregator_kill_at(config: EagerTrainConfig, trainer: Any, worker: int) -> float | None:
@@ -915,11 +925,21 @@ def _aggregator_kill_at(config: EagerTrainConfig, trainer: Any, worker: int) -> 
     return failure.at_s if aggregator_victim(parents) == worker else None
 
 
+def compute_summary(steps: Sequence[float]) -> dict[str, float] | None:
+    """``{"mean": seconds, "cv": standard deviation / mean, "steps": n}`` of measured step
+    computes (None without steps)."""
+    if not steps:
+        return None
+    mean = statistics.fmean(steps)
+    cv = statistics.pstdev(steps) / mean if mean > 0 else 0.0
+    return {"mean": mean, "cv": cv, "steps": len(steps)}
+
+
 def _finish_run(config: EagerTrainConfig, comm: Any, task: Any, model: Any, val: Any, rank: int, numel: int, *,
                 snapshots: Any, walls: list[float] | None, train_losses: list[float] | None, loop_s: float,
                 injected: float, stats: dict[str, Any] | None, ps_server: dict[str, Any] | None = None,
                 ps_worker: dict[str, Any] | None = None, final_flat: Any = None, apart: bool = False,
-                churn_offset_s: float | None = None) -> _RankRun:
+                churn_offset_s: float | None = None, compute_steps_s: tuple[float, ...] = ()) -> _RankRun:
     """The curve: at every epoch boundary, the average of the workers' models (what a model
     synchronization there would give; the same as each rank's for allreduce) and rank 0's own.
     Every rank of the launch takes part; servers contribute zeros (and their shard of the
@@ -935,6 +955,7 @@ def _finish_run(config: EagerTrainConfig, comm: Any, task: Any, model: Any, val:
     if apart:
         return _RankRun(loop_s=loop_s, injected_s=injected, curve=(), final=(math.nan, math.nan), stats=stats,
                         ps_server=ps_server, ps_worker=ps_worker, is_worker=is_worker, churn_offset_s=churn_offset_s,
+                        compute_steps_s=compute_steps_s,
                         parts=_RunParts(snapshots=snapshots, walls=walls_t, train_losses=losses_t,
                                         final_flat=final_flat))
     averaged = comm.allreduce(local.clone(), algorithm=config.algorithm, op="sum") / config.workers
@@ -949,7 +970,8 @@ def _finish_run(config: EagerTrainConfig, comm: Any, task: Any, model: Any, val:
                                  mean_loss, final_flat)
     comm.barrier()
     return _RankRun(loop_s=loop_s, injected_s=injected, curve=curve, final=final, stats=stats,
-                    ps_server=ps_server, ps_worker=ps_worker, is_worker=is_worker, churn_offset_s=churn_offset_s)
+                    ps_server=ps_server, ps_worker=ps_worker, is_worker=is_worker, churn_offset_s=churn_offset_s,
+                    compute_steps_s=compute_steps_s)
 
 
 def _evaluate(config: EagerTrainConfig, task: Any, model: Any, val: Any, averaged: Any, own: Any, at: Any,
@@ -1078,7 +1100,8 @@ def run_eager_training(config: EagerTrainConfig, *, argv: Sequence[str] | None =
             rounds_skipped=statistics.fmean(s["rounds_skipped"] for s in stats) if stats else None,
             injected_s=statistics.fmean(r.injected_s for r in workers),
             samples_per_step=config.batch_size_ * config.workers, ps=ps_figures,
-            churn_offset_s=min((r.churn_offset_s for r in workers if r.churn_offset_s is not None), default=None)))
+            churn_offset_s=min((r.churn_offset_s for r in workers if r.churn_offset_s is not None), default=None),
+            compute_s=compute_summary([t for r in workers for t in r.compute_steps_s])))
     metadata = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "hostname": socket.gethostname(),
         "platform": platform.platform(), "cpu_count": __import__("os").cpu_count(),

@@ -63,6 +63,10 @@ def test_tree_allreduce_trains_like_allreduce_and_is_timed_to_the_target() -> No
     assert tree.mode == "tree-allreduce" and abs(tree.final_metric - ring.final_metric) <= 1 / 256
     assert [p.val_metric for p in tree.curve] == pytest.approx([p.val_metric for p in ring.curve], abs=1 / 256)
     assert ring.loop_s >= config.steps * 0.02  # 8 steps x 2 epochs, each sleeping 20 ms
+    # every worker's measured step compute: at least the emulated device time, over all steps
+    for run in (ring, tree):
+        assert run.compute_s is not None and run.compute_s["steps"] == 2 * config.steps
+        assert 0.02 <= run.compute_s["mean"] < ring.loop_s / config.steps and run.compute_s["cv"] >= 0
     (comparison,) = result.comparisons()
     assert comparison["mode"] == "tree-allreduce" and comparison["target"] == 0.2 == result.target("none")
     reach, sync_reach = tree.time_to(0.2), ring.time_to(0.2)

@@ -21,7 +21,7 @@ from mlfabric.sim.mlfabric import (MLfabricSimConfig, _StarNet, cycle_floor_s, s
 MB = 1e6
 # 4 workers, 1 MB updates at 80 Mbit/s (10 MB/s): a transfer takes 0.1 s on an idle NIC.
 SMALL = {"workers": 4, "update_bytes": 1 * MB, "rate_bps": 80e6, "compute_s": 0.05, "straggler": None,
-         "churn": None, "updates": 40}
+         "churn": None, "updates": 40, "compute_jitter": 0.0}
 
 
 def test_flows_share_a_nic_max_min_and_keep_to_their_cap() -> None:
@@ -66,6 +66,33 @@ def test_vanilla_async_on_one_worker_is_compute_push_and_pull() -> None:
     assert bounded["dropped"] == 0 and bounded["max_delay"] == 1
     strict = simulate_mode(config, "ps-async:0")
     assert strict["dropped"] > 0 and strict["max_delay"] == 0 and strict["applied"] >= 10
+
+
+def test_the_compute_spread_breaks_the_fluid_models_lock_step() -> None:
+    # 8 identical async workers that start together: with every step's compute the same, max-min
+    # sharing ends their pushes together and their pulls together, so the server's NIC carries
+    # all pushes, then all pulls (each direction under half busy) -- the phase never breaks.
+    # Regression: the simulated ps-async was up to 24% slower than the emulated runs for this.
+    fields = {**SMALL, "workers": 8, "compute_s": 0.2, "updates": 160}
+    locked = simulate_mode(MLfabricSimConfig(**fields), "ps-async")
+    # 20 rounds of compute 0.2 s, 8 pushes sharing the server's down-link (0.8 s), 8 pulls (0.8 s)
+    assert locked["time_s"] == pytest.approx(20 * 1.8 - 0.8, rel=0.02)
+    assert locked["server_busy_in"] < 0.5 and locked["server_busy_out"] < 0.5
+    spread = simulate_mode(MLfabricSimConfig(**{**fields, "compute_jitter": 0.3}), "ps-async")
+    assert spread["time_s"] < 0.65 * locked["time_s"]  # the two directions overlap
+    assert spread["server_busy_in"] > 0.7 and spread["server_busy_out"] > 0.7
+    # the default spread is on, mean-preserving and seeded: the same run twice, another seed differs
+    default = MLfabricSimConfig(**{**fields, "compute_jitter": MLfabricSimConfig().compute_jitter})
+    assert default.compute_jitter == 0.1
+    from mlfabric.sim.mlfabric import _Environment
+
+    env = _Environment(default)
+    times = np.array([[env.compute(w, i) for w in range(8)] for i in range(400)])
+    assert times.min() >= 0.2 * 0.9 and times.max() <= 0.2 * 1.1 and times.mean() == pytest.approx(0.2, rel=0.01)
+    assert len(np.unique(times)) > 3000
+    assert simulate_mode(default, "ps-async") == simulate_mode(default, "ps-async")
+    other = simulate_mode(dataclasses.replace(default, seed=1), "ps-async")
+    assert other["time_s"] != simulate_mode(default, "ps-async")["time_s"]
 
 
 def test_mlfabric_modes_run_the_runtimes_scheduler_and_bound_delays(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,6 +151,8 @@ def test_table2_grid_and_speedups_against_rr_sync() -> None:
     ({"straggler": "C9"}, "C1"),
     ({"churn": "N7"}, "N1, N2, N3"),
     ({"updates_needed": {"ps-async": 0}}, "updates"),
+    ({"compute_jitter": 1.0}, "compute_jitter must be in"),
+    ({"compute_jitter": -0.1}, "compute_jitter must be in"),
 ])
 def test_config_errors_are_named(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -186,6 +215,17 @@ def test_emulated_cells_are_simulated_with_the_updates_they_needed(tmp_path: Any
                                 env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["rows"][1]["mode"] == "mlfabric-a:4"
+    assert not a["compute_measured"] and a["compute_s"] == 0.05 and a["compute_jitter"] == 0.0
+    # a run that measured its steps' compute is simulated with it: the mean, and a uniform
+    # spread of the same standard deviation
+    measured = json.loads(json.dumps(train))
+    measured["runs"][1]["compute_s"] = {"mean": 0.08, "cv": 0.1, "steps": 200}
+    rows = {r["mode"]: r for r in compare_with_emulation(config, measured)}
+    assert rows["mlfabric-a:4"]["compute_measured"] and not rows["allreduce"]["compute_measured"]
+    assert rows["mlfabric-a:4"]["compute_s"] == 0.08
+    assert rows["mlfabric-a:4"]["compute_jitter"] == pytest.approx(math.sqrt(3) * 0.1)
+    assert rows["mlfabric-a:4"]["simulated"]["time_s"] > a["simulated"]["time_s"]  # 80 ms steps instead of 50
+    assert rows["allreduce"]["simulated"]["time_s"] == by_mode["allreduce"]["simulated"]["time_s"]
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"runs": []}))
     refused = CliRunner().invoke(app, ["simulate", "mlfabric", "--emulated", str(bad)], env={"COLUMNS": "200"})
@@ -371,3 +411,12 @@ def test_the_cli_prints_the_papers_figures_beside_mlfabric_a_only(tmp_path: Any)
     allreduce_table = result.output.split("mlfabric-allreduce vs RR-Sync")[1].split("vs RR-Sync")[0]
     assert "[1.74]" not in allreduce_table and "[1.74]" in result.output.split("mlfabric-a:4 vs RR-Sync")[1]
     assert "where the PS modes' time went" in result.output
+
+
+def test_the_measured_compute_summary() -> None:
+    from mlfabric.train.harness import compute_summary
+
+    assert compute_summary([]) is None
+    summary = compute_summary([0.1, 0.3])
+    assert summary == {"mean": pytest.approx(0.2), "cv": pytest.approx(0.5), "steps": 2}
+    assert compute_summary([0.0, 0.0]) == {"mean": 0.0, "cv": 0.0, "steps": 2}
