@@ -1402,7 +1402,7 @@ def _compare_emulated(config: Any, paths: list[Path], json_path: Optional[Path])
     from rich import box
     from rich.table import Table
 
-    from mlfabric.sim.mlfabric import compare_with_emulation
+    from mlfabric.sim.mlfabric import across_launches, compare_with_emulation
 
     rows = []
     for path in paths:
@@ -1425,11 +1425,27 @@ def _compare_emulated(config: Any, paths: list[Path], json_path: Optional[Path])
                       "-" if r["emulated_speedup"] is None else f"{r['emulated_speedup']:.2f}",
                       f"{r['simulated_speedup']:.2f}", "-" if r["sim_over_emu"] is None else f"{r['sim_over_emu']:.3f}")
     console.print(table)
+    cells = across_launches(rows)
+    if len(paths) > 1:
+        table = Table(title=f"over the {len(paths)} launches: median speedups", title_justify="left",
+                      box=box.SIMPLE_HEAD)
+        for name in ("compute", "network", "mode", "reached", "emulated", "simulated", "sim/emu"):
+            table.add_column(name, justify="left" if name in ("compute", "network", "mode") else "right")
+        for c in cells:
+            table.add_row(c["inject"], c["churn"], c["mode"], f"{c['reached']} of {c['launches']}",
+                          "-" if c["emulated_speedup"] is None else f"{c['emulated_speedup']:.2f}",
+                          "-" if c["simulated_speedup"] is None else f"{c['simulated_speedup']:.2f}",
+                          "-" if c["sim_over_emu"] is None else
+                          f"{c['sim_over_emu']:.3f}{'' if c['within'] else ' (outside 15%)'}")
+        console.print(table)
+    compared = [c for c in cells if c["sim_over_emu"] is not None]
+    console.print(f"within 15%: {sum(c['within'] for c in compared)} of {len(compared)} cells"
+                  + (" (medians over the launches)" if len(paths) > 1 else ""))
     if json_path is not None:
         import dataclasses
 
         write_json(json_path, {"benchmark": "simulate-mlfabric-vs-emulated", "config": dataclasses.asdict(config),
-                               "emulated_runs": [str(p) for p in paths], "rows": rows})
+                               "emulated_runs": [str(p) for p in paths], "rows": rows, "cells": cells})
 
 
 @simulate_app.command("mlnet")

@@ -65,7 +65,7 @@ from mlfabric.ps.policies.scheduled.core import BatchingCore, BatchPlan, GroupOr
 from mlfabric.ps.policies.scheduled.settings import (ScheduledSettings, aggregator_ranks, check_tree_settings,
                                                       host_of_rank)
 
-__all__ = ["ChurnReplay", "MLfabricSimConfig", "PAPER_TABLE2", "SIM_MODES", "churn_replay", "compare_with_emulation",
+__all__ = ["ChurnReplay", "MLfabricSimConfig", "PAPER_TABLE2", "SIM_MODES", "across_launches", "churn_replay", "compare_with_emulation",
            "measured_compute",
            "cycle_floor_s", "simulate_mlfabric", "simulate_mode", "simulate_table2", "table2", "updates_to_target"]
 
@@ -1119,6 +1119,32 @@ def compare_with_emulation(config: MLfabricSimConfig, train_json: dict[str, Any]
                          "emulated_speedup": emulated, "simulated_speedup": r["speedup"],
                          "sim_over_emu": r["speedup"] / emulated if emulated else None, "simulated": r})
     return rows
+
+
+def across_launches(rows: Sequence[dict[str, Any]], tolerance: float = 0.15) -> list[dict[str, Any]]:
+    """Per cell (compute setting, network setting, mode; RR-Sync left out) over the rows of
+    several emulated launches (:func:`compare_with_emulation` of each): the median emulated
+    and the median simulated speedup, their ratio and whether it is within ``tolerance`` of 1.
+    One launch's emulated speedups move with the machine's load (on a shared 2-core VM by up to
+    27% between identical launches); the median of several is what a simulation can be held to.
+    Cells whose emulated runs never reached the target have no emulated speedup and no ratio."""
+    import statistics
+
+    cells: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["mode"] != "allreduce":
+            cells.setdefault((r["inject"], r["churn"], r["mode"]), []).append(r)
+    out = []
+    for (inject, churn, mode), group in cells.items():
+        emulated = [r["emulated_speedup"] for r in group if r["emulated_speedup"]]
+        simulated = [r["simulated_speedup"] for r in group if r["emulated_speedup"]]
+        emu = statistics.median(emulated) if emulated else None
+        sim = statistics.median(simulated) if simulated else None
+        ratio = sim / emu if emu and sim else None
+        out.append({"inject": inject, "churn": churn, "mode": mode, "launches": len(group),
+                    "reached": len(emulated), "emulated_speedup": emu, "simulated_speedup": sim,
+                    "sim_over_emu": ratio, "within": ratio is not None and abs(ratio - 1) <= tolerance})
+    return out
 
 
 def measured_compute(config: MLfabricSimConfig, run: dict[str, Any]) -> MLfabricSimConfig:

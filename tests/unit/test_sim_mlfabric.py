@@ -215,6 +215,14 @@ def test_emulated_cells_are_simulated_with_the_updates_they_needed(tmp_path: Any
                                 env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["rows"][1]["mode"] == "mlfabric-a:4"
+    assert "within 15%: " in result.output and "launches" not in result.output
+    twice = CliRunner().invoke(app, ["simulate", "mlfabric", "--update-size", "1MB", "--rate", "80mbit",
+                                     "--compute", "50ms", "--emulated", str(path), "--emulated", str(path),
+                                     "--json", str(out)], env={"COLUMNS": "200"})
+    assert twice.exit_code == 0, twice.output
+    assert "over the 2 launches: median speedups" in twice.output
+    (cell,) = json.loads(out.read_text())["cells"]
+    assert cell["mode"] == "mlfabric-a:4" and cell["launches"] == 2 and cell["emulated_speedup"] == 1.5
     assert not a["compute_measured"] and a["compute_s"] == 0.05 and a["compute_jitter"] == 0.0
     # a run that measured its steps' compute is simulated with it: the mean, and a uniform
     # spread of the same standard deviation
@@ -420,3 +428,27 @@ def test_the_measured_compute_summary() -> None:
     summary = compute_summary([0.1, 0.3])
     assert summary == {"mean": pytest.approx(0.2), "cv": pytest.approx(0.5), "steps": 2}
     assert compute_summary([0.0, 0.0]) == {"mean": 0.0, "cv": 0.0, "steps": 2}
+
+
+def test_cells_over_several_launches_are_held_to_their_medians() -> None:
+    from mlfabric.sim.mlfabric import across_launches
+
+    def row(mode: str, emulated: float | None, simulated: float, inject: str = "C1") -> dict[str, Any]:
+        return {"inject": inject, "churn": "N1", "mode": mode, "emulated_speedup": emulated,
+                "simulated_speedup": simulated}
+
+    rows = [row("allreduce", 1.0, 1.0), row("ps-async", 0.5, 0.40), row("ps-async", 0.6, 0.50),
+            row("ps-async", 0.9, 0.45),  # a loaded launch: the median is not pulled by it
+            row("mlfabric-s", None, 0.5), row("mlfabric-s", 0.4, 0.52),
+            row("mlfabric-s", None, 0.3, inject="C2")]
+    cells = {(c["inject"], c["mode"]): c for c in across_launches(rows)}
+    assert set(cells) == {("C1", "ps-async"), ("C1", "mlfabric-s"), ("C2", "mlfabric-s")}  # RR-Sync left out
+    ps = cells[("C1", "ps-async")]
+    assert ps["launches"] == 3 and ps["reached"] == 3
+    assert ps["emulated_speedup"] == 0.6 and ps["simulated_speedup"] == 0.45
+    assert ps["sim_over_emu"] == pytest.approx(0.75) and not ps["within"]
+    s_ = cells[("C1", "mlfabric-s")]  # only the launch that reached the target counts
+    assert s_["reached"] == 1 and s_["sim_over_emu"] == pytest.approx(1.3) and not s_["within"]
+    never = cells[("C2", "mlfabric-s")]
+    assert never["sim_over_emu"] is None and never["within"] is False
+    assert across_launches([row("ps-async", 0.5, 0.55)])[0]["within"]  # 1.10: within 15%
