@@ -1052,7 +1052,9 @@ def _replays(train_json: dict[str, Any], base_dir: Path | None, workers: int,
              rate_bps: float) -> dict[tuple[str, str], ChurnReplay]:
     """Per (injection, mode) of an emulated run, the churn it met (:func:`churn_replay`), for
     the runs that recorded where they started in their launch's churn (``churn_offset_s``)
-    and whose launch's trace is readable (at its recorded path, or beside the JSON)."""
+    and whose launch's trace is readable: beside the JSON first (a launch's files kept
+    together, wherever they were moved), then at its recorded path (relative paths are the
+    run's working directory's, which may hold another launch's trace of the same name)."""
     from mlfabric.topo.trace import read_capacity_trace
     from mlfabric.train.ps_modes import is_ps_mode
 
@@ -1061,7 +1063,7 @@ def _replays(train_json: dict[str, Any], base_dir: Path | None, workers: int,
         path = launch.get("churn_trace")
         if not path:
             continue
-        for candidate in (Path(path), *((base_dir / Path(path).name,) if base_dir is not None else ())):
+        for candidate in (*((base_dir / Path(path).name,) if base_dir is not None else ()), Path(path)):
             if candidate.is_file():
                 traces[launch["launch"]] = read_capacity_trace(candidate)
                 break

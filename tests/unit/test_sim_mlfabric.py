@@ -336,6 +336,17 @@ def test_an_emulated_run_is_simulated_on_the_part_of_its_launchs_churn_it_met(tm
     assert replayed["mlfabric-a:4"]["simulated"]["time_s"] > 1.5 * replayed["ps-async"]["simulated"]["time_s"]
     drawn = {r["mode"]: r for r in compare_with_emulation(config, train)}  # no traces at hand: drawn from 0
     assert not any(r["replayed"] for r in drawn.values())
+    # Regression: a launch's files moved elsewhere (their recorded path, relative to the run's
+    # working directory, now names another launch's trace) replay the trace beside the JSON.
+    other = tmp_path / "other"
+    other.mkdir()
+    writer = TraceWriter(other / "churn-parameter-server.csv")
+    writer.write(rows(0.0, 5, 8e7))  # that other launch's server never slowed down
+    writer.close()
+    moved = json.loads(json.dumps(train))
+    moved["metadata"]["emulation"]["launches"][1]["churn_trace"] = str(other / "churn-parameter-server.csv")
+    again = {r["mode"]: r for r in compare_with_emulation(config, moved, base_dir=tmp_path)}
+    assert again["mlfabric-a:4"]["simulated"]["time_s"] == replayed["mlfabric-a:4"]["simulated"]["time_s"]
 
 
 # --------------------------------------------------------------------------- #36: trees, hosts
