@@ -1271,6 +1271,9 @@ def simulate_mlfabric_cmd(
         "--compute-jitter", min=0.0, max=0.99,
         help="A step's compute varies uniformly by up to this fraction either way (keeps identical async "
              "workers from staying in phase in the fluid model; 0: off).")] = 0.1,
+    control_latency: Annotated[str, typer.Option(
+        "--control-latency", help="MLfabric modes: one-way time of each control message (request, decision); "
+                                  "0: free, as the paper's model.")] = "0s",
     inject: Annotated[str, typer.Option(help="Compute settings, comma-separated: C1, C2, C3 (MLfabric §7), "
                                              "none.")] = "C1,C2,C3",
     # Not the config's one `churn`: the grid's settings (config_from takes options named like fields).
@@ -1322,6 +1325,7 @@ def simulate_mlfabric_cmd(
                          update_bytes=float(size_option(update_size, "--update-size", itemsize=None)),
                          chunk_bytes=int(size_option(chunk_size, "--chunk-size", itemsize=None)),
                          rate_bps=rate_option(rate, "--rate"), compute_s=_parse_or_usage(parse_duration, compute),
+                         control_latency_s=_parse_or_usage(parse_duration, control_latency),
                          churn_period_s=_parse_or_usage(parse_duration, churn_period), updates_needed=needed,
                          interval_s=_parse_or_usage(parse_duration, interval),
                          monitor_lag_s=_parse_or_usage(parse_duration, lag))

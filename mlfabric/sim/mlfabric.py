@@ -66,7 +66,7 @@ from mlfabric.ps.policies.scheduled.settings import (ScheduledSettings, aggregat
                                                       host_of_rank)
 
 __all__ = ["ChurnReplay", "MLfabricSimConfig", "PAPER_TABLE2", "SIM_MODES", "across_launches", "churn_replay", "compare_with_emulation",
-           "measured_compute",
+           "measured_inputs",
            "cycle_floor_s", "simulate_mlfabric", "simulate_mode", "simulate_table2", "table2", "updates_to_target"]
 
 SIM_MODES = ("allreduce", "tree-allreduce", "ps-async", "mlfabric-a:TAU", "mlfabric-s", "mlfabric-allreduce")
@@ -104,6 +104,11 @@ class MLfabricSimConfig:
     #: times and TCP spread them out. Any spread breaks the phase; the figures barely depend
     #: on its size (docs/simulator.md, "Compute spread"). 0 turns it off.
     compute_jitter: float = 0.1
+    #: The scheduled modes' control messages (a worker's request to the scheduler, its decision
+    #: back, a dropped worker's pull request): one-way seconds each. 0 (the default): free, as
+    #: in the paper's model; ``--emulated`` sets it per mode from what the emulated run measured
+    #: (the worker's wait for its decision less the time the scheduler held the request, halved).
+    control_latency_s: float = 0.0
     straggler: str | None = "C1"       # C1-C3, "PROB,SLOWDOWN" or None
     churn: str | None = "N1"           # N1-N3, "RATE:PROB,..." or None
     churn_period_s: float = 5.0
@@ -140,6 +145,8 @@ class MLfabricSimConfig:
                 raise ValueError(f"{name} must be a positive number, got {value}")
         if not (math.isfinite(self.compute_s) and self.compute_s >= 0) or self.monitor_lag_s < 0:
             raise ValueError(f"compute_s and monitor_lag_s must be >= 0, got {self.compute_s}, {self.monitor_lag_s}")
+        if not (math.isfinite(self.control_latency_s) and self.control_latency_s >= 0):
+            raise ValueError(f"control_latency_s must be >= 0, got {self.control_latency_s}")
         if not (0 <= self.compute_jitter < 1):
             raise ValueError(f"compute_jitter must be in [0, 1) (a fraction of compute_s), got {self.compute_jitter}")
         if self.updates < 1 or any(v < 1 for v in self.updates_needed.values()):
@@ -576,6 +583,14 @@ class _Scheduled(_PS):
 
     def computed(self, w: int, t: float) -> None:
         self.stamp[w] = t
+        latency = self.config.control_latency_s
+        if latency:  # the request is on its way to the scheduler
+            self.clock.at(t + latency, lambda now, w=w: self.requested(w, now))
+        else:
+            self.requested(w, t)
+
+    def requested(self, w: int, t: float) -> None:
+        """A worker's request reaches the scheduler."""
         request_id = self.next_id[w]
         self.next_id[w] += 1
         self.open[w].append((request_id, self.model_version[w]))
@@ -624,15 +639,24 @@ class _Scheduled(_PS):
         members_in: dict[int, list[tuple[list[int], list[int]]]] = {}
         tree_in: dict[int, tuple[list[int], list[int], float]] = {}
         size = self.config.update_bytes
+        # a decision reaches its worker `latency` after the plan; the worker then waits the
+        # decision's start_in (relative: the runtime's processes share no clock), so every
+        # planned transfer starts `latency` late
+        latency = self.config.control_latency_s
         for d in plan.decisions:
             workers, versions = self._members(by_key[(d.rank, d.id)])
             if d.drop:
                 self.dropped += len(workers)
                 if (not self.pull_at_request) or self.sync:
-                    self.pull_ready(workers, t)
+                    if latency:  # the drop's way to the worker, then its pull's to the server
+                        self.clock.at(t + 2 * latency, lambda now, ws=workers: self.pull_ready(ws, now))
+                    else:
+                        self.pull_ready(workers, t)
                 continue
             rate = _cap(d.rates[0] if d.rates else None)
             src = self.host(workers[0])
+            if latency:
+                d = dataclasses.replace(d, start_in=d.start_in + latency)
             if d.group == 0:
                 key = ("u", d.rank, d.id)
                 self.clock.at(t + d.start_in, lambda now, ws=workers, vs=versions, key=key, rate=rate, src=src,
@@ -1089,8 +1113,9 @@ def compare_with_emulation(config: MLfabricSimConfig, train_json: dict[str, Any]
     capacity trace is at hand (its recorded path, or in ``base_dir``: the JSON's directory),
     each mode replays the part of the trace it met (``replayed`` in its row); otherwise
     every mode draws the churn from time 0 under the run's seed. Where the run measured its
-    steps' compute (``compute_s``), each mode computes as its run did
-    (:func:`measured_compute`; ``compute_measured`` in its row); otherwise ``config``'s."""
+    steps' compute (``compute_s``) and, for a scheduled mode, its control round trip, each mode
+    is simulated with them (:func:`measured_inputs`; ``compute_measured`` and
+    ``control_latency_s`` in its row); otherwise with ``config``'s."""
     emulation = train_json["metadata"].get("emulation") or {}
     churn = emulation.get("churn")
     workers = int(train_json["config"]["workers"])
@@ -1111,13 +1136,15 @@ def compare_with_emulation(config: MLfabricSimConfig, train_json: dict[str, Any]
         cell = dataclasses.replace(config, workers=workers, churn=churn, straggler=None if inject == "none" else inject,
                                    updates_needed={m: int(needed[m]) for m in modes},  # type: ignore[arg-type]
                                    churn_replay={m: replays[(inject, m)] for m in modes if (inject, m) in replays})
-        measured = {m: measured_compute(cell, runs[m]) for m in modes if runs[m].get("compute_s")}
+        measured = {m: measured_inputs(cell, runs[m]) for m in modes}
         for r in simulate_mlfabric(cell, modes, mode_configs=measured):
             emulated = 1.0 if r["mode"] == "allreduce" else speedups.get((inject, r["mode"]), {}).get("time_speedup")
-            used = measured.get(r["mode"], cell)
+            used = measured[r["mode"]]
             rows.append({"inject": inject, "churn": churn or "none", "mode": r["mode"], "updates": needed[r["mode"]],
-                         "replayed": (inject, r["mode"]) in replays, "compute_measured": r["mode"] in measured,
+                         "replayed": (inject, r["mode"]) in replays,
+                         "compute_measured": bool(runs[r["mode"]].get("compute_s")),
                          "compute_s": used.compute_s, "compute_jitter": used.compute_jitter,
+                         "control_latency_s": used.control_latency_s,
                          "emulated_speedup": emulated, "simulated_speedup": r["speedup"],
                          "sim_over_emu": r["speedup"] / emulated if emulated else None, "simulated": r})
     return rows
@@ -1149,13 +1176,23 @@ def across_launches(rows: Sequence[dict[str, Any]], tolerance: float = 0.15) -> 
     return out
 
 
-def measured_compute(config: MLfabricSimConfig, run: dict[str, Any]) -> MLfabricSimConfig:
-    """``config`` with the compute an emulated run measured (its ``compute_s``: mean and cv of a
-    worker step, injected delays left out): ``compute_s`` the mean, ``compute_jitter`` the
-    uniform spread of the same standard deviation (half-width sqrt(3) cv, at most 0.9)."""
-    measured = run["compute_s"]
-    return dataclasses.replace(config, compute_s=float(measured["mean"]),
-                               compute_jitter=min(0.9, math.sqrt(3.0) * float(measured["cv"])))
+def measured_inputs(config: MLfabricSimConfig, run: dict[str, Any]) -> MLfabricSimConfig:
+    """``config`` with what an emulated run measured outside the network and the scheduler's
+    decisions, where it recorded it: its steps' compute (``compute_s``: mean and cv, injected
+    delays left out) as ``compute_s`` and ``compute_jitter`` (the uniform spread of the same
+    standard deviation: half-width sqrt(3) cv, at most 0.9); a scheduled mode's control
+    messages (``decision_wait_ms`` less ``request_to_decision_ms``: the request's and the
+    decision's way, halved) as ``control_latency_s``."""
+    changes: dict[str, float] = {}
+    measured = run.get("compute_s")
+    if measured:
+        changes["compute_s"] = float(measured["mean"])
+        changes["compute_jitter"] = min(0.9, math.sqrt(3.0) * float(measured["cv"]))
+    ps = run.get("ps") or {}
+    wait, held = ps.get("decision_wait_ms"), ps.get("request_to_decision_ms")
+    if wait is not None and held is not None:
+        changes["control_latency_s"] = max(0.0, float(wait) - float(held)) / 2e3
+    return dataclasses.replace(config, **changes)
 
 
 def _simulated(mode: str) -> bool:

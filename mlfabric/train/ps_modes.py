@@ -120,10 +120,15 @@ def _scheduled_figures(server_stats: list[dict[str, Any]], daemons: list[dict[st
     def mean_ms(key: str, n: int) -> float | None:
         return 1e3 * sum(d.get(key, 0.0) for d in daemons) / n if n else None
 
+    held = [s["scheduler"]["request_to_decision_ms"] for s in server_stats
+            if (s.get("scheduler") or {}).get("request_to_decision_ms") is not None]
     return {"skipped": sum(s.get("skipped", 0) for s in server_stats),
             "dropped_by_scheduler": sum(d["dropped_by_scheduler"] for d in daemons),
             "fallbacks": sum(d["fallbacks"] for d in daemons),
             "decision_wait_ms": mean_ms("decision_wait_s", requested),
+            # the part of decision_wait_ms the scheduler held the request (batching, planning):
+            # the rest is the control round trip (simulate mlfabric --emulated reads it)
+            "request_to_decision_ms": held[0] if held else None,
             "start_wait_ms": mean_ms("start_wait_s", sent), "send_ms": mean_ms("send_s", sent)}
 
 

@@ -431,6 +431,12 @@ def test_a_workers_scheduled_pushes_say_where_their_time_went() -> None:
     assert figures["decision_wait_ms"] == pytest.approx(1e3 * sum(d["decision_wait_s"] for d in daemons) / 12)
     assert figures["send_ms"] == pytest.approx(1e3 * sum(d["send_s"] for d in daemons) / sent)
     assert _scheduled_figures([{"skipped": 0}], []) == {}  # not a scheduled run: nothing added
+    # the part of the wait the scheduler held each request (batching, planning): at most the
+    # batching interval and a plan, and less than the worker's whole wait (the round trip's rest)
+    stats = out[layout.server_ranks[0]]
+    held = stats.scheduler["request_to_decision_ms"]
+    assert 0 < held < figures["decision_wait_ms"] and held < 50 + 1_000
+    assert _scheduled_figures([{"skipped": 0, "scheduler": stats.scheduler}], daemons)["request_to_decision_ms"] == held
 
 
 def test_a_pull_answer_to_a_dead_worker_does_not_hold_the_next_pulls() -> None:

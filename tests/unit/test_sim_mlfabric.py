@@ -152,6 +152,7 @@ def test_table2_grid_and_speedups_against_rr_sync() -> None:
     ({"churn": "N7"}, "N1, N2, N3"),
     ({"updates_needed": {"ps-async": 0}}, "updates"),
     ({"compute_jitter": 1.0}, "compute_jitter must be in"),
+    ({"control_latency_s": -0.01}, "control_latency_s must be >= 0"),
     ({"compute_jitter": -0.1}, "compute_jitter must be in"),
 ])
 def test_config_errors_are_named(fields: dict[str, Any], message: str) -> None:
@@ -463,3 +464,35 @@ def test_cells_over_several_launches_are_held_to_their_medians() -> None:
     never = cells[("C2", "mlfabric-s")]
     assert never["sim_over_emu"] is None and never["within"] is False
     assert across_launches([row("ps-async", 0.5, 0.55)])[0]["within"]  # 1.10: within 15%
+
+
+def test_control_messages_that_take_time_delay_the_scheduled_modes_only() -> None:
+    # A fast network (1 MB in 1 ms), no stragglers: a request reaches the scheduler L late
+    # (the batch wait grows by L) and the decision its worker L late (the planned transfer
+    # starts L late: the wait for the update's commit grows by L), so each of a worker's 20
+    # cycles takes 2 L more; the direct modes send no control messages.
+    fields = {**SMALL, "workers": 6, "updates": 120, "rate_bps": 8e9}
+    free = MLfabricSimConfig(**fields)
+    slow = MLfabricSimConfig(**{**fields, "control_latency_s": 0.02})
+    for mode in ("mlfabric-a:20", "mlfabric-s"):
+        a, b = simulate_mode(free, mode), simulate_mode(slow, mode)
+        assert b["applied"] == a["applied"] == 120
+        assert b["time_s"] == pytest.approx(a["time_s"] + 20 * 2 * 0.02, rel=0.02)
+        assert b["batch_wait_s"] == pytest.approx(a["batch_wait_s"] + 0.02, abs=2e-3)
+        assert b["commit_wait_s"] == pytest.approx(a["commit_wait_s"] + 0.02, abs=2e-3)
+    assert simulate_mode(slow, "ps-async") == simulate_mode(free, "ps-async")
+    assert simulate_mode(slow, "allreduce") == simulate_mode(free, "allreduce")
+
+
+def test_an_emulated_runs_measured_inputs() -> None:
+    from mlfabric.sim.mlfabric import measured_inputs
+
+    config = MLfabricSimConfig(**SMALL)
+    assert measured_inputs(config, {}) == config  # nothing recorded: the config's own
+    run = {"compute_s": {"mean": 0.07, "cv": 0.2, "steps": 10},
+           "ps": {"decision_wait_ms": 70.0, "request_to_decision_ms": 30.0}}
+    used = measured_inputs(config, run)
+    assert used.compute_s == 0.07 and used.compute_jitter == pytest.approx(math.sqrt(3) * 0.2)
+    assert used.control_latency_s == pytest.approx(0.02)
+    assert measured_inputs(config, {"compute_s": {"mean": 0.07, "cv": 0.9}}).compute_jitter == 0.9
+    assert measured_inputs(config, {"ps": {"decision_wait_ms": 20.0, "request_to_decision_ms": None}}) == config

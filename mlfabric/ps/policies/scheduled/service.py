@@ -44,10 +44,16 @@ class SchedulerStats(CoreStats):
     replica_punted: int = 0
     replica_delays: int = 0
     replica_violations: int = 0
+    #: Seconds from a request's arrival to its decision's send, summed over the decisions
+    #: (``held``): what the worker's wait for its decision spends here; the rest of that wait
+    #: is the control messages' way through the network and the threads' wake-ups.
+    held_s: float = 0.0
+    held: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         ms = sorted(self.plan_ms)
         return {"batches": self.batches, "requests": self.requests, "dropped_by_scheduler": self.dropped,
+                "request_to_decision_ms": 1e3 * self.held_s / self.held if self.held else None,
                 "aggregated": self.aggregated, "plan_ms_p50": ms[len(ms) // 2] if ms else None,
                 "plan_ms_max": ms[-1] if ms else None, "replica_units": self.replica_units,
                 "replica_punted": self.replica_punted, "replica_delays": self.replica_delays,
@@ -96,6 +102,9 @@ class SchedulerService:
         # (model distribution, :meth:`network`).
         self._ledger_lock = threading.Lock()
         self.stats = SchedulerStats()
+        #: When each worker's open request arrived (a worker has one open at a time: its push
+        #: waits for the decision), for ``stats.held_s``.
+        self._asked: dict[int, float] = {}
         #: Every plan made, when ``record`` is set (tests compare them with the simulator's), and
         #: the turns of the loop so far.
         self.record: list[BatchPlan] | None = None
@@ -197,6 +206,7 @@ class SchedulerService:
             # the last request of each worker: a host request (#36) names only its leading
             # member's id, the others' decisions need theirs
             self._request_ids[(header["model"], msg.src)] = int(header["id"])
+            self._asked[msg.src] = now
             self.core.request(Request(rank=msg.src, id=int(header["id"]), model=header["model"],
                                       version=int(header["version"]), norm=float(header.get("norm") or 0.0),
                                       clock=int(header.get("clock", 0)),
@@ -252,6 +262,10 @@ class SchedulerService:
                     extra["host_members"] = host
                 meta = protocol.encode(op="decision", drop=False, batch=plan.batch, group=d.group, position=d.position,
                                        hop=hop, start_in=d.start_in, rates=list(d.rates), **extra)
+            asked = self._asked.pop(d.rank, None)
+            if asked is not None:
+                self.stats.held_s += self.clock() - asked
+                self.stats.held += 1
             self.transport.send(d.rank, protocol.tag(protocol.DECISION, session, d.id), b"", meta=meta,
                                 channel=channel)
 
