@@ -1188,8 +1188,7 @@ def measured_inputs(config: MLfabricSimConfig, run: dict[str, Any]) -> MLfabricS
     if measured:
         changes["compute_s"] = float(measured["mean"])
         changes["compute_jitter"] = min(0.9, math.sqrt(3.0) * float(measured["cv"]))
-    ps = run.get("ps") or {}
-    wait, held = ps.get("decision_wait_ms"), ps.get("request_to_decision_ms")
+    wait, held = run.get("decision_wait_ms"), run.get("request_to_decision_ms")  # the run's PS figures
     if wait is not None and held is not None:
         changes["control_latency_s"] = max(0.0, float(wait) - float(held)) / 2e3
     return dataclasses.replace(config, **changes)

@@ -489,10 +489,19 @@ def test_an_emulated_runs_measured_inputs() -> None:
 
     config = MLfabricSimConfig(**SMALL)
     assert measured_inputs(config, {}) == config  # nothing recorded: the config's own
-    run = {"compute_s": {"mean": 0.07, "cv": 0.2, "steps": 10},
-           "ps": {"decision_wait_ms": 70.0, "request_to_decision_ms": 30.0}}
+    # a run entry of train's JSON (RunResult.to_dict: the PS figures beside the others)
+    run = {"compute_s": {"mean": 0.07, "cv": 0.2, "steps": 10}, "decision_wait_ms": 70.0,
+           "request_to_decision_ms": 30.0}
     used = measured_inputs(config, run)
     assert used.compute_s == 0.07 and used.compute_jitter == pytest.approx(math.sqrt(3) * 0.2)
     assert used.control_latency_s == pytest.approx(0.02)
     assert measured_inputs(config, {"compute_s": {"mean": 0.07, "cv": 0.9}}).compute_jitter == 0.9
-    assert measured_inputs(config, {"ps": {"decision_wait_ms": 20.0, "request_to_decision_ms": None}}) == config
+    assert measured_inputs(config, {"decision_wait_ms": 20.0, "request_to_decision_ms": None}) == config
+    from mlfabric.train.harness import RunResult
+
+    entry = RunResult(inject="C1", mode="mlfabric-a:8", metric="accuracy", steps=4, loop_s=1.0, per_rank_loop_s=(1.0,),
+                      curve=(), final_val_loss=0.0, final_metric=0.9, mean_active=None, contributed_fraction=None,
+                      rounds_skipped=None, injected_s=0.0, samples_per_step=8,
+                      ps={"decision_wait_ms": 70.0, "request_to_decision_ms": 30.0},
+                      compute_s={"mean": 0.07, "cv": 0.2, "steps": 10}).to_dict()
+    assert measured_inputs(config, entry) == used  # read from the JSON as train writes it
