@@ -102,7 +102,12 @@ class MLfabricSimConfig:
     #: and the phase is neutrally stable), so ps-async alternated "all push" and "all pull" on
     #: the server's NIC and came out up to 24% slower than the emulated runs, where real step
     #: times and TCP spread them out. Any spread breaks the phase; the figures barely depend
-    #: on its size (docs/simulator.md, "Compute spread"). 0 turns it off.
+    #: on its size (docs/simulator.md, "Compute spread"). 0 turns it off. The synchronous
+    #: collectives (RR-Sync, Tr-Sync) take none: every iteration starts together, so there is
+    #: no phase to break, and spreads drawn independently per worker would slow each iteration
+    #: by the max of W draws (+9% of compute for 30 workers at 0.1), a cost the emulated runs
+    #: do not show (their workers compute at the same moments on shared cores: most of the
+    #: spread is common to all) -- the baseline stays at its strongest.
     compute_jitter: float = 0.1
     #: The scheduled modes' control messages (a worker's request to the scheduler, its decision
     #: back, a dropped worker's pull request): one-way seconds each. 0 (the default): free, as
@@ -326,7 +331,8 @@ class _Environment:
         self._straggler = model
         self._rng = np.random.default_rng(np.random.SeedSequence([config.seed, _STRAGGLER_STREAM]))
         self._jitter_rng = np.random.default_rng(np.random.SeedSequence([config.seed, _JITTER_STREAM]))
-        self._factors: list[np.ndarray] = []
+        self._factors: list[np.ndarray] = []  # per iteration: each worker's straggler factor
+        self._spread: list[np.ndarray] = []   # per iteration: each worker's compute spread factor
 
     def _draw(self) -> None:
         assert self._schedule is not None
@@ -351,22 +357,25 @@ class _Environment:
             return iter(())
         return (self.config.churn_period_s * k for k in itertools.count(1))
 
-    def compute(self, worker: int, iteration: int) -> float:
+    def compute(self, worker: int, iteration: int, *, spread: bool = True) -> float:
         """Compute time of a worker's ``iteration``-th step: ``compute_s`` x straggler factor x
-        (1 + a uniform spread of ``compute_jitter``). Drawn per iteration for all workers at
-        once (a stream of its own each), so a worker's times do not depend on event order."""
+        (with ``spread``) 1 + a uniform spread of ``compute_jitter``. Drawn per iteration for
+        all workers at once (a stream of its own each), so a worker's times do not depend on
+        event order. The synchronous collectives take no spread (``spread=False``): see
+        :class:`MLfabricSimConfig`'s ``compute_jitter``."""
+        w = self.config.workers
         while len(self._factors) <= iteration:
-            w = self.config.workers
             if self._straggler is None:
-                factors = np.ones(w)
+                self._factors.append(np.ones(w))
             else:
                 draws = self._rng.random(w)
-                factors = np.where(draws < self._straggler.probability, self._straggler.slowdown, 1.0)
+                self._factors.append(np.where(draws < self._straggler.probability, self._straggler.slowdown, 1.0))
             jitter = self.config.compute_jitter
-            if jitter:
-                factors = factors * self._jitter_rng.uniform(1.0 - jitter, 1.0 + jitter, w)
-            self._factors.append(factors)
-        return self.config.compute_s * float(self._factors[iteration][worker])
+            self._spread.append(self._jitter_rng.uniform(1.0 - jitter, 1.0 + jitter, w) if jitter else np.ones(w))
+        factor = float(self._factors[iteration][worker])
+        if spread:
+            factor *= float(self._spread[iteration][worker])
+        return self.config.compute_s * factor
 
 
 def _follow_churn(env: _Environment, clock: _Clock, monitor: NetworkMonitor | None = None) -> None:
@@ -417,7 +426,7 @@ def _sync_collective(config: MLfabricSimConfig, env: _Environment, kind: str, ne
     w = config.workers
     hosts = w // config.workers_per_host  # the ring runs over the hosts: a host's workers sum locally
     while iteration * w < needed:
-        t += max(env.compute(k, iteration) for k in range(w))
+        t += max(env.compute(k, iteration, spread=False) for k in range(w))
         up, down = env.capacities_at(t)
         if hosts > 1:
             t += _collective_s(kind, hosts, config.update_bytes, up, down, cache)
@@ -1180,7 +1189,9 @@ def measured_inputs(config: MLfabricSimConfig, run: dict[str, Any]) -> MLfabricS
     """``config`` with what an emulated run measured outside the network and the scheduler's
     decisions, where it recorded it: its steps' compute (``compute_s``: mean and cv, injected
     delays left out) as ``compute_s`` and ``compute_jitter`` (the uniform spread of the same
-    standard deviation: half-width sqrt(3) cv, at most 0.9); a scheduled mode's control
+    standard deviation: half-width sqrt(3) cv, at most 0.9; for RR-Sync and Tr-Sync, whose
+    iterations wait for their slowest worker and take no spread, ``compute_s`` is that
+    worker's measured mean, ``slowest_mean``, where recorded); a scheduled mode's control
     messages (``decision_wait_ms`` less ``request_to_decision_ms``: the request's and the
     decision's way, halved) as ``control_latency_s``."""
     changes: dict[str, float] = {}
@@ -1188,6 +1199,10 @@ def measured_inputs(config: MLfabricSimConfig, run: dict[str, Any]) -> MLfabricS
     if measured:
         changes["compute_s"] = float(measured["mean"])
         changes["compute_jitter"] = min(0.9, math.sqrt(3.0) * float(measured["cv"]))
+        if run.get("mode") in ("allreduce", "tree-allreduce") and measured.get("slowest_mean"):
+            # a synchronous iteration waits for its slowest worker: the simulator's collectives
+            # take one compute per iteration (no spread), the measured slowest one's mean
+            changes["compute_s"] = float(measured["slowest_mean"])
     wait, held = run.get("decision_wait_ms"), run.get("request_to_decision_ms")  # the run's PS figures
     if wait is not None and held is not None:
         changes["control_latency_s"] = max(0.0, float(wait) - float(held)) / 2e3

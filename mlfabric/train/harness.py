@@ -925,14 +925,19 @@ def _aggregator_kill_at(config: EagerTrainConfig, trainer: Any, worker: int) -> 
     return failure.at_s if aggregator_victim(parents) == worker else None
 
 
-def compute_summary(steps: Sequence[float]) -> dict[str, float] | None:
-    """``{"mean": seconds, "cv": standard deviation / mean, "steps": n}`` of measured step
-    computes (None without steps)."""
+def compute_summary(per_worker: Sequence[Sequence[float]]) -> dict[str, float] | None:
+    """Measured step computes of every worker (one sequence each, in step order):
+    ``{"mean": seconds, "cv": standard deviation / mean, "steps": n, "slowest_mean": the mean
+    over step indices of the slowest worker's}`` -- what a synchronous iteration waits for
+    (in the asynchronous modes the same index is not the same moment). None without steps."""
+    steps = [t for worker in per_worker for t in worker]
     if not steps:
         return None
     mean = statistics.fmean(steps)
     cv = statistics.pstdev(steps) / mean if mean > 0 else 0.0
-    return {"mean": mean, "cv": cv, "steps": len(steps)}
+    common = min(len(worker) for worker in per_worker)
+    slowest = statistics.fmean(max(worker[i] for worker in per_worker) for i in range(common)) if common else mean
+    return {"mean": mean, "cv": cv, "steps": len(steps), "slowest_mean": slowest}
 
 
 def _finish_run(config: EagerTrainConfig, comm: Any, task: Any, model: Any, val: Any, rank: int, numel: int, *,
@@ -1101,7 +1106,7 @@ def run_eager_training(config: EagerTrainConfig, *, argv: Sequence[str] | None =
             injected_s=statistics.fmean(r.injected_s for r in workers),
             samples_per_step=config.batch_size_ * config.workers, ps=ps_figures,
             churn_offset_s=min((r.churn_offset_s for r in workers if r.churn_offset_s is not None), default=None),
-            compute_s=compute_summary([t for r in workers for t in r.compute_steps_s])))
+            compute_s=compute_summary([r.compute_steps_s for r in workers if r.compute_steps_s])))
     metadata = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "hostname": socket.gethostname(),
         "platform": platform.platform(), "cpu_count": __import__("os").cpu_count(),

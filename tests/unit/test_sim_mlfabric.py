@@ -91,6 +91,9 @@ def test_the_compute_spread_breaks_the_fluid_models_lock_step() -> None:
     assert times.min() >= 0.2 * 0.9 and times.max() <= 0.2 * 1.1 and times.mean() == pytest.approx(0.2, rel=0.01)
     assert len(np.unique(times)) > 3000
     assert simulate_mode(default, "ps-async") == simulate_mode(default, "ps-async")
+    # the synchronous collectives take no spread (their iterations start together: no phase)
+    ring = simulate_mode(dataclasses.replace(default, updates=40), "allreduce")
+    assert ring == simulate_mode(dataclasses.replace(default, updates=40, compute_jitter=0.0), "allreduce")
     other = simulate_mode(dataclasses.replace(default, seed=1), "ps-async")
     assert other["time_s"] != simulate_mode(default, "ps-async")["time_s"]
 
@@ -437,9 +440,11 @@ def test_the_measured_compute_summary() -> None:
     from mlfabric.train.harness import compute_summary
 
     assert compute_summary([]) is None
-    summary = compute_summary([0.1, 0.3])
-    assert summary == {"mean": pytest.approx(0.2), "cv": pytest.approx(0.5), "steps": 2}
-    assert compute_summary([0.0, 0.0]) == {"mean": 0.0, "cv": 0.0, "steps": 2}
+    summary = compute_summary([[0.1], [0.3]])
+    assert summary == {"mean": pytest.approx(0.2), "cv": pytest.approx(0.5), "steps": 2, "slowest_mean": 0.3}
+    assert compute_summary([[0.0, 0.0]]) == {"mean": 0.0, "cv": 0.0, "steps": 2, "slowest_mean": 0.0}
+    # per step index the slowest worker, over the steps every worker took
+    assert compute_summary([[0.1, 0.4, 9.0], [0.2, 0.3]])["slowest_mean"] == pytest.approx(0.3)
 
 
 def test_cells_over_several_launches_are_held_to_their_medians() -> None:
@@ -497,6 +502,11 @@ def test_an_emulated_runs_measured_inputs() -> None:
     assert used.control_latency_s == pytest.approx(0.02)
     assert measured_inputs(config, {"compute_s": {"mean": 0.07, "cv": 0.9}}).compute_jitter == 0.9
     assert measured_inputs(config, {"decision_wait_ms": 20.0, "request_to_decision_ms": None}) == config
+    # a synchronous collective waits for its slowest worker each iteration: that mean, no spread
+    sync = {"mode": "allreduce", "compute_s": {"mean": 0.07, "cv": 0.2, "steps": 10, "slowest_mean": 0.09}}
+    assert measured_inputs(config, sync).compute_s == 0.09
+    assert measured_inputs(config, {**sync, "mode": "ps-async"}).compute_s == 0.07
+    assert measured_inputs(config, {**sync, "compute_s": {"mean": 0.07, "cv": 0.2}}).compute_s == 0.07  # not recorded
     from mlfabric.train.harness import RunResult
 
     entry = RunResult(inject="C1", mode="mlfabric-a:8", metric="accuracy", steps=4, loop_s=1.0, per_rank_loop_s=(1.0,),
