@@ -503,6 +503,9 @@ class RunResult:
     #: ``cv`` (standard deviation / mean). ``simulate mlfabric --emulated`` reads the
     #: simulator's compute spread against it (docs/simulator.md, "Compute spread").
     compute_s: dict[str, float] | None = None
+    #: A worker step's exchange (``trainer.step()``): mean ``wall`` seconds and the training
+    #: thread's own ``cpu`` seconds in it (the rest it waited: network, peers, scheduler).
+    exchange_s: dict[str, float] | None = None
 
     @property
     def label(self) -> str:
@@ -665,6 +668,7 @@ class _RankRun:
     #: loop start; None without churn.
     churn_offset_s: float | None = None
     compute_steps_s: tuple[float, ...] = ()  # this worker's measured compute per step
+    exchange_steps_s: tuple[tuple[float, float], ...] = ()  # its exchanges: (wall, thread CPU) seconds
     #: A run whose server is killed (``--fail``): no collective over every rank at its end;
     #: each rank hands its part to the parent, which evaluates (:func:`_evaluate_in_parent`).
     parts: "_RunParts | None" = None
@@ -796,7 +800,7 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
                        fault_dir=fault_dir)
     snapshots, walls, train_losses = loop.snapshots, loop.walls, loop.train_losses
     injected, loop_s, churn_offset = loop.injected, loop.loop_s, loop.churn_offset_s
-    compute_steps = tuple(loop.compute_steps_s)
+    compute_steps, exchange_steps = tuple(loop.compute_steps_s), tuple(loop.exchange_steps_s)
     ps_worker = None
     if isinstance(trainer, PSOptimizer):
         ps_worker = {**trainer.stats.as_dict(), "failovers": trainer.worker.failovers}
@@ -808,7 +812,8 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
     return _finish_run(config, comm, task, model, val, rank, numel, snapshots=torch.stack(snapshots), walls=walls,
                        train_losses=train_losses, loop_s=loop_s, injected=injected, stats=stats,
                        ps_worker=ps_worker, final_flat=final_flat, apart=fault_dir is not None,
-                       churn_offset_s=churn_offset, compute_steps_s=compute_steps)
+                       churn_offset_s=churn_offset, compute_steps_s=compute_steps,
+                       exchange_steps_s=exchange_steps)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -824,6 +829,9 @@ class LoopResult:
     loop_s: float
     churn_offset_s: float | None    # where the loop starts in its launch's churn (emulated, churned)
     compute_steps_s: list[float]    # each step's compute (forward, backward, device time; no injection)
+    #: each step's exchange (``trainer.step()``: push and pull, or the allreduce): wall seconds
+    #: and the training thread's own CPU seconds in it
+    exchange_steps_s: list[tuple[float, float]]
 
 
 def train_steps(config: EagerTrainConfig, task: Any, model: Any, trainer: Any, x: Any, y: Any, *, worker: int,
@@ -869,6 +877,7 @@ def train_steps(config: EagerTrainConfig, task: Any, model: Any, trainer: Any, x
         first_epoch, skip = divmod(first_step, per_epoch)
     steps = 0
     compute_steps: list[float] = []
+    exchange_steps: list[tuple[float, float]] = []
     start = time.perf_counter()
     churn_offset = trace_offset_s()  # where this run starts in its launch's churn (emulated, churned)
     for epoch in range(first_epoch, config.epochs_):
@@ -897,7 +906,9 @@ def train_steps(config: EagerTrainConfig, task: Any, model: Any, trainer: Any, x
                 time.sleep(pause)
             compute_steps.append(time.perf_counter() - computed - delay)
             injected += delay
+            exchange_wall, exchange_cpu = time.perf_counter(), time.thread_time()
             trainer.step()
+            exchange_steps.append((time.perf_counter() - exchange_wall, time.thread_time() - exchange_cpu))
             steps += 1
             losses.append(float(loss.detach()))
         trainer.epoch_end()
@@ -906,7 +917,7 @@ def train_steps(config: EagerTrainConfig, task: Any, model: Any, trainer: Any, x
         train_losses.append(statistics.fmean(losses) if losses else math.nan)
     return LoopResult(first_epoch=first_epoch, steps=steps, walls=walls, snapshots=snapshots,
                       train_losses=train_losses, injected=injected, loop_s=time.perf_counter() - start,
-                      churn_offset_s=churn_offset, compute_steps_s=compute_steps)
+                      churn_offset_s=churn_offset, compute_steps_s=compute_steps, exchange_steps_s=exchange_steps)
 
 
 def _aggregator_kill_at(config: EagerTrainConfig, trainer: Any, worker: int) -> float | None:
@@ -940,11 +951,19 @@ def compute_summary(per_worker: Sequence[Sequence[float]]) -> dict[str, float] |
     return {"mean": mean, "cv": cv, "steps": len(steps), "slowest_mean": slowest}
 
 
+def exchange_summary(steps: Sequence[tuple[float, float]]) -> dict[str, float] | None:
+    """``{"wall": mean seconds, "cpu": mean thread CPU seconds}`` of measured exchanges."""
+    if not steps:
+        return None
+    return {"wall": statistics.fmean(w for w, _ in steps), "cpu": statistics.fmean(c for _, c in steps)}
+
+
 def _finish_run(config: EagerTrainConfig, comm: Any, task: Any, model: Any, val: Any, rank: int, numel: int, *,
                 snapshots: Any, walls: list[float] | None, train_losses: list[float] | None, loop_s: float,
                 injected: float, stats: dict[str, Any] | None, ps_server: dict[str, Any] | None = None,
                 ps_worker: dict[str, Any] | None = None, final_flat: Any = None, apart: bool = False,
-                churn_offset_s: float | None = None, compute_steps_s: tuple[float, ...] = ()) -> _RankRun:
+                churn_offset_s: float | None = None, compute_steps_s: tuple[float, ...] = (),
+                exchange_steps_s: tuple[tuple[float, float], ...] = ()) -> _RankRun:
     """The curve: at every epoch boundary, the average of the workers' models (what a model
     synchronization there would give; the same as each rank's for allreduce) and rank 0's own.
     Every rank of the launch takes part; servers contribute zeros (and their shard of the
@@ -960,7 +979,7 @@ def _finish_run(config: EagerTrainConfig, comm: Any, task: Any, model: Any, val:
     if apart:
         return _RankRun(loop_s=loop_s, injected_s=injected, curve=(), final=(math.nan, math.nan), stats=stats,
                         ps_server=ps_server, ps_worker=ps_worker, is_worker=is_worker, churn_offset_s=churn_offset_s,
-                        compute_steps_s=compute_steps_s,
+                        compute_steps_s=compute_steps_s, exchange_steps_s=exchange_steps_s,
                         parts=_RunParts(snapshots=snapshots, walls=walls_t, train_losses=losses_t,
                                         final_flat=final_flat))
     averaged = comm.allreduce(local.clone(), algorithm=config.algorithm, op="sum") / config.workers
@@ -976,7 +995,7 @@ def _finish_run(config: EagerTrainConfig, comm: Any, task: Any, model: Any, val:
     comm.barrier()
     return _RankRun(loop_s=loop_s, injected_s=injected, curve=curve, final=final, stats=stats,
                     ps_server=ps_server, ps_worker=ps_worker, is_worker=is_worker, churn_offset_s=churn_offset_s,
-                    compute_steps_s=compute_steps_s)
+                    compute_steps_s=compute_steps_s, exchange_steps_s=exchange_steps_s)
 
 
 def _evaluate(config: EagerTrainConfig, task: Any, model: Any, val: Any, averaged: Any, own: Any, at: Any,
@@ -1106,7 +1125,8 @@ def run_eager_training(config: EagerTrainConfig, *, argv: Sequence[str] | None =
             injected_s=statistics.fmean(r.injected_s for r in workers),
             samples_per_step=config.batch_size_ * config.workers, ps=ps_figures,
             churn_offset_s=min((r.churn_offset_s for r in workers if r.churn_offset_s is not None), default=None),
-            compute_s=compute_summary([r.compute_steps_s for r in workers if r.compute_steps_s])))
+            compute_s=compute_summary([r.compute_steps_s for r in workers if r.compute_steps_s]),
+            exchange_s=exchange_summary([e for r in workers for e in r.exchange_steps_s])))
     metadata = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "hostname": socket.gethostname(),
         "platform": platform.platform(), "cpu_count": __import__("os").cpu_count(),

@@ -68,6 +68,7 @@ def test_tree_allreduce_trains_like_allreduce_and_is_timed_to_the_target() -> No
         assert run.compute_s is not None and run.compute_s["steps"] == 2 * config.steps
         assert 0.02 <= run.compute_s["mean"] < ring.loop_s / config.steps and run.compute_s["cv"] >= 0
         assert run.compute_s["mean"] <= run.compute_s["slowest_mean"] < ring.loop_s / config.steps
+        assert run.exchange_s is not None and 0 <= run.exchange_s["cpu"] <= run.exchange_s["wall"] * 1.05 + 1e-3
     (comparison,) = result.comparisons()
     assert comparison["mode"] == "tree-allreduce" and comparison["target"] == 0.2 == result.target("none")
     reach, sync_reach = tree.time_to(0.2), ring.time_to(0.2)
