@@ -114,6 +114,11 @@ class MLfabricSimConfig:
     #: in the paper's model; ``--emulated`` sets it per mode from what the emulated run measured
     #: (the worker's wait for its decision less the time the scheduler held the request, halved).
     control_latency_s: float = 0.0
+    #: RR-Sync and Tr-Sync: an iteration's compute is at least this (the slowest worker's
+    #: measured mean per iteration, stragglers aside; ``--emulated`` sets it from a run's
+    #: ``slowest_mean``), while a straggler's is ``compute_s`` (the mean) x its slowdown.
+    #: None: the slowest of ``compute_s`` x each worker's straggler factor.
+    compute_slowest_s: float | None = None
     straggler: str | None = "C1"       # C1-C3, "PROB,SLOWDOWN" or None
     churn: str | None = "N1"           # N1-N3, "RATE:PROB,..." or None
     churn_period_s: float = 5.0
@@ -150,6 +155,9 @@ class MLfabricSimConfig:
                 raise ValueError(f"{name} must be a positive number, got {value}")
         if not (math.isfinite(self.compute_s) and self.compute_s >= 0) or self.monitor_lag_s < 0:
             raise ValueError(f"compute_s and monitor_lag_s must be >= 0, got {self.compute_s}, {self.monitor_lag_s}")
+        if self.compute_slowest_s is not None and not (math.isfinite(self.compute_slowest_s)
+                                                       and self.compute_slowest_s >= 0):
+            raise ValueError(f"compute_slowest_s must be >= 0, got {self.compute_slowest_s}")
         if not (math.isfinite(self.control_latency_s) and self.control_latency_s >= 0):
             raise ValueError(f"control_latency_s must be >= 0, got {self.control_latency_s}")
         if not (0 <= self.compute_jitter < 1):
@@ -426,7 +434,10 @@ def _sync_collective(config: MLfabricSimConfig, env: _Environment, kind: str, ne
     w = config.workers
     hosts = w // config.workers_per_host  # the ring runs over the hosts: a host's workers sum locally
     while iteration * w < needed:
-        t += max(env.compute(k, iteration, spread=False) for k in range(w))
+        slowest = max(env.compute(k, iteration, spread=False) for k in range(w))
+        if config.compute_slowest_s is not None:  # the measured slowest worker, stragglers aside
+            slowest = max(slowest, config.compute_slowest_s)
+        t += slowest
         up, down = env.capacities_at(t)
         if hosts > 1:
             t += _collective_s(kind, hosts, config.update_bytes, up, down, cache)
@@ -1190,7 +1201,7 @@ def measured_inputs(config: MLfabricSimConfig, run: dict[str, Any]) -> MLfabricS
     decisions, where it recorded it: its steps' compute (``compute_s``: mean and cv, injected
     delays left out) as ``compute_s`` and ``compute_jitter`` (the uniform spread of the same
     standard deviation: half-width sqrt(3) cv, at most 0.9; for RR-Sync and Tr-Sync, whose
-    iterations wait for their slowest worker and take no spread, ``compute_s`` is that
+    iterations wait for their slowest worker and take no spread, ``compute_slowest_s`` is that
     worker's measured mean, ``slowest_mean``, where recorded); a scheduled mode's control
     messages (``decision_wait_ms`` less ``request_to_decision_ms``: the request's and the
     decision's way, halved) as ``control_latency_s``."""
@@ -1200,9 +1211,9 @@ def measured_inputs(config: MLfabricSimConfig, run: dict[str, Any]) -> MLfabricS
         changes["compute_s"] = float(measured["mean"])
         changes["compute_jitter"] = min(0.9, math.sqrt(3.0) * float(measured["cv"]))
         if run.get("mode") in ("allreduce", "tree-allreduce") and measured.get("slowest_mean"):
-            # a synchronous iteration waits for its slowest worker: the simulator's collectives
-            # take one compute per iteration (no spread), the measured slowest one's mean
-            changes["compute_s"] = float(measured["slowest_mean"])
+            # a synchronous iteration waits for its slowest worker: at least the measured
+            # slowest one's mean, a straggler's the mean x its slowdown
+            changes["compute_slowest_s"] = float(measured["slowest_mean"])
     wait, held = run.get("decision_wait_ms"), run.get("request_to_decision_ms")  # the run's PS figures
     if wait is not None and held is not None:
         changes["control_latency_s"] = max(0.0, float(wait) - float(held)) / 2e3

@@ -156,6 +156,7 @@ def test_table2_grid_and_speedups_against_rr_sync() -> None:
     ({"updates_needed": {"ps-async": 0}}, "updates"),
     ({"compute_jitter": 1.0}, "compute_jitter must be in"),
     ({"control_latency_s": -0.01}, "control_latency_s must be >= 0"),
+    ({"compute_slowest_s": -1.0}, "compute_slowest_s must be >= 0"),
     ({"compute_jitter": -0.1}, "compute_jitter must be in"),
 ])
 def test_config_errors_are_named(fields: dict[str, Any], message: str) -> None:
@@ -504,9 +505,17 @@ def test_an_emulated_runs_measured_inputs() -> None:
     assert measured_inputs(config, {"decision_wait_ms": 20.0, "request_to_decision_ms": None}) == config
     # a synchronous collective waits for its slowest worker each iteration: that mean, no spread
     sync = {"mode": "allreduce", "compute_s": {"mean": 0.07, "cv": 0.2, "steps": 10, "slowest_mean": 0.09}}
-    assert measured_inputs(config, sync).compute_s == 0.09
-    assert measured_inputs(config, {**sync, "mode": "ps-async"}).compute_s == 0.07
-    assert measured_inputs(config, {**sync, "compute_s": {"mean": 0.07, "cv": 0.2}}).compute_s == 0.07  # not recorded
+    ring = measured_inputs(config, sync)
+    assert ring.compute_s == 0.07 and ring.compute_slowest_s == 0.09
+    assert measured_inputs(config, {**sync, "mode": "ps-async"}).compute_slowest_s is None
+    assert measured_inputs(config, {**sync, "compute_s": {"mean": 0.07, "cv": 0.2}}).compute_slowest_s is None
+    # the ring's iteration: at least the slowest worker's mean; a straggler's the mean x its slowdown
+    calm = dataclasses.replace(config, workers=4, updates=40)
+    base = simulate_mode(calm, "allreduce")["time_s"]
+    floor = simulate_mode(dataclasses.replace(calm, compute_slowest_s=0.08), "allreduce")["time_s"]
+    assert floor == pytest.approx(base + 10 * (0.08 - 0.05))
+    strag = dataclasses.replace(calm, straggler="1,3", compute_slowest_s=0.08)  # every worker 3x: 0.15 > 0.08
+    assert simulate_mode(strag, "allreduce")["time_s"] == pytest.approx(base + 10 * (0.15 - 0.05))
     from mlfabric.train.harness import RunResult
 
     entry = RunResult(inject="C1", mode="mlfabric-a:8", metric="accuracy", steps=4, loop_s=1.0, per_rank_loop_s=(1.0,),
