@@ -65,9 +65,9 @@ from mlfabric.ps.policies.scheduled.core import BatchingCore, BatchPlan, GroupOr
 from mlfabric.ps.policies.scheduled.settings import (ScheduledSettings, aggregator_ranks, check_tree_settings,
                                                       host_of_rank)
 
-__all__ = ["ChurnReplay", "MLfabricSimConfig", "PAPER_TABLE2", "SIM_MODES", "across_launches", "churn_replay", "compare_with_emulation",
-           "measured_inputs",
-           "cycle_floor_s", "simulate_mlfabric", "simulate_mode", "simulate_table2", "table2", "updates_to_target"]
+__all__ = ["ChurnReplay", "MLfabricSimConfig", "PAPER_TABLE2", "SIM_MODES", "across_launches", "churn_replay",
+           "compare_with_emulation", "cycle_floor_s", "measured_inputs", "simulate_mlfabric", "simulate_mode",
+           "simulate_table2", "table2", "updates_to_target"]
 
 SIM_MODES = ("allreduce", "tree-allreduce", "ps-async", "mlfabric-a:TAU", "mlfabric-s", "mlfabric-allreduce")
 #: The paper's Table 2: MLfabric-A-30's speedup in time to 74% accuracy w.r.t. RR-Sync.
