@@ -18,7 +18,9 @@ redrawn every ``churn_period_s`` from the churn model (the
 emulator's :func:`mlfabric.emu.churn.churn_schedule`, same seed, same draws). Transfers are
 fluid flows sharing each NIC max-min fairly; a transfer the scheduler reserved is capped at
 its planned rate (the runtime paces it so). Control messages (requests, decisions, pull
-requests) take no time. Modes:
+requests) take ``control_latency_s`` (0 by default); a step's compute spreads by
+``compute_jitter`` so that identical asynchronous workers do not stay in phase (the fluid
+model would keep them so: docs/simulator.md, "Compute spread"). Modes:
 
 * ``allreduce`` (RR-Sync) and ``tree-allreduce`` (Tr-Sync): each iteration waits for the
   slowest worker's compute, then the collective runs on the NICs' current rates
