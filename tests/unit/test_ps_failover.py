@@ -164,6 +164,35 @@ def test_a_leaving_worker_does_not_wait_for_replica_units_that_can_no_longer_com
             job.comm.close()
 
 
+def test_a_leaving_worker_does_not_wait_for_a_group_whose_members_never_came() -> None:
+    """Regression (a hang, 1 run in ~5 of test_a_killed_server_is_replaced_by_its_replica...,
+    2026-11-29): a planned group none of whose members arrived (after the failover they pushed
+    to the promoted server) was never forwarded and never closed, so its host's leave waited
+    for it until the launch's timeout. Past its deadline and slack it is closed."""
+    import time
+
+    from mlfabric.ps import local_jobs
+    from mlfabric.ps.policies.scheduled import Aggregator, ScheduledSettings
+    from mlfabric.ps.policies.scheduled.aggregator import _Group
+
+    layout = PSLayout(servers=1, workers=2)
+    jobs = local_jobs(layout, PSConfig(consistency="async", timeout_s=5))
+    try:
+        aggregator = Aggregator(jobs[layout.worker_rank(0)].worker, ScheduledSettings(slack_s=0.05))
+        now = time.monotonic()
+        aggregator._groups[(7, 1)] = _Group(model="m", members=[(2, 1), (3, 1)], servers=[0], planned=True,
+                                            deadline=now + 0.02)
+        aggregator._forward_ready(now)
+        assert aggregator._open()  # before its deadline its members may still come
+        aggregator._forward_ready(now + 0.03)
+        assert aggregator._open()  # past the deadline, within the slack: still open
+        aggregator._forward_ready(now + 0.1)
+        assert not aggregator._open() and (7, 1) not in aggregator._groups  # nothing came: closed
+    finally:
+        for job in jobs:
+            job.comm.close()
+
+
 def test_ordered_pulls_keep_the_registered_priorities_after_failover() -> None:
     """TicTac's priorities reach the replicas with the model: after the server dies, the
     replica that takes over answers priority pulls in the registered order, and the replica

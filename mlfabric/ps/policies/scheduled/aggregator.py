@@ -413,6 +413,11 @@ class Aggregator:
                     if j not in group.sent and got and (len(got) >= len(group.members) or now >= group.deadline):
                         group.sent.add(j)
                         ready.append((key, group, j, list(got)))
+                    elif j not in group.sent and not got and now >= group.deadline + self.settings.slack_s:
+                        # nothing came by the deadline and its slack (the members were dropped, fell
+                        # back or, after a failover, went elsewhere): nothing to forward, and the
+                        # server has skipped the entry; closed, so a leaving worker does not wait
+                        group.sent.add(j)
             for key in [k for k, g in self._groups.items() if g.planned and len(g.sent) == len(g.servers)
                         and now >= g.deadline]:
                 del self._groups[key]
