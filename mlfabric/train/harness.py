@@ -499,9 +499,9 @@ class RunResult:
     #: the launch's capacity trace (``simulate mlfabric --emulated`` replays that part).
     churn_offset_s: float | None = None
     #: A worker step's compute as measured over every worker's steps (forward, backward, the
-    #: emulated device time; the injected straggler delay left out): ``mean`` seconds and
-    #: ``cv`` (standard deviation / mean). ``simulate mlfabric --emulated`` reads the
-    #: simulator's compute spread against it (docs/simulator.md, "Compute spread").
+    #: emulated device time; the injected straggler delay left out): :func:`compute_summary`'s
+    #: ``mean``, ``cv``, ``steps`` and ``slowest_mean``. ``simulate mlfabric --emulated``
+    #: takes the simulator's compute from it (docs/simulator.md, "Compute spread").
     compute_s: dict[str, float] | None = None
     #: A worker step's exchange (``trainer.step()``): mean ``wall`` seconds and the training
     #: thread's own ``cpu`` seconds in it (the rest it waited: network, peers, scheduler).
