@@ -51,6 +51,38 @@ def test_synchronous_modes_are_compute_plus_the_collective() -> None:
     assert tree["time_s"] > ring["time_s"]  # the binomial tree's root sends log2(4) copies
 
 
+def test_a_slow_nic_drains_the_rings_buffered_sends_while_the_others_compute() -> None:
+    """RR-Sync runs the ring's schedule (the IR) iteration after iteration: a send completes
+    once queued, so one host's slow egress keeps carrying an iteration's last steps while the
+    hosts compute the next (the runtime over TCP does; docs/simulator.md)."""
+    from mlfabric.sim.mlfabric import ChurnReplay, _Environment, _SyncIterations
+
+    full = 10e6  # bytes/s: SMALL's 80 Mbit/s
+    up = [full] * 5
+    up[2] = full / 4  # worker host 2's egress (simulated host 2; host 0 is the unused server)
+    slow = ChurnReplay(changes=((0.0, tuple(up), (full,) * 5),))
+    config = MLfabricSimConfig(**{**SMALL, "churn_replay": {"allreduce": slow}})
+    loop = _SyncIterations(config, _Environment(config, "allreduce"), "ring")
+    loop.net.watch = (1, 2, 3, 4)
+    elapsed = loop.run(10)
+    per_host = 2 * 3 / 4 * 1 * MB  # 2(n-1)/n of the update leaves every host each iteration
+    for h in (1, 2, 3, 4):  # every op ran once per iteration: no more, no fewer bytes
+        assert loop.net.sent[("u", h)] == pytest.approx(10 * per_host, rel=1e-9)
+        assert loop.net.sent[("d", h)] == pytest.approx(10 * per_host, rel=1e-9)
+    slow_link = per_host / (full / 4)  # 0.6 s of work for the slow egress per iteration
+    assert elapsed >= 10 * slow_link
+    # compute, then the collective at its bottleneck, iteration by iteration: 10 x 0.65 s
+    assert elapsed < 0.95 * 10 * (0.05 + slow_link)
+    assert simulate_mode(config, "allreduce")["time_s"] == pytest.approx(elapsed)
+    # stragglers: a host starts its iteration with its neighbour's message already there, which
+    # readies a send while the iteration's first ops are being started (it once ran twice)
+    late = dataclasses.replace(config, straggler="0.5,3")
+    loop = _SyncIterations(late, _Environment(late, "allreduce"), "ring")
+    loop.net.watch = (1, 2, 3, 4)
+    loop.run(10)
+    assert [loop.net.sent[("u", h)] for h in (1, 2, 3, 4)] == pytest.approx([10 * per_host] * 4, rel=1e-9)
+
+
 def test_vanilla_async_on_one_worker_is_compute_push_and_pull() -> None:
     config = MLfabricSimConfig(**{**SMALL, "workers": 2, "updates": 10})
     run = simulate_mode(config, "ps-async")
