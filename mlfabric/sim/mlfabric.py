@@ -242,6 +242,16 @@ class _StarNet:
     def _allocate(self) -> None:
         """Progressive filling: raise every unfrozen flow's rate together until a NIC is full
         or the flow reaches its cap."""
+        users: dict[tuple[str, int], int] = {}
+        for f in self.flows:
+            for link, k in f.links:
+                users[link] = users.get(link, 0) + k
+        if all(n == 1 for n in users.values()):
+            # no NIC direction shared (a ring's steps, one flow per connection): each flow
+            # runs at its slower end or its cap; the filling below would give the same
+            for f in self.flows:
+                f.rate = min(f.cap, *(self._capacity(link) for link, _ in f.links))
+            return
         residual = {("u", h): c for h, c in enumerate(self.up)} | {("d", h): c for h, c in enumerate(self.down)}
         live = list(self.flows)
         for f in live:
@@ -259,6 +269,9 @@ class _StarNet:
                     residual[link] -= step * k
             full = {link for link in users if residual[link] <= 1e-9 * max(1.0, step)}
             live = [f for f in live if not any(link in full for link, _ in f.links) and f.rate < f.cap * (1 - 1e-12)]
+
+    def _capacity(self, link: tuple[str, int]) -> float:
+        return float((self.up if link[0] == "u" else self.down)[link[1]])
 
     def next_finish(self) -> float:
         return min((self.now + f.left / f.rate for f in self.flows if f.rate > 0), default=math.inf)

@@ -40,6 +40,17 @@ def test_flows_share_a_nic_max_min_and_keep_to_their_cap() -> None:
     assert net.flows[0].rate == pytest.approx(4.0)  # a churn redraw applies at once
 
 
+def test_flows_that_share_no_nic_run_at_their_slower_end() -> None:
+    """The allocation's fast path (a ring's steps: one flow per NIC direction) gives what
+    progressive filling gives: each flow at the slower of its two ends, or its cap."""
+    net = _StarNet(np.array([10.0, 4.0, 10.0, 10.0]), np.array([10.0, 10.0, 6.0, 10.0]))
+    for src, dst in ((1, 2), (2, 3), (3, 1)):
+        net.add(src, dst, 10.0, lambda t: None, cap=5.0 if src == 3 else math.inf)
+    assert [f.rate for f in net.flows] == pytest.approx([4.0, 10.0, 5.0])  # up 1; 2 -> 3 free; capped
+    net.add(2, 1, 10.0, lambda t: None)  # now 2's up-link is shared: max-min by filling
+    assert [f.rate for f in net.flows] == pytest.approx([4.0, 5.0, 5.0, 5.0])
+
+
 def test_synchronous_modes_are_compute_plus_the_collective() -> None:
     from mlfabric.sim import ring_closed_form_s
 
