@@ -1181,14 +1181,15 @@ def updates_to_target(run: dict[str, Any], target: float, workers: int) -> int |
     return None
 
 
-def churn_replay(rows: Sequence[Any], offset_s: float, *, workers: int, rate_bps: float,
+def churn_replay(rows: Sequence[Any], offset_s: float, *, worker_hosts: int, rate_bps: float,
                  server_launch: bool) -> ChurnReplay:
     """The part of a launch's capacity trace (``rows``, :class:`~mlfabric.topo.trace.TraceRow`)
     a run that started ``offset_s`` into it met, on the simulator's hosts: a parameter-server
     launch's host ``h`` is simulated host ``h`` (its server on host 0); a collective launch's
-    hosts are the workers, simulated hosts ``1..W`` (the simulated server's NIC, which no
-    collective uses, stays at ``rate_bps``). NIC 0 only (the simulator's star)."""
-    hosts = workers + 1
+    hosts are the worker hosts, simulated hosts ``1..worker_hosts`` (the simulated server's
+    NIC, which no collective uses, stays at ``rate_bps``). ``worker_hosts``: workers / workers
+    per host. NIC 0 only (the simulator's star)."""
+    hosts = worker_hosts + 1
     shift = 0 if server_launch else 1
     up, down = np.full(hosts, rate_bps / 8), np.full(hosts, rate_bps / 8)
     changes: list[tuple[float, tuple[float, ...], tuple[float, ...]]] = []
@@ -1207,7 +1208,7 @@ def churn_replay(rows: Sequence[Any], offset_s: float, *, workers: int, rate_bps
     return ChurnReplay(changes=tuple(changes))
 
 
-def _replays(train_json: dict[str, Any], base_dir: Path | None, workers: int,
+def _replays(train_json: dict[str, Any], base_dir: Path | None, worker_hosts: int,
              rate_bps: float) -> dict[tuple[str, str], ChurnReplay]:
     """Per (injection, mode) of an emulated run, the churn it met (:func:`churn_replay`), for
     the runs that recorded where they started in their launch's churn (``churn_offset_s``)
@@ -1232,7 +1233,7 @@ def _replays(train_json: dict[str, Any], base_dir: Path | None, workers: int,
         server_launch = is_ps_mode(run["mode"])
         rows = traces.get("parameter-server" if server_launch else "collective")
         if offset is not None and rows is not None:
-            out[(run["inject"], run["mode"])] = churn_replay(rows, float(offset), workers=workers, rate_bps=rate_bps,
+            out[(run["inject"], run["mode"])] = churn_replay(rows, float(offset), worker_hosts=worker_hosts, rate_bps=rate_bps,
                                                             server_launch=server_launch)
     return out
 
@@ -1254,7 +1255,9 @@ def compare_with_emulation(config: MLfabricSimConfig, train_json: dict[str, Any]
     emulation = train_json["metadata"].get("emulation") or {}
     churn = emulation.get("churn")
     workers = int(train_json["config"]["workers"])
-    replays = _replays(train_json, base_dir, workers, config.rate_bps) if churn else {}
+    # co-located workers as the run had them, where its JSON says (else the config's)
+    per_host = int(train_json["config"].get("workers_per_host") or config.workers_per_host)
+    replays = _replays(train_json, base_dir, workers // per_host, config.rate_bps) if churn else {}
     speedups = {(c["inject"], c["mode"]): c for c in train_json["comparisons"]}
     rows: list[dict[str, Any]] = []
     for inject in train_json["config"]["injects"]:
@@ -1268,7 +1271,8 @@ def compare_with_emulation(config: MLfabricSimConfig, train_json: dict[str, Any]
         modes = [m for m in runs if needed[m] is not None and _simulated(m)]
         if "allreduce" not in modes:
             continue
-        cell = dataclasses.replace(config, workers=workers, churn=churn, straggler=None if inject == "none" else inject,
+        cell = dataclasses.replace(config, workers=workers, workers_per_host=per_host, churn=churn,
+                                   straggler=None if inject == "none" else inject,
                                    updates_needed={m: int(needed[m]) for m in modes},  # type: ignore[arg-type]
                                    churn_replay={m: replays[(inject, m)] for m in modes if (inject, m) in replays})
         measured = {m: measured_inputs(cell, runs[m]) for m in modes}

@@ -352,11 +352,11 @@ def test_an_emulated_run_is_simulated_on_the_part_of_its_launchs_churn_it_met(tm
 
     # the PS launch: the server's NIC at full rate for 100 s, then at a quarter of it
     ps_rows = rows(0.0, 5, 8e7) + rows(100.0, 5, 2e7)
-    replay = churn_replay(ps_rows, 60.0, workers=4, rate_bps=8e7, server_launch=True)
+    replay = churn_replay(ps_rows, 60.0, worker_hosts=4, rate_bps=8e7, server_launch=True)
     assert [t for t, _, _ in replay.changes] == [0.0, 40.0]
     assert replay.changes[0][1][0] == 1e7 and replay.changes[1][1][0] == 2.5e6 and replay.changes[1][2][1] == 1e7
     # a collective launch's hosts are the workers: simulated hosts 1..W (the server at the base rate)
-    collective = churn_replay(rows(0.0, 4, 4e7), 3.0, workers=4, rate_bps=8e7, server_launch=False)
+    collective = churn_replay(rows(0.0, 4, 4e7), 3.0, worker_hosts=4, rate_bps=8e7, server_launch=False)
     assert collective.changes == ((0.0, (1e7, 5e6, 1e7, 1e7, 1e7), (1e7, 5e6, 1e7, 1e7, 1e7)),)
 
     for name, launch_rows in (("churn-parameter-server.csv", ps_rows), ("churn-collective.csv", rows(0.0, 4, 8e7))):
@@ -395,6 +395,45 @@ def test_an_emulated_run_is_simulated_on_the_part_of_its_launchs_churn_it_met(tm
     moved["metadata"]["emulation"]["launches"][1]["churn_trace"] = str(other / "churn-parameter-server.csv")
     again = {r["mode"]: r for r in compare_with_emulation(config, moved, base_dir=tmp_path)}
     assert again["mlfabric-a:4"]["simulated"]["time_s"] == replayed["mlfabric-a:4"]["simulated"]["time_s"]
+
+
+def test_an_emulated_run_with_workers_sharing_hosts_replays_its_hosts_churn(tmp_path: Any) -> None:
+    """Regression: a run with two workers per host (#36's ``--workers-per-host 2``) replayed
+    its launch's trace onto one simulated host per worker, which the scheduler's monitor
+    (one entry per host) refused: "host 5 is outside 0..4". The replay takes the run's hosts,
+    and the cell its co-located workers, from the run's JSON."""
+    from mlfabric.emu.churn import TraceWriter
+    from mlfabric.sim.mlfabric import compare_with_emulation
+    from mlfabric.topo.trace import TraceRow
+
+    def rows(hosts: int, slow: int) -> list[TraceRow]:
+        return [TraceRow(time_s=0.0, host=h, nic=0, direction=d, rate_bps=2e7 if h == slow else 8e7)
+                for h in range(hosts) for d in ("egress", "ingress")]
+
+    for name, launch_rows in (("churn-parameter-server.csv", rows(5, 2)), ("churn-collective.csv", rows(4, 1))):
+        writer = TraceWriter(tmp_path / name)
+        writer.write(launch_rows)
+        writer.close()
+    train = {
+        "metadata": {"emulation": {"churn": "N1", "launches": [
+            {"launch": "collective", "churn_trace": "churn-collective.csv"},
+            {"launch": "parameter-server", "churn_trace": "churn-parameter-server.csv"}]}},
+        "config": {"workers": 8, "workers_per_host": 2, "injects": ["C1"]},
+        "runs": [{"inject": "C1", "mode": "allreduce", "metric": "accuracy", "curve": _curve([0.5, 0.8]),
+                  "churn_offset_s": 1.0},
+                 {"inject": "C1", "mode": "mlfabric-a:8", "metric": "accuracy", "curve": _curve([0.7, 0.9]),
+                  "churn_offset_s": 2.0}],
+        "comparisons": [{"inject": "C1", "mode": "mlfabric-a:8", "target": 0.8, "time_speedup": 1.0}],
+    }
+    config = MLfabricSimConfig(**{**SMALL, "rate_bps": 8e7, "update_bytes": 1e6, "trees": True,
+                                  "chunk_bytes": 1 << 16})  # one worker a host: the JSON says two
+    rows_out = {r["mode"]: r for r in compare_with_emulation(config, train, base_dir=tmp_path)}
+    assert all(r["replayed"] for r in rows_out.values()) and set(rows_out) == {"allreduce", "mlfabric-a:8"}
+    # the ring ran over the 4 hosts, the slowest NIC (host 1 at a quarter) its bottleneck:
+    # 80 updates (two epochs of 5 steps, 8 workers) = 10 iterations of at least 2 x 3/4 x 1 MB
+    # at 2.5 MB/s each
+    assert rows_out["allreduce"]["simulated"]["iterations"] == 10
+    assert rows_out["allreduce"]["simulated"]["time_s"] >= 10 * (2 * 3 / 4 * 1e6 / 2.5e6)
 
 
 # --------------------------------------------------------------------------- #36: trees, hosts
