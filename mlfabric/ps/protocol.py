@@ -52,6 +52,7 @@ ORDER = "order"  # from the scheduler to a server: a batch's application order
 ADOPT = "adopt"  # from a worker to a replica promoted to server: the worker's clock
 ATTACH = "attach"  # from an mlnet node to its new parent (node or server) after a repair
 REJOIN = "rejoin"  # from a restarted worker (a new incarnation of its rank) to every server
+FALL_BACK = "fall_back"  # from an mlnet node to every other: the trees are torn down
 
 
 class PSRequestError(MlfabricError, ValueError):
@@ -614,6 +615,43 @@ class TreeClock(Header):
     OP: ClassVar[str] = CLOCK
     clock: int
     workers: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class TreeSum(Header):
+    """A node's sum of one clock's updates of ``model`` (the payload, of ``dtype``), naming the
+    ``workers`` in it and the ``versions`` they were computed from; to the server, as an
+    aggregate update, with its ``version`` (the oldest) and ``norm``."""
+
+    OP: ClassVar[str] = PUSH
+    OMIT_NONE: ClassVar[tuple[str, ...]] = ("version", "norm")
+    model: str
+    clock: int
+    workers: list[int]
+    versions: list[int]
+    dtype: str
+    version: int | None = None
+    norm: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TreePull(Header):
+    """A node asks its parent node (``id``: its answer's reply tag) for a copy of ``model`` of at
+    least model clock ``need`` (to a server it asks a :class:`Pull`)."""
+
+    OP: ClassVar[str] = PULL
+    id: int
+    model: str
+    need: float
+
+
+@dataclass(frozen=True, slots=True)
+class FallBack(Header):
+    """An mlnet node to every other: the trees are torn down (``why``); push and pull directly."""
+
+    OP: ClassVar[str] = FALL_BACK
+    tree: int
+    why: str
 
 
 @dataclass(frozen=True, slots=True)
