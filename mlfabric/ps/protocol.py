@@ -1,6 +1,6 @@
 """The parameter server's wire messages: tags, the small JSON header each one carries, and the typed headers.
 
-    python -m pytest tests/unit/test_ps.py -k protocol
+    python -m pytest tests/unit/test_ps.py tests/unit/test_ps_protocol_typed.py -k protocol
 
 Everything a worker sends a server rides one tag, ``request_tag(session)``, so that the
 transport's per-(channel, tag) FIFO keeps a worker's push ahead of its ``clock`` and its
@@ -8,13 +8,19 @@ transport's per-(channel, tag) FIFO keeps a worker's push ahead of its ``clock``
 message is, and its fields, sit in the message's meta as JSON (a few hundred bytes at most);
 the payload is the tensor, if any. Every header is typed here (:class:`Header`: the worker's
 :class:`Push` and :class:`Pull`, its :class:`Init`, :class:`Clock`, :class:`Leave`; the
-servers' answers :class:`ModelReply`, :class:`Piece`, :class:`Ok`, :class:`ErrorReply`; the
-replication feeds; the scheduled policy's worker requests; MLNET's tree messages) and encoded
-once, by its sender, with what the sending policy adds; a receiver decodes it once
-(:func:`decode`). Not typed yet: the scheduled policy's orders, decisions, group plans, replica
-units and the model header's ``forward`` list (built in ``policies/scheduled/`` service,
-aggregator and server). Answers go back on ``reply_tag(session, request_id)`` so
-that the thread waiting for one takes exactly its own.
+servers' answers :class:`ModelReply` (with a distributor's ``forward`` list; a multicast
+:class:`ModelChunk`), :class:`Via`, :class:`Piece`, :class:`Ok`, :class:`ErrorReply`; the
+replication feeds, :class:`Probe` and the network replication's :class:`Units`,
+:class:`Unit`, :class:`Replicate`, :class:`ReplicaUnit`, :class:`ReplicaMember`; the scheduled
+policy's requests, its scheduler's :class:`Order`, decisions (:class:`Dropped`,
+:class:`Planned`, :class:`ToHost`) and :class:`GroupPlan`, its workers' and aggregators'
+:class:`ScheduledPush`, :class:`Member`, :class:`HostPart`, :class:`GroupSum`,
+:class:`TreeChunk`, :class:`TreeReroute`; MLNET's tree messages) and encoded once, by its
+sender, with what the sending policy adds; a receiver decodes it once (:func:`decode`), and a
+relay passes the bytes on as they came. Nothing in ``mlfabric/ps/`` outside this module calls
+:func:`encode` (tests/unit/test_ps_protocol_typed.py checks it, and that the typed headers put
+the same dicts on the wire as the ad-hoc ones they replaced). Answers go back on
+``reply_tag(session, request_id)`` so that the thread waiting for one takes exactly its own.
 
 Tags live in their own namespace (bit 60) apart from the collectives' (sequence << 24) and the
 partial collectives' (bit 63); ``session`` keeps consecutive PS instances of one job (one per
