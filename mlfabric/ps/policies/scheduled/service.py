@@ -260,8 +260,9 @@ class SchedulerService:
                 meta = protocol.Planned(
                     batch=plan.batch, group=d.group, position=d.position, hop=hop, start_in=d.start_in,
                     rates=list(d.rates), host_members=host or None,
-                    **({} if node is None else {"tree": tree[0], "chunk_bytes": int(getattr(node, "chunk_bytes", 0)),
-                                                "hold_in": node.deadline_in + self.settings.slack_s})).encode()
+                    tree=None if node is None else tree[0],
+                    chunk_bytes=None if node is None else int(getattr(node, "chunk_bytes", 0)),
+                    hold_in=None if node is None else node.deadline_in + self.settings.slack_s).encode()
             asked = self._asked.pop(d.rank, None)
             if asked is not None:
                 self.stats.held_s += self.clock() - asked
