@@ -272,9 +272,10 @@ class Policy:
         return None
 
     def answer_pulls(self, server: ServerPort, pulls: "list[PendingPull]", shard: torch.Tensor,
-                     header: bytes, *, source: "Shard | None" = None) -> list[SendHandle]:
+                     header: protocol.ModelReply, *, source: "Shard | None" = None) -> list[SendHandle]:
         """Send ``shard`` (a snapshot that stays untouched until the handles are done) to the
-        workers of ``pulls``; ``source``: the server's shard it was taken from."""
+        workers of ``pulls`` under ``header`` (typed: a policy encodes it once per distinct
+        header it sends, with what it adds); ``source``: the server's shard it was taken from."""
         return answer_directly(server, pulls, shard, header)
 
     def others_answered(self, server: ServerPort, ranks: list[int]) -> None:
@@ -317,11 +318,13 @@ def send_pulls_directly(worker: WorkerPort, pulls: "list[protocol.Pull]", *,
 
 
 def answer_directly(server: ServerPort, pulls: "list[PendingPull]", shard: torch.Tensor,
-                    header: bytes) -> list[SendHandle]:
-    """The server sends ``shard`` to each puller itself."""
-    payload = tensor_bytes(shard)
+                    header: protocol.ModelReply) -> list[SendHandle]:
+    """The server sends ``shard`` to each puller itself (``header`` encoded once for all)."""
+    if not pulls:
+        return []
+    payload, meta = tensor_bytes(shard), header.encode()
     return [server.transport.send(p.rank, protocol.reply_tag(server.config.session, p.request_id), payload,
-                                  meta=header, channel=server.channel)
+                                  meta=meta, channel=server.channel)
             for p in pulls]
 
 

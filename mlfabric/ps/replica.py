@@ -279,13 +279,13 @@ class Replica:
             unit, model = int(header["unit"]), header["model"]
             dest = me if len(members) == 1 else members[0][0]
             if len(members) > 1:
-                self.transport.send(dest, tag, b"", channel=self.channel, meta=protocol.encode(
-                    op="runit", unit=unit, model=model, server=self.server, dest=me,
-                    members=[list(m) for m in members], rate=None))
+                self.transport.send(dest, tag, b"", channel=self.channel, meta=protocol.ReplicaUnit(
+                    unit=unit, model=model, server=self.server, dest=me,
+                    members=[list(m) for m in members], rate=None).encode())
             for rank, update_id in members:
-                self.transport.send(rank, tag, b"", channel=self.channel, meta=protocol.encode(
-                    op="replicate", unit=unit, model=model, id=update_id, server=self.server, dest=dest, replica=me,
-                    start_in=0.0, rate=None, recovery=True))
+                self.transport.send(rank, tag, b"", channel=self.channel, meta=protocol.Replicate(
+                    unit=unit, model=model, id=update_id, server=self.server, dest=dest, replica=me,
+                    start_in=0.0, rate=None, recovery=True).encode())
             self.stats.recovery_asked += 1
 
     def _waiting_for_units(self) -> bool:

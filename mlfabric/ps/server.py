@@ -529,7 +529,7 @@ class ParameterServer:
             shard.pulls = [p for p in shard.pulls if p not in ready]
             model_clock = self.book.model_clock(now)
             header = protocol.ModelReply(version=shard.version, model_clock=None if model_clock == float("inf")
-                                         else int(model_clock)).encode()
+                                         else int(model_clock))
             for p in ready:
                 self.stats.pulls += 1
                 if model_clock != float("inf"):
@@ -545,7 +545,8 @@ class ParameterServer:
                 policy.others_answered(self, [p.rank for p in ready])
             self._answer_with(self.routing, shard, ready, header)
 
-    def _answer_with(self, policy: Policy, shard: Shard, pulls: list[PendingPull], header: bytes) -> None:
+    def _answer_with(self, policy: Policy, shard: Shard, pulls: list[PendingPull],
+                     header: protocol.ModelReply) -> None:
         """``policy`` answers ``pulls`` with the shard's snapshot (per pull what the request
         callback returns, where one is registered)."""
         if self._request_callback is None:

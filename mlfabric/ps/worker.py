@@ -545,12 +545,12 @@ class PSWorker:
                                     meta=protocol.Pull(id=retry, model=model, clock=self.clock_value,
                                                        staleness=staleness, direct=True).encode())
                 header, msg = self._await(server, retry, what)
-                self._relay(children, header, msg)  # the subtree below still waits on this worker
+                self._relay(children, msg)  # the subtree below still waits on this worker
                 return header, msg
         elif "chunks" in header:  # a multicast tree's root: the chunks come from the server
             return self._gather_chunks(self.server_rank(server), request_id, header, msg, children, what)
         if children:
-            self._relay(children, header, msg)
+            self._relay(children, msg)
         forward = header.pop("forward", None)
         if forward and not relayed_here:
             # The header goes on as it came (not decoded and encoded again): its ``forward`` is
@@ -562,15 +562,15 @@ class PSWorker:
             self.stats.relayed += len(forward)
         return header, msg
 
-    def _relay(self, children: list[tuple[int, int]], header: dict[str, Any], msg: Message) -> None:
+    def _relay(self, children: list[tuple[int, int]], msg: Message) -> None:
         """Send a model message (a chunk, or the whole shard) on to this worker's children in
-        the model's multicast tree, as it came (the received buffer stays alive until sent)."""
+        the model's multicast tree, as it came: its header's bytes too (not decoded and encoded
+        again); the received buffer stays alive until sent."""
         if not children:
             return
-        meta = protocol.encode(**header)
         for rank, rid in children:
-            handle = self.transport.send(rank, protocol.reply_tag(self.config.session, rid), msg.payload, meta=meta,
-                                         channel=self.channel)
+            handle = self.transport.send(rank, protocol.reply_tag(self.config.session, rid), msg.payload,
+                                         meta=msg.meta, channel=self.channel)
             self._inflight.append((handle, msg))
         self.stats.relayed += len(children)
 
@@ -586,7 +586,7 @@ class PSWorker:
         got: set[int] = set()
         tag = protocol.reply_tag(self.config.session, request_id)
         while True:
-            self._relay(children, header, msg)
+            self._relay(children, msg)
             if "chunks" not in header:
                 return header, msg
             index = int(header["chunk"])
@@ -598,8 +598,9 @@ class PSWorker:
             msg = self._take(src, tag, f"{what} (chunk {len(got) + 1} of {chunks} from {self.layout.describe(src)})")
             header = protocol.decode(msg.meta)
         whole = {k: v for k, v in header.items() if k not in ("chunk", "chunks", "elems", "itemsize", "nbytes", "mtree")}
-        return whole, Message(src=src, tag=tag, channel=self.channel, meta=protocol.encode(**whole),
-                              payload=memoryview(buffer))
+        # the whole shard's header is ``whole`` (what the caller reads); its message goes
+        # nowhere (every relay sent the chunks on as they came), so it carries no encoded meta
+        return whole, Message(src=src, tag=tag, channel=self.channel, meta=b"", payload=memoryview(buffer))
 
     def _await(self, server: int, request_id: int, what: str) -> tuple[dict[str, Any], Message]:
         msg = self._take(self.server_rank(server), protocol.reply_tag(self.config.session, request_id), what)

@@ -606,7 +606,7 @@ def simulate_tree_ps(tree: str, *, workers: int, update_bytes: float, rate_bps: 
             need = int(header["clock"]) - int(header.get("staleness") or 0)
 
             def answer(t: float, src: int = src, request_id: int = int(header["id"])) -> None:
-                meta = protocol.encode(op="model", version=rounds_closed, model_clock=rounds_closed)
+                meta = protocol.ModelReply(version=rounds_closed, model_clock=rounds_closed).encode()
                 transfer(server, src, update_bytes, t, lambda t2: reply_arrived(src, request_id, meta, t2))
 
             if need <= rounds_closed:
@@ -635,7 +635,7 @@ def simulate_tree_ps(tree: str, *, workers: int, update_bytes: float, rate_bps: 
                          lambda t, dst=action.peer, h=action.fields, part=action.payload:
                          run(layout.worker_index(dst), t, messages=[(src, h, part)]))
             else:  # an answer to a child's node: the copy passed on as it came (or an error)
-                meta = action.meta if action.meta is not None else protocol.encode(**action.fields)
+                meta = action.encode()
                 transfer(src, action.peer, update_bytes if action.meta is not None else 0.0, now,
                          lambda t, dst=action.peer, rid=action.request_id, m=meta: reply_arrived(dst, rid, m, t))
 

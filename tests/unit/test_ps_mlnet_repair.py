@@ -127,7 +127,8 @@ def _hand_driven_node(worker: int = 1) -> Iterator[tuple[Any, Any, list[tuple[st
         node.transport.mailbox.notify()
         node._thread.join(2)
         sent: list[tuple[str, dict]] = []
-        node.core._up = lambda tree, op, fields, payload=None: sent.append((op, {**fields, "payload": payload}))
+        node.core._up = lambda tree, header, payload=None: sent.append((header.OP, {**header.body(),
+                                                                                  "payload": payload}))
         yield node, node.trees[0], sent
     finally:
         for job in jobs:

@@ -359,7 +359,7 @@ def test_a_batch_of_pulls_goes_through_distributors() -> None:
             t.start()
         assert server.routing.ready_to_answer(server)
         before = time.monotonic()
-        server.routing.answer_pulls(server, pulls, values, protocol.encode(op="model", version=7, model_clock=None))
+        server.routing.answer_pulls(server, pulls, values, protocol.ModelReply(version=7, model_clock=None))
         # the server's own sends of 4 KB each at the planned 1 MB/s: the next batch waits >= 8 ms
         assert server.routing.answer_at() >= before + 0.008 and not server.routing.ready_to_answer(server)
         for t in threads:

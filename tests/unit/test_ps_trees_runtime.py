@@ -229,7 +229,7 @@ def test_a_relay_lost_mid_multicast_tree_leaves_no_one_without_the_model(monkeyp
     died: list[int] = []
     lock = threading.Lock()
 
-    def dies_when_relaying(self: PSWorker, children: Any, header: Any, msg: Any) -> None:
+    def dies_when_relaying(self: PSWorker, children: Any, msg: Any) -> None:
         with lock:
             first = bool(children) and not died
             if first:
@@ -237,7 +237,7 @@ def test_a_relay_lost_mid_multicast_tree_leaves_no_one_without_the_model(monkeyp
         if first:
             self.transport.close()
             raise RuntimeError("relay gone")
-        relay(self, children, header, msg)
+        relay(self, children, msg)
 
     monkeypatch.setattr(PSWorker, "_relay", dies_when_relaying)
     config = PSConfig(consistency="bsp", timeout_s=20, routing="scheduled",

@@ -86,7 +86,7 @@ _IDLE_S = 0.05
 #: Two tree nodes lost within this many seconds are "several concurrent failures" (MLNET §3):
 #: the trees are torn down and every worker pushes and pulls directly.
 FALLBACK_WINDOW_S = 3.0
-FALL_BACK = "fall_back"
+FALL_BACK = protocol.FALL_BACK
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -249,33 +249,52 @@ class TreePort(Protocol):
 
 
 @dataclass(frozen=True)
-class Send:
+class _Headed:
+    """What an action's message carries: a typed ``header`` (to a node with the ``tree`` it
+    belongs to) encoded once, by the driver, or the ``meta`` a model copy arrived with (passed
+    on as it is)."""
+
+    header: protocol.Header | None = None
+    tree: int | None = None
+    meta: bytes | None = None
+
+    @property
+    def fields(self) -> dict[str, Any] | None:
+        """The header as the receiver decodes it (the simulator hands it over without bytes)."""
+        if self.header is None:
+            return None
+        return self.header.fields() if self.tree is None else self.header.fields(tree=self.tree)
+
+    def encode(self) -> bytes:
+        if self.meta is not None:
+            return self.meta
+        assert self.header is not None, "an mlnet action with neither a header nor a model copy's meta"
+        return self.header.encode() if self.tree is None else self.header.encode(tree=self.tree)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Send(_Headed):
     """An action of a tree node's core: send to rank ``peer`` ``on`` its ``"tree"`` tag (a node),
-    its ``"request"`` tag (a server) or the ``"reply"`` tag of ``request_id``; the header is
-    ``fields`` (encoded once, by the driver) or the ``meta`` a model copy arrived with (passed
-    on as it is); ``payload`` a tensor, a received buffer or None. ``track``: the node's leave
-    waits until the send is complete (``keep`` stays alive until then)."""
+    its ``"request"`` tag (a server) or the ``"reply"`` tag of ``request_id``, with the header
+    (:class:`_Headed`); ``payload`` a tensor, a received buffer or None. ``track``: the node's
+    leave waits until the send is complete (``keep`` stays alive until then)."""
 
     peer: int
     on: str
-    fields: dict[str, Any] | None = None
-    meta: bytes | None = None
     payload: Any = None
     request_id: int | None = None
     track: bool = True
     keep: Any = None
 
 
-@dataclass(frozen=True)
-class Deliver:
+@dataclass(frozen=True, kw_only=True)
+class Deliver(_Headed):
     """An action of a tree node's core: hand its own worker the answer to its pull
-    ``request_id`` as from rank ``src`` (the server the node stands for): ``fields`` (an
-    error) or the ``meta`` and ``payload`` of the model copy."""
+    ``request_id`` as from rank ``src`` (the server the node stands for): an error header, or
+    the ``meta`` and ``payload`` of the model copy."""
 
     src: int
     request_id: int
-    fields: dict[str, Any] | None = None
-    meta: bytes | None = None
     payload: Any = None
 
 
@@ -497,43 +516,41 @@ class TreeCore:
         ready = [workers for after, workers in tree.leaves if after < tree.next_clock]
         tree.leaves = [(after, workers) for after, workers in tree.leaves if after >= tree.next_clock]
         if ready:
-            leave = protocol.TreeLeave(workers=[w for ws in ready for w in ws], final=False)
-            self._up(tree, leave.OP, leave.body())
+            self._up(tree, protocol.TreeLeave(workers=[w for ws in ready for w in ws], final=False))
         if not tree.done and len(tree.final) == len(tree.members) and not tree.pending and not tree.leaves:
             tree.done = True
             if tree.parent >= 0:
-                final = protocol.TreeLeave(workers=[], final=True)
-                self._up(tree, final.OP, final.body())
+                self._up(tree, protocol.TreeLeave(workers=[], final=True))
 
     def _send_clock(self, tree: _Tree, clock: int, sums: dict[str, _Sum], clocked: list[int]) -> None:
         """One clock up: its sums (one per model), then the clock naming the workers it covers."""
         for model, entry in sums.items():
-            fields = {"model": model, "clock": clock, "workers": entry.workers,
-                      "versions": entry.versions, "dtype": str(entry.total.dtype).removeprefix("torch.")}
-            if tree.parent < 0:  # to the server, as an aggregate update
-                fields.update(version=min(entry.versions), norm=float(torch.linalg.vector_norm(entry.total)))
-            self._up(tree, protocol.PUSH, fields, entry.total)
+            to_server = tree.parent < 0  # as an aggregate update
+            self._up(tree, protocol.TreeSum(
+                model=model, clock=clock, workers=entry.workers, versions=entry.versions,
+                dtype=str(entry.total.dtype).removeprefix("torch."),
+                version=min(entry.versions) if to_server else None,
+                norm=float(torch.linalg.vector_norm(entry.total)) if to_server else None), entry.total)
             self.stats.sums_forwarded += 1
             self.stats.updates_aggregated += len(entry.workers)
         if clocked:
-            header = protocol.TreeClock(clock=clock, workers=clocked)
-            self._up(tree, header.OP, header.body())
+            self._up(tree, protocol.TreeClock(clock=clock, workers=clocked))
 
     def _keep(self, kept: dict[int, Any], clock: int, what: Any) -> None:
         kept[clock] = what
         for old in [c for c in kept if c <= clock - self.history]:
             del kept[old]
 
-    def _up(self, tree: _Tree, op: str, fields: dict[str, Any], payload: torch.Tensor | None = None) -> None:
+    def _up(self, tree: _Tree, header: protocol.Header, payload: torch.Tensor | None = None) -> None:
         if tree.parent < 0:
             # the server this node is attached to, not the worker's current one: a sum and its
             # clock must reach the same server (a failover re-attaches, then sends them again)
-            peer, on, header = tree.server_rank, "request", {"op": op, **fields}
+            peer, on, which = tree.server_rank, "request", None
         else:
-            peer, on, header = self.layout.worker_rank(tree.parent), "tree", {"op": op, "tree": tree.server, **fields}
+            peer, on, which = self.layout.worker_rank(tree.parent), "tree", tree.server
         if peer in self.lost:
             return  # watch() reports it
-        self.outbox.append(Send(peer, on, fields=header, payload=payload, keep=payload))
+        self.outbox.append(Send(peer=peer, on=on, header=header, tree=which, payload=payload, keep=payload))
 
     # -- down the tree -----------------------------------------------------------------------------
 
@@ -557,17 +574,16 @@ class TreeCore:
         self.stats.pulls_upstream += 1
         if tree.parent < 0:
             src = tree.server_rank
-            self._up(tree, protocol.PULL, {"id": request_id, "model": model, "clock": math.ceil(need),
-                                           "staleness": 0})
+            self._up(tree, protocol.Pull(id=request_id, model=model, clock=math.ceil(need), staleness=0))
         else:
             src = self.layout.worker_rank(tree.parent)
-            self._up(tree, protocol.PULL, {"id": request_id, "model": model, "need": need})
+            self._up(tree, protocol.TreePull(id=request_id, model=model, need=need))
         self._asking[request_id] = (tree.server, model, src)
 
     def _answer(self, tree: _Tree, reply_to: Any, copy: _Copy | None, error: str | None = None,
                 lost_peer: int | None = None) -> None:
         """Answer with ``copy`` (or ``error``; ``lost_peer``: the worker raises PeerLostError naming it)."""
-        fields = None if copy is not None else protocol.ErrorReply(message=str(error), lost_peer=lost_peer).fields()
+        header = None if copy is not None else protocol.ErrorReply(message=str(error), lost_peer=lost_peer)
         meta = copy.meta if copy is not None else None
         payload = None if copy is None else copy.payload
         if reply_to[0] == "own":
@@ -575,13 +591,13 @@ class TreeCore:
             if copy is not None:
                 self.stats.pull_clocks.append((clock, None if math.isinf(copy.model_clock) else int(copy.model_clock)))
             # To the worker as from the server this node stands for (what its pull waits on).
-            self.outbox.append(Deliver(self.port.server_rank(tree.server), request_id, fields=fields, meta=meta,
-                                       payload=payload))
+            self.outbox.append(Deliver(src=self.port.server_rank(tree.server), request_id=request_id, header=header,
+                                       meta=meta, payload=payload))
             return
         _, rank, request_id = reply_to
         if rank not in self.lost:  # the received buffer stays alive until sent
-            self.outbox.append(Send(rank, "reply", fields=fields, meta=meta, payload=payload, request_id=request_id,
-                                    keep=copy))
+            self.outbox.append(Send(peer=rank, on="reply", header=header, meta=meta, payload=payload,
+                                    request_id=request_id, keep=copy))
 
     # -- failures ----------------------------------------------------------------------------------
 
@@ -722,11 +738,11 @@ class TreeCore:
         if tree.parent < 0:
             dest = tree.server_rank = self.port.server_rank(tree.server)
             covered = tree.sent[max(tree.sent)][1] if tree.sent and not self.fallen_back else [self.port.index]
-            self.outbox.append(Send(dest, "request", fields=protocol.Attach(id=request_id, workers=covered).fields(),
+            self.outbox.append(Send(peer=dest, on="request", header=protocol.Attach(id=request_id, workers=covered),
                                     track=False))
         else:
             dest = self.layout.worker_rank(tree.parent)
-            self.outbox.append(Send(dest, "tree", fields=protocol.Attach(id=request_id).fields(tree=tree.server),
+            self.outbox.append(Send(peer=dest, on="tree", header=protocol.Attach(id=request_id), tree=tree.server,
                                     track=False))
         self._attaching[request_id] = (tree.server, dest)
 
@@ -747,8 +763,8 @@ class TreeCore:
                                 f"{tree.server}'s tree to a node it is not below")
                 return
             self._adopt(tree, above, "its child re-attached here")
-        self.outbox.append(Send(self.layout.worker_rank(child), "reply", request_id=int(header["id"]),
-                                fields=protocol.Attached(through=tree.through[child]).fields(), track=False))
+        self.outbox.append(Send(peer=self.layout.worker_rank(child), on="reply", request_id=int(header["id"]),
+                                header=protocol.Attached(through=tree.through[child]), track=False))
 
     def attached(self, request_id: int, through: int, wall: float, *, fell_back: bool = False) -> None:
         """The new parent has this subtree's clocks up to ``through``: send the later ones
@@ -797,10 +813,10 @@ class TreeCore:
         when it came back are old losses: they do not count toward the fall-back window."""
         for rank in self.lost:
             self._loss_seen[rank] = -math.inf
-        note = protocol.Reentered(tree=0, endpoints=dict(endpoints)).fields()
+        note = protocol.Reentered(tree=0, endpoints=dict(endpoints))
         for rank in self.layout.worker_ranks:
             if rank != self.port.rank and rank not in self.lost:
-                self.outbox.append(Send(rank, "tree", fields=note, track=False))
+                self.outbox.append(Send(peer=rank, on="tree", header=note, track=False))
         for tree in self.trees:
             self._enter(tree)
 
@@ -815,8 +831,8 @@ class TreeCore:
         request_id = next(self._ids)
         tree.attaching = request_id
         dest = self.layout.worker_rank(tree.parent)
-        self.outbox.append(Send(dest, "tree", fields=protocol.Attach(id=request_id, rejoin=True).fields(
-            tree=tree.server), track=False))
+        self.outbox.append(Send(peer=dest, on="tree", header=protocol.Attach(id=request_id, rejoin=True),
+                                tree=tree.server, track=False))
         self._attaching[request_id] = (tree.server, dest)
 
     def entered(self) -> bool:
@@ -839,7 +855,7 @@ class TreeCore:
         for tree in self.trees:
             if tree.parent >= 0 and tree.entry is not None:
                 for filler in range(tree.entry, clock):
-                    self._up(tree, protocol.CLOCK, protocol.TreeClock(clock=filler, workers=[]).body())
+                    self._up(tree, protocol.TreeClock(clock=filler, workers=[]))
             tree.next_clock = clock
             tree.through[me] = clock - 1
         self.rejoining_clock = clock
@@ -857,7 +873,7 @@ class TreeCore:
         rank = self.layout.worker_rank(child)
         reply = {"peer": rank, "on": "reply", "request_id": int(header["id"]), "track": False}
         if self.fallen_back:
-            self.outbox.append(Send(**reply, fields=protocol.Attached(through=-1, fell_back=True).fields()))
+            self.outbox.append(Send(**reply, header=protocol.Attached(through=-1, fell_back=True)))
             return
         if child in tree.members:  # its old process's loss not handled yet: handle it first
             self._adopt(tree, child, "restarted")
@@ -867,7 +883,7 @@ class TreeCore:
         self.stats.taken_back.append(child)
         log.warning("%s: restarted %s re-enters server %d's mlnet tree here, as a leaf, from clock %d", self.who,
                     self.layout.describe(rank), tree.server, tree.next_clock)
-        self.outbox.append(Send(**reply, fields=protocol.Attached(through=tree.next_clock - 1).fields()))
+        self.outbox.append(Send(**reply, header=protocol.Attached(through=tree.next_clock - 1)))
 
     def _fall_back_alone(self) -> None:
         """A re-entering node learns the trees fell back: it goes directly to the servers
@@ -919,7 +935,7 @@ class TreeCore:
             self._attach(tree)
         for rank in self.layout.worker_ranks:
             if rank != self.port.rank and rank not in self.lost:
-                self.outbox.append(Send(rank, "tree", fields={"op": FALL_BACK, "tree": 0, "why": why}, track=False))
+                self.outbox.append(Send(peer=rank, on="tree", header=protocol.FallBack(tree=0, why=why), track=False))
         self._answer_deferred()
 
     def fail(self, error: PeerLostError) -> None:
@@ -1119,7 +1135,7 @@ class TreeNode:
             if self.record is not None:
                 self.record.append(action)
             if isinstance(action, Deliver):
-                meta = action.meta if action.meta is not None else protocol.encode(**action.fields)
+                meta = action.encode()
                 payload = memoryview(b"") if action.payload is None else action.payload
                 self.transport.mailbox.put(Message(src=action.src, tag=protocol.reply_tag(self.session,
                                                                                           action.request_id),
@@ -1128,7 +1144,7 @@ class TreeNode:
             tag = {"tree": self.tag, "request": protocol.request_tag(self.session)}.get(action.on)
             if tag is None:
                 tag = protocol.reply_tag(self.session, action.request_id)
-            meta = action.meta if action.meta is not None else protocol.encode(**action.fields)
+            meta = action.encode()
             payload = action.payload
             data = b"" if payload is None else tensor_bytes(payload) if isinstance(payload, torch.Tensor) else payload
             handle = self.transport.send(action.peer, tag, data, meta=meta, channel=self.channel)

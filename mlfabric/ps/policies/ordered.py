@@ -238,12 +238,11 @@ class OrderedPulls(Policy):
         return pull.order is not None
 
     def answer_pulls(self, server: "ServerPort", pulls: "list[PendingPull]", shard: torch.Tensor,
-                     header: bytes, *, source: "Shard | None" = None) -> list[SendHandle]:
+                     header: protocol.ModelReply, *, source: "Shard | None" = None) -> list[SendHandle]:
         if source is None:
             raise ValueError(f"{server.who}: ordered pulls are answered from a server's shard (source=)")
-        model_clock = protocol.decode(header).get("model_clock")
         sent = answer_in_order(server, pulls, source.spec, source.offset, [shard] * len(pulls), source.priorities,
-                               source.version, model_clock, pacer=self)
+                               source.version, header.model_clock, pacer=self)
         return [h for h, _ in sent]
 
     def others_answered(self, server: "ServerPort", ranks: list[int]) -> None:

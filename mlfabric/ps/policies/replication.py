@@ -81,9 +81,9 @@ class ChainFeed:
                 continue
             values = shard.values.clone()
             handle = server.transport.send(replica, protocol.tag(protocol.REPLICATE, server.config.session),
-                                           tensor_bytes(values), channel=server.channel, meta=protocol.encode(
-                                               op="probe", model=shard.spec.name, batch=batch,
-                                               version=shard.version, t=time.monotonic()))
+                                           tensor_bytes(values), channel=server.channel, meta=protocol.Probe(
+                                               model=shard.spec.name, batch=batch,
+                                               version=shard.version, t=time.monotonic()).encode())
             server.track(handle, values)
             server.stats.probe_bytes += values.numel() * values.element_size()
 

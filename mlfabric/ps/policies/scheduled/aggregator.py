@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -96,7 +96,7 @@ class _Held:
     tree: Tree
     until: float
     server: int                # the component j (its server when no ancestor is left)
-    messages: list[tuple[dict[str, Any], torch.Tensor]]
+    messages: list[tuple[protocol.TreeChunk, torch.Tensor]]
     dest: int | None = None    # where it went last (None: the servers)
     key: Any = None            # a node's forwards: ((batch, slot), component), one record for all chunks
 
@@ -319,13 +319,12 @@ class Aggregator:
                     del self._copies[(header["model"], int(header["id"]))]
             dest = int(header["dest"])
             if w.layout.role(dest) == "replica":
-                tag, meta = protocol.tag(protocol.REPLICATE, session), protocol.encode(
-                    op="unit", unit=key, model=header["model"])
+                tag, meta = protocol.tag(protocol.REPLICATE, session), protocol.Unit(
+                    unit=key, model=header["model"]).encode()
             else:
-                tag, meta = protocol.tag(protocol.AGGREGATE, session), protocol.encode(
-                    op="rmember", unit=key, model=header["model"], server=j, rank=w.transport.rank,
-                    replica=int(header["replica"]),
-                    id=int(header["id"]))
+                tag, meta = protocol.tag(protocol.AGGREGATE, session), protocol.ReplicaMember(
+                    unit=key, model=header["model"], server=j, rank=w.transport.rank,
+                    replica=int(header["replica"]), id=int(header["id"])).encode()
             with self._lock:
                 self._replications.append(_Replication(due=now + float(header["start_in"]), dest=dest, tag=tag,
                                                        meta=meta, tensor=tensor, rate=header.get("rate")))
@@ -389,7 +388,7 @@ class Aggregator:
             total = _sum_in_order([unit.arrived[m] for m in unit.members])
             paced = unit.rate is not None and w.transport.pace_connection(unit.dest, channel, unit.rate)
             handle = w.transport.send(unit.dest, protocol.tag(protocol.REPLICATE, w.config.session), tensor_bytes(total),
-                                      meta=protocol.encode(op="unit", unit=key, model=unit.model), channel=channel)
+                                      meta=protocol.Unit(unit=key, model=unit.model).encode(), channel=channel)
             self._replicating.append((handle, unit.dest, total, paced))
         still = []
         for handle, dest, tensor, paced in self._replicating:
@@ -432,13 +431,13 @@ class Aggregator:
                             w.who, slot, batch, len(got), len(group.members))
             first = got[0][0]
             # a member may be a host sum (#36): it names every worker update in it
-            meta = protocol.encode(op=protocol.PUSH, model=group.model, batch=batch, slot=slot,
-                                   clock=first["clock"], version=first["version"], norm=0.0,
-                                   workers=[x for h, _ in got for x in h.get("workers")
-                                            or [w.layout.worker_index(int(h["rank"]))]],
-                                   versions=[int(x) for h, _ in got for x in h.get("versions") or [h["version"]]],
-                                   members=[m for h, _ in got for m in h.get("members")
-                                            or [[int(h["rank"]), int(h["id"])]]])
+            meta = protocol.GroupSum(model=group.model, batch=batch, slot=slot,
+                                     clock=first["clock"], version=first["version"], norm=0.0,
+                                     workers=[x for h, _ in got for x in h.get("workers")
+                                              or [w.layout.worker_index(int(h["rank"]))]],
+                                     versions=[int(x) for h, _ in got for x in h.get("versions") or [h["version"]]],
+                                     members=[m for h, _ in got for m in h.get("members")
+                                              or [[int(h["rank"]), int(h["id"])]]]).encode()
             rate = group.rates[group.servers.index(j)] if group.rates else None
             server = w.server_rank(j)
             paced = rate is not None and w.transport.pace_connection(server, w.channel, rate)
@@ -459,16 +458,16 @@ class Aggregator:
     # re-routed around lost nodes, ``lost``: [[host, its inputs], ...]. A node therefore sends
     # chunk i (the transport's sender) while chunk i+1 is still being received (its reader).
 
-    def contribute(self, model: str, server: int, hop: int, tree: Tree, messages: list[tuple[dict[str, Any], torch.Tensor]],
-                   hold_s: float) -> list[SendHandle]:
+    def contribute(self, model: str, server: int, hop: int, tree: Tree,
+                   messages: list[tuple[protocol.TreeChunk, torch.Tensor]], hold_s: float) -> list[SendHandle]:
         """A member's update, as chunks, toward its tree node ``hop`` (this host's own node:
         summed at once); kept ``hold_s`` to be sent again around ``hop`` if it is lost."""
         w = self.worker
         if hop == w.transport.rank:
-            for fields, tensor in messages:
-                self._tree_chunk(fields, tensor.clone())
+            for chunk, tensor in messages:
+                self._tree_chunk(chunk.fields(), tensor.clone())
             return []
-        group_key = (int(messages[0][0]["batch"]), int(messages[0][0]["slot"]))
+        group_key = (messages[0][0].batch, messages[0][0].slot)
         held = _Held(hop=hop, tree=tree, until=time.monotonic() + hold_s, server=server,
                      messages=[(f, t.detach().clone()) for f, t in messages], dest=hop, key=(group_key, server))
         dest, chain = reroute(tree, hop, self._lost(group_key))
@@ -488,19 +487,19 @@ class Aggregator:
         return lambda host: host in lost or (key, host) in self._redirected
 
     def _send_chunks(self, model: str, dest: int | None, server: int, lost: list[Any],
-                     messages: list[tuple[dict[str, Any], torch.Tensor]]) -> list[SendHandle]:
+                     messages: list[tuple[protocol.TreeChunk, torch.Tensor]]) -> list[SendHandle]:
         w = self.worker
         session = w.config.session
-        extra = {"lost": lost} if lost else {}
         handles = []
-        for fields, tensor in messages:
+        for chunk, tensor in messages:
+            chunk = replace(chunk, lost=lost or None)  # the lost nodes as of this send
             if dest is None:  # the servers: the chunk counts toward the group's entry there
                 handles.append(w.transport.send(w.server_rank(server), protocol.request_tag(session),
                                                 tensor_bytes(tensor), channel=w.channel,
-                                                meta=protocol.encode(**fields, **extra, op=protocol.PUSH)))
+                                                meta=chunk.to_server().encode()))
             else:
                 handles.append(w.transport.send(dest, protocol.tag(protocol.AGGREGATE, session), tensor_bytes(tensor),
-                                                channel=w.channel, meta=protocol.encode(**fields, **extra, op="tchunk")))
+                                                channel=w.channel, meta=chunk.encode()))
         return handles
 
     def _tree_group(self, header: dict[str, Any]) -> None:
@@ -530,7 +529,7 @@ class Aggregator:
         for fields, tensor in early:
             self._tree_chunk(fields, tensor)
 
-    def _repairs(self) -> list[tuple[int, dict[str, Any]]]:
+    def _repairs(self) -> list[tuple[int, protocol.TreeReroute]]:
         """(Caller holds the lock.) Nodes of this host's unfinished trees that crashed and whose
         nearest live ancestor is this node: their inputs stand in for them here
         (:meth:`~.cutthrough.ChunkSum.lost`), and each live input is asked to send what it
@@ -559,7 +558,7 @@ class Aggregator:
                 for source in inputs:
                     rank = int(source[1])
                     if rank != me and rank not in lost:
-                        asks.append((rank, {"batch": key[0], "slot": key[1], "lost": host, "dest": me}))
+                        asks.append((rank, protocol.TreeReroute(batch=key[0], slot=key[1], lost=host, dest=me)))
         return asks
 
     def _treroute(self, header: dict[str, Any]) -> None:
@@ -628,9 +627,9 @@ class Aggregator:
         me = w.transport.rank
         parent = group.tree[me].parent
         root = tree_root(group.tree, me)
-        messages = [({"model": group.model, "batch": key[0], "slot": key[1], "server": j, "chunk": f.index,
-                      "elems": group.elems, "source": ["c", me], "members": [list(m) for m in f.members],
-                      "clock": group.clock, "root": root}, f.tensor) for f in forwards]
+        messages = [(protocol.TreeChunk(model=group.model, batch=key[0], slot=key[1], server=j, chunk=f.index,
+                                        elems=group.elems, source=["c", me], members=[list(m) for m in f.members],
+                                        clock=group.clock, root=root), f.tensor) for f in forwards]
         dest, chain = (None, []) if parent is None else reroute(group.tree, parent, self._lost(key))
         lost = [[host, [list(s) for s in inputs]] for host, inputs in chain]
         target = w.server_rank(j) if dest is None else dest
@@ -699,13 +698,13 @@ class Aggregator:
             while group.early_out:
                 j, out = group.early_out.pop()
                 self._tree_forward(key, group, j, out)
-        for rank, fields in asks:
+        for rank, ask in asks:
             w.transport.send(rank, protocol.tag(protocol.AGGREGATE, w.config.session), b"", channel=w.channel,
-                             meta=protocol.encode(op="treroute", **fields))
+                             meta=ask.encode())
         for held, lost in moved:
             self.rerouted += 1
             where = "the servers" if held.dest is None else w.layout.describe(held.dest)
             log.warning("%s: aggregator: tree node %s lost: %d chunks sent again to %s", w.who,
                         w.layout.describe(held.hop), len(held.messages), where)
-            model = held.messages[0][0]["model"]
+            model = held.messages[0][0].model
             self._send_chunks(model, held.dest, held.server, lost, held.messages)

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -311,7 +312,7 @@ class ScheduledServerSide:
 
 
     def answer_pulls(self, server: "ServerPort", pulls: "list[PendingPull]", shard: torch.Tensor,
-                     header: bytes, *, source: "Shard | None" = None) -> list[SendHandle]:
+                     header: protocol.ModelReply, *, source: "Shard | None" = None) -> list[SendHandle]:
         now = time.monotonic()
         service = self.scheduler_service
         if service is not None:
@@ -334,18 +335,19 @@ class ScheduledServerSide:
                                 answered_first=asked)
         server.stats.pull_batches += 1
         session, channel = server.config.session, server.channel
-        fields = protocol.decode(header)
         payload = tensor_bytes(shard)
         handles: list[SendHandle] = []
         to: list[int] = []  # beside each handle, the rank it sends to
         for d, members in reversed(plan.groups):  # the paper's order: distributor k° first
             forward = [[w, pull_of[w].request_id] for w in members]
             to.append(d)
+            # the one header every puller gets, with this distributor's list (encoded once, here)
             handles.append(server.transport.send(d, protocol.reply_tag(session, pull_of[d].request_id), payload,
-                                                 meta=protocol.encode(**fields, forward=forward), channel=channel))
+                                                 meta=replace(header, forward=forward).encode(), channel=channel))
+            via = protocol.Via(distributor=d).encode()
             for w in members:
-                server.transport.send(w, protocol.reply_tag(session, pull_of[w].request_id), b"",
-                                      meta=protocol.encode(op="via", distributor=d), channel=channel)
+                server.transport.send(w, protocol.reply_tag(session, pull_of[w].request_id), b"", meta=via,
+                                      channel=channel)
             server.stats.pulls_relayed += len(members)
         handles += answer_directly(server, [pull_of[r] for r in plan.by_server], shard, header)
         to += list(plan.by_server)
@@ -357,7 +359,7 @@ class ScheduledServerSide:
 
 
     def _multicast(self, server: "ServerPort", net: NetState, pull_of: "dict[int, PendingPull]", asked: list[int],
-                   shard: torch.Tensor, header: bytes, now: float) -> list[SendHandle]:
+                   shard: torch.Tensor, header: protocol.ModelReply, now: float) -> list[SendHandle]:
         """#36's model distribution: the version leaves the server once per tree root and
         spreads down ``PullBatchPlan.tree`` (the planner's multicast trees over the pullers),
         chunk by chunk: a relay sends chunk i on while it receives chunk i+1
@@ -386,13 +388,12 @@ class ScheduledServerSide:
             tree.setdefault(rep, list(ranks))
         mtree = {str(h): [[c, pull_of[c].request_id] for c in kids] for h, kids in tree.items() if h != me}
         parent = {c: h for h, kids in tree.items() for c in kids}
-        fields = protocol.decode(header)
         handles: list[SendHandle] = answer_directly(server, [pull_of[r] for r in asked], shard, header)
         to: list[int] = list(asked)  # beside each handle, the rank it sends to
         for rank in tree_pullers:
             if parent.get(rank, me) != me:
                 server.transport.send(rank, protocol.reply_tag(session, pull_of[rank].request_id), b"", channel=channel,
-                                      meta=protocol.encode(op="via", distributor=parent[rank], mtree=mtree))
+                                      meta=protocol.Via(distributor=parent[rank], mtree=mtree).encode())
                 server.stats.pulls_relayed += 1
         elems = chunk_elems(plan.chunk_bytes, shard.element_size())
         numel = shard.numel()
@@ -401,8 +402,9 @@ class ScheduledServerSide:
             rid = pull_of[root].request_id
             for index in range(chunks):
                 start, length = chunk_span(index, numel, elems)
-                meta = protocol.encode(**fields, mtree=mtree, chunk=index, chunks=chunks, elems=elems or numel,
-                                       itemsize=shard.element_size(), nbytes=numel * shard.element_size())
+                meta = protocol.ModelChunk.of(header, mtree=mtree, chunk=index, chunks=chunks, elems=elems or numel,
+                                              itemsize=shard.element_size(),
+                                              nbytes=numel * shard.element_size()).encode()
                 to.append(root)
                 handles.append(server.transport.send(root, protocol.reply_tag(session, rid),
                                                      tensor_bytes(shard[start:start + length]), meta=meta,

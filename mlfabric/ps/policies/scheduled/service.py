@@ -225,43 +225,44 @@ class SchedulerService:
     def _dispatch(self, plan: BatchPlan, now: float) -> None:
         session, channel = self.server.config.session, self.server.channel
         # Orders first: server 0 then has its order before any update of the batch can arrive.
-        order = {"op": protocol.ORDER, **plan.order()}
+        order = protocol.Order(**plan.order())
+        meta = order.encode()  # one encoding for every other server
         for j, rank in enumerate(self.serving):
             if j == self.server.server:
-                self.orders.add_order(self.server, order, self.clock())
+                self.orders.add_order(self.server, order.fields(), self.clock())
             else:
-                self.transport.send(rank, protocol.request_tag(session), b"", meta=protocol.encode(**order),
-                                    channel=channel)
+                self.transport.send(rank, protocol.request_tag(session), b"", meta=meta, channel=channel)
         trees = plan_trees(plan, self._node_ranks(plan))
         # Groups before decisions: a node learns its order before its members (itself among
         # them) send their chunks, and its worker cannot leave in between.
         for g in plan.groups:
-            extra = {} if g.slot not in trees else {"tree": trees[g.slot][0],
-                                                    "chunk_bytes": int(getattr(g, "chunk_bytes", 0))}
-            meta = protocol.encode(op="group", batch=plan.batch, slot=g.slot, model=plan.model,
-                                   members=[list(m) for m in g.members], servers=list(g.servers),
-                                   deadline_in=g.deadline_in, rates=list(g.rates), **extra)
+            in_tree = g.slot in trees
+            meta = protocol.GroupPlan(batch=plan.batch, slot=g.slot, model=plan.model,
+                                      members=[list(m) for m in g.members], servers=list(g.servers),
+                                      deadline_in=g.deadline_in, rates=list(g.rates),
+                                      tree=trees[g.slot][0] if in_tree else None,
+                                      chunk_bytes=int(getattr(g, "chunk_bytes", 0)) if in_tree else None).encode()
             self.transport.send(trees[g.slot][2][g.host] if g.slot in trees else g.host,
                                 protocol.tag(protocol.AGGREGATE, session), b"", meta=meta, channel=channel)
         requests = {(r.rank, r.id): r for r in plan.requests}
         for d in plan.decisions:
             host = self._host_members(plan, requests.get((d.rank, d.id)), d)
             if d.drop:
-                meta = protocol.encode(op="decision", drop=True, reason=d.reason, batch=plan.batch)
+                meta = protocol.Dropped(reason=d.reason, batch=plan.batch).encode()
             else:
                 # a member of a tree sends chunk by chunk and keeps its update till its node's
                 # deadline (to send it again around the node if it is lost): it gets the tree
                 tree = trees.get(d.group) if d.group else None
                 node = next((g for g in tree[1] if any(m == (d.rank, d.id) for m in g.members)), None) if tree else None
-                extra = {} if node is None else {"tree": tree[0], "chunk_bytes": int(getattr(node, "chunk_bytes", 0)),
-                                                 "hold_in": node.deadline_in + self.settings.slack_s}
                 # a tree member goes to the node that lists it (its own host: the planner's
                 # hop names the group's root, where Alg. 3's one aggregator would be)
                 hop = list(d.hop) if node is None else [tree[2][node.host]] * len(d.hop)
-                if host:
-                    extra["host_members"] = host
-                meta = protocol.encode(op="decision", drop=False, batch=plan.batch, group=d.group, position=d.position,
-                                       hop=hop, start_in=d.start_in, rates=list(d.rates), **extra)
+                meta = protocol.Planned(
+                    batch=plan.batch, group=d.group, position=d.position, hop=hop, start_in=d.start_in,
+                    rates=list(d.rates), host_members=host or None,
+                    tree=None if node is None else tree[0],
+                    chunk_bytes=None if node is None else int(getattr(node, "chunk_bytes", 0)),
+                    hold_in=None if node is None else node.deadline_in + self.settings.slack_s).encode()
             asked = self._asked.pop(d.rank, None)
             if asked is not None:
                 self.stats.held_s += self.clock() - asked
@@ -297,8 +298,8 @@ class SchedulerService:
                           "left out", self.server.who, self.layout.describe(request.rank), self.layout.describe(rank))
                 continue
             out.append([rank, rid])
-            meta = protocol.encode(op="decision", drop=d.drop, reason=d.reason, batch=plan.batch, host=request.rank,
-                                   host_id=request.id)
+            meta = protocol.ToHost(drop=d.drop, reason=d.reason, batch=plan.batch, host=request.rank,
+                                   host_id=request.id).encode()
             self.transport.send(rank, protocol.tag(protocol.DECISION, session, rid), b"", meta=meta, channel=channel)
         return out
 
@@ -406,17 +407,17 @@ class SchedulerService:
             members = self._unit_members[key]
             if len(members) > 1:  # transfers: one per member to the aggregator, then its sum's
                 out = transfers[-1]
-                self.transport.send(out.src, aggregate, b"", channel=channel, meta=protocol.encode(
-                    op="runit", unit=key, model=model, server=j, dest=replica, members=[list(m) for m in members],
-                    rate=avg_rate_bps(out)))
+                self.transport.send(out.src, aggregate, b"", channel=channel, meta=protocol.ReplicaUnit(
+                    unit=key, model=model, server=j, dest=replica, members=[list(m) for m in members],
+                    rate=avg_rate_bps(out)).encode())
             for (rank, update_id), tr in zip(members, transfers):
-                self.transport.send(rank, aggregate, b"", channel=channel, meta=protocol.encode(
-                    op="replicate", unit=key, model=model, id=update_id, server=j, dest=tr.dst, replica=replica,
-                    start_in=max(0.0, tr.begin - now), rate=avg_rate_bps(tr)))
+                self.transport.send(rank, aggregate, b"", channel=channel, meta=protocol.Replicate(
+                    unit=key, model=model, id=update_id, server=j, dest=tr.dst, replica=replica,
+                    start_in=max(0.0, tr.begin - now), rate=avg_rate_bps(tr)).encode())
         if plan.frozen:
             self.transport.send(replica, protocol.tag(protocol.REPLICATE, session), b"", channel=channel,
-                                meta=protocol.encode(op="units", model=model, units=list(plan.frozen),
-                                                     commit_in=[plan.replica_commit[k] - now for k in plan.frozen]))
+                                meta=protocol.Units(model=model, units=list(plan.frozen),
+                                                    commit_in=[plan.replica_commit[k] - now for k in plan.frozen]).encode())
 
 
 def plan_trees(plan: BatchPlan, ranks: dict[int, int]) -> dict[int, tuple[list[list[Any]], list[Any], dict[int, int]]]:

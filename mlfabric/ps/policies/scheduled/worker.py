@@ -63,21 +63,21 @@ class DaemonStats:
 
 
 def tree_chunks(model: str, decision: dict[str, Any], server: int, component: torch.Tensor,
-                fields: dict[str, Any]) -> list[tuple[dict[str, Any], torch.Tensor]]:
+                push: protocol.ScheduledPush) -> list[tuple[protocol.TreeChunk, torch.Tensor]]:
     """One member's component as the chunks its tree node sums (framing: :mod:`.aggregator`,
-    "aggregation trees"); ``fields``: the push's (rank, id, version, clock)."""
+    "aggregation trees"); ``push``: the update's (rank, id, version, clock; a host sum's members)."""
     elems = chunk_elems(int(decision.get("chunk_bytes", 0)), component.element_size())
     numel = component.numel()
     root = tree_root(decode_tree(decision["tree"]), int(decision["hop"][server]))
-    members = ([[int(r), int(i), int(v)] for (r, i), v in zip(fields["members"], fields["versions"])]
-               if "members" in fields else [[int(fields["rank"]), int(fields["id"]), int(fields["version"])]])
+    members = ([[int(r), int(i), int(v)] for (r, i), v in zip(push.members, push.versions or [])]
+               if push.members is not None else [[push.rank, push.id, push.version]])
     member = members[0]
     out = []
     for index in range(chunk_count(numel, elems)):
         start, length = chunk_span(index, numel, elems)
-        out.append(({"model": model, "batch": int(decision["batch"]), "slot": int(decision["group"]), "server": server,
-                     "chunk": index, "elems": elems, "source": ["m", member[0], member[1]], "members": members,
-                     "clock": int(fields.get("clock", 0)), "root": root}, component[start:start + length]))
+        out.append((protocol.TreeChunk(model=model, batch=int(decision["batch"]), slot=int(decision["group"]),
+                                       server=server, chunk=index, elems=elems, source=["m", member[0], member[1]],
+                                       members=members, clock=push.clock, root=root), component[start:start + length]))
     return out
 
 
@@ -155,28 +155,29 @@ class ScheduledWorkerSide:
         self.stats.start_wait_s += started - decided
         handles, paced = [], []
         for j, (component, push, hop) in enumerate(zip(components, pushes, decision["hop"])):
-            fields = push.fields(batch=decision["batch"], id=request_id, rank=transport.rank, **host)
+            scheduled = protocol.ScheduledPush(**push.body(), batch=decision["batch"], id=request_id,
+                                               rank=transport.rank, **host)
             rate = decision["rates"][j] if j < len(decision["rates"]) else None
             if hop != transport.rank and rate is not None and transport.pace_connection(hop, w.channel, rate):
                 paced.append(hop)
             if hop in w.serving:  # a server (or the replica that took over one), else an aggregator
                 handles.append(transport.send(hop, protocol.request_tag(session), tensor_bytes(component),
-                                              meta=protocol.encode(**fields), channel=w.channel))
+                                              meta=scheduled.encode(), channel=w.channel))
             elif "tree" in decision:  # a node of a multi-level (or cut-through) tree: chunk by chunk
                 self.stats.aggregated += 1
                 assert self._aggregator is not None
                 handles += self._aggregator.contribute(model, j, hop, decode_tree(decision["tree"]),
-                                                       tree_chunks(model, decision, j, component, fields),
+                                                       tree_chunks(model, decision, j, component, scheduled),
                                                        float(decision.get("hold_in", w.config.timeout_s)))
             else:
                 self.stats.aggregated += 1
-                member = {**fields, "op": "member", "slot": decision["group"], "server": j}
+                member = protocol.Member(**scheduled.body(), slot=decision["group"], server=j)
                 if hop == transport.rank:
                     assert self._aggregator is not None
-                    self._aggregator.add_member(member, component)
+                    self._aggregator.add_member(member.fields(), component)
                 else:
                     handles.append(transport.send(hop, protocol.tag(protocol.AGGREGATE, session),
-                                                  tensor_bytes(component), meta=protocol.encode(**member),
+                                                  tensor_bytes(component), meta=member.encode(),
                                                   channel=w.channel))
         wait_sent(transport, handles, w.config.timeout_s)
         for hop in paced:
@@ -191,8 +192,8 @@ class ScheduledWorkerSide:
         w = self._worker
         tag = protocol.tag(protocol.DECISION, w.config.session, int(decision["host_id"]))
         handles = [w.transport.send(int(decision["host"]), tag, tensor_bytes(c), channel=w.channel,
-                                    meta=protocol.encode(op="hostpart", server=j, rank=w.transport.rank, id=request_id,
-                                                         version=first.version, clock=first.clock))
+                                    meta=protocol.HostPart(server=j, rank=w.transport.rank, id=request_id,
+                                                           version=first.version, clock=first.clock).encode())
                    for j, c in enumerate(components)]
         self.stats.host_parts += 1
         wait_sent(w.transport, handles, w.config.timeout_s)
