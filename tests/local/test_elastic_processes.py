@@ -17,15 +17,47 @@ from pathlib import Path
 
 import pytest
 
-from mlfabric.train.elastic import ElasticRunConfig, parse_failures, run_elastic_training
+from mlfabric.train.elastic import ElasticRunConfig, ElasticRunResult, parse_failures, run_elastic_training
 
 pytestmark = pytest.mark.local
 
 
-def test_a_killed_worker_is_survived_and_rejoins(tmp_path: Path) -> None:
-    config = ElasticRunConfig(workers=3, failures=parse_failures("worker:1@1", 3), rejoin_s=0.5, dim=64,
-                              train_samples=3072, batch_size=64, epochs=12, compute_time_s=0.1, timeout_s=240)
-    result = run_elastic_training(config, log_dir=tmp_path)
+#: The two elastic runs with a kill and a rejoin (the tests below check one each).
+_RUNS = {
+    "hyperplane": ElasticRunConfig(workers=3, failures=parse_failures("worker:1@1", 3), rejoin_s=0.5, dim=64,
+                                   train_samples=3072, batch_size=64, epochs=12, compute_time_s=0.1, timeout_s=240),
+    "mlp": ElasticRunConfig(workers=3, workload="mlp", failures=parse_failures("worker:1@1", 3), rejoin_s=0.3,
+                            train_samples=2048, epochs=14, compute_time_s=0.05, timeout_s=240),
+}
+
+
+@pytest.fixture(scope="module")
+def elastic_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ElasticRunResult | Exception]:
+    """Both runs of :data:`_RUNS` side by side (threads of this process, each the parent of its
+    own store and workers): each is mostly emulated compute (sleep), so together they cost
+    the wall time of the longer one. A run that raised gives its exception, which its test
+    re-raises (the other test still checks its own run)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(_RUNS)) as pool:
+        futures = {name: pool.submit(run_elastic_training, config, log_dir=tmp_path_factory.mktemp(name))
+                   for name, config in _RUNS.items()}
+        outcomes: dict[str, ElasticRunResult | Exception] = {}
+        for name, future in futures.items():
+            exc = future.exception()
+            outcomes[name] = future.result() if exc is None else exc
+    return outcomes
+
+
+def _run(runs: dict[str, ElasticRunResult | Exception], name: str) -> ElasticRunResult:
+    outcome = runs[name]
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
+
+
+def test_a_killed_worker_is_survived_and_rejoins(elastic_runs: dict[str, ElasticRunResult | Exception]) -> None:
+    result = _run(elastic_runs, "hyperplane")
     assert result.parameters_equal, result
     assert result.final_members == [0, 1, 2]
     assert len(result.recovery_s) == 1 and 0 < result.recovery_s[0] < 10
@@ -36,13 +68,12 @@ def test_a_killed_worker_is_survived_and_rejoins(tmp_path: Path) -> None:
     assert result.transferred_bytes and min(result.transferred_bytes) > 64 * 4
 
 
-def test_the_mlp_workload_survives_a_kill_and_the_restart_rejoins(tmp_path: Path) -> None:
+def test_the_mlp_workload_survives_a_kill_and_the_restart_rejoins(
+        elastic_runs: dict[str, ElasticRunResult | Exception]) -> None:
     """Not only the hyperplane: the MLP teacher task (its defaults: batch 64, lr 0.1, momentum
     0.9) through a kill and a rejoin ends with equal parameters on all three and a model that
     learned (fault-free: 0.70-0.73 in this setting; docs/results.md compares the two)."""
-    config = ElasticRunConfig(workers=3, workload="mlp", failures=parse_failures("worker:1@1", 3), rejoin_s=0.3,
-                              train_samples=2048, epochs=14, compute_time_s=0.05, timeout_s=240)
-    result = run_elastic_training(config, log_dir=tmp_path)
+    result = _run(elastic_runs, "mlp")
     assert result.parameters_equal, result
     assert result.final_members == [0, 1, 2] and len(result.rejoin_s) == 1
     assert result.metric == "accuracy" and result.config.batch_size == 64 and result.config.momentum == 0.9
