@@ -736,7 +736,13 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
     torch.manual_seed(config.seed)  # the same initial model on every rank and in every run
     model = task.model()
     numel = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr_, momentum=config.momentum_)
+
+    def make_optimizer() -> torch.optim.Optimizer:
+        # Workers only, after the servers' branch: a server or replica has no use for one, and
+        # the first optimizer a process builds imports torch._dynamo (~1.3 s of CPU idle, several
+        # seconds on a loaded 2-core machine), which every server and replica paid for nothing.
+        return torch.optim.SGD(model.parameters(), lr=config.lr_, momentum=config.momentum_)
+
     ps_server: dict[str, Any] | None = None
     final_flat = None  # PS modes: this rank's part of the servers' final model
     if is_ps_mode(mode):
@@ -776,7 +782,7 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
             return _finish_run(config, comm, task, model, val, rank, numel, snapshots=None, walls=None,
                                train_losses=None, loop_s=0.0, injected=0.0, stats=None, ps_server=ps_server,
                                final_flat=final_flat, apart=fault_dir is not None)
-        trainer: Any = PSOptimizer(optimizer, model, session.worker,
+        trainer: Any = PSOptimizer(make_optimizer(), model, session.worker,
                                    keep_dropped=getattr(task, "keep_dropped_updates", False))
         final_flat = torch.zeros(numel)
     elif mode in (SYNCHRONOUS, TREE_SYNC):
@@ -787,10 +793,10 @@ def _train_one(config: EagerTrainConfig, comm: Any, task: Any, x: Any, y: Any, v
             if config.emulation is None:
                 comm.hosts = tuple(r // config.workers_per_host for r in range(comm.world_size))
             algorithm = "host_hierarchical"
-        trainer = _AllreduceSGD(optimizer, model, comm, algorithm)
+        trainer = _AllreduceSGD(make_optimizer(), model, comm, algorithm)
     else:
         # A seed per run gives each run its own persistent collective (nothing carries over).
-        trainer = EagerSGD(optimizer, model, comm, quorum=mode.removeprefix("eager-"),
+        trainer = EagerSGD(make_optimizer(), model, comm, quorum=mode.removeprefix("eager-"),
                            sync_every_epochs=config.sync_every_epochs_, algorithm=config.algorithm,
                            seed=config.seed * 1_000 + index)
     worker = rank - (config.ps_ranks if ps_job is not None else 0)

@@ -261,8 +261,9 @@ def _rank(args: dict[str, Any]) -> None:
     x, y = task.shard(worker, train.workers) if worker >= 0 else (None, None)
     torch.manual_seed(train.seed)  # the same initial model on every rank
     model = task.model()
-    # Built before the join: torch's first optimizer imports more of torch (~0.9 s here).
-    optimizer = torch.optim.SGD(model.parameters(), lr=train.lr_, momentum=train.momentum_)
+    # Built before the join: torch's first optimizer imports more of torch (~0.9 s here). Workers
+    # only: a server has no use for one (it cost each server that import for nothing).
+    optimizer = torch.optim.SGD(model.parameters(), lr=train.lr_, momentum=train.momentum_) if worker >= 0 else None
     ready = time.time()  # imports, data and model done: what follows is the join
     routing = mlnet_options(config.mode) if config.mode.startswith(MLNET) else \
         {"consistency": ps_consistency(config.mode, train.delay_bound)}
@@ -282,6 +283,7 @@ def _rank(args: dict[str, Any]) -> None:
                                    "lost": times.lost}))
         return
     try:
+        assert optimizer is not None  # a worker's (built above)
         trainer = PSOptimizer(optimizer, model, job.worker)
         first_step = int(job.worker.stats.rejoined_at_clock or 0) if incarnation else 0
         if not incarnation:

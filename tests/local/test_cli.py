@@ -112,6 +112,9 @@ def test_training_with_mlfabric_hook_reduces_loss() -> None:
     assert result.accuracy > 0.3  # 10 classes: chance is about 0.1
     assert steps_seen[-1] == 60
     assert all(r.buckets_reduced >= 60 for r in result.per_rank)  # the hook carried the gradients
+    # Only rank 0 evaluates the test set (the DDP replicas are identical): the job's figures are its.
+    assert result.per_rank[0].accuracy == result.accuracy and result.per_rank[0].test_loss == result.test_loss
+    assert result.per_rank[1].accuracy is None and result.per_rank[1].test_loss is None
 
 
 def _wrong_on_rank_1() -> None:
