@@ -432,9 +432,9 @@ class _SyncIterations:
     send completes once its bytes are handed to the connection; TCP drains them while the
     rank goes on), so a slow NIC keeps carrying one iteration's last steps while the other
     hosts already compute the next. Measured on the emulator (2-core VM, 8 hosts, 4.45 MB,
-    one host's egress at 250 Mbit/s): 259 ms an iteration with 70 ms of compute beside
-    it, where compute + the collective's bottleneck is 319 ms (docs/simulator.md, "Pipelined
-    synchronous iterations").
+    one host's egress at 250 Mbit/s, ``tools/ring_slow_egress.py``): 259-263 ms an iteration
+    with 70 ms of compute beside it, where compute + the collective's bottleneck is 319 ms
+    (docs/simulator.md, "Pipelined synchronous iterations").
 
     Each host executes its schedule as the runtime's interpreter does: an op runs when its
     dependencies are done; a Send is done at once and queues its bytes on its connection
