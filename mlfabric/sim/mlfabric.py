@@ -62,11 +62,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from mlfabric.collectives import build as build_schedule
 from mlfabric.emu.churn import churn_model, churn_schedule
 from mlfabric.ps.monitor import NetworkMonitor
 from mlfabric.ps.policies.scheduled.core import BatchingCore, BatchPlan, GroupOrder, OrderBook, PullBatcher, Request
 from mlfabric.ps.policies.scheduled.settings import (ScheduledSettings, aggregator_ranks, check_tree_settings,
                                                       host_of_rank)
+from mlfabric.schedule.ir import DepMode, Recv, Send
 
 __all__ = ["ChurnReplay", "MLfabricSimConfig", "PAPER_TABLE2", "SIM_MODES", "across_launches", "churn_replay",
            "compare_with_emulation", "cycle_floor_s", "measured_inputs", "simulate_mlfabric", "simulate_mode",
@@ -444,14 +446,10 @@ class _SyncIterations:
     Buffers are unbounded: the strongest pipelined baseline."""
 
     def __init__(self, config: MLfabricSimConfig, env: _Environment, kind: str) -> None:
-        from mlfabric.collectives import build
-        from mlfabric.schedule.ir import DepMode, Recv, Send
-
         self.config, self.env = config, env
         self.hosts = config.workers // config.workers_per_host
         count = max(1, int(config.update_bytes // 4))  # float32 elements, as the runtime's flat gradient
-        self.schedules = [build(f"allreduce:{kind}", self.hosts, r, count) for r in range(self.hosts)]
-        self._send, self._recv = Send, Recv
+        self.schedules = [build_schedule(f"allreduce:{kind}", self.hosts, r, count) for r in range(self.hosts)]
         # per host: each op's dependents, and how many of its deps must be done before it runs
         self.dependents = []
         self.needs = []
@@ -503,11 +501,11 @@ class _SyncIterations:
     def ready(self, host: int, index: int, t: float) -> None:
         op = self.schedules[host].ops[index]
         k = self.iteration[host]
-        if isinstance(op, self._send):
+        if isinstance(op, Send):
             key = (host, op.peer, op.channel)
             self.queues.setdefault(key, []).append((k, op.tag, 4.0 * op.src.length))
             self._pump(key, t)
-        elif isinstance(op, self._recv):
+        elif isinstance(op, Recv):
             message = (op.peer, host, op.tag, op.channel, k)
             if message not in self.arrived:
                 self.waiting[message] = (host, index)
