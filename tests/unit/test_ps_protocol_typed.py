@@ -18,6 +18,7 @@ import torch
 
 from mlfabric.ps import PSConfig, PSLayout, local_jobs, protocol
 from mlfabric.ps.policies.scheduled import ScheduledSettings
+from tests.unit.ps_pulls_by_hand import waiting_pulls
 
 PS = Path(protocol.__file__).parent
 
@@ -159,15 +160,12 @@ def test_the_scheduled_server_encodes_its_model_header_once_per_meta_and_never_d
     """§10.3 distributors and #36 multicast chunks, answered by hand: the server's thread
     decodes nothing (it used to decode the header it had just encoded, to re-encode it with
     each distributor's ``forward``); every worker still gets the values and the version."""
-    from mlfabric.ps.shard import PendingPull
-
     layout = PSLayout(servers=1, workers=4)
     settings = (ScheduledSettings(distributors=1, rate_bps=8e6, trees=True, chunk_bytes=1024) if trees
                 else ScheduledSettings(distributors=1, rate_bps=8e6))
     jobs = local_jobs(layout, PSConfig(consistency="async:4", timeout_s=10, routing="scheduled", scheduled=settings))
     server = jobs[0].server
     values = torch.arange(1000.0)
-    got: dict[int, Any] = {}
     decoded_on: list[int] = []
     decode = protocol.decode
 
@@ -185,20 +183,11 @@ def test_the_scheduled_server_encodes_its_model_header_once_per_meta_and_never_d
 
     monkeypatch.setattr(server.transport, "send", recording_send)
 
-    def receive(job: Any, request_id: int) -> None:
-        header, msg = job.worker._await_model(0, request_id, "m", None, "test pull")
-        got[job.rank] = (header["version"], torch.frombuffer(bytearray(msg.payload), dtype=torch.float32))
-
     try:
-        pulls = [PendingPull(rank=j.rank, worker=layout.worker_index(j.rank), request_id=100 + j.rank, clock=0,
-                             staleness=float("inf"), arrived=0.0) for j in jobs[1:]]
-        threads = [threading.Thread(target=receive, args=(j, 100 + j.rank), daemon=True) for j in jobs[1:]]
-        for t in threads:
-            t.start()
+        pulls, collect = waiting_pulls(layout, jobs)
         server.routing.answer_pulls(server, pulls, values, protocol.ModelReply(version=7, model_clock=None))
         assert threading.get_ident() not in decoded_on  # the server decoded none of its own headers
-        for t in threads:
-            t.join(10)
+        got = collect()
         assert sorted(got) == [1, 2, 3, 4]
         for version, payload in got.values():
             assert version == 7 and torch.equal(payload, values)

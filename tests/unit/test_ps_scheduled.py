@@ -18,6 +18,7 @@ from mlfabric.ps import PSConfig, PSLayout, local_jobs
 from mlfabric.ps.monitor import Ledger, NetworkMonitor
 from mlfabric.ps.scheduler import NetState, down_link, up_link
 from mlfabric.ps.policies.scheduled import ScheduledSettings, aggregator_ranks
+from tests.unit.ps_pulls_by_hand import waiting_pulls
 from tests.unit.ps_relay_loss import lost_and_survivors, two_rounds_losing_a_relay
 
 
@@ -337,7 +338,6 @@ def test_a_batch_of_pulls_goes_through_distributors() -> None:
     reach every worker with the server's values, part of them relayed by a distributor, and
     the next batch waits for the planned end of this one's sends."""
     from mlfabric.ps import protocol
-    from mlfabric.ps.shard import PendingPull
 
     layout = PSLayout(servers=1, workers=4)
     config = PSConfig(consistency="async:4", timeout_s=10, routing="scheduled",
@@ -345,25 +345,14 @@ def test_a_batch_of_pulls_goes_through_distributors() -> None:
     jobs = local_jobs(layout, config)
     server = jobs[0].server
     values = torch.arange(1000.0)
-    got: dict[int, Any] = {}
-
-    def receive(job: Any, request_id: int) -> None:
-        header, msg = job.worker._await_model(0, request_id, "m", None, "test pull")
-        got[job.rank] = (header["version"], torch.frombuffer(bytearray(msg.payload), dtype=torch.float32))
-
     try:
-        pulls = [PendingPull(rank=j.rank, worker=layout.worker_index(j.rank), request_id=100 + j.rank, clock=0,
-                             staleness=float("inf"), arrived=0.0) for j in jobs[1:]]
-        threads = [threading.Thread(target=receive, args=(j, 100 + j.rank), daemon=True) for j in jobs[1:]]
-        for t in threads:
-            t.start()
+        pulls, collect = waiting_pulls(layout, jobs)
         assert server.routing.ready_to_answer(server)
         before = time.monotonic()
         server.routing.answer_pulls(server, pulls, values, protocol.ModelReply(version=7, model_clock=None))
         # the server's own sends of 4 KB each at the planned 1 MB/s: the next batch waits >= 8 ms
         assert server.routing.answer_at() >= before + 0.008 and not server.routing.ready_to_answer(server)
-        for t in threads:
-            t.join(10)
+        got = collect()
         assert sorted(got) == [1, 2, 3, 4]
         for version, payload in got.values():
             assert version == 7 and torch.equal(payload, values)
